@@ -1,0 +1,270 @@
+"""Capture: an unmodified model + example batch → one functional, annotated FX graph.
+
+``capture(model, (input_ids, labels))`` exports ``loss_sum = CE(model(input_ids), labels)``
+with ``torch.export`` (non-strict) and symbolic batch and sequence dims. The result is a
+``Captured``: a ``GraphModule`` whose placeholders are the parameters (by global FQN), buffers,
+``input_ids`` and ``labels``, and whose single output is the **summed** next-token cross
+entropy over non-ignored (-100) labels. The runtime divides by the global token count.
+
+Every node carries, besides torch.export's ``meta["val"]`` (a FakeTensor with SymInt shapes):
+
+- ``meta["autopart.module"]``: the module path inside the user's model ("" for the root);
+- ``meta["autopart.layer"]``: the transformer block index, or ``None`` outside blocks;
+- ``meta["autopart.input"]`` (placeholders only): an ``InputRef`` naming what feeds it.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.export import Dim
+from torch.export.graph_signature import InputKind
+
+from autopart.errors import AutopartError
+
+META_MODULE, META_LAYER, META_INPUT = "autopart.module", "autopart.layer", "autopart.input"
+B, S = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True, integer=True)
+_PREFIX = "model."  # the wrapper's attribute name, stripped from every FQN
+
+
+@dataclass(frozen=True)
+class InputRef:
+    """What feeds a placeholder: a parameter/buffer/constant by FQN, or a batch tensor."""
+
+    kind: Literal["param", "buffer", "constant", "data"]
+    name: str
+
+
+@dataclass
+class Captured:
+    """The captured model: one functional graph plus the tensors that feed it."""
+
+    graph: fx.GraphModule
+    params: dict[str, torch.Tensor]  # canonical FQN → tensor (real or meta)
+    buffers: dict[str, torch.Tensor]  # buffers and lifted constants, by name
+    tied: dict[str, str]  # alias FQN → canonical FQN (e.g. lm_head.weight → transformer.wte.weight)
+    example_shape: tuple[int, int]  # (batch, seq) of the example inputs
+    dtype: torch.dtype
+    vocab_size: int
+    symbols: dict[str, sympy.Symbol] = field(default_factory=lambda: {"b": B, "s": S})
+
+    @property
+    def n_layers(self) -> int:
+        layers = {n.meta.get(META_LAYER) for n in self.graph.graph.nodes}
+        return len(layers - {None})
+
+    def placeholders(self, kind: str | None = None) -> list[fx.Node]:
+        nodes = [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+        return [n for n in nodes if kind is None or n.meta[META_INPUT].kind == kind]
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits of a model output: a tensor, a tuple starting with it, or ``.logits``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise AutopartError(
+        f"the model returned {type(out).__name__}, which holds no logits",
+        hint="return the logits, a tuple whose first element is the logits, "
+        "or an object with a `logits` field",
+    )
+
+
+class _LossSum(nn.Module):
+    """``model`` plus the default loss: summed next-token CE over labels != -100."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(self.model(input_ids))  # (b, s, V)
+        self.vocab_size = int(logits.shape[-1])
+        flat = logits.reshape(-1, logits.shape[-1])  # (b·s, V)
+        return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(input_ids, labels)``: two int64 tensors of the same (batch, seq) shape."""
+    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) != 2:
+        raise AutopartError(
+            "example_inputs must be (input_ids, labels)",
+            hint="labels are next-token targets aligned with input_ids; use -100 to ignore one",
+        )
+    input_ids, labels = example_inputs
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2:
+            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise AutopartError(
+                f"{name} must be an int64 tensor of shape (batch, seq), got {what}",
+                hint="token ids as torch.long, e.g. torch.randint(0, vocab, (8, 128))",
+            )
+    if input_ids.shape != labels.shape:
+        raise AutopartError(
+            f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape",
+            hint="labels[i, t] is the target for input_ids[i, t] (already shifted)",
+        )
+    if input_ids.shape[0] < 2 or input_ids.shape[1] < 2:
+        raise AutopartError(
+            f"example batch {tuple(input_ids.shape)} is too small to keep batch and sequence symbolic",
+            hint="capture with batch ≥ 2 and sequence ≥ 2 (torch.export specializes sizes 0 and 1)",
+        )
+    return input_ids, labels
+
+
+def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor]) -> Captured:
+    """Export ``model`` (real or meta device) into an annotated functional graph."""
+    input_ids, labels = check_batch(example_inputs)
+    wrapper = _LossSum(model)
+    dyn = {0: Dim.AUTO, 1: Dim.AUTO}
+    try:
+        ep = torch.export.export(
+            wrapper, (input_ids, labels), dynamic_shapes=(dyn, dyn), strict=False
+        )
+    except AutopartError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
+        raise _explain(exc) from exc
+    return _annotate(ep, model, input_ids, wrapper.vocab_size)
+
+
+def _annotate(ep: torch.export.ExportedProgram, model: nn.Module, input_ids: torch.Tensor, vocab: int) -> Captured:
+    gm = ep.graph_module
+    names = dict(model.named_parameters())  # canonical (first) name of each tensor
+    by_id = {id(t): fqn for fqn, t in names.items()}
+    all_params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {f: by_id[id(t)] for f, t in all_params.items() if by_id[id(t)] != f}
+    buffers: dict[str, torch.Tensor] = {}
+    canonical: dict[str, fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for spec, node in zip(ep.graph_signature.input_specs, placeholders, strict=True):
+        target = (spec.target or "").removeprefix(_PREFIX)
+        if spec.kind == InputKind.PARAMETER:
+            fqn = tied.get(target, target)
+            node.meta[META_INPUT] = InputRef("param", fqn)
+            if fqn in canonical:  # an alias of a tied parameter: one logical placeholder
+                node.replace_all_uses_with(canonical[fqn])
+            else:
+                canonical[fqn] = node
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kind = "buffer" if spec.kind == InputKind.BUFFER else "constant"
+            node.meta[META_INPUT] = InputRef(kind, target)
+            src = ep.state_dict if kind == "buffer" and spec.persistent else ep.constants
+            buffers[target] = src.get(spec.target, ep.state_dict.get(spec.target))
+        else:
+            node.meta[META_INPUT] = InputRef("data", node.name)
+    for node in placeholders:  # drop the aliases' now unused placeholders
+        ref = node.meta[META_INPUT]
+        if ref.kind == "param" and canonical[ref.name] is not node:
+            gm.graph.erase_node(node)
+    for node in gm.graph.nodes:
+        path = _module_path(node)
+        node.meta[META_MODULE] = path
+        node.meta[META_LAYER] = layer_of(path)
+    for fqn, node in canonical.items():
+        node.meta[META_MODULE] = fqn.rpartition(".")[0]
+        node.meta[META_LAYER] = layer_of(fqn)
+    gm.graph.lint()
+    gm.recompile()
+    _name_symbols(gm)
+    gm.meta["autopart.range_constraints"] = dict(ep.range_constraints)
+    params = {fqn: names[fqn] for fqn in canonical}
+    return Captured(
+        graph=gm,
+        params=params,
+        buffers=buffers,
+        tied=tied,
+        example_shape=(int(input_ids.shape[0]), int(input_ids.shape[1])),
+        dtype=next(iter(params.values())).dtype if params else torch.float32,
+        vocab_size=vocab,
+    )
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [p for p, _ in stack.values() if p.startswith("model")]
+    return paths[-1].removeprefix("model").removeprefix(".") if paths else ""
+
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_of(path: str) -> int | None:
+    """Block index of a module path: the first integer component (``transformer.h.3.attn`` → 3)."""
+    m = _LAYER.search(path)
+    return int(m.group(1)) if m else None
+
+
+def _name_symbols(gm: fx.GraphModule) -> None:
+    """Record in ``gm.meta`` which shape-env symbols are the batch (b) and sequence (s) dims."""
+    subs: dict[sympy.Symbol, sympy.Symbol] = {}
+    for node in gm.graph.nodes:
+        ref = node.meta.get(META_INPUT)
+        if ref is not None and ref.kind == "data":
+            for dim, sym in zip(node.meta["val"].shape, (B, S)):
+                if isinstance(dim, torch.SymInt):
+                    subs[dim.node.expr] = sym
+    gm.meta["autopart.symbols"] = subs
+
+
+def to_sympy(x: Any, gm: fx.GraphModule) -> sympy.Expr:
+    """An int or SymInt of ``gm`` as a sympy expression in b and s."""
+    if isinstance(x, torch.SymInt):
+        return sympy.sympify(x.node.expr).xreplace(gm.meta.get("autopart.symbols", {}))
+    return sympy.Integer(int(x))
+
+
+_SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+def _explain(exc: BaseException) -> AutopartError:
+    """Turn an export failure into an AutopartError quoting the model line where it stopped."""
+    frames: list[traceback.FrameSummary] = []
+    seen: BaseException | None = exc
+    while seen is not None:
+        frames = traceback.extract_tb(seen.__traceback__) + frames
+        seen = seen.__cause__ or seen.__context__
+    stdlib = os.path.dirname(os.__file__)
+    user = [
+        f
+        for f in frames
+        if not f.filename.startswith(_SKIP)
+        and not (f.filename.startswith(stdlib) and "site-packages" not in f.filename)
+        and f.filename != sys.argv[0]
+    ]
+    m = re.search(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', str(exc))
+    if m:
+        where = f'{m.group(1)}:{m.group(2)} in {m.group(3)}\n    {m.group(4).strip()}'
+    elif user:
+        f = user[-1]
+        line = (f.line or linecache.getline(f.filename, f.lineno or 0)).strip()
+        where = f"{f.filename}:{f.lineno} in {f.name}\n    {line}"
+    else:
+        where = "(no model source line found in the traceback)"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    data_dependent = "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__
+    hint = (
+        "the model branches on tensor values (data-dependent control flow); make the branch "
+        "depend on shapes or config only, or use torch.cond / torch.where"
+        if data_dependent
+        else "make this line traceable by torch.export (non-strict): avoid Python work on "
+        "tensor values, .item(), and numpy; for Hugging Face models pass use_cache=False"
+    )
+    return AutopartError(
+        f"torch.export could not trace the model: {type(exc).__name__}: {first}\n"
+        f"  tracing stopped at {where}",
+        hint=hint,
+    )

@@ -1,0 +1,49 @@
+"""The pass runner: applies the ordered passes to a graph, checking and recording each.
+
+After every pass the graph is linted and recompiled; the runner checks that the pass returned
+a ``GraphModule``, times it, and keeps the generated code so that ``Program.history`` (and
+``autopart inspect --after PASS``) shows the program after each step. The graph's
+``meta["autopart.passes"]`` lists the passes that made it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import fx
+
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+
+log = logging.getLogger("autopart")
+Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass applied: its name, seconds taken and the graph's code afterwards."""
+
+    name: str
+    seconds: float
+    code: str
+
+
+def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> tuple[fx.GraphModule, list[PassRecord]]:
+    history = [PassRecord("capture", 0.0, gm.code)]
+    for i, p in enumerate(passes, 1):
+        name = getattr(p, "__name__", repr(p))
+        start = time.perf_counter()
+        out = p(gm, plan)
+        if not isinstance(out, fx.GraphModule):
+            raise AutopartError(f"pass {i} ({name}) returned {type(out).__name__}, not a GraphModule")
+        out.graph.lint()
+        out.recompile()
+        out.meta["autopart.passes"] = [*gm.meta.get("autopart.passes", []), name]
+        seconds = time.perf_counter() - start
+        log.info("pass %d/%d %s: %.3f s", i, len(passes), name, seconds)
+        history.append(PassRecord(name, seconds, out.code))
+        gm = out
+    return gm, history

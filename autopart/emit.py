@@ -1,0 +1,284 @@
+"""Emit: the compiled ``Program`` — one ``RankProgram`` per rank — and its files.
+
+A ``RankProgram`` is everything one rank runs: its stage graphs (each with the list of what
+feeds its placeholders), its schedule actions, the map from its local tensors to the model's
+global parameters (``Shard``), its gradient buckets and its process groups.
+
+``Program.save(dir)`` writes, without pickling any code::
+
+    dir/plan.json                 plan, world size, global parameter shapes, tied names
+    dir/rank00003/program.json    coords, groups, actions, shards, buckets, stage inputs
+    dir/rank00003/stage0.pt2      the stage graph as a torch.export program (all inputs explicit)
+    dir/rank00003/stage0.py       the same graph as readable Python
+    dir/rank00003/weights.pt      this rank's parameter shards and buffers (tensors only)
+
+``Program.load(dir)`` / ``load_rank(dir, r)`` read them back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from rich.console import Console
+from rich.table import Table
+from torch import fx
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+
+from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef
+from autopart.compiler import PassRecord
+from autopart.errors import AutopartError
+from autopart.plan import Mesh, Plan
+from autopart.schedule.ir import Action, table
+
+FORMAT = 1
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How a rank's local tensor maps to a global parameter: whole, or one of ``parts`` slices
+    along ``dim`` (``strided`` interleaved blocks, as for a fused QKV weight)."""
+
+    shape: tuple[int, ...]  # the global shape
+    dim: int | None = None
+    index: int = 0
+    parts: int = 1
+    strided: int = 1
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        if self.dim is None:
+            return full
+        blocks = full.chunk(self.strided, self.dim)
+        return torch.cat([b.chunk(self.parts, self.dim)[self.index] for b in blocks], self.dim)
+
+
+@dataclass
+class StageProgram:
+    """One stage graph and what feeds each of its placeholders, in order."""
+
+    stage: int
+    graph: fx.GraphModule
+    inputs: list[InputRef]
+
+
+@dataclass
+class RankProgram:
+    """Everything one rank runs."""
+
+    rank: int
+    coords: dict[str, int]
+    groups: dict[str, list[int]]
+    stages: list[StageProgram]
+    actions: list[Action]
+    shards: dict[str, Shard]
+    buckets: list[list[str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        c = self.coords
+        lines = [
+            f"# rank {self.rank}  (pp={c['pp']}, dp={c['dp']}, tp={c['tp']})",
+            "# groups: " + ", ".join(f"{d}={g}" for d, g in self.groups.items()),
+        ]
+        for st in self.stages:
+            made_by = " → ".join(["capture", *st.graph.meta.get("autopart.passes", [])])
+            lines += [f"\n## stage {st.stage}  (made by: {made_by})", st.graph.code.strip()]
+        if self.buckets:
+            lines.append(f"\n## data-parallel gradient buckets (all-reduce over ranks {self.groups['dp']})")
+            for i, b in enumerate(self.buckets):
+                numel = sum(_numel(self.shards[f].shape) for f in b)
+                lines.append(f"  bucket {i}: {len(b)} tensors, {numel:,} elements: {', '.join(b)}")
+        lines += ["\n## actions", table({self.rank: self.actions})]
+        return "\n".join(lines)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass
+class Program:
+    """The compiled program of every rank, plus the global view they share."""
+
+    plan: Plan
+    ranks: list[RankProgram]
+    params: dict[str, torch.Tensor]  # global FQN → initial value (may be on meta)
+    buffers: dict[str, torch.Tensor]
+    tied: dict[str, str]
+    example_shape: tuple[int, int]
+    vocab_size: int
+    history: list[PassRecord] = field(default_factory=list)
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.plan.mesh
+
+    def rank(self, r: int) -> RankProgram:
+        if not 0 <= r < len(self.ranks):
+            raise AutopartError(f"rank {r} does not exist: this program has {len(self.ranks)} ranks")
+        return self.ranks[r]
+
+    def __str__(self) -> str:
+        return f"Program({self.mesh}, schedule={self.plan.schedule}, microbatches={self.plan.microbatches}, {len(self.params)} parameters)"
+
+    def summary(self, console: Console | None = None) -> None:
+        """Print the per-rank layout as a table."""
+        t = Table(title=str(self))
+        for col in ("rank", "pp", "dp", "tp", "stages", "actions", "local params"):
+            t.add_column(col, justify="right")
+        for rp in self.ranks:
+            n = sum(_numel(tuple(s.local(torch.empty(s.shape, device="meta")).shape)) for s in rp.shards.values())
+            t.add_row(str(rp.rank), *(str(rp.coords[d]) for d in ("pp", "dp", "tp")),
+                      str([s.stage for s in rp.stages]), str(len(rp.actions)), f"{n:,}")  # fmt: skip
+        (console or Console()).print(t)
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``plan.json`` and one folder per rank (see the module docstring)."""
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        head = {
+            "format": FORMAT,
+            "plan": self.plan.to_json(),
+            "world_size": len(self.ranks),
+            "example_shape": list(self.example_shape),
+            "vocab_size": self.vocab_size,
+            "tied": self.tied,
+            "params": {f: {"shape": list(t.shape), "dtype": str(t.dtype)} for f, t in self.params.items()},
+            "buffers": sorted(self.buffers),
+            "passes": [h.name for h in self.history],
+        }
+        (root / "plan.json").write_text(json.dumps(head, indent=1))
+        for rp in self.ranks:
+            _save_rank(rp, root / f"rank{rp.rank:05d}", self.params, self.buffers)
+        return root
+
+    @classmethod
+    def load(cls, path: str | Path) -> Program:
+        root = Path(path)
+        head = read_head(root)
+        ranks = [load_rank(root, r) for r in range(head["world_size"])]
+        params: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        for r, rp in enumerate(ranks):
+            weights = load_weights(root, r)
+            for fqn, shard in rp.shards.items():
+                if shard.dim is None and fqn in weights:
+                    params.setdefault(fqn, weights[fqn])
+            buffers.update({k: v for k, v in weights.items() if k in head["buffers"]})
+        for fqn, meta in head["params"].items():
+            params.setdefault(fqn, torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]], device="meta"))
+        return cls(
+            plan=Plan.from_json(head["plan"]),
+            ranks=ranks,
+            params=params,
+            buffers=buffers,
+            tied=head["tied"],
+            example_shape=tuple(head["example_shape"]),
+            vocab_size=head["vocab_size"],
+        )
+
+
+def read_head(root: Path) -> dict[str, Any]:
+    f = Path(root) / "plan.json"
+    if not f.exists():
+        raise AutopartError(f"{root} holds no plan.json", hint="point at a folder written by Program.save()")
+    head = json.loads(f.read_text())
+    if head.get("format") != FORMAT:
+        raise AutopartError(f"{f} has format {head.get('format')}, this autopart reads {FORMAT}",
+                            hint="re-run parallelize(...).save() with this version")  # fmt: skip
+    return head
+
+
+def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
+    """Wrap a functional stage graph (every input a placeholder) as an ExportedProgram."""
+    ph = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    outs = next(n for n in graph.graph.nodes if n.op == "output").args[0]
+    sig = ExportGraphSignature(
+        input_specs=[InputSpec(InputKind.USER_INPUT, TensorArgument(name=n.name), target=None) for n in ph],
+        output_specs=[OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=o.name), target=None) for o in outs],
+    )
+    in_spec = pytree.tree_flatten((tuple(range(len(ph))), {}))[1]
+    out_spec = pytree.tree_flatten(tuple(range(len(outs))))[1]
+    call = ModuleCallEntry("", ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec))
+    for n in graph.graph.nodes:
+        custom = n.meta.setdefault("custom", {})
+        custom[META_MODULE], custom[META_LAYER] = n.meta.get(META_MODULE, ""), n.meta.get(META_LAYER)
+    return ExportedProgram(
+        root=graph, graph=graph.graph, graph_signature=sig, state_dict={},
+        range_constraints=graph.meta.get("autopart.range_constraints", {}),
+        module_call_graph=[call], constants={}, verifiers=None,
+    )  # fmt: skip
+
+
+def _save_rank(rp: RankProgram, folder: Path, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    stages = []
+    for st in rp.stages:
+        torch.export.save(_to_exported(st.graph), folder / f"stage{st.stage}.pt2")
+        (folder / f"stage{st.stage}.py").write_text(st.graph.code)
+        stages.append({
+            "stage": st.stage, "file": f"stage{st.stage}.pt2",
+            "passes": st.graph.meta.get("autopart.passes", []),
+            "inputs": [[i.kind, i.name] for i in st.inputs],
+        })  # fmt: skip
+    doc = {
+        "rank": rp.rank, "coords": rp.coords, "groups": rp.groups, "stages": stages,
+        "actions": [a.to_json() for a in rp.actions],
+        "shards": {f: asdict(s) for f, s in rp.shards.items()},
+        "buckets": rp.buckets,
+    }  # fmt: skip
+    (folder / "program.json").write_text(json.dumps(doc, indent=1))
+    real = {f: t for f, t in params.items() if t.device.type != "meta" and f in rp.shards}
+    if real:
+        local = {f: rp.shards[f].local(t.detach()).contiguous().clone() for f, t in real.items()}
+        used = {i.name for st in rp.stages for i in st.inputs if i.kind in ("buffer", "constant")}
+        local.update({k: v.detach().clone() for k, v in buffers.items() if k in used and v is not None})
+        torch.save(local, folder / "weights.pt")
+
+
+def load_rank(root: str | Path, rank: int) -> RankProgram:
+    """Read one rank's program (graphs, actions, shards) from a saved folder."""
+    folder = Path(root) / f"rank{rank:05d}"
+    if not (folder / "program.json").exists():
+        raise AutopartError(f"{folder} is missing: the saved program has no rank {rank}",
+                            hint="launch as many ranks as plan.json's world_size")  # fmt: skip
+    doc = json.loads((folder / "program.json").read_text())
+    stages = []
+    for st in doc["stages"]:
+        graph = torch.export.load(folder / st["file"]).graph_module
+        graph.meta["autopart.passes"] = st["passes"]
+        inputs = [InputRef(k, n) for k, n in st["inputs"]]
+        for n in graph.graph.nodes:
+            custom = n.meta.get("custom") or {}
+            n.meta[META_MODULE], n.meta[META_LAYER] = custom.get(META_MODULE, ""), custom.get(META_LAYER)
+        for n, ref in zip((n for n in graph.graph.nodes if n.op == "placeholder"), inputs, strict=True):
+            n.meta[META_INPUT] = ref
+        stages.append(StageProgram(st["stage"], graph, inputs))
+    return RankProgram(
+        rank=doc["rank"], coords=doc["coords"], groups=doc["groups"], stages=stages,
+        actions=[Action.from_json(a) for a in doc["actions"]],
+        shards={f: Shard(**{**s, "shape": tuple(s["shape"])}) for f, s in doc["shards"].items()},
+        buckets=doc["buckets"],
+    )  # fmt: skip
+
+
+def load_weights(root: str | Path, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's saved parameter shards and buffers (empty if the model was on meta)."""
+    f = Path(root) / f"rank{rank:05d}" / "weights.pt"
+    return torch.load(f, weights_only=True) if f.exists() else {}

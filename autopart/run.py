@@ -1,0 +1,142 @@
+"""``python -m autopart.run DIR`` (also ``autopart run DIR``): run saved ranks under torchrun.
+
+Each rank loads only its own folder of DIR (graphs, actions, weight shards), checks the world
+size against the plan, and trains for ``--steps`` steps with AdamW on synthetic tokens (seeded,
+the same global batch on every rank) or windows of a token file. Rank 0 prints the loss per step.
+
+    torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from autopart.emit import load_rank, load_weights, read_head
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="python -m autopart.run", description=__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("dir", type=Path, help="folder written by Program.save() (holds plan.json)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the example's)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the example's)")
+    p.add_argument("--tokens", type=Path, default=None,
+                   help="token file: a torch.save'd 1-D int tensor (.pt) or raw uint16 ids (.bin)")  # fmt: skip
+    p.add_argument("--batch", type=Path, default=None, help="a torch.save'd (input_ids, labels) used every step")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default 0)")
+    p.add_argument("--no-optim", action="store_true", help="compute gradients only, never step")
+    p.add_argument("--dump", type=Path, default=None, help="write each rank's first-step loss and gradients here")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take")
+    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line per step")
+    return p
+
+
+class Batches:
+    """The global batch of each step: fixed, windows of a token file, or seeded random ids."""
+
+    def __init__(self, args: argparse.Namespace, head: dict) -> None:
+        self.b = args.batch_size or head["example_shape"][0]
+        self.s = args.seq_len or head["example_shape"][1]
+        self.vocab, self.seed = head["vocab_size"], args.seed
+        self.fixed = torch.load(args.batch, weights_only=True) if args.batch else None
+        self.tokens = _read_tokens(args.tokens) if args.tokens else None
+        if self.tokens is not None and self.tokens.numel() <= self.s + 1:
+            raise AutopartError(f"{args.tokens} holds {self.tokens.numel()} tokens, fewer than a "
+                                f"sequence of {self.s + 1}", hint="use a longer file or --seq-len")  # fmt: skip
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fixed is not None:
+            return self.fixed
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        if self.tokens is not None:
+            starts = torch.randint(0, self.tokens.numel() - self.s - 1, (self.b,), generator=g)
+            rows = torch.stack([self.tokens[i: i + self.s + 1] for i in starts.tolist()])
+        else:
+            rows = torch.randint(0, self.vocab, (self.b, self.s + 1), generator=g)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _read_tokens(path: Path) -> torch.Tensor:
+    if path.suffix == ".bin":
+        return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint16).long()
+    t = torch.load(path, weights_only=True)
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        raise AutopartError(f"{path} must hold a 1-D tensor of token ids")
+    return t.long()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except AutopartError as exc:
+        print(f"autopart run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopart.runtime.runner import Runner, init_distributed, make_groups
+
+    head = read_head(args.dir)
+    plan = Plan.from_json(head["plan"])
+    rank, world = init_distributed(args.timeout)
+    try:
+        plan.mesh.check_world(world)
+        program = load_rank(args.dir, rank)
+        runner = Runner(program, plan, load_weights(args.dir, rank), make_groups(plan, rank),
+                        timeout_s=args.timeout)  # fmt: skip
+        batches = Batches(args, head)
+        optim = None if args.no_optim else torch.optim.AdamW(runner.parameters(), lr=args.lr)
+        _train(runner, optim, batches, args, rank)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    show = rank == 0 and not args.json
+    with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), disable=not show) as bar:  # fmt: skip
+        task = bar.add_task("train", total=args.steps, loss="")
+        for step in range(args.steps):
+            start = time.perf_counter()
+            loss = runner.step(*batches(step))
+            if step == 0 and args.dump is not None:
+                _dump(runner, loss, args.dump)
+            if optim is not None:
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - start
+            if rank == 0 and args.json:
+                print(json.dumps({"step": step, "loss": float(loss), "seconds": round(seconds, 4)}), flush=True)
+            elif show:
+                bar.console.print(f"step {step:>4}  loss {float(loss):.6f}  ({seconds * 1e3:.0f} ms)")
+            bar.update(task, advance=1, loss=f"loss {float(loss):.4f}")
+
+
+def _dump(runner, loss: torch.Tensor, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    grads = {f: (p.grad.detach().clone() if p.grad is not None else None) for f, p in runner.named_parameters()}
+    shards = {f: asdict(s) for f, s in runner.program.shards.items()}
+    torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards},
+               folder / f"rank{runner.rank:05d}.pt")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

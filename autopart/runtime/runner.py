@@ -1,0 +1,222 @@
+"""The runtime: one ``Runner`` per rank interprets its ``RankProgram``'s actions.
+
+``step(input_ids, labels)`` takes the **global** batch (the same tensors on every rank, as
+from a shared seed or data loader), keeps this rank's data-parallel slice, cuts it into the
+plan's micro-batches, runs the actions (forward, backward, gradient reduction) and returns the
+loss of the whole global batch: summed cross entropy divided by the global count of labels that
+are not -100. Gradients land on ``parameters()`` (local shards), summed over data-parallel ranks,
+so they equal the single-device gradients of that mean loss; any gradient already there before
+the step is kept and added to.
+
+Data-parallel reduction: buckets (from the data_parallel pass) are flattened and all-reduced
+asynchronously, launched in bucket order as soon as the last micro-batch's backward has produced
+every gradient of the bucket, and awaited at ``DP_REDUCE``. Every wait has a timeout whose error
+names the rank, the action and the group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopart.emit import Program, RankProgram
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+from autopart.schedule.ir import Action
+
+
+def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the torchrun job (gloo on CPU, NCCL with CUDA); returns (rank, world size)."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise AutopartError(
+                "no distributed job found (RANK is not set)",
+                hint="launch with torchrun --nproc-per-node N ..., or use autopart verify",
+            )
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_groups(plan: Plan, rank: int) -> dict[str, Any]:
+    """Create every process group of the mesh (all ranks must call this in the same order)."""
+    mine: dict[str, Any] = {}
+    for dim in ("dp", "pp", "tp"):
+        for ranks in plan.mesh.groups(dim):
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[dim] = group
+    return mine
+
+
+class Runner:
+    """Executes one rank's program; holds its parameter shards and gradient buckets."""
+
+    def __init__(self, program: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
+                 groups: dict[str, Any], *, timeout_s: float = 300.0) -> None:  # fmt: skip
+        self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
+        self.rank = program.rank
+        missing = [f for f in program.shards if f not in weights]
+        if missing:
+            raise AutopartError(
+                f"rank {self.rank}: no weights for {len(missing)} parameters (e.g. {missing[0]})",
+                hint="save the program from a model with real (not meta) weights",
+            )
+        self.params: dict[str, nn.Parameter] = {}
+        for fqn in program.shards:
+            t = weights[fqn]
+            self.params[fqn] = t if isinstance(t, nn.Parameter) else nn.Parameter(t)
+        self.buffers = {k: v for k, v in weights.items() if k not in program.shards}
+        self._buckets = [[self.params[f] for f in b] for b in program.buckets]
+
+    @classmethod
+    def from_program(cls, program: Program, mesh: Any = None, *, timeout_s: float = 300.0) -> Runner:
+        """The local rank's runner of a compiled program (joins the distributed job)."""
+        rank, world = init_distributed(timeout_s)
+        program.mesh.check_world(world)
+        groups = _groups_of(program.plan, rank, mesh)
+        rp = program.rank(rank)
+        weights = {f: rp.shards[f].local(t) for f, t in program.params.items()}
+        weights.update(program.buffers)
+        return cls(rp, program.plan, weights, groups, timeout_s=timeout_s)
+
+    # -- what users call -------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameter shards, for any torch optimizer."""
+        return iter(self.params.values())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(global FQN, local shard) pairs."""
+        return iter(self.params.items())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers, keyed by the model's global FQNs."""
+        return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One forward + backward over the global batch; returns the global mean loss."""
+        mbs = self._microbatches(input_ids, labels)
+        count = (labels != -100).sum().clamp(min=1).to(self._dtype)
+        kept = {f: p.grad for f, p in self.params.items()}
+        for p in self.params.values():
+            p.grad = None
+        losses: dict[int, torch.Tensor] = {}
+        last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
+        self._pending: list[Any] = []
+        for i, action in enumerate(self.program.actions):
+            if action.kind == "F":
+                (loss_sum,) = self._graph(action.stage)(*self._args(action.stage, *mbs[action.mb]))
+                losses[action.mb] = loss_sum / count
+            elif action.kind == "B":
+                hooks = self._arm_buckets() if i == last_b and self._buckets else []
+                losses[action.mb].backward()
+                losses[action.mb] = losses[action.mb].detach()
+                for h in hooks:
+                    h.remove()
+            elif action.kind == "DP_REDUCE":
+                self._finish_buckets(action)
+            else:
+                raise AutopartError(f"rank {self.rank}: action {action} needs pipeline support, "
+                                    "which is not in this version")  # fmt: skip
+        for f, p in self.params.items():
+            if kept[f] is not None:
+                p.grad = kept[f] if p.grad is None else p.grad + kept[f]
+        loss = torch.stack(list(losses.values())).sum()
+        return self._reduce_loss(loss)
+
+    # -- internals -------------------------------------------------------------------------
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(iter(self.params.values())).dtype
+
+    def _graph(self, stage: int):
+        return next(s.graph for s in self.program.stages if s.stage == stage)
+
+    def _microbatches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if input_ids.shape != labels.shape or input_ids.dim() != 2:
+            raise AutopartError(
+                f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
+                f"{tuple(labels.shape)} must both be (batch, seq)")  # fmt: skip
+        mb = self.plan.check_batch(input_ids.shape[0])
+        dp_i, m = self.program.coords["dp"], self.plan.microbatches
+        start = dp_i * m * mb
+        return [(input_ids[start + j * mb: start + (j + 1) * mb], labels[start + j * mb: start + (j + 1) * mb])
+                for j in range(m)]  # fmt: skip
+
+    def _args(self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        st = next(s for s in self.program.stages if s.stage == stage)
+        data = {"input_ids": input_ids, "labels": labels}
+        out = []
+        for ref in st.inputs:
+            if ref.kind == "param":
+                out.append(self.params[ref.name])
+            elif ref.kind == "data":
+                out.append(data[ref.name])
+            else:
+                out.append(self.buffers[ref.name])
+        return out
+
+    def _arm_buckets(self) -> list[Any]:
+        """Hooks that launch each bucket's all-reduce, in bucket order, once its grads exist."""
+        ready = [set() for _ in self._buckets]
+        self._next = 0
+        hooks = []
+        for i, bucket in enumerate(self._buckets):
+            for p in bucket:
+                def hook(p: nn.Parameter, i: int = i) -> None:
+                    ready[i].add(id(p))
+                    while self._next < len(self._buckets) and len(ready[self._next]) == len(self._buckets[self._next]):
+                        self._launch(self._next)
+                        self._next += 1
+                hooks.append(p.register_post_accumulate_grad_hook(hook))
+        return hooks
+
+    def _launch(self, i: int) -> None:
+        bucket = self._buckets[i]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        work = dist.all_reduce(flat, group=self.groups["dp"], async_op=True)
+        self._pending.append((i, flat, work))
+
+    def _finish_buckets(self, action: Action) -> None:
+        for i in range(getattr(self, "_next", 0), len(self._buckets)):
+            self._launch(i)  # buckets whose parameters got no gradient this step
+        self._next = len(self._buckets)
+        for i, flat, work in self._pending:
+            self._wait(work, f"{action} (all-reduce of gradient bucket {i} over dp ranks {self.program.groups['dp']})")
+            offset = 0
+            for p in self._buckets[i]:
+                n = p.numel()
+                p.grad = flat[offset: offset + n].view_as(p).clone()
+                offset += n
+        self._pending = []
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
+            raise AutopartError(f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f} s: {exc}",
+                                hint="a peer rank probably died or is stuck; check its log") from exc  # fmt: skip
+        if ok is False:
+            raise AutopartError(f"rank {self.rank}: timed out after {self.timeout_s:.0f} s waiting for {what}")
+
+    def _reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.groups.get("dp") is not None:
+            work = dist.all_reduce(loss, group=self.groups["dp"], async_op=True)
+            self._wait(work, f"loss all-reduce over dp ranks {self.program.groups['dp']}")
+        return loss
+
+
+def _groups_of(plan: Plan, rank: int, live_mesh: Any) -> dict[str, Any]:
+    if live_mesh is None:
+        return make_groups(plan, rank)
+    names = live_mesh.mesh_dim_names
+    return {d: (live_mesh.get_group(d) if d in names and getattr(plan.mesh, d) > 1 else None)
+            for d in ("dp", "pp", "tp")}  # fmt: skip

@@ -1,0 +1,58 @@
+"""Model specs: ``path/to/file.py:make`` or ``package.module:make`` → the factory's result.
+
+A factory is ``make() -> (model, (input_ids, labels))`` with int64 ``(batch, seq)`` tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from autopart.capture import check_batch
+from autopart.errors import AutopartError
+
+Factory = Callable[[], tuple[nn.Module, tuple[Any, Any]]]
+
+
+def load_factory(spec: str) -> Factory:
+    """The factory a spec names (the module is imported, the function not yet called)."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise AutopartError(f"model spec {spec!r} has no ':function' part",
+                            hint="write path/to/file.py:make or package.module:make")  # fmt: skip
+    if where.endswith(".py") or "/" in where:
+        path = Path(where)
+        if not path.exists():
+            raise AutopartError(f"model file {path} does not exist")
+        mod_name = f"autopart_model_{path.stem}"
+        sys.path.insert(0, str(path.resolve().parent))  # let the file import its neighbours
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise AutopartError(f"cannot import {where!r}: {exc}",
+                                hint="use a file path (examples/nanogpt.py:make) or an importable module") from exc  # fmt: skip
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise AutopartError(f"{where} has no function {name!r}")
+    return factory
+
+
+def build(spec: str | Factory) -> tuple[nn.Module, tuple[Any, Any]]:
+    """Call the factory and check what it returns."""
+    factory = load_factory(spec) if isinstance(spec, str) else spec
+    out = factory()
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
+        raise AutopartError(f"{spec} must return (model, (input_ids, labels)), got {type(out).__name__}")
+    model, batch = out
+    return model, check_batch(batch)

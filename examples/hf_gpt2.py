@@ -1,0 +1,23 @@
+"""Hugging Face ``GPT2LMHeadModel`` from a small random config (no download, ever)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make():
+    """Tiny GPT-2 (2 layers, width 32, tied ``wte``/``lm_head``) and an 8 × 32 token batch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=g)
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    labels[:, -1] = -100
+    return model, (input_ids, labels)
