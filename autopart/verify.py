@@ -151,16 +151,19 @@ def verify(
                   errors, time.perf_counter() - start, output)  # fmt: skip
 
 
-def launch(nproc: int, argv: list[str], *, timeout_s: float = 300.0, stream: bool = False) -> str:
-    """Run ``argv`` on ``nproc`` ranks with torchrun on this machine; returns rank output."""
+def launch(nproc: int, argv: list[str], *, timeout_s: float | None = 300.0, stream: bool = False) -> str:
+    """Run ``argv`` on ``nproc`` ranks with torchrun on this machine; returns rank output.
+
+    ``timeout_s`` bounds each distributed wait; the whole launch gets 60 s more (None: no bound).
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout_s + 60, text=True,
+        proc = subprocess.run(cmd, env=env, timeout=None if timeout_s is None else timeout_s + 60, text=True,
                               stdout=None if stream else subprocess.PIPE,
                               stderr=None if stream else subprocess.STDOUT)  # fmt: skip
     except subprocess.TimeoutExpired as exc:
-        raise AutopartError(f"the {nproc} ranks did not finish within {timeout_s + 60:.0f} s",
+        raise AutopartError(f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
                             hint="a rank hangs; rerun with a smaller --timeout to see which") from exc  # fmt: skip
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout or "").strip().splitlines()[-25:])

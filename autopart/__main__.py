@@ -1,0 +1,5 @@
+import sys
+
+from autopart.cli import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""The ``autopart`` command: demo, verify, inspect, run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopart.errors import AutopartError
+from autopart.plan import SCHEDULES
+
+EPILOG = """examples:
+  autopart demo                                   train a small GPT on 2 CPU ranks, check parity
+  autopart verify --model examples/nanogpt.py:make --dp 2 --microbatches 2
+  autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
+  torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
+  autopart run out/ --steps 10                    (launches torchrun itself when not under it)
+
+a model SPEC is path/to/file.py:make or package.module:make, where make() returns
+(model, (input_ids, labels)) with int64 (batch, seq) token tensors.
+"""
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("plan")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1; not supported yet)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1; not supported yet)")
+    g.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    g.add_argument("--microbatches", type=int, default=1, help="micro-batches per data-parallel rank (default 1)")
+    g.add_argument("--virtual-stages", type=int, default=1, help="virtual stages per rank (interleaving)")
+    g.add_argument("--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch")
+    g.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism in tp regions")
+
+
+def _plan_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        schedule=a.schedule, microbatches=a.microbatches, virtual_stages=a.virtual_stages,
+        seq_chunks=a.seq_chunks, sequence_parallel=a.sequence_parallel,
+    )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="autopart",
+        description="Compile an unmodified PyTorch GPT into one parallel program per rank.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser("demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)")
+    d.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
+    d.add_argument("--microbatches", type=int, default=2, help="micro-batches per rank (default 2)")
+    d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
+
+    v = sub.add_parser("verify", help="check loss and every gradient against one device",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    v.add_argument("--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make")
+    _plan_flags(v)
+    v.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="precision of both runs")
+    v.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take")
+
+    i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
+    i.add_argument("--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make")
+    _plan_flags(i)
+    i.add_argument("--rank", default="0", help="rank to print, or 'all' (default 0)")
+    i.add_argument("--dot", metavar="FILE", help="write the rank's stage graph as Graphviz DOT")
+    i.add_argument("--after", metavar="PASS", help="print the graph after this pass (e.g. capture, data_parallel)")
+
+    from autopart.run import build_parser as run_parser
+
+    r = sub.add_parser("run", help="run saved ranks (under torchrun, or launching it)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    run_parser(r)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    args.raw_argv = raw
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run}[args.command](args)
+    except AutopartError as exc:
+        print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from autopart.demo import main as demo
+
+    return demo(a)
+
+
+def _verify(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from autopart.verify import verify
+
+    con = Console()
+    with con.status(f"verifying {a.model} on dp={a.dp} tp={a.tp} pp={a.pp} ranks against one device"):
+        report = verify(a.model, dp=a.dp, tp=a.tp, pp=a.pp, dtype=a.dtype, timeout_s=a.timeout, **_plan_kwargs(a))
+    con.print(f"loss: {report.loss:.15g} (single device {report.ref_loss:.15g}), max rel error {report.loss_error:.3e}")
+    con.print(f"worst gradient: {report.worst}, max rel error {report.grad_error:.3e} "
+              f"({len(report.errors)} gradients compared)")  # fmt: skip
+    con.print(("[green]" if report.ok else "[red]") + f"{'PASS' if report.ok else 'FAIL'}"
+              f" (tolerance {report.tolerance:.0e}, {a.dtype}, {report.seconds:.1f} s)")  # fmt: skip
+    return 0 if report.ok else 1
+
+
+def _inspect(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from autopart.api import parallelize
+    from autopart.capture import capture
+    from autopart.plan import Mesh
+    from autopart.report import print_costs, write_dot
+    from autopart.spec import build
+
+    con = Console()
+    model, batch = build(a.model)
+    captured = capture(model, batch)
+    print_costs(captured, con)
+    program = parallelize(captured, Mesh(dp=a.dp, pp=a.pp, tp=a.tp), **_plan_kwargs(a))
+    program.summary(con)
+    if a.after:
+        names = [h.name for h in program.history]
+        if a.after not in names:
+            raise AutopartError(f"no pass named {a.after!r}", hint=f"passes: {', '.join(names)}")
+        print(program.history[names.index(a.after)].code)
+        return 0
+    ranks = range(program.mesh.size) if a.rank == "all" else [_rank(a.rank, program.mesh.size)]
+    for r in ranks:
+        print(program.rank(r), "\n")
+    if a.dot:
+        rp = program.rank(ranks[0])
+        path = write_dot(rp.stages[0].graph, a.dot, f"rank {rp.rank} stage {rp.stages[0].stage}")
+        con.print(f"wrote {path} (render: dot -Tsvg {path} -o graph.svg)")
+    return 0
+
+
+def _rank(text: str, size: int) -> int:
+    if not text.isdigit() or int(text) >= size:
+        raise AutopartError(f"--rank {text!r} is not a rank of this {size}-rank mesh", hint="use 0..N-1 or 'all'")
+    return int(text)
+
+
+def _run(a: argparse.Namespace) -> int:
+    import os
+
+    from autopart.emit import read_head
+    from autopart.run import run
+    from autopart.verify import launch
+
+    if "RANK" in os.environ:
+        return run(a)
+    world = read_head(a.dir)["world_size"]
+    rest = a.raw_argv[a.raw_argv.index("run") + 1:]
+    print(f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} -m autopart.run {' '.join(rest)}")
+    launch(world, ["-m", "autopart.run", *rest], stream=True, timeout_s=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
