@@ -1,9 +1,9 @@
 """autopart: compile an unmodified GPT into one parallel program per rank.
 
-    import autopart
-    prog = autopart.parallelize(model, autopart.Mesh(dp=2), example_inputs=(input_ids, labels))
-    print(prog.rank(1))
-    prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.run out/
+import autopart
+prog = autopart.parallelize(model, autopart.Mesh(dp=2), example_inputs=(input_ids, labels))
+print(prog.rank(1))
+prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.run out/
 """
 
 from autopart.api import compile_program, parallelize

@@ -42,11 +42,15 @@ def parallelize(
     ``model`` is already a ``Captured``.
     """
     offline, live = mesh_from(mesh)
-    plan = Plan(offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb)
+    plan = Plan(
+        offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb
+    )
     if isinstance(model, Captured):
         captured = model
     elif example_inputs is None:
-        raise AutopartError("parallelize needs example_inputs=(input_ids, labels) to capture the model")
+        raise AutopartError(
+            "parallelize needs example_inputs=(input_ids, labels) to capture the model"
+        )
     else:
         captured = capture(model, example_inputs)
     program = compile_program(captured, plan)

@@ -33,7 +33,10 @@ from torch.export.graph_signature import InputKind
 from autopart.errors import AutopartError
 
 META_MODULE, META_LAYER, META_INPUT = "autopart.module", "autopart.layer", "autopart.input"
-B, S = sympy.Symbol("b", positive=True, integer=True), sympy.Symbol("s", positive=True, integer=True)
+B, S = (
+    sympy.Symbol("b", positive=True, integer=True),
+    sympy.Symbol("s", positive=True, integer=True),
+)
 _PREFIX = "model."  # the wrapper's attribute name, stripped from every FQN
 
 
@@ -107,7 +110,9 @@ def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids, labels = example_inputs
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2:
-            what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            what = (
+                f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            )
             raise AutopartError(
                 f"{name} must be an int64 tensor of shape (batch, seq), got {what}",
                 hint="token ids as torch.long, e.g. torch.randint(0, vocab, (8, 128))",
@@ -141,7 +146,9 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor])
     return _annotate(ep, model, input_ids, wrapper.vocab_size)
 
 
-def _annotate(ep: torch.export.ExportedProgram, model: nn.Module, input_ids: torch.Tensor, vocab: int) -> Captured:
+def _annotate(
+    ep: torch.export.ExportedProgram, model: nn.Module, input_ids: torch.Tensor, vocab: int
+) -> Captured:
     gm = ep.graph_module
     names = dict(model.named_parameters())  # canonical (first) name of each tensor
     by_id = {id(t): fqn for fqn, t in names.items()}
@@ -214,7 +221,7 @@ def _name_symbols(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         ref = node.meta.get(META_INPUT)
         if ref is not None and ref.kind == "data":
-            for dim, sym in zip(node.meta["val"].shape, (B, S)):
+            for dim, sym in zip(node.meta["val"].shape, (B, S), strict=False):
                 if isinstance(dim, torch.SymInt):
                     subs[dim.node.expr] = sym
     gm.meta["autopart.symbols"] = subs
@@ -247,7 +254,7 @@ def _explain(exc: BaseException) -> AutopartError:
     ]
     m = re.search(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', str(exc))
     if m:
-        where = f'{m.group(1)}:{m.group(2)} in {m.group(3)}\n    {m.group(4).strip()}'
+        where = f"{m.group(1)}:{m.group(2)} in {m.group(3)}\n    {m.group(4).strip()}"
     elif user:
         f = user[-1]
         line = (f.line or linecache.getline(f.filename, f.lineno or 0)).strip()

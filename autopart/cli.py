@@ -23,13 +23,30 @@ a model SPEC is path/to/file.py:make or package.module:make, where make() return
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan")
     g.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1; not supported yet)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1; not supported yet)")
-    g.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
-    g.add_argument("--microbatches", type=int, default=1, help="micro-batches per data-parallel rank (default 1)")
-    g.add_argument("--virtual-stages", type=int, default=1, help="virtual stages per rank (interleaving)")
-    g.add_argument("--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch")
-    g.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism in tp regions")
+    g.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (default 1; not supported yet)"
+    )
+    g.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages (default 1; not supported yet)"
+    )
+    g.add_argument(
+        "--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)"
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="micro-batches per data-parallel rank (default 1)",
+    )
+    g.add_argument(
+        "--virtual-stages", type=int, default=1, help="virtual stages per rank (interleaving)"
+    )
+    g.add_argument(
+        "--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch"
+    )
+    g.add_argument(
+        "--sequence-parallel", action="store_true", help="sequence parallelism in tp regions"
+    )
 
 
 def _plan_kwargs(a: argparse.Namespace) -> dict:
@@ -47,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)")
+    d = sub.add_parser(
+        "demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)"
+    )
     d.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
     d.add_argument("--microbatches", type=int, default=2, help="micro-batches per rank (default 2)")
     d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
@@ -55,17 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check loss and every gradient against one device",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    v.add_argument("--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make")
+    v.add_argument(
+        "--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make"
+    )
     _plan_flags(v)
-    v.add_argument("--dtype", default="float64", choices=["float64", "float32"], help="precision of both runs")
-    v.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take")
+    v.add_argument(
+        "--dtype", default="float64", choices=["float64", "float32"], help="precision of both runs"
+    )
+    v.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
+    )
 
     i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
-    i.add_argument("--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make")
+    i.add_argument(
+        "--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make"
+    )
     _plan_flags(i)
     i.add_argument("--rank", default="0", help="rank to print, or 'all' (default 0)")
     i.add_argument("--dot", metavar="FILE", help="write the rank's stage graph as Graphviz DOT")
-    i.add_argument("--after", metavar="PASS", help="print the graph after this pass (e.g. capture, data_parallel)")
+    i.add_argument(
+        "--after",
+        metavar="PASS",
+        help="print the graph after this pass (e.g. capture, data_parallel)",
+    )
 
     from autopart.run import build_parser as run_parser
 
@@ -84,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run}[args.command](args)
+        return {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run}[args.command](
+            args
+        )
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -102,9 +135,21 @@ def _verify(a: argparse.Namespace) -> int:
     from autopart.verify import verify
 
     con = Console()
-    with con.status(f"verifying {a.model} on dp={a.dp} tp={a.tp} pp={a.pp} ranks against one device"):
-        report = verify(a.model, dp=a.dp, tp=a.tp, pp=a.pp, dtype=a.dtype, timeout_s=a.timeout, **_plan_kwargs(a))
-    con.print(f"loss: {report.loss:.15g} (single device {report.ref_loss:.15g}), max rel error {report.loss_error:.3e}")
+    with con.status(
+        f"verifying {a.model} on dp={a.dp} tp={a.tp} pp={a.pp} ranks against one device"
+    ):
+        report = verify(
+            a.model,
+            dp=a.dp,
+            tp=a.tp,
+            pp=a.pp,
+            dtype=a.dtype,
+            timeout_s=a.timeout,
+            **_plan_kwargs(a),
+        )
+    con.print(
+        f"loss: {report.loss:.15g} (single device {report.ref_loss:.15g}), max rel error {report.loss_error:.3e}"
+    )
     con.print(f"worst gradient: {report.worst}, max rel error {report.grad_error:.3e} "
               f"({len(report.errors)} gradients compared)")  # fmt: skip
     con.print(("[green]" if report.ok else "[red]") + f"{'PASS' if report.ok else 'FAIL'}"
@@ -145,7 +190,9 @@ def _inspect(a: argparse.Namespace) -> int:
 
 def _rank(text: str, size: int) -> int:
     if not text.isdigit() or int(text) >= size:
-        raise AutopartError(f"--rank {text!r} is not a rank of this {size}-rank mesh", hint="use 0..N-1 or 'all'")
+        raise AutopartError(
+            f"--rank {text!r} is not a rank of this {size}-rank mesh", hint="use 0..N-1 or 'all'"
+        )
     return int(text)
 
 
@@ -159,8 +206,10 @@ def _run(a: argparse.Namespace) -> int:
     if "RANK" in os.environ:
         return run(a)
     world = read_head(a.dir)["world_size"]
-    rest = a.raw_argv[a.raw_argv.index("run") + 1:]
-    print(f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} -m autopart.run {' '.join(rest)}")
+    rest = a.raw_argv[a.raw_argv.index("run") + 1 :]
+    print(
+        f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} -m autopart.run {' '.join(rest)}"
+    )
     launch(world, ["-m", "autopart.run", *rest], stream=True, timeout_s=None)
     return 0
 

@@ -31,14 +31,18 @@ class PassRecord:
     code: str
 
 
-def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass]) -> tuple[fx.GraphModule, list[PassRecord]]:
+def run_passes(
+    gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass]
+) -> tuple[fx.GraphModule, list[PassRecord]]:
     history = [PassRecord("capture", 0.0, gm.code)]
     for i, p in enumerate(passes, 1):
         name = getattr(p, "__name__", repr(p))
         start = time.perf_counter()
         out = p(gm, plan)
         if not isinstance(out, fx.GraphModule):
-            raise AutopartError(f"pass {i} ({name}) returned {type(out).__name__}, not a GraphModule")
+            raise AutopartError(
+                f"pass {i} ({name}) returned {type(out).__name__}, not a GraphModule"
+            )
         out.graph.lint()
         out.recompile()
         out.meta["autopart.passes"] = [*gm.meta.get("autopart.passes", []), name]

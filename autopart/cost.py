@@ -49,7 +49,7 @@ class Cost:
     act_bytes: sympy.Expr = ZERO
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+        return Cost(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=False)))
 
     def astuple(self) -> tuple[sympy.Expr, ...]:
         return (self.flops, self.mm_flops, self.bytes, self.act_bytes)
@@ -57,7 +57,7 @@ class Cost:
 
 def total(costs: Iterable[Cost]) -> Cost:
     """Sum of many costs (one sympy Add per field: fast on thousands of nodes)."""
-    cols = list(zip(*(c.astuple() for c in costs))) or [[ZERO]] * 4
+    cols = list(zip(*(c.astuple() for c in costs), strict=False)) or [[ZERO]] * 4
     return Cost(*(sympy.Add(*col) for col in cols))
 
 
@@ -108,7 +108,11 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> Cost:
     if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention"):
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         b_h = sympy.Mul(*(to_sympy(d, gm) for d in q.shape[:-2]))
-        sq, sk, d = (to_sympy(q.shape[-2], gm), to_sympy(k.shape[-2], gm), to_sympy(q.shape[-1], gm))
+        sq, sk, d = (
+            to_sympy(q.shape[-2], gm),
+            to_sympy(k.shape[-2], gm),
+            to_sympy(q.shape[-1], gm),
+        )
         causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
         pairs = sq * sk - sq**2 / 2 if causal else sq * sk
         mm = 4 * b_h * d * pairs

@@ -64,7 +64,9 @@ def main(args: argparse.Namespace) -> int:
 
         captured = capture(model, example)
         print_costs(captured, con)
-        program = parallelize(captured, Mesh(dp=args.dp), schedule="1f1b", microbatches=args.microbatches)
+        program = parallelize(
+            captured, Mesh(dp=args.dp), schedule="1f1b", microbatches=args.microbatches
+        )
     con.print(f"compiled in {time.perf_counter() - start:.1f} s")
     program.summary(con)
     saved = program.save(out / "program")

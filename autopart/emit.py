@@ -97,7 +97,9 @@ class RankProgram:
             made_by = " → ".join(["capture", *st.graph.meta.get("autopart.passes", [])])
             lines += [f"\n## stage {st.stage}  (made by: {made_by})", st.graph.code.strip()]
         if self.buckets:
-            lines.append(f"\n## data-parallel gradient buckets (all-reduce over ranks {self.groups['dp']})")
+            lines.append(
+                f"\n## data-parallel gradient buckets (all-reduce over ranks {self.groups['dp']})"
+            )
             for i, b in enumerate(self.buckets):
                 numel = sum(_numel(self.shards[f].shape) for f in b)
                 lines.append(f"  bucket {i}: {len(b)} tensors, {numel:,} elements: {', '.join(b)}")
@@ -131,7 +133,9 @@ class Program:
 
     def rank(self, r: int) -> RankProgram:
         if not 0 <= r < len(self.ranks):
-            raise AutopartError(f"rank {r} does not exist: this program has {len(self.ranks)} ranks")
+            raise AutopartError(
+                f"rank {r} does not exist: this program has {len(self.ranks)} ranks"
+            )
         return self.ranks[r]
 
     def __str__(self) -> str:
@@ -143,7 +147,10 @@ class Program:
         for col in ("rank", "pp", "dp", "tp", "stages", "actions", "local params"):
             t.add_column(col, justify="right")
         for rp in self.ranks:
-            n = sum(_numel(tuple(s.local(torch.empty(s.shape, device="meta")).shape)) for s in rp.shards.values())
+            n = sum(
+                _numel(tuple(s.local(torch.empty(s.shape, device="meta")).shape))
+                for s in rp.shards.values()
+            )
             t.add_row(str(rp.rank), *(str(rp.coords[d]) for d in ("pp", "dp", "tp")),
                       str([s.stage for s in rp.stages]), str(len(rp.actions)), f"{n:,}")  # fmt: skip
         (console or Console()).print(t)
@@ -159,7 +166,9 @@ class Program:
             "example_shape": list(self.example_shape),
             "vocab_size": self.vocab_size,
             "tied": self.tied,
-            "params": {f: {"shape": list(t.shape), "dtype": str(t.dtype)} for f, t in self.params.items()},
+            "params": {
+                f: {"shape": list(t.shape), "dtype": str(t.dtype)} for f, t in self.params.items()
+            },
             "buffers": sorted(self.buffers),
             "passes": [h.name for h in self.history],
         }
@@ -182,7 +191,9 @@ class Program:
                     params.setdefault(fqn, weights[fqn])
             buffers.update({k: v for k, v in weights.items() if k in head["buffers"]})
         for fqn, meta in head["params"].items():
-            params.setdefault(fqn, torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]], device="meta"))
+            params.setdefault(
+                fqn, torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]], device="meta")
+            )
         return cls(
             plan=Plan.from_json(head["plan"]),
             ranks=ranks,
@@ -197,7 +208,9 @@ class Program:
 def read_head(root: Path) -> dict[str, Any]:
     f = Path(root) / "plan.json"
     if not f.exists():
-        raise AutopartError(f"{root} holds no plan.json", hint="point at a folder written by Program.save()")
+        raise AutopartError(
+            f"{root} holds no plan.json", hint="point at a folder written by Program.save()"
+        )
     head = json.loads(f.read_text())
     if head.get("format") != FORMAT:
         raise AutopartError(f"{f} has format {head.get('format')}, this autopart reads {FORMAT}",
@@ -210,15 +223,25 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
     ph = [n for n in graph.graph.nodes if n.op == "placeholder"]
     outs = next(n for n in graph.graph.nodes if n.op == "output").args[0]
     sig = ExportGraphSignature(
-        input_specs=[InputSpec(InputKind.USER_INPUT, TensorArgument(name=n.name), target=None) for n in ph],
-        output_specs=[OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=o.name), target=None) for o in outs],
+        input_specs=[
+            InputSpec(InputKind.USER_INPUT, TensorArgument(name=n.name), target=None) for n in ph
+        ],
+        output_specs=[
+            OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=o.name), target=None)
+            for o in outs
+        ],
     )
     in_spec = pytree.tree_flatten((tuple(range(len(ph))), {}))[1]
     out_spec = pytree.tree_flatten(tuple(range(len(outs))))[1]
-    call = ModuleCallEntry("", ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec))
+    call = ModuleCallEntry(
+        "", ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec)
+    )
     for n in graph.graph.nodes:
         custom = n.meta.setdefault("custom", {})
-        custom[META_MODULE], custom[META_LAYER] = n.meta.get(META_MODULE, ""), n.meta.get(META_LAYER)
+        custom[META_MODULE], custom[META_LAYER] = (
+            n.meta.get(META_MODULE, ""),
+            n.meta.get(META_LAYER),
+        )
     return ExportedProgram(
         root=graph, graph=graph.graph, graph_signature=sig, state_dict={},
         range_constraints=graph.meta.get("autopart.range_constraints", {}),
@@ -226,7 +249,9 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
     )  # fmt: skip
 
 
-def _save_rank(rp: RankProgram, folder: Path, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+def _save_rank(
+    rp: RankProgram, folder: Path, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     stages = []
     for st in rp.stages:
@@ -248,7 +273,9 @@ def _save_rank(rp: RankProgram, folder: Path, params: dict[str, torch.Tensor], b
     if real:
         local = {f: rp.shards[f].local(t.detach()).contiguous().clone() for f, t in real.items()}
         used = {i.name for st in rp.stages for i in st.inputs if i.kind in ("buffer", "constant")}
-        local.update({k: v.detach().clone() for k, v in buffers.items() if k in used and v is not None})
+        local.update(
+            {k: v.detach().clone() for k, v in buffers.items() if k in used and v is not None}
+        )
         torch.save(local, folder / "weights.pt")
 
 
@@ -266,8 +293,13 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         inputs = [InputRef(k, n) for k, n in st["inputs"]]
         for n in graph.graph.nodes:
             custom = n.meta.get("custom") or {}
-            n.meta[META_MODULE], n.meta[META_LAYER] = custom.get(META_MODULE, ""), custom.get(META_LAYER)
-        for n, ref in zip((n for n in graph.graph.nodes if n.op == "placeholder"), inputs, strict=True):
+            n.meta[META_MODULE], n.meta[META_LAYER] = (
+                custom.get(META_MODULE, ""),
+                custom.get(META_LAYER),
+            )
+        for n, ref in zip(
+            (n for n in graph.graph.nodes if n.op == "placeholder"), inputs, strict=True
+        ):
             n.meta[META_INPUT] = ref
         stages.append(StageProgram(st["stage"], graph, inputs))
     return RankProgram(

@@ -44,7 +44,11 @@ class Mesh:
         """``{"pp": i, "dp": j, "tp": k}`` of a global rank."""
         if not 0 <= rank < self.size:
             raise AutopartError(f"rank {rank} is outside this mesh of {self.size} ranks ({self})")
-        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+        return {
+            "pp": rank // (self.dp * self.tp),
+            "dp": rank // self.tp % self.dp,
+            "tp": rank % self.tp,
+        }
 
     def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
         return pp * self.dp * self.tp + dp * self.tp + tp
@@ -90,7 +94,7 @@ def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
             f"DeviceMesh dim names {names} include {sorted(unknown)}",
             hint=f"name every dim one of {DIMS}",
         )
-    sizes = dict(zip(names, mesh.mesh.shape))
+    sizes = dict(zip(names, mesh.mesh.shape, strict=False))
     offline = Mesh(**{d: int(sizes.get(d, 1)) for d in DIMS})
     order = [d for d in ("pp", "dp", "tp") if d in names]
     if list(names) != order:

@@ -29,7 +29,10 @@ def cost_table(captured: Captured, groups: list[Group] | None = None, b: int | N
     t = Table(title=f"cost per block (forward, at batch {b}, sequence {s})")
     for col in ("block", "params", "FLOPs", "matmul FLOPs", "activations", "FLOPs formula (b, s)"):
         t.add_column(col, justify="left" if col in ("block", "FLOPs formula (b, s)") else "right")
-    for g in [*groups, Group("total", None, sum(g.params for g in groups), total(g.cost for g in groups))]:
+    for g in [
+        *groups,
+        Group("total", None, sum(g.params for g in groups), total(g.cost for g in groups)),
+    ]:
         t.add_row(
             g.name, f"{g.params:,}", _human(evaluate(g.cost.flops, b, s)),
             _human(evaluate(g.cost.mm_flops, b, s)), _human(evaluate(g.cost.act_bytes, b, s), "B"),
@@ -46,7 +49,11 @@ def print_costs(captured: Captured, console: Console | None = None) -> list[Grou
 
 def to_dot(gm: fx.GraphModule, title: str = "") -> str:
     """Graphviz DOT text of a graph: one box per node, clustered by transformer block."""
-    lines = ["digraph autopart {", "  rankdir=TB;", '  node [shape=box, fontname="monospace", fontsize=9];']
+    lines = [
+        "digraph autopart {",
+        "  rankdir=TB;",
+        '  node [shape=box, fontname="monospace", fontsize=9];',
+    ]
     if title:
         lines.append(f'  label="{title}"; labelloc=t;')
     clusters: dict[object, list[str]] = {}
@@ -60,7 +67,12 @@ def to_dot(gm: fx.GraphModule, title: str = "") -> str:
         if layer is None:
             lines += [x[2:] for x in nodes]
         else:
-            lines += [f"  subgraph cluster_{layer} {{", f'    label="block {layer}";', *nodes, "  }"]
+            lines += [
+                f"  subgraph cluster_{layer} {{",
+                f'    label="block {layer}";',
+                *nodes,
+                "  }",
+            ]
     for n in gm.graph.nodes:
         for a in n.all_input_nodes:
             lines.append(f'  "{a.name}" -> "{n.name}";')

@@ -28,16 +28,32 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("dir", type=Path, help="folder written by Program.save() (holds plan.json)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the example's)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the example's)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch (default: the example's)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="sequence length (default: the example's)"
+    )
     p.add_argument("--tokens", type=Path, default=None,
                    help="token file: a torch.save'd 1-D int tensor (.pt) or raw uint16 ids (.bin)")  # fmt: skip
-    p.add_argument("--batch", type=Path, default=None, help="a torch.save'd (input_ids, labels) used every step")
+    p.add_argument(
+        "--batch",
+        type=Path,
+        default=None,
+        help="a torch.save'd (input_ids, labels) used every step",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default 0)")
     p.add_argument("--no-optim", action="store_true", help="compute gradients only, never step")
-    p.add_argument("--dump", type=Path, default=None, help="write each rank's first-step loss and gradients here")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds any distributed wait may take")
+    p.add_argument(
+        "--dump",
+        type=Path,
+        default=None,
+        help="write each rank's first-step loss and gradients here",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
+    )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line per step")
     return p
 
@@ -61,7 +77,7 @@ class Batches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         if self.tokens is not None:
             starts = torch.randint(0, self.tokens.numel() - self.s - 1, (self.b,), generator=g)
-            rows = torch.stack([self.tokens[i: i + self.s + 1] for i in starts.tolist()])
+            rows = torch.stack([self.tokens[i : i + self.s + 1] for i in starts.tolist()])
         else:
             rows = torch.randint(0, self.vocab, (self.b, self.s + 1), generator=g)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -124,15 +140,23 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int)
                 optim.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - start
             if rank == 0 and args.json:
-                print(json.dumps({"step": step, "loss": float(loss), "seconds": round(seconds, 4)}), flush=True)
+                print(
+                    json.dumps({"step": step, "loss": float(loss), "seconds": round(seconds, 4)}),
+                    flush=True,
+                )
             elif show:
-                bar.console.print(f"step {step:>4}  loss {float(loss):.6f}  ({seconds * 1e3:.0f} ms)")
+                bar.console.print(
+                    f"step {step:>4}  loss {float(loss):.6f}  ({seconds * 1e3:.0f} ms)"
+                )
             bar.update(task, advance=1, loss=f"loss {float(loss):.4f}")
 
 
 def _dump(runner, loss: torch.Tensor, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    grads = {f: (p.grad.detach().clone() if p.grad is not None else None) for f, p in runner.named_parameters()}
+    grads = {
+        f: (p.grad.detach().clone() if p.grad is not None else None)
+        for f, p in runner.named_parameters()
+    }
     shards = {f: asdict(s) for f, s in runner.program.shards.items()}
     torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards},
                folder / f"rank{runner.rank:05d}.pt")  # fmt: skip

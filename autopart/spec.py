@@ -53,6 +53,8 @@ def build(spec: str | Factory) -> tuple[nn.Module, tuple[Any, Any]]:
     factory = load_factory(spec) if isinstance(spec, str) else spec
     out = factory()
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
-        raise AutopartError(f"{spec} must return (model, (input_ids, labels)), got {type(out).__name__}")
+        raise AutopartError(
+            f"{spec} must return (model, (input_ids, labels)), got {type(out).__name__}"
+        )
     model, batch = out
     return model, check_batch(batch)

@@ -63,14 +63,21 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def reference(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+def reference(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-device loss and gradients by the model's global parameter names."""
     input_ids, labels = batch
     model.zero_grad(set_to_none=True)
     logits = logits_of(model(input_ids))
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
     loss.backward()
-    grads = {f: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for f, p in model.named_parameters()}
+    grads = {
+        f: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for f, p in model.named_parameters()
+    }
     model.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
 
@@ -92,7 +99,9 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
         shard = parts[0][0]
         blocks = [[g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
                   for j in range(shard.strided)]  # fmt: skip
-        out.setdefault(fqn, []).append(torch.cat([torch.cat(b, shard.dim) for b in blocks], shard.dim))
+        out.setdefault(fqn, []).append(
+            torch.cat([torch.cat(b, shard.dim) for b in blocks], shard.dim)
+        )
     return out
 
 
@@ -135,7 +144,10 @@ def verify(
         output = launch(mesh.size, ["-m", "autopart.run", str(root / "program"), "--batch", str(root / "batch.pt"),
                         "--steps", "1", "--no-optim", "--dump", str(root / "dump"),
                         "--timeout", str(timeout_s), "--json"], timeout_s=timeout_s)  # fmt: skip
-        dumps = [torch.load(root / "dump" / f"rank{r:05d}.pt", weights_only=True) for r in range(mesh.size)]
+        dumps = [
+            torch.load(root / "dump" / f"rank{r:05d}.pt", weights_only=True)
+            for r in range(mesh.size)
+        ]
     losses = [float(d["loss"]) for d in dumps]
     loss_error = max(abs(v - ref_loss) / abs(ref_loss) for v in losses)
     errors: dict[str, float] = {}
@@ -151,12 +163,21 @@ def verify(
                   errors, time.perf_counter() - start, output)  # fmt: skip
 
 
-def launch(nproc: int, argv: list[str], *, timeout_s: float | None = 300.0, stream: bool = False) -> str:
+def launch(
+    nproc: int, argv: list[str], *, timeout_s: float | None = 300.0, stream: bool = False
+) -> str:
     """Run ``argv`` on ``nproc`` ranks with torchrun on this machine; returns rank output.
 
     ``timeout_s`` bounds each distributed wait; the whole launch gets 60 s more (None: no bound).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     try:
         proc = subprocess.run(cmd, env=env, timeout=None if timeout_s is None else timeout_s + 60, text=True,
@@ -166,6 +187,10 @@ def launch(nproc: int, argv: list[str], *, timeout_s: float | None = 300.0, stre
         raise AutopartError(f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
                             hint="a rank hangs; rerun with a smaller --timeout to see which") from exc  # fmt: skip
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout or "").strip().splitlines()[-25:])
+        lines = (proc.stdout or "").strip().splitlines()
+        said = list(
+            dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
+        )
+        tail = "\n".join(said or lines[-25:])
         raise AutopartError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}")
     return proc.stdout or ""

@@ -10,9 +10,17 @@ def make():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        vocab_size=96,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)

@@ -76,7 +76,9 @@ class Runner:
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
 
     @classmethod
-    def from_program(cls, program: Program, mesh: Any = None, *, timeout_s: float = 300.0) -> Runner:
+    def from_program(
+        cls, program: Program, mesh: Any = None, *, timeout_s: float = 300.0
+    ) -> Runner:
         """The local rank's runner of a compiled program (joins the distributed job)."""
         rank, world = init_distributed(timeout_s)
         program.mesh.check_world(world)
@@ -140,7 +142,9 @@ class Runner:
     def _graph(self, stage: int):
         return next(s.graph for s in self.program.stages if s.stage == stage)
 
-    def _microbatches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _microbatches(
+        self, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise AutopartError(
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
@@ -151,7 +155,9 @@ class Runner:
         return [(input_ids[start + j * mb: start + (j + 1) * mb], labels[start + j * mb: start + (j + 1) * mb])
                 for j in range(m)]  # fmt: skip
 
-    def _args(self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _args(
+        self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor
+    ) -> list[torch.Tensor]:
         st = next(s for s in self.program.stages if s.stage == stage)
         data = {"input_ids": input_ids, "labels": labels}
         out = []
@@ -171,17 +177,23 @@ class Runner:
         hooks = []
         for i, bucket in enumerate(self._buckets):
             for p in bucket:
+
                 def hook(p: nn.Parameter, i: int = i) -> None:
                     ready[i].add(id(p))
-                    while self._next < len(self._buckets) and len(ready[self._next]) == len(self._buckets[self._next]):
+                    while self._next < len(self._buckets) and len(ready[self._next]) == len(
+                        self._buckets[self._next]
+                    ):
                         self._launch(self._next)
                         self._next += 1
+
                 hooks.append(p.register_post_accumulate_grad_hook(hook))
         return hooks
 
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        )
         work = dist.all_reduce(flat, group=self.groups["dp"], async_op=True)
         self._pending.append((i, flat, work))
 
@@ -190,11 +202,14 @@ class Runner:
             self._launch(i)  # buckets whose parameters got no gradient this step
         self._next = len(self._buckets)
         for i, flat, work in self._pending:
-            self._wait(work, f"{action} (all-reduce of gradient bucket {i} over dp ranks {self.program.groups['dp']})")
+            self._wait(
+                work,
+                f"{action} (all-reduce of gradient bucket {i} over dp ranks {self.program.groups['dp']})",
+            )
             offset = 0
             for p in self._buckets[i]:
                 n = p.numel()
-                p.grad = flat[offset: offset + n].view_as(p).clone()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
                 offset += n
         self._pending = []
 
@@ -205,7 +220,9 @@ class Runner:
             raise AutopartError(f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f} s: {exc}",
                                 hint="a peer rank probably died or is stuck; check its log") from exc  # fmt: skip
         if ok is False:
-            raise AutopartError(f"rank {self.rank}: timed out after {self.timeout_s:.0f} s waiting for {what}")
+            raise AutopartError(
+                f"rank {self.rank}: timed out after {self.timeout_s:.0f} s waiting for {what}"
+            )
 
     def _reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.groups.get("dp") is not None:

@@ -29,7 +29,11 @@ class Action:
         if self.kind == "DP_REDUCE":
             return "DP_REDUCE"
         where = f"s{self.stage},m{self.mb}" + (f",c{self.chunk}" if self.chunk else "")
-        to = "" if self.peer is None else (f"→r{self.peer}" if "SEND" in self.kind else f"←r{self.peer}")
+        to = (
+            ""
+            if self.peer is None
+            else (f"→r{self.peer}" if "SEND" in self.kind else f"←r{self.peer}")
+        )
         return f"{self.kind}({where}){to}"
 
     def to_json(self) -> dict[str, Any]:
@@ -46,7 +50,10 @@ def table(actions_by_rank: dict[int, list[Action]]) -> str:
     """Actions as a text table: one column per rank, one row per step."""
     ranks = sorted(actions_by_rank)
     rows = max((len(a) for a in actions_by_rank.values()), default=0)
-    cells = [[str(actions_by_rank[r][i]) if i < len(actions_by_rank[r]) else "" for r in ranks] for i in range(rows)]
+    cells = [
+        [str(actions_by_rank[r][i]) if i < len(actions_by_rank[r]) else "" for r in ranks]
+        for i in range(rows)
+    ]
     width = max([len(c) for row in cells for c in row] + [8])
     head = "step  " + "".join(f"rank {r}".ljust(width + 2) for r in ranks)
     body = [f"{i:>4}  " + "".join(c.ljust(width + 2) for c in row) for i, row in enumerate(cells)]

@@ -48,7 +48,9 @@ def _simulate(actions: dict[int, list[Action]]) -> None:
                 a = acts[pc[r]]
                 if a.kind.startswith("SEND"):
                     if a.peer not in actions:
-                        raise AutopartError(f"rank {r}: {a} sends to rank {a.peer}, which has no schedule")
+                        raise AutopartError(
+                            f"rank {r}: {a} sends to rank {a.peer}, which has no schedule"
+                        )
                     posted[(a.kind, r, a.peer, a.stage, a.mb, a.chunk)] += 1
                 elif a.kind in _MATCH:
                     key = (_MATCH[a.kind], a.peer, r, *_sender_unit(a))
@@ -58,7 +60,11 @@ def _simulate(actions: dict[int, list[Action]]) -> None:
                 pc[r] += 1
                 progressed = True
         if not progressed:
-            waiting = ", ".join(f"rank {r} at step {pc[r]} {actions[r][pc[r]]}" for r in actions if pc[r] < len(actions[r]))
+            waiting = ", ".join(
+                f"rank {r} at step {pc[r]} {actions[r][pc[r]]}"
+                for r in actions
+                if pc[r] < len(actions[r])
+            )
             raise AutopartError(f"schedule deadlocks: every rank waits ({waiting})")
     unmatched = [k for k, v in posted.items() if v]
     if unmatched:

@@ -1,0 +1,250 @@
+"""capture(): one annotated functional graph, numerically identical to the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import sympy
+import torch
+from conftest import Case, nanogpt, rel_err, run_graph, run_model
+from torch import nn
+
+from autopart.capture import (
+    META_INPUT,
+    META_LAYER,
+    META_MODULE,
+    B,
+    InputRef,
+    S,
+    capture,
+    layer_of,
+    logits_of,
+    to_sympy,
+)
+from autopart.errors import AutopartError
+
+
+def test_every_placeholder_has_an_input_ref(case: Case) -> None:
+    phs = case.captured.placeholders()
+    assert phs, "the graph has no placeholders"
+    for node in phs:
+        ref = node.meta.get(META_INPUT)
+        assert isinstance(ref, InputRef), node.name
+        assert ref.kind in ("param", "buffer", "constant", "data")
+    data = [n.meta[META_INPUT].name for n in case.captured.placeholders("data")]
+    assert data == ["input_ids", "labels"]
+    for node in case.captured.placeholders("buffer") + case.captured.placeholders("constant"):
+        assert node.meta[META_INPUT].name in case.captured.buffers
+
+
+def test_params_use_global_fqns_and_tie_once(case: Case) -> None:
+    names = dict(case.model.named_parameters())  # canonical names, tied counted once
+    refs = [n.meta[META_INPUT].name for n in case.captured.placeholders("param")]
+    assert refs == list(names)  # one placeholder per parameter, in the model's order
+    assert len(refs) == len(set(refs))
+    assert list(case.captured.params) == list(names)
+    for fqn, t in case.captured.params.items():
+        assert t is names[fqn]
+    assert case.captured.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in refs and "transformer.wte.weight" in refs
+    assert case.captured.dtype == torch.float64
+    assert case.captured.example_shape == tuple(case.batch[0].shape)
+    assert case.captured.vocab_size == 96
+    assert case.captured.n_layers == 2
+
+
+def test_manual_attention_mask_is_a_buffer(gpt_manual: Case) -> None:
+    refs = [n.meta[META_INPUT] for n in gpt_manual.captured.placeholders("buffer")]
+    assert [r.name for r in refs] == ["transformer.h.0.attn.bias", "transformer.h.1.attn.bias"]
+    for r in refs:
+        assert torch.equal(gpt_manual.captured.buffers[r.name], gpt_manual.model.get_buffer(r.name))
+
+
+def test_nodes_carry_module_and_layer(case: Case) -> None:
+    calls = [n for n in case.captured.graph.graph.nodes if n.op == "call_function"]
+    for n in calls:
+        assert META_MODULE in n.meta and META_LAYER in n.meta, n.name
+        assert n.meta[META_LAYER] == layer_of(n.meta[META_MODULE])
+    c_attn = [n for n in calls if n.meta[META_MODULE] == "transformer.h.1.attn.c_attn"]
+    mm = [n for n in c_attn if n.target._opname in ("linear", "addmm")]  # HF's Conv1D is addmm
+    assert len(mm) == 1 and mm[0].meta[META_LAYER] == 1
+    head = [n for n in calls if n.meta[META_MODULE] == "lm_head"]
+    assert head and all(n.meta[META_LAYER] is None for n in head)
+    assert {n.meta[META_LAYER] for n in calls} == {None, 0, 1}
+    for node in case.captured.placeholders("param"):
+        fqn = node.meta[META_INPUT].name
+        assert node.meta[META_MODULE] == fqn.rpartition(".")[0]
+        assert node.meta[META_LAYER] == layer_of(fqn)
+
+
+def test_layer_of() -> None:
+    assert layer_of("transformer.h.3.attn") == 3
+    assert layer_of("model.layers.12") == 12
+    assert layer_of("lm_head") is None
+    assert layer_of("") is None
+
+
+def test_batch_and_sequence_stay_symbolic(case: Case) -> None:
+    gm = case.captured.graph
+    assert set(gm.meta["autopart.symbols"].values()) == {B, S}
+    assert case.captured.symbols == {"b": B, "s": S}
+    for node in case.captured.placeholders("data"):
+        b, s = node.meta["val"].shape
+        assert isinstance(b, torch.SymInt) and isinstance(s, torch.SymInt)
+        assert to_sympy(b, gm) == B and to_sympy(s, gm) == S
+    assert to_sympy(7, gm) == sympy.Integer(7)
+
+
+@pytest.mark.parametrize("shape", [None, (2, 16)], ids=["example", "b2-s16"])
+def test_graph_matches_model_loss_and_grads(case: Case, shape) -> None:
+    batch = case.batch if shape is None else nanogpt.batch(nanogpt.GPTConfig(), *shape, seed=1)
+    loss, grads = run_graph(case.captured, batch)
+    ref_loss, ref_grads = run_model(case.model, batch)
+    assert loss.dtype == torch.float64 and loss.dim() == 0
+    assert abs(loss.item() - ref_loss.item()) <= 1e-12 * abs(ref_loss.item())
+    assert set(grads) == set(ref_grads)  # the tied alias is not a separate parameter
+    for fqn, g in grads.items():
+        assert g is not None and g.shape == ref_grads[fqn].shape, fqn
+        assert rel_err(g, ref_grads[fqn]) <= 1e-12, fqn
+
+
+def test_loss_is_summed_over_non_ignored_labels(gpt_sdpa: Case) -> None:
+    ids, labels = gpt_sdpa.batch
+    masked = labels.clone()
+    masked[:, ::2] = -100
+    full, _ = run_graph(gpt_sdpa.captured, (ids, labels))
+    half, _ = run_graph(gpt_sdpa.captured, (ids, masked))
+    ref, _ = run_model(gpt_sdpa.model, (ids, masked))
+    assert abs(half.item() - ref.item()) <= 1e-12 * abs(ref.item())
+    assert half.item() < full.item()
+
+
+def test_capture_meta_model_with_meta_inputs() -> None:
+    cfg = nanogpt.GPTConfig()
+    with torch.device("meta"):
+        model = nanogpt.GPT(cfg)
+    ids, labels = nanogpt.batch(cfg, 4, 8)
+    cap = capture(model, (ids.to("meta"), labels.to("meta")))
+    assert list(cap.params) == [f for f, _ in model.named_parameters()]
+    assert all(t.device.type == "meta" for t in cap.params.values())
+    assert cap.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert cap.example_shape == (4, 8) and cap.vocab_size == cfg.vocab_size
+    assert set(cap.graph.meta["autopart.symbols"].values()) == {B, S}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: capture's own loss wrapper (_LossSum) computes cross_entropy(meta logits, cpu "
+    "labels) for a meta-device model given ordinary CPU example inputs; export fails with "
+    "'Tensor on device meta is not on the expected device cpu!' blamed on '<string>:1'",
+)
+def test_capture_meta_model_with_cpu_inputs() -> None:
+    cfg = nanogpt.GPTConfig()
+    with torch.device("meta"):
+        model = nanogpt.GPT(cfg)
+    cap = capture(model, nanogpt.batch(cfg, 4, 8))
+    assert all(t.device.type == "meta" for t in cap.params.values())
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        if h.sum() > 0:
+            h = h * 2
+        return self.head(h)
+
+
+def _ids(b: int = 2, s: int = 4, vocab: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (b, s), generator=g), torch.randint(
+        0, vocab, (b, s), generator=g
+    )
+
+
+def test_data_dependent_control_flow_is_explained() -> None:
+    with pytest.raises(AutopartError) as err:
+        capture(_Branchy(), _ids())
+    assert "if h.sum() > 0:" in err.value.message
+    assert "test_capture.py" in err.value.message
+    assert "data-dependent control flow" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("inputs", "needle"),
+    [
+        ((torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.long)), "input_ids must be an int64"),
+        ((torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4)), "labels must be an int64"),
+        (
+            (torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)),
+            "differ in shape",
+        ),
+        ((torch.zeros(1, 4, dtype=torch.long),) * 2, "too small"),
+        ((torch.zeros(4, 1, dtype=torch.long),) * 2, "too small"),
+        ((torch.zeros(8, dtype=torch.long),) * 2, "shape (batch, seq)"),
+        ((torch.zeros(2, 4, dtype=torch.long),), "example_inputs must be (input_ids, labels)"),
+        ([[0, 1], [1, 2]], "must be an int64"),
+    ],
+    ids=[
+        "float-ids",
+        "float-labels",
+        "shape-mismatch",
+        "batch-1",
+        "seq-1",
+        "1d",
+        "one-tensor",
+        "lists",
+    ],
+)
+def test_bad_example_inputs(inputs, needle: str) -> None:
+    with pytest.raises(AutopartError) as err:
+        capture(_Branchy(), inputs)  # refused before tracing, so the branch never matters
+    assert needle in str(err.value)
+
+
+@dataclass
+class _Out:
+    logits: torch.Tensor
+    aux: int = 0
+
+
+class _Tiny(nn.Module):
+    def __init__(self, wrap) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.wrap = wrap
+
+    def forward(self, idx: torch.Tensor):
+        return self.wrap(self.head(self.emb(idx)))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda x: x, lambda x: (x, x.detach() * 0), lambda x: _Out(x)],
+    ids=["tensor", "tuple", "logits-field"],
+)
+def test_model_outputs_tensor_tuple_or_logits(wrap) -> None:
+    model = _Tiny(wrap).double()
+    batch = _ids(3, 5)
+    cap = capture(model, batch)
+    assert cap.vocab_size == 16 and cap.example_shape == (3, 5)
+    loss, _ = run_graph(cap, batch)
+    ref, _ = run_model(model, batch)
+    assert abs(loss.item() - ref.item()) <= 1e-12 * abs(ref.item())
+
+
+def test_logits_of() -> None:
+    t = torch.ones(2, 3)
+    assert logits_of(t) is t
+    assert logits_of((t, None)) is t
+    assert logits_of([t]) is t
+    assert logits_of(_Out(t)) is t
+    for bad in ("logits", (), (None, t), {"logits": t}):
+        with pytest.raises(AutopartError, match="holds no logits"):
+            logits_of(bad)
