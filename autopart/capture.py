@@ -184,6 +184,10 @@ def _annotate(
     for fqn, node in canonical.items():
         node.meta[META_MODULE] = fqn.rpartition(".")[0]
         node.meta[META_LAYER] = layer_of(fqn)
+    for node in gm.graph.nodes:  # p_model_transformer_wte_weight → transformer_wte_weight
+        if node.op == "placeholder" and re.match(r"[pbc]_model_", node.name):
+            node._rename(node.name[len("p_model_") :])
+            node.target = node.name
     gm.graph.lint()
     gm.recompile()
     _name_symbols(gm)

@@ -167,10 +167,13 @@ def _inspect(a: argparse.Namespace) -> int:
     from autopart.spec import build
 
     con = Console()
-    model, batch = build(a.model)
-    captured = capture(model, batch)
+    mesh = Mesh(dp=a.dp, pp=a.pp, tp=a.tp)
+    with con.status(f"building and capturing {a.model}"):
+        model, batch = build(a.model)
+        captured = capture(model, batch)
     print_costs(captured, con)
-    program = parallelize(captured, Mesh(dp=a.dp, pp=a.pp, tp=a.tp), **_plan_kwargs(a))
+    with con.status(f"compiling for {mesh}"):
+        program = parallelize(captured, mesh, **_plan_kwargs(a))
     program.summary(con)
     if a.after:
         names = [h.name for h in program.history]

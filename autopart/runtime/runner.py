@@ -74,6 +74,8 @@ class Runner:
             self.params[fqn] = t if isinstance(t, nn.Parameter) else nn.Parameter(t)
         self.buffers = {k: v for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
+        # per step: buckets reduced, and how many of them were launched while backward ran
+        self.stats = {"buckets": len(self._buckets), "launched_during_backward": 0}
 
     @classmethod
     def from_program(
@@ -112,6 +114,7 @@ class Runner:
         losses: dict[int, torch.Tensor] = {}
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
         self._pending: list[Any] = []
+        self.stats["launched_during_backward"] = 0
         for i, action in enumerate(self.program.actions):
             if action.kind == "F":
                 (loss_sum,) = self._graph(action.stage)(*self._args(action.stage, *mbs[action.mb]))
@@ -184,6 +187,7 @@ class Runner:
                         self._buckets[self._next]
                     ):
                         self._launch(self._next)
+                        self.stats["launched_during_backward"] += 1
                         self._next += 1
 
                 hooks.append(p.register_post_accumulate_grad_hook(hook))
