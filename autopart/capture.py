@@ -133,6 +133,8 @@ def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor]) -> Captured:
     """Export ``model`` (real or meta device) into an annotated functional graph."""
     input_ids, labels = check_batch(example_inputs)
+    device = next((p.device for p in model.parameters()), input_ids.device)
+    input_ids, labels = input_ids.to(device), labels.to(device)  # e.g. CPU tokens, meta model
     wrapper = _LossSum(model)
     dyn = {0: Dim.AUTO, 1: Dim.AUTO}
     try:

@@ -72,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
 
-    v = sub.add_parser("verify", help="check loss and every gradient against one device",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    v = sub.add_parser("verify", help="check loss and every gradient against one device")
     v.add_argument(
         "--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make"
     )

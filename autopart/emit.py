@@ -38,7 +38,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef
+from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, layer_of
 from autopart.compiler import PassRecord
 from autopart.errors import AutopartError
 from autopart.plan import Mesh, Plan
@@ -301,6 +301,9 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
             (n for n in graph.graph.nodes if n.op == "placeholder"), inputs, strict=True
         ):
             n.meta[META_INPUT] = ref
+            if ref.kind == "param":
+                n.meta[META_MODULE] = ref.name.rpartition(".")[0]
+                n.meta[META_LAYER] = layer_of(ref.name)
         stages.append(StageProgram(st["stage"], graph, inputs))
     return RankProgram(
         rank=doc["rank"], coords=doc["coords"], groups=doc["groups"], stages=stages,

@@ -191,6 +191,6 @@ def launch(
         said = list(
             dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
         )
-        tail = "\n".join(said or lines[-25:])
+        tail = "\n".join(said or lines[-25:]) or "(the ranks' output is above)"
         raise AutopartError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}")
     return proc.stdout or ""

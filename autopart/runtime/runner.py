@@ -39,8 +39,8 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
                 "no distributed job found (RANK is not set)",
                 hint="launch with torchrun --nproc-per-node N ..., or use autopart verify",
             )
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # the runtime keeps tensors on the CPU for now (gloo); NCCL comes with device placement
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -114,6 +114,7 @@ class Runner:
         losses: dict[int, torch.Tensor] = {}
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
         self._pending: list[Any] = []
+        self._next = 0
         self.stats["launched_during_backward"] = 0
         for i, action in enumerate(self.program.actions):
             if action.kind == "F":
@@ -202,7 +203,7 @@ class Runner:
         self._pending.append((i, flat, work))
 
     def _finish_buckets(self, action: Action) -> None:
-        for i in range(getattr(self, "_next", 0), len(self._buckets)):
+        for i in range(self._next, len(self._buckets)):
             self._launch(i)  # buckets whose parameters got no gradient this step
         self._next = len(self._buckets)
         for i, flat, work in self._pending:

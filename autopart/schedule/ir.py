@@ -37,7 +37,10 @@ class Action:
         return f"{self.kind}({where}){to}"
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v not in (None, 0) or k == "kind"}
+        out = {k: v for k, v in asdict(self).items() if v or k == "kind"}
+        if self.peer is not None:
+            out["peer"] = self.peer  # rank 0 is a peer too
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Action:

@@ -32,8 +32,10 @@ def verify(actions: dict[int, list[Action]], units: set[tuple[int, int, int]]) -
     for kind in ("F", "B"):
         for unit in units:
             if ran[kind][unit] != 1:
+                where = [r for r, acts in actions.items() for a in acts if a.kind == kind and (a.stage, a.mb, a.chunk) == unit]
                 raise AutopartError(
-                    f"{kind} of (stage, mb, chunk) {unit} runs {ran[kind][unit]} times, not once"
+                    f"{kind} of (stage, mb, chunk) {unit} runs {ran[kind][unit]} times, not once "
+                    f"(on ranks {where or 'none'})"
                 )
     _simulate(actions)
 

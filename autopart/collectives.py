@@ -1,0 +1,223 @@
+"""Collectives as graph operations (``torch.library.custom_op``): they print in the graph, run
+under autograd, have fake implementations for shape propagation, and serialize with .pt2.
+
+Megatron's conjugate pair over the tensor-parallel group:
+
+- ``autopart::tp_copy``   (f): identity forward, all-reduce (sum) backward — before a
+  column-parallel matmul, whose input gradient is partial on every rank;
+- ``autopart::tp_reduce`` (g): all-reduce (sum) forward, identity backward — after a
+  row-parallel matmul, whose output is partial on every rank.
+
+Sequence parallelism's pair: ``autopart::tp_gather`` (all-gather along a dim forward,
+reduce-scatter backward) and ``autopart::tp_scatter_reduce`` (reduce-scatter forward,
+all-gather backward). ``autopart::vocab_parallel_ce`` is the summed cross entropy of logits
+sharded by vocabulary: only [N]-sized tensors (max, sum of exp, target logit) cross ranks.
+
+Groups are named ("tp", "dp", ...) in the graph; ``bind(name, group)`` tells this process which
+ProcessGroup a name means. Every wait has a timeout; its error names the rank, the op and the
+action the runtime was running (``set_action``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart.errors import AutopartError
+
+_GROUPS: dict[str, Any] = {}
+_STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
+
+
+def bind(name: str, group: Any) -> None:
+    """Make the graph's group ``name`` mean ``group`` (a ProcessGroup) in this process."""
+    _GROUPS[name] = group
+
+
+def set_action(action: str, timeout_s: float | None = None) -> None:
+    """Record what the runtime is doing (named in timeout errors)."""
+    _STATE["action"] = action
+    if timeout_s is not None:
+        _STATE["timeout_s"] = timeout_s
+
+
+def _group(name: str) -> Any:
+    if name not in _GROUPS:
+        raise AutopartError(f"collective group {name!r} is not bound in this process",
+                            hint="run the program through autopart's Runner, which binds its groups")  # fmt: skip
+    return _GROUPS[name]
+
+
+def _wait(work: Any, what: str) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    timeout = _STATE["timeout_s"]
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
+        raise AutopartError(f"rank {rank}: {what} during {_STATE['action']} failed or timed out "
+                            f"after {timeout:.0f} s: {exc}", hint="a peer rank probably died or is stuck") from exc  # fmt: skip
+    if ok is False:
+        raise AutopartError(f"rank {rank}: timed out after {timeout:.0f} s in {what} during {_STATE['action']}")
+
+
+def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
+    out = x.contiguous().clone()
+    g = _group(group)
+    if g is not None:
+        work = dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=g, async_op=True)
+        _wait(work, f"all-reduce over {group} of {tuple(x.shape)}")
+    return out
+
+
+def _world(group: str) -> int:
+    g = _group(group)
+    return 1 if g is None else dist.get_world_size(g)
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    g = _group(group)
+    if g is None:
+        return x.clone()
+    parts = [torch.empty_like(x.contiguous()) for _ in range(dist.get_world_size(g))]
+    work = dist.all_gather(parts, x.contiguous(), group=g, async_op=True)
+    _wait(work, f"all-gather over {group} of {tuple(x.shape)}")
+    return torch.cat(parts, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    g = _group(group)
+    if g is None:
+        return x.clone()
+    n, me = dist.get_world_size(g), dist.get_rank(g)
+    total = _all_reduce(x, group)  # gloo has no reduce_scatter: all-reduce, keep our slice
+    return total.chunk(n, dim)[me].contiguous()
+
+
+# -- f and g ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("autopart::tp_copy", mutates_args=())
+def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
+    """f: identity forward; the backward all-reduces the gradient over ``group``."""
+    return x.clone()
+
+
+@torch.library.custom_op("autopart::tp_reduce", mutates_args=())
+def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """g: all-reduce (sum) over ``group`` forward; identity backward."""
+    return _all_reduce(x, group)
+
+
+@torch.library.custom_op("autopart::tp_gather", mutates_args=())
+def tp_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """All-gather along ``dim`` forward; reduce-scatter backward (sequence parallelism)."""
+    return _all_gather(x, dim, group)
+
+
+@torch.library.custom_op("autopart::tp_scatter_reduce", mutates_args=())
+def tp_scatter_reduce(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward; all-gather backward (sequence parallelism)."""
+    return _reduce_scatter(x, dim, group)
+
+
+@torch.library.custom_op("autopart::tp_all_reduce_grad", mutates_args=())
+def tp_all_reduce_grad(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (same as f; kept for SP norms)."""
+    return x.clone()
+
+
+def _same(x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _gathered(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * _fake_world(group)
+    return x.new_empty(shape)
+
+
+def _scattered(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // _fake_world(group)
+    return x.new_empty(shape)
+
+
+_FAKE_WORLD: dict[str, int] = {}
+
+
+def _fake_world(group: str) -> int:
+    """Group sizes for shape propagation at compile time (``set_fake_world``)."""
+    return _FAKE_WORLD.get(group) or _world(group)
+
+
+def set_fake_world(sizes: dict[str, int]) -> None:
+    _FAKE_WORLD.update(sizes)
+
+
+for _op, _fake in ((tp_copy, _same), (tp_reduce, _same), (tp_all_reduce_grad, _same),
+                   (tp_gather, _gathered), (tp_scatter_reduce, _scattered)):  # fmt: skip
+    _op.register_fake(_fake)
+
+
+def _keep_group(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
+    ctx.args = inputs[1:]
+
+
+tp_copy.register_autograd(lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group)
+tp_all_reduce_grad.register_autograd(lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group)
+tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
+tp_gather.register_autograd(lambda ctx, g: (tp_scatter_reduce(g, *ctx.args), None, None), setup_context=_keep_group)
+tp_scatter_reduce.register_autograd(lambda ctx, g: (tp_gather(g, *ctx.args), None, None), setup_context=_keep_group)
+
+
+# -- vocabulary-parallel cross entropy -------------------------------------------------------
+
+
+@torch.library.custom_op("autopart::vocab_parallel_ce", mutates_args=())
+def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, tp_rank: torch.Tensor,
+                      group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Summed CE over labels != -100 of logits [N, V/tp] sharded by vocabulary.
+
+    Returns (loss_sum, row max [N], row sum of exp [N]); the last two are for the backward.
+    """
+    n_local = logits.shape[-1]
+    start = int(tp_rank) * n_local
+    row_max = _all_reduce(logits.detach().max(-1).values, group, dist.ReduceOp.MAX)  # [N]
+    shifted = logits - row_max[:, None]
+    sum_exp = _all_reduce(shifted.exp().sum(-1), group)  # [N]
+    local = labels - start
+    mine = (local >= 0) & (local < n_local)
+    target = shifted.gather(1, local.clamp(0, n_local - 1)[:, None]).squeeze(1) * mine
+    target = _all_reduce(target, group)  # [N]: the target's shifted logit, from its owner
+    valid = labels != -100
+    loss = ((sum_exp.log() - target) * valid).sum()
+    return loss, row_max, sum_exp
+
+
+@vocab_parallel_ce.register_fake
+def _(logits, labels, tp_rank, group):
+    n = logits.shape[0]
+    return logits.new_empty(()), logits.new_empty((n,)), logits.new_empty((n,))
+
+
+def _ce_setup(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
+    logits, labels, tp_rank, _ = inputs
+    ctx.save_for_backward(logits, labels, tp_rank, output[1], output[2])
+
+
+def _ce_backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    logits, labels, tp_rank, row_max, sum_exp = ctx.saved_tensors
+    n_local = logits.shape[-1]
+    probs = (logits - row_max[:, None]).exp() / sum_exp[:, None]  # softmax, our vocab slice
+    local = labels - int(tp_rank) * n_local
+    mine = (local >= 0) & (local < n_local)
+    onehot = torch.zeros_like(probs).scatter_(1, local.clamp(0, n_local - 1)[:, None], mine[:, None].to(probs.dtype))
+    valid = (labels != -100).to(probs.dtype)[:, None]
+    return (probs - onehot) * valid * grad, None, None, None
+
+
+vocab_parallel_ce.register_autograd(_ce_backward, setup_context=_ce_setup)

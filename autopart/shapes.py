@@ -1,0 +1,42 @@
+"""Shape propagation: recompute every node's ``meta["val"]`` (FakeTensor, symbolic b and s)
+after a pass changed parameter shapes or inserted nodes. A shape constant a pass rewrote wrongly
+fails here, as an ``AutopartError`` that names the node — never later as silent garbage."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from autopart.capture import META_MODULE
+from autopart.errors import AutopartError
+
+
+class _Prop(FakeTensorProp):
+    def run_node(self, n: fx.Node):
+        try:
+            return super().run_node(n)
+        except AutopartError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the node whatever went wrong
+            raise AutopartError(
+                f"shapes do not fit at node {n.format_node()} (module "
+                f"{n.meta.get(META_MODULE) or '<root>'}): {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                hint="a pass rewrote a shape it could not prove; please report this with the model",
+            ) from exc
+
+
+def fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A FakeTensor of ``shape`` in the same fake mode (and dtype) as ``val``."""
+    mode = detect_fake_mode([val])
+    with mode:
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+
+def propagate(gm: fx.GraphModule) -> fx.GraphModule:
+    """Re-run fake propagation from the placeholders' ``meta["val"]``; updates every node."""
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(inputs)
+    _Prop(gm, mode).propagate_dont_convert_inputs(*inputs)
+    return gm
