@@ -19,6 +19,7 @@ from autopart.emit import Program, RankProgram, Shard, StageProgram
 from autopart.errors import AutopartError
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
+from autopart.passes.tensor_parallel import META_SHARD
 from autopart.plan import Plan, mesh_from
 from autopart.schedule import generate, verify
 
@@ -70,12 +71,23 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
+def _shards(captured: Captured, split: dict, tp_index: int, tp: int) -> dict[str, Shard]:
+    """Each parameter's slice on a rank with this tp index (whole when not split)."""
+    out = {}
+    for fqn, t in captured.params.items():
+        s = split.get(fqn)
+        shape = tuple(t.shape)
+        out[fqn] = Shard(shape) if s is None else Shard(shape, s.dim, tp_index, tp, s.strided)
+    return out
+
+
 def compile_program(captured: Captured, plan: Plan, progress: Progress | None = None) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     mesh = plan.mesh
     gm, history = run_passes(_copy(captured.graph), plan, PIPELINE)
     inputs = [n.meta[META_INPUT] for n in gm.graph.nodes if n.op == "placeholder"]
-    shards = {f: Shard(tuple(t.shape)) for f, t in captured.params.items()}
+    split = {n.meta[META_INPUT].name: n.meta.get(META_SHARD) for n in gm.graph.nodes
+             if n.op == "placeholder" and n.meta[META_INPUT].kind == "param"}  # fmt: skip
     ranks = []
     for r in range(mesh.size):
         coords = mesh.coords(r)
@@ -85,7 +97,7 @@ def compile_program(captured: Captured, plan: Plan, progress: Progress | None = 
             groups={d: mesh.group(d, r) for d in ("dp", "pp", "tp")},
             stages=[StageProgram(coords["pp"], gm, inputs)],
             actions=generate(plan.schedule, coords["pp"], plan.microbatches, peers, mesh.dp),
-            shards=shards, buckets=buckets(gm),
+            shards=_shards(captured, split, coords["tp"], mesh.tp), buckets=buckets(gm),
         ))  # fmt: skip
     units = {(s, mb, 0) for s in range(mesh.pp) for mb in range(plan.microbatches)}
     for pipeline in mesh.groups("pp"):

@@ -44,7 +44,9 @@ _PREFIX = "model."  # the wrapper's attribute name, stripped from every FQN
 class InputRef:
     """What feeds a placeholder: a parameter/buffer/constant by FQN, or a batch tensor."""
 
-    kind: Literal["param", "buffer", "constant", "data"]
+    kind: Literal[
+        "param", "buffer", "constant", "data", "rank"
+    ]  # rank: this rank's index in a group
     name: str
 
 

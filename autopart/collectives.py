@@ -61,7 +61,9 @@ def _wait(work: Any, what: str) -> None:
         raise AutopartError(f"rank {rank}: {what} during {_STATE['action']} failed or timed out "
                             f"after {timeout:.0f} s: {exc}", hint="a peer rank probably died or is stuck") from exc  # fmt: skip
     if ok is False:
-        raise AutopartError(f"rank {rank}: timed out after {timeout:.0f} s in {what} during {_STATE['action']}")
+        raise AutopartError(
+            f"rank {rank}: timed out after {timeout:.0f} s in {what} during {_STATE['action']}"
+        )
 
 
 def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
@@ -168,10 +170,16 @@ def _keep_group(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
 
 
 tp_copy.register_autograd(lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group)
-tp_all_reduce_grad.register_autograd(lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group)
+tp_all_reduce_grad.register_autograd(
+    lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group
+)
 tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
-tp_gather.register_autograd(lambda ctx, g: (tp_scatter_reduce(g, *ctx.args), None, None), setup_context=_keep_group)
-tp_scatter_reduce.register_autograd(lambda ctx, g: (tp_gather(g, *ctx.args), None, None), setup_context=_keep_group)
+tp_gather.register_autograd(
+    lambda ctx, g: (tp_scatter_reduce(g, *ctx.args), None, None), setup_context=_keep_group
+)
+tp_scatter_reduce.register_autograd(
+    lambda ctx, g: (tp_gather(g, *ctx.args), None, None), setup_context=_keep_group
+)
 
 
 # -- vocabulary-parallel cross entropy -------------------------------------------------------
@@ -215,7 +223,9 @@ def _ce_backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
     probs = (logits - row_max[:, None]).exp() / sum_exp[:, None]  # softmax, our vocab slice
     local = labels - int(tp_rank) * n_local
     mine = (local >= 0) & (local < n_local)
-    onehot = torch.zeros_like(probs).scatter_(1, local.clamp(0, n_local - 1)[:, None], mine[:, None].to(probs.dtype))
+    onehot = torch.zeros_like(probs).scatter_(
+        1, local.clamp(0, n_local - 1)[:, None], mine[:, None].to(probs.dtype)
+    )
     valid = (labels != -100).to(probs.dtype)[:, None]
     return (probs - onehot) * valid * grad, None, None, None
 

@@ -113,8 +113,12 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> Cost:
             to_sympy(k.shape[-2], gm),
             to_sympy(q.shape[-1], gm),
         )
-        slot = 5 if op == "scaled_dot_product_attention" else 4  # flash: (q, k, v, dropout, is_causal)
-        causal = bool(node.kwargs.get("is_causal", node.args[slot] if len(node.args) > slot else False))
+        slot = (
+            5 if op == "scaled_dot_product_attention" else 4
+        )  # flash: (q, k, v, dropout, is_causal)
+        causal = bool(
+            node.kwargs.get("is_causal", node.args[slot] if len(node.args) > slot else False)
+        )
         pairs = sq * sk - sq**2 / 2 if causal else sq * sk
         mm = 4 * b_h * d * pairs
         return Cost(flops=mm + 3 * b_h * pairs, mm_flops=mm, bytes=moved, act_bytes=act)

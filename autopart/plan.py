@@ -135,7 +135,6 @@ class Plan:
 
     def _refuse_unimplemented(self) -> None:
         later = {
-            "tp": (self.mesh.tp > 1, "tensor parallelism (tp > 1)"),
             "pp": (self.mesh.pp > 1, "pipeline parallelism (pp > 1)"),
             "v": (self.virtual_stages > 1, "virtual stages (virtual_stages > 1)"),
             "k": (self.seq_chunks > 1, "Seq1F1B sequence chunks (seq_chunks > 1)"),
@@ -149,7 +148,7 @@ class Plan:
             if wanted:
                 raise AutopartError(
                     f"{what} is not supported yet in this version of autopart",
-                    hint="data parallelism works now: use Mesh(dp=N) with schedule 1f1b or gpipe",
+                    hint="data and tensor parallelism work now: Mesh(dp=N, tp=M), schedule 1f1b or gpipe",
                 )
 
     def check_batch(self, batch_size: int) -> int:

@@ -115,11 +115,13 @@ def run(args: argparse.Namespace) -> int:
         batches = Batches(args, head)
         optim = None if args.no_optim else torch.optim.AdamW(runner.parameters(), lr=args.lr)
         _train(runner, optim, batches, args, rank)
-    finally:
+    except BaseException:
+        raise  # torchrun ends the other ranks; tearing groups down here could hang
+    else:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.barrier()  # every rank done with every collective before the groups go away
+        dist.destroy_process_group()
     return 0
 
 

@@ -192,5 +192,13 @@ def launch(
             dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
         )
         tail = "\n".join(said or lines[-25:]) or "(the ranks' output is above)"
-        raise AutopartError(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}")
+        log = None
+        if proc.stdout:
+            fd, log = tempfile.mkstemp(prefix="autopart-ranks-", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(proc.stdout)
+        where = f"\n(full output of every rank: {log})" if log else ""
+        raise AutopartError(
+            f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}{where}"
+        )
     return proc.stdout or ""

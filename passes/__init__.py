@@ -4,7 +4,9 @@ The order the compiler runs them in is ``PIPELINE`` (see ``autopart.compiler``).
 """
 
 from autopart.passes.data_parallel import data_parallel
+from autopart.passes.tensor_parallel import tensor_parallel
+from autopart.passes.vocab_parallel import vocab_parallel
 
-PIPELINE = (data_parallel,)
+PIPELINE = (vocab_parallel, tensor_parallel, data_parallel)
 
-__all__ = ["PIPELINE", "data_parallel"]
+__all__ = ["PIPELINE", "data_parallel", "tensor_parallel", "vocab_parallel"]

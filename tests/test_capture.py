@@ -133,12 +133,6 @@ def test_capture_meta_model_with_meta_inputs() -> None:
     assert set(cap.graph.meta["autopart.symbols"].values()) == {B, S}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: capture's own loss wrapper (_LossSum) computes cross_entropy(meta logits, cpu "
-    "labels) for a meta-device model given ordinary CPU example inputs; export fails with "
-    "'Tensor on device meta is not on the expected device cpu!' blamed on '<string>:1'",
-)
 def test_capture_meta_model_with_cpu_inputs() -> None:
     cfg = nanogpt.GPTConfig()
     with torch.device("meta"):

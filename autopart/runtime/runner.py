@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopart import collectives
 from autopart.emit import Program, RankProgram
 from autopart.errors import AutopartError
 from autopart.plan import Plan
@@ -74,6 +75,8 @@ class Runner:
             self.params[fqn] = t if isinstance(t, nn.Parameter) else nn.Parameter(t)
         self.buffers = {k: v for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
+        collectives.bind("tp", groups.get("tp"))
+        collectives.set_action("(setup)", timeout_s)
         # per step: buckets reduced, and how many of them were launched while backward ran
         self.stats = {"buckets": len(self._buckets), "launched_during_backward": 0}
 
@@ -117,6 +120,7 @@ class Runner:
         self._next = 0
         self.stats["launched_during_backward"] = 0
         for i, action in enumerate(self.program.actions):
+            collectives.set_action(f"{action} on rank {self.rank}")
             if action.kind == "F":
                 (loss_sum,) = self._graph(action.stage)(*self._args(action.stage, *mbs[action.mb]))
                 losses[action.mb] = loss_sum / count
@@ -168,6 +172,8 @@ class Runner:
         for ref in st.inputs:
             if ref.kind == "param":
                 out.append(self.params[ref.name])
+            elif ref.kind == "rank":
+                out.append(torch.tensor(self.program.coords[ref.name]))
             elif ref.kind == "data":
                 out.append(data[ref.name])
             else:

@@ -30,12 +30,20 @@ def verify(actions: dict[int, list[Action]], units: set[tuple[int, int, int]]) -
                     raise AutopartError(f"rank {rank}: {a} runs before its forward")
                 ran[a.kind][unit] += 1
     for kind in ("F", "B"):
-        for unit in units:
+        for unit in sorted(units):
             if ran[kind][unit] != 1:
-                where = [r for r, acts in actions.items() for a in acts if a.kind == kind and (a.stage, a.mb, a.chunk) == unit]
+                where = sorted(
+                    {
+                        r
+                        for r, acts in actions.items()
+                        for a in acts
+                        if a.kind == kind and (a.stage, a.mb, a.chunk) == unit
+                    }
+                )
+                who = f"rank {where[0]}" if where else "no rank"
                 raise AutopartError(
-                    f"{kind} of (stage, mb, chunk) {unit} runs {ran[kind][unit]} times, not once "
-                    f"(on ranks {where or 'none'})"
+                    f"{who}: {kind}(s{unit[0]},m{unit[1]},c{unit[2]}) runs {ran[kind][unit]} times, "
+                    "not once (every stage, micro-batch and chunk needs one forward and one backward)"
                 )
     _simulate(actions)
 

@@ -1,0 +1,227 @@
+"""tensor_parallel: after this pass every matmul pair that can be split Megatron-style is.
+
+Invariant: each *region* — column matmuls whose split output features reach one or more row
+matmuls' input features only through ops that keep the split local (pointwise ops, per-head
+attention, head reshapes, rotary slicing, GQA repeats) — runs on tp ranks with:
+
+- column weights (and biases) split by output features, strided when the output is split into
+  equal parts afterwards (fused QKV: each rank keeps its heads of q, k and v);
+- one ``autopart::tp_copy`` (f) on each distinct input of the region's column matmuls;
+- row weights split by input features; each row matmul followed by one ``autopart::tp_reduce``
+  (g), its bias added after the reduction;
+- every shape constant that encodes a split size divided by tp (``view``/``reshape``/
+  ``expand`` sizes, ``split`` sizes); ``meta["val"]`` holds the local shapes.
+
+Parameter placeholders get ``meta["autopart.shard"]`` = ``TPShard(dim, strided)`` or keep
+``None`` (replicated). A region the rules cannot prove is left replicated with a warning naming
+the node that stopped it; it is never split unsafely. Matmuls already handled by the
+vocab_parallel pass are left alone. No module or parameter names are used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
+from torch import fx
+
+from autopart import collectives  # noqa: F401 - registers the autopart:: ops
+from autopart.capture import META_MODULE
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+from autopart.shapes import fake_like, propagate
+
+log = logging.getLogger("autopart")
+aten, ops = torch.ops.aten, torch.ops.autopart
+META_SHARD = "autopart.shard"
+META_ROLE = "autopart.tp_role"  # "column" | "row" | "vocab": set on matmuls this pass family split
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """A parameter split over the tp group along ``dim`` (``strided`` interleaved blocks)."""
+
+    dim: int
+    strided: int = 1
+
+
+def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    tp = plan.mesh.tp
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta.setdefault(META_SHARD, None)
+    if tp == 1:
+        return gm
+    excluded: set[fx.Node] = set()
+    while True:
+        sp = spread(gm, lambda f: f.node not in excluded and META_ROLE not in f.node.meta)
+        bad = _invalid_regions(sp)
+        if not bad:
+            break
+        for members, reason in bad:
+            cols = [m for m in members if m in sp.columns]
+            excluded.update(cols)
+            log.warning("tensor_parallel: leaving %s replicated: %s",
+                        ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in cols), reason)  # fmt: skip
+    _check_divisible(sp, tp)
+    strided = _strided(sp)
+    for n in sp.columns:
+        _split_column(gm, matmul_form(n), strided.get(n, 1))
+    for n in sp.rows:
+        _split_row(gm, matmul_form(n))
+    for n in list(sp.dims):
+        _rewrite_constants(n, sp.dims, tp)
+    localize(gm, tp)
+    return propagate(gm)
+
+
+def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
+    bad = []
+    for members in sp.components().values():
+        if not any(m in sp.columns for m in members):
+            continue
+        problems = [m for m in members if m in sp.problems]
+        if problems:
+            p = problems[0]
+            bad.append(
+                (members, f"{p.name} ({p.meta.get(META_MODULE) or '<root>'}): {sp.problems[p]}")
+            )
+        elif not any(m in sp.rows for m in members):
+            bad.append((members, "its split output never reaches a row matmul"))
+    return bad
+
+
+def _check_divisible(sp, tp: int) -> None:
+    for n, d in sp.dims.items():
+        val = tensor_val(n)
+        if val is None or not isinstance(val.shape[d], int):
+            continue
+        if val.shape[d] % tp:
+            raise AutopartError(
+                f"node {n.name} ({n.meta.get(META_MODULE) or '<root>'}) splits dim {d} of shape "
+                f"{tuple(val.shape)} over tp={tp}, but {val.shape[d]} is not divisible by {tp}",
+                hint="choose a tp that divides the hidden size, the MLP width, the number of attention "
+                "heads and the number of key/value heads (grouped-query attention with fewer KV heads "
+                "than tp is refused, not replicated)",
+            )
+
+
+def _strided(sp) -> dict[fx.Node, int]:
+    """Column matmuls whose split output is cut into equal parts along the split dim."""
+    out: dict[fx.Node, int] = {}
+    for n in sp.dims:
+        if n.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            continue
+        src = n.args[0]
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+        if dim % tensor_val(src).dim() != sp.dims[src]:
+            continue
+        parts = len(n.meta["val"])
+        sizes = {tuple(v.shape)[sp.dims[src]] for v in n.meta["val"]}
+        if len(sizes) != 1:
+            raise AutopartError(f"{n.name} splits a tp-split tensor into unequal parts {sorted(sizes)}",
+                                hint="fused projections with unequal q/k/v widths are not supported with tp")  # fmt: skip
+        while src not in sp.columns:  # back to the column matmul through local ops
+            src = src.args[0]
+        out[src] = parts
+    return out
+
+
+def _set_shard(p: fx.Node, shard: TPShard) -> None:
+    old = p.meta.get(META_SHARD)
+    if old is not None and old != shard:
+        raise AutopartError(f"parameter {p.meta['autopart.input'].name} would be split two ways ({old} and {shard})",
+                            hint="a weight used by two different matmuls cannot be tensor-parallel")  # fmt: skip
+    p.meta[META_SHARD] = shard
+
+
+def _split_column(gm: fx.GraphModule, f: Matmul, strided: int) -> None:
+    _set_shard(f.weight, TPShard(f.col_dim, strided))
+    if f.bias is not None:
+        _set_shard(f.bias, TPShard(0, strided))
+    f.node.meta[META_ROLE] = "column"
+    x = f.x
+    f.node.replace_input_with(x, tp_copy_of(gm, x))
+
+
+def tp_copy_of(gm: fx.GraphModule, x: fx.Node) -> fx.Node:
+    """The one ``tp_copy`` (f) of ``x``, created right after it on first use."""
+    copy = next((u for u in x.users if u.target == ops.tp_copy.default), None)
+    if copy is None:
+        with gm.graph.inserting_after(x):
+            copy = gm.graph.call_function(ops.tp_copy.default, (x, "tp"))
+        copy.meta.update({k: v for k, v in x.meta.items() if not k.startswith("autopart.input")})
+    return copy
+
+
+def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
+    _set_shard(f.weight, TPShard(f.row_dim, 1))
+    n = f.node
+    n.meta[META_ROLE] = "row"
+    g = gm.graph
+    with g.inserting_after(n):
+        if n.target == aten.linear.default:
+            mm = g.call_function(aten.linear.default, (f.x, f.weight))
+        elif n.target == aten.addmm.default:
+            mm = g.call_function(aten.mm.default, (f.x, f.weight))
+        else:
+            mm = g.call_function(n.target, (f.x, f.weight))
+    with g.inserting_after(mm):
+        reduced = g.call_function(ops.tp_reduce.default, (mm, "tp"))
+    out = reduced
+    if f.bias is not None:
+        with g.inserting_after(reduced):
+            out = g.call_function(aten.add.Tensor, (reduced, f.bias))
+    for new in {mm, reduced, out}:
+        new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", META_ROLE)})
+    mm.meta[META_ROLE] = "row"
+    n.replace_all_uses_with(out)
+    g.erase_node(n)
+
+
+def _rewrite_constants(n: fx.Node, dims: dict[fx.Node, int], tp: int) -> None:
+    if n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        _, idx = view_map(n, dims[n.args[0]])
+        _divide(n, 1, idx, tp)
+    elif n.target == aten.expand.default:
+        _divide(n, 1, dims[n], tp)
+    elif n.target == aten.split.Tensor and _along(n, dims):
+        n.update_arg(1, n.args[1] // tp)
+    elif n.target == aten.split_with_sizes.default and _along(n, dims):
+        n.update_arg(1, [s // tp for s in n.args[1]])
+
+
+def _along(n: fx.Node, dims: dict[fx.Node, int]) -> bool:
+    src = n.args[0]
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return dim % tensor_val(src).dim() == dims[src]
+
+
+def _divide(n: fx.Node, arg: int, idx: int, tp: int) -> None:
+    shape = list(n.args[arg])
+    if isinstance(shape[idx], int) and shape[idx] != -1:
+        shape[idx] //= tp
+        n.update_arg(arg, shape)
+
+
+def localize(gm: fx.GraphModule, tp: int) -> None:
+    """Give every split parameter placeholder its local (per-rank) fake value; refuse a split
+    parameter that some op would still read whole."""
+    for p in gm.graph.nodes:
+        shard = p.meta.get(META_SHARD) if p.op == "placeholder" else None
+        if shard is None:
+            continue
+        for u in p.users:
+            if META_ROLE not in u.meta:
+                raise AutopartError(
+                    f"parameter {p.meta['autopart.input'].name} is split over tp but {u.format_node()} "
+                    f"({u.meta.get(META_MODULE) or '<root>'}) reads it whole",
+                    hint="this use of a split weight is not supported with tp; please report the model",
+                )
+        full = p.meta.get("autopart.global_val", p.meta["val"])
+        p.meta["autopart.global_val"] = full
+        shape = list(full.shape)
+        shape[shard.dim] //= tp
+        p.meta["val"] = fake_like(full, tuple(shape))

@@ -1,0 +1,375 @@
+"""Sharding rules for the tensor-parallel passes: how a split of one dim moves through an op.
+
+``out_dim(node, dims)`` answers, for a node some of whose tensor inputs are split along a
+dim (``dims[input]``; other inputs replicated), which dim of its output is split — or raises
+``Illegal`` when the op needs the whole dim (a norm over it, a slice of it, a replicated
+operand that spans it). Rules are keyed by ATen op; anything unknown is illegal, so the pass
+never shards through an op it does not understand.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import sympy
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+
+class Illegal(Exception):
+    """The split cannot pass through this node."""
+
+
+def tensor_val(n: object) -> torch.Tensor | None:
+    if isinstance(n, fx.Node):
+        v = n.meta.get("val")
+        return v if isinstance(v, torch.Tensor) else None
+    return None
+
+
+def _ndim(n: fx.Node) -> int:
+    v = tensor_val(n)
+    if v is None:
+        raise Illegal(f"{n.name} has no tensor value")
+    return v.dim()
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _pointwise(n: fx.Node, dims: dict[fx.Node, int]) -> int:
+    out = _ndim(n)
+    found: set[int] = set()
+    tensors = [a for a in n.all_input_nodes if tensor_val(a) is not None]
+    for a in tensors:
+        if a in dims:
+            found.add(dims[a] + out - _ndim(a))
+    if len(found) != 1:
+        raise Illegal(f"operands split along different dims {sorted(found)}")
+    d = found.pop()
+    for a in tensors:
+        if a not in dims:
+            pos = d - (out - _ndim(a))
+            if pos >= 0 and tensor_val(a).shape[pos] != 1:
+                raise Illegal(f"replicated operand {a.name} spans the split dim {d}")
+    return d
+
+
+def _first(n: fx.Node, dims: dict[fx.Node, int]) -> int:
+    src = n.args[0]
+    if src not in dims:
+        raise Illegal("only a non-first operand is split")
+    return dims[src]
+
+
+def _transpose(n, dims):
+    d, nd = _first(n, dims), _ndim(n)
+    a, b = _norm(n.args[1], nd), _norm(n.args[2], nd)
+    return b if d == a else a if d == b else d
+
+
+def _permute(n, dims):
+    d = _first(n, dims)
+    order = [_norm(x, _ndim(n)) for x in n.args[1]]
+    return order.index(d)
+
+
+def _unsqueeze(n, dims):
+    d = _first(n, dims)
+    k = _norm(n.args[1], _ndim(n))
+    return d + 1 if k <= d else d
+
+
+def _squeeze(n, dims):
+    d = _first(n, dims)
+    src = n.args[0]
+    ks = (
+        n.args[1] if len(n.args) > 1 else [i for i, s in enumerate(tensor_val(src).shape) if s == 1]
+    )
+    ks = [_norm(k, _ndim(src)) for k in (ks if isinstance(ks, (list, tuple)) else [ks])]
+    if d in ks:
+        raise Illegal("squeezes the split dim")
+    return d - sum(k < d for k in ks)
+
+
+def _expand(n, dims):
+    d = _first(n, dims)
+    return d + len(n.args[1]) - _ndim(n.args[0])
+
+
+def _not_along(arg: int):
+    def rule(n, dims):
+        d = _first(n, dims)
+        dim = n.args[arg] if len(n.args) > arg else n.kwargs.get("dim", 0)
+        if _norm(dim, _ndim(n.args[0])) == d:
+            raise Illegal(f"{n.target} works along the split dim")
+        return d
+
+    return rule
+
+
+def _split(n, dims):
+    return _first(n, dims)  # splits along the split dim are strided: handled by the pass
+
+
+def _cat(n, dims):
+    tensors = n.args[0]
+    if not all(t in dims for t in tensors):
+        raise Illegal("cat of split and replicated tensors")
+    ds = {dims[t] for t in tensors}
+    dim = _norm(n.args[1] if len(n.args) > 1 else 0, _ndim(n))
+    if len(ds) != 1 or dim in ds:
+        raise Illegal("cat along the split dim")
+    return ds.pop()
+
+
+def _reduce(n, dims):
+    d = _first(n, dims)
+    nd = _ndim(n.args[0])
+    over = n.args[1] if len(n.args) > 1 else list(range(nd))
+    over = [_norm(x, nd) for x in (over if isinstance(over, (list, tuple)) else [over])]
+    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    if d in over:
+        raise Illegal("reduces over the split dim")
+    return d if keep else d - sum(x < d for x in over)
+
+
+def _layer_norm(n, dims):
+    d = _first(n, dims)
+    if d >= _ndim(n) - len(n.args[1]):
+        raise Illegal("normalizes over the split dim")
+    return d
+
+
+def _attention(n, dims):
+    q, k, v = n.args[:3]
+    if not (q in dims and k in dims and v in dims):
+        raise Illegal("attention with only some of q, k, v split")
+    heads = _ndim(q) - 3
+    if not dims[q] == dims[k] == dims[v] == heads:
+        raise Illegal("attention split along a dim other than the heads")
+    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node):
+        if mask in dims:
+            raise Illegal("split attention mask")
+        m = tensor_val(mask)
+        pos = heads - (_ndim(q) - m.dim())
+        if pos >= 0 and m.shape[pos] != 1:
+            raise Illegal("attention mask differs per head")
+    return heads
+
+
+def _batched_matmul(n, dims):
+    a, b = n.args[:2]
+    if a not in dims or b not in dims or dims[a] != dims[b] or dims[a] >= _ndim(n) - 2:
+        raise Illegal("matmul of activations split along a non-batch dim")
+    return dims[a]
+
+
+def _getitem(n, dims):
+    return _first(n, dims)
+
+
+def _sym(x: object) -> sympy.Expr:
+    return sympy.sympify(x.node.expr) if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
+
+
+def view_map(n: fx.Node, d: int) -> tuple[int, int]:
+    """For a view/reshape of a tensor split along ``d``: (output dim now split, index in the
+    output shape list whose literal must be divided by tp; -1 if none)."""
+    src, out = tensor_val(n.args[0]), tensor_val(n)
+    before = sympy.Mul(*[_sym(x) for x in src.shape[:d]])
+    size = _sym(src.shape[d])
+    acc = sympy.Integer(1)
+    for j, o in enumerate(out.shape):
+        if sympy.simplify(acc - before) == 0:
+            o = _sym(o)
+            inner_ok = (
+                sympy.simplify(size % o) == 0 if o.is_number and size.is_number else o == size
+            )
+            outer_ok = o.is_number and size.is_number and int(o) % int(size) == 0
+            if inner_ok or outer_ok:
+                return j, j
+            break
+        acc = acc * _sym(o)
+    raise Illegal(f"view cannot keep dim {d} ({src.shape[d]}) split")
+
+
+def _view(n, dims):
+    return view_map(n, _first(n, dims))[0]
+
+
+_UNARY_LIKE = {
+    aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default,
+}  # fmt: skip
+
+RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
+    aten.transpose.int: _transpose,
+    aten.t.default: lambda n, d: 1 - _first(n, d),
+    aten.permute.default: _permute,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.dim: _squeeze,
+    aten.squeeze.dims: _squeeze,
+    aten.expand.default: _expand,
+    aten.slice.Tensor: _not_along(1),
+    aten.select.int: _not_along(1),
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.chunk.default: _split,
+    aten.cat.default: _cat,
+    aten.softmax.int: _not_along(1),
+    aten._softmax.default: _not_along(1),
+    aten.log_softmax.int: _not_along(1),
+    aten.mean.dim: _reduce,
+    aten.sum.dim_IntList: _reduce,
+    aten.amax.default: _reduce,
+    aten.layer_norm.default: _layer_norm,
+    aten.scaled_dot_product_attention.default: _attention,
+    aten.matmul.default: _batched_matmul,
+    aten.bmm.default: _batched_matmul,
+    aten.view.default: _view,
+    aten.reshape.default: _view,
+    aten._unsafe_view.default: _view,
+    operator.getitem: _getitem,
+}
+
+
+def out_dim(n: fx.Node, dims: dict[fx.Node, int]) -> int:
+    """The output dim split after ``n`` (see the module docstring); raises ``Illegal``."""
+    if n.target in RULES:
+        return RULES[n.target](n, dims)
+    tags = getattr(n.target, "tags", ())
+    if n.target in _UNARY_LIKE or torch.Tag.pointwise in tags:
+        return _pointwise(n, dims)
+    raise Illegal(f"no sharding rule for {n.target}")
+
+
+# -- matmuls with a parameter weight, and the forward spread of a split ----------------------
+
+
+class Matmul:
+    """A matmul whose weight is a 2-D parameter placeholder, in one of the forms export makes.
+
+    ``col_dim``/``row_dim``: the weight dim holding output/input features (``nn.Linear`` stores
+    [out, in]; HF ``Conv1D`` and plain ``x @ W`` store [in, out]).
+    """
+
+    def __init__(
+        self, node: fx.Node, x: fx.Node, weight: fx.Node, bias: fx.Node | None, col_dim: int
+    ) -> None:
+        self.node, self.x, self.weight, self.bias, self.col_dim = node, x, weight, bias, col_dim
+        self.row_dim = 1 - col_dim
+
+
+def is_param(n: object) -> bool:
+    ref = n.meta.get("autopart.input") if isinstance(n, fx.Node) else None
+    return ref is not None and ref.kind == "param"
+
+
+def matmul_form(n: fx.Node) -> Matmul | None:
+    if n.op != "call_function":
+        return None
+    a = n.args
+    if n.target == aten.linear.default and is_param(a[1]) and tensor_val(a[1]).dim() == 2:
+        return Matmul(n, a[0], a[1], a[2] if len(a) > 2 else None, 0)
+    if (
+        n.target == aten.addmm.default
+        and is_param(a[2])
+        and tensor_val(a[2]).dim() == 2
+        and len(a) == 3
+        and not n.kwargs
+    ):
+        return Matmul(n, a[1], a[2], a[0], 1)
+    if (
+        n.target in (aten.mm.default, aten.matmul.default)
+        and is_param(a[1])
+        and tensor_val(a[1]).dim() == 2
+    ):
+        return Matmul(n, a[0], a[1], None, 1)
+    return None
+
+
+class Spread:
+    """Where a split spreads from its seed matmuls, and what stops it.
+
+    ``dims``: node → split output dim; ``columns``: seed matmuls (output features split);
+    ``rows``: matmuls whose input features arrive split; ``ends``: other accepted terminals;
+    ``problems``: node → why the split cannot pass it. ``component(n)`` groups all of these into
+    connected regions.
+    """
+
+    def __init__(self) -> None:
+        self.dims: dict[fx.Node, int] = {}
+        self.columns: list[fx.Node] = []
+        self.rows: list[fx.Node] = []
+        self.ends: list[fx.Node] = []
+        self.problems: dict[fx.Node, str] = {}
+        self._parent: dict[fx.Node, fx.Node] = {}
+
+    def _find(self, n: fx.Node) -> fx.Node:
+        while self._parent.setdefault(n, n) is not n:
+            n = self._parent[n]
+        return n
+
+    def join(self, a: fx.Node, b: fx.Node) -> None:
+        self._parent[self._find(a)] = self._find(b)
+
+    def components(self) -> dict[fx.Node, list[fx.Node]]:
+        groups: dict[fx.Node, list[fx.Node]] = {}
+        for n in [*self.dims, *self.rows, *self.ends, *self.problems]:
+            groups.setdefault(self._find(n), [])
+            if n not in groups[self._find(n)]:
+                groups[self._find(n)].append(n)
+        return groups
+
+
+def spread(gm: fx.GraphModule, column: Callable[[Matmul], bool],
+           end: Callable[[fx.Node, dict[fx.Node, int]], bool] = lambda n, d: False) -> Spread:  # fmt: skip
+    """Split the output features of every matmul ``column`` accepts; follow the split forward."""
+    sp = Spread()
+    for n in gm.graph.nodes:
+        split_in = [a for a in n.all_input_nodes if a in sp.dims]
+        for a in split_in[1:]:
+            sp.join(split_in[0], a)
+        if n.op == "output":
+            if split_in:
+                sp.problems[n] = "a split value reaches the graph output"
+                sp.join(n, split_in[0])
+            continue
+        if n.op != "call_function":
+            continue
+        form = matmul_form(n)
+        if form is not None and form.x in sp.dims:
+            if sp.dims[form.x] == tensor_val(form.x).dim() - 1 and form.weight not in sp.dims:
+                sp.rows.append(n)
+            else:
+                sp.problems[n] = "matmul input split along a non-feature dim"
+            sp.join(n, form.x)
+            continue
+        if form is not None and not split_in:
+            if column(form):
+                sp.dims[n] = tensor_val(n).dim() - 1
+                sp.columns.append(n)
+                sp._find(n)
+            continue
+        if not split_in:
+            continue
+        sp.join(n, split_in[0])
+        if end(n, sp.dims):
+            sp.ends.append(n)
+        elif n.target == aten.sym_size.int:
+            if _norm(n.args[1], _ndim(n.args[0])) == sp.dims[n.args[0]]:
+                sp.problems[n] = "reads the size of the split dim"
+        elif n.target == aten._assert_tensor_metadata.default:
+            continue
+        else:
+            try:
+                sp.dims[n] = out_dim(n, sp.dims)
+            except Illegal as exc:
+                sp.problems[n] = str(exc)
+    return sp

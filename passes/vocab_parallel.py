@@ -1,0 +1,177 @@
+"""vocab_parallel: after this pass the vocabulary is split over tp ranks, never gathered.
+
+Invariant (tp > 1): the token embedding (an ``embedding`` of the ``input_ids`` input whose
+table has one row per vocabulary entry) and the LM head (the matmul whose output reaches the
+loss) keep only this rank's contiguous block of V/tp vocabulary rows (``TPShard(0)``; a tied
+embedding/LM head stays one parameter with one shard). The embedding looks up only the ids it
+owns (others give zeros) followed by one ``tp_reduce``; the head's input passes one
+``tp_copy``; the loss is ``autopart::vocab_parallel_ce`` over the local logits, so only
+[b·s]-sized tensors cross ranks. The graph gets one more input, ``tp_rank`` (``InputRef("rank",
+"tp")``), so every tp rank runs the same graph. A vocabulary not divisible by tp is refused.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from autopart.passes.tensor_parallel import (
+    META_ROLE,
+    META_SHARD,
+    TPShard,
+    _rewrite_constants,
+    _set_shard,
+    localize,
+    tp_copy_of,
+)
+from autopart.passes.tp_rules import matmul_form, spread, tensor_val
+from torch import fx
+
+from autopart.capture import META_INPUT, META_MODULE, InputRef
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+from autopart.shapes import propagate
+
+aten, ops = torch.ops.aten, torch.ops.autopart
+
+
+def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    tp = plan.mesh.tp
+    if tp == 1:
+        return gm
+    ce = _loss(gm)
+    vocab = tensor_val(ce.args[0]).shape[-1]
+    if vocab % tp:
+        raise AutopartError(
+            f"vocabulary size {vocab} is not divisible by tp={tp}",
+            hint=f"pad the vocabulary to a multiple of {tp} (nanoGPT pads 50257 to 50304) or pick tp dividing {vocab}",
+        )
+    rank = _rank_input(gm)
+    head = _head(gm, ce)
+    if head is not None:
+        _split_head(gm, head, ce, rank, tp)
+    tied_head = head.args[1] if head is not None else None
+    for n in list(gm.graph.nodes):
+        if _is_token_embedding(n, vocab) and (
+            tied_head is None or n.args[0] is tied_head or head is not None
+        ):
+            _split_embedding(gm, n, rank, vocab // tp)
+    localize(gm, tp)
+    return propagate(gm)
+
+
+def _loss(gm: fx.GraphModule) -> fx.Node:
+    ces = [n for n in gm.graph.nodes if n.target == aten.cross_entropy_loss.default]
+    if len(ces) != 1:
+        raise AutopartError(
+            f"expected one cross-entropy loss in the captured graph, found {len(ces)}"
+        )
+    ce = ces[0]
+    weight, reduction, ignore, smoothing = (
+        list(ce.args[2:]) + [None, 1, -100, 0.0][len(ce.args) - 2 :]
+    )[:4]
+    if weight is not None or reduction != 2 or ignore != -100 or smoothing:
+        raise AutopartError(f"loss node {ce.format_node()} is not a plain summed cross entropy",
+                            hint="vocab-parallel loss supports no class weights and no label smoothing")  # fmt: skip
+    return ce
+
+
+def _rank_input(gm: fx.GraphModule) -> fx.Node:
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        rank = gm.graph.placeholder("tp_rank")
+    val = last.meta["val"]
+    from torch._guards import detect_fake_mode
+
+    with detect_fake_mode([val]):
+        rank.meta["val"] = torch.empty((), dtype=torch.int64)
+    rank.meta.update(
+        {
+            META_INPUT: InputRef("rank", "tp"),
+            META_MODULE: "",
+            "autopart.layer": None,
+            META_SHARD: None,
+        }
+    )
+    return rank
+
+
+def _head(gm: fx.GraphModule, ce: fx.Node) -> fx.Node | None:
+    """The matmul whose output features are the logits (walking back from the loss)."""
+    n = ce.args[0]
+    while isinstance(n, fx.Node) and matmul_form(n) is None and n.op == "call_function" and n.args:
+        n = n.args[0]
+    if not isinstance(n, fx.Node) or matmul_form(n) is None:
+        return None
+    sp = spread(gm, lambda f: f.node is n, end=lambda m, dims: m is ce)
+    if sp.problems or sp.rows or sp.ends != [ce]:
+        return None
+    n.meta["autopart.vocab_dims"] = sp.dims
+    return n
+
+
+def _split_head(gm: fx.GraphModule, head: fx.Node, ce: fx.Node, rank: fx.Node, tp: int) -> None:
+    form = matmul_form(head)
+    _set_shard(form.weight, TPShard(form.col_dim))
+    if form.bias is not None:
+        _set_shard(form.bias, TPShard(0))
+    head.meta[META_ROLE] = "vocab"
+    head.replace_input_with(form.x, tp_copy_of(gm, form.x))
+    dims = head.meta.pop("autopart.vocab_dims")
+    for n in list(dims):
+        _rewrite_constants(n, dims, tp)
+    with gm.graph.inserting_after(ce):
+        vp = gm.graph.call_function(
+            ops.vocab_parallel_ce.default, (ce.args[0], ce.args[1], rank, "tp")
+        )
+    with gm.graph.inserting_after(vp):
+        loss = gm.graph.call_function(operator.getitem, (vp, 0))
+    for new in (vp, loss):
+        new.meta.update({k: v for k, v in ce.meta.items() if k != "val"})
+    ce.replace_all_uses_with(loss)
+    gm.graph.erase_node(ce)
+
+
+def _is_token_embedding(n: fx.Node, vocab: int) -> bool:
+    if n.target != aten.embedding.default:
+        return False
+    table, ids = n.args[0], n.args[1]
+    while isinstance(ids, fx.Node) and ids.target in _SAME_IDS:  # input_ids.view(-1, s) etc.
+        ids = ids.args[0]
+    ref = ids.meta.get(META_INPUT) if isinstance(ids, fx.Node) else None
+    return ref == InputRef("data", "input_ids") and tensor_val(table).shape[0] == vocab
+
+
+_SAME_IDS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+             aten.contiguous.default, aten.to.dtype, aten._to_copy.default}  # fmt: skip
+
+
+def _split_embedding(gm: fx.GraphModule, n: fx.Node, rank: fx.Node, rows: int) -> None:
+    """embedding(W, ids) → tp_reduce(zero-where-not-ours(embedding(W_local, ids − start)))."""
+    table, ids = n.args[0], n.args[1]
+    _set_shard(table, TPShard(0))
+    g = gm.graph
+    with g.inserting_before(n):
+        start = g.call_function(aten.mul.Tensor, (rank, rows))
+        local = g.call_function(aten.sub.Tensor, (ids, start))
+        below = g.call_function(aten.lt.Scalar, (local, 0))
+        above = g.call_function(aten.ge.Scalar, (local, rows))
+        other = g.call_function(aten.logical_or.default, (below, above))  # ids another rank owns
+        safe = g.call_function(aten.masked_fill.Scalar, (local, other, 0))
+        looked = g.call_function(aten.embedding.default, (table, safe))
+        mask = g.call_function(aten.unsqueeze.default, (other, -1))
+        zeroed = g.call_function(aten.masked_fill.Scalar, (looked, mask, 0.0))
+        new = [start, local, below, above, other, safe, looked, mask, zeroed]
+        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+        if pad is not None and pad >= 0:  # the padding row gets no gradient, as in nn.Embedding
+            is_pad = g.call_function(aten.eq.Scalar, (ids, pad))
+            pad_mask = g.call_function(aten.unsqueeze.default, (is_pad, -1))
+            frozen = g.call_function(aten.detach.default, (zeroed,))
+            zeroed = g.call_function(aten.where.self, (pad_mask, frozen, zeroed))
+            new += [is_pad, pad_mask, frozen, zeroed]
+        out = g.call_function(ops.tp_reduce.default, (zeroed, "tp"))
+    for m in (*new, out):
+        m.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    looked.meta[META_ROLE] = "vocab"
+    n.replace_all_uses_with(out)
+    g.erase_node(n)

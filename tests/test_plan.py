@@ -1,0 +1,178 @@
+"""Mesh and Plan: layout arithmetic and the up-front refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopart.errors import AutopartError
+from autopart.plan import SCHEDULES, Mesh, Plan, mesh_from
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [{"dp": 0}, {"pp": -1}, {"tp": 0}, {"dp": 2.0}, {"pp": "2"}, {"tp": True}, {"dp": None}],
+    ids=["dp0", "pp-neg", "tp0", "float", "str", "bool", "none"],
+)
+def test_mesh_rejects_bad_dims(dims: dict) -> None:
+    ((name, value),) = dims.items()
+    with pytest.raises(AutopartError) as err:
+        Mesh(**dims)
+    assert f"{name}={value!r} must be a positive integer" in str(err.value)
+
+
+def test_mesh_layout_tp_fastest_then_dp_then_pp() -> None:
+    mesh = Mesh(dp=2, pp=2, tp=2)
+    assert mesh.size == 8
+    coords = [mesh.coords(r) for r in range(8)]
+    assert [(c["pp"], c["dp"], c["tp"]) for c in coords] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
+    ]  # fmt: skip
+    for r, c in enumerate(coords):
+        assert mesh.rank_of(**c) == r
+    assert mesh.rank_of(pp=1, dp=0, tp=1) == 5
+    assert mesh.group("tp", 5) == [4, 5]
+    assert mesh.group("dp", 5) == [5, 7]
+    assert mesh.group("pp", 5) == [1, 5]
+    assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for dim in ("dp", "pp", "tp"):  # every rank in exactly one group of each dim
+        flat = sorted(r for g in mesh.groups(dim) for r in g)
+        assert flat == list(range(8))
+
+
+def test_mesh_uneven_sizes() -> None:
+    mesh = Mesh(dp=3, pp=2, tp=1)
+    assert mesh.groups("dp") == [[0, 1, 2], [3, 4, 5]]
+    assert mesh.groups("pp") == [[0, 3], [1, 4], [2, 5]]
+    assert mesh.groups("tp") == [[r] for r in range(6)]
+    assert str(mesh) == "Mesh(dp=3, pp=2, tp=1)"
+
+
+@pytest.mark.parametrize("rank", [-1, 8])
+def test_mesh_coords_out_of_range(rank: int) -> None:
+    with pytest.raises(AutopartError, match=f"rank {rank} is outside this mesh of 8 ranks"):
+        Mesh(dp=2, pp=2, tp=2).coords(rank)
+
+
+def test_check_world() -> None:
+    Mesh(dp=2).check_world(2)
+    with pytest.raises(AutopartError) as err:
+        Mesh(dp=2).check_world(4)
+    assert "dp(2) * pp(1) * tp(1) = 2 != WORLD_SIZE (4)" in str(err.value)
+    assert "--nproc-per-node 2" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("1f1 b", "1f1b"), ("gpip", "gpipe"), ("1f1f", "1f1b")]
+)
+def test_unknown_schedule_suggests(typo: str, meant: str) -> None:
+    with pytest.raises(AutopartError) as err:
+        Plan(Mesh(dp=2), schedule=typo)
+    assert f"unknown schedule {typo!r}" in err.value.message
+    assert f"did you mean {meant!r}" in err.value.hint
+    for name in SCHEDULES:
+        assert name in err.value.hint
+
+
+def test_unknown_schedule_without_close_match() -> None:
+    with pytest.raises(AutopartError) as err:
+        Plan(Mesh(), schedule="zigzag")
+    assert "did you mean" not in str(err.value) and "choose one of" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"mesh": Mesh(pp=2)},
+        {"mesh": Mesh(dp=2), "seq_chunks": 2},
+        {"mesh": Mesh(dp=2), "virtual_stages": 2},
+        {"mesh": Mesh(dp=2), "sequence_parallel": True},
+        {"mesh": Mesh(dp=2), "schedule": "interleaved-1f1b"},
+        {"mesh": Mesh(dp=2), "schedule": "seq1f1b"},
+        {"mesh": Mesh(dp=2), "schedule": "seq1f1b-interleaved"},
+    ],
+    ids=[
+        "pp",
+        "seq_chunks",
+        "virtual",
+        "sp",
+        "interleaved",
+        "seq1f1b",
+        "seq1f1b-interleaved",
+    ],
+)
+def test_unimplemented_refused(kwargs: dict) -> None:
+    with pytest.raises(AutopartError) as err:
+        Plan(**kwargs)
+    assert "not supported yet" in err.value.message
+    assert "Mesh(dp=N" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"microbatches": 0}, "microbatches=0 must be a positive integer"),
+        ({"microbatches": 1.5}, "microbatches=1.5 must be a positive integer"),
+        ({"seq_chunks": False}, "seq_chunks=False must be a positive integer"),
+        ({"bucket_mb": 0}, "bucket_mb=0 must be positive"),
+        ({"bucket_mb": -1.0}, "bucket_mb=-1.0 must be positive"),
+    ],
+)
+def test_plan_rejects_bad_numbers(kwargs: dict, needle: str) -> None:
+    with pytest.raises(AutopartError, match="must be"):
+        Plan(Mesh(dp=2), **kwargs)
+    with pytest.raises(AutopartError) as err:
+        Plan(Mesh(dp=2), **kwargs)
+    assert needle in str(err.value)
+
+
+def test_supported_plans() -> None:
+    for schedule in ("1f1b", "gpipe"):
+        plan = Plan(Mesh(dp=4), schedule=schedule, microbatches=3, bucket_mb=0.5)
+        assert plan.schedule == schedule and plan.microbatches == 3
+
+
+def test_check_batch() -> None:
+    plan = Plan(Mesh(dp=2), microbatches=3)
+    assert plan.check_batch(12) == 2
+    assert plan.check_batch(6) == 1
+    with pytest.raises(AutopartError) as err:
+        plan.check_batch(8)
+    assert "batch size 8 is not divisible by dp(2) * microbatches(3) = 6" in err.value.message
+    assert "multiple of 6" in err.value.hint
+    with pytest.raises(AutopartError, match="dp\\(4\\) \\* microbatches\\(1\\) = 4"):
+        Plan(Mesh(dp=4)).check_batch(2)
+
+
+def test_plan_json_round_trip() -> None:
+    plan = Plan(Mesh(dp=4), schedule="gpipe", microbatches=2, bucket_mb=1.5)
+    data = json.loads(json.dumps(plan.to_json()))
+    assert data["mesh"] == {"dp": 4, "pp": 1, "tp": 1}
+    back = Plan.from_json(data)
+    assert back == plan and isinstance(back.mesh, Mesh)
+    assert Plan.from_json(Plan(Mesh()).to_json()) == Plan(Mesh())
+
+
+class _FakeDeviceMesh:
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        import torch
+
+        self.mesh_dim_names = names
+        self.mesh = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+
+
+def test_mesh_from() -> None:
+    mesh = Mesh(dp=2)
+    assert mesh_from(mesh) == (mesh, None)
+    live = _FakeDeviceMesh(("dp",), (4,))
+    assert mesh_from(live) == (Mesh(dp=4), live)
+    assert mesh_from(_FakeDeviceMesh(("pp", "dp"), (2, 3)))[0] == Mesh(dp=3, pp=2)
+    with pytest.raises(AutopartError, match="not in autopart's rank order"):
+        mesh_from(_FakeDeviceMesh(("dp", "pp"), (2, 2)))
+    with pytest.raises(AutopartError, match="include \\['cp'\\]"):
+        mesh_from(_FakeDeviceMesh(("cp",), (2,)))
+    with pytest.raises(AutopartError, match="expected an autopart.Mesh"):
+        mesh_from((2, 1, 1))
