@@ -131,6 +131,9 @@ class Plan:
                 raise AutopartError(f"{name}={value!r} must be a positive integer")
         if self.bucket_mb <= 0:
             raise AutopartError(f"bucket_mb={self.bucket_mb} must be positive")
+        if self.sequence_parallel and self.mesh.tp == 1:
+            raise AutopartError("sequence_parallel=True needs tensor parallelism (tp > 1)",
+                                hint="sequence parallelism splits the activations tp leaves replicated; set tp ≥ 2")  # fmt: skip
         self._refuse_unimplemented()
 
     def _refuse_unimplemented(self) -> None:
@@ -138,7 +141,6 @@ class Plan:
             "pp": (self.mesh.pp > 1, "pipeline parallelism (pp > 1)"),
             "v": (self.virtual_stages > 1, "virtual stages (virtual_stages > 1)"),
             "k": (self.seq_chunks > 1, "Seq1F1B sequence chunks (seq_chunks > 1)"),
-            "sp": (self.sequence_parallel, "sequence parallelism"),
             "sched": (
                 self.schedule.startswith(("interleaved", "seq1f1b")),
                 f"the {self.schedule} schedule",

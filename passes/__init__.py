@@ -4,9 +4,10 @@ The order the compiler runs them in is ``PIPELINE`` (see ``autopart.compiler``).
 """
 
 from autopart.passes.data_parallel import data_parallel
+from autopart.passes.sequence_parallel import sequence_parallel
 from autopart.passes.tensor_parallel import tensor_parallel
 from autopart.passes.vocab_parallel import vocab_parallel
 
-PIPELINE = (vocab_parallel, tensor_parallel, data_parallel)
+PIPELINE = (vocab_parallel, tensor_parallel, sequence_parallel, data_parallel)
 
-__all__ = ["PIPELINE", "data_parallel", "tensor_parallel", "vocab_parallel"]
+__all__ = ["PIPELINE", "data_parallel", "sequence_parallel", "tensor_parallel", "vocab_parallel"]

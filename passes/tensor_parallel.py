@@ -142,17 +142,23 @@ def _split_column(gm: fx.GraphModule, f: Matmul, strided: int) -> None:
     if f.bias is not None:
         _set_shard(f.bias, TPShard(0, strided))
     f.node.meta[META_ROLE] = "column"
-    x = f.x
-    f.node.replace_input_with(x, tp_copy_of(gm, x))
+    tp_copy_of(gm, f.x, f.node)
 
 
-def tp_copy_of(gm: fx.GraphModule, x: fx.Node) -> fx.Node:
-    """The one ``tp_copy`` (f) of ``x``, created right after it on first use."""
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def tp_copy_of(gm: fx.GraphModule, x: fx.Node, user: fx.Node) -> fx.Node:
+    """Route ``user``'s input ``x`` through the one ``tp_copy`` (f) of x's source: f goes before
+    any chain of views that flattens (b, s, h) to (b·s, h), so it sees the natural shape."""
+    while x.target in VIEWS and len(x.users) == 1:
+        user, x = x, x.args[0]
     copy = next((u for u in x.users if u.target == ops.tp_copy.default), None)
     if copy is None:
         with gm.graph.inserting_after(x):
             copy = gm.graph.call_function(ops.tp_copy.default, (x, "tp"))
         copy.meta.update({k: v for k, v in x.meta.items() if not k.startswith("autopart.input")})
+    user.replace_input_with(x, copy)
     return copy
 
 
@@ -168,17 +174,26 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
             mm = g.call_function(aten.mm.default, (f.x, f.weight))
         else:
             mm = g.call_function(n.target, (f.x, f.weight))
-    with g.inserting_after(mm):
-        reduced = g.call_function(ops.tp_reduce.default, (mm, "tp"))
+    mm.meta.update({k: v for k, v in n.meta.items() if k != META_ROLE})
+    mm.meta[META_ROLE] = "row"
+    n.replace_all_uses_with(mm)
+    g.erase_node(n)
+    last = mm  # g goes after views that restore (b, s, h), so it sees the natural shape
+    while (
+        len(last.users) == 1
+        and (u := next(iter(last.users))).target in VIEWS
+        and (tensor_val(u).shape[-1] == tensor_val(mm).shape[-1])
+    ):
+        last = u
+    with g.inserting_after(last):
+        reduced = g.call_function(ops.tp_reduce.default, (last, "tp"))
     out = reduced
     if f.bias is not None:
         with g.inserting_after(reduced):
             out = g.call_function(aten.add.Tensor, (reduced, f.bias))
-    for new in {mm, reduced, out}:
-        new.meta.update({k: v for k, v in n.meta.items() if k not in ("val", META_ROLE)})
-    mm.meta[META_ROLE] = "row"
-    n.replace_all_uses_with(out)
-    g.erase_node(n)
+    for new in {reduced, out}:
+        new.meta.update({k: v for k, v in last.meta.items() if k not in ("val", META_ROLE)})
+    last.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
 
 
 def _rewrite_constants(n: fx.Node, dims: dict[fx.Node, int], tp: int) -> None:

@@ -116,7 +116,7 @@ def _split_head(gm: fx.GraphModule, head: fx.Node, ce: fx.Node, rank: fx.Node, t
     if form.bias is not None:
         _set_shard(form.bias, TPShard(0))
     head.meta[META_ROLE] = "vocab"
-    head.replace_input_with(form.x, tp_copy_of(gm, form.x))
+    tp_copy_of(gm, form.x, head)
     dims = head.meta.pop("autopart.vocab_dims")
     for n in list(dims):
         _rewrite_constants(n, dims, tp)

@@ -158,6 +158,13 @@ class Runner:
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
                 f"{tuple(labels.shape)} must both be (batch, seq)")  # fmt: skip
         mb = self.plan.check_batch(input_ids.shape[0])
+        tp = self.plan.mesh.tp
+        if self.plan.sequence_parallel and input_ids.shape[1] % tp:
+            raise AutopartError(
+                f"rank {self.rank}: sequence length {input_ids.shape[1]} is not divisible by tp={tp}, "
+                "which sequence parallelism needs",
+                hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
+            )
         dp_i, m = self.program.coords["dp"], self.plan.microbatches
         start = dp_i * m * mb
         return [(input_ids[start + j * mb: start + (j + 1) * mb], labels[start + j * mb: start + (j + 1) * mb])

@@ -1,0 +1,178 @@
+"""sequence_parallel: after this pass, outside the tensor-parallel regions every activation
+is split along the sequence over the tp ranks (Megatron's sequence parallelism).
+
+Invariant (``plan.sequence_parallel`` and tp > 1): every ``tp_reduce`` (g) left by the
+vocab_parallel and tensor_parallel passes is a ``tp_scatter_reduce`` along the sequence dim
+(reduce-scatter), and every ``tp_copy`` (f) is a ``tp_gather`` along it (all-gather); between
+them — norms, residual adds, dropout, biases — each rank holds b × s/tp × h. A replicated value
+that spans the sequence (learned position embeddings) is cut to this rank's rows with
+``index_select``. Every replicated parameter whose gradient now comes from this rank's rows only
+(norm weights, row biases, position tables) passes ``tp_all_reduce_grad`` (identity forward,
+all-reduce of its gradient over tp). The sequence length must be divisible by tp (checked at
+run time). A model whose split activations reach an op the rules do not cover is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from autopart.passes.tensor_parallel import META_SHARD, VIEWS
+from autopart.passes.tp_rules import Illegal, out_dim, tensor_val, view_map
+from torch import fx
+
+from autopart import collectives  # noqa: F401 - registers the autopart:: ops
+from autopart.capture import META_INPUT, META_MODULE, S, to_sympy
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+from autopart.shapes import propagate
+
+aten, ops = torch.ops.aten, torch.ops.autopart
+META_SEQ = "autopart.seq_split"  # on activations: the dim split along the sequence, or absent
+
+
+def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.sequence_parallel or plan.mesh.tp == 1:
+        return gm
+    rank = next(
+        (n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[META_INPUT].kind == "rank"),
+        None,
+    )
+    if rank is None:
+        raise AutopartError("sequence parallelism needs the vocabulary-parallel embedding",
+                            hint="run without sequence_parallel for this model")  # fmt: skip
+    collectives.set_fake_world({"tp": plan.mesh.tp})  # shapes of gathers/scatters at compile time
+    seq: dict[fx.Node, int] = {}
+    grad_reduce: set[fx.Node] = set()
+    for n in list(gm.graph.nodes):
+        if n.target == ops.tp_reduce.default:
+            seq[_swap(gm, n, ops.tp_scatter_reduce.default)] = _seq_dim(n.args[0])
+        elif n.target == ops.tp_copy.default:
+            if n.args[0] not in seq:
+                raise AutopartError(
+                    f"{n.format_node()} gathers a value that is not split along the sequence"
+                )
+            _swap(gm, n, ops.tp_gather.default, seq[n.args[0]])
+        elif any(a in seq for a in n.all_input_nodes) and n.op == "call_function":
+            _follow(gm, n, seq, rank, grad_reduce)
+        elif n.op == "output" and any(a in seq for a in n.all_input_nodes):
+            raise AutopartError("a sequence-split value reaches the graph output")
+    for n in seq:
+        n.meta[META_SEQ] = seq[n]
+    for p in gm.graph.nodes:
+        if (
+            p.op == "placeholder"
+            and p.meta[META_INPUT].kind == "param"
+            and p.meta.get(META_SHARD) is None
+        ):
+            if any(u in seq or u in grad_reduce for u in p.users):
+                _reduce_grad(gm, p)
+    return propagate(gm)
+
+
+def _seq_dim(n: fx.Node) -> int:
+    val = tensor_val(n)
+    dims = [i for i, d in enumerate(val.shape) if to_sympy(d, _gm_of(n)) == S]
+    if len(dims) != 1:
+        raise AutopartError(f"{n.format_node()} has no single sequence dim (shape {tuple(val.shape)})",
+                            hint="sequence parallelism needs (batch, seq, hidden) activations at tp boundaries")  # fmt: skip
+    return dims[0]
+
+
+def _gm_of(n: fx.Node) -> fx.GraphModule:
+    return n.graph.owning_module
+
+
+def _swap(gm: fx.GraphModule, n: fx.Node, op, dim: int | None = None) -> fx.Node:
+    x = n.args[0]
+    dim = _seq_dim(x) if dim is None else dim
+    with gm.graph.inserting_after(n):
+        new = gm.graph.call_function(op, (x, dim, "tp"))
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    gm.graph.erase_node(n)
+    return new
+
+
+def _follow(
+    gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int], rank: fx.Node, grad_reduce: set
+) -> None:
+    """Carry the sequence split through ``n``, cutting replicated operands that span it."""
+    if n.target in (aten.sym_size.int, aten._assert_tensor_metadata.default):
+        if (
+            n.target == aten.sym_size.int
+            and n.args[1] % tensor_val(n.args[0]).dim() == seq[n.args[0]]
+        ):
+            raise AutopartError(
+                f"{n.format_node()} reads the sequence length of a sequence-split value"
+            )
+        return
+    try:
+        seq[n] = out_dim(n, seq)
+        if n.target in (*VIEWS, aten.expand.default):
+            _local_length(gm, n, seq)
+        return
+    except Illegal as exc:
+        reason = str(exc)
+    if "spans the split dim" not in reason:
+        raise AutopartError(f"sequence parallelism cannot pass {n.format_node()} "
+                            f"({n.meta.get(META_MODULE) or '<root>'}): {reason}",
+                            hint="run without sequence_parallel for this model")  # fmt: skip
+    split = next(a for a in n.all_input_nodes if a in seq)
+    d = seq[split]
+    for a in list(n.all_input_nodes):
+        if a in seq or tensor_val(a) is None:
+            continue
+        pos = d - (tensor_val(n).dim() - tensor_val(a).dim())
+        if pos >= 0 and tensor_val(a).shape[pos] != 1:
+            n.replace_input_with(a, _my_rows(gm, n, a, pos, split, d, rank))
+            grad_reduce.update(_params_above(a))
+    seq[n] = out_dim(n, seq)
+
+
+def _local_length(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int]) -> None:
+    """A view/expand of a sequence-split value names the sequence length: make it the local one."""
+    src = n.args[0]
+    idx = view_map(n, seq[src])[1] if n.target in VIEWS else seq[n]
+    shape = list(n.args[1])
+    if shape[idx] == -1:
+        return
+    with gm.graph.inserting_before(n):
+        local = gm.graph.call_function(aten.sym_size.int, (src, seq[src]))
+    local.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    shape[idx] = local
+    n.update_arg(1, shape)
+
+
+def _my_rows(gm, n, a, pos, split, d, rank) -> fx.Node:
+    """``a`` (replicated, full sequence at dim ``pos``) → its rows of this rank's chunk."""
+    g = gm.graph
+    with g.inserting_before(n):
+        size = g.call_function(aten.sym_size.int, (split, d))  # s / tp
+        first = g.call_function(aten.mul.Tensor, (rank, size))
+        rows = g.call_function(aten.arange.default, (size,), {"device": tensor_val(a).device})
+        index = g.call_function(aten.add.Tensor, (rows, first))
+        mine = g.call_function(aten.index_select.default, (a, pos, index))
+    for new in (size, first, rows, index, mine):
+        new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    return mine
+
+
+def _params_above(a: fx.Node) -> set[fx.Node]:
+    """Parameter placeholders feeding ``a`` (its gradient is now a per-rank partial)."""
+    out, stack, seen = set(), [a], set()
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        ref = x.meta.get(META_INPUT)
+        if ref is not None and ref.kind == "param":
+            out.update(x.users)
+        stack.extend(x.all_input_nodes)
+    return out
+
+
+def _reduce_grad(gm: fx.GraphModule, p: fx.Node) -> None:
+    with gm.graph.inserting_after(p):
+        new = gm.graph.call_function(ops.tp_all_reduce_grad.default, (p, "tp"))
+    new.meta.update({k: v for k, v in p.meta.items() if k != META_INPUT})
+    p.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
