@@ -62,9 +62,8 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             p.op == "placeholder"
             and p.meta[META_INPUT].kind == "param"
             and p.meta.get(META_SHARD) is None
-        ):
-            if any(u in seq or u in grad_reduce for u in p.users):
-                _reduce_grad(gm, p)
+        ) and any(u in seq or u in grad_reduce for u in p.users):
+            _reduce_grad(gm, p)
     return propagate(gm)
 
 
