@@ -31,6 +31,19 @@ from autopart.errors import AutopartError
 
 _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
+TRACE: list[tuple[str, str, tuple[int, ...]]] | None = None  # (kind, group, shape) when a list
+
+
+def trace(on: bool = True) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Start (or stop) recording every collective this process runs; returns the record."""
+    global TRACE
+    TRACE = [] if on else None
+    return TRACE if TRACE is not None else []
+
+
+def _record(kind: str, group: str, x: torch.Tensor) -> None:
+    if TRACE is not None:
+        TRACE.append((kind, group, tuple(x.shape)))
 
 
 def bind(name: str, group: Any) -> None:
@@ -69,6 +82,7 @@ def _wait(work: Any, what: str) -> None:
 def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
     out = x.contiguous().clone()
     g = _group(group)
+    _record("all_reduce", group, x)
     if g is not None:
         work = dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=g, async_op=True)
         _wait(work, f"all-reduce over {group} of {tuple(x.shape)}")
@@ -82,6 +96,7 @@ def _world(group: str) -> int:
 
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     g = _group(group)
+    _record("all_gather", group, x)
     if g is None:
         return x.clone()
     parts = [torch.empty_like(x.contiguous()) for _ in range(dist.get_world_size(g))]
@@ -95,8 +110,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     if g is None:
         return x.clone()
     n, me = dist.get_world_size(g), dist.get_rank(g)
-    total = _all_reduce(x, group)  # gloo has no reduce_scatter: all-reduce, keep our slice
-    return total.chunk(n, dim)[me].contiguous()
+    _record("reduce_scatter", group, x)
+    out = x.contiguous().clone()  # gloo has no reduce_scatter: all-reduce, keep our slice
+    work = dist.all_reduce(out, group=g, async_op=True)
+    _wait(work, f"reduce-scatter over {group} of {tuple(x.shape)}")
+    return out.chunk(n, dim)[me].contiguous()
 
 
 # -- f and g ---------------------------------------------------------------------------------

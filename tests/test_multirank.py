@@ -98,3 +98,38 @@ def test_cli_verify_pass_and_refusals(capsys: pytest.CaptureFixture[str]) -> Non
     assert "not supported yet" in capsys.readouterr().err
     assert cli(["verify", "--model", NANO, "--schedule", "1f1f"]) == 2
     assert "did you mean '1f1b'" in capsys.readouterr().err
+
+
+LLAMA = f"{ROOT}/examples/hf_llama.py:make"
+TP_MODELS = {"nanogpt-sdpa": NANO, "nanogpt-manual": MANUAL, "hf-gpt2": GPT2, "hf-llama-gqa": LLAMA}
+TP_MESHES = {"tp2": {"tp": 2}, "tp4": {"tp": 4}, "dp2xtp2": {"dp": 2, "tp": 2, "microbatches": 2}}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
+@pytest.mark.parametrize("mesh", list(TP_MESHES), ids=list(TP_MESHES))
+@pytest.mark.parametrize("model", list(TP_MODELS), ids=list(TP_MODELS))
+def test_tensor_parallel_float64_parity(model: str, mesh: str, sp: bool) -> None:
+    report = verify(TP_MODELS[model], sequence_parallel=sp, dtype="float64", **TP_MESHES[mesh])
+    assert report.ok, str(report)
+    assert report.loss_error <= 1e-9 and report.grad_error <= 1e-9
+
+
+def test_tensor_parallel_collectives_as_run() -> None:
+    """One tp=2 step of the 2-block nanoGPT (b=8, s=32, h=32, V=96), collectives as executed."""
+    out = launch(2, [str(ROOT / "tests" / "tp_count_script.py")], timeout_s=120)
+    runs = {
+        d["sp"]: [(k, tuple(s)) for k, s in d["calls"]]
+        for d in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))
+    }
+    bsh, bs = (8, 32, 32), (8 * 32,)
+    plain = runs[False]
+    # forward: 2 all-reduces per block + the vocab embedding; backward: 2 per block + the LM head
+    assert plain.count(("all_reduce", bsh)) == 2 * 2 + 1 + 2 * 2 + 1
+    # the vocab-parallel loss moves only [b·s] tensors: max, sum of exp, target logit
+    assert plain.count(("all_reduce", bs)) == 3
+    assert len(plain) == 13, plain
+    sp = runs[True]
+    assert sp.count(("reduce_scatter", bsh)) == 5 + 5  # forward g's, backward of the gathers
+    assert sp.count(("all_gather", (8, 16, 32))) == 5 + 5  # forward f's, backward of the scatters
+    assert ("all_reduce", bsh) not in sp
+    assert sp.count(("all_reduce", bs)) == 3
