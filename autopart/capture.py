@@ -42,11 +42,10 @@ _PREFIX = "model."  # the wrapper's attribute name, stripped from every FQN
 
 @dataclass(frozen=True)
 class InputRef:
-    """What feeds a placeholder: a parameter/buffer/constant by FQN, or a batch tensor."""
+    """What feeds a placeholder: a parameter/buffer/constant by FQN, a batch tensor, this rank's
+    index in a group ("rank", by group name), or a seed the runtime sets per step ("rng")."""
 
-    kind: Literal[
-        "param", "buffer", "constant", "data", "rank"
-    ]  # rank: this rank's index in a group
+    kind: Literal["param", "buffer", "constant", "data", "rank", "rng"]
     name: str
 
 

@@ -73,6 +73,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         _split_row(gm, matmul_form(n))
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
+        n.meta["autopart.tp_split"] = sp.dims[n]
     localize(gm, tp)
     return propagate(gm)
 

@@ -43,6 +43,7 @@ def main() -> int:
         f"state_dict keys {len(keys)}, buckets {stats}, {'OK' if ok else 'MISMATCH'}",
         flush=True,
     )
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -117,10 +117,8 @@ def test_tensor_parallel_float64_parity(model: str, mesh: str, sp: bool) -> None
 def test_tensor_parallel_collectives_as_run() -> None:
     """One tp=2 step of the 2-block nanoGPT (b=8, s=32, h=32, V=96), collectives as executed."""
     out = launch(2, [str(ROOT / "tests" / "tp_count_script.py")], timeout_s=120)
-    runs = {
-        d["sp"]: [(k, tuple(s)) for k, s in d["calls"]]
-        for d in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))
-    }
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    runs = {d["sp"]: [(k, tuple(s)) for k, s in d["calls"]] for d in lines if "sp" in d}
     bsh, bs = (8, 32, 32), (8 * 32,)
     plain = runs[False]
     # forward: 2 all-reduces per block + the vocab embedding; backward: 2 per block + the LM head
@@ -133,3 +131,7 @@ def test_tensor_parallel_collectives_as_run() -> None:
     assert sp.count(("all_gather", (8, 16, 32))) == 5 + 5  # forward f's, backward of the scatters
     assert ("all_reduce", bsh) not in sp
     assert sp.count(("all_reduce", bs)) == 3
+    drop = next(d for d in lines if "dropout_split" in d)
+    # per block: attention probabilities split over heads; embedding/residual dropouts replicated
+    assert drop["dropout_split"].count(True) == 2 and drop["dropout_split"].count(False) == 5
+    assert drop["replicated_grads_equal"] and all(drop["replicated_grads_equal"])

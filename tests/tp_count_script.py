@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -36,6 +37,22 @@ def main() -> int:
                 json.dumps({"sp": sp, "calls": [[k, list(s)] for k, g, s in log if g == "tp"]}),
                 flush=True,
             )
+    # dropout (p=0.2, manual attention): replicated activations must stay identical on both tp
+    # ranks (same masks), so every replicated parameter's gradient is bitwise equal across them
+    model, batch = nanogpt.make(dropout=0.2, attention="manual")
+    runner = autopart.parallelize(model.double(), mesh, example_inputs=batch)
+    runner.step(*batch)
+    split = [n.meta["autopart.dropout_split"] for n in runner.program.stages[0].graph.graph.nodes
+             if "autopart.dropout_split" in n.meta]  # fmt: skip
+    same = []
+    for fqn, p in runner.named_parameters():
+        if runner.program.shards[fqn].dim is None:
+            both = [p.grad.clone() for _ in range(2)]
+            dist.all_gather(both, p.grad.contiguous())
+            same.append(bool(torch.equal(both[0], both[1])))
+    if dist.get_rank() == 0:
+        print(json.dumps({"dropout_split": split, "replicated_grads_equal": same}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

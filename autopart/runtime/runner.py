@@ -60,9 +60,10 @@ class Runner:
     """Executes one rank's program; holds its parameter shards and gradient buckets."""
 
     def __init__(self, program: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
-                 groups: dict[str, Any], *, timeout_s: float = 300.0) -> None:  # fmt: skip
+                 groups: dict[str, Any], *, timeout_s: float = 300.0, seed: int = 0) -> None:  # fmt: skip
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
         self.rank = program.rank
+        self.seed, self.steps = seed, 0  # dropout randomness: a function of (seed, step, micro-batch)
         missing = [f for f in program.shards if f not in weights]
         if missing:
             raise AutopartError(
@@ -115,6 +116,7 @@ class Runner:
         for p in self.params.values():
             p.grad = None
         losses: dict[int, torch.Tensor] = {}
+        self.steps += 1
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
         self._pending: list[Any] = []
         self._next = 0
@@ -122,6 +124,7 @@ class Runner:
         for i, action in enumerate(self.program.actions):
             collectives.set_action(f"{action} on rank {self.rank}")
             if action.kind == "F":
+                self._seed = self._seed_for(action.mb)
                 (loss_sum,) = self._graph(action.stage)(*self._args(action.stage, *mbs[action.mb]))
                 losses[action.mb] = loss_sum / count
             elif action.kind == "B":
@@ -142,6 +145,11 @@ class Runner:
         return self._reduce_loss(loss)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _seed_for(self, mb: int) -> torch.Tensor:
+        """Dropout seed of this step, micro-batch and data-parallel rank (tp ranks share it)."""
+        dp_i = self.program.coords["dp"]
+        return torch.tensor(((self.seed * 1_000_003 + self.steps) * 10_007 + mb) * 4_099 + dp_i)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -181,6 +189,8 @@ class Runner:
                 out.append(self.params[ref.name])
             elif ref.kind == "rank":
                 out.append(torch.tensor(self.program.coords[ref.name]))
+            elif ref.kind == "rng":
+                out.append(self._seed)
             elif ref.kind == "data":
                 out.append(data[ref.name])
             else:
