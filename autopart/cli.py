@@ -162,7 +162,7 @@ def _inspect(a: argparse.Namespace) -> int:
     from autopart.api import parallelize
     from autopart.capture import capture
     from autopart.plan import Mesh
-    from autopart.report import print_costs, write_dot
+    from autopart.report import parallel_table, print_costs, write_dot
     from autopart.spec import build
 
     con = Console()
@@ -183,6 +183,8 @@ def _inspect(a: argparse.Namespace) -> int:
     ranks = range(program.mesh.size) if a.rank == "all" else [_rank(a.rank, program.mesh.size)]
     for r in ranks:
         print(program.rank(r), "\n")
+        if program.mesh.tp > 1:
+            con.print(parallel_table(program.rank(r), captured.example_shape))
     if a.dot:
         rp = program.rank(ranks[0])
         path = write_dot(rp.stages[0].graph, a.dot, f"rank {rp.rank} stage {rp.stages[0].stage}")

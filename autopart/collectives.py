@@ -257,14 +257,18 @@ vocab_parallel_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
 def _dropout_mask(shape: list[int], p: float, seed: torch.Tensor, slot: int, rank: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """Keep-mask (scaled by 1/(1-p)) from (seed, slot[, rank]): the same inputs give the same mask."""
-    mix = (int(seed) * 1_000_003 + slot * 7_919 + (0 if rank is None else (int(rank) + 1) * 104_729)) % 2**62
+    mix = (
+        int(seed) * 1_000_003 + slot * 7_919 + (0 if rank is None else (int(rank) + 1) * 104_729)
+    ) % 2**62
     gen = torch.Generator().manual_seed(mix)
     keep = torch.rand(shape, generator=gen) >= p
     return keep.to(dtype) / (1.0 - p)
 
 
 @torch.library.custom_op("autopart::dropout", mutates_args=())
-def dropout(x: torch.Tensor, p: float, seed: torch.Tensor, slot: int, rank: torch.Tensor | None) -> torch.Tensor:
+def dropout(
+    x: torch.Tensor, p: float, seed: torch.Tensor, slot: int, rank: torch.Tensor | None
+) -> torch.Tensor:
     """Dropout whose mask is a function of (seed, slot, rank): ``rank`` given (the tp rank) for
     values split over tp — independent masks — and None for replicated values — the same mask
     on every tp rank. ``seed`` changes per step, micro-batch and data-parallel rank."""
@@ -282,7 +286,13 @@ def _dropout_setup(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
 
 def _dropout_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     p, seed, slot, rank = ctx.args  # the mask is recomputed, not stored
-    return grad * _dropout_mask(list(grad.shape), p, seed, slot, rank, grad.dtype).to(grad.device), None, None, None, None
+    return (
+        grad * _dropout_mask(list(grad.shape), p, seed, slot, rank, grad.dtype).to(grad.device),
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 dropout.register_autograd(_dropout_backward, setup_context=_dropout_setup)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import sympy
+import torch
 from rich.console import Console
 from rich.table import Table
 from torch import fx
 
-from autopart.capture import META_LAYER, META_MODULE, Captured
+from autopart.capture import META_LAYER, META_MODULE, Captured, to_sympy
 from autopart.cost import Group, analyze, evaluate, total
 
 
@@ -88,3 +89,58 @@ def write_dot(gm: fx.GraphModule, path: str | Path, title: str = "") -> Path:
 
 def module_of(node: fx.Node) -> str:
     return node.meta.get(META_MODULE, "")
+
+
+_COLLECTIVES = {
+    "tp_copy": "f: identity fwd / all-reduce bwd",
+    "tp_reduce": "g: all-reduce fwd / identity bwd",
+    "tp_gather": "all-gather fwd / reduce-scatter bwd",
+    "tp_scatter_reduce": "reduce-scatter fwd / all-gather bwd",
+    "tp_all_reduce_grad": "all-reduce of the gradient",
+    "vocab_parallel_ce": "3 all-reduces of [b·s] (max, sum exp, target)",
+}
+
+
+def parallel_table(rp, example_shape: tuple[int, int]) -> Table:
+    """Per block: each split parameter (global → local shape, dim, strided) and each collective
+    (kind, group, bytes at the example shape)."""
+    b, s = example_shape
+    t = Table(
+        title=f"rank {rp.rank}: split parameters and collectives per block (bytes at b={b}, s={s})"
+    )
+    for col in ("block", "what", "name", "detail"):
+        t.add_column(col)
+    for st in rp.stages:
+        gm = st.graph
+        rows: dict[object, list[tuple[str, str, str]]] = {}
+        for fqn, shard in rp.shards.items():
+            if shard.dim is not None:
+                local = tuple(shard.local(torch.empty(shard.shape, device="meta")).shape)
+                how = f"{shard.shape} → {local}, dim {shard.dim}" + (
+                    f", strided ×{shard.strided}" if shard.strided > 1 else ""
+                )
+                rows.setdefault(_layer_of_fqn(fqn), []).append(("param", fqn, how))
+        for n in gm.graph.nodes:
+            name = getattr(n.target, "_opname", None) if n.op == "call_function" else None
+            if getattr(n.target, "namespace", None) != "autopart" or name not in _COLLECTIVES:
+                continue
+            val = n.args[0].meta.get("val") if hasattr(n.args[0], "meta") else None
+            size = ""
+            if val is not None and hasattr(val, "shape"):
+                numel = 1
+                for d in val.shape:
+                    numel *= int(d) if not hasattr(d, "node") else evaluate(to_sympy(d, gm), b, s)
+                size = f", {_human(numel * val.element_size(), 'B')}"
+            group = next((a for a in n.args if isinstance(a, str)), "?")
+            rows.setdefault(n.meta.get(META_LAYER), []).append(
+                ("collective", f"{name}({group})", f"{_COLLECTIVES[name]}{size}"))  # fmt: skip
+        for layer in sorted(rows, key=lambda x: (x is not None, x if x is not None else -1)):
+            for what, name, detail in rows[layer]:
+                t.add_row("-" if layer is None else f"block {layer}", what, name, detail)
+    return t
+
+
+def _layer_of_fqn(fqn: str) -> int | None:
+    from autopart.capture import layer_of
+
+    return layer_of(fqn)

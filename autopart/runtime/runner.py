@@ -63,7 +63,10 @@ class Runner:
                  groups: dict[str, Any], *, timeout_s: float = 300.0, seed: int = 0) -> None:  # fmt: skip
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
         self.rank = program.rank
-        self.seed, self.steps = seed, 0  # dropout randomness: a function of (seed, step, micro-batch)
+        self.seed, self.steps = (
+            seed,
+            0,
+        )  # dropout randomness: a function of (seed, step, micro-batch)
         missing = [f for f in program.shards if f not in weights]
         if missing:
             raise AutopartError(
