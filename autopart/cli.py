@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)"
     )
     d.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
+    d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    d.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="keep activations between tp regions whole (default: split along the sequence)")  # fmt: skip
     d.add_argument("--microbatches", type=int, default=2, help="micro-batches per rank (default 2)")
     d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")

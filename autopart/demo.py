@@ -48,9 +48,10 @@ def main(args: argparse.Namespace) -> int:
 
     con = Console()
     out = Path(args.out)
+    mesh = Mesh(dp=args.dp, tp=args.tp)
     con.print(Panel.fit(
-        f"autopart demo: nanoGPT-style model → Mesh(dp={args.dp}) × {args.microbatches} micro-batches "
-        f"→ {args.dp} ranks under torchrun (gloo, CPU)", style="bold"))  # fmt: skip
+        f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
+        f" × {args.microbatches} micro-batches → {mesh.size} ranks under torchrun (gloo, CPU)", style="bold"))  # fmt: skip
     cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, block_size=64)
 
     def factory():  # the demo model, the same weights every call
@@ -65,26 +66,36 @@ def main(args: argparse.Namespace) -> int:
         captured = capture(model, example)
         print_costs(captured, con)
         program = parallelize(
-            captured, Mesh(dp=args.dp), schedule="1f1b", microbatches=args.microbatches
+            captured,
+            mesh,
+            schedule="1f1b",
+            microbatches=args.microbatches,
+            sequence_parallel=args.sequence_parallel,
         )
     con.print(f"compiled in {time.perf_counter() - start:.1f} s")
     program.summary(con)
     saved = program.save(out / "program")
     tokens = out / "tokens.pt"
     torch.save(corpus(cfg.vocab_size), tokens)
-    con.print(f"\n[bold]training {args.steps} steps[/] on {args.dp} ranks "
-              f"(torchrun --nproc-per-node {args.dp} -m autopart.run {saved} --tokens {tokens})")  # fmt: skip
-    launch(args.dp, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
+    con.print(f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
+              f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})")  # fmt: skip
+    launch(mesh.size, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
                      "--lr", "3e-3"], stream=True)  # fmt: skip
     con.print("\n[bold]parity check[/] (float64, one step, every gradient vs one device)")
-    report = verify(factory, dp=args.dp, microbatches=args.microbatches)
+    report = verify(
+        factory,
+        dp=args.dp,
+        tp=args.tp,
+        microbatches=args.microbatches,
+        sequence_parallel=args.sequence_parallel,
+    )
     con.print(("[green]" if report.ok else "[red]") + str(report))
     con.print(Panel.fit(
         f"outputs in {out.resolve()}\n"
         f"  program/plan.json         the plan\n"
         f"  program/rank00000/        rank 0: stage0.py (readable graph), stage0.pt2, program.json, weights.pt\n"
         f"  tokens.pt                 the synthetic corpus\n"
-        f"run again: torchrun --standalone --nproc-per-node {args.dp} -m autopart.run {saved} --steps 20",
+        f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
         title="done"))  # fmt: skip
     if not report.ok:
         raise AutopartError("the demo's parity check failed", hint="please report this as a bug")
