@@ -19,6 +19,7 @@ from autopart.emit import Program, RankProgram, Shard, StageProgram
 from autopart.errors import AutopartError
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
+from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.tensor_parallel import META_SHARD
 from autopart.plan import Plan, mesh_from
 from autopart.schedule import generate, verify
@@ -84,23 +85,58 @@ def _shards(captured: Captured, split: dict, tp_index: int, tp: int) -> dict[str
 def compile_program(captured: Captured, plan: Plan, progress: Progress | None = None) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     mesh = plan.mesh
-    gm, history = run_passes(_copy(captured.graph), plan, PIPELINE)
-    inputs = [n.meta[META_INPUT] for n in gm.graph.nodes if n.op == "placeholder"]
-    split = {n.meta[META_INPUT].name: n.meta.get(META_SHARD) for n in gm.graph.nodes
+    gm = _copy(captured.graph)
+    gm.meta["autopart.example_shape"] = captured.example_shape
+    gm, history = run_passes(gm, plan, PIPELINE)
+    stages = stage_graphs(gm)
+    inputs = [
+        st.meta.get("autopart.inputs")
+        or [n.meta[META_INPUT] for n in st.graph.nodes if n.op == "placeholder"]
+        for st in stages
+    ]
+    for st, refs in zip(stages, inputs, strict=True):
+        st.meta["autopart.passes"] = gm.meta.get("autopart.passes", [])
+        for n, ref in zip((n for n in st.graph.nodes if n.op == "placeholder"), refs, strict=True):
+            n.meta[META_INPUT] = ref
+    split = {n.meta[META_INPUT].name: n.meta.get(META_SHARD) for st in stages for n in st.graph.nodes
              if n.op == "placeholder" and n.meta[META_INPUT].kind == "param"}  # fmt: skip
+    holders: dict[str, set[int]] = {}  # FQN → pipeline ranks whose stages use it
+    for k, refs in enumerate(inputs):
+        for ref in refs:
+            if ref.kind == "param":
+                holders.setdefault(ref.name, set()).add(k % mesh.pp)
+    ties = {f: sorted(pps) for f, pps in holders.items() if len(pps) > 1}
     ranks = []
     for r in range(mesh.size):
         coords = mesh.coords(r)
-        peers = mesh.group("pp", r)
+        mine = [k for k in range(len(stages)) if k % mesh.pp == coords["pp"]]
+        used = {ref.name for k in mine for ref in inputs[k] if ref.kind == "param"}
+        shards = _shards(captured, split, coords["tp"], mesh.tp)
         ranks.append(RankProgram(
             rank=r, coords=coords,
             groups={d: mesh.group(d, r) for d in ("dp", "pp", "tp")},
-            stages=[StageProgram(coords["pp"], gm, inputs)],
-            actions=generate(plan.schedule, coords["pp"], plan.microbatches, peers, mesh.dp),
-            shards=_shards(captured, split, coords["tp"], mesh.tp), buckets=buckets(gm),
+            stages=[StageProgram(k, stages[k], inputs[k]) for k in mine],
+            actions=generate(plan.schedule, coords["pp"], plan.microbatches, mesh.group("pp", r), mesh.dp,
+                             plan.virtual_stages, tied=any(f in ties for f in used)),
+            shards={f: s for f, s in shards.items() if f in used},
+            buckets=_rank_buckets([stages[k] for k in mine]),
+            ties={f: pps for f, pps in ties.items() if f in used},
+            n_stages=len(stages),
         ))  # fmt: skip
-    units = {(s, mb, 0) for s in range(mesh.pp) for mb in range(plan.microbatches)}
+    units = {(s, mb, 0) for s in range(len(stages)) for mb in range(plan.microbatches)}
     for pipeline in mesh.groups("pp"):
         verify({r: ranks[r].actions for r in pipeline}, units)
     return Program(plan, ranks, dict(captured.params), dict(captured.buffers), dict(captured.tied),
                    captured.example_shape, captured.vocab_size, history)  # fmt: skip
+
+
+def _rank_buckets(stages: list[fx.GraphModule]) -> list[list[str]]:
+    """This rank's gradient buckets over all its stages (later stages' gradients come first)."""
+    out, seen = [], set()
+    for st in reversed(stages):
+        for b in buckets(st):
+            b = [f for f in b if f not in seen]
+            seen.update(b)
+            if b:
+                out.append(b)
+    return out

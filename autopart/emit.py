@@ -86,6 +86,8 @@ class RankProgram:
     actions: list[Action]
     shards: dict[str, Shard]
     buckets: list[list[str]] = field(default_factory=list)
+    ties: dict[str, list[int]] = field(default_factory=dict)  # FQN → pipeline ranks holding it
+    n_stages: int = 1
 
     def __str__(self) -> str:
         c = self.coords
@@ -266,7 +268,7 @@ def _save_rank(
         "rank": rp.rank, "coords": rp.coords, "groups": rp.groups, "stages": stages,
         "actions": [a.to_json() for a in rp.actions],
         "shards": {f: asdict(s) for f, s in rp.shards.items()},
-        "buckets": rp.buckets,
+        "buckets": rp.buckets, "ties": rp.ties, "n_stages": rp.n_stages,
     }  # fmt: skip
     (folder / "program.json").write_text(json.dumps(doc, indent=1))
     real = {f: t for f, t in params.items() if t.device.type != "meta" and f in rp.shards}
@@ -309,7 +311,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         rank=doc["rank"], coords=doc["coords"], groups=doc["groups"], stages=stages,
         actions=[Action.from_json(a) for a in doc["actions"]],
         shards={f: Shard(**{**s, "shape": tuple(s["shape"])}) for f, s in doc["shards"].items()},
-        buckets=doc["buckets"],
+        buckets=doc["buckets"], ties=doc.get("ties", {}), n_stages=doc.get("n_stages", 1),
     )  # fmt: skip
 
 

@@ -138,11 +138,9 @@ class Plan:
 
     def _refuse_unimplemented(self) -> None:
         later = {
-            "pp": (self.mesh.pp > 1, "pipeline parallelism (pp > 1)"),
-            "v": (self.virtual_stages > 1, "virtual stages (virtual_stages > 1)"),
             "k": (self.seq_chunks > 1, "Seq1F1B sequence chunks (seq_chunks > 1)"),
             "sched": (
-                self.schedule.startswith(("interleaved", "seq1f1b")),
+                self.schedule.startswith("seq1f1b"),
                 f"the {self.schedule} schedule",
             ),
         }
@@ -150,7 +148,7 @@ class Plan:
             if wanted:
                 raise AutopartError(
                     f"{what} is not supported yet in this version of autopart",
-                    hint="data and tensor parallelism work now: Mesh(dp=N, tp=M), schedule 1f1b or gpipe",
+                    hint="data, tensor and pipeline parallelism work now: Mesh(dp=N, tp=M, pp=P) with gpipe, 1f1b or interleaved-1f1b",
                 )
 
     def check_batch(self, batch_size: int) -> int:

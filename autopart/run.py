@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank)
-        runner = Runner(program, plan, load_weights(args.dir, rank), make_groups(plan, rank),
+        runner = Runner(program, plan, load_weights(args.dir, rank), make_groups(plan, rank, program.ties),
                         timeout_s=args.timeout)  # fmt: skip
         batches = Batches(args, head)
         optim = None if args.no_optim else torch.optim.AdamW(runner.parameters(), lr=args.lr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def make():
+def make(n_layer: int = 2):
     """Tiny GPT-2 (2 layers, width 32, tied ``wte``/``lm_head``) and an 8 × 32 token batch."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -13,7 +13,7 @@ def make():
         vocab_size=96,
         n_positions=64,
         n_embd=32,
-        n_layer=2,
+        n_layer=n_layer,
         n_head=4,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -29,3 +29,8 @@ def make():
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
     labels[:, -1] = -100
     return model, (input_ids, labels)
+
+
+def make_deep():
+    """The same GPT-2 with 8 blocks: enough for pp=4 × virtual_stages=2."""
+    return make(n_layer=8)

@@ -142,3 +142,8 @@ def make(attention: str = "sdpa", **overrides):
 def make_manual():
     """The same GPT with the manual masked-softmax attention path."""
     return make(attention="manual")
+
+
+def make_deep():
+    """The same GPT with 8 blocks: enough for pp=4 × virtual_stages=2 (one block per stage)."""
+    return make(n_layer=8)

@@ -5,12 +5,20 @@ The order the compiler runs them in is ``PIPELINE`` (see ``autopart.compiler``).
 
 from autopart.passes.data_parallel import data_parallel
 from autopart.passes.dropout_rng import dropout_rng
+from autopart.passes.pipeline_split import pipeline_split
 from autopart.passes.sequence_parallel import sequence_parallel
 from autopart.passes.tensor_parallel import tensor_parallel
 from autopart.passes.vocab_parallel import vocab_parallel
 
-PIPELINE = (vocab_parallel, tensor_parallel, sequence_parallel, dropout_rng, data_parallel)
+PIPELINE = (
+    vocab_parallel,
+    tensor_parallel,
+    sequence_parallel,
+    dropout_rng,
+    pipeline_split,
+    data_parallel,
+)
 
 __all__ = [
-    "PIPELINE", "data_parallel", "dropout_rng", "sequence_parallel", "tensor_parallel", "vocab_parallel",
+    "PIPELINE", "data_parallel", "dropout_rng", "pipeline_split", "sequence_parallel", "tensor_parallel", "vocab_parallel",
 ]  # fmt: skip

@@ -19,6 +19,12 @@ META_BUCKET = "autopart.dp_bucket"
 
 
 def data_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    for name in gm.meta.get("autopart.stages", []):  # a pipeline: bucket each stage on its own
+        _bucket(getattr(gm, name), plan)
+    return gm if gm.meta.get("autopart.stages") else _bucket(gm, plan)
+
+
+def _bucket(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_param(n)]
     if plan.mesh.dp == 1:
         for p in params:

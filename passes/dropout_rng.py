@@ -36,7 +36,9 @@ def dropout_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     rank = next((n for n in placeholders if n.meta[META_INPUT].kind == "rank"), None)
     with gm.graph.inserting_after(placeholders[-1]):
         seed = gm.graph.placeholder("rng_seed")
-    seed.meta.update({META_INPUT: InputRef("rng", "seed"), "autopart.module": "", "autopart.layer": None})
+    seed.meta.update(
+        {META_INPUT: InputRef("rng", "seed"), "autopart.module": "", "autopart.layer": None}
+    )
     with torch._guards.detect_fake_mode([placeholders[-1].meta["val"]]):
         seed.meta["val"] = torch.empty((), dtype=torch.int64)
     for slot, n in enumerate(active):

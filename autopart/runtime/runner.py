@@ -17,6 +17,7 @@ names the rank, the action and the group.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart import collectives
+from autopart.runtime import p2p
 from autopart.emit import Program, RankProgram
 from autopart.errors import AutopartError
 from autopart.plan import Plan
@@ -45,14 +47,23 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_groups(plan: Plan, rank: int) -> dict[str, Any]:
-    """Create every process group of the mesh (all ranks must call this in the same order)."""
+def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Create every process group of the mesh, and one per set of pipeline ranks sharing a tied
+    parameter (all ranks must call this in the same order)."""
+    mesh = plan.mesh
     mine: dict[str, Any] = {}
     for dim in ("dp", "pp", "tp"):
-        for ranks in plan.mesh.groups(dim):
+        for ranks in mesh.groups(dim):
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
                 mine[dim] = group
+    for pps in sorted({tuple(v) for v in (ties or {}).values()}):
+        for dp_i in range(mesh.dp):
+            for tp_i in range(mesh.tp):
+                ranks = [mesh.rank_of(pp=j, dp=dp_i, tp=tp_i) for j in pps]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[("tie", pps)] = group
     return mine
 
 
@@ -79,6 +90,9 @@ class Runner:
             self.params[fqn] = t if isinstance(t, nn.Parameter) else nn.Parameter(t)
         self.buffers = {k: v for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
+        self.n_stages = program.n_stages
+        self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
+        self.timeline: list[tuple[str, str, float, float]] | None = None  # set to [] to record
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
         # per step: buckets reduced, and how many of them were launched while backward ran
@@ -91,9 +105,9 @@ class Runner:
         """The local rank's runner of a compiled program (joins the distributed job)."""
         rank, world = init_distributed(timeout_s)
         program.mesh.check_world(world)
-        groups = _groups_of(program.plan, rank, mesh)
         rp = program.rank(rank)
-        weights = {f: rp.shards[f].local(t) for f, t in program.params.items()}
+        groups = _groups_of(program.plan, rank, mesh, rp.ties)
+        weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}
         weights.update(program.buffers)
         return cls(rp, program.plan, weights, groups, timeout_s=timeout_s)
 
@@ -118,34 +132,110 @@ class Runner:
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
-        losses: dict[int, torch.Tensor] = {}
         self.steps += 1
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
-        self._pending: list[Any] = []
-        self._next = 0
+        self._pending, self._next, self._sends = [], 0, []
         self.stats["launched_during_backward"] = 0
+        live: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) → inputs, outputs, grads
+        losses: dict[int, torch.Tensor] = {}
         for i, action in enumerate(self.program.actions):
             collectives.set_action(f"{action} on rank {self.rank}")
+            self._record(action, start=True)
+            unit = (action.stage, action.mb)
             if action.kind == "F":
-                self._seed = self._seed_for(action.mb)
-                (loss_sum,) = self._graph(action.stage)(*self._args(action.stage, *mbs[action.mb]))
-                losses[action.mb] = loss_sum / count
+                self._forward(action, live.setdefault(unit, {}), mbs[action.mb], count, losses)
             elif action.kind == "B":
                 hooks = self._arm_buckets() if i == last_b and self._buckets else []
-                losses[action.mb].backward()
-                losses[action.mb] = losses[action.mb].detach()
+                self._backward(action, live[unit], losses)
                 for h in hooks:
                     h.remove()
+                if "grads_out" not in live[unit]:
+                    del live[unit]  # this micro-batch's activations are freed
+            elif action.kind == "SEND_F":
+                self._sends += p2p.send(live[unit]["outputs"], action.peer, *unit, backward=False)
+            elif action.kind == "RECV_F":
+                st = self._stage(action.stage)
+                n = sum(r.kind == "act" for r in st.inputs)
+                got = p2p.recv(n, action.peer, action.stage - 1, action.mb, False, self.rank, str(action),
+                               self.timeout_s)  # tagged by the sending stage  # fmt: skip
+                live.setdefault(unit, {})["acts"] = [
+                    t.requires_grad_() if t.is_floating_point() else t for t in got
+                ]
+            elif action.kind == "SEND_B":
+                self._sends += p2p.send(
+                    live[unit].pop("grads_out"), action.peer, *unit, backward=True
+                )
+                del live[unit]
+            elif action.kind == "RECV_B":
+                n = sum(t.is_floating_point() for t in live[unit]["outputs"])
+                live[unit]["grads_in"] = p2p.recv(n, action.peer, action.stage + 1, action.mb, True, self.rank,
+                                                  str(action), self.timeout_s)  # fmt: skip
             elif action.kind == "DP_REDUCE":
                 self._finish_buckets(action)
-            else:
-                raise AutopartError(f"rank {self.rank}: action {action} needs pipeline support, "
-                                    "which is not in this version")  # fmt: skip
+            elif action.kind == "TIE_REDUCE":
+                self._tie_reduce(action)
+            self._record(action, start=False)
+        p2p.wait_all(self._sends, self.rank, self.timeout_s)
         for f, p in self.params.items():
             if kept[f] is not None:
                 p.grad = kept[f] if p.grad is None else p.grad + kept[f]
-        loss = torch.stack(list(losses.values())).sum()
+        loss = (
+            torch.stack(list(losses.values())).sum()
+            if losses
+            else torch.zeros((), dtype=self._dtype)
+        )
         return self._reduce_loss(loss)
+
+    def _forward(self, action: Action, unit: dict[str, Any], mb: tuple, count: torch.Tensor,
+                 losses: dict[int, torch.Tensor]) -> None:  # fmt: skip
+        self._seed = self._seed_for(action.mb)
+        st = self._stage(action.stage)
+        out = st.graph(*self._args(action.stage, *mb, acts=unit.get("acts", [])))
+        if action.stage == self.n_stages - 1:
+            losses[action.mb] = out[0] / count
+        else:
+            unit["outputs"] = list(out)
+
+    def _backward(
+        self, action: Action, unit: dict[str, Any], losses: dict[int, torch.Tensor]
+    ) -> None:
+        if action.stage == self.n_stages - 1:
+            losses[action.mb].backward()
+            losses[action.mb] = losses[action.mb].detach()
+        else:
+            outs = [t for t in unit["outputs"] if t.is_floating_point() and t.requires_grad]
+            grads = [
+                g
+                for t, g in zip(
+                    (t for t in unit["outputs"] if t.is_floating_point()),
+                    unit["grads_in"],
+                    strict=True,
+                )
+                if t.requires_grad
+            ]
+            torch.autograd.backward(outs, grad_tensors=grads)
+        if action.stage > 0:
+            acts = [t for t in unit.get("acts", []) if t.is_floating_point()]
+            unit["grads_out"] = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in acts
+            ]
+        unit.pop("outputs", None)
+
+    def _tie_reduce(self, action: Action) -> None:
+        """Sum the gradient of each parameter held by several pipeline ranks (tied weights)."""
+        for fqn, group in self._ties:
+            p = self.params[fqn]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            work = dist.all_reduce(grad, group=group, async_op=True)
+            self._wait(work, f"{action} (gradient of tied {fqn})")
+            p.grad = grad
+
+    def _record(self, action: Action, start: bool) -> None:
+        if self.timeline is not None:
+            if start:
+                self._t0 = time.perf_counter()
+            else:
+                self.timeline.append((str(action), action.kind, self._t0, time.perf_counter()))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -181,14 +271,18 @@ class Runner:
         return [(input_ids[start + j * mb: start + (j + 1) * mb], labels[start + j * mb: start + (j + 1) * mb])
                 for j in range(m)]  # fmt: skip
 
-    def _args(
-        self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor
-    ) -> list[torch.Tensor]:
-        st = next(s for s in self.program.stages if s.stage == stage)
+    def _stage(self, stage: int):
+        return next(s for s in self.program.stages if s.stage == stage)
+
+    def _args(self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor,
+              acts: list[torch.Tensor] = ()) -> list[torch.Tensor]:  # fmt: skip
+        st = self._stage(stage)
         data = {"input_ids": input_ids, "labels": labels}
         out = []
         for ref in st.inputs:
-            if ref.kind == "param":
+            if ref.kind == "act":
+                out.append(acts[int(ref.name)])
+            elif ref.kind == "param":
                 out.append(self.params[ref.name])
             elif ref.kind == "rank":
                 out.append(torch.tensor(self.program.coords[ref.name]))
@@ -256,15 +350,18 @@ class Runner:
             )
 
     def _reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.groups.get("pp") is not None:  # only the last stage holds the loss
+            work = dist.all_reduce(loss, group=self.groups["pp"], async_op=True)
+            self._wait(work, f"loss all-reduce over pp ranks {self.program.groups['pp']}")
         if self.groups.get("dp") is not None:
             work = dist.all_reduce(loss, group=self.groups["dp"], async_op=True)
             self._wait(work, f"loss all-reduce over dp ranks {self.program.groups['dp']}")
         return loss
 
 
-def _groups_of(plan: Plan, rank: int, live_mesh: Any) -> dict[str, Any]:
-    if live_mesh is None:
-        return make_groups(plan, rank)
+def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]) -> dict[str, Any]:
+    if live_mesh is None or ties:
+        return make_groups(plan, rank, ties)
     names = live_mesh.mesh_dim_names
     return {d: (live_mesh.get_group(d) if d in names and getattr(plan.mesh, d) > 1 else None)
             for d in ("dp", "pp", "tp")}  # fmt: skip

@@ -11,8 +11,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-Kind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "DP_REDUCE"]
-KINDS: tuple[str, ...] = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "DP_REDUCE")
+Kind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "DP_REDUCE", "TIE_REDUCE"]
+KINDS: tuple[str, ...] = (
+    "F",
+    "B",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+    "DP_REDUCE",
+    "TIE_REDUCE",
+)
 
 
 @dataclass(frozen=True)
@@ -26,8 +35,8 @@ class Action:
     peer: int | None = None  # the other rank of a SEND/RECV
 
     def __str__(self) -> str:
-        if self.kind == "DP_REDUCE":
-            return "DP_REDUCE"
+        if self.kind in ("DP_REDUCE", "TIE_REDUCE"):
+            return self.kind
         where = f"s{self.stage},m{self.mb}" + (f",c{self.chunk}" if self.chunk else "")
         to = (
             ""
