@@ -73,9 +73,9 @@ def recomputable(gm: fx.GraphModule) -> set[fx.Node]:
     out = {n for n in gm.graph.nodes if n.op == "call_function" and n not in tainted}
     for n in gm.graph.nodes:  # e.g. tp_all_reduce_grad(wpe): an alias of the parameter
         name = getattr(n.target, "_opname", getattr(n.target, "__name__", ""))
-        if n.op == "call_function" and name in _PARAM_VIEWS and n.args and n.args[0] in params:
-            if all(a in params or a in out or a.op == "placeholder" for a in n.all_input_nodes):
-                out.add(n)
+        alias = n.op == "call_function" and name in _PARAM_VIEWS and n.args and n.args[0] in params
+        if alias and all(a in params or a in out or a.op == "placeholder" for a in n.all_input_nodes):
+            out.add(n)
     return out
 
 
@@ -194,9 +194,13 @@ def _stage_graph(gm, k, stage_of, rec, crossing, output, stages) -> fx.GraphModu
         env[v].meta[META_INPUT] = InputRef("act", str(i))
         refs.append(env[v].meta[META_INPUT])
     for n in gm.graph.nodes:
-        if n.op == "get_attr" and n in needed:
-            env[n] = g.node_copy(n, lambda a: env[a])
-        elif n.op == "call_function" and n in needed and n not in env:
+        if (
+            n.op == "get_attr"
+            and n in needed
+            or n.op == "call_function"
+            and n in needed
+            and n not in env
+        ):
             env[n] = g.node_copy(n, lambda a: env[a])
     if k == stages - 1:
         g.output(fx.map_arg(output.args[0], lambda a: env[a]))

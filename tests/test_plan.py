@@ -86,18 +86,12 @@ def test_unknown_schedule_without_close_match() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"mesh": Mesh(pp=2)},
         {"mesh": Mesh(dp=2), "seq_chunks": 2},
-        {"mesh": Mesh(dp=2), "virtual_stages": 2},
-        {"mesh": Mesh(dp=2), "schedule": "interleaved-1f1b"},
         {"mesh": Mesh(dp=2), "schedule": "seq1f1b"},
         {"mesh": Mesh(dp=2), "schedule": "seq1f1b-interleaved"},
     ],
     ids=[
-        "pp",
         "seq_chunks",
-        "virtual",
-        "interleaved",
         "seq1f1b",
         "seq1f1b-interleaved",
     ],

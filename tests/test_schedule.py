@@ -12,6 +12,7 @@ from autopart.errors import AutopartError
 from autopart.schedule import GENERATORS, Action, generate, table, verify
 
 Schedule = dict[int, list[Action]]
+FLAT = sorted(n for n in GENERATORS if n != "interleaved-1f1b")  # one stage per pipeline rank
 
 
 def _build(name: str, p: int, m: int, dp: int = 1) -> Schedule:
@@ -25,7 +26,7 @@ def _units(p: int, m: int) -> set[tuple[int, int, int]]:
 
 @settings(max_examples=60, deadline=None, database=None)
 @given(
-    name=st.sampled_from(sorted(GENERATORS)),
+    name=st.sampled_from(FLAT),
     p=st.integers(1, 4),
     m=st.integers(1, 8),
     dp=st.sampled_from([1, 2]),
@@ -72,7 +73,7 @@ def test_gpipe_all_forwards_then_all_backwards(p: int) -> None:
 
 
 def test_single_stage_schedules_are_the_accumulation_loop() -> None:
-    for name in GENERATORS:
+    for name in FLAT:
         assert [str(a) for a in generate(name, 0, 2, [0], dp=2)] == [
             "F(s0,m0)", "B(s0,m0)", "F(s0,m1)", "B(s0,m1)", "DP_REDUCE",
         ]  # fmt: skip
@@ -86,7 +87,7 @@ def test_sends_and_receives_name_global_peers() -> None:
 
 def test_unknown_generator() -> None:
     with pytest.raises(AutopartError) as err:
-        generate("interleaved-1f1b", 0, 2, [0])
+        generate("seq1f1b", 0, 2, [0])
     assert "has no generator" in err.value.message and "1f1b" in err.value.hint
 
 
@@ -115,7 +116,7 @@ def test_actions_json_round_trip_without_peer_zero() -> None:
         Action.from_json({"kind": "FWD"})
 
 
-@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("name", FLAT)
 def test_actions_json_round_trip_all_ranks(name: str) -> None:
     for acts in _build(name, 3, 4).values():
         for a in acts:
@@ -198,3 +199,43 @@ def test_verify_rejects_a_send_to_a_rank_without_schedule() -> None:
     actions = _build("gpipe", 2, 1)
     actions[0] = [Action("SEND_F", 0, 0, peer=5) if a.kind == "SEND_F" else a for a in actions[0]]
     _reject(actions, _units(2, 1), "rank 0:", "rank 5, which has no schedule")
+
+
+# --- interleaved 1F1B: p·v model chunks, chunk k on pipeline rank k mod p ------------------
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(
+    p=st.integers(2, 4), groups=st.integers(1, 3), v=st.integers(2, 3), dp=st.sampled_from([1, 2])
+)
+def test_interleaved_schedules_verify(p: int, groups: int, v: int, dp: int) -> None:
+    m = p * groups
+    peers = list(range(p))
+    actions = {r: generate("interleaved-1f1b", r, m, peers, dp, v) for r in peers}
+    verify(actions, {(s, mb, 0) for s in range(p * v) for mb in range(m)})
+    for r, acts in actions.items():
+        chunks = {a.stage for a in acts if a.kind == "F"}
+        assert chunks == {c * p + r for c in range(v)}
+        first_b = next(i for i, a in enumerate(acts) if a.kind == "B")
+        warm = sum(a.kind == "F" for a in acts[:first_b])
+        w = min(2 * (p - r - 1) + (v - 1) * p, m * v)  # warmup, then the first steady forward
+        assert warm == w + (1 if w < m * v else 0)
+        for a in acts:
+            if a.kind.startswith(("SEND", "RECV")):
+                assert a.peer in ((r - 1) % p, (r + 1) % p)
+        for a in acts:
+            assert Action.from_json(json.loads(json.dumps(a.to_json()))) == a
+
+
+def test_interleaved_needs_virtual_stages_and_divisible_microbatches() -> None:
+    with pytest.raises(AutopartError, match="divisible by pp"):
+        generate("interleaved-1f1b", 0, 3, [0, 1], v=2)
+    with pytest.raises(AutopartError, match="virtual stages"):
+        generate("interleaved-1f1b", 0, 4, [0, 1], v=1)
+    with pytest.raises(AutopartError, match="virtual stages"):
+        generate("1f1b", 0, 4, [0, 1], v=2)
+
+
+def test_tied_ranks_end_with_tie_reduce() -> None:
+    acts = generate("1f1b", 0, 2, [0, 1], dp=2, tied=True)
+    assert [a.kind for a in acts[-2:]] == ["DP_REDUCE", "TIE_REDUCE"]

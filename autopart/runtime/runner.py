@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart import collectives
-from autopart.runtime import p2p
 from autopart.emit import Program, RankProgram
 from autopart.errors import AutopartError
 from autopart.plan import Plan
+from autopart.runtime import p2p
 from autopart.schedule.ir import Action
 
 

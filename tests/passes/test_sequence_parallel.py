@@ -1,0 +1,165 @@
+"""sequence_parallel: with ``Plan(Mesh(tp=2), sequence_parallel=True)`` every f/g of the
+tensor-parallel graph becomes an all-gather / reduce-scatter along the sequence, replicated
+parameters all-reduce their gradients, and a learned position table is cut to this rank's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from autopart.passes.sequence_parallel import META_SEQ
+from autopart.passes.tensor_parallel import META_SHARD
+from conftest import Case
+from torch import fx
+from tp_models import (
+    MODELS,
+    ancestors,
+    aten,
+    calls,
+    compiled,
+    hidden_size,
+    llama_case,
+    model_case,
+    n_layers,
+    ops,
+    params,
+    per_layer,
+    run_local,
+    sym,
+)
+
+from autopart.capture import META_LAYER, B, S
+from autopart.errors import AutopartError
+from autopart.plan import Mesh, Plan
+
+TP = 2
+_GPT = (
+    "transformer.wpe.weight",
+    "transformer.ln_f.weight",
+    "transformer.ln_f.bias",
+    *(
+        f"transformer.h.*.{p}"
+        for p in (
+            "ln_1.weight",
+            "ln_1.bias",
+            "ln_2.weight",
+            "ln_2.bias",
+            "attn.c_proj.bias",
+            "mlp.c_proj.bias",
+        )
+    ),
+)
+GRAD_REDUCED = {  # every replicated parameter: norms, row biases, position tables
+    "gpt_sdpa": _GPT,
+    "gpt_manual": _GPT,
+    "hf_gpt": _GPT,
+    "llama": (
+        "model.layers.*.input_layernorm.weight",
+        "model.layers.*.post_attention_layernorm.weight",
+        "model.norm.weight",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def llama() -> Case:
+    return llama_case()
+
+
+@pytest.fixture(params=MODELS)
+def seq(request) -> tuple[str, Case, fx.GraphModule]:
+    case = model_case(request, request.param)
+    return request.param, case, compiled(request.param, case, TP, sp=True)
+
+
+def test_f_and_g_become_gather_and_reduce_scatter(seq) -> None:
+    name, case, gm = seq
+    blocks = dict.fromkeys(range(n_layers(case)), 2)
+    assert per_layer(calls(gm, ops.tp_gather.default)) == {**blocks, None: 1}  # + LM head
+    assert per_layer(calls(gm, ops.tp_scatter_reduce.default)) == {**blocks, None: 1}  # + emb
+    assert calls(gm, ops.tp_copy.default) == []
+    assert calls(gm, ops.tp_reduce.default) == []
+    assert all(n.args[2] == "tp" for n in calls(gm, ops.tp_gather.default))
+
+
+def _at(gm: fx.GraphModule, size: object, s: int = 12) -> int:
+    """A size at sequence length ``s`` (a multiple of tp, as the runtime requires), batch 3."""
+    return int(sym(gm, size).xreplace({S: s, B: 3}))
+
+
+def _seq_dims(gm: fx.GraphModule, shape) -> list[int]:
+    return [i for i, d in enumerate(shape) if S in sym(gm, d).free_symbols]
+
+
+def test_collectives_act_on_the_sequence_dim(seq) -> None:
+    name, case, gm = seq
+    h = hidden_size(case)
+    for r in calls(gm, ops.tp_scatter_reduce.default):  # (b, s, h) → (b, s/tp, h)
+        x, dim, _ = r.args
+        shape = x.meta["val"].shape
+        assert _seq_dims(gm, shape) == [dim] == [1], (r.name, shape)
+        assert [_at(gm, d) for d in shape] == [3, 12, h]
+        assert [_at(gm, d) for d in r.meta["val"].shape] == [3, 12 // TP, h]
+        assert r.meta[META_SEQ] == 1
+    for g in calls(gm, ops.tp_gather.default):  # (b, s/tp, h) → (b, s, h)
+        x, dim, _ = g.args
+        shape = x.meta["val"].shape
+        assert _seq_dims(gm, shape) == [dim] == [1], (g.name, shape)
+        assert [_at(gm, d) for d in shape] == [3, 12 // TP, h]
+        assert [_at(gm, d) for d in g.meta["val"].shape] == [3, 12, h]
+        assert x.meta.get(META_SEQ) == 1
+    # the embedding's reduce-scatter is the first to see the captured sequence length itself
+    first = calls(gm, ops.tp_scatter_reduce.default)[0]
+    assert first.meta[META_LAYER] is None
+    assert sym(gm, first.args[0].meta["val"].shape[1]) == S
+
+
+def test_replicated_params_all_reduce_their_gradient(seq) -> None:
+    name, case, gm = seq
+    reducing = calls(gm, ops.tp_all_reduce_grad.default)
+    reduced = {n.args[0] for n in reducing}
+    assert len(reduced) == len(reducing)  # one per parameter
+    for fqn, p in params(gm).items():
+        if p.meta[META_SHARD] is None:  # norms, row biases, position tables
+            assert p in reduced, fqn
+            ((user, _),) = p.users.items()  # every use goes through the gradient all-reduce
+            assert user.target == ops.tp_all_reduce_grad.default and user.args == (p, "tp")
+        else:
+            assert p not in reduced, fqn
+    names = {p.meta["autopart.input"].name for p in reduced}
+    layers = range(n_layers(case))
+    expected = {f.replace("*", str(i)) for f in GRAD_REDUCED[name] for i in layers}
+    assert names == expected
+
+
+@pytest.mark.parametrize("name", ["gpt_sdpa", "gpt_manual", "hf_gpt"])
+def test_position_table_is_cut_to_local_rows(name: str, request) -> None:
+    case = model_case(request, name)
+    gm = compiled(name, case, TP, sp=True)
+    (wpe,) = [p for f, p in params(gm).items() if f == "transformer.wpe.weight"]
+    (cut,) = calls(gm, aten.index_select.default)
+    table, dim, index = cut.args
+    assert wpe in ancestors(table)
+    assert sym(gm, table.meta["val"].shape[dim]) == S  # the whole sequence ...
+    assert sym(gm, cut.meta["val"].shape[dim]) != S  # ... down to this rank's rows
+    rank = next(p for p in gm.graph.nodes if p.name == "tp_rank")
+    assert rank in ancestors(index)
+    (add,) = cut.users  # added to the sequence-split token embedding
+    assert any(a.target == ops.tp_scatter_reduce.default for a in add.args)
+
+
+@pytest.mark.parametrize(
+    ("name", "tp"), [*((m, 2) for m in MODELS), ("gpt_sdpa", 4), ("hf_gpt", 4)]
+)
+def test_sequence_parallel_graph_runs_in_one_process(name: str, tp: int, request) -> None:
+    """Rank 0's graph, every collective the identity (so rank 0 keeps the whole sequence)."""
+    case = model_case(request, name)
+    gm = compiled(name, case, tp, sp=True)
+    loss = run_local(case, gm, tp)
+    assert loss.dim() == 0 and torch.isfinite(loss) and loss > 0
+
+
+def test_sequence_parallel_needs_tp() -> None:
+    with pytest.raises(AutopartError) as err:
+        Plan(Mesh(dp=2), sequence_parallel=True)
+    assert "needs tensor parallelism (tp > 1)" in err.value.message
+    assert "tp ≥ 2" in err.value.hint

@@ -1,0 +1,360 @@
+"""tensor_parallel: the Megatron layout the pass docstring promises, checked on the graph after
+the whole PIPELINE (single process, no ranks): shards, f/g per block on (b, s, h), shape
+literals divided by tp, local placeholder shapes, a graph that runs on local shards, and the
+refusals (AutopartError with a hint) and the replicated fallback (a warning naming the node)."""
+
+from __future__ import annotations
+
+import logging
+
+import nanogpt
+import pytest
+import torch
+import torch.nn.functional as F
+from autopart.passes import PIPELINE
+from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
+from conftest import Case, _case, copy_graph
+from torch import fx, nn
+from tp_models import (
+    MODELS,
+    VIEWS,
+    ancestors,
+    aten,
+    calls,
+    compiled,
+    hidden_size,
+    is_bsh,
+    llama_case,
+    model_case,
+    n_layers,
+    ops,
+    params,
+    pattern,
+    per_layer,
+    run_local,
+    sym,
+    through_views,
+)
+
+from autopart.capture import META_LAYER
+from autopart.compiler import run_passes
+from autopart.errors import AutopartError
+from autopart.plan import Mesh, Plan
+
+COL, ROW = TPShard(0), TPShard(1)  # nn.Linear stores [out, in]
+NANO = {
+    "transformer.wte.weight": TPShard(0),  # vocab rows (tied with lm_head)
+    "transformer.wpe.weight": None,
+    "transformer.h.*.ln_1.weight": None,
+    "transformer.h.*.ln_1.bias": None,
+    "transformer.h.*.attn.c_attn.weight": TPShard(0, 3),  # fused QKV: strided
+    "transformer.h.*.attn.c_attn.bias": TPShard(0, 3),
+    "transformer.h.*.attn.c_proj.weight": ROW,
+    "transformer.h.*.attn.c_proj.bias": None,
+    "transformer.h.*.ln_2.weight": None,
+    "transformer.h.*.ln_2.bias": None,
+    "transformer.h.*.mlp.c_fc.weight": COL,
+    "transformer.h.*.mlp.c_fc.bias": TPShard(0),
+    "transformer.h.*.mlp.c_proj.weight": ROW,
+    "transformer.h.*.mlp.c_proj.bias": None,
+    "transformer.ln_f.weight": None,
+    "transformer.ln_f.bias": None,
+}
+GPT2 = {  # HF Conv1D stores [in, out]: column dim 1, row dim 0
+    **NANO,
+    "transformer.h.*.attn.c_attn.weight": TPShard(1, 3),
+    "transformer.h.*.attn.c_proj.weight": TPShard(0),
+    "transformer.h.*.mlp.c_fc.weight": TPShard(1),
+    "transformer.h.*.mlp.c_proj.weight": TPShard(0),
+}
+LLAMA = {
+    "model.embed_tokens.weight": TPShard(0),
+    "model.layers.*.input_layernorm.weight": None,
+    "model.layers.*.self_attn.q_proj.weight": COL,
+    "model.layers.*.self_attn.k_proj.weight": COL,
+    "model.layers.*.self_attn.v_proj.weight": COL,
+    "model.layers.*.self_attn.o_proj.weight": ROW,
+    "model.layers.*.post_attention_layernorm.weight": None,
+    "model.layers.*.mlp.gate_proj.weight": COL,
+    "model.layers.*.mlp.up_proj.weight": COL,
+    "model.layers.*.mlp.down_proj.weight": ROW,
+    "model.norm.weight": None,
+    "lm_head.weight": TPShard(0),  # untied LM head: vocab rows
+}
+LAYOUT = {"gpt_sdpa": NANO, "gpt_manual": NANO, "hf_gpt": GPT2, "llama": LLAMA}
+
+
+@pytest.fixture(scope="module")
+def llama() -> Case:
+    return llama_case()
+
+
+@pytest.fixture(params=[(m, tp) for m in MODELS for tp in (2, 4)], ids=lambda p: f"{p[0]}-tp{p[1]}")
+def split(request) -> tuple[str, Case, int, fx.GraphModule]:
+    """(model name, its case, tp, the graph after PIPELINE at Mesh(tp=tp))."""
+    name, tp = request.param
+    case = model_case(request, name)
+    return name, case, tp, compiled(name, case, tp)
+
+
+def test_shards_follow_the_weight_layout(split) -> None:
+    name, case, tp, gm = split
+    table = LAYOUT[name]
+    got = {fqn: p.meta[META_SHARD] for fqn, p in params(gm).items()}
+    assert set(got) == set(case.captured.params)  # one placeholder per (tied) parameter
+    assert {pattern(f) for f in got} == set(table), "the table must name every parameter"
+    for fqn, shard in got.items():
+        assert shard == table[pattern(fqn)], fqn
+
+
+def test_split_placeholders_hold_local_shapes(split) -> None:
+    name, case, tp, gm = split
+    for fqn, p in params(gm).items():
+        full = tuple(case.captured.params[fqn].shape)
+        shard = p.meta[META_SHARD]
+        local = list(full)
+        if shard is not None:
+            local[shard.dim] //= tp
+            assert tuple(p.meta["autopart.global_val"].shape) == full, fqn
+        assert tuple(p.meta["val"].shape) == tuple(local), fqn
+    # the shared capture is left whole
+    for p in case.captured.placeholders("param"):
+        assert META_SHARD not in p.meta
+        fqn = p.meta["autopart.input"].name
+        assert tuple(p.meta["val"].shape) == tuple(case.captured.params[fqn].shape)
+
+
+def test_two_f_and_two_g_per_block(split) -> None:
+    name, case, tp, gm = split
+    blocks = set(range(n_layers(case)))
+    reduces, copies = calls(gm, ops.tp_reduce.default), calls(gm, ops.tp_copy.default)
+    assert blocks == {0, 1}
+    assert per_layer(reduces) == {**dict.fromkeys(blocks, 2), None: 1}
+    assert per_layer(copies) == {**dict.fromkeys(blocks, 2), None: 1}
+    # outside blocks: the vocab embedding's g and the LM head's f
+    (emb_g,) = [g for g in reduces if g.meta[META_LAYER] is None]
+    assert any(
+        a.meta.get(META_ROLE) == "vocab" and a.target == aten.embedding.default
+        for a in ancestors(emb_g)
+    )
+    (head_f,) = [f for f in copies if f.meta[META_LAYER] is None]
+    assert [u.meta.get(META_ROLE) for u in _downstream_matmuls(head_f)] == ["vocab"]
+
+
+def _downstream_matmuls(f: fx.Node) -> list[fx.Node]:
+    """The matmuls ``f`` feeds through views."""
+    out, stack = [], list(f.users)
+    while stack:
+        u = stack.pop()
+        if u.target in VIEWS:
+            stack.extend(u.users)
+        else:
+            out.append(u)
+    return out
+
+
+def test_g_follows_each_row_matmul_on_bsh(split) -> None:
+    name, case, tp, gm = split
+    h = hidden_size(case)
+    biased = name != "llama"
+    by_name = params(gm)
+    in_blocks = [g for g in calls(gm, ops.tp_reduce.default) if g.meta[META_LAYER] is not None]
+    assert len(in_blocks) == 2 * n_layers(case)
+    for g in in_blocks:
+        assert is_bsh(gm, g.meta["val"], h), (g.name, g.meta["val"].shape)
+        row = through_views(g.args[0])
+        assert row.meta[META_ROLE] == "row" and row.meta[META_LAYER] == g.meta[META_LAYER]
+        assert row.target in (aten.linear.default, aten.mm.default) and len(row.args) == 2
+        weight = row.args[1]
+        assert weight.meta[META_SHARD] is not None and weight.meta[META_SHARD].dim in (0, 1)
+        if biased:  # the row bias is added once, after the reduction
+            (add,) = g.users
+            assert add.target == aten.add.Tensor and add.args[0] is g
+            bias = add.args[1]
+            assert bias.op == "placeholder" and bias.meta[META_SHARD] is None
+            assert bias in by_name.values() and bias.meta["autopart.input"].name.endswith(
+                "c_proj.bias"
+            )
+
+
+def test_f_feeds_column_matmuls_on_bsh(split) -> None:
+    name, case, tp, gm = split
+    h = hidden_size(case)
+    copies = calls(gm, ops.tp_copy.default)
+    for f in copies:
+        assert is_bsh(gm, f.meta["val"], h), (f.name, f.meta["val"].shape)
+        roles = {m.meta.get(META_ROLE) for m in _downstream_matmuls(f)}
+        assert roles == ({"vocab"} if f.meta[META_LAYER] is None else {"column"}), f.name
+    columns = [n for n in gm.graph.nodes if n.meta.get(META_ROLE) == "column"]
+    assert len(columns) == n_layers(case) * (5 if name == "llama" else 2)  # q,k,v,gate,up
+    for c in columns:
+        x = c.args[1] if c.target == aten.addmm.default else c.args[0]
+        assert through_views(x).target == ops.tp_copy.default, c.name
+
+
+def _same_size(gm: fx.GraphModule, a: object, b: object) -> bool:
+    return sym(gm, a) == sym(gm, b)
+
+
+def test_shape_literals_are_divided(split) -> None:
+    """Every view/reshape/expand literal naming a split size is divided by tp, no other one."""
+    name, case, tp, gm = split
+    before = {n.name: n for n in case.captured.graph.graph.nodes}
+    divided = []
+    targets = (*VIEWS, aten.expand.default)
+    for n in gm.graph.nodes:
+        if n.target not in targets or n.name not in before:
+            continue
+        old = before[n.name]
+        assert old.target == n.target
+        g, loc = old.meta["val"].shape, n.meta["val"].shape
+        assert len(g) == len(loc)
+        changed = [i for i in range(len(g)) if not _same_size(gm, g[i], loc[i])]
+        assert len(changed) <= 1, (n.name, g, loc)
+        for i in changed:
+            assert sym(gm, loc[i]) * tp == sym(gm, g[i]), (n.name, g, loc)
+        for i, (a, b) in enumerate(zip(old.args[1], n.args[1], strict=True)):
+            if isinstance(a, int) and a != -1 and i in changed:
+                assert b == a // tp, (n.name, old.args[1], n.args[1])
+                divided.append((n.name, a, b))
+            elif isinstance(a, int):
+                assert b == a, (n.name, old.args[1], n.args[1])
+    assert divided, "some literal encodes a head count or a width"
+    if name.startswith("gpt_"):  # q, k, v.view(B, T, 4, 8) in each block
+        heads = [
+            n
+            for n in gm.graph.nodes
+            if n.target == aten.view.default and list(before[n.name].args[1][2:]) == [4, 8]
+        ]
+        assert len(heads) == 3 * n_layers(case)
+        assert all(list(n.args[1][2:]) == [4 // tp, 8] for n in heads)
+    if name == "hf_gpt":  # qkv.split(32, dim=2) → split(32 / tp)
+        splits = calls(gm, aten.split.Tensor)
+        assert len(splits) == n_layers(case)
+        assert all(before[s.name].args[1] == 32 and s.args[1] == 32 // tp for s in splits)
+    if name == "llama":  # GQA: k/v (b, 4 kv heads, 2 rep, s, 8) → (b, 8 heads, s, 8)
+        expands = [n for n in calls(gm, aten.expand.default) if n.meta[META_LAYER] is not None]
+        assert len(expands) == 2 * n_layers(case)
+        assert all(n.args[1][1:3] == [4 // tp, 2] for n in expands)
+
+
+def test_runs_on_local_shards_in_one_process(split) -> None:
+    name, case, tp, gm = split
+    loss = run_local(case, gm, tp)
+    assert loss.dim() == 0 and loss.dtype == torch.float64
+    assert torch.isfinite(loss) and loss > 0
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+def _compile(case: Case, tp: int) -> fx.GraphModule:
+    return run_passes(copy_graph(case.captured.graph), Plan(Mesh(tp=tp)), PIPELINE)[0]
+
+
+def test_heads_not_divisible_by_tp() -> None:
+    case = _case(lambda: nanogpt.make(n_head=3, n_embd=48))
+    with pytest.raises(AutopartError) as err:
+        _compile(case, 2)
+    e = err.value
+    assert e.message.startswith("node view (transformer.h.0.attn) splits dim 2")
+    assert "3 is not divisible by 2" in e.message
+    assert "number of attention heads" in e.hint
+
+
+def test_fewer_heads_than_tp(gpt_sdpa: Case) -> None:
+    with pytest.raises(AutopartError) as err:
+        _compile(gpt_sdpa, 8)
+    assert "(transformer.h.0.attn)" in err.value.message
+    assert "4 is not divisible by 8" in err.value.message
+    assert "choose a tp that divides" in err.value.hint
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_is_refused(llama: Case) -> None:
+    with pytest.raises(AutopartError) as err:
+        _compile(llama, 8)  # 8 query heads would split; the 4 KV heads cannot
+    e = err.value
+    assert "(model.layers.0.self_attn)" in e.message
+    assert "4 is not divisible by 8" in e.message
+    assert "key/value heads" in e.hint and "refused, not replicated" in e.hint
+
+
+class WideMLP(nn.Module):
+    """A GELU MLP of any width."""
+
+    def __init__(self, n_embd: int, width: int) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(n_embd, width), nn.Linear(width, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+def _with_mlp(factory) -> Case:
+    def make():
+        model, batch = nanogpt.make()
+        for block in model.transformer.h:
+            block.mlp = factory(block.mlp)
+        return model, batch
+
+    return _case(make)
+
+
+def test_mlp_width_not_divisible_by_tp() -> None:
+    case = _with_mlp(lambda mlp: WideMLP(32, 50))  # 50 = 2 · 25: fine at tp=2, not at tp=4
+    gm = _compile(case, 2)
+    assert params(gm)["transformer.h.0.mlp.c_fc.weight"].meta[META_SHARD] == COL
+    with pytest.raises(AutopartError) as err:
+        _compile(case, 4)
+    e = err.value
+    assert "(transformer.h.0.mlp.c_fc)" in e.message
+    assert "50 is not divisible by 4" in e.message
+    assert "the MLP width" in e.hint
+
+
+def test_vocab_not_divisible_by_tp() -> None:
+    case = _case(lambda: nanogpt.make(vocab_size=97))
+    with pytest.raises(AutopartError) as err:
+        _compile(case, 2)
+    assert err.value.message == "vocabulary size 97 is not divisible by tp=2"
+    assert "pad the vocabulary to a multiple of 2" in err.value.hint
+
+
+# -- a region the rules cannot prove stays replicated -----------------------------------------
+
+
+class OddMLP(nn.Module):
+    """An MLP that sorts (or prefix-sums) its hidden features: no split can pass that."""
+
+    def __init__(self, mlp: nn.Module, op: str) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj, self.op = mlp.c_fc, mlp.c_proj, op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.c_fc(x))
+        h = torch.sort(h, dim=-1).values if self.op == "sort" else h.cumsum(-1)
+        return self.c_proj(h)
+
+
+@pytest.mark.parametrize("op", ["sort", "cumsum"])
+def test_unprovable_region_falls_back_to_replicated(op: str, caplog) -> None:
+    case = _with_mlp(lambda mlp: OddMLP(mlp, op))
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(case, 2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for layer, node in ((0, op), (1, f"{op}_1")):
+        assert any(
+            f"(transformer.h.{layer}.mlp.c_fc) replicated: {node} " in w
+            and f"aten.{op}.default" in w
+            for w in warnings
+        ), warnings
+    shards = {pattern(f): p.meta[META_SHARD] for f, p in params(gm).items()}
+    for part in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
+        assert shards[f"transformer.h.*.mlp.{part}"] is None
+    # the attention regions and the vocabulary are still split
+    assert shards["transformer.h.*.attn.c_attn.weight"] == TPShard(0, 3)
+    assert shards["transformer.h.*.attn.c_proj.weight"] == ROW
+    assert shards["transformer.wte.weight"] == TPShard(0)
+    assert per_layer(calls(gm, ops.tp_reduce.default)) == {0: 1, 1: 1, None: 1}
+    assert per_layer(calls(gm, ops.tp_copy.default)) == {0: 1, 1: 1, None: 1}
+    assert torch.isfinite(run_local(case, gm, 2))
