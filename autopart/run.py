@@ -55,6 +55,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
     )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line per step")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="write the last step's per-rank action timeline here (Chrome/Perfetto JSON) "
+                   "and print each rank's busy fraction and peak saved-activation bytes")  # fmt: skip
     return p
 
 
@@ -114,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
                         timeout_s=args.timeout)  # fmt: skip
         batches = Batches(args, head)
         optim = None if args.no_optim else torch.optim.AdamW(runner.parameters(), lr=args.lr)
+        if args.trace is not None:
+            runner.timeline = []
         _train(runner, optim, batches, args, rank)
+        if args.trace is not None:
+            _write_trace(runner, args.trace, rank)
     except BaseException:
         raise  # torchrun ends the other ranks; tearing groups down here could hang
     else:
@@ -151,6 +158,23 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int)
                     f"step {step:>4}  loss {float(loss):.6f}  ({seconds * 1e3:.0f} ms)"
                 )
             bar.update(task, advance=1, loss=f"loss {float(loss):.4f}")
+
+
+def _write_trace(runner, path: Path, rank: int) -> None:
+    import torch.distributed as dist
+
+    mine = {"rank": rank, "events": runner.chrome_trace(), "busy_fraction": runner.busy_fraction(),
+            "peak_saved_bytes": runner.peak_saved_bytes}  # fmt: skip
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        events = [e for r in every for e in r["events"]]
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        for r in every:
+            print(json.dumps({"rank": r["rank"], "busy_fraction": round(r["busy_fraction"], 4),
+                              "peak_saved_bytes": r["peak_saved_bytes"]}), flush=True)  # fmt: skip
+        print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)", flush=True)
 
 
 def _dump(runner, loss: torch.Tensor, folder: Path) -> None:

@@ -34,6 +34,32 @@ from autopart.runtime import p2p
 from autopart.schedule.ir import Action
 
 
+class SavedBytes:
+    """Bytes of tensors autograd saves for backward, per live (stage, micro-batch), counted with
+    ``saved_tensors_hooks`` (parameters excluded); ``peak`` is the most held at once."""
+
+    def __init__(self) -> None:
+        self.live: dict[tuple[int, int], int] = {}
+        self.peak = 0
+        self._params: set[int] = set()
+
+    def watch(self, unit: tuple[int, int]):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, torch.nn.Parameter) and t.data_ptr() not in self._params:
+                self.live[unit] = self.live.get(unit, 0) + t.numel() * t.element_size()
+                self.peak = max(self.peak, sum(self.live.values()))
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def release(self, unit: tuple[int, int]) -> None:
+        self.live.pop(unit, None)
+
+    def reset(self, params) -> None:
+        self.live, self.peak = {}, 0
+        self._params = {p.data_ptr() for p in params}
+
+
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the torchrun job (gloo on CPU, NCCL with CUDA); returns (rank, world size)."""
     if not dist.is_initialized():
@@ -93,6 +119,7 @@ class Runner:
         self.n_stages = program.n_stages
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
         self.timeline: list[tuple[str, str, float, float]] | None = None  # set to [] to record
+        self._saved = SavedBytes()
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
         # per step: buckets reduced, and how many of them were launched while backward ran
@@ -112,6 +139,25 @@ class Runner:
         return cls(rp, program.plan, weights, groups, timeout_s=timeout_s)
 
     # -- what users call -------------------------------------------------------------------
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """Most bytes autograd held for backward at once during the last step (this rank)."""
+        return self._saved.peak
+
+    def chrome_trace(self, pid: int | None = None) -> list[dict[str, Any]]:
+        """The recorded ``timeline`` as Chrome/Perfetto trace events (one row per rank)."""
+        pid = self.rank if pid is None else pid
+        return [{"name": name, "cat": kind, "ph": "X", "pid": pid, "tid": 0,
+                 "ts": s * 1e6, "dur": (e - s) * 1e6} for name, kind, s, e in self.timeline or []]  # fmt: skip
+
+    def busy_fraction(self) -> float:
+        """Share of the last recorded step this rank spent in forward and backward compute."""
+        if not self.timeline:
+            return 0.0
+        span = max(e for *_, e in self.timeline) - min(s for _, _, s, _ in self.timeline)
+        busy = sum(e - s for _, kind, s, e in self.timeline if kind in ("F", "B"))
+        return busy / span if span > 0 else 0.0
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameter shards, for any torch optimizer."""
@@ -133,6 +179,7 @@ class Runner:
         for p in self.params.values():
             p.grad = None
         self.steps += 1
+        self._saved.reset(self.params.values())
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
         self._pending, self._next, self._sends = [], 0, []
         self.stats["launched_during_backward"] = 0
@@ -143,10 +190,12 @@ class Runner:
             self._record(action, start=True)
             unit = (action.stage, action.mb)
             if action.kind == "F":
-                self._forward(action, live.setdefault(unit, {}), mbs[action.mb], count, losses)
+                with self._saved.watch(unit):
+                    self._forward(action, live.setdefault(unit, {}), mbs[action.mb], count, losses)
             elif action.kind == "B":
                 hooks = self._arm_buckets() if i == last_b and self._buckets else []
                 self._backward(action, live[unit], losses)
+                self._saved.release(unit)
                 for h in hooks:
                     h.remove()
                 if "grads_out" not in live[unit]:
@@ -233,9 +282,9 @@ class Runner:
     def _record(self, action: Action, start: bool) -> None:
         if self.timeline is not None:
             if start:
-                self._t0 = time.perf_counter()
+                self._t0 = time.time()
             else:
-                self.timeline.append((str(action), action.kind, self._t0, time.perf_counter()))
+                self.timeline.append((str(action), action.kind, self._t0, time.time()))
 
     # -- internals -------------------------------------------------------------------------
 
