@@ -126,8 +126,12 @@ def compile_program(captured: Captured, plan: Plan, progress: Progress | None = 
     units = {(s, mb, 0) for s in range(len(stages)) for mb in range(plan.microbatches)}
     for pipeline in mesh.groups("pp"):
         verify({r: ranks[r].actions for r in pipeline}, units)
-    return Program(plan, ranks, dict(captured.params), dict(captured.buffers), dict(captured.tied),
-                   captured.example_shape, captured.vocab_size, history)  # fmt: skip
+    program = Program(plan, ranks, dict(captured.params), dict(captured.buffers), dict(captured.tied),
+                      captured.example_shape, captured.vocab_size, history)  # fmt: skip
+    program.split = {
+        k: gm.meta[f"autopart.{k}"] for k in ("unit_costs", "cuts") if f"autopart.{k}" in gm.meta
+    }
+    return program
 
 
 def _rank_buckets(stages: list[fx.GraphModule]) -> list[list[str]]:

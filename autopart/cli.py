@@ -9,7 +9,7 @@ from autopart.errors import AutopartError
 from autopart.plan import SCHEDULES
 
 EPILOG = """examples:
-  autopart demo                                   train a small GPT on 2 CPU ranks, check parity
+  autopart demo                                   train a small GPT on 4 CPU ranks (dp × tp), check parity
   autopart verify --model examples/nanogpt.py:make --dp 2 --microbatches 2
   autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
   torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
@@ -23,12 +23,8 @@ a model SPEC is path/to/file.py:make or package.module:make, where make() return
 def _plan_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan")
     g.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
-    g.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel ranks (default 1; not supported yet)"
-    )
-    g.add_argument(
-        "--pp", type=int, default=1, help="pipeline stages (default 1; not supported yet)"
-    )
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
     g.add_argument(
         "--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)"
     )
@@ -45,7 +41,9 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
         "--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch"
     )
     g.add_argument(
-        "--sequence-parallel", action="store_true", help="sequence parallelism in tp regions"
+        "--sequence-parallel",
+        action="store_true",
+        help="split activations between tp regions along the sequence",
     )
 
 
@@ -165,7 +163,7 @@ def _inspect(a: argparse.Namespace) -> int:
     from autopart.api import parallelize
     from autopart.capture import capture
     from autopart.plan import Mesh
-    from autopart.report import parallel_table, print_costs, write_dot
+    from autopart.report import balance_table, parallel_table, print_costs, write_dot
     from autopart.spec import build
 
     con = Console()
@@ -177,6 +175,9 @@ def _inspect(a: argparse.Namespace) -> int:
     with con.status(f"compiling for {mesh}"):
         program = parallelize(captured, mesh, **_plan_kwargs(a))
     program.summary(con)
+    balance = balance_table(program)
+    if balance is not None:
+        con.print(balance)
     if a.after:
         names = [h.name for h in program.history]
         if a.after not in names:

@@ -111,6 +111,12 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         return x.clone()
     n, me = dist.get_world_size(g), dist.get_rank(g)
     _record("reduce_scatter", group, x)
+    if dist.get_backend(g) != "gloo":
+        parts = list(x.contiguous().chunk(n, dim))
+        mine = torch.empty_like(parts[me].contiguous())
+        work = dist.reduce_scatter(mine, [p.contiguous() for p in parts], group=g, async_op=True)
+        _wait(work, f"reduce-scatter over {group} of {tuple(x.shape)}")
+        return mine
     out = x.contiguous().clone()  # gloo has no reduce_scatter: all-reduce, keep our slice
     work = dist.all_reduce(out, group=g, async_op=True)
     _wait(work, f"reduce-scatter over {group} of {tuple(x.shape)}")

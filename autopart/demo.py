@@ -1,6 +1,6 @@
 """``autopart demo``: the whole flow on this machine, with no arguments.
 
-Builds a small nanoGPT-style model, compiles it for a data-parallel mesh, saves the per-rank
+Builds a small nanoGPT-style model, compiles it for a data × tensor parallel mesh, saves the per-rank
 programs, trains them with torchrun on this CPU for a few steps (loss per step), then checks
 parity against one device and says where everything was written.
 """
@@ -49,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
     con = Console()
     out = Path(args.out)
     mesh = Mesh(dp=args.dp, tp=args.tp)
+    args.sequence_parallel = args.sequence_parallel and args.tp > 1
     con.print(Panel.fit(
         f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
         f" × {args.microbatches} micro-batches → {mesh.size} ranks under torchrun (gloo, CPU)", style="bold"))  # fmt: skip

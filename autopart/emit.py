@@ -128,6 +128,7 @@ class Program:
     example_shape: tuple[int, int]
     vocab_size: int
     history: list[PassRecord] = field(default_factory=list)
+    split: dict[str, Any] = field(default_factory=dict)  # pipeline: unit_costs, cuts
 
     @property
     def mesh(self) -> Mesh:

@@ -97,7 +97,7 @@ _COLLECTIVES = {
     "tp_gather": "all-gather fwd / reduce-scatter bwd",
     "tp_scatter_reduce": "reduce-scatter fwd / all-gather bwd",
     "tp_all_reduce_grad": "all-reduce of the gradient",
-    "vocab_parallel_ce": "3 all-reduces of [b·s] (max, sum exp, target)",
+    "vocab_parallel_ce": "3 all-reduces of \\[b·s] (max, sum exp, target); bytes: local logits",
 }
 
 
@@ -144,3 +144,27 @@ def _layer_of_fqn(fqn: str) -> int | None:
     from autopart.capture import layer_of
 
     return layer_of(fqn)
+
+
+def balance_table(program) -> Table | None:
+    """Per-stage forward+backward FLOPs of autopart's split against an equal-blocks split."""
+    from autopart.passes.pipeline_split import equal_block_cuts, imbalance, stage_costs
+
+    if not program.split:
+        return None
+    cost, cuts = program.split["unit_costs"], program.split["cuts"]
+    auto = stage_costs(cost, cuts)
+    equal = stage_costs(cost, equal_block_cuts(len(cost), len(auto)))
+    t = Table(
+        title="pipeline stages: forward+backward FLOPs per micro-batch (max/mean: 1.00 is perfect)"
+    )
+    for col in ("split", *(f"stage {k}" for k in range(len(auto))), "max/mean"):
+        t.add_column(col, justify="left" if col == "split" else "right")
+    names = ["embed", *(f"b{i}" for i in range(len(cost) - 2)), "head"]
+    bounds = [0, *cuts, len(cost)]
+    label = " | ".join(",".join(names[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+    t.add_row(
+        f"autopart (cost model): {label}", *(_human(c) for c in auto), f"{imbalance(auto):.3f}"
+    )
+    t.add_row("equal blocks per stage", *(_human(c) for c in equal), f"{imbalance(equal):.3f}")
+    return t

@@ -43,7 +43,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="a torch.save'd (input_ids, labels) used every step",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data (default 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the synthetic data and of dropout masks (default 0)",
+    )
     p.add_argument("--no-optim", action="store_true", help="compute gradients only, never step")
     p.add_argument(
         "--dump",
@@ -114,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank)
         runner = Runner(program, plan, load_weights(args.dir, rank), make_groups(plan, rank, program.ties),
-                        timeout_s=args.timeout)  # fmt: skip
+                        timeout_s=args.timeout, seed=args.seed)  # fmt: skip
         batches = Batches(args, head)
         optim = None if args.no_optim else torch.optim.AdamW(runner.parameters(), lr=args.lr)
         if args.trace is not None:
@@ -184,7 +189,7 @@ def _dump(runner, loss: torch.Tensor, folder: Path) -> None:
         for f, p in runner.named_parameters()
     }
     shards = {f: asdict(s) for f, s in runner.program.shards.items()}
-    torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards},
+    torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards, "coords": runner.program.coords},
                folder / f"rank{runner.rank:05d}.pt")  # fmt: skip
 
 

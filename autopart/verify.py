@@ -83,10 +83,12 @@ def reference(
 
 
 def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
-    """Every rank's gradient shards → candidate global gradients (one per full copy)."""
+    """Every rank's gradient shards → candidate global gradients: one per whole copy (each
+    data-parallel replica, each pipeline rank holding a tied weight), tp slices put together."""
     out: dict[str, list[torch.Tensor]] = {}
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    pieces: dict[tuple, dict[int, tuple[Shard, torch.Tensor]]] = {}
     for d in dumps:
+        c = d.get("coords", {})
         for fqn, grad in d["grads"].items():
             shard = Shard(**{**d["shards"][fqn], "shape": tuple(d["shards"][fqn]["shape"])})
             if grad is None:
@@ -94,9 +96,13 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
             if shard.dim is None:
                 out.setdefault(fqn, []).append(grad)
             else:
-                pieces.setdefault(fqn, {})[shard.index] = (shard, grad)
-    for fqn, parts in pieces.items():
+                pieces.setdefault((fqn, c.get("dp"), c.get("pp")), {})[shard.index] = (shard, grad)
+    for (fqn, *_), parts in pieces.items():
         shard = parts[0][0]
+        if sorted(parts) != list(range(shard.parts)):
+            raise AutopartError(
+                f"gradient of {fqn}: tp slices {sorted(parts)} of {shard.parts} arrived"
+            )
         blocks = [[g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
                   for j in range(shard.strided)]  # fmt: skip
         out.setdefault(fqn, []).append(

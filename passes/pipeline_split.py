@@ -74,7 +74,9 @@ def recomputable(gm: fx.GraphModule) -> set[fx.Node]:
     for n in gm.graph.nodes:  # e.g. tp_all_reduce_grad(wpe): an alias of the parameter
         name = getattr(n.target, "_opname", getattr(n.target, "__name__", ""))
         alias = n.op == "call_function" and name in _PARAM_VIEWS and n.args and n.args[0] in params
-        if alias and all(a in params or a in out or a.op == "placeholder" for a in n.all_input_nodes):
+        if alias and all(
+            a in params or a in out or a.op == "placeholder" for a in n.all_input_nodes
+        ):
             out.add(n)
     return out
 
@@ -140,6 +142,24 @@ def balanced_cuts(cost: list[float], stages: int) -> list[int]:
         j = back[k][j]
         cuts.append(j)
     return sorted(cuts)[1:]
+
+
+def equal_block_cuts(n_units: int, stages: int) -> list[int]:
+    """The usual hand split, for comparison: the same number of blocks per stage (± 1), the
+    embedding on the first stage and the LM head on the last."""
+    blocks = n_units - 2
+    return [1 + k * blocks // stages for k in range(1, stages)]
+
+
+def stage_costs(cost: list[float], cuts: list[int]) -> list[float]:
+    """Cost of each stage for unit costs ``cost`` cut at ``cuts``."""
+    bounds = [0, *cuts, len(cost)]
+    return [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def imbalance(costs: list[float]) -> float:
+    """max / mean of the stage costs (1.0 is perfect balance)."""
+    return max(costs) / (sum(costs) / len(costs)) if costs and sum(costs) else 1.0
 
 
 def _stage(unit: int, cuts: list[int]) -> int:
@@ -288,10 +308,6 @@ def stage_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 __all__ = [
-    "META_STAGE",
-    "balanced_cuts",
-    "pipeline_split",
-    "recomputable",
-    "stage_graphs",
-    "to_sympy",
-]
+    "META_STAGE", "balanced_cuts", "equal_block_cuts", "imbalance", "pipeline_split", "recomputable",
+    "stage_costs", "stage_graphs",
+]  # fmt: skip

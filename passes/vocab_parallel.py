@@ -50,11 +50,8 @@ def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     head = _head(gm, ce)
     if head is not None:
         _split_head(gm, head, ce, rank, tp)
-    tied_head = head.args[1] if head is not None else None
     for n in list(gm.graph.nodes):
-        if _is_token_embedding(n, vocab) and (
-            tied_head is None or n.args[0] is tied_head or head is not None
-        ):
+        if _is_token_embedding(n, vocab):  # a tied table split here and by the head: one TPShard(0)
             _split_embedding(gm, n, rank, vocab // tp)
     localize(gm, tp)
     return propagate(gm)

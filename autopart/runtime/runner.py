@@ -61,7 +61,7 @@ class SavedBytes:
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the torchrun job (gloo on CPU, NCCL with CUDA); returns (rank, world size)."""
+    """Join the torchrun job (gloo: the runtime keeps tensors on the CPU); returns (rank, world size)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise AutopartError(
@@ -103,7 +103,7 @@ class Runner:
         self.seed, self.steps = (
             seed,
             0,
-        )  # dropout randomness: a function of (seed, step, micro-batch)
+        )  # dropout masks: a function of (seed, step, micro-batch, dp rank)
         missing = [f for f in program.shards if f not in weights]
         if missing:
             raise AutopartError(

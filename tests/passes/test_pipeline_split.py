@@ -1,0 +1,150 @@
+"""pipeline_split: stages cover every node once, cuts balance cost, the split graph is the model."""
+
+from __future__ import annotations
+
+import itertools
+
+import nanogpt
+import pytest
+import torch
+from autopart.passes import PIPELINE
+from autopart.passes.pipeline_split import (
+    balanced_cuts,
+    equal_block_cuts,
+    imbalance,
+    pipeline_split,
+    recomputable,
+    stage_costs,
+    stage_graphs,
+)
+from conftest import Case, copy_graph, feed, rel_err, run_graph
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopart.api import compile_program
+from autopart.capture import META_INPUT, capture
+from autopart.compiler import run_passes
+from autopart.errors import AutopartError
+from autopart.plan import Mesh, Plan
+
+
+def _split(case: Case, pp: int = 2, v: int = 1, m: int = 2):
+    schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+    plan = Plan(Mesh(pp=pp), schedule, microbatches=m, virtual_stages=v)
+    gm, _ = run_passes(copy_graph(case.captured.graph), plan, PIPELINE)
+    return gm
+
+
+@pytest.fixture(scope="module")
+def deep() -> Case:
+    model, batch = nanogpt.make_deep()
+    model = model.double()
+    return Case(model, batch, capture(model, batch))
+
+
+# -- the cut search -------------------------------------------------------------------------
+
+
+def _brute(cost: list[float], stages: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(cost)), stages - 1):
+        best = min(best, max(stage_costs(cost, list(cuts))))
+    return best
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(cost=st.lists(st.floats(0.1, 10.0), min_size=3, max_size=9), data=st.data())
+def test_balanced_cuts_are_optimal_and_contiguous(cost: list[float], data) -> None:
+    stages = data.draw(st.integers(1, len(cost)))
+    cuts = balanced_cuts(cost, stages)
+    assert len(cuts) == stages - 1 and cuts == sorted(set(cuts))
+    assert all(0 < c < len(cost) for c in cuts)  # every stage non-empty
+    assert max(stage_costs(cost, cuts)) == pytest.approx(_brute(cost, stages))
+
+
+def test_thirty_blocks_on_four_stages_drops_nothing() -> None:
+    cost = [1.0] + [5.0] * 30 + [12.0]  # embedding, 30 blocks, heavy head
+    cuts = balanced_cuts(cost, 4)
+    per = stage_costs(cost, cuts)
+    assert len(per) == 4 and sum(per) == sum(cost)
+    assert imbalance(per) < imbalance(stage_costs(cost, equal_block_cuts(len(cost), 4)))
+
+
+def test_heavy_head_is_balanced_where_equal_blocks_are_not() -> None:
+    """Large vocabulary, few blocks: max/mean ≤ 1.10 by the cost model, worse by block count."""
+    model, batch = nanogpt.make(vocab_size=2048, n_layer=4, n_embd=64)
+    program = compile_program(capture(model, batch), Plan(Mesh(pp=2), microbatches=2))
+    cost, cuts = program.split["unit_costs"], program.split["cuts"]
+    auto = imbalance(stage_costs(cost, cuts))
+    equal = imbalance(stage_costs(cost, equal_block_cuts(len(cost), 2)))
+    assert auto <= 1.10 < equal, (auto, equal)
+
+
+# -- the stage graphs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pp", "v"), [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_split_graph_equals_the_model(deep: Case, pp: int, v: int) -> None:
+    gm = _split(deep, pp, v, m=pp)
+    stages = stage_graphs(gm)
+    assert len(stages) == pp * v
+    params = {f: t.detach().clone().requires_grad_(True) for f, t in deep.captured.params.items()}
+    (loss,) = gm(*feed(deep.captured, deep.batch, params))
+    loss.backward()
+    ref_loss, ref_grads = run_graph(deep.captured, deep.batch)
+    assert rel_err(loss.detach(), ref_loss) <= 1e-12
+    for f, p in params.items():
+        assert rel_err(p.grad, ref_grads[f]) <= 1e-12, f
+
+
+def test_every_node_in_exactly_one_stage(deep: Case) -> None:
+    plan = Plan(Mesh(pp=4), microbatches=4)
+    before, _ = run_passes(
+        copy_graph(deep.captured.graph), plan, PIPELINE[: PIPELINE.index(pipeline_split)]
+    )
+    gm = pipeline_split(copy_graph(before), plan)
+    rec = recomputable(before)
+    want = sorted(n.name for n in before.graph.nodes if n.op == "call_function" and n not in rec)
+    got = [n.name for st in stage_graphs(gm) for n in st.graph.nodes if n.op == "call_function"]
+    assert sorted(set(got) - {n.name for n in rec}) == want
+    shared = [x for x in got if x not in {n.name for n in rec}]
+    assert len(shared) == len(set(shared))  # no activation computed twice
+
+
+def test_neighbours_hand_over_exactly_what_the_next_stage_reads(deep: Case) -> None:
+    stages = stage_graphs(_split(deep, 4))
+    for k, stage in enumerate(stages):
+        refs = stage.meta["autopart.inputs"]
+        acts = [r for r in refs if r.kind == "act"]
+        assert [int(r.name) for r in acts] == list(range(len(acts)))
+        if k == 0:
+            assert not acts
+        else:
+            out = next(n for n in stages[k - 1].graph.nodes if n.op == "output").args[0]
+            assert len(out) == len(acts) > 0
+        kinds = {n.meta[META_INPUT].kind for n in stage.graph.nodes if n.op == "placeholder"}
+        assert kinds <= {"param", "data", "act", "buffer", "constant", "rank", "rng"}
+
+
+def test_positions_and_masks_are_recomputed_not_sent(gpt_manual: Case) -> None:
+    stages = stage_graphs(_split(gpt_manual, 2))
+    second = stages[1]
+    assert any(n.target == torch.ops.aten.sym_size.int for n in second.graph.nodes)
+    sent = next(n for n in stages[0].graph.nodes if n.op == "output").args[0]
+    assert all(n.meta["val"].is_floating_point() for n in sent)  # only activations cross
+
+
+def test_tied_embedding_is_held_by_both_ends(hf_gpt: Case) -> None:
+    program = compile_program(hf_gpt.captured, Plan(Mesh(pp=2), microbatches=2))
+    first, last = program.rank(0), program.rank(1)
+    assert first.ties == last.ties == {"transformer.wte.weight": [0, 1]}
+    assert first.actions[-1].kind == last.actions[-1].kind == "TIE_REDUCE"
+    assert "transformer.h.0.attn.c_attn.weight" in first.shards
+    assert "transformer.h.0.attn.c_attn.weight" not in last.shards
+
+
+def test_more_stages_than_blocks_is_refused(gpt_sdpa: Case) -> None:
+    with pytest.raises(AutopartError) as err:
+        _split(gpt_sdpa, pp=4)
+    assert "4 stages, but the model has 2 transformer blocks" in err.value.message
+    assert "lower pp or virtual_stages" in err.value.hint
