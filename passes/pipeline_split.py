@@ -25,7 +25,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from autopart.capture import META_INPUT, META_LAYER, InputRef, to_sympy
+from autopart.capture import META_INPUT, META_LAYER, InputRef
 from autopart.cost import node_cost
 from autopart.errors import AutopartError
 from autopart.plan import Plan

@@ -5,6 +5,7 @@ compares its gradients and loss with the single-device run computed in the same 
 Exits 0 only on parity; prints one line per rank.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -49,4 +50,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip interpreter teardown (see autopart/run.py)

@@ -6,6 +6,7 @@ Prints one JSON line per mode on rank 0: the (kind, shape) of every collective, 
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,4 +59,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip interpreter teardown (see autopart/run.py)
