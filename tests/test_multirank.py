@@ -136,3 +136,45 @@ def test_tensor_parallel_collectives_as_run() -> None:
     # per block: attention probabilities split over heads; embedding/residual dropouts replicated
     assert drop["dropout_split"].count(True) == 2 and drop["dropout_split"].count(False) == 5
     assert drop["replicated_grads_equal"] and all(drop["replicated_grads_equal"])
+
+
+NANO_DEEP, GPT2_DEEP = (
+    f"{ROOT}/examples/nanogpt.py:make_deep",
+    f"{ROOT}/examples/hf_gpt2.py:make_deep",
+)
+PP_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs/pipeline.md)
+    "nanogpt-pp2-1f1b-m4": (NANO_DEEP, {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
+    "nanogpt-pp4-gpipe-m8": (NANO_DEEP, {"pp": 4, "schedule": "gpipe", "microbatches": 8}),
+    "nanogpt-pp2-interleaved-v2-m4": (
+        NANO_DEEP, {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 4}),
+    "gpt2-pp4-interleaved-v2-m8": (
+        GPT2_DEEP, {"pp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 8}),
+    "gpt2-pp2-1f1b-m8": (GPT2_DEEP, {"pp": 2, "schedule": "1f1b", "microbatches": 8}),
+    "gpt2-pp4-1f1b-m4": (GPT2_DEEP, {"pp": 4, "schedule": "1f1b", "microbatches": 4}),
+    "gpt2-dp2xpp2-1f1b-m2": (GPT2, {"dp": 2, "pp": 2, "microbatches": 2}),
+    "llama-tp2xpp2-sp-m4": (LLAMA, {"tp": 2, "pp": 2, "microbatches": 4, "sequence_parallel": True}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PP_CASES), ids=list(PP_CASES))
+def test_pipeline_float64_parity(case: str) -> None:
+    spec, kwargs = PP_CASES[case]
+    report = verify(spec, dtype="float64", timeout_s=120, **kwargs)
+    assert report.ok, str(report)
+
+
+def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
+    import nanogpt
+
+    model, batch = nanogpt.make()
+    parallelize(model, Mesh(pp=2), example_inputs=batch, microbatches=4).save(tmp_path / "p")
+    out = launch(2, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "2", "--json",
+                     "--trace", str(tmp_path / "trace.json")], timeout_s=120)  # fmt: skip
+    ranks = [json.loads(x) for x in out.splitlines() if x.startswith('{"rank"')]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(0 < r["busy_fraction"] <= 1 and r["peak_saved_bytes"] > 0 for r in ranks)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert (
+        sum(e["cat"] == "F" for e in events) == 2 * 4 and sum(e["cat"] == "B" for e in events) == 8
+    )

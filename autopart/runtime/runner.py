@@ -118,7 +118,8 @@ class Runner:
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
         self.n_stages = program.n_stages
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
-        self.timeline: list[tuple[str, str, float, float]] | None = None  # set to [] to record
+        # set to [] to record each step's (action, kind, start, end); keeps the last step
+        self.timeline: list[tuple[str, str, float, float]] | None = None
         self._saved = SavedBytes()
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
@@ -180,6 +181,8 @@ class Runner:
             p.grad = None
         self.steps += 1
         self._saved.reset(self.params.values())
+        if self.timeline is not None:
+            self.timeline = []  # keep the last step's only
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
         self._pending, self._next, self._sends = [], 0, []
         self.stats["launched_during_backward"] = 0

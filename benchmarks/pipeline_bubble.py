@@ -1,0 +1,163 @@
+"""Pipeline bubble of autopart's 1F1B at p=2 on CPU, against the ideal 1 - (p-1)/(m+p-1).
+
+Model: the nanoGPT-style GPT of ``examples/nanogpt.py`` (4 blocks, width 256, 8 heads, vocabulary
+256 so that the embedding and the LM head are cheap, float32, no dropout). autopart cuts it into
+2 stages by its cost model; the stage costs it balanced (forward + backward FLOPs per micro-batch,
+``gm.meta["autopart.unit_costs"]`` / ``["autopart.cuts"]`` of the split graph, copied onto every
+stage graph) are printed first, from an offline compile.
+
+Then 2 gloo ranks (torchrun, launched by this script, OMP_NUM_THREADS=1 each) run
+``autopart.parallelize(model, mesh, schedule="1f1b", microbatches=m)`` for each m in ``MS``, with
+micro-batches of 2 sequences x 128 tokens (global batch 2m x 128). After 2 warm-up steps, each of
+``STEPS`` steps starts after a barrier with ``runner.timeline = []``, and ``runner.busy_fraction()``
+(time in F and B actions / span from the first action's start to the last action's end, the
+tied-embedding gradient all-reduce included) is taken per rank. The median per rank is compared
+with the ideal busy fraction of 1F1B with equal stages, 1 - (p-1)/(m+p-1); the project's
+acceptance target is a difference within 0.05. The mean F+B time per micro-batch of each rank is
+also printed: it shows how balanced the stages are in practice. A Perfetto trace (one row per
+rank) of the last step at the largest m is written to a temporary folder.
+
+Exits 0 whatever the figures. The machine may be shared, so expect noise in the timings.
+
+    python benchmarks/pipeline_bubble.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from nanogpt import GPT, GPTConfig, batch  # noqa: E402
+
+CFG = GPTConfig(n_layer=4, n_embd=256, n_head=8, vocab_size=256, block_size=128, dropout=0.0)
+P, MB, SEQ, MS, WARMUP, STEPS, TARGET = 2, 2, 128, (4, 8), 2, 5, 0.05
+
+
+def build(m: int) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    return GPT(CFG), batch(CFG, MB * m, SEQ, seed=0)
+
+
+def ideal(m: int) -> float:
+    return 1 - (P - 1) / (m + P - 1)
+
+
+def stage_costs(m: int) -> tuple[list[float], list[int]]:
+    """Per-unit forward+backward FLOPs (embedding, blocks, head) and the cuts autopart chose."""
+    import autopart
+
+    model, (x, y) = build(m)
+    prog = autopart.parallelize(model, autopart.Mesh(pp=P), example_inputs=(x, y),
+                                schedule="1f1b", microbatches=m)  # fmt: skip
+    meta = prog.rank(0).stages[0].graph.meta  # the split pass's meta, copied onto each stage
+    return meta["autopart.unit_costs"], meta["autopart.cuts"]
+
+
+def worker(out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopart
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("pp",))
+    results = {}
+    for m in MS:
+        model, (x, y) = build(m)
+        runner = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b",
+                                      microbatches=m)  # fmt: skip
+        busy, fb_ms, step_s = [], [], []
+        for i in range(WARMUP + STEPS):
+            for p in runner.parameters():
+                p.grad = None
+            dist.barrier()
+            runner.timeline = []
+            start = time.perf_counter()
+            runner.step(x, y)
+            elapsed = time.perf_counter() - start
+            if i >= WARMUP:
+                busy.append(runner.busy_fraction())
+                step_s.append(elapsed)
+                fb = sum(e - s for _, kind, s, e in runner.timeline if kind in ("F", "B"))
+                fb_ms.append(1e3 * fb / m)
+        t = torch.tensor(step_s, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slower rank counts
+        mine = {"busy": busy, "fb_ms": fb_ms, "trace": runner.chrome_trace()}
+        every = [None] * P
+        dist.all_gather_object(every, mine)
+        results[m] = {"ranks": every, "step_s": t.tolist()}
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    params = sum(p.numel() for p in build(1)[0].parameters())
+    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
+          "(the cores may be shared with other processes: expect some noise)")  # fmt: skip
+    print(f"model: nanoGPT {CFG.n_layer} x {CFG.n_embd}, {CFG.n_head} heads, V={CFG.vocab_size}, "
+          f"{params / 1e6:.2f} M params, float32, micro-batch {MB} x {SEQ} tokens")  # fmt: skip
+    for m in MS:
+        cost, cuts = stage_costs(m)
+        names = ["embed", *(f"h{i}" for i in range(len(cost) - 2)), "head"]
+        bounds = [0, *cuts, len(cost)]
+        stages = [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        units = " | ".join(f"{n} {c / 1e9:.3f}" for n, c in zip(names, cost, strict=True))
+        print(f"autopart stage costs at m={m} (fwd+bwd GFLOP per micro-batch): {units}")
+        split = ", ".join(f"stage {k} = {'+'.join(names[a:b])} = {s / 1e9:.3f}"
+                          for k, (a, b, s) in enumerate(zip(bounds, bounds[1:], stages)))  # fmt: skip
+        print(f"  cuts {cuts}: {split}  (max/min {max(stages) / min(stages):.3f})")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(P), __file__, "--worker", out]  # fmt: skip
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            print(f"torchrun failed (exit {proc.returncode})", file=sys.stderr)
+            return 0
+        results = json.loads(Path(out).read_text())
+    print(f"1F1B, p={P}: median over {STEPS} recorded steps after {WARMUP} warm-up steps "
+          "(busy = F+B time / step span, per rank)")  # fmt: skip
+    print(f"  {'m':>2} {'step ms':>8} {'rank':>4} {'F+B ms/mb':>9} {'busy':>6} {'ideal':>6} "
+          f"{'diff':>7}  within {TARGET}")  # fmt: skip
+    ok = True
+    for m in MS:
+        res = results[str(m)]
+        step_ms = 1e3 * statistics.median(res["step_s"])
+        for r, rk in enumerate(res["ranks"]):
+            busy, diff = statistics.median(rk["busy"]), statistics.median(rk["busy"]) - ideal(m)
+            ok &= abs(diff) <= TARGET
+            print(f"  {m:>2} {step_ms:>8.1f} {r:>4} {statistics.median(rk['fb_ms']):>9.1f} "
+                  f"{busy:>6.3f} {ideal(m):>6.3f} {diff:>+7.3f}  "
+                  f"{'yes' if abs(diff) <= TARGET else 'NO'}")  # fmt: skip
+    print(f"acceptance (every rank and m within {TARGET} of ideal): {'met' if ok else 'MISSED'}")
+    last = results[str(MS[-1])]["ranks"]
+    path = Path(tempfile.mkdtemp(prefix="autopart-bubble-")) / f"trace_1f1b_m{MS[-1]}.json"
+    path.write_text(json.dumps({"traceEvents": [e for rk in last for e in rk["trace"]],
+                                "displayTimeUnit": "ms"}))  # fmt: skip
+    print(f"Perfetto trace of the last step at m={MS[-1]}: {path} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", metavar="RESULT_JSON", help="internal: run as a torchrun rank")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker)
+    else:
+        sys.exit(main())
