@@ -9,7 +9,7 @@ from autopart.errors import AutopartError
 from autopart.plan import SCHEDULES
 
 EPILOG = """examples:
-  autopart demo                                   train a small GPT on 4 CPU ranks (dp × tp), check parity
+  autopart demo                                   train a small GPT on 4 CPU ranks (tp × pp), check parity
   autopart verify --model examples/nanogpt.py:make --dp 2 --microbatches 2
   autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
   torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
@@ -65,11 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)"
     )
-    d.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default 2)")
+    d.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    d.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    d.add_argument(
+        "--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)"
+    )
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
     d.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="keep activations between tp regions whole (default: split along the sequence)")  # fmt: skip
-    d.add_argument("--microbatches", type=int, default=2, help="micro-batches per rank (default 2)")
+    d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
     d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
 

@@ -1,6 +1,6 @@
 """``autopart demo``: the whole flow on this machine, with no arguments.
 
-Builds a small nanoGPT-style model, compiles it for a data × tensor parallel mesh, saves the per-rank
+Builds a small nanoGPT-style model, compiles it for a tensor × pipeline (× data) parallel mesh, saves the per-rank
 programs, trains them with torchrun on this CPU for a few steps (loss per step), then checks
 parity against one device and says where everything was written.
 """
@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
 
     con = Console()
     out = Path(args.out)
-    mesh = Mesh(dp=args.dp, tp=args.tp)
+    mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp)
     args.sequence_parallel = args.sequence_parallel and args.tp > 1
     con.print(Panel.fit(
         f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
@@ -69,8 +69,9 @@ def main(args: argparse.Namespace) -> int:
         program = parallelize(
             captured,
             mesh,
-            schedule="1f1b",
+            schedule=args.schedule,
             microbatches=args.microbatches,
+            virtual_stages=2 if args.schedule == "interleaved-1f1b" else 1,
             sequence_parallel=args.sequence_parallel,
         )
     con.print(f"compiled in {time.perf_counter() - start:.1f} s")
@@ -81,12 +82,15 @@ def main(args: argparse.Namespace) -> int:
     con.print(f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
               f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})")  # fmt: skip
     launch(mesh.size, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
-                     "--lr", "3e-3"], stream=True)  # fmt: skip
+                     "--lr", "3e-3", "--trace", str(out / "trace.json")], stream=True)  # fmt: skip
     con.print("\n[bold]parity check[/] (float64, one step, every gradient vs one device)")
     report = verify(
         factory,
         dp=args.dp,
         tp=args.tp,
+        pp=args.pp,
+        schedule=args.schedule,
+        virtual_stages=2 if args.schedule == "interleaved-1f1b" else 1,
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
     )
@@ -94,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
     con.print(Panel.fit(
         f"outputs in {out.resolve()}\n"
         f"  program/plan.json         the plan\n"
-        f"  program/rank00000/        rank 0: stage0.py (readable graph), stage0.pt2, program.json, weights.pt\n"
+        f"  program/rank00000/        rank 0: stageK.py (readable graphs), stageK.pt2, program.json, weights.pt\n"
+        f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
         f"  tokens.pt                 the synthetic corpus\n"
         f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
         title="done"))  # fmt: skip

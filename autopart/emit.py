@@ -18,6 +18,7 @@ global parameters (``Shard``), its gradient buckets and its process groups.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,8 @@ def _save_rank(
 
 def load_rank(root: str | Path, rank: int) -> RankProgram:
     """Read one rank's program (graphs, actions, shards) from a saved folder."""
+    # a stage graph need not use every symbol of the model (labels' dims): not worth a warning
+    logging.getLogger("torch._export.serde.serialize").setLevel(logging.ERROR)
     folder = Path(root) / f"rank{rank:05d}"
     if not (folder / "program.json").exists():
         raise AutopartError(f"{folder} is missing: the saved program has no rank {rank}",
