@@ -149,7 +149,9 @@ def main() -> int:
     path = Path(tempfile.mkdtemp(prefix="autopart-bubble-")) / f"trace_1f1b_m{MS[-1]}.json"
     path.write_text(json.dumps({"traceEvents": [e for rk in last for e in rk["trace"]],
                                 "displayTimeUnit": "ms"}))  # fmt: skip
-    print(f"Perfetto trace of the last step at m={MS[-1]}: {path} (open in https://ui.perfetto.dev)")
+    print(
+        f"Perfetto trace of the last step at m={MS[-1]}: {path} (open in https://ui.perfetto.dev)"
+    )
     return 0
 
 

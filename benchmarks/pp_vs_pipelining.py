@@ -236,7 +236,9 @@ def main(manual: bool) -> int:
           "optimizer; per step the slower rank)")  # fmt: skip
     print(f"  autopart 1F1B            {ms['autopart']:8.1f} ms/step   step-0 loss "
           f"{loss['autopart']:.6f}")  # fmt: skip
-    print(f"  torch Schedule1F1B       {ms['torch']:8.1f} ms/step   step-0 loss {loss['torch']:.6f}")
+    print(
+        f"  torch Schedule1F1B       {ms['torch']:8.1f} ms/step   step-0 loss {loss['torch']:.6f}"
+    )
     ratio = ms["autopart"] / ms["torch"]
     print(f"autopart / torch: {ratio:.3f}  (goal <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})")
     print("peak saved-activation bytes (saved_tensors_hooks, parameters excluded):")

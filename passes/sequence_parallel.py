@@ -15,13 +15,13 @@ run time). A model whose split activations reach an op the rules do not cover is
 from __future__ import annotations
 
 import torch
-from autopart.passes.tensor_parallel import META_SHARD, VIEWS
-from autopart.passes.tp_rules import Illegal, out_dim, tensor_val, view_map
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
 from autopart.capture import META_INPUT, META_MODULE, S, to_sympy
 from autopart.errors import AutopartError
+from autopart.passes.tensor_parallel import META_SHARD, VIEWS
+from autopart.passes.tp_rules import Illegal, out_dim, tensor_val, view_map
 from autopart.plan import Plan
 from autopart.shapes import propagate
 

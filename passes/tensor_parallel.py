@@ -24,12 +24,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
 from autopart.capture import META_MODULE
 from autopart.errors import AutopartError
+from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
 from autopart.plan import Plan
 from autopart.shapes import fake_like, propagate
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch import fx
+
+from autopart.capture import META_INPUT, META_MODULE, InputRef
+from autopart.errors import AutopartError
 from autopart.passes.tensor_parallel import (
     META_ROLE,
     META_SHARD,
@@ -25,10 +29,6 @@ from autopart.passes.tensor_parallel import (
     tp_copy_of,
 )
 from autopart.passes.tp_rules import matmul_form, spread, tensor_val
-from torch import fx
-
-from autopart.capture import META_INPUT, META_MODULE, InputRef
-from autopart.errors import AutopartError
 from autopart.plan import Plan
 from autopart.shapes import propagate
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from autopart.passes import PIPELINE
 from conftest import Case, nanogpt
 
 from autopart.api import parallelize
 from autopart.emit import Program, RankProgram, Shard, load_rank, load_weights, read_head
 from autopart.errors import AutopartError
+from autopart.passes import PIPELINE
 from autopart.plan import Mesh, Plan
 from autopart.schedule import Action
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from autopart.passes import PIPELINE
-from autopart.passes.data_parallel import META_BUCKET, buckets, data_parallel
 from conftest import Case, copy_graph
 from torch import fx
 
 from autopart.capture import META_INPUT
 from autopart.compiler import run_passes
+from autopart.passes import PIPELINE
+from autopart.passes.data_parallel import META_BUCKET, buckets, data_parallel
 from autopart.plan import Mesh, Plan
 
 PASS_NAMES = [p.__name__ for p in PIPELINE]

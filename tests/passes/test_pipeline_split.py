@@ -7,6 +7,14 @@ import itertools
 import nanogpt
 import pytest
 import torch
+from conftest import Case, copy_graph, feed, rel_err, run_graph
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopart.api import compile_program
+from autopart.capture import META_INPUT, capture
+from autopart.compiler import run_passes
+from autopart.errors import AutopartError
 from autopart.passes import PIPELINE
 from autopart.passes.pipeline_split import (
     balanced_cuts,
@@ -17,14 +25,6 @@ from autopart.passes.pipeline_split import (
     stage_costs,
     stage_graphs,
 )
-from conftest import Case, copy_graph, feed, rel_err, run_graph
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from autopart.api import compile_program
-from autopart.capture import META_INPUT, capture
-from autopart.compiler import run_passes
-from autopart.errors import AutopartError
 from autopart.plan import Mesh, Plan
 
 

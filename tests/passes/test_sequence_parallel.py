@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from autopart.passes.sequence_parallel import META_SEQ
-from autopart.passes.tensor_parallel import META_SHARD
 from conftest import Case
 from torch import fx
 from tp_models import (
@@ -29,6 +27,8 @@ from tp_models import (
 
 from autopart.capture import META_LAYER, B, S
 from autopart.errors import AutopartError
+from autopart.passes.sequence_parallel import META_SEQ
+from autopart.passes.tensor_parallel import META_SHARD
 from autopart.plan import Mesh, Plan
 
 TP = 2

@@ -11,8 +11,6 @@ import nanogpt
 import pytest
 import torch
 import torch.nn.functional as F
-from autopart.passes import PIPELINE
-from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
 from conftest import Case, _case, copy_graph
 from torch import fx, nn
 from tp_models import (
@@ -39,6 +37,8 @@ from tp_models import (
 from autopart.capture import META_LAYER
 from autopart.compiler import run_passes
 from autopart.errors import AutopartError
+from autopart.passes import PIPELINE
+from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
 from autopart.plan import Mesh, Plan
 
 COL, ROW = TPShard(0), TPShard(1)  # nn.Linear stores [out, in]

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
 from conftest import Case
 from torch import fx
 from tp_models import (
@@ -33,6 +32,7 @@ from tp_models import (
 
 from autopart import collectives
 from autopart.capture import META_INPUT, InputRef
+from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
 
 TP = 2
 TIED = {"gpt_sdpa", "gpt_manual", "hf_gpt"}  # LM head tied to the token embedding

@@ -15,8 +15,6 @@ import hf_llama
 import pytest
 import sympy
 import torch
-from autopart.passes import PIPELINE
-from autopart.passes.tensor_parallel import META_SHARD, TPShard
 from conftest import Case, _case, copy_graph
 from torch import fx
 
@@ -24,6 +22,8 @@ from autopart import collectives
 from autopart.capture import META_INPUT, META_LAYER, B, S, to_sympy
 from autopart.compiler import run_passes
 from autopart.emit import Shard
+from autopart.passes import PIPELINE
+from autopart.passes.tensor_parallel import META_SHARD, TPShard
 from autopart.plan import Mesh, Plan
 
 aten, ops = torch.ops.aten, torch.ops.autopart
