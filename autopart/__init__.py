@@ -8,6 +8,7 @@ prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.run out/
 
 from autopart.api import compile_program, parallelize
 from autopart.capture import Captured, capture
+from autopart.chunks import sequence_chunks
 from autopart.cost import analyze
 from autopart.emit import Program, RankProgram
 from autopart.errors import AutopartError
@@ -17,5 +18,5 @@ from autopart.verify import Report, verify
 __version__ = "0.1.0"
 __all__ = [
     "AutopartError", "Captured", "Mesh", "Plan", "Program", "RankProgram", "Report",
-    "analyze", "capture", "compile_program", "parallelize", "verify",
+    "analyze", "capture", "compile_program", "parallelize", "sequence_chunks", "verify",
 ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from autopart.errors import AutopartError
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _plan_flags(i)
     i.add_argument("--rank", default="0", help="rank to print, or 'all' (default 0)")
+    i.add_argument("--seq-len", type=int, default=None,
+                   help="sequence length for the Seq1F1B chunk table (default: the example's)")  # fmt: skip
     i.add_argument("--dot", metavar="FILE", help="write the rank's stage graph as Graphviz DOT")
     i.add_argument(
         "--after",
@@ -167,7 +170,7 @@ def _inspect(a: argparse.Namespace) -> int:
     from autopart.api import parallelize
     from autopart.capture import capture
     from autopart.plan import Mesh
-    from autopart.report import balance_table, parallel_table, print_costs, write_dot
+    from autopart.report import balance_table, chunk_rich, parallel_table, print_costs, write_dot
     from autopart.spec import build
 
     con = Console()
@@ -176,6 +179,9 @@ def _inspect(a: argparse.Namespace) -> int:
         model, batch = build(a.model)
         captured = capture(model, batch)
     print_costs(captured, con)
+    if a.seq_chunks > 1:
+        con.print(chunk_rich(captured, a.seq_len or captured.example_shape[1], a.seq_chunks,
+                             math.lcm(8, a.tp) if a.sequence_parallel else 8))  # fmt: skip
     with con.status(f"compiling for {mesh}"):
         program = parallelize(captured, mesh, **_plan_kwargs(a))
     program.summary(con)

@@ -168,3 +168,18 @@ def balance_table(program) -> Table | None:
     )
     t.add_row("equal blocks per stage", *(_human(c) for c in equal), f"{imbalance(equal):.3f}")
     return t
+
+
+def chunk_rich(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> Table:
+    """Seq1F1B chunk boundaries and each chunk's forward FLOPs, balanced against uniform."""
+    from autopart.chunks import chunk_table
+
+    t = Table(
+        title=f"Seq1F1B: {k} chunks of a {seq_len}-token sequence (forward FLOPs per chunk, b=1)"
+    )
+    for col in ("split", "chunk lengths", "chunk FLOPs", "max/min"):
+        t.add_column(col, justify="right" if col == "max/min" else "left")
+    for row in chunk_table(captured, seq_len, k, multiple):
+        t.add_row(row["split"], str(row["lengths"]), ", ".join(_human(c) for c in row["costs"]),
+                  f"{row['max_over_min']:.4f}")  # fmt: skip
+    return t
