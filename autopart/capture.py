@@ -195,6 +195,7 @@ def _annotate(
     gm.recompile()
     _name_symbols(gm)
     gm.meta["autopart.range_constraints"] = dict(ep.range_constraints)
+    gm.meta["autopart.buffers"] = buffers  # their values: passes that evaluate masks need them
     params = {fqn: names[fqn] for fqn in canonical}
     return Captured(
         graph=gm,

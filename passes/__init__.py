@@ -3,6 +3,7 @@
 The order the compiler runs them in is ``PIPELINE`` (see ``autopart.compiler``).
 """
 
+from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.data_parallel import data_parallel
 from autopart.passes.dropout_rng import dropout_rng
 from autopart.passes.pipeline_split import pipeline_split
@@ -11,6 +12,7 @@ from autopart.passes.tensor_parallel import tensor_parallel
 from autopart.passes.vocab_parallel import vocab_parallel
 
 PIPELINE = (
+    canonicalize_attention,
     vocab_parallel,
     tensor_parallel,
     sequence_parallel,
@@ -20,5 +22,5 @@ PIPELINE = (
 )
 
 __all__ = [
-    "PIPELINE", "data_parallel", "dropout_rng", "pipeline_split", "sequence_parallel", "tensor_parallel", "vocab_parallel",
+    "PIPELINE", "canonicalize_attention", "data_parallel", "dropout_rng", "pipeline_split", "sequence_parallel", "tensor_parallel", "vocab_parallel",
 ]  # fmt: skip

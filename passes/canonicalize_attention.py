@@ -1,0 +1,178 @@
+"""canonicalize_attention: after this pass every provably causal attention is one node,
+``aten.scaled_dot_product_attention(q, k, v, None, dropout_p, True, scale=…)``, marked
+``meta["autopart.attention"] = "causal"``; any other attention is marked with why it is not.
+
+Recognized forms:
+
+1. ``scaled_dot_product_attention(..., is_causal=True)`` — already canonical;
+2. ``scaled_dot_product_attention`` with a mask built in the graph (as Hugging Face models do);
+3. the manual path ``matmul(q, kᵀ) · scale → masked_fill(mask, −inf) → softmax → [dropout] →
+   matmul(·, v)``.
+
+A mask is proven causal by evaluation, not by pattern: its construction (which must not
+depend on parameters) is cut out of the graph and run at several sequence lengths with
+random token ids; only if it equals the lower-triangular causal mask every time is it dropped.
+A padding, bidirectional or sliding-window mask fails that test and stays. The pass runs only
+for the Seq1F1B schedules (which need one attention form); ``require_causal`` refuses a graph
+with attention it could not prove causal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autopart.capture import META_INPUT, META_MODULE
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+from autopart.shapes import propagate
+
+aten = torch.ops.aten
+META_ATTENTION = "autopart.attention"
+SDPA = aten.scaled_dot_product_attention.default
+_SIZES = (3, 5, 8, 13)
+
+
+def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.schedule.startswith("seq1f1b"):
+        return gm
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.target == SDPA:
+            changed |= _sdpa(gm, n)
+        elif n.target in (aten.softmax.int, aten._softmax.default):
+            changed |= _manual(gm, n)
+    if changed:
+        gm.graph.eliminate_dead_code()
+        propagate(gm)
+    return gm
+
+
+def require_causal(gm: fx.GraphModule) -> None:
+    """Refuse a graph with attention that is not (provably) causal."""
+    for n in gm.graph.nodes:
+        why = n.meta.get(META_ATTENTION)
+        if why is not None and why != "causal":
+            raise AutopartError(
+                f"attention {n.name} ({n.meta.get(META_MODULE) or '<root>'}) is {why}",
+                hint="Seq1F1B needs purely causal attention; use 1f1b or interleaved-1f1b for this model",
+            )
+
+
+def _sdpa(gm: fx.GraphModule, n: fx.Node) -> bool:
+    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    causal = n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
+    if mask is None:
+        n.meta[META_ATTENTION] = "causal" if causal else "not causal: no mask and is_causal=False"
+        return False
+    why = _why_not_causal(gm, mask, keep_is_true=mask.meta["val"].dtype == torch.bool)
+    n.meta[META_ATTENTION] = why or "causal"
+    if why:
+        return False
+    q, k, v = n.args[:3]
+    dropout = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+    _replace(gm, n, q, k, v, dropout, n.kwargs.get("scale"))
+    return True
+
+
+def _manual(gm: fx.GraphModule, sm: fx.Node) -> bool:
+    """softmax(masked_fill(matmul(q, kᵀ)·c, mask, −inf)) [→ dropout] → matmul(·, v)."""
+    filled = sm.args[0]
+    if (
+        sm.args[1] not in (-1, 3)
+        or filled.target != aten.masked_fill.Scalar
+        or filled.args[2] != float("-inf")
+    ):
+        return False
+    scores, cond = filled.args[0], filled.args[1]
+    scale = None
+    if scores.target == aten.mul.Tensor and isinstance(scores.args[1], float):
+        scores, scale = scores.args[0], scores.args[1]
+    if scores.target != aten.matmul.default or scores.args[1].target != aten.transpose.int:
+        return False
+    q, kt = scores.args
+    if sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+        return False
+    k = kt.args[0]
+    probs, dropout = sm, 0.0
+    if len(sm.users) == 1 and next(iter(sm.users)).target == aten.dropout.default:
+        probs = next(iter(sm.users))
+        dropout = probs.args[1] if probs.args[2] else 0.0
+    users = list(probs.users)
+    if len(users) != 1 or users[0].target != aten.matmul.default or users[0].args[0] is not probs:
+        return False
+    why = _why_not_causal(gm, cond, keep_is_true=False)
+    sm.meta[META_ATTENTION] = why or "causal"
+    if why:
+        return False
+    _replace(gm, users[0], q, k, users[0].args[1], dropout, scale)
+    return True
+
+
+def _replace(
+    gm: fx.GraphModule, old: fx.Node, q, k, v, dropout: float, scale: float | None
+) -> None:
+    with gm.graph.inserting_before(old):
+        new = gm.graph.call_function(
+            SDPA, (q, k, v, None, float(dropout), True), {"scale": scale} if scale else {}
+        )
+    new.meta.update(old.meta)
+    new.meta[META_ATTENTION] = "causal"
+    old.replace_all_uses_with(new)
+    stack = [old]  # the replaced chain (dropout is impure to fx: remove it by hand)
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and not n.users:
+            stack.extend(n.all_input_nodes)
+            gm.graph.erase_node(n)
+
+
+def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool) -> str | None:
+    """None if ``mask`` evaluates to the causal mask at every size tried, else the reason."""
+    sub, inputs = _cut(gm, mask)
+    if sub is None:
+        return f"not causal: its mask depends on {inputs}"
+    for s in _SIZES:
+        args = [_example(ph, s, gm) for ph in inputs]
+        try:
+            got = sub(*args)
+        except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
+            return f"not provably causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})"
+        got = got if got.dtype == torch.bool else (got == 0) if keep_is_true else got.bool()
+        keep = got if keep_is_true else ~got
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        if keep.shape[-2:] != (s, s) or not bool((keep == causal).all()):
+            return f"not causal: its mask differs from the causal mask at sequence {s}"
+    return None
+
+
+def _cut(gm: fx.GraphModule, out: fx.Node):
+    """The subgraph computing ``out`` from placeholders, as a runnable GraphModule."""
+    need, stack = set(), [out]
+    while stack:
+        n = stack.pop()
+        if n not in need:
+            need.add(n)
+            stack.extend(n.all_input_nodes)
+    placeholders = [n for n in gm.graph.nodes if n in need and n.op == "placeholder"]
+    params = [p for p in placeholders if p.meta[META_INPUT].kind == "param"]
+    if params:
+        return None, ", ".join(p.meta[META_INPUT].name for p in params)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n in need:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[out])
+    return fx.GraphModule(gm, g), placeholders
+
+
+def _example(ph: fx.Node, s: int, gm: fx.GraphModule) -> torch.Tensor:
+    ref = ph.meta[META_INPUT]
+    if ref.kind == "data":
+        return torch.randint(0, 50, (2, s))
+    if ref.kind in ("buffer", "constant"):
+        return gm.meta["autopart.buffers"][ref.name]
+    if ref.kind == "rank":
+        return torch.tensor(0)
+    return torch.tensor(0)

@@ -1,0 +1,103 @@
+"""canonicalize_attention: causal attention in every captured form becomes one SDPA node."""
+
+from __future__ import annotations
+
+import hf_gpt2
+import hf_llama
+import nanogpt
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import copy_graph, feed
+from torch import nn
+
+from autopart.capture import capture
+from autopart.errors import AutopartError
+from autopart.passes.canonicalize_attention import (
+    META_ATTENTION,
+    SDPA,
+    canonicalize_attention,
+    require_causal,
+)
+from autopart.plan import Mesh, Plan
+
+SEQ1F1B = Plan.__new__(Plan)  # the pass only reads .schedule; Seq1F1B plans are refused for now
+object.__setattr__(SEQ1F1B, "schedule", "seq1f1b")
+
+
+def _run(captured):
+    gm = copy_graph(captured.graph)
+    gm.meta.update(captured.graph.meta)
+    return canonicalize_attention(gm, SEQ1F1B)
+
+
+@pytest.mark.parametrize("make", [nanogpt.make, nanogpt.make_manual, hf_gpt2.make, hf_llama.make],
+                         ids=["sdpa-causal", "manual-masked-softmax", "hf-gpt2-mask", "hf-llama-mask"])  # fmt: skip
+def test_every_form_becomes_one_causal_sdpa(make) -> None:
+    model, batch = make()
+    captured = capture(model.double(), batch)
+    gm = _run(captured)
+    sdpa = [n for n in gm.graph.nodes if n.target == SDPA]
+    assert len(sdpa) == 2  # one per block
+    for n in sdpa:
+        assert n.meta[META_ATTENTION] == "causal" and n.args[5] is True and n.args[3] is None
+    assert not [
+        n
+        for n in gm.graph.nodes
+        if n.target in (torch.ops.aten.softmax.int, torch.ops.aten.masked_fill.Scalar)
+    ]
+    require_causal(gm)
+    (before,) = captured.graph(*feed(captured, batch))
+    (after,) = gm(*feed(captured, batch))
+    assert torch.allclose(after, before, rtol=1e-12, atol=0)
+
+
+class _Masked(nn.Module):
+    """One attention layer with a mask built in the graph: causal, padding, or full."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.emb, self.qkv, self.out = (
+            kind,
+            nn.Embedding(50, 16),
+            nn.Linear(16, 48),
+            nn.Linear(16, 50),
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s)
+        if self.kind == "causal":
+            mask = pos[None, :] <= pos[:, None]
+        elif self.kind == "padding":
+            mask = (pos[None, :] <= pos[:, None]) & (ids != 0)[:, None, None, :]
+        else:
+            mask = torch.ones(s, s, dtype=torch.bool)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize(
+    ("kind", "causal"), [("causal", True), ("padding", False), ("full", False)]
+)
+def test_masks_are_proven_by_evaluation(kind: str, causal: bool) -> None:
+    ids = torch.randint(1, 50, (2, 12))
+    captured = capture(_Masked(kind), (ids, ids))
+    gm = _run(captured)
+    marks = [n.meta.get(META_ATTENTION) for n in gm.graph.nodes if META_ATTENTION in n.meta]
+    assert marks and all((m == "causal") == causal for m in marks), marks
+    if causal:
+        require_causal(gm)
+    else:
+        with pytest.raises(AutopartError) as err:
+            require_causal(gm)
+        assert "not causal" in err.value.message and "1f1b" in err.value.hint
+
+
+def test_other_schedules_leave_the_graph_alone() -> None:
+    model, batch = nanogpt.make_manual()
+    captured = capture(model, batch)
+    gm = copy_graph(captured.graph)
+    before = gm.code
+    assert canonicalize_attention(gm, Plan(Mesh())).code == before
