@@ -1,34 +1,29 @@
 """Pipeline parallelism on CPU: autopart 1F1B against torch.distributed.pipelining 1F1B, pp=2.
 
-Model: Hugging Face ``GPT2LMHeadModel`` from a small random config (4 blocks, width 256, 8 heads,
-vocabulary 1024, 256 positions, no dropout, tied ``wte``/``lm_head``, float32; no download). Both
-sides get the same seeded weights and one global batch of 8 x 128 random tokens with next-token
-labels (none ignored), in 4 micro-batches of 2. One step is forward + backward, no optimizer:
+Model: HF ``GPT2LMHeadModel`` from a small random config (4 blocks, width 256, 8 heads, vocabulary
+1024, no dropout, tied ``wte``/``lm_head``, float32; no download); the same seeded weights and one
+batch of 8 x 128 random tokens, next-token labels (none ignored), 4 micro-batches. One step is
+forward + backward, no optimizer, on 2 gloo ranks (torchrun, launched here, OMP_NUM_THREADS=1):
 
-1. autopart: ``autopart.parallelize(model, mesh, schedule="1f1b", microbatches=4).step(x, y)`` on
-   the unmodified model; the split is autopart's own (cost-balanced);
+1. autopart: ``parallelize(model, mesh, schedule="1f1b", microbatches=4).step(x, y)`` on the
+   unmodified model, with autopart's own cost-balanced split;
 2. torch: ``pipeline(model, split_spec={"transformer.h.2": SplitPoint.BEGINNING})`` (hand-placed
-   at the middle block), ``build_stage`` and ``Schedule1F1B`` with loss_fn = mean cross entropy
-   of the micro-batch. If the tracer cannot capture HF GPT-2 this is said, and the manual
-   ``PipelineStage`` API is used instead (``Half``: each rank's half of the GPT-2 submodules).
-   The tracer unties ``wte``/``lm_head`` across the stages, so the torch step all-reduces that
-   gradient itself (autopart does it in its TIE_REDUCE action); the losses are all-reduced too,
-   as autopart does, so both steps end with the same results on every rank.
+   middle block), ``build_stage``, ``Schedule1F1B``, loss_fn = mean CE of the micro-batch. If the
+   tracer fails on HF GPT-2 this is printed and the manual ``PipelineStage`` API (``Half``) is used
+   (``--manual`` forces it). The tracer unties ``wte``/``lm_head``, so the torch step all-reduces
+   that gradient and the loss, as autopart's runtime does.
 
-2 gloo ranks under torchrun (launched by this script, OMP_NUM_THREADS=1 each); the two kinds of
-step alternate, each after a barrier, so background load hits both alike. 3 warm-up steps, then 10
-timed (per step, the slower rank counts); the median is reported with the ratio autopart / torch
-(goal <= 1.0). autopart's loss is the mean over every label of the global batch, torch's the
-mean of the micro-batch means: equal here (no ignored labels, equal micro-batches). The step-0
-losses must agree to 1e-4 (relative) or the script exits 1; it exits 0 otherwise.
+Steps alternate, each after a barrier; median of 10 after 3 warm-up (per step, the slower rank);
+ratio autopart / torch (goal <= 1.0). autopart's loss (mean over all labels of the global batch)
+equals the mean of torch's micro-batch means here; step-0 losses must agree to 1e-4 (relative) or
+the script exits 1 (2 if a rank fails, else 0). Peak saved-activation bytes: autopart's
+``runner.peak_saved_bytes``; for torch, one extra untimed step under ``LiveSaved``, the same
+``saved_tensors_hooks`` rule (numel x element size per saved tensor, parameters excluded, views
+not de-duplicated), each saved tensor wrapped in a ``Box`` whose ``weakref.finalize`` subtracts its
+bytes when autograd frees it; the peak of that running sum is reported. (autopart's runtime
+always counts with such hooks, in its timed steps too; torch's timed steps run without.)
 
-Peak saved-activation bytes per rank: autopart's ``runner.peak_saved_bytes`` (its runtime counts
-with ``saved_tensors_hooks``). For torch, one extra untimed step runs inside ``LiveSaved``: the
-same hooks and rule (numel x element size per saved tensor, parameters excluded, views not
-de-duplicated), with each saved tensor wrapped in a ``Box`` whose ``weakref.finalize`` subtracts
-its bytes when autograd frees it; the peak of that running sum is reported.
-
-    python benchmarks/pp_vs_pipelining.py            # add --manual to force the manual stages
+    python benchmarks/pp_vs_pipelining.py [--manual]
 """
 
 from __future__ import annotations
@@ -78,24 +73,20 @@ class LiveSaved:
 
     def __init__(self, params) -> None:
         self.params, self.live, self.peak = {p.data_ptr() for p in params}, 0, 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        unpack = lambda b: b.t if isinstance(b, Box) else b  # noqa: E731
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
 
     def pack(self, t: torch.Tensor):
         if isinstance(t, nn.Parameter) or t.data_ptr() in self.params:
             return t
-        n = t.numel() * t.element_size()
-        self.live += n
+        box, n = Box(), t.numel() * t.element_size()
+        box.t, self.live = t, self.live + n
         self.peak = max(self.peak, self.live)
-        box = Box()
-        box.t = t
-        weakref.finalize(box, self.free, n)
+        weakref.finalize(box, self.free, n)  # runs when autograd drops the saved tensor
         return box
 
     def free(self, n: int) -> None:
         self.live -= n
-
-    def unpack(self, b):
-        return b.t if isinstance(b, Box) else b
 
 
 class Half(nn.Module):
@@ -104,13 +95,10 @@ class Half(nn.Module):
     def __init__(self, model: nn.Module, first: bool) -> None:
         super().__init__()
         t, k, self.first = model.transformer, len(model.transformer.h) // 2, first
-        self.transformer = nn.Module()
-        idx = range(k) if first else range(k, len(t.h))
-        self.transformer.h = nn.ModuleDict({str(i): t.h[i] for i in idx})
-        if first:
-            self.transformer.wte, self.transformer.wpe, self.transformer.drop = t.wte, t.wpe, t.drop
-        else:
-            self.transformer.ln_f, self.lm_head = t.ln_f, model.lm_head
+        mods = dict(wte=t.wte, wpe=t.wpe, drop=t.drop) if first else dict(ln_f=t.ln_f)
+        h = nn.ModuleDict({str(i): t.h[i] for i in (range(k) if first else range(k, len(t.h)))})
+        self.transformer = nn.ModuleDict(dict(h=h, **mods))
+        self.lm_head = None if first else model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.transformer
@@ -151,11 +139,7 @@ def worker(out: str, manual: bool) -> None:
     model, (x, y) = build()
     runner = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b",
                                   microbatches=M)  # fmt: skip
-    tmodel = build()[0]
-    canon, seen = {}, {}  # tied names → the first name of the same parameter
-    for n, p in tmodel.named_parameters(remove_duplicate=False):
-        canon[n] = seen.setdefault(id(p), n)
-    stage, how = torch_stage(tmodel, rank, x, mesh.get_group("pp"), manual)
+    stage, how = torch_stage(build()[0], rank, x, mesh.get_group("pp"), manual)
     sched = Schedule1F1B(stage, M, loss_fn=ce)
     tparams = dict(stage.submod.named_parameters())
 
@@ -183,19 +167,17 @@ def worker(out: str, manual: bool) -> None:
             elapsed = time.perf_counter() - start
             if i == 0:
                 loss0[name] = loss.item()
-                grads0[name] = {canon.get(n, n): p.grad.clone() for n, p in params.items()
-                                if p.grad is not None}  # fmt: skip
+                grads0[name] = {TIED[0] if n == TIED[1] else n: p.grad.clone()
+                                for n, p in params.items() if p.grad is not None}  # fmt: skip
             if i >= WARMUP:
                 times[name].append(elapsed)
-    for p in tparams.values():
-        p.grad = None
-    saved = LiveSaved(tparams.values())
+    saved = LiveSaved(tparams.values())  # one more torch step (grads accumulate: no matter)
     with saved.hooks:
         torch_step()
     common = sorted(set(grads0["autopart"]) & set(grads0["torch"]))
     gerr = max((grads0["autopart"][n] - grads0["torch"][n]).norm().item()
                / grads0["torch"][n].norm().clamp(min=1e-30).item() for n in common)  # fmt: skip
-    t = torch.tensor([times["autopart"], times["torch"]], dtype=torch.float64)
+    t = torch.tensor(list(times.values()), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slower rank's time
     blocks = sorted({int(n.split(".")[2]) for n, _ in runner.named_parameters() if ".h." in n})
     mine = {"rank": rank, "how": how, "loss0": loss0, "grad_err": gerr, "n_common": len(common),
@@ -219,36 +201,31 @@ def main(manual: bool) -> int:
         if proc.returncode != 0 or not os.path.exists(out):
             print(proc.stdout + proc.stderr, file=sys.stderr)
             print(f"torchrun failed (exit {proc.returncode})", file=sys.stderr)
-            return 0
+            return 2
         ranks = json.loads(Path(out).read_text())
     params = sum(p.numel() for p in build()[0].parameters())
-    ms = {k: 1e3 * statistics.median(ts) for k, ts in zip(("autopart", "torch"), ranks[0]["times"])}
+    ms = [1e3 * statistics.median(t) for t in ranks[0]["times"]]
     loss = ranks[-1]["loss0"]
+    blocks = ", ".join(f"rank {r['rank']} blocks {r['blocks']}" for r in ranks)
     print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
-          "(the cores may be shared with other processes: expect some noise)")  # fmt: skip
-    print(f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} heads, "
-          f"V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x {SEQ} "
-          f"in {M} micro-batches, pp={P}, 1F1B")  # fmt: skip
+          "(the cores may be shared with other processes: expect noise)")  # fmt: skip
+    print(f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} "
+          f"heads, V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x "
+          f"{SEQ} in {M} micro-batches, pp={P}, 1F1B")  # fmt: skip
     print(f"torch.distributed.pipelining: {ranks[0]['how']}")
-    split = ", ".join(f"rank {r['rank']} blocks {r['blocks']}" for r in ranks)
-    print(f"autopart: automatic split: {split}")
+    print(f"autopart: automatic split: {blocks}")
     print(f"timing: median of {ITERS} steps after {WARMUP} warm-up (forward + backward, no "
           "optimizer; per step the slower rank)")  # fmt: skip
-    print(f"  autopart 1F1B            {ms['autopart']:8.1f} ms/step   step-0 loss "
-          f"{loss['autopart']:.6f}")  # fmt: skip
-    print(
-        f"  torch Schedule1F1B       {ms['torch']:8.1f} ms/step   step-0 loss {loss['torch']:.6f}"
-    )
-    ratio = ms["autopart"] / ms["torch"]
+    for name, t in zip(("autopart 1F1B", "torch Schedule1F1B"), ms, strict=True):
+        print(f"  {name:<20} {t:8.1f} ms/step   step-0 loss {loss[name.split()[0]]:.6f}")
+    ratio = ms[0] / ms[1]
     print(f"autopart / torch: {ratio:.3f}  (goal <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})")
-    print("peak saved-activation bytes (saved_tensors_hooks, parameters excluded):")
+    print("peak saved-activation bytes (saved_tensors_hooks, parameters excluded); step-0 grads:")
     for r in ranks:
         a, t = r["saved"]["autopart"], r["saved"]["torch"]
-        print(f"  rank {r['rank']}: autopart {a / 2**20:7.2f} MiB   torch {t / 2**20:7.2f} MiB"
-              f"   autopart / torch {a / max(t, 1):.3f}")  # fmt: skip
-    for r in ranks:
-        print(f"  rank {r['rank']}: step-0 gradients of {r['n_common']} common parameters, max "
-              f"relative difference {r['grad_err']:.2e}")  # fmt: skip
+        print(f"  rank {r['rank']}: autopart {a / 2**20:6.2f} MiB, torch {t / 2**20:6.2f} MiB "
+              f"(ratio {a / max(t, 1):.3f}); gradients of {r['n_common']} common parameters: "
+              f"max relative difference {r['grad_err']:.1e}")  # fmt: skip
     if abs(loss["autopart"] - loss["torch"]) > RTOL * abs(loss["torch"]):
         print("LOSS MISMATCH at step 0: autopart vs torch", file=sys.stderr)
         return 1
@@ -263,5 +240,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.manual)
+        sys.stdout.flush()
+        os._exit(0)  # skip interpreter teardown, where gloo threads can abort (see autopart/run.py)
     else:
         sys.exit(main(args.manual))
