@@ -1,8 +1,10 @@
 """Point-to-point transfers between pipeline neighbours (isend / irecv, gloo-safe).
 
-Each tensor travels as a header (dtype code, ndim, sizes; int64[10]) then its payload, both
-tagged by (stage, micro-batch, direction, index) so messages never pair up wrongly. Sends are
-asynchronous and awaited at the end of the step; receives wait at once, with a timeout whose
+Messages are tagged by (sending stage, micro-batch, direction, index), so they never pair up
+wrongly. The first micro-batch of a step sends a header per tensor (dtype, sizes); every
+micro-batch of a step has the same shapes, so later ones send payloads only, and the receiver
+can post their ``irecv`` early (``Channel.prefetch``) to overlap the transfer with compute.
+Sends are asynchronous and awaited at the end of the step; receives wait with a timeout whose
 error names the rank, the action and the peer.
 """
 
@@ -25,45 +27,98 @@ _DTYPES = [
     torch.int32,
     torch.bool,
 ]
-_HEADER = 10
+_HEADER = 10  # dtype code, ndim, up to 8 sizes
 
 
 def _tag(stage: int, mb: int, backward: bool, index: int, part: int) -> int:
+    if mb >= 4096 or index >= 64:
+        raise AutopartError(f"pipeline message tags allow < 4096 micro-batches and < 64 tensors per hand-over "
+                            f"(got micro-batch {mb}, tensor {index})", hint="use fewer micro-batches")  # fmt: skip
     return (((stage * 4096 + mb) * 2 + backward) * 64 + index) * 2 + part
 
 
-def send(tensors: list[torch.Tensor], peer: int, stage: int, mb: int, backward: bool) -> list[Any]:
-    """Start sending ``tensors`` to ``peer``; returns the works to wait for later."""
-    works = []
-    for i, t in enumerate(tensors):
-        t = t.detach().contiguous()
-        head = torch.zeros(_HEADER, dtype=torch.int64)
-        head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
-        head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        works.append((dist.isend(head, peer, tag=_tag(stage, mb, backward, i, 0)), head))
-        works.append((dist.isend(t, peer, tag=_tag(stage, mb, backward, i, 1)), t))
-    return works
+class Channel:
+    """One rank's pipeline sends and receives for one step at a time (``reset`` per step)."""
 
+    def __init__(self, rank: int, timeout_s: float) -> None:
+        self.rank, self.timeout_s = rank, timeout_s
+        self.reset()
 
-def recv(count: int, peer: int, stage: int, mb: int, backward: bool, rank: int, what: str,
-         timeout_s: float) -> list[torch.Tensor]:  # fmt: skip
-    """Receive ``count`` tensors from ``peer`` (blocking, with a timeout)."""
-    out = []
-    for i in range(count):
-        head = torch.zeros(_HEADER, dtype=torch.int64)
-        _wait(
-            dist.irecv(head, peer, tag=_tag(stage, mb, backward, i, 0)), rank, what, peer, timeout_s
-        )
-        dtype, ndim = _DTYPES[int(head[0])], int(head[1])
-        t = torch.empty([int(x) for x in head[2 : 2 + ndim]], dtype=dtype)
-        _wait(dist.irecv(t, peer, tag=_tag(stage, mb, backward, i, 1)), rank, what, peer, timeout_s)
-        out.append(t)
-    return out
+    def reset(self) -> None:
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.shapes: dict[tuple[bool, int], list[tuple[torch.dtype, list[int]]]] = {}
+        self.posted: dict[tuple[bool, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
 
+    def send(
+        self, tensors: list[torch.Tensor], peer: int, stage: int, mb: int, backward: bool
+    ) -> None:
+        """Start sending ``tensors`` (from ``stage``) to ``peer``."""
+        for i, t in enumerate(tensors):
+            t = t.detach().contiguous()
+            if mb == 0:
+                if t.dtype not in _DTYPES or t.dim() > _HEADER - 2:
+                    raise AutopartError(f"rank {self.rank}: cannot send a {t.dtype} tensor of {t.dim()} dims "
+                                        "between pipeline stages")  # fmt: skip
+                head = torch.zeros(_HEADER, dtype=torch.int64)
+                head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
+                head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+                self.sends.append(
+                    (dist.isend(head, peer, tag=_tag(stage, mb, backward, i, 0)), head)
+                )
+            self.sends.append((dist.isend(t, peer, tag=_tag(stage, mb, backward, i, 1)), t))
 
-def wait_all(works: list[Any], rank: int, timeout_s: float) -> None:
-    for work, _ in works:
-        _wait(work, rank, "a pending send", None, timeout_s)
+    def prefetch(self, peer: int, stage: int, mb: int, backward: bool) -> None:
+        """Post the receives of a later hand-over now, if its shapes are known."""
+        key = (backward, stage, mb)
+        spec = self.shapes.get((backward, stage))
+        if spec is None or key in self.posted or mb == 0:
+            return
+        bufs = [torch.empty(shape, dtype=dtype) for dtype, shape in spec]
+        works = [
+            dist.irecv(b, peer, tag=_tag(stage, mb, backward, i, 1)) for i, b in enumerate(bufs)
+        ]
+        self.posted[key] = (works, bufs)
+
+    def recv(
+        self, count: int, peer: int, stage: int, mb: int, backward: bool, what: str
+    ) -> list[torch.Tensor]:
+        """The ``count`` tensors ``stage`` sent for micro-batch ``mb`` (waits, with a timeout)."""
+        if (backward, stage, mb) not in self.posted:
+            self.prefetch(peer, stage, mb, backward)
+        if (backward, stage, mb) in self.posted:
+            works, bufs = self.posted.pop((backward, stage, mb))
+            for w in works:
+                _wait(w, self.rank, what, peer, self.timeout_s)
+            return bufs
+        out, spec = [], []
+        for i in range(count):
+            head = torch.zeros(_HEADER, dtype=torch.int64)
+            _wait(
+                dist.irecv(head, peer, tag=_tag(stage, mb, backward, i, 0)),
+                self.rank,
+                what,
+                peer,
+                self.timeout_s,
+            )
+            dtype, ndim = _DTYPES[int(head[0])], int(head[1])
+            shape = [int(x) for x in head[2 : 2 + ndim]]
+            t = torch.empty(shape, dtype=dtype)
+            _wait(
+                dist.irecv(t, peer, tag=_tag(stage, mb, backward, i, 1)),
+                self.rank,
+                what,
+                peer,
+                self.timeout_s,
+            )
+            out.append(t)
+            spec.append((dtype, shape))
+        self.shapes[(backward, stage)] = spec
+        return out
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            _wait(work, self.rank, "a pending send", None, self.timeout_s)
+        self.sends = []
 
 
 def _wait(work: Any, rank: int, what: str, peer: int | None, timeout_s: float) -> None:

@@ -121,6 +121,7 @@ class Runner:
         # set to [] to record each step's (action, kind, start, end); keeps the last step
         self.timeline: list[tuple[str, str, float, float]] | None = None
         self._saved = SavedBytes()
+        self._p2p = p2p.Channel(self.rank, timeout_s)
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
         # per step: buckets reduced, and how many of them were launched while backward ran
@@ -184,7 +185,11 @@ class Runner:
         if self.timeline is not None:
             self.timeline = []  # keep the last step's only
         last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
-        self._pending, self._next, self._sends = [], 0, []
+        self._pending, self._next = [], 0
+        self._p2p.reset()
+        recvs = [
+            (i, a) for i, a in enumerate(self.program.actions) if a.kind in ("RECV_F", "RECV_B")
+        ]
         self.stats["launched_during_backward"] = 0
         live: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) → inputs, outputs, grads
         losses: dict[int, torch.Tensor] = {}
@@ -192,6 +197,10 @@ class Runner:
             collectives.set_action(f"{action} on rank {self.rank}")
             self._record(action, start=True)
             unit = (action.stage, action.mb)
+            if action.kind in ("F", "B"):  # overlap the next hand-over's transfer with this compute
+                nxt = next((a for j, a in recvs if j > i), None)
+                if nxt is not None:
+                    self._p2p.prefetch(nxt.peer, *_sender(nxt), nxt.kind == "RECV_B")
             if action.kind == "F":
                 with self._saved.watch(unit):
                     self._forward(action, live.setdefault(unit, {}), mbs[action.mb], count, losses)
@@ -204,30 +213,28 @@ class Runner:
                 if "grads_out" not in live[unit]:
                     del live[unit]  # this micro-batch's activations are freed
             elif action.kind == "SEND_F":
-                self._sends += p2p.send(live[unit]["outputs"], action.peer, *unit, backward=False)
+                self._p2p.send(live[unit]["outputs"], action.peer, *unit, backward=False)
             elif action.kind == "RECV_F":
                 st = self._stage(action.stage)
                 n = sum(r.kind == "act" for r in st.inputs)
-                got = p2p.recv(n, action.peer, action.stage - 1, action.mb, False, self.rank, str(action),
-                               self.timeout_s)  # tagged by the sending stage  # fmt: skip
+                got = self._p2p.recv(n, action.peer, *_sender(action), False, str(action))
                 live.setdefault(unit, {})["acts"] = [
                     t.requires_grad_() if t.is_floating_point() else t for t in got
                 ]
             elif action.kind == "SEND_B":
-                self._sends += p2p.send(
-                    live[unit].pop("grads_out"), action.peer, *unit, backward=True
-                )
+                self._p2p.send(live[unit].pop("grads_out"), action.peer, *unit, backward=True)
                 del live[unit]
             elif action.kind == "RECV_B":
                 n = sum(t.is_floating_point() for t in live[unit]["outputs"])
-                live[unit]["grads_in"] = p2p.recv(n, action.peer, action.stage + 1, action.mb, True, self.rank,
-                                                  str(action), self.timeout_s)  # fmt: skip
+                live[unit]["grads_in"] = self._p2p.recv(
+                    n, action.peer, *_sender(action), True, str(action)
+                )
             elif action.kind == "DP_REDUCE":
                 self._finish_buckets(action)
             elif action.kind == "TIE_REDUCE":
                 self._tie_reduce(action)
             self._record(action, start=False)
-        p2p.wait_all(self._sends, self.rank, self.timeout_s)
+        self._p2p.wait_sends()
         for f, p in self.params.items():
             if kept[f] is not None:
                 p.grad = kept[f] if p.grad is None else p.grad + kept[f]
@@ -409,6 +416,11 @@ class Runner:
             work = dist.all_reduce(loss, group=self.groups["dp"], async_op=True)
             self._wait(work, f"loss all-reduce over dp ranks {self.program.groups['dp']}")
         return loss
+
+
+def _sender(recv: Action) -> tuple[int, int]:
+    """(sending stage, micro-batch) of a receive: messages are tagged by the sending stage."""
+    return (recv.stage - 1 if recv.kind == "RECV_F" else recv.stage + 1), recv.mb
 
 
 def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]) -> dict[str, Any]:
