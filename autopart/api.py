@@ -36,6 +36,7 @@ def parallelize(
     seq_chunks: int = 1,
     sequence_parallel: bool = False,
     bucket_mb: float = 25.0,
+    max_stage_memory_gb: float | None = None,
     timeout_s: float = 300.0,
 ) -> Any:
     """Compile ``model`` for ``mesh``: a ``Program`` offline, the local ``Runner`` if live.
@@ -44,9 +45,8 @@ def parallelize(
     ``model`` is already a ``Captured``.
     """
     offline, live = mesh_from(mesh)
-    plan = Plan(
-        offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb
-    )
+    plan = Plan(offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb,
+                max_stage_memory_gb)  # fmt: skip
     if isinstance(model, Captured):
         captured = model
     elif example_inputs is None:

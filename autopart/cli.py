@@ -46,12 +46,16 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="split activations between tp regions along the sequence",
     )
+    g.add_argument("--max-stage-memory-gb", type=float, default=None,
+                   help="pipeline cuts keep each stage's weights, gradients, Adam states and "
+                   "in-flight activations under this many GiB")  # fmt: skip
 
 
 def _plan_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         schedule=a.schedule, microbatches=a.microbatches, virtual_stages=a.virtual_stages,
         seq_chunks=a.seq_chunks, sequence_parallel=a.sequence_parallel,
+        max_stage_memory_gb=a.max_stage_memory_gb,
     )  # fmt: skip
 
 

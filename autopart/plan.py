@@ -116,6 +116,9 @@ class Plan:
     seq_chunks: int = 1
     sequence_parallel: bool = False
     bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB
+    max_stage_memory_gb: float | None = (
+        None  # pipeline: parameters + states + activations per stage
+    )
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -122,6 +122,7 @@ def verify(
     virtual_stages: int = 1,
     seq_chunks: int = 1,
     sequence_parallel: bool = False,
+    max_stage_memory_gb: float | None = None,
     dtype: str = "float64",
     timeout_s: float = 300.0,
     workdir: str | Path | None = None,
@@ -141,7 +142,7 @@ def verify(
     ref_loss, ref_grads = reference(model, batch)
     program = parallelize(model, mesh, example_inputs=batch, schedule=schedule, microbatches=microbatches,
                           virtual_stages=virtual_stages, seq_chunks=seq_chunks,
-                          sequence_parallel=sequence_parallel)  # fmt: skip
+                          sequence_parallel=sequence_parallel, max_stage_memory_gb=max_stage_memory_gb)  # fmt: skip
     program.plan.check_batch(batch[0].shape[0])
     with tempfile.TemporaryDirectory(prefix="autopart-verify-", dir=workdir) as tmp:
         root = Path(tmp)

@@ -46,7 +46,9 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             hint="use at most one stage per block: lower pp or virtual_stages",
         )
     cost = _unit_costs(gm, units, n_units, plan)
-    cuts = balanced_cuts(cost, stages)
+    limit = None if plan.max_stage_memory_gb is None else plan.max_stage_memory_gb * 2**30
+    inflight = [min(plan.microbatches * plan.virtual_stages, stages - k) for k in range(stages)]
+    cuts = balanced_cuts(cost, stages, _unit_memory(gm, units, n_units, plan), limit, inflight)
     stage_of = {n: _stage(units[n], cuts) for n in units}
     gm.meta["autopart.unit_costs"] = cost
     gm.meta["autopart.cuts"] = cuts
@@ -117,13 +119,48 @@ def _unit_costs(
     return cost
 
 
-def balanced_cuts(cost: list[float], stages: int) -> list[int]:
+def _unit_memory(gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int,
+                 plan: Plan) -> list[tuple[float, float]]:  # fmt: skip
+    """(parameter bytes, activation bytes per micro-batch) of each unit at the example shape."""
+    from autopart.capture import B, S
+
+    b, s = gm.meta.get("autopart.example_shape", (8, 128))
+    sizes = {B: max(1, b // plan.microbatches), S: s}
+    out = [[0.0, 0.0] for _ in range(n_units)]
+    seen: set[fx.Node] = set()
+    for n, u in units.items():
+        act = node_cost(n, gm).act_bytes
+        out[u][1] += float(act.subs(sizes)) if act != 0 else 0.0
+        for a in n.all_input_nodes:
+            if a.op == "placeholder" and a.meta[META_INPUT].kind == "param" and a not in seen:
+                seen.add(a)
+                out[u][0] += a.meta["val"].numel() * a.meta["val"].element_size()
+    return [(p, a) for p, a in out]
+
+
+def balanced_cuts(cost: list[float], stages: int, memory: list[tuple[float, float]] | None = None,
+                  limit: float | None = None, inflight: list[int] | None = None) -> list[int]:  # fmt: skip
     """Split units into ``stages`` contiguous, non-empty runs minimizing the largest run's cost
-    (ties: the smaller sum of squares). Returns the first unit of each stage after the first."""
+    (ties: the smaller sum of squares). Returns the first unit of each stage after the first.
+
+    With ``memory`` (per unit: parameter bytes, activation bytes per micro-batch) and ``limit``,
+    a stage k must fit: 4 × its parameter bytes (weights, gradients, two Adam moments) +
+    ``inflight[k]`` × its activation bytes ≤ ``limit``; no split fitting is an AutopartError."""
     n = len(cost)
     prefix = [0.0]
     for c in cost:
         prefix.append(prefix[-1] + c)
+    mem_p, mem_a = [0.0], [0.0]
+    for p, a in memory or [(0.0, 0.0)] * n:
+        mem_p.append(mem_p[-1] + p)
+        mem_a.append(mem_a[-1] + a)
+
+    def fits(k: int, i: int, j: int) -> bool:  # stage k - 1 holds units [i, j)
+        if limit is None or memory is None:
+            return True
+        held = 4 * (mem_p[j] - mem_p[i]) + (inflight or [1] * stages)[k - 1] * (mem_a[j] - mem_a[i])
+        return held <= limit
+
     inf = (math.inf, math.inf)
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     back = [[0] * (n + 1) for _ in range(stages + 1)]
@@ -131,12 +168,19 @@ def balanced_cuts(cost: list[float], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for j in range(k, n + 1):
             for i in range(k - 1, j):
-                if best[k - 1][i] == inf:
+                if best[k - 1][i] == inf or not fits(k, i, j):
                     continue
                 run = prefix[j] - prefix[i]
                 cand = (max(best[k - 1][i][0], run), best[k - 1][i][1] + run * run)
                 if cand < best[k][j]:
                     best[k][j], back[k][j] = cand, i
+    if best[stages][n] == inf:
+        most = max(4 * p + (max(inflight or [1])) * a for p, a in memory or [(0.0, 0.0)])
+        raise AutopartError(
+            f"no split of the model into {stages} stages fits {limit / 2**30:.3g} GiB per stage "
+            f"(the largest single unit alone needs {most / 2**30:.3g} GiB with its in-flight activations)",
+            hint="raise the memory limit, add pipeline stages, or use fewer micro-batches in flight",
+        )
     cuts, j = [], n
     for k in range(stages, 0, -1):
         j = back[k][j]

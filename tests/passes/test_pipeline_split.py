@@ -148,3 +148,24 @@ def test_more_stages_than_blocks_is_refused(gpt_sdpa: Case) -> None:
         _split(gpt_sdpa, pp=4)
     assert "4 stages, but the model has 2 transformer blocks" in err.value.message
     assert "lower pp or virtual_stages" in err.value.hint
+
+
+def test_memory_limit_moves_the_cut() -> None:
+    cost = [1.0, 4.0, 4.0, 4.0, 4.0, 1.0]
+    memory = [(0.0, 0.0), (10.0, 1.0), (10.0, 1.0), (10.0, 1.0), (100.0, 1.0), (0.0, 0.0)]
+    assert balanced_cuts(cost, 2) == [3]  # compute alone: embed,b0,b1 | b2,b3,head
+    # 4 × params + activations: the big block b3 forces the cut later so stage 1 holds less
+    cut = balanced_cuts(cost, 2, memory, limit=420.0, inflight=[2, 1])  # b2+b3 need 442
+    assert cut == [4]
+    with pytest.raises(AutopartError) as err:
+        balanced_cuts(cost, 2, memory, limit=100.0, inflight=[2, 1])
+    assert "no split of the model into 2 stages fits" in err.value.message
+    assert "raise the memory limit" in err.value.hint
+
+
+def test_memory_limit_from_the_plan(gpt_sdpa: Case) -> None:
+    ok = Plan(Mesh(pp=2), microbatches=2, max_stage_memory_gb=1.0)
+    run_passes(copy_graph(gpt_sdpa.captured.graph), ok, PIPELINE)
+    tight = Plan(Mesh(pp=2), microbatches=2, max_stage_memory_gb=1e-6)
+    with pytest.raises(AutopartError, match="fits 1e-06 GiB per stage"):
+        run_passes(copy_graph(gpt_sdpa.captured.graph), tight, PIPELINE)
