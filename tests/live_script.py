@@ -39,11 +39,11 @@ def main() -> int:
     opt = torch.optim.SGD(runner.parameters(), lr=0.1)
     opt.step()  # the user's optimizer steps the local shards
     keys = set(runner.state_dict())
-    print(
+    sys.stdout.write(
         f"rank {dist.get_rank()}: loss err {loss_err:.2e}, worst {worst} {errs[worst]:.2e}, "
-        f"state_dict keys {len(keys)}, buckets {stats}, {'OK' if ok else 'MISMATCH'}",
-        flush=True,
-    )
+        f"state_dict keys {len(keys)}, buckets {stats}, {'OK' if ok else 'MISMATCH'}\n"
+    )  # one write per line: the two ranks share stdout
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
