@@ -12,7 +12,7 @@ from autopart.errors import AutopartError
 from autopart.schedule import GENERATORS, Action, generate, table, verify
 
 Schedule = dict[int, list[Action]]
-FLAT = sorted(n for n in GENERATORS if n != "interleaved-1f1b")  # one stage per pipeline rank
+FLAT = sorted(n for n in GENERATORS if "interleaved" not in n)  # one stage per pipeline rank
 
 
 def _build(name: str, p: int, m: int, dp: int = 1) -> Schedule:
@@ -87,7 +87,7 @@ def test_sends_and_receives_name_global_peers() -> None:
 
 def test_unknown_generator() -> None:
     with pytest.raises(AutopartError) as err:
-        generate("seq1f1b", 0, 2, [0])
+        generate("zero-bubble", 0, 2, [0])
     assert "has no generator" in err.value.message and "1f1b" in err.value.hint
 
 
@@ -239,3 +239,40 @@ def test_interleaved_needs_virtual_stages_and_divisible_microbatches() -> None:
 def test_tied_ranks_end_with_tie_reduce() -> None:
     acts = generate("1f1b", 0, 2, [0, 1], dp=2, tied=True)
     assert [a.kind for a in acts[-2:]] == ["DP_REDUCE", "TIE_REDUCE"]
+
+
+# --- Seq1F1B: (micro-batch, sequence chunk) units ------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(p=st.integers(1, 4), m=st.integers(1, 6), k=st.integers(1, 4))
+def test_seq1f1b_schedules_verify(p: int, m: int, k: int) -> None:
+    peers = list(range(p))
+    actions = {r: generate("seq1f1b", r, m, peers, k=k) for r in peers}
+    verify(actions, {(s, mb, c) for s in range(p) for mb in range(m) for c in range(k)})
+    for r, acts in actions.items():
+        fwd = [(a.mb, a.chunk) for a in acts if a.kind == "F"]
+        bwd = [(a.mb, a.chunk) for a in acts if a.kind == "B"]
+        assert fwd == [(mb, c) for mb in range(m) for c in range(k)]  # chunk order
+        assert bwd == [(mb, c) for mb in range(m) for c in reversed(range(k))]  # reverse within mb
+        first_b = next(i for i, a in enumerate(acts) if a.kind == "B")
+        w = min(p - r - 1 + k - 1, m * k)
+        assert sum(a.kind == "F" for a in acts[:first_b]) == w + (1 if w < m * k else 0)
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(p=st.integers(2, 4), groups=st.integers(1, 2), v=st.integers(2, 3), k=st.integers(1, 3))
+def test_seq1f1b_interleaved_schedules_verify(p: int, groups: int, v: int, k: int) -> None:
+    m, peers = p * groups, list(range(p))
+    actions = {r: generate("seq1f1b-interleaved", r, m, peers, v=v, k=k) for r in peers}
+    verify(actions, {(s, mb, c) for s in range(p * v) for mb in range(m) for c in range(k)})
+    for acts in actions.values():
+        for stage in {a.stage for a in acts if a.kind == "B"}:
+            for mb in range(m):
+                order = [a.chunk for a in acts if a.kind == "B" and (a.stage, a.mb) == (stage, mb)]
+                assert order == list(reversed(range(k)))
+
+
+def test_sequence_chunks_need_seq1f1b() -> None:
+    with pytest.raises(AutopartError, match="sequence chunks need seq1f1b"):
+        generate("1f1b", 0, 2, [0, 1], k=2)

@@ -21,58 +21,82 @@ from collections.abc import Callable
 from autopart.errors import AutopartError
 from autopart.schedule.ir import Action
 
-Unit = tuple[int, int]  # (stage, micro-batch)
+Unit = tuple[int, int, int]  # (stage, micro-batch, sequence chunk)
 
 
-def _fwd(stage: int, mb: int, peers: list[int], n_stages: int) -> list[Action]:
+def _fwd(stage: int, mb: int, chunk: int, peers: list[int], n_stages: int) -> list[Action]:
     p = len(peers)
-    recv = [Action("RECV_F", stage, mb, peer=peers[(stage - 1) % p])] if stage > 0 else []
-    send = (
-        [Action("SEND_F", stage, mb, peer=peers[(stage + 1) % p])] if stage < n_stages - 1 else []
-    )
-    return [*recv, Action("F", stage, mb), *send]
+    recv = [Action("RECV_F", stage, mb, chunk, peers[(stage - 1) % p])] if stage > 0 else []
+    last = stage == n_stages - 1
+    send = [] if last else [Action("SEND_F", stage, mb, chunk, peers[(stage + 1) % p])]
+    return [*recv, Action("F", stage, mb, chunk), *send]
 
 
-def _bwd(stage: int, mb: int, peers: list[int], n_stages: int) -> list[Action]:
+def _bwd(stage: int, mb: int, chunk: int, peers: list[int], n_stages: int) -> list[Action]:
     p = len(peers)
-    recv = (
-        [Action("RECV_B", stage, mb, peer=peers[(stage + 1) % p])] if stage < n_stages - 1 else []
-    )
-    send = [Action("SEND_B", stage, mb, peer=peers[(stage - 1) % p])] if stage > 0 else []
-    return [*recv, Action("B", stage, mb), *send]
+    last = stage == n_stages - 1
+    recv = [] if last else [Action("RECV_B", stage, mb, chunk, peers[(stage + 1) % p])]
+    send = [Action("SEND_B", stage, mb, chunk, peers[(stage - 1) % p])] if stage > 0 else []
+    return [*recv, Action("B", stage, mb, chunk), *send]
 
 
 def _weave(
     fwd: list[Unit], bwd: list[Unit], warmup: int, peers: list[int], n_stages: int
 ) -> list[Action]:
     """Warmup forwards, then alternate one forward / one backward, then the remaining backwards."""
-    out = [a for s, mb in fwd[:warmup] for a in _fwd(s, mb, peers, n_stages)]
+    out = [a for u in fwd[:warmup] for a in _fwd(*u, peers, n_stages)]
     steady = len(fwd) - warmup
     for i in range(steady):
         out += _fwd(*fwd[warmup + i], peers, n_stages) + _bwd(*bwd[i], peers, n_stages)
-    return out + [a for s, mb in bwd[steady:] for a in _bwd(s, mb, peers, n_stages)]
+    return out + [a for u in bwd[steady:] for a in _bwd(*u, peers, n_stages)]
 
 
-def gpipe(r: int, m: int, peers: list[int], v: int) -> list[Action]:
+def gpipe(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
     p = len(peers)
     if p == 1:
         return one_f_one_b(r, m, peers, v)
-    units = [(r, mb) for mb in range(m)]
+    units = [(r, mb, 0) for mb in range(m)]
     return _weave(units, units, len(units), peers, p)
 
 
-def one_f_one_b(r: int, m: int, peers: list[int], v: int) -> list[Action]:
+def one_f_one_b(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
     p = len(peers)
-    units = [(r, mb) for mb in range(m)]
+    units = [(r, mb, 0) for mb in range(m)]
     return _weave(units, units, min(p - r - 1, m), peers, p)
 
 
-def interleaved(r: int, m: int, peers: list[int], v: int) -> list[Action]:
+def interleaved(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
     p = len(peers)
     groups = [range(g, g + p) for g in range(0, m, p)]
-    fwd = [(c * p + r, mb) for g in groups for c in range(v) for mb in g]
-    bwd = [(c * p + r, mb) for g in groups for c in reversed(range(v)) for mb in g]
+    fwd = [(c * p + r, mb, 0) for g in groups for c in range(v) for mb in g]
+    bwd = [(c * p + r, mb, 0) for g in groups for c in reversed(range(v)) for mb in g]
     warmup = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+    return _weave(fwd, bwd, warmup, peers, p * v)
+
+
+def seq1f1b(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
+    """(micro-batch, chunk) units: forwards in chunk order, backwards in reverse chunk order within
+    a micro-batch (a chunk's backward needs the later chunks' gradients on its K/V), oldest
+    micro-batch first; warmup = min(p − r − 1 + k − 1, m·k)."""
+    p = len(peers)
+    fwd = [(r, mb, c) for mb in range(m) for c in range(k)]
+    bwd = [(r, mb, c) for mb in range(m) for c in reversed(range(k))]
+    return _weave(fwd, bwd, min(p - r - 1 + k - 1, m * k), peers, p)
+
+
+def seq1f1b_interleaved(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
+    """Seq1F1B over p·v model chunks: interleaved 1F1B whose units are (micro-batch, chunk)."""
+    p = len(peers)
+    groups = [range(g, g + p) for g in range(0, m, p)]
+    fwd = [(c * p + r, mb, j) for g in groups for c in range(v) for mb in g for j in range(k)]
+    bwd = [
+        (c * p + r, mb, j)
+        for g in groups
+        for c in reversed(range(v))
+        for mb in g
+        for j in reversed(range(k))
+    ]
+    warmup = min(2 * (p - r - 1) + (v - 1) * p * k + (k - 1), m * v * k)
     return _weave(fwd, bwd, warmup, peers, p * v)
 
 
@@ -80,22 +104,35 @@ GENERATORS: dict[str, Callable[[int, int, list[int], int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved,
+    "seq1f1b": seq1f1b,
+    "seq1f1b-interleaved": seq1f1b_interleaved,
 }
 
 
 def generate(
-    name: str, r: int, m: int, peers: list[int], dp: int = 1, v: int = 1, tied: bool = False
+    name: str,
+    r: int,
+    m: int,
+    peers: list[int],
+    dp: int = 1,
+    v: int = 1,
+    tied: bool = False,
+    k: int = 1,
 ) -> list[Action]:
     """The action list of pipeline rank ``r`` for schedule ``name``."""
     if name not in GENERATORS:
         raise AutopartError(f"schedule {name!r} has no generator in this version",
                             hint=f"available: {', '.join(GENERATORS)}")  # fmt: skip
-    if (v > 1) != (name == "interleaved-1f1b"):
+    if (v > 1) != ("interleaved" in name):
         raise AutopartError(f"schedule {name} with virtual_stages={v}",
-                            hint="virtual stages > 1 need interleaved-1f1b, and interleaved-1f1b needs them")  # fmt: skip
-    if name == "interleaved-1f1b" and m % len(peers):
-        raise AutopartError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp ({len(peers)})",
+                            hint="virtual stages > 1 need an interleaved schedule, and it needs them")  # fmt: skip
+    if "interleaved" in name and m % len(peers):
+        raise AutopartError(f"{name} needs micro-batches ({m}) divisible by pp ({len(peers)})",
                             hint=f"use {m + len(peers) - m % len(peers)} micro-batches, or 1f1b")  # fmt: skip
-    out = GENERATORS[name](r, m, peers, v)
+    if (k > 1) != name.startswith("seq1f1b") and k > 1:
+        raise AutopartError(
+            f"schedule {name} with seq_chunks={k}", hint="sequence chunks need seq1f1b"
+        )
+    out = GENERATORS[name](r, m, peers, v, k)
     out += [Action("DP_REDUCE", r)] if dp > 1 else []
     return out + ([Action("TIE_REDUCE", r)] if tied else [])
