@@ -184,7 +184,8 @@ class Runner:
         self._saved.reset(self.params.values())
         if self.timeline is not None:
             self.timeline = []  # keep the last step's only
-        last_b = max((i for i, a in enumerate(self.program.actions) if a.kind == "B"), default=-1)
+        arm_at = self._final_backwards()
+        self._ready = [set() for _ in self._buckets]
         self._pending, self._next = [], 0
         self._p2p.reset()
         recvs = [
@@ -205,7 +206,7 @@ class Runner:
                 with self._saved.watch(unit):
                     self._forward(action, live.setdefault(unit, {}), mbs[action.mb], count, losses)
             elif action.kind == "B":
-                hooks = self._arm_buckets() if i == last_b and self._buckets else []
+                hooks = self._arm_buckets(arm_at.get(i, []))
                 self._backward(action, live[unit], losses)
                 self._saved.release(unit)
                 for h in hooks:
@@ -353,24 +354,39 @@ class Runner:
                 out.append(self.buffers[ref.name])
         return out
 
-    def _arm_buckets(self) -> list[Any]:
-        """Hooks that launch each bucket's all-reduce, in bucket order, once its grads exist."""
-        ready = [set() for _ in self._buckets]
-        self._next = 0
+    def _final_backwards(self) -> dict[int, list[tuple[int, nn.Parameter]]]:
+        """(bucket, parameter) pairs to watch at each B action: the last backward, in this rank's
+        action list, of any stage that uses the parameter (its gradient is final after it)."""
+        last_b = {a.stage: i for i, a in enumerate(self.program.actions) if a.kind == "B"}
+        users: dict[str, list[int]] = {}
+        for st in self.program.stages:
+            for ref in st.inputs:
+                if ref.kind == "param":
+                    users.setdefault(ref.name, []).append(st.stage)
+        arm: dict[int, list[tuple[int, nn.Parameter]]] = {}
+        for b, fqns in enumerate(self.program.buckets):
+            for fqn in fqns:
+                ends = [last_b[s] for s in users.get(fqn, []) if s in last_b]
+                if ends:
+                    arm.setdefault(max(ends), []).append((b, self.params[fqn]))
+        return arm
+
+    def _arm_buckets(self, watch: list[tuple[int, nn.Parameter]]) -> list[Any]:
+        """Hooks that launch each bucket's all-reduce, in bucket order, once all its gradients
+        are final; armed only for the backward that finishes each parameter's gradient."""
         hooks = []
-        for i, bucket in enumerate(self._buckets):
-            for p in bucket:
+        for b, p in watch:
 
-                def hook(p: nn.Parameter, i: int = i) -> None:
-                    ready[i].add(id(p))
-                    while self._next < len(self._buckets) and len(ready[self._next]) == len(
-                        self._buckets[self._next]
-                    ):
-                        self._launch(self._next)
-                        self.stats["launched_during_backward"] += 1
-                        self._next += 1
+            def hook(p: nn.Parameter, b: int = b) -> None:
+                self._ready[b].add(id(p))
+                while self._next < len(self._buckets) and len(self._ready[self._next]) == len(
+                    self._buckets[self._next]
+                ):
+                    self._launch(self._next)
+                    self.stats["launched_during_backward"] += 1
+                    self._next += 1
 
-                hooks.append(p.register_post_accumulate_grad_hook(hook))
+            hooks.append(p.register_post_accumulate_grad_hook(hook))
         return hooks
 
     def _launch(self, i: int) -> None:
