@@ -35,13 +35,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import run_workers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
@@ -161,17 +163,9 @@ def main() -> int:
         split = ", ".join(f"stage {k} = {'+'.join(names[a:b])} = {s / 1e9:.3f}"
                           for k, (a, b, s) in enumerate(zip(bounds, bounds[1:], stages, strict=False)))  # fmt: skip
         print(f"  cuts {cuts}: {split}  (max/min {max(stages) / min(stages):.3f})")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(P), __file__, "--worker", out]  # fmt: skip
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              capture_output=True, text=True)  # fmt: skip
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(proc.stdout + proc.stderr, file=sys.stderr)
-            print(f"torchrun failed (exit {proc.returncode})", file=sys.stderr)
-            return 2
-        results = json.loads(Path(out).read_text())
+    results = run_workers(__file__, P)
+    if results is None:
+        return 2
     print(f"1F1B, p={P}: medians over {STEPS} recorded steps after {WARMUP} warm-up steps "
           "(busy = F+B time / step span, per rank)")  # fmt: skip
     print(f"  {'m':>2} {'step ms':>8} {'rank':>4} {'F+B ms/mb':>9} {'busy':>6} {'ideal':>6} "

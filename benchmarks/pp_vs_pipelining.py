@@ -32,9 +32,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -42,6 +40,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import run_workers  # noqa: E402
 
 GPT2 = dict(vocab_size=1024, n_positions=256, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
@@ -192,17 +193,9 @@ def worker(out: str, manual: bool) -> None:
 
 
 def main(manual: bool) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(P), __file__, "--worker", out, *(["--manual"] if manual else [])]  # fmt: skip
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              capture_output=True, text=True)  # fmt: skip
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(proc.stdout + proc.stderr, file=sys.stderr)
-            print(f"torchrun failed (exit {proc.returncode})", file=sys.stderr)
-            return 2
-        ranks = json.loads(Path(out).read_text())
+    ranks = run_workers(__file__, P, *(["--manual"] if manual else []))
+    if ranks is None:
+        return 2
     params = sum(p.numel() for p in build()[0].parameters())
     ms = [1e3 * statistics.median(t) for t in ranks[0]["times"]]
     loss = ranks[-1]["loss0"]

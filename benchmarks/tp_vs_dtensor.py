@@ -29,15 +29,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import run_workers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
@@ -149,17 +150,10 @@ def main() -> int:
     torch.set_num_threads(1)
     model, (x, y) = build()
     results = bench({"single": (lambda: torch_step(model, x, y), list(model.parameters()))})
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(TP), __file__, "--worker", out]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0 or not os.path.exists(out):
-            print(proc.stdout + proc.stderr, file=sys.stderr)
-            print(f"torchrun failed (exit {proc.returncode})", file=sys.stderr)
-            return 2
-        results.update(json.loads(Path(out).read_text()))
+    ranks = run_workers(__file__, TP)
+    if ranks is None:
+        return 2
+    results.update(ranks)
     stock = results.pop("stock_forward")
     ms = {k: 1e3 * statistics.median(t) for k, (_, t) in results.items()}
     loss = {k: v[0] for k, v in results.items()}
