@@ -14,6 +14,7 @@ from rich.progress import Progress
 from torch import fx, nn
 
 from autopart.capture import META_INPUT, Captured, capture
+from autopart.chunks import cost_coefficients
 from autopart.compiler import run_passes
 from autopart.emit import Program, RankProgram, Shard, StageProgram
 from autopart.errors import AutopartError
@@ -34,6 +35,7 @@ def parallelize(
     microbatches: int = 1,
     virtual_stages: int = 1,
     seq_chunks: int = 1,
+    seq_split: str = "balanced",
     sequence_parallel: bool = False,
     bucket_mb: float = 25.0,
     max_stage_memory_gb: float | None = None,
@@ -46,7 +48,7 @@ def parallelize(
     """
     offline, live = mesh_from(mesh)
     plan = Plan(offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb,
-                max_stage_memory_gb)  # fmt: skip
+                max_stage_memory_gb, seq_split)  # fmt: skip
     if isinstance(model, Captured):
         captured = model
     elif example_inputs is None:
@@ -106,6 +108,7 @@ def compile_program(captured: Captured, plan: Plan, progress: Progress | None = 
             if ref.kind == "param":
                 holders.setdefault(ref.name, set()).add(k % mesh.pp)
     ties = {f: sorted(pps) for f, pps in holders.items() if len(pps) > 1}
+    chunk_cost = cost_coefficients(captured) if plan.schedule.startswith("seq1f1b") else None
     ranks = []
     for r in range(mesh.size):
         coords = mesh.coords(r)
@@ -117,13 +120,14 @@ def compile_program(captured: Captured, plan: Plan, progress: Progress | None = 
             groups={d: mesh.group(d, r) for d in ("dp", "pp", "tp")},
             stages=[StageProgram(k, stages[k], inputs[k]) for k in mine],
             actions=generate(plan.schedule, coords["pp"], plan.microbatches, mesh.group("pp", r), mesh.dp,
-                             plan.virtual_stages, tied=any(f in ties for f in used)),
+                             plan.virtual_stages, tied=any(f in ties for f in used), k=plan.seq_chunks),
             shards={f: s for f, s in shards.items() if f in used},
             buckets=_rank_buckets([stages[k] for k in mine]),
             ties={f: pps for f, pps in ties.items() if f in used},
-            n_stages=len(stages),
+            n_stages=len(stages), chunk_cost=chunk_cost,
         ))  # fmt: skip
-    units = {(s, mb, 0) for s in range(len(stages)) for mb in range(plan.microbatches)}
+    units = {(s, mb, c) for s in range(len(stages)) for mb in range(plan.microbatches)
+             for c in range(plan.seq_chunks)}  # fmt: skip
     for pipeline in mesh.groups("pp"):
         verify({r: ranks[r].actions for r in pipeline}, units)
     program = Program(plan, ranks, dict(captured.params), dict(captured.buffers), dict(captured.tied),

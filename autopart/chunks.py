@@ -43,12 +43,21 @@ def chunk_cost(c1: float, c2: float, a: int, e: int) -> float:
 def sequence_chunks(captured: Captured, seq_len: int, k: int, split: str = "balanced",
                     multiple: int = 8) -> list[int]:  # fmt: skip
     """Lengths of the k chunks of a ``seq_len``-token sequence, in order (they sum to seq_len)."""
+    coeffs = cost_coefficients(captured) if split == "balanced" else (1.0, 0.0)
+    return chunk_lengths(coeffs, seq_len, k, split, multiple)
+
+
+def chunk_lengths(coeffs: tuple[float, float], seq_len: int, k: int, split: str = "balanced",
+                  multiple: int = 8) -> list[int]:  # fmt: skip
+    """``sequence_chunks`` from the cost coefficients ``(c1, c2)`` (what the runtime keeps)."""
     if split not in SPLITS:
         raise AutopartError(
             f"unknown sequence split {split!r}", hint=f"use one of {', '.join(SPLITS)}"
         )
-    if not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise AutopartError(f"seq_chunks={k!r} must be a positive integer")
+    if k == 1:
+        return [seq_len]
     if seq_len < k * multiple:
         raise AutopartError(
             f"a sequence of {seq_len} tokens cannot be cut into {k} chunks of at least {multiple}",
@@ -57,12 +66,12 @@ def sequence_chunks(captured: Captured, seq_len: int, k: int, split: str = "bala
     if split == "uniform":
         bounds = [round(seq_len * j / k) for j in range(k + 1)]
     else:
-        c1, c2 = cost_coefficients(captured)
-        bounds = _balanced(c1, c2, seq_len, k)
+        bounds = _balanced(*coeffs, seq_len, k)
     lengths = _round(bounds, seq_len, multiple)
     if any(n <= 0 for n in lengths):
         raise AutopartError(
-            f"rounding the chunk boundaries {bounds} to multiples of {multiple} leaves an empty chunk",
+            f"rounding the chunk boundaries {[round(b) for b in bounds]} to multiples of {multiple} "
+            "leaves an empty chunk",
             hint="use fewer chunks or a longer sequence",
         )
     return lengths
@@ -105,4 +114,4 @@ def chunk_table(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> 
     return rows
 
 
-__all__ = ["chunk_cost", "chunk_table", "cost_coefficients", "sequence_chunks"]
+__all__ = ["chunk_cost", "chunk_lengths", "chunk_table", "cost_coefficients", "sequence_chunks"]

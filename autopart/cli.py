@@ -41,6 +41,8 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch"
     )
+    g.add_argument("--seq-split", choices=("balanced", "uniform"), default="balanced",
+                   help="Seq1F1B chunk boundaries: equal work (default) or equal length")  # fmt: skip
     g.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -54,7 +56,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
 def _plan_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         schedule=a.schedule, microbatches=a.microbatches, virtual_stages=a.virtual_stages,
-        seq_chunks=a.seq_chunks, sequence_parallel=a.sequence_parallel,
+        seq_chunks=a.seq_chunks, seq_split=a.seq_split, sequence_parallel=a.sequence_parallel,
         max_stage_memory_gb=a.max_stage_memory_gb,
     )  # fmt: skip
 

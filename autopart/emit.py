@@ -89,6 +89,7 @@ class RankProgram:
     buckets: list[list[str]] = field(default_factory=list)
     ties: dict[str, list[int]] = field(default_factory=dict)  # FQN → pipeline ranks holding it
     n_stages: int = 1
+    chunk_cost: tuple[float, float] | None = None  # Seq1F1B: (c1, c2) for the chunk boundaries
 
     def __str__(self) -> str:
         c = self.coords
@@ -271,6 +272,7 @@ def _save_rank(
         "actions": [a.to_json() for a in rp.actions],
         "shards": {f: asdict(s) for f, s in rp.shards.items()},
         "buckets": rp.buckets, "ties": rp.ties, "n_stages": rp.n_stages,
+        "chunk_cost": rp.chunk_cost,
     }  # fmt: skip
     (folder / "program.json").write_text(json.dumps(doc, indent=1))
     real = {f: t for f, t in params.items() if t.device.type != "meta" and f in rp.shards}
@@ -316,6 +318,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         actions=[Action.from_json(a) for a in doc["actions"]],
         shards={f: Shard(**{**s, "shape": tuple(s["shape"])}) for f, s in doc["shards"].items()},
         buckets=doc["buckets"], ties=doc.get("ties", {}), n_stages=doc.get("n_stages", 1),
+        chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
     )  # fmt: skip
 
 

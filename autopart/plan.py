@@ -10,6 +10,7 @@ sequence chunks. Both are plain, JSON-able data.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -119,6 +120,7 @@ class Plan:
     max_stage_memory_gb: float | None = (
         None  # pipeline: parameters + states + activations per stage
     )
+    seq_split: str = "balanced"  # Seq1F1B chunk boundaries: "balanced" or "uniform"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -137,22 +139,24 @@ class Plan:
         if self.sequence_parallel and self.mesh.tp == 1:
             raise AutopartError("sequence_parallel=True needs tensor parallelism (tp > 1)",
                                 hint="sequence parallelism splits the activations tp leaves replicated; set tp ≥ 2")  # fmt: skip
-        self._refuse_unimplemented()
+        self._check_chunks()
 
-    def _refuse_unimplemented(self) -> None:
-        later = {
-            "k": (self.seq_chunks > 1, "Seq1F1B sequence chunks (seq_chunks > 1)"),
-            "sched": (
-                self.schedule.startswith("seq1f1b"),
-                f"the {self.schedule} schedule",
-            ),
-        }
-        for wanted, what in later.values():
-            if wanted:
-                raise AutopartError(
-                    f"{what} is not supported yet in this version of autopart",
-                    hint="data, tensor and pipeline parallelism work now: Mesh(dp=N, tp=M, pp=P) with gpipe, 1f1b or interleaved-1f1b",
-                )
+    def _check_chunks(self) -> None:
+        from autopart.chunks import SPLITS
+
+        if self.seq_split not in SPLITS:
+            raise AutopartError(f"unknown seq_split {self.seq_split!r}",
+                                hint=f"use one of {', '.join(SPLITS)}")  # fmt: skip
+        if self.seq_chunks > 1 and not self.schedule.startswith("seq1f1b"):
+            raise AutopartError(
+                f"seq_chunks={self.seq_chunks} needs a Seq1F1B schedule, not {self.schedule}",
+                hint="use schedule='seq1f1b' (or 'seq1f1b-interleaved' with virtual stages)",
+            )
+
+    @property
+    def chunk_multiple(self) -> int:
+        """Chunk boundaries are multiples of this: 8, and of tp under sequence parallelism."""
+        return math.lcm(8, self.mesh.tp) if self.sequence_parallel else 8
 
     def check_batch(self, batch_size: int) -> int:
         """Micro-batch size for a global batch; refuses a batch that does not split evenly."""

@@ -121,6 +121,7 @@ def verify(
     microbatches: int = 1,
     virtual_stages: int = 1,
     seq_chunks: int = 1,
+    seq_split: str = "balanced",
     sequence_parallel: bool = False,
     max_stage_memory_gb: float | None = None,
     dtype: str = "float64",
@@ -141,7 +142,7 @@ def verify(
     model = model.to(DTYPES[dtype])
     ref_loss, ref_grads = reference(model, batch)
     program = parallelize(model, mesh, example_inputs=batch, schedule=schedule, microbatches=microbatches,
-                          virtual_stages=virtual_stages, seq_chunks=seq_chunks,
+                          virtual_stages=virtual_stages, seq_chunks=seq_chunks, seq_split=seq_split,
                           sequence_parallel=sequence_parallel, max_stage_memory_gb=max_stage_memory_gb)  # fmt: skip
     program.plan.check_batch(batch[0].shape[0])
     with tempfile.TemporaryDirectory(prefix="autopart-verify-", dir=workdir) as tmp:

@@ -7,6 +7,7 @@ from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.data_parallel import data_parallel
 from autopart.passes.dropout_rng import dropout_rng
 from autopart.passes.pipeline_split import pipeline_split
+from autopart.passes.sequence_chunk import sequence_chunk
 from autopart.passes.sequence_parallel import sequence_parallel
 from autopart.passes.tensor_parallel import tensor_parallel
 from autopart.passes.vocab_parallel import vocab_parallel
@@ -18,9 +19,10 @@ PIPELINE = (
     sequence_parallel,
     dropout_rng,
     pipeline_split,
+    sequence_chunk,
     data_parallel,
 )
 
 __all__ = [
-    "PIPELINE", "canonicalize_attention", "data_parallel", "dropout_rng", "pipeline_split", "sequence_parallel", "tensor_parallel", "vocab_parallel",
+    "PIPELINE", "canonicalize_attention", "data_parallel", "dropout_rng", "pipeline_split", "sequence_chunk", "sequence_parallel", "tensor_parallel", "vocab_parallel",
 ]  # fmt: skip

@@ -206,8 +206,8 @@ def test_parallelize_a_capture_and_manual_buffers(gpt_manual: Case, tmp_path: Pa
 def test_parallelize_refusals(gpt_sdpa: Case) -> None:
     with pytest.raises(AutopartError, match="needs example_inputs"):
         parallelize(gpt_sdpa.model, Mesh(dp=2))
-    with pytest.raises(AutopartError, match="not supported yet"):
-        parallelize(gpt_sdpa.captured, Mesh(dp=2), schedule="seq1f1b")
+    with pytest.raises(AutopartError, match="needs a Seq1F1B schedule"):
+        parallelize(gpt_sdpa.captured, Mesh(dp=2), seq_chunks=2)
     with pytest.raises(AutopartError, match="2 transformer blocks"):
         parallelize(gpt_sdpa.captured, Mesh(pp=2), schedule="interleaved-1f1b", virtual_stages=2,
                     microbatches=2)  # fmt: skip

@@ -96,8 +96,8 @@ def test_cli_verify_pass_and_refusals(capsys: pytest.CaptureFixture[str]) -> Non
     assert "PASS" in capsys.readouterr().out
     assert cli(["verify", "--model", NANO, "--dp", "3"]) == 2  # batch 8 not divisible by 3
     assert "not divisible by dp(3) * microbatches(1) = 3" in capsys.readouterr().err
-    assert cli(["verify", "--model", NANO, "--schedule", "seq1f1b"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert cli(["verify", "--model", NANO, "--seq-chunks", "2"]) == 2  # chunks need seq1f1b
+    assert "needs a Seq1F1B schedule" in capsys.readouterr().err
     assert cli(["verify", "--model", NANO, "--schedule", "1f1f"]) == 2
     assert "did you mean '1f1b'" in capsys.readouterr().err
 

@@ -84,23 +84,30 @@ def test_unknown_schedule_without_close_match() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "needle", "hint"),
     [
-        {"mesh": Mesh(dp=2), "seq_chunks": 2},
-        {"mesh": Mesh(dp=2), "schedule": "seq1f1b"},
-        {"mesh": Mesh(dp=2), "schedule": "seq1f1b-interleaved"},
+        ({"seq_chunks": 2}, "seq_chunks=2 needs a Seq1F1B schedule, not 1f1b", "seq1f1b"),
+        ({"seq_chunks": 2, "schedule": "interleaved-1f1b"}, "needs a Seq1F1B schedule", "seq1f1b"),
+        (
+            {"schedule": "seq1f1b", "seq_split": "even"},
+            "unknown seq_split 'even'",
+            "balanced, uniform",
+        ),
     ],
-    ids=[
-        "seq_chunks",
-        "seq1f1b",
-        "seq1f1b-interleaved",
-    ],
+    ids=["chunks-without-seq1f1b", "chunks-with-interleaved", "unknown-split"],
 )
-def test_unimplemented_refused(kwargs: dict) -> None:
+def test_sequence_chunk_plans_refused(kwargs: dict, needle: str, hint: str) -> None:
     with pytest.raises(AutopartError) as err:
-        Plan(**kwargs)
-    assert "not supported yet" in err.value.message
-    assert "Mesh(dp=N" in err.value.hint
+        Plan(Mesh(pp=2), **kwargs)
+    assert needle in err.value.message and hint in err.value.hint
+
+
+def test_chunk_multiple() -> None:
+    assert Plan(Mesh(pp=2), schedule="seq1f1b", seq_chunks=2).chunk_multiple == 8
+    sp = Plan(Mesh(pp=2, tp=4), schedule="seq1f1b", seq_chunks=2, sequence_parallel=True)
+    assert sp.chunk_multiple == 8
+    sp3 = Plan(Mesh(pp=2, tp=3), schedule="seq1f1b", seq_chunks=2, sequence_parallel=True)
+    assert sp3.chunk_multiple == 24 and Plan.from_json(sp3.to_json()) == sp3
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """Point-to-point transfers between pipeline neighbours (isend / irecv, gloo-safe).
 
-Messages are tagged by (sending stage, micro-batch, direction, index), so they never pair up
-wrongly. The first micro-batch of a step sends a header per tensor (dtype, sizes); every
-micro-batch of a step has the same shapes, so later ones send payloads only, and the receiver
-can post their ``irecv`` early (``Channel.prefetch``) to overlap the transfer with compute.
+Messages are tagged by (sending stage, micro-batch, sequence chunk, direction, index), so they
+never pair up wrongly. The first micro-batch of a step sends a header per tensor (dtype,
+sizes) for each chunk; every micro-batch of a step has the same shapes chunk by chunk, so later
+ones send payloads only, and the receiver can post their ``irecv`` early (``Channel.prefetch``)
+to overlap the transfer with compute.
 Sends are asynchronous and awaited at the end of the step; receives wait with a timeout whose
 error names the rank, the action and the peer.
 """
@@ -30,11 +31,13 @@ _DTYPES = [
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
 
 
-def _tag(stage: int, mb: int, backward: bool, index: int, part: int) -> int:
-    if mb >= 4096 or index >= 64:
-        raise AutopartError(f"pipeline message tags allow < 4096 micro-batches and < 64 tensors per hand-over "
-                            f"(got micro-batch {mb}, tensor {index})", hint="use fewer micro-batches")  # fmt: skip
-    return (((stage * 4096 + mb) * 2 + backward) * 64 + index) * 2 + part
+def _tag(stage: int, mb: int, chunk: int, backward: bool, index: int, part: int) -> int:
+    if mb >= 4096 or index >= 64 or chunk >= 16 or stage >= 64:
+        raise AutopartError("pipeline message tags allow < 64 stages, < 4096 micro-batches, < 16 "
+                            f"chunks and < 64 tensors per hand-over (got stage {stage}, micro-batch "
+                            f"{mb}, chunk {chunk}, tensor {index})",
+                            hint="use fewer micro-batches, chunks or stages")  # fmt: skip
+    return ((((stage * 4096 + mb) * 16 + chunk) * 2 + backward) * 64 + index) * 2 + part
 
 
 class Channel:
@@ -46,12 +49,11 @@ class Channel:
 
     def reset(self) -> None:
         self.sends: list[tuple[Any, torch.Tensor]] = []
-        self.shapes: dict[tuple[bool, int], list[tuple[torch.dtype, list[int]]]] = {}
-        self.posted: dict[tuple[bool, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
+        self.shapes: dict[tuple[bool, int, int], list[tuple[torch.dtype, list[int]]]] = {}
+        self.posted: dict[tuple[bool, int, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
 
-    def send(
-        self, tensors: list[torch.Tensor], peer: int, stage: int, mb: int, backward: bool
-    ) -> None:
+    def send(self, tensors: list[torch.Tensor], peer: int, stage: int, mb: int, chunk: int,
+             backward: bool) -> None:  # fmt: skip
         """Start sending ``tensors`` (from ``stage``) to ``peer``."""
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()
@@ -63,30 +65,31 @@ class Channel:
                 head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
                 head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
                 self.sends.append(
-                    (dist.isend(head, peer, tag=_tag(stage, mb, backward, i, 0)), head)
+                    (dist.isend(head, peer, tag=_tag(stage, mb, chunk, backward, i, 0)), head)
                 )
-            self.sends.append((dist.isend(t, peer, tag=_tag(stage, mb, backward, i, 1)), t))
+            self.sends.append((dist.isend(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1)), t))
 
-    def prefetch(self, peer: int, stage: int, mb: int, backward: bool) -> None:
+    def prefetch(self, peer: int, stage: int, mb: int, chunk: int, backward: bool) -> None:
         """Post the receives of a later hand-over now, if its shapes are known."""
-        key = (backward, stage, mb)
-        spec = self.shapes.get((backward, stage))
+        key = (backward, stage, mb, chunk)
+        spec = self.shapes.get((backward, stage, chunk))
         if spec is None or key in self.posted or mb == 0:
             return
         bufs = [torch.empty(shape, dtype=dtype) for dtype, shape in spec]
         works = [
-            dist.irecv(b, peer, tag=_tag(stage, mb, backward, i, 1)) for i, b in enumerate(bufs)
+            dist.irecv(b, peer, tag=_tag(stage, mb, chunk, backward, i, 1))
+            for i, b in enumerate(bufs)
         ]
         self.posted[key] = (works, bufs)
 
-    def recv(
-        self, count: int, peer: int, stage: int, mb: int, backward: bool, what: str
-    ) -> list[torch.Tensor]:
-        """The ``count`` tensors ``stage`` sent for micro-batch ``mb`` (waits, with a timeout)."""
-        if (backward, stage, mb) not in self.posted:
-            self.prefetch(peer, stage, mb, backward)
-        if (backward, stage, mb) in self.posted:
-            works, bufs = self.posted.pop((backward, stage, mb))
+    def recv(self, count: int, peer: int, stage: int, mb: int, chunk: int, backward: bool,
+             what: str) -> list[torch.Tensor]:  # fmt: skip
+        """The ``count`` tensors ``stage`` sent for (``mb``, ``chunk``) (waits, with a timeout)."""
+        key = (backward, stage, mb, chunk)
+        if key not in self.posted:
+            self.prefetch(peer, stage, mb, chunk, backward)
+        if key in self.posted:
+            works, bufs = self.posted.pop(key)
             for w in works:
                 _wait(w, self.rank, what, peer, self.timeout_s)
             return bufs
@@ -94,7 +97,7 @@ class Channel:
         for i in range(count):
             head = torch.zeros(_HEADER, dtype=torch.int64)
             _wait(
-                dist.irecv(head, peer, tag=_tag(stage, mb, backward, i, 0)),
+                dist.irecv(head, peer, tag=_tag(stage, mb, chunk, backward, i, 0)),
                 self.rank,
                 what,
                 peer,
@@ -104,7 +107,7 @@ class Channel:
             shape = [int(x) for x in head[2 : 2 + ndim]]
             t = torch.empty(shape, dtype=dtype)
             _wait(
-                dist.irecv(t, peer, tag=_tag(stage, mb, backward, i, 1)),
+                dist.irecv(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1)),
                 self.rank,
                 what,
                 peer,
@@ -112,7 +115,7 @@ class Channel:
             )
             out.append(t)
             spec.append((dtype, shape))
-        self.shapes[(backward, stage)] = spec
+        self.shapes[(backward, stage, chunk)] = spec
         return out
 
     def wait_sends(self) -> None:

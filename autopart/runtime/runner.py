@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart import collectives
+from autopart.chunks import chunk_lengths
 from autopart.emit import Program, RankProgram
 from autopart.errors import AutopartError
 from autopart.plan import Plan
@@ -121,6 +122,13 @@ class Runner:
         # set to [] to record each step's (action, kind, start, end); keeps the last step
         self.timeline: list[tuple[str, str, float, float]] | None = None
         self._saved = SavedBytes()
+        # Seq1F1B: each stage's K/V prefix inputs (their fake values give the empty first prefix)
+        self._kv_vals = {
+            st.stage: [ph.meta["val"] for ph, ref in zip(_placeholders(st.graph), st.inputs, strict=True)
+                       if ref.kind == "kv"]
+            for st in program.stages
+        }  # fmt: skip
+        self._n_kv = {stage: len(v) for stage, v in self._kv_vals.items()}
         self._p2p = p2p.Channel(self.rank, timeout_s)
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
@@ -192,12 +200,15 @@ class Runner:
             (i, a) for i, a in enumerate(self.program.actions) if a.kind in ("RECV_F", "RECV_B")
         ]
         self.stats["launched_during_backward"] = 0
-        live: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) → inputs, outputs, grads
-        losses: dict[int, torch.Tensor] = {}
+        live: dict[tuple[int, int, int], dict[str, Any]] = {}  # (stage, mb, chunk) → tensors
+        self._kv: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, mb) → next prefix
+        self._kv_grads: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self._bounds = self._chunk_bounds(input_ids.shape[1])
+        losses: dict[tuple[int, int], torch.Tensor] = {}
         for i, action in enumerate(self.program.actions):
             collectives.set_action(f"{action} on rank {self.rank}")
             self._record(action, start=True)
-            unit = (action.stage, action.mb)
+            unit = (action.stage, action.mb, action.chunk)
             if action.kind in ("F", "B"):  # overlap the next hand-over's transfer with this compute
                 nxt = next((a for j, a in recvs if j > i), None)
                 if nxt is not None:
@@ -212,7 +223,7 @@ class Runner:
                 for h in hooks:
                     h.remove()
                 if "grads_out" not in live[unit]:
-                    del live[unit]  # this micro-batch's activations are freed
+                    del live[unit]  # this unit's activations are freed
             elif action.kind == "SEND_F":
                 self._p2p.send(live[unit]["outputs"], action.peer, *unit, backward=False)
             elif action.kind == "RECV_F":
@@ -236,6 +247,7 @@ class Runner:
                 self._tie_reduce(action)
             self._record(action, start=False)
         self._p2p.wait_sends()
+        self._kv, self._kv_grads = {}, {}
         for f, p in self.params.items():
             if kept[f] is not None:
                 p.grad = kept[f] if p.grad is None else p.grad + kept[f]
@@ -246,34 +258,72 @@ class Runner:
         )
         return self._reduce_loss(loss)
 
+    def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
+        """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
+        k = self.plan.seq_chunks
+        if k == 1:
+            return [(0, seq_len)]
+        coeffs = self.program.chunk_cost or (1.0, 0.0)
+        try:
+            lengths = chunk_lengths(
+                coeffs, seq_len, k, self.plan.seq_split, self.plan.chunk_multiple
+            )
+        except AutopartError as exc:
+            raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
+        ends = [sum(lengths[: j + 1]) for j in range(k)]
+        return list(zip([0, *ends[:-1]], ends, strict=True))
+
     def _forward(self, action: Action, unit: dict[str, Any], mb: tuple, count: torch.Tensor,
-                 losses: dict[int, torch.Tensor]) -> None:  # fmt: skip
-        self._seed = self._seed_for(action.mb)
+                 losses: dict[tuple[int, int], torch.Tensor]) -> None:  # fmt: skip
+        self._seed = self._seed_for(action.mb, action.chunk)
         st = self._stage(action.stage)
-        out = st.graph(*self._args(action.stage, *mb, acts=unit.get("acts", [])))
+        a, e = self._bounds[action.chunk]
+        ids, labels = (t[:, a:e] for t in mb)
+        n_kv = self._n_kv[action.stage]
+        prefix = []
+        if n_kv:  # K/V of this micro-batch's earlier chunks: leaves, whose gradients go back
+            before = self._kv.pop((action.stage, action.mb), None)
+            if before is None:
+                before = [torch.zeros(_prefix_shape(v, ids.shape[0]), dtype=self._dtype)
+                          for v in self._kv_vals[action.stage]]  # fmt: skip
+            prefix = [t.detach().requires_grad_() for t in before]
+            unit["prefix"] = prefix
+        args = self._args(
+            action.stage, ids, labels, acts=unit.get("acts", []), offset=a, prefix=prefix
+        )
+        out = list(st.graph(*args))
+        if n_kv:
+            out, kv = out[:-n_kv], out[-n_kv:]
+            if action.chunk < self.plan.seq_chunks - 1:  # the last chunk's K/V has no reader
+                self._kv[(action.stage, action.mb)] = kv
+                unit["kv_out"] = kv
         if action.stage == self.n_stages - 1:
-            losses[action.mb] = out[0] / count
+            losses[(action.mb, action.chunk)] = out[0] / count
         else:
-            unit["outputs"] = list(out)
+            unit["outputs"] = out
 
     def _backward(
-        self, action: Action, unit: dict[str, Any], losses: dict[int, torch.Tensor]
+        self, action: Action, unit: dict[str, Any], losses: dict[tuple[int, int], torch.Tensor]
     ) -> None:
+        key = (action.mb, action.chunk)
         if action.stage == self.n_stages - 1:
-            losses[action.mb].backward()
-            losses[action.mb] = losses[action.mb].detach()
+            outs, grads = [losses[key]], [torch.ones_like(losses[key])]
+            losses[key] = losses[key].detach()
         else:
-            outs = [t for t in unit["outputs"] if t.is_floating_point() and t.requires_grad]
-            grads = [
-                g
-                for t, g in zip(
-                    (t for t in unit["outputs"] if t.is_floating_point()),
-                    unit["grads_in"],
-                    strict=True,
-                )
-                if t.requires_grad
+            floating = [t for t in unit["outputs"] if t.is_floating_point()]
+            pairs = [
+                (t, g) for t, g in zip(floating, unit["grads_in"], strict=True) if t.requires_grad
             ]
-            torch.autograd.backward(outs, grad_tensors=grads)
+            outs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        if "kv_out" in unit:  # what the later chunks' attention sent back to this chunk's K/V
+            back = self._kv_grads.pop((action.stage, action.mb, action.chunk))
+            outs, grads = outs + unit.pop("kv_out"), grads + back
+        torch.autograd.backward(outs, grad_tensors=grads)
+        if "prefix" in unit and action.chunk > 0:
+            self._kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in unit.pop("prefix")
+            ]
+        unit.pop("prefix", None)
         if action.stage > 0:
             acts = [t for t in unit.get("acts", []) if t.is_floating_point()]
             unit["grads_out"] = [
@@ -299,10 +349,11 @@ class Runner:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _seed_for(self, mb: int) -> torch.Tensor:
-        """Dropout seed of this step, micro-batch and data-parallel rank (tp ranks share it)."""
+    def _seed_for(self, mb: int, chunk: int = 0) -> torch.Tensor:
+        """Dropout seed of this step, micro-batch, chunk and dp rank (tp ranks share it)."""
         dp_i = self.program.coords["dp"]
-        return torch.tensor(((self.seed * 1_000_003 + self.steps) * 10_007 + mb) * 4_099 + dp_i)
+        base = ((self.seed * 1_000_003 + self.steps) * 10_007 + mb) * 4_099 + dp_i
+        return torch.tensor(base + chunk * 1_000_000_007)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -335,7 +386,8 @@ class Runner:
         return next(s for s in self.program.stages if s.stage == stage)
 
     def _args(self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor,
-              acts: list[torch.Tensor] = ()) -> list[torch.Tensor]:  # fmt: skip
+              acts: list[torch.Tensor] = (), offset: int = 0,
+              prefix: list[torch.Tensor] = ()) -> list[torch.Tensor]:  # fmt: skip
         st = self._stage(stage)
         data = {"input_ids": input_ids, "labels": labels}
         out = []
@@ -350,6 +402,10 @@ class Runner:
                 out.append(self._seed)
             elif ref.kind == "data":
                 out.append(data[ref.name])
+            elif ref.kind == "kv":
+                out.append(prefix[int(ref.name)])
+            elif ref.kind == "offset":
+                out.append(torch.tensor(offset))
             else:
                 out.append(self.buffers[ref.name])
         return out
@@ -434,9 +490,22 @@ class Runner:
         return loss
 
 
-def _sender(recv: Action) -> tuple[int, int]:
-    """(sending stage, micro-batch) of a receive: messages are tagged by the sending stage."""
-    return (recv.stage - 1 if recv.kind == "RECV_F" else recv.stage + 1), recv.mb
+def _sender(recv: Action) -> tuple[int, int, int]:
+    """(sending stage, micro-batch, chunk) of a receive: messages are tagged by the sender."""
+    return (recv.stage - 1 if recv.kind == "RECV_F" else recv.stage + 1), recv.mb, recv.chunk
+
+
+def _placeholders(gm: Any) -> list[Any]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _prefix_shape(val: torch.Tensor, batch: int) -> list[int]:
+    """The first chunk's (empty) K/V prefix: the placeholder's shape with the prefix length 0
+    (dim −2) and the micro-batch size for the other symbolic dim (the batch)."""
+    nd = val.dim()
+    return [
+        d if isinstance(d, int) else (0 if i == nd - 2 else batch) for i, d in enumerate(val.shape)
+    ]
 
 
 def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]) -> dict[str, Any]:

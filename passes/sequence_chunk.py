@@ -1,0 +1,199 @@
+"""sequence_chunk: after this pass every stage graph runs one sequence chunk of a micro-batch.
+
+Invariant (Seq1F1B plans): cut a micro-batch's sequence into chunks of lengths s_0 … s_{k−1}.
+Running a stage graph on chunk j — its tokens (or the previous stage's activations for them),
+``offset`` = s_0 + … + s_{j−1}, and for each attention layer the K/V *prefix* of the chunks
+before it — returns the chunk's outputs and, appended, each attention layer's K/V with this
+chunk's added (the next chunk's prefix). Together the chunks compute exactly what the
+unchunked graph computes on the whole sequence; the loss output is the chunk's summed cross
+entropy, so the chunks' losses add up to the sequence's. Gradients reaching a prefix input
+belong to earlier chunks' K/V outputs: the runtime hands them back to those chunks' backward,
+which runs later (reverse chunk order).
+
+What changes in the graph:
+
+- **inputs**: ``InputRef("offset", "")`` (a 0-d int64 tensor) when the stage computes
+  positions, then ``InputRef("kv", "2i")`` / ``("kv", "2i+1")`` — layer i's K and V prefix,
+  ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk);
+- **positions**: every ``arange`` over the sequence length from 0 (learned positions, rotary
+  tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``;
+- **attention** (only the causal SDPA canonicalize_attention leaves): K and V are concatenated
+  after their prefix, and the causal mask is aligned lower-right — query t of the chunk sees key
+  positions ≤ P + t (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph
+  from the sizes, so one graph serves every chunk);
+- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order.
+
+A stage with attention the previous pass could not prove causal is refused (Seq1F1B needs it).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+from torch import fx
+from torch._dynamo.source import ConstantSource
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+from torch.utils._sympy.value_ranges import ValueRanges
+
+from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, S
+from autopart.passes.canonicalize_attention import META_ATTENTION, SDPA, require_causal
+from autopart.passes.pipeline_split import stage_graphs
+from autopart.plan import Plan
+from autopart.shapes import propagate
+
+aten = torch.ops.aten
+P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas
+META_KV = "autopart.kv_outputs"  # number of K/V outputs appended to a stage's outputs
+
+
+def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    if not plan.schedule.startswith("seq1f1b"):
+        return gm
+    for st in stage_graphs(gm):
+        require_causal(st)
+        chunk_stage(st)
+    return gm
+
+
+def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite one stage graph in place to run one chunk (see the module docstring)."""
+    g = gm.graph
+    refs = gm.meta.get("autopart.inputs")  # a pipeline stage's input list (else from meta)
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    last_ph = placeholders[-1]
+    output = next(n for n in g.nodes if n.op == "output")
+    attention = [n for n in g.nodes if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal"]
+    positions = [n for n in g.nodes if _is_positions(n, gm)]
+
+    new_refs: list[InputRef] = []
+    mode = detect_fake_mode([n.meta["val"] for n in placeholders])
+    anchor = last_ph
+    offset = None
+    if positions:
+        with g.inserting_after(anchor):
+            offset = g.placeholder("chunk_offset")
+        with mode:
+            offset.meta["val"] = torch.zeros((), dtype=torch.int64)
+        offset.meta[META_INPUT] = InputRef("offset", "")
+        new_refs.append(offset.meta[META_INPUT])
+        anchor = offset
+    prefix_len = _prefix_symint(mode) if attention else None
+    prefixes: list[tuple[fx.Node, fx.Node]] = []
+    for i, sdpa in enumerate(attention):
+        pair = []
+        for j, src in enumerate(sdpa.args[1:3]):
+            with g.inserting_after(anchor):
+                ph = g.placeholder(f"kv_prefix_{i}_{'kv'[j]}")
+            val = src.meta["val"]
+            shape = [*val.shape[:-2], prefix_len, val.shape[-1]]
+            with mode:
+                ph.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+            ph.meta[META_INPUT] = InputRef("kv", str(2 * i + j))
+            ph.meta[META_MODULE], ph.meta[META_LAYER] = (
+                sdpa.meta.get(META_MODULE, ""),
+                sdpa.meta.get(META_LAYER),
+            )
+            new_refs.append(ph.meta[META_INPUT])
+            pair.append(ph)
+            anchor = ph
+        prefixes.append((pair[0], pair[1]))
+
+    for n in positions:
+        with g.inserting_after(n):
+            shifted = g.call_function(aten.add.Tensor, (n, offset))
+        n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
+
+    kv_out: list[fx.Node] = []
+    for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
+        kv_out += _attend_with_prefix(g, sdpa, kp, vp)
+
+    outs = output.args[0]
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    output.args = (outs + tuple(kv_out),)
+    if refs is not None:
+        gm.meta["autopart.inputs"] = [*refs, *new_refs]
+    gm.meta[META_KV] = len(kv_out)
+    if prefix_len is not None:
+        rc = dict(gm.meta.get("autopart.range_constraints", {}))
+        rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
+        gm.meta["autopart.range_constraints"] = rc
+        gm.meta["autopart.symbols"] = {
+            **gm.meta.get("autopart.symbols", {}),
+            prefix_len.node.expr: P,
+        }
+    g.lint()
+    gm.recompile()
+    propagate(gm)
+    return gm
+
+
+def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
+    if n.target == aten.arange.default:
+        start = 0
+    elif n.target == aten.arange.start:
+        start = n.args[0]
+    else:
+        return False
+    val = n.meta.get("val")
+    if start != 0 or val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
+        return False
+    expr = val.shape[0].node.expr
+    return gm.meta.get("autopart.symbols", {}).get(expr) == S
+
+
+def _prefix_symint(mode) -> torch.SymInt:
+    """A fresh symbolic size for the prefix length (hinted at 16: never specialized to 0 or 1)."""
+    env = mode.shape_env
+    sym = env.create_symbol(
+        16, ConstantSource("autopart_kv_prefix"), dynamic_dim=DimDynamic.DYNAMIC
+    )
+    return env.create_symintnode(sym, hint=16)
+
+
+def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
+    """SDPA over [prefix; chunk] keys with the lower-right causal mask; returns (K, V) full."""
+    q, k, v = sdpa.args[:3]
+    dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
+    kwargs = {
+        key: val
+        for key, val in sdpa.kwargs.items()
+        if key not in ("attn_mask", "dropout_p", "is_causal")
+    }
+    with g.inserting_before(sdpa):
+        k_full = g.call_function(aten.cat.default, ([kp, k], -2))
+        v_full = g.call_function(aten.cat.default, ([vp, v], -2))
+        mask = lower_right_mask(g, q, k_full)
+        new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
+    for n in (k_full, v_full, new):
+        n.meta[META_MODULE], n.meta[META_LAYER] = (
+            sdpa.meta.get(META_MODULE, ""),
+            sdpa.meta.get(META_LAYER),
+        )
+    new.meta[META_ATTENTION] = "causal, chunked"
+    sdpa.replace_all_uses_with(new)
+    g.erase_node(sdpa)
+    return [k_full, v_full]
+
+
+def lower_right_mask(g: fx.Graph, q: fx.Node, k_full: fx.Node) -> fx.Node:
+    """Boolean [Lq, Lk] mask, True where key j ≤ (Lk − Lq) + query i (lower-right causal)."""
+    lq = g.call_function(aten.sym_size.int, (q, -2))
+    lk = g.call_function(aten.sym_size.int, (k_full, -2))
+    lp = g.call_function(operator.sub, (lk, lq))
+    where = {"dtype": torch.int64, "device": q.meta["val"].device}
+    rows = g.call_function(aten.arange.start, (lp, lk), where)
+    cols = g.call_function(aten.arange.default, (lk,), where)
+    return g.call_function(
+        aten.le.Tensor,
+        (
+            g.call_function(aten.unsqueeze.default, (cols, 0)),
+            g.call_function(aten.unsqueeze.default, (rows, 1)),
+        ),
+    )
+
+
+__all__ = ["META_KV", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]
