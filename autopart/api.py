@@ -14,7 +14,7 @@ from rich.progress import Progress
 from torch import fx, nn
 
 from autopart.capture import META_INPUT, Captured, capture
-from autopart.chunks import cost_coefficients
+from autopart.chunks import chunk_lengths, cost_coefficients
 from autopart.compiler import run_passes
 from autopart.emit import Program, RankProgram, Shard, StageProgram
 from autopart.errors import AutopartError
@@ -109,6 +109,9 @@ def compile_program(captured: Captured, plan: Plan, progress: Progress | None = 
                 holders.setdefault(ref.name, set()).add(k % mesh.pp)
     ties = {f: sorted(pps) for f, pps in holders.items() if len(pps) > 1}
     chunk_cost = cost_coefficients(captured) if plan.schedule.startswith("seq1f1b") else None
+    if chunk_cost is not None:  # refuse chunks the example sequence cannot hold, now, not at run
+        chunk_lengths(chunk_cost, captured.example_shape[1], plan.seq_chunks, plan.seq_split,
+                      plan.chunk_multiple)  # fmt: skip
     ranks = []
     for r in range(mesh.size):
         coords = mesh.coords(r)

@@ -147,3 +147,16 @@ def make_manual():
 def make_deep():
     """The same GPT with 8 blocks: enough for pp=4 × virtual_stages=2 (one block per stage)."""
     return make(n_layer=8)
+
+
+def make_long(attention: str = "sdpa"):
+    """4 blocks at 256 tokens (a 4 × 256 batch): attention is a large share of the work, so
+    Seq1F1B's balanced chunks differ from equal ones (k=2: 152 + 104 tokens)."""
+    cfg = GPTConfig(attention=attention, n_layer=4, block_size=256)
+    torch.manual_seed(0)
+    return GPT(cfg), batch(cfg, batch_size=4, seq_len=256)
+
+
+def make_long_manual():
+    """``make_long`` with the manual masked-softmax attention path."""
+    return make_long(attention="manual")
