@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import nanogpt
 import pytest
-import torch
 from conftest import rel_err, run_model
 
 from autopart import Mesh, parallelize

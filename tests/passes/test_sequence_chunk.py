@@ -18,7 +18,7 @@ from autopart.capture import META_INPUT, Captured, capture
 from autopart.emit import load_rank
 from autopart.errors import AutopartError
 from autopart.passes.canonicalize_attention import canonicalize_attention
-from autopart.passes.sequence_chunk import META_KV, chunk_stage, lower_right_mask, sequence_chunk
+from autopart.passes.sequence_chunk import META_KV, lower_right_mask, sequence_chunk
 from autopart.plan import Plan
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b", seq_chunks=3)
