@@ -266,6 +266,7 @@ def _save_rank(
             "stage": st.stage, "file": f"stage{st.stage}.pt2",
             "passes": st.graph.meta.get("autopart.passes", []),
             "inputs": [[i.kind, i.name] for i in st.inputs],
+            "kv_shapes": st.graph.meta.get("autopart.kv_shapes", []),
         })  # fmt: skip
     doc = {
         "rank": rp.rank, "coords": rp.coords, "groups": rp.groups, "stages": stages,
@@ -298,6 +299,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
     for st in doc["stages"]:
         graph = torch.export.load(folder / st["file"]).graph_module
         graph.meta["autopart.passes"] = st["passes"]
+        graph.meta["autopart.kv_shapes"] = st.get("kv_shapes", [])
         inputs = [InputRef(k, n) for k, n in st["inputs"]]
         for n in graph.graph.nodes:
             custom = n.meta.get("custom") or {}

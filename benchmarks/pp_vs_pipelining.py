@@ -34,15 +34,14 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import run_workers  # noqa: E402
+from _torchpp import LiveSaved, ce, torch_stage  # noqa: E402
 
 GPT2 = dict(vocab_size=1024, n_positions=256, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
@@ -61,72 +60,6 @@ def build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
-
-
-class Box:
-    __slots__ = ("t", "__weakref__")
-
-
-class LiveSaved:
-    """Running sum and peak of the bytes autograd holds for backward (see the module docstring)."""
-
-    def __init__(self, params) -> None:
-        self.params, self.live, self.peak = {p.data_ptr() for p in params}, 0, 0
-        unpack = lambda b: b.t if isinstance(b, Box) else b  # noqa: E731
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
-
-    def pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.data_ptr() in self.params:
-            return t
-        box, n = Box(), t.numel() * t.element_size()
-        box.t, self.live = t, self.live + n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(box, self.free, n)  # runs when autograd drops the saved tensor
-        return box
-
-    def free(self, n: int) -> None:
-        self.live -= n
-
-
-class Half(nn.Module):
-    """Rank's half of GPT2LMHeadModel for the manual PipelineStage API (same parameter names)."""
-
-    def __init__(self, model: nn.Module, first: bool) -> None:
-        super().__init__()
-        t, k, self.first = model.transformer, len(model.transformer.h) // 2, first
-        mods = dict(wte=t.wte, wpe=t.wpe, drop=t.drop) if first else dict(ln_f=t.ln_f)
-        h = nn.ModuleDict({str(i): t.h[i] for i in (range(k) if first else range(k, len(t.h)))})
-        self.transformer = nn.ModuleDict(dict(h=h, **mods))
-        self.lm_head = None if first else model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.transformer
-        if self.first:
-            x = t.drop(t.wte(x) + t.wpe(torch.arange(x.size(1))))
-        for block in t.h.values():
-            x = block(x)  # no mask given: HF's sdpa attention is then causal
-        return x if self.first else self.lm_head(t.ln_f(x))
-
-
-def torch_stage(model: nn.Module, rank: int, x: torch.Tensor, group, manual: bool):
-    from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
-
-    note = "--manual given; "
-    if not manual:
-        try:
-            pipe = pipeline(model, mb_args=(x[: BATCH // M],),
-                            split_spec={SPLIT: SplitPoint.BEGINNING})  # fmt: skip
-            stage = pipe.build_stage(rank, torch.device("cpu"), group=group)
-            return stage, f"pipeline() traced HF GPT-2; split by SplitPoint.BEGINNING at {SPLIT}"
-        except Exception as exc:  # noqa: BLE001 - any tracer failure: report it, use the fallback
-            note = f"pipeline() could NOT trace HF GPT-2 ({type(exc).__name__}: "
-            note += f"{str(exc).splitlines()[0][:100]}); "
-    stage = PipelineStage(Half(model, rank == 0), rank, P, torch.device("cpu"), group=group)
-    return stage, note + "manual PipelineStage API, Half modules split at block 2"
-
-
 def worker(out: str, manual: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -140,7 +73,7 @@ def worker(out: str, manual: bool) -> None:
     model, (x, y) = build()
     runner = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b",
                                   microbatches=M)  # fmt: skip
-    stage, how = torch_stage(build()[0], rank, x, mesh.get_group("pp"), manual)
+    stage, how = torch_stage(build()[0], rank, x[: BATCH // M], mesh.get_group("pp"), manual, SPLIT)
     sched = Schedule1F1B(stage, M, loss_fn=ce)
     tparams = dict(stage.submod.named_parameters())
 

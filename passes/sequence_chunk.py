@@ -38,7 +38,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils._sympy.value_ranges import ValueRanges
 
-from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, S
+from autopart.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S
+from autopart.errors import AutopartError
 from autopart.passes.canonicalize_attention import META_ATTENTION, SDPA, require_causal
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.plan import Plan
@@ -47,6 +48,7 @@ from autopart.shapes import propagate
 aten = torch.ops.aten
 P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas
 META_KV = "autopart.kv_outputs"  # number of K/V outputs appended to a stage's outputs
+META_KV_SHAPES = "autopart.kv_shapes"  # the first chunk's (empty) prefix shapes: "b" = batch
 
 
 def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -116,6 +118,9 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if refs is not None:
         gm.meta["autopart.inputs"] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
+    gm.meta[META_KV_SHAPES] = [
+        _empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair
+    ]
     if prefix_len is not None:
         rc = dict(gm.meta.get("autopart.range_constraints", {}))
         rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
@@ -143,6 +148,29 @@ def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
         return False
     expr = val.shape[0].node.expr
     return gm.meta.get("autopart.symbols", {}).get(expr) == S
+
+
+def _empty_prefix(ph: fx.Node, prefix_len: torch.SymInt, gm: fx.GraphModule) -> list[int | str]:
+    """The first chunk's prefix shape: 0 tokens, "b" where the batch goes, other sizes fixed
+    (head counts and widths; under tp they may be expressions of s that are constant for the
+    chunk lengths allowed, so they are evaluated at the example)."""
+    names = gm.meta.get("autopart.symbols", {})
+    out: list[int | str] = []
+    for d in ph.meta["val"].shape:
+        if not isinstance(d, torch.SymInt):
+            out.append(int(d))
+        elif d.node.expr == prefix_len.node.expr:
+            out.append(0)
+        elif names.get(d.node.expr) == B:
+            out.append("b")
+        elif d.node.expr.free_symbols & {k for k, v in names.items() if v == B}:
+            raise AutopartError(
+                f"{ph.name}: a K/V layout whose size {d} mixes the batch into another dim",
+                hint="Seq1F1B needs K/V as (batch, ..., sequence, head_dim); please report the model",
+            )
+        else:
+            out.append(int(d.node.shape_env.size_hint(d.node.expr)))
+    return out
 
 
 def _prefix_symint(mode) -> torch.SymInt:
@@ -196,4 +224,4 @@ def lower_right_mask(g: fx.Graph, q: fx.Node, k_full: fx.Node) -> fx.Node:
     )
 
 
-__all__ = ["META_KV", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]
+__all__ = ["META_KV", "META_KV_SHAPES", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]

@@ -164,6 +164,37 @@ def test_pipeline_float64_parity(case: str) -> None:
     assert report.ok, str(report)
 
 
+LONG = {m: f"{ROOT}/examples/{m}.py:make_long" for m in ("nanogpt", "hf_gpt2", "hf_llama")}
+MANUAL_LONG = f"{ROOT}/examples/nanogpt.py:make_long_manual"
+SEQ = {"schedule": "seq1f1b"}
+SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs/seq1f1b.md)
+    "nanogpt-pp2-k2-balanced": (LONG["nanogpt"], {**SEQ, "pp": 2, "seq_chunks": 2, "microbatches": 4}),
+    "nanogpt-manual-pp4-k4-uniform": (
+        MANUAL_LONG, {**SEQ, "pp": 4, "seq_chunks": 4, "seq_split": "uniform", "microbatches": 4}),
+    "gpt2-pp2-k4-balanced": (LONG["hf_gpt2"], {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 2}),
+    "gpt2-pp4-k2-uniform": (
+        LONG["hf_gpt2"], {**SEQ, "pp": 4, "seq_chunks": 2, "seq_split": "uniform", "microbatches": 4}),
+    "llama-pp2-k4-balanced": (LONG["hf_llama"], {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 4}),
+    "llama-tp2xpp2-sp-k2": (
+        LONG["hf_llama"], {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2,
+                           "sequence_parallel": True}),
+    "gpt2-tp2xpp2-sp-k2": (  # HF GPT-2 under SP: head counts are expressions of s in the graph
+        LONG["hf_gpt2"], {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2,
+                          "sequence_parallel": True}),
+    "gpt2-pp2-v2-k2-interleaved": (
+        LONG["hf_gpt2"], {"schedule": "seq1f1b-interleaved", "pp": 2, "virtual_stages": 2,
+                          "seq_chunks": 2, "microbatches": 4}),
+    "nanogpt-dp2xpp2-k2": (LONG["nanogpt"], {**SEQ, "dp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SEQ1F1B_CASES), ids=list(SEQ1F1B_CASES))
+def test_seq1f1b_float64_parity(case: str) -> None:
+    spec, kwargs = SEQ1F1B_CASES[case]
+    report = verify(spec, dtype="float64", timeout_s=120, **kwargs)
+    assert report.ok, str(report)
+
+
 def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
     import nanogpt
 

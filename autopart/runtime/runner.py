@@ -122,13 +122,11 @@ class Runner:
         # set to [] to record each step's (action, kind, start, end); keeps the last step
         self.timeline: list[tuple[str, str, float, float]] | None = None
         self._saved = SavedBytes()
-        # Seq1F1B: each stage's K/V prefix inputs (their fake values give the empty first prefix)
-        self._kv_vals = {
-            st.stage: [ph.meta["val"] for ph, ref in zip(_placeholders(st.graph), st.inputs, strict=True)
-                       if ref.kind == "kv"]
-            for st in program.stages
-        }  # fmt: skip
-        self._n_kv = {stage: len(v) for stage, v in self._kv_vals.items()}
+        # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
+        self._kv_shapes = {
+            st.stage: st.graph.meta.get("autopart.kv_shapes", []) for st in program.stages
+        }
+        self._n_kv = {stage: len(v) for stage, v in self._kv_shapes.items()}
         self._p2p = p2p.Channel(self.rank, timeout_s)
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
@@ -284,8 +282,9 @@ class Runner:
         if n_kv:  # K/V of this micro-batch's earlier chunks: leaves, whose gradients go back
             before = self._kv.pop((action.stage, action.mb), None)
             if before is None:
-                before = [torch.zeros(_prefix_shape(v, ids.shape[0]), dtype=self._dtype)
-                          for v in self._kv_vals[action.stage]]  # fmt: skip
+                b = mb[0].shape[0]
+                before = [torch.zeros([b if d == "b" else d for d in shape], dtype=self._dtype)
+                          for shape in self._kv_shapes[action.stage]]  # fmt: skip
             prefix = [t.detach().requires_grad_() for t in before]
             unit["prefix"] = prefix
         args = self._args(
@@ -493,19 +492,6 @@ class Runner:
 def _sender(recv: Action) -> tuple[int, int, int]:
     """(sending stage, micro-batch, chunk) of a receive: messages are tagged by the sender."""
     return (recv.stage - 1 if recv.kind == "RECV_F" else recv.stage + 1), recv.mb, recv.chunk
-
-
-def _placeholders(gm: Any) -> list[Any]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def _prefix_shape(val: torch.Tensor, batch: int) -> list[int]:
-    """The first chunk's (empty) K/V prefix: the placeholder's shape with the prefix length 0
-    (dim −2) and the micro-batch size for the other symbolic dim (the batch)."""
-    nd = val.dim()
-    return [
-        d if isinstance(d, int) else (0 if i == nd - 2 else batch) for i, d in enumerate(val.shape)
-    ]
 
 
 def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]) -> dict[str, Any]:

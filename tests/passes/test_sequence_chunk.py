@@ -18,7 +18,7 @@ from autopart.capture import META_INPUT, Captured, capture
 from autopart.emit import load_rank
 from autopart.errors import AutopartError
 from autopart.passes.canonicalize_attention import canonicalize_attention
-from autopart.passes.sequence_chunk import META_KV, lower_right_mask, sequence_chunk
+from autopart.passes.sequence_chunk import META_KV, META_KV_SHAPES, lower_right_mask, sequence_chunk
 from autopart.plan import Plan
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b", seq_chunks=3)
@@ -59,8 +59,8 @@ def run_chunks(captured: Captured, gm: fx.GraphModule, batch: tuple, lengths: li
             elif ref.kind == "offset":
                 args.append(torch.tensor(start if shift else 0))
             else:  # kv
-                shape = [d if isinstance(d, int) else 0 for d in ph.meta["val"].shape]
-                shape[0] = batch[0].shape[0]
+                shape = gm.meta[META_KV_SHAPES][int(ref.name)]
+                shape = [batch[0].shape[0] if d == "b" else d for d in shape]
                 t = torch.zeros(shape, dtype=torch.float64) if kv is None else kv[int(ref.name)]
                 prefix.append(t.detach().requires_grad_())
                 args.append(prefix[-1])
@@ -122,6 +122,8 @@ def test_stage_interface(chunked) -> None:
         n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[META_INPUT].kind == "kv"
     )
     assert isinstance(ph.meta["val"].shape[-2], torch.SymInt)  # the prefix length is symbolic
+    heads = 8 if "q_proj" in gm.code else 4
+    assert gm.meta[META_KV_SHAPES] == [["b", heads, 0, 8]] * 4
 
 
 @pytest.mark.parametrize(("lq", "lk"), [(1, 1), (3, 3), (3, 7), (8, 24), (5, 13)])

@@ -1,0 +1,186 @@
+"""Seq1F1B on CPU: activation memory and step time against 1F1B (autopart's and torch's), pp=2.
+
+Model: HF ``GPT2LMHeadModel`` from a small random config (4 blocks, width 256, 8 heads,
+vocabulary 1024, no dropout, tied ``wte``/``lm_head``, float32; no download); the same seeded
+weights and one batch of 8 × 1024 random tokens (a long sequence for the model's size), 8
+micro-batches of one sequence each. One step is forward + backward, no optimizer, on 2 gloo
+ranks (torchrun, launched here, OMP_NUM_THREADS=1). Three programs on the same model and batch:
+
+1. autopart ``schedule="1f1b"``;
+2. autopart ``schedule="seq1f1b", seq_chunks=4`` (balanced chunks, ``--split uniform`` for
+   equal ones);
+3. torch.distributed.pipelining ``Schedule1F1B`` (``pipeline()`` split at ``transformer.h.2``,
+   or the manual ``PipelineStage`` API if the tracer fails; see ``_torchpp.py``).
+
+Memory: peak bytes autograd holds for backward on each rank (``saved_tensors_hooks``,
+parameters excluded): autopart's ``runner.peak_saved_bytes``; torch's by ``LiveSaved`` in one
+extra untimed step. Goal: Seq1F1B ≤ 0.70 × 1F1B on stage 0; theory (p + k − 1)/(k·p) = 0.625
+for equal chunks (stage 0 holds p + k − 1 chunks at its peak instead of p micro-batches).
+Time: median of 5 steps after 2 warm-up, programs alternating, each after a barrier (per step
+the slower rank). Step-0 losses must agree to 1e-4 (relative) or the script exits 1.
+
+    python benchmarks/seq1f1b.py [--split uniform] [--seq 1024] [--microbatches 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import run_workers  # noqa: E402
+from _torchpp import LiveSaved, ce, torch_stage  # noqa: E402
+
+GPT2 = dict(vocab_size=1024, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+BATCH, P, K, WARMUP, ITERS, RTOL = 8, 2, 4, 2, 5, 1e-4
+SPLIT = "transformer.h.2"
+TIED = ("transformer.wte.weight", "lm_head.weight")
+
+
+def build(seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **GPT2))
+    tokens = torch.randint(0, GPT2["vocab_size"], (BATCH, seq + 1),
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def worker(out: str, split: str, seq: int, m: int, manual: bool) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    import autopart
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("pp",))
+    rank = dist.get_rank()
+    model, (x, y) = build(seq)
+    one = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b", microbatches=m)
+    seq1 = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="seq1f1b",
+                                microbatches=m, seq_chunks=K, seq_split=split)  # fmt: skip
+    stage, how = torch_stage(
+        build(seq)[0], rank, x[: BATCH // m], mesh.get_group("pp"), manual, SPLIT
+    )
+    sched = Schedule1F1B(stage, m, loss_fn=ce)
+    tparams = dict(stage.submod.named_parameters())
+
+    def torch_step() -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            sched.step(x, return_outputs=False)
+        else:
+            sched.step(target=y, losses=losses, return_outputs=False)
+        dist.all_reduce(tparams[TIED[rank]].grad)  # wte's and lm_head's shares of the tied grad
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.all_reduce(loss)
+        return loss
+
+    runs = {
+        "autopart 1F1B": (lambda: one.step(x, y), list(one.parameters())),
+        f"autopart Seq1F1B k={K}": (lambda: seq1.step(x, y), list(seq1.parameters())),
+        "torch Schedule1F1B": (torch_step, list(tparams.values())),
+    }
+    loss0, times = {}, {k: [] for k in runs}
+    for i in range(WARMUP + ITERS):
+        for name, (step, params) in runs.items():
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step()
+            elapsed = time.perf_counter() - start
+            if i == 0:
+                loss0[name] = loss.item()
+            if i >= WARMUP:
+                times[name].append(elapsed)
+    saved = LiveSaved(tparams.values())
+    with saved.hooks:
+        torch_step()
+    t = torch.tensor(list(times.values()), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    mine = {"rank": rank, "how": how, "loss0": loss0, "times": t.tolist(),
+            "saved": [one.peak_saved_bytes, seq1.peak_saved_bytes, saved.peak],
+            "chunks": [e - a for a, e in seq1._bounds],
+            "blocks": sorted({int(n.split(".")[2]) for n, _ in one.named_parameters() if ".h." in n})}  # fmt: skip
+    every = [None] * P
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        Path(out).write_text(json.dumps(every))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(a: argparse.Namespace) -> int:
+    ranks = run_workers(__file__, P, "--split", a.split, "--seq", str(a.seq), "--microbatches",
+                        str(a.microbatches), *(["--manual"] if a.manual else []))  # fmt: skip
+    if ranks is None:
+        return 2
+    names = list(ranks[0]["loss0"])
+    ms = [1e3 * statistics.median(t) for t in ranks[0]["times"]]
+    params = sum(p.numel() for p in build(a.seq)[0].parameters())
+    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
+          "(the cores may be shared with other processes: expect noise)")  # fmt: skip
+    print(f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} heads, "
+          f"V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x {a.seq} "
+          f"in {a.microbatches} micro-batches, pp={P}")  # fmt: skip
+    print(f"Seq1F1B chunks ({a.split}): {ranks[0]['chunks']} tokens")
+    print("autopart split: " + ", ".join(f"rank {r['rank']} blocks {r['blocks']}" for r in ranks))
+    print(f"torch.distributed.pipelining: {ranks[0]['how']}")
+    print("\npeak saved-activation bytes (MiB)")
+    print(f"  {'rank':<6}" + "".join(f"{n:>26}" for n in names) + f"{'Seq1F1B / 1F1B':>18}")
+    for r in ranks:
+        s = r["saved"]
+        print(
+            f"  {r['rank']:<6}"
+            + "".join(f"{v / 2**20:>26.2f}" for v in s)
+            + f"{s[1] / s[0]:>18.3f}"
+        )
+    s0 = ranks[0]["saved"]
+    ratio = s0[1] / s0[0]
+    theory = (P + K - 1) / (K * P)
+    print(f"stage 0: Seq1F1B / 1F1B = {ratio:.3f} (theory for equal chunks {theory:.3f}; goal <= 0.70: "
+          f"{'met' if ratio <= 0.70 else 'MISSED'}); Seq1F1B / torch Schedule1F1B = {s0[1] / s0[2]:.3f}")  # fmt: skip
+    print(
+        f"\nstep time: median of {ITERS} after {WARMUP} warm-up (forward + backward; the slower rank)"
+    )
+    tokens = BATCH * a.seq
+    for n, t in zip(names, ms, strict=True):
+        print(f"  {n:<26} {t:8.1f} ms/step  {tokens / t * 1e3:9.0f} tokens/s   step-0 loss "
+              f"{ranks[-1]['loss0'][n]:.6f}")  # fmt: skip
+    print(
+        f"throughput Seq1F1B / 1F1B: {ms[0] / ms[1]:.3f}x (autopart), {ms[2] / ms[1]:.3f}x against torch"
+    )
+    losses = ranks[-1]["loss0"]
+    ref = losses[names[0]]
+    if any(abs(v - ref) > RTOL * abs(ref) for v in losses.values()):
+        print(f"LOSS MISMATCH at step 0: {losses}", file=sys.stderr)
+        return 1
+    print(f"step-0 losses agree (relative tolerance {RTOL:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", metavar="RESULT_JSON", help="internal: run as a torchrun rank")
+    ap.add_argument("--split", choices=("balanced", "uniform"), default="balanced")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default 1024)")
+    ap.add_argument("--microbatches", type=int, default=8, help="micro-batches (default 8)")
+    ap.add_argument("--manual", action="store_true", help="torch: the manual PipelineStage API")
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.worker, a.split, a.seq, a.microbatches, a.manual)
+        sys.stdout.flush()
+        os._exit(0)  # skip interpreter teardown, where gloo threads can abort (see autopart/run.py)
+    sys.exit(main(a))
