@@ -12,11 +12,18 @@ global parameters (``Shard``), its gradient buckets and its process groups.
     dir/rank00003/stage0.py       the same graph as readable Python
     dir/rank00003/weights.pt      this rank's parameter shards and buffers (tensors only)
 
-``Program.load(dir)`` / ``load_rank(dir, r)`` read them back.
+``Program.load(dir)`` / ``load_rank(dir, r)`` read them back. Nothing is unpickled: graphs are
+torch.export archives, tensors are read with ``torch.load(weights_only=True)``, the rest is
+JSON. ``plan.json`` lists the SHA-256 of every other file; a file is checked against it before
+it is read, so a changed, truncated, missing or swapped-in file (another program's) is refused
+with an ``AutopartError`` naming it. Each JSON file's schema (keys and types) is checked too.
+The checksums catch damage and mix-ups, not a deliberate attacker who also rewrites
+``plan.json``: keep program folders where only you can write.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -177,9 +184,15 @@ class Program:
             "buffers": sorted(self.buffers),
             "passes": [h.name for h in self.history],
         }
-        (root / "plan.json").write_text(json.dumps(head, indent=1))
         for rp in self.ranks:
             _save_rank(rp, root / f"rank{rp.rank:05d}", self.params, self.buffers)
+        head["files"] = {
+            f"rank{rp.rank:05d}/{f.name}": _sha256(f)
+            for rp in self.ranks
+            for f in sorted((root / f"rank{rp.rank:05d}").iterdir())
+            if f.is_file()
+        }
+        (root / "plan.json").write_text(json.dumps(head, indent=1))
         return root
 
     @classmethod
@@ -210,17 +223,67 @@ class Program:
         )
 
 
+_HEAD_SCHEMA = {"format": int, "plan": dict, "world_size": int, "example_shape": list,
+                "vocab_size": int, "tied": dict, "params": dict, "buffers": list, "files": dict}  # fmt: skip
+_RANK_SCHEMA = {"rank": int, "coords": dict, "groups": dict, "stages": list, "actions": list,
+                "shards": dict, "buckets": list, "ties": dict, "n_stages": int}  # fmt: skip
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _json(path: Path, schema: dict[str, type]) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AutopartError(f"{path} is not a valid autopart JSON file ({exc})",
+                            hint="the file is damaged or not from Program.save(); re-save the program") from None  # fmt: skip
+    bad = [
+        k for k, t in schema.items() if not isinstance(doc, dict) or not isinstance(doc.get(k), t)
+    ]
+    if bad:
+        raise AutopartError(f"{path} does not have autopart's layout: {', '.join(bad)} missing or of the wrong type",
+                            hint="the file is damaged or from another tool or version; re-save the program")  # fmt: skip
+    return doc
+
+
 def read_head(root: Path) -> dict[str, Any]:
     f = Path(root) / "plan.json"
     if not f.exists():
         raise AutopartError(
             f"{root} holds no plan.json", hint="point at a folder written by Program.save()"
         )
-    head = json.loads(f.read_text())
-    if head.get("format") != FORMAT:
-        raise AutopartError(f"{f} has format {head.get('format')}, this autopart reads {FORMAT}",
+    fmt = _json(f, {})
+    if fmt.get("format") != FORMAT:
+        raise AutopartError(f"{f} has format {fmt.get('format')}, this autopart reads {FORMAT}",
                             hint="re-run parallelize(...).save() with this version")  # fmt: skip
-    return head
+    return _json(f, _HEAD_SCHEMA)
+
+
+def checked(root: str | Path, rel: str, head: dict[str, Any] | None = None) -> Path:
+    """``root/rel`` after checking it against the SHA-256 recorded in ``plan.json``."""
+    root = Path(root)
+    want = (head or read_head(root))["files"].get(rel)
+    path = root / rel
+    if want is None:
+        raise AutopartError(f"{path} is not listed in {root / 'plan.json'}",
+                            hint="the program folder is incomplete or mixed up; re-save the program")  # fmt: skip
+    if not path.is_file():
+        raise AutopartError(
+            f"{path} is missing", hint="re-save the program, or copy the whole folder"
+        )
+    if _sha256(path) != want:
+        raise AutopartError(
+            f"{path} does not match its checksum in plan.json: it was changed, truncated, or "
+            "comes from another program",
+            hint="re-save the program with Program.save(); never edit or mix program folders",
+        )
+    return path
 
 
 def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
@@ -294,10 +357,16 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
     if not (folder / "program.json").exists():
         raise AutopartError(f"{folder} is missing: the saved program has no rank {rank}",
                             hint="launch as many ranks as plan.json's world_size")  # fmt: skip
-    doc = json.loads((folder / "program.json").read_text())
+    head = read_head(Path(root))
+    doc = _json(checked(root, f"rank{rank:05d}/program.json", head), _RANK_SCHEMA)
     stages = []
     for st in doc["stages"]:
-        graph = torch.export.load(folder / st["file"]).graph_module
+        pt2 = checked(root, f"rank{rank:05d}/{st['file']}", head)
+        try:
+            graph = torch.export.load(pt2).graph_module
+        except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
+            raise AutopartError(f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
+                                hint="re-save the program with this autopart and torch version") from exc  # fmt: skip
         graph.meta["autopart.passes"] = st["passes"]
         graph.meta["autopart.kv_shapes"] = st.get("kv_shapes", [])
         inputs = [InputRef(k, n) for k, n in st["inputs"]]
@@ -326,5 +395,8 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
 
 def load_weights(root: str | Path, rank: int) -> dict[str, torch.Tensor]:
     """This rank's saved parameter shards and buffers (empty if the model was on meta)."""
-    f = Path(root) / f"rank{rank:05d}" / "weights.pt"
-    return torch.load(f, weights_only=True) if f.exists() else {}
+    rel = f"rank{rank:05d}/weights.pt"
+    head = read_head(Path(root))
+    if rel not in head["files"]:
+        return {}
+    return torch.load(checked(root, rel, head), weights_only=True)

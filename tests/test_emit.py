@@ -229,3 +229,78 @@ def test_meta_program_saves_without_weights(tmp_path: Path) -> None:
         f: t.shape for f, t in prog.params.items()
     }
     assert loaded.ranks[1].actions == [Action("F"), Action("B"), Action("DP_REDUCE")]
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory) -> tuple:
+    """Two saved programs of different models (a program and a 'foreign' one)."""
+    import hf_gpt2
+    import nanogpt
+
+    root = tmp_path_factory.mktemp("programs")
+    for name, make in (("a", nanogpt.make), ("b", hf_gpt2.make)):
+        model, batch = make()
+        parallelize(model, Mesh(pp=2), example_inputs=batch, microbatches=2).save(root / name)
+    return root / "a", root / "b"
+
+
+def _damaged(src, tmp_path, damage):
+    import shutil
+
+    dst = tmp_path / "damaged"
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+def _truncate(d):
+    f = d / "rank00001" / "stage1.pt2"
+    f.write_bytes(f.read_bytes()[:1000])
+
+
+def _edit_actions(d):
+    f = d / "rank00000" / "program.json"
+    f.write_text(f.read_text().replace('"F"', '"B"', 1))
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (_truncate, "stage1.pt2 does not match its checksum"),
+        (_edit_actions, "program.json does not match its checksum"),
+        ("foreign-weights", "weights.pt does not match its checksum"),
+        ("garbage-plan", "plan.json is not a valid autopart JSON file"),
+        ("foreign-plan", "does not have autopart's layout: files missing"),
+        ("missing-file", "stage0.pt2 is missing"),
+    ],
+    ids=["truncated-graph", "edited-actions", "foreign-weights", "garbage-plan", "old-plan",
+         "missing-file"],
+)  # fmt: skip
+def test_damaged_program_folders_are_refused(saved_pair, tmp_path, damage, needle) -> None:
+    import json
+    import shutil
+
+    from autopart.emit import load_rank, load_weights
+
+    good, foreign = saved_pair
+    if damage == "foreign-weights":
+        damage = lambda d: shutil.copy(foreign / "rank00000" / "weights.pt", d / "rank00000")  # noqa: E731
+    elif damage == "garbage-plan":
+        damage = lambda d: (d / "plan.json").write_bytes(b"\x00\x01not json")  # noqa: E731
+    elif damage == "foreign-plan":  # a plan.json without checksums (e.g. written by hand)
+
+        def damage(d):
+            head = json.loads((d / "plan.json").read_text())
+            del head["files"]
+            (d / "plan.json").write_text(json.dumps(head))
+
+    elif damage == "missing-file":
+        damage = lambda d: (d / "rank00000" / "stage0.pt2").unlink()  # noqa: E731
+    folder = _damaged(good, tmp_path, damage)
+    with pytest.raises(AutopartError) as err:
+        for r in (0, 1):
+            load_rank(folder, r)
+            load_weights(folder, r)
+    assert needle in err.value.message, err.value.message
+    assert err.value.hint
+    load_rank(good, 0), load_weights(good, 1)  # the undamaged original still loads
