@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
     )
+    v.add_argument("--nnodes", type=int, default=1,
+                   help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
+                   "machines would (default 1)")  # fmt: skip
 
     i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
     i.add_argument(
@@ -158,6 +161,7 @@ def _verify(a: argparse.Namespace) -> int:
             pp=a.pp,
             dtype=a.dtype,
             timeout_s=a.timeout,
+            nnodes=a.nnodes,
             **_plan_kwargs(a),
         )
     con.print(

@@ -127,6 +127,7 @@ def verify(
     dtype: str = "float64",
     timeout_s: float = 300.0,
     workdir: str | Path | None = None,
+    nnodes: int = 1,
 ) -> Report:
     """Run one step of the plan on real ranks and compare with one device (see module doc)."""
     import time
@@ -151,7 +152,7 @@ def verify(
         torch.save(batch, root / "batch.pt")
         output = launch(mesh.size, ["-m", "autopart.run", str(root / "program"), "--batch", str(root / "batch.pt"),
                         "--steps", "1", "--no-optim", "--dump", str(root / "dump"),
-                        "--timeout", str(timeout_s), "--json"], timeout_s=timeout_s)  # fmt: skip
+                        "--timeout", str(timeout_s), "--json"], timeout_s=timeout_s, nnodes=nnodes)  # fmt: skip
         dumps = [
             torch.load(root / "dump" / f"rank{r:05d}.pt", weights_only=True)
             for r in range(mesh.size)
@@ -172,28 +173,44 @@ def verify(
 
 
 def launch(
-    nproc: int, argv: list[str], *, timeout_s: float | None = 300.0, stream: bool = False
+    nproc: int,
+    argv: list[str],
+    *,
+    timeout_s: float | None = 300.0,
+    stream: bool = False,
+    nnodes: int = 1,
 ) -> str:
     """Run ``argv`` on ``nproc`` ranks with torchrun on this machine; returns rank output.
 
     ``timeout_s`` bounds each distributed wait; the whole launch gets 60 s more (None: no bound).
+    ``nnodes > 1`` starts that many torchrun agents (``nproc / nnodes`` ranks each) that meet by
+    c10d rendezvous on 127.0.0.1, as separate machines would.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *argv,
-    ]
+    if nproc % nnodes:
+        raise AutopartError(f"{nproc} ranks do not split over {nnodes} nodes",
+                            hint="use a node count that divides the world size")  # fmt: skip
+    if nnodes == 1:
+        where = [["--standalone", f"--nproc-per-node={nproc}"]]
+    else:
+        port = _free_port()
+        where = [[f"--nnodes={nnodes}", f"--nproc-per-node={nproc // nnodes}", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=autopart-{port}"]] * nnodes  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    limit = None if timeout_s is None else timeout_s + 60
+    out = None if stream else subprocess.PIPE
+    err = None if stream else subprocess.STDOUT
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *w, *argv], env=env,
+                              text=True, stdout=out, stderr=err) for w in where]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, env=env, timeout=None if timeout_s is None else timeout_s + 60, text=True,
-                              stdout=None if stream else subprocess.PIPE,
-                              stderr=None if stream else subprocess.STDOUT)  # fmt: skip
+        outputs = [p.communicate(timeout=limit)[0] or "" for p in procs]
     except subprocess.TimeoutExpired as exc:
+        for p in procs:
+            p.kill()
         raise AutopartError(f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
                             hint="a rank hangs; rerun with a smaller --timeout to see which") from exc  # fmt: skip
+    proc = subprocess.CompletedProcess(
+        "torchrun", max((p.returncode for p in procs), key=abs), "".join(outputs)
+    )
     if proc.returncode != 0:
         lines = (proc.stdout or "").strip().splitlines()
         said = list(
@@ -210,3 +227,11 @@ def launch(
             f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}{where}"
         )
     return proc.stdout or ""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

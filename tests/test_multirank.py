@@ -195,6 +195,13 @@ def test_seq1f1b_float64_parity(case: str) -> None:
     assert report.ok, str(report)
 
 
+def test_two_torchrun_agents_meet_by_c10d_rendezvous() -> None:
+    """Multi-node: two torchrun agents (2 ranks each) run one tp × pp Seq1F1B program together."""
+    kwargs = {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2}
+    report = verify(LONG["hf_gpt2"], dtype="float64", timeout_s=120, nnodes=2, **kwargs)
+    assert report.ok, str(report)
+
+
 def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
     import nanogpt
 
