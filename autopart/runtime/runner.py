@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,10 @@ from autopart.errors import AutopartError
 from autopart.plan import Plan
 from autopart.runtime import p2p
 from autopart.schedule.ir import Action
+
+COMPILE_CACHE = (
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autopart" / "inductor"
+)
 
 
 class SavedBytes:
@@ -98,7 +103,8 @@ class Runner:
     """Executes one rank's program; holds its parameter shards and gradient buckets."""
 
     def __init__(self, program: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
-                 groups: dict[str, Any], *, timeout_s: float = 300.0, seed: int = 0) -> None:  # fmt: skip
+                 groups: dict[str, Any], *, timeout_s: float = 300.0, seed: int = 0,
+                 compile: bool = False) -> None:  # fmt: skip
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
         self.rank = program.rank
         self.seed, self.steps = (
@@ -127,6 +133,16 @@ class Runner:
             st.stage: st.graph.meta.get("autopart.kv_shapes", []) for st in program.stages
         }
         self._n_kv = {stage: len(v) for stage, v in self._kv_shapes.items()}
+        # compile=True: each stage graph through torch.compile (Inductor; collectives stay graph
+        # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.
+        if compile:  # a persistent cache: a second run reuses the first one's kernels
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
+        self._run = {
+            st.stage: torch.compile(st.graph, dynamic=plan.seq_chunks > 1 or None)
+            if compile
+            else st.graph
+            for st in program.stages
+        }
         self._p2p = p2p.Channel(self.rank, timeout_s)
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
@@ -135,7 +151,7 @@ class Runner:
 
     @classmethod
     def from_program(
-        cls, program: Program, mesh: Any = None, *, timeout_s: float = 300.0
+        cls, program: Program, mesh: Any = None, *, timeout_s: float = 300.0, compile: bool = False
     ) -> Runner:
         """The local rank's runner of a compiled program (joins the distributed job)."""
         rank, world = init_distributed(timeout_s)
@@ -144,7 +160,7 @@ class Runner:
         groups = _groups_of(program.plan, rank, mesh, rp.ties)
         weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}
         weights.update(program.buffers)
-        return cls(rp, program.plan, weights, groups, timeout_s=timeout_s)
+        return cls(rp, program.plan, weights, groups, timeout_s=timeout_s, compile=compile)
 
     # -- what users call -------------------------------------------------------------------
 
@@ -274,7 +290,6 @@ class Runner:
     def _forward(self, action: Action, unit: dict[str, Any], mb: tuple, count: torch.Tensor,
                  losses: dict[tuple[int, int], torch.Tensor]) -> None:  # fmt: skip
         self._seed = self._seed_for(action.mb, action.chunk)
-        st = self._stage(action.stage)
         a, e = self._bounds[action.chunk]
         ids, labels = (t[:, a:e] for t in mb)
         n_kv = self._n_kv[action.stage]
@@ -290,7 +305,7 @@ class Runner:
         args = self._args(
             action.stage, ids, labels, acts=unit.get("acts", []), offset=a, prefix=prefix
         )
-        out = list(st.graph(*args))
+        out = list(self._run[action.stage](*args))
         if n_kv:
             out, kv = out[:-n_kv], out[-n_kv:]
             if action.chunk < self.plan.seq_chunks - 1:  # the last chunk's K/V has no reader
