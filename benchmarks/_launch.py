@@ -26,3 +26,14 @@ def run_workers(script: str, nproc: int, *extra: str) -> Any | None:
             print(f"torchrun failed (exit {proc.returncode})", file=sys.stderr)
             return None
         return json.loads(Path(out).read_text())
+
+
+ROWS: list[dict[str, Any]] = []  # what ``python -m benchmarks`` prints as one table
+
+
+def record(benchmark: str, metric: str, ours: float, peer: float, peer_name: str,
+           goal: str = "", met: bool | None = None, unit: str = "") -> None:  # fmt: skip
+    """Keep one comparison row: autopart's figure, the peer's, their ratio and the goal."""
+    ROWS.append({"benchmark": benchmark, "metric": metric, "autopart": ours, "peer": peer,
+                 "peer_name": peer_name, "ratio": ours / peer if peer else float("nan"),
+                 "goal": goal, "met": met, "unit": unit})  # fmt: skip

@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from nanogpt import GPT, GPTConfig  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import record  # noqa: E402
+
 from autopart import analyze, capture  # noqa: E402
 from autopart.cost import evaluate, total  # noqa: E402
 
@@ -49,6 +52,25 @@ def main() -> int:
     print(
         f"forward matmul FLOPs per sequence: autopart {flops:.6e}, closed form {closed:.6e}, "
         f"ratio {flops / closed:.6f} (target within 1 %: {'met' if abs(flops / closed - 1) <= 0.01 else 'MISSED'})"
+    )
+    record(
+        "capture_1t",
+        "1T capture + cost analysis",
+        seconds,
+        30.0,
+        "the 30 s budget",
+        "<= 1.0",
+        seconds <= 30,
+        "s",
+    )
+    record(
+        "capture_1t",
+        "forward matmul FLOPs",
+        flops,
+        closed,
+        "Megatron closed form",
+        "within 1 %",
+        abs(flops / closed - 1) <= 0.01,
     )
     return 0 if seconds <= 30 and abs(flops / closed - 1) <= 0.01 else 1
 

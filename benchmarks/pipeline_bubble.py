@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import run_workers  # noqa: E402
+from _launch import record, run_workers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
@@ -186,6 +186,17 @@ def main() -> int:
                   f"{1e3 * fb / m:>9.1f} {busy:>6.3f} {ideal(m):>6.3f} {diff:>+7.3f} "
                   f"{'yes' if abs(diff) <= TARGET else 'NO':>3} {rep[r]:>7.3f} {wait[r]:>12.1f}")  # fmt: skip
     print(f"acceptance (every rank and m within {TARGET} of ideal): {'met' if ok else 'MISSED'}")
+    for m in MS:
+        worst = min(statistics.median(rk["busy"]) for rk in results[str(m)]["ranks"])
+        record(
+            "pipeline_bubble",
+            f"1F1B busy fraction, m={m} (worst rank)",
+            worst,
+            ideal(m),
+            "ideal 1F1B 1-(p-1)/(m+p-1)",
+            f"within {TARGET}",
+            abs(worst - ideal(m)) <= TARGET,
+        )
     last = results[str(MS[-1])]["ranks"]
     path = Path(tempfile.mkdtemp(prefix="autopart-bubble-")) / f"trace_1f1b_m{MS[-1]}.json"
     path.write_text(json.dumps({"traceEvents": [e for rk in last for e in rk["trace"]],

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import run_workers  # noqa: E402
+from _launch import record, run_workers  # noqa: E402
 from _torchpp import LiveSaved, ce, torch_stage  # noqa: E402
 
 GPT2 = dict(vocab_size=1024, n_positions=256, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
@@ -145,6 +145,8 @@ def main(manual: bool) -> int:
     for name, t in zip(("autopart 1F1B", "torch Schedule1F1B"), ms, strict=True):
         print(f"  {name:<20} {t:8.1f} ms/step   step-0 loss {loss[name.split()[0]]:.6f}")
     ratio = ms[0] / ms[1]
+    record("pp_vs_pipelining", "pp=2 1F1B step time", ms[0], ms[1], "torch.distributed.pipelining "
+           "Schedule1F1B", "<= 1.0", ratio <= 1.0, "ms")  # fmt: skip
     print(f"autopart / torch: {ratio:.3f}  (goal <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})")
     print("peak saved-activation bytes (saved_tensors_hooks, parameters excluded); step-0 grads:")
     for r in ranks:

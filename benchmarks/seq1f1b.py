@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import run_workers  # noqa: E402
+from _launch import record, run_workers  # noqa: E402
 from _torchpp import LiveSaved, ce, torch_stage  # noqa: E402
 
 GPT2 = dict(vocab_size=1024, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -152,6 +152,16 @@ def main(a: argparse.Namespace) -> int:
     theory = (P + K - 1) / (K * P)
     print(f"stage 0: Seq1F1B / 1F1B = {ratio:.3f} (theory for equal chunks {theory:.3f}; goal <= 0.70: "
           f"{'met' if ratio <= 0.70 else 'MISSED'}); Seq1F1B / torch Schedule1F1B = {s0[1] / s0[2]:.3f}")  # fmt: skip
+    record("seq1f1b", "stage-0 peak saved bytes", s0[1] / 2**20, s0[0] / 2**20, "autopart 1F1B",
+           "<= 0.70", ratio <= 0.70, "MiB")  # fmt: skip
+    record(
+        "seq1f1b",
+        "stage-0 peak saved bytes",
+        s0[1] / 2**20,
+        s0[2] / 2**20,
+        "torch.distributed.pipelining Schedule1F1B",
+        unit="MiB",
+    )
     print(
         f"\nstep time: median of {ITERS} after {WARMUP} warm-up (forward + backward; the slower rank)"
     )
@@ -159,6 +169,16 @@ def main(a: argparse.Namespace) -> int:
     for n, t in zip(names, ms, strict=True):
         print(f"  {n:<26} {t:8.1f} ms/step  {tokens / t * 1e3:9.0f} tokens/s   step-0 loss "
               f"{ranks[-1]['loss0'][n]:.6f}")  # fmt: skip
+    record("seq1f1b", f"step time at {a.seq} tokens", ms[1], ms[0], "autopart 1F1B", "< 1.0",
+           ms[1] < ms[0], "ms")  # fmt: skip
+    record(
+        "seq1f1b",
+        f"step time at {a.seq} tokens",
+        ms[1],
+        ms[2],
+        "torch.distributed.pipelining Schedule1F1B",
+        unit="ms",
+    )
     print(
         f"throughput Seq1F1B / 1F1B: {ms[0] / ms[1]:.3f}x (autopart), {ms[2] / ms[1]:.3f}x against torch"
     )

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import run_workers  # noqa: E402
+from _launch import record, run_workers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
@@ -172,6 +172,8 @@ def main() -> int:
     ratio = ms["autopart"] / ms["dtensor"]
     goal = "met" if ratio <= 0.8 else "MISSED"
     print(f"autopart / DTensor:        {ratio:.3f}  (goal <= 0.8: {goal})")
+    record("tp_vs_dtensor", "tp=2 step time", ms["autopart"], ms["dtensor"], "DTensor tp=2 (hand plan)",
+           "<= 0.8", ratio <= 0.8, "ms")  # fmt: skip
     print(f"autopart / single process: {ms['autopart'] / ms['single']:.3f}")
     print("model edits: autopart none; DTensor needed c_attn rows reordered per rank, "
           "attn.n_head //= 2, attn.n_embd //= 2 and a forward using the local width")  # fmt: skip
