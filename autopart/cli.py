@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
     )
+    v.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the ranks' stage graphs through torch.compile (use --dtype float32)",
+    )
     v.add_argument("--nnodes", type=int, default=1,
                    help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
                    "machines would (default 1)")  # fmt: skip
@@ -162,6 +167,7 @@ def _verify(a: argparse.Namespace) -> int:
             dtype=a.dtype,
             timeout_s=a.timeout,
             nnodes=a.nnodes,
+            compile=a.compile,
             **_plan_kwargs(a),
         )
     con.print(

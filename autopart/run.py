@@ -51,6 +51,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="seed of the synthetic data and of dropout masks (default 0)",
     )
     p.add_argument("--no-optim", action="store_true", help="compute gradients only, never step")
+    p.add_argument("--zero", action="store_true",
+                   help="ZeRO-1: shard the AdamW state over the data-parallel ranks "
+                   "(torch's ZeroRedundancyOptimizer)")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="run each stage graph through torch.compile (Inductor); kernels are cached "
+                   "under ~/.cache/autopart/inductor, so a second run does not recompile")  # fmt: skip
+    p.add_argument("--dump-params", type=Path, default=None,
+                   help="write each rank's parameter shards here after the last step")  # fmt: skip
     p.add_argument(
         "--dump",
         type=Path,
@@ -120,14 +128,18 @@ def run(args: argparse.Namespace) -> int:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank)
         runner = Runner(program, plan, load_weights(args.dir, rank), make_groups(plan, rank, program.ties),
-                        timeout_s=args.timeout, seed=args.seed)  # fmt: skip
+                        timeout_s=args.timeout, seed=args.seed, compile=args.compile)  # fmt: skip
         batches = Batches(args, head)
-        optim = None if args.no_optim else torch.optim.AdamW(runner.parameters(), lr=args.lr)
+        optim = None if args.no_optim else make_optimizer(runner, args.lr, args.zero)
         if args.trace is not None:
             runner.timeline = []
         _train(runner, optim, batches, args, rank)
         if args.trace is not None:
             _write_trace(runner, args.trace, rank)
+        if args.dump_params is not None:
+            args.dump_params.mkdir(parents=True, exist_ok=True)
+            torch.save({f: p.detach().clone() for f, p in runner.named_parameters()},
+                       args.dump_params / f"rank{rank:05d}.pt")  # fmt: skip
     except BaseException:
         raise  # torchrun ends the other ranks; tearing groups down here could hang
     else:
@@ -136,6 +148,18 @@ def run(args: argparse.Namespace) -> int:
         dist.barrier()  # every rank done with every collective before the groups go away
         dist.destroy_process_group()
     return 0
+
+
+def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimizer:
+    """AdamW over this rank's shards; with ``zero``, its state sharded over the dp group (ZeRO-1:
+    each dp rank keeps and updates 1/dp of the parameters, then broadcasts them)."""
+    dp = runner.groups.get("dp")
+    if not zero or dp is None:
+        return torch.optim.AdamW(runner.parameters(), lr=lr)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(list(runner.parameters()), optimizer_class=torch.optim.AdamW,
+                                   process_group=dp, lr=lr)  # fmt: skip
 
 
 def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int) -> None:

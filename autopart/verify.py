@@ -128,6 +128,7 @@ def verify(
     timeout_s: float = 300.0,
     workdir: str | Path | None = None,
     nnodes: int = 1,
+    compile: bool = False,
 ) -> Report:
     """Run one step of the plan on real ranks and compare with one device (see module doc)."""
     import time
@@ -152,7 +153,8 @@ def verify(
         torch.save(batch, root / "batch.pt")
         output = launch(mesh.size, ["-m", "autopart.run", str(root / "program"), "--batch", str(root / "batch.pt"),
                         "--steps", "1", "--no-optim", "--dump", str(root / "dump"),
-                        "--timeout", str(timeout_s), "--json"], timeout_s=timeout_s, nnodes=nnodes)  # fmt: skip
+                        "--timeout", str(timeout_s), "--json", *(["--compile"] if compile else [])],
+                        timeout_s=timeout_s, nnodes=nnodes)  # fmt: skip
         dumps = [
             torch.load(root / "dump" / f"rank{r:05d}.pt", weights_only=True)
             for r in range(mesh.size)

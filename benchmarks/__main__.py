@@ -25,6 +25,7 @@ BENCHMARKS = {
     "tp_vs_dtensor": lambda mod: mod.main(),
     "pipeline_bubble": lambda mod: mod.main(),
     "pp_vs_pipelining": lambda mod: mod.main(False),
+    "compile_cache": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(argparse.Namespace(split="balanced", seq=1024, microbatches=8,
                                                        manual=False)),
 }  # fmt: skip
