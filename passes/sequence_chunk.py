@@ -169,7 +169,7 @@ def _empty_prefix(ph: fx.Node, prefix_len: torch.SymInt, gm: fx.GraphModule) -> 
                 hint="Seq1F1B needs K/V as (batch, ..., sequence, head_dim); please report the model",
             )
         else:
-            out.append(int(d.node.shape_env.size_hint(d.node.expr)))
+            out.append(int(d.node.shape_env.guarding_hint_or_throw(d.node.expr)))
     return out
 
 
