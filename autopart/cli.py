@@ -74,14 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     d.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
-    d.add_argument(
-        "--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)"
-    )
+    d.add_argument("--schedule", default="seq1f1b",
+                   help=f"one of {', '.join(SCHEDULES)} (default seq1f1b)")  # fmt: skip
+    d.add_argument("--seq-chunks", type=int, default=2,
+                   help="Seq1F1B sequence chunks per micro-batch (default 2)")  # fmt: skip
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
     d.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="keep activations between tp regions whole (default: split along the sequence)")  # fmt: skip
     d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
-    d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    d.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
 
     v = sub.add_parser("verify", help="check loss and every gradient against one device")

@@ -1,8 +1,10 @@
 """``autopart demo``: the whole flow on this machine, with no arguments.
 
-Builds a small nanoGPT-style model, compiles it for a tensor × pipeline (× data) parallel mesh, saves the per-rank
-programs, trains them with torchrun on this CPU for a few steps (loss per step), then checks
-parity against one device and says where everything was written.
+Builds a small nanoGPT-style model over bytes (vocabulary 256), compiles it for tp=2 × pp=2 with
+Seq1F1B sequence chunks and sequence parallelism (flags change the layout), saves the per-rank
+programs, trains them with torchrun on this CPU on a real text shipped with autopart
+(``autopart/data/corpus.txt``: its own documentation's prose, public domain), then checks parity
+against one device and says where everything was written.
 """
 
 from __future__ import annotations
@@ -21,17 +23,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SPEC = str(EXAMPLES / "nanogpt.py") + ":make"
 
 
-def corpus(vocab: int, n: int = 200_000, seed: int = 0) -> torch.Tensor:
-    """Synthetic text with structure a GPT can learn: noisy repetitions of a few phrases."""
-    g = torch.Generator().manual_seed(seed)
-    phrases = [torch.randint(0, vocab, (int(torch.randint(5, 12, (1,), generator=g)),), generator=g)
-               for _ in range(8)]  # fmt: skip
-    out, size = [], 0
-    while size < n:
-        p = phrases[int(torch.randint(0, len(phrases), (1,), generator=g))]
-        out.append(p)
-        size += p.numel()
-    return torch.cat(out)[:n]
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+SEQ = 64  # tokens (bytes) per sequence
+
+
+def corpus() -> torch.Tensor:
+    """The shipped text as byte ids (a 1-D int64 tensor)."""
+    if not CORPUS.exists():
+        raise AutopartError(f"the demo corpus {CORPUS} is missing",
+                            hint="reinstall autopart (pip install -e .) from a complete checkout")  # fmt: skip
+    return torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
         raise AutopartError(f"the demo model {EXAMPLES / 'nanogpt.py'} is missing",
                             hint="run the demo from a checkout installed with pip install -e .")  # fmt: skip
     nanogpt = load_factory(SPEC).__globals__
-    GPT, GPTConfig, batch = nanogpt["GPT"], nanogpt["GPTConfig"], nanogpt["batch"]
+    GPT, GPTConfig = nanogpt["GPT"], nanogpt["GPTConfig"]
 
     con = Console()
     out = Path(args.out)
@@ -52,12 +53,16 @@ def main(args: argparse.Namespace) -> int:
     args.sequence_parallel = args.sequence_parallel and args.tp > 1
     con.print(Panel.fit(
         f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
-        f" × {args.microbatches} micro-batches → {mesh.size} ranks under torchrun (gloo, CPU)", style="bold"))  # fmt: skip
-    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, block_size=64)
+        f" × {args.microbatches} micro-batches, {args.schedule}"
+        f"{f' with {args.seq_chunks} sequence chunks' if args.schedule.startswith('seq1f1b') else ''}"
+        f" → {mesh.size} ranks under torchrun (gloo, CPU), trained on {CORPUS.name} as bytes", style="bold"))  # fmt: skip
+    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2 * SEQ)
+    text = corpus()
 
-    def factory():  # the demo model, the same weights every call
+    def factory():  # the demo model, the same weights every call, and a batch of the text
         torch.manual_seed(0)
-        return GPT(cfg), batch(cfg, batch_size=8, seq_len=32)
+        rows = torch.stack([text[i : i + SEQ + 1] for i in range(0, 8 * 997, 997)])
+        return GPT(cfg), (rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
 
     model, example = factory()
     start = time.perf_counter()
@@ -71,14 +76,15 @@ def main(args: argparse.Namespace) -> int:
             mesh,
             schedule=args.schedule,
             microbatches=args.microbatches,
-            virtual_stages=2 if args.schedule == "interleaved-1f1b" else 1,
+            virtual_stages=2 if "interleaved" in args.schedule else 1,
+            seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
             sequence_parallel=args.sequence_parallel,
         )
     con.print(f"compiled in {time.perf_counter() - start:.1f} s")
     program.summary(con)
     saved = program.save(out / "program")
     tokens = out / "tokens.pt"
-    torch.save(corpus(cfg.vocab_size), tokens)
+    torch.save(text, tokens)
     con.print(f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
               f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})")  # fmt: skip
     launch(mesh.size, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
@@ -90,7 +96,8 @@ def main(args: argparse.Namespace) -> int:
         tp=args.tp,
         pp=args.pp,
         schedule=args.schedule,
-        virtual_stages=2 if args.schedule == "interleaved-1f1b" else 1,
+        virtual_stages=2 if "interleaved" in args.schedule else 1,
+        seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
     )
@@ -100,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         f"  program/plan.json         the plan\n"
         f"  program/rank00000/        rank 0: stageK.py (readable graphs), stageK.pt2, program.json, weights.pt\n"
         f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
-        f"  tokens.pt                 the synthetic corpus\n"
+        f"  tokens.pt                 the training text as byte ids ({CORPUS.name}, {text.numel():,} bytes)\n"
         f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
         title="done"))  # fmt: skip
     if not report.ok:

@@ -169,6 +169,7 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int)
     with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), disable=not show) as bar:  # fmt: skip
         task = bar.add_task("train", total=args.steps, loss="")
+        seen: list[float] = []
         for step in range(args.steps):
             start = time.perf_counter()
             loss = runner.step(*batches(step))
@@ -188,6 +189,11 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int)
                     f"step {step:>4}  loss {float(loss):.6f}  ({seconds * 1e3:.0f} ms)"
                 )
             bar.update(task, advance=1, loss=f"loss {float(loss):.4f}")
+            seen.append(float(loss))
+    if show and len(seen) >= 10:  # a mean over 5 steps: one batch's loss is noisy
+        first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
+        print(f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
+              f"({'falling' if last < first else 'NOT falling'})", flush=True)  # fmt: skip
 
 
 def _write_trace(runner, path: Path, rank: int) -> None:
