@@ -80,3 +80,30 @@ def torch_stage(model: nn.Module, rank: int, x_mb: torch.Tensor, group, manual: 
             note += f"{str(exc).splitlines()[0][:100]}); "
     stage = PipelineStage(Half(model, rank == 0), rank, stages, torch.device("cpu"), group=group)
     return stage, note + "manual PipelineStage API, Half modules split in the middle"
+
+
+TIED = ("transformer.wte.weight", "lm_head.weight")  # the tied weight in stage 0 / stage 1
+
+
+def torch_1f1b(stage, m: int, rank: int, x: torch.Tensor, y: torch.Tensor):
+    """``Schedule1F1B`` over ``stage`` as a step function returning the global mean loss (the
+    tied ``wte``/``lm_head`` gradient and the loss all-reduced, as autopart's runtime does),
+    and the stage's parameters by name."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B
+
+    sched = Schedule1F1B(stage, m, loss_fn=ce)
+    params = dict(stage.submod.named_parameters())
+
+    def step() -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            sched.step(x, return_outputs=False)
+        else:
+            sched.step(target=y, losses=losses, return_outputs=False)
+        dist.all_reduce(params[TIED[rank]].grad)  # wte's and lm_head's shares of the tied grad
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.all_reduce(loss)
+        return loss
+
+    return step, params

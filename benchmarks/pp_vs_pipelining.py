@@ -41,13 +41,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record, run_workers  # noqa: E402
-from _torchpp import LiveSaved, ce, torch_stage  # noqa: E402
+from _torchpp import TIED, LiveSaved, torch_1f1b, torch_stage  # noqa: E402
 
 GPT2 = dict(vocab_size=1024, n_positions=256, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
 BATCH, SEQ, M, P, WARMUP, ITERS, RTOL = 8, 128, 4, 2, 3, 10, 1e-4
 SPLIT = "transformer.h.2"
-TIED = ("transformer.wte.weight", "lm_head.weight")  # the tied weight in torch's stage 0 / 1
 
 
 def build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -63,7 +62,6 @@ def build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 def worker(out: str, manual: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import Schedule1F1B
 
     import autopart
 
@@ -74,19 +72,7 @@ def worker(out: str, manual: bool) -> None:
     runner = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b",
                                   microbatches=M)  # fmt: skip
     stage, how = torch_stage(build()[0], rank, x[: BATCH // M], mesh.get_group("pp"), manual, SPLIT)
-    sched = Schedule1F1B(stage, M, loss_fn=ce)
-    tparams = dict(stage.submod.named_parameters())
-
-    def torch_step() -> torch.Tensor:
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(x, return_outputs=False)
-        else:
-            sched.step(target=y, losses=losses, return_outputs=False)
-        dist.all_reduce(tparams[TIED[rank]].grad)  # wte's and lm_head's shares of the tied grad
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        dist.all_reduce(loss)
-        return loss
+    torch_step, tparams = torch_1f1b(stage, M, rank, x, y)
 
     runs = {"autopart": (lambda: runner.step(x, y), dict(runner.named_parameters())),
             "torch": (torch_step, tparams)}  # fmt: skip
