@@ -15,6 +15,7 @@ EPILOG = """examples:
   autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
   torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
   autopart run out/ --steps 10                    (launches torchrun itself when not under it)
+  autopart timeline trace.json -o timeline.png    draw a --trace file: one row per rank
 
 a model SPEC is path/to/file.py:make or package.module:make, where make() returns
 (model, (input_ids, labels)) with int64 (batch, seq) token tensors.
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run saved ranks (under torchrun, or launching it)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     run_parser(r)
+
+    t = sub.add_parser("timeline", help="draw a trace (autopart run --trace) as a timeline PNG")
+    t.add_argument("trace", metavar="TRACE", help="Chrome/Perfetto trace JSON")
+    t.add_argument("-o", "--out", default=None, metavar="PNG",
+                   help="picture to write (default: TRACE with .png)")  # fmt: skip
+    t.add_argument("--title", default="", help="title above the picture (default: the file name)")
     return p
 
 
@@ -137,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run}[args.command](
-            args
-        )
+        commands = {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run,
+                    "timeline": _timeline}  # fmt: skip
+        return commands[args.command](args)
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -246,6 +253,19 @@ def _run(a: argparse.Namespace) -> int:
         f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} -m autopart.run {' '.join(rest)}"
     )
     launch(world, ["-m", "autopart.run", *rest], stream=True, timeout_s=None)
+    return 0
+
+
+def _timeline(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autopart.timeline import busy_fractions, load_trace, plot_timeline
+
+    events = load_trace(a.trace)
+    out = plot_timeline(events, a.out or Path(a.trace).with_suffix(".png"), a.title or a.trace)
+    for rank, frac in busy_fractions(events).items():
+        print(f"rank {rank}: {frac:.1%} busy")
+    print(f"wrote {out}")
     return 0
 
 

@@ -87,8 +87,10 @@ def main(args: argparse.Namespace) -> int:
     torch.save(text, tokens)
     con.print(f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
               f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})")  # fmt: skip
+    trace, picture = out / "trace.json", out / "timeline.png"
     launch(mesh.size, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
-                     "--lr", "3e-3", "--trace", str(out / "trace.json")], stream=True)  # fmt: skip
+                     "--lr", "3e-3", "--trace", str(trace), "--timeline", str(picture)], stream=True)  # fmt: skip
+    con.print(f"last step: trace {trace} (https://ui.perfetto.dev), timeline picture {picture}")
     con.print("\n[bold]parity check[/] (float64, one step, every gradient vs one device)")
     report = verify(
         factory,
@@ -107,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
         f"  program/plan.json         the plan\n"
         f"  program/rank00000/        rank 0: stageK.py (readable graphs), stageK.pt2, program.json, weights.pt\n"
         f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
+        f"  timeline.png              the same as a picture: one row per rank, blocks by micro-batch\n"
         f"  tokens.pt                 the training text as byte ids ({CORPUS.name}, {text.numel():,} bytes)\n"
         f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
         title="done"))  # fmt: skip

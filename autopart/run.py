@@ -72,6 +72,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--trace", type=Path, default=None,
                    help="write the last step's per-rank action timeline here (Chrome/Perfetto JSON) "
                    "and print each rank's busy fraction and peak saved-activation bytes")  # fmt: skip
+    p.add_argument("--timeline", type=Path, default=None, metavar="PNG",
+                   help="draw the last step's per-rank timeline to this PNG (see docs/timeline.md)")  # fmt: skip
     return p
 
 
@@ -131,11 +133,11 @@ def run(args: argparse.Namespace) -> int:
                         timeout_s=args.timeout, seed=args.seed, compile=args.compile)  # fmt: skip
         batches = Batches(args, head)
         optim = None if args.no_optim else make_optimizer(runner, args.lr, args.zero)
-        if args.trace is not None:
+        if args.trace is not None or args.timeline is not None:
             runner.timeline = []
         _train(runner, optim, batches, args, rank)
-        if args.trace is not None:
-            _write_trace(runner, args.trace, rank)
+        if args.trace is not None or args.timeline is not None:
+            _write_trace(runner, args.trace, rank, args.timeline, _title(plan, args.dir))
         if args.dump_params is not None:
             args.dump_params.mkdir(parents=True, exist_ok=True)
             torch.save({f: p.detach().clone() for f, p in runner.named_parameters()},
@@ -196,7 +198,15 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int)
               f"({'falling' if last < first else 'NOT falling'})", flush=True)  # fmt: skip
 
 
-def _write_trace(runner, path: Path, rank: int) -> None:
+def _title(plan: Plan, folder: Path) -> str:
+    chunks = f", {plan.seq_chunks} sequence chunks" if plan.seq_chunks > 1 else ""
+    virtual = f", {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else ""
+    return (f"{folder.name}: {plan.schedule}, {plan.mesh}, {plan.microbatches} micro-batches"
+            f"{chunks}{virtual} (last step, measured)")  # fmt: skip
+
+
+def _write_trace(runner, path: Path | None, rank: int, png: Path | None = None,
+                 title: str = "") -> None:  # fmt: skip
     import torch.distributed as dist
 
     mine = {"rank": rank, "events": runner.chrome_trace(), "busy_fraction": runner.busy_fraction(),
@@ -204,13 +214,19 @@ def _write_trace(runner, path: Path, rank: int) -> None:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
         events = [e for r in every for e in r["events"]]
-        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         for r in every:
             print(json.dumps({"rank": r["rank"], "busy_fraction": round(r["busy_fraction"], 4),
                               "peak_saved_bytes": r["peak_saved_bytes"]}), flush=True)  # fmt: skip
-        print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)", flush=True)
+        if path is not None:
+            print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)", flush=True)
+        if png is not None:
+            from autopart.timeline import plot_timeline
+
+            print(f"timeline of the last step: {plot_timeline(events, png, title)}", flush=True)
 
 
 def _dump(runner, loss: torch.Tensor, folder: Path) -> None:

@@ -24,3 +24,5 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
     assert any(",c1)" in e["name"] for e in events)  # chunk 1 of some micro-batch ran
+    png = (out / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
