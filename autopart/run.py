@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from autopart.emit import load_rank, load_weights, read_head
 from autopart.errors import AutopartError
@@ -74,6 +76,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "and print each rank's busy fraction and peak saved-activation bytes")  # fmt: skip
     p.add_argument("--timeline", type=Path, default=None, metavar="PNG",
                    help="draw the last step's per-rank timeline to this PNG (see docs/timeline.md)")  # fmt: skip
+    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
+                   help="resume from the latest checkpoint in DIR if there is one, and save one "
+                   "there after the last step (see docs/checkpoint.md)")  # fmt: skip
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also save a checkpoint after every N steps (needs --checkpoint-dir)")  # fmt: skip
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K",
+                   help="keep only the K latest checkpoints in --checkpoint-dir (default 0: all)")  # fmt: skip
+    p.add_argument("--export", type=Path, default=None, metavar="FILE",
+                   help="after training, rank 0 writes the single-device state dict of the final "
+                   "checkpoint to FILE (torch.save; needs --checkpoint-dir)")  # fmt: skip
     return p
 
 
@@ -121,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopart.runtime.runner import Runner, init_distributed, make_groups
+    from autopart.runtime.runner import Runner, make_groups
 
+    _check_checkpoint_args(args)
     head = read_head(args.dir)
     plan = Plan.from_json(head["plan"])
-    rank, world = init_distributed(args.timeout)
+    rank, world = _join(args.timeout)
+    # torch seeds its generator at random in each process; autopart's dropout takes explicit
+    # seeds, but attention dropout inside SDPA draws from this generator
+    torch.manual_seed((args.seed * 1_000_003 + rank) % 2**63)
     try:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank)
@@ -135,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
         optim = None if args.no_optim else make_optimizer(runner, args.lr, args.zero)
         if args.trace is not None or args.timeline is not None:
             runner.timeline = []
-        _train(runner, optim, batches, args, rank)
+        start = _resume(runner, optim, args, rank)
+        _train(runner, optim, batches, args, rank, start, head["tied"])
+        if args.checkpoint_dir is not None:
+            _finish_checkpoints(runner, optim, args, rank, head["tied"])
         if args.trace is not None or args.timeline is not None:
             _write_trace(runner, args.trace, rank, args.timeline, _title(plan, args.dir))
         if args.dump_params is not None:
@@ -145,11 +164,30 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         raise  # torchrun ends the other ranks; tearing groups down here could hang
     else:
-        import torch.distributed as dist
-
         dist.barrier()  # every rank done with every collective before the groups go away
         dist.destroy_process_group()
     return 0
+
+
+def _join(timeout_s: float) -> tuple[int, int]:
+    """``init_distributed``, but a job torchrun restarted (``--max-restarts``) keeps its keys
+    apart from the failed attempt's: torchrun's workers share the agent's store across attempts,
+    where gloo could find a dead rank's address (pytorch/pytorch#135712)."""
+    from autopart.runtime.runner import init_distributed
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if attempt != "0" and shared and not dist.is_initialized():
+        from datetime import timedelta
+
+        env = os.environ
+        world = int(env["WORLD_SIZE"])
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
+                                rank=int(env["RANK"]), world_size=world,
+                                timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    return init_distributed(timeout_s)
 
 
 def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimizer:
@@ -164,15 +202,98 @@ def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimiz
                                    process_group=dp, lr=lr)  # fmt: skip
 
 
-def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int) -> None:
+def _check_checkpoint_args(args: argparse.Namespace) -> None:
+    for flag, value in (("--checkpoint-every", args.checkpoint_every),
+                        ("--keep-checkpoints", args.keep_checkpoints)):  # fmt: skip
+        if value < 0:
+            raise AutopartError(f"{flag} {value} must be 0 or more")
+    if args.checkpoint_dir is None:
+        used = [f for f, on in (("--checkpoint-every", args.checkpoint_every),
+                                ("--keep-checkpoints", args.keep_checkpoints),
+                                ("--export", args.export is not None)) if on]  # fmt: skip
+        if used:
+            raise AutopartError(f"{used[0]} needs --checkpoint-dir",
+                                hint="add --checkpoint-dir DIR (a folder all ranks can write)")  # fmt: skip
+    elif args.zero:
+        raise AutopartError("--checkpoint-dir with --zero is not supported yet: the ZeRO-1 "
+                            "optimizer state is sharded in a way checkpoints do not record",
+                            hint="drop --zero to checkpoint the AdamW state")  # fmt: skip
+
+
+def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
+    """Load the latest checkpoint in --checkpoint-dir (rank 0 picks it); returns its step."""
+    if args.checkpoint_dir is None:
+        return 0
+    from autopart import checkpoint
+
+    found = checkpoint.latest(args.checkpoint_dir, runner)  # rank 0's pick, on every rank
+    if found is None:
+        return 0
+    info = checkpoint.load(found, runner, optim)
+    if info["seed"] != args.seed:
+        raise AutopartError(f"{found} was trained with --seed {info['seed']}, not {args.seed}: "
+                            "the data order and dropout masks would change",
+                            hint=f"pass --seed {info['seed']}, or use a fresh --checkpoint-dir")  # fmt: skip
+    if rank == 0:
+        how = "" if info["same_layout"] else f" (saved on mesh {info['mesh']}, resharded)"
+        print(f"resumed from step {info['step']}: {found}{how}", flush=True)
+    return info["step"]
+
+
+def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: dict) -> None:
+    from autopart import checkpoint
+
+    path = checkpoint.save(checkpoint.folder(args.checkpoint_dir, step), runner, optim, step,
+                           {"seed": args.seed}, tied=tied)  # fmt: skip
+    if rank == 0 and args.keep_checkpoints:
+        done = sorted(
+            p for p in args.checkpoint_dir.glob("step*") if (p / checkpoint.INFO).is_file()
+        )
+        for old in done[: -args.keep_checkpoints]:
+            if old != path:
+                (old / checkpoint.INFO).unlink()  # first: never a half-deleted complete one
+                shutil.rmtree(old)
+
+
+def _finish_checkpoints(runner, optim, args: argparse.Namespace, rank: int, tied: dict) -> None:
+    """Save after the last step (unless that step is saved already), then --export."""
+    from autopart import checkpoint
+
+    final = checkpoint.folder(args.checkpoint_dir, runner.steps)
+    if not (final / checkpoint.INFO).is_file():
+        _save(runner, optim, args, rank, runner.steps, tied)
+    if args.export is not None and rank == 0:  # the other ranks wait at run()'s final barrier
+        state = checkpoint.export_state_dict(final)
+        args.export.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, args.export)
+        print(f"single-device state dict of step {runner.steps}: {args.export}", flush=True)
+
+
+def _kill_for_test(step: int, rank: int, world: int) -> None:
+    """Test hook (tests/test_checkpoint.py): AUTOPART_TEST_KILL_AT_STEP=S makes one rank
+    (AUTOPART_TEST_KILL_RANK, default the last) SIGKILL itself as step S starts, on the job's
+    first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crash would."""
+    at = os.environ.get("AUTOPART_TEST_KILL_AT_STEP")
+    if at is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or step != int(at):
+        return
+    if rank == int(os.environ.get("AUTOPART_TEST_KILL_RANK", world - 1)):
+        import signal
+
+        print(f"rank {rank}: killing myself (SIGKILL) at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int, first: int = 0,
+           tied: dict | None = None) -> None:  # fmt: skip
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     show = rank == 0 and not args.json
     with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), disable=not show) as bar:  # fmt: skip
-        task = bar.add_task("train", total=args.steps, loss="")
+        task = bar.add_task("train", total=args.steps, completed=min(first, args.steps), loss="")
         seen: list[float] = []
-        for step in range(args.steps):
+        for step in range(first, args.steps):
+            _kill_for_test(step, rank, dist.get_world_size())
             start = time.perf_counter()
             loss = runner.step(*batches(step))
             if step == 0 and args.dump is not None:
@@ -192,6 +313,8 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int)
                 )
             bar.update(task, advance=1, loss=f"loss {float(loss):.4f}")
             seen.append(float(loss))
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                _save(runner, optim, args, rank, step + 1, tied or {})
     if show and len(seen) >= 10:  # a mean over 5 steps: one batch's loss is noisy
         first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
         print(f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
@@ -207,8 +330,6 @@ def _title(plan: Plan, folder: Path) -> str:
 
 def _write_trace(runner, path: Path | None, rank: int, png: Path | None = None,
                  title: str = "") -> None:  # fmt: skip
-    import torch.distributed as dist
-
     mine = {"rank": rank, "events": runner.chrome_trace(), "busy_fraction": runner.busy_fraction(),
             "peak_saved_bytes": runner.peak_saved_bytes}  # fmt: skip
     every = [None] * dist.get_world_size()
