@@ -279,7 +279,7 @@ def _kill_for_test(step: int, rank: int, world: int) -> None:
     if rank == int(os.environ.get("AUTOPART_TEST_KILL_RANK", world - 1)):
         import signal
 
-        print(f"rank {rank}: killing myself (SIGKILL) at step {step}", flush=True)
+        print(f"rank {rank}: killing myself (SIGKILL) at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -74,7 +74,9 @@ def trained(programs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 
 
 def _json_lines(out: str) -> list[dict]:
-    return [json.loads(x) for x in out.splitlines() if x.startswith('{"step"')]
+    """Rank 0's step lines (another rank's output may share a line: read the JSON object only)."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(x)[0] for x in out.splitlines() if x.startswith('{"step"')]
 
 
 def _rel(got: float, ref: float) -> float:
