@@ -1,4 +1,4 @@
-"""The ``autopart`` command: demo, verify, inspect, run."""
+"""The ``autopart`` command: demo, verify, inspect, run, timeline, simulate, plan."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ EPILOG = """examples:
   torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
   autopart run out/ --steps 10                    (launches torchrun itself when not under it)
   autopart timeline trace.json -o timeline.png    draw a --trace file: one row per rank
+  autopart simulate --shape gpt3-175b --gpus 1024 --tp 8 --pp 8 --global-batch 1536
+                                                  predict one iteration on a GPU cluster
+  autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
+                                                  search for the fastest plan that fits
 
 a model SPEC is path/to/file.py:make or package.module:make, where make() returns
 (model, (input_ids, labels)) with int64 (batch, seq) token tensors.
@@ -132,7 +136,94 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--out", default=None, metavar="PNG",
                    help="picture to write (default: TRACE with .png)")  # fmt: skip
     t.add_argument("--title", default="", help="title above the picture (default: the file name)")
+    _simulate_parsers(sub)
     return p
+
+
+SIM_EPILOG = """examples:
+  autopart simulate --shape megatron-1t --gpus 3072 --tp 8 --pp 64 --virtual-stages 2 \\
+      --schedule interleaved-1f1b --global-batch 3072 --recompute full --attention unfused
+  autopart simulate --layers 96 --hidden 12288 --heads 96 --vocab 51200 --seq 2048 \\
+      --gpus 1024 --tp 8 --pp 16 --global-batch 1536 --schedule seq1f1b --seq-chunks 4 --json
+  autopart simulate --model examples/gpt7b.py:make --seq 4096 --cluster dgx-h100 --gpus 64 \\
+      --tp 8 --pp 2 --global-batch 512 --trace sim.json   (then: autopart timeline sim.json)
+
+model shapes (--shape): gpt3-175b, megatron-1t, gpt-7b. clusters (--cluster): dgx-a100-80gb,
+dgx-h100, or a .toml / .json file (see docs/simulate.md).
+"""
+
+PLAN_EPILOG = """examples:
+  autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
+  autopart plan --shape gpt3-175b --gpus 1024 --global-batch 1536 --cluster dgx-h100 --top 10
+  autopart plan --model examples/gpt7b.py:make --seq 4096 --gpus 64 --global-batch 256 --json
+"""
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (one of --model, --shape, or the shape flags)")
+    g.add_argument(
+        "--model", metavar="SPEC", help="capture path/to/file.py:make and read its shape"
+    )
+    g.add_argument("--shape", metavar="NAME", help="a named shape: gpt3-175b, megatron-1t, gpt-7b")
+    for name, text in (("layers", "transformer blocks"), ("hidden", "model width"),
+                       ("heads", "attention heads"), ("vocab", "vocabulary size")):  # fmt: skip
+        g.add_argument(f"--{name}", type=int, help=text)
+    g.add_argument("--seq", type=int, help="sequence length (default with --model: the example's)")
+    g.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads)")
+    g.add_argument("--ffn", type=int, help="MLP width (default 4 × hidden)")
+    g.add_argument("--untied", action="store_true", help="the LM head does not share the embedding")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--cluster", default="dgx-a100-80gb",
+                   help="dgx-a100-80gb (default), dgx-h100, or a .toml / .json file")  # fmt: skip
+    c.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
+    from autopart.simulate import ATTENTION, RECOMPUTE
+
+    s = sub.add_parser("simulate", help="predict one training iteration on a GPU cluster",
+                       epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _model_flags(s)
+    g = s.add_argument_group("plan (dp = gpus / (tp × pp))")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
+    g.add_argument("--virtual-stages", type=int, default=1, help="virtual stages per pipeline rank")
+    g.add_argument(
+        "--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)"
+    )
+    g.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    g.add_argument(
+        "--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)"
+    )
+    g.add_argument("--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks (default 1)")
+    g.add_argument("--seq-split", choices=("balanced", "uniform"), default="balanced",
+                   help="Seq1F1B chunk boundaries (default balanced)")  # fmt: skip
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation (default none)")  # fmt: skip
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    g.add_argument("--attention", choices=ATTENTION, default="flash",
+                   help="attention kernel: fused causal (default) or unfused (Megatron 2021)")  # fmt: skip
+    g.add_argument("--distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over dp (Megatron's distributed optimizer)")  # fmt: skip
+    s.add_argument("--trace", metavar="FILE", help="write the simulated pipeline as a Chrome trace")
+    pl = sub.add_parser("plan", help="search for the fastest plan that fits in memory",
+                        epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    _model_flags(pl)
+    pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    pl.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    pl.add_argument("--schedules", nargs="+", default=list(SCHEDULES), metavar="NAME",
+                    help="schedules to try (default: all)")  # fmt: skip
+    pl.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8], metavar="B",
+                    help="micro-batch sizes to try (default 1 2 4 8)")  # fmt: skip
+    pl.add_argument("--seq-chunks", nargs="+", type=int, default=[2, 4, 8], metavar="K",
+                    help="Seq1F1B chunk counts to try (default 2 4 8)")  # fmt: skip
+    pl.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE),
+                    help="recompute modes to try (default: all)")  # fmt: skip
+    pl.add_argument("--attention", choices=ATTENTION, default="flash",
+                    help="attention kernel of every plan (default flash)")  # fmt: skip
+    pl.add_argument("--max-tp", type=int, default=None, help="largest tp (default: GPUs per node)")
+    pl.add_argument("--no-progress", action="store_true", help="no progress display")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         commands = {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run,
-                    "timeline": _timeline}  # fmt: skip
+                    "timeline": _timeline, "simulate": _simulate, "plan": _plan}  # fmt: skip
         return commands[args.command](args)
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
@@ -266,6 +357,70 @@ def _timeline(a: argparse.Namespace) -> int:
     for rank, frac in busy_fractions(events).items():
         print(f"rank {rank}: {frac:.1%} busy")
     print(f"wrote {out}")
+    return 0
+
+
+def _shape(a: argparse.Namespace):
+    from autopart.simulate import resolve_shape
+
+    return resolve_shape(a.model, a.shape, layers=a.layers, hidden=a.hidden, heads=a.heads,
+                         vocab=a.vocab, seq=a.seq, kv_heads=a.kv_heads, ffn=a.ffn,
+                         tied=not a.untied)  # fmt: skip
+
+
+def _simulate(a: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from autopart.simulate import Strategy, print_summary, simulate
+
+    if a.gpus % (a.tp * a.pp):
+        raise AutopartError(f"--gpus {a.gpus} is not divisible by tp × pp = {a.tp * a.pp}",
+                            hint="dp = gpus / (tp × pp) must be a whole number")  # fmt: skip
+    strategy = Strategy(tp=a.tp, pp=a.pp, dp=a.gpus // (a.tp * a.pp),
+                        virtual_stages=a.virtual_stages, micro_batch=a.micro_batch,
+                        global_batch=a.global_batch, schedule=a.schedule, seq_chunks=a.seq_chunks,
+                        seq_split=a.seq_split, recompute=a.recompute,
+                        sequence_parallel=a.sequence_parallel,
+                        distributed_optimizer=a.distributed_optimizer,
+                        attention=a.attention)  # fmt: skip
+    sim = simulate(_shape(a), a.cluster, strategy, record=bool(a.trace),
+                   extrapolate=False if a.trace else None)  # fmt: skip
+    if a.trace:
+        with open(a.trace, "w") as f:
+            json.dump({"traceEvents": sim.chrome_trace()}, f)
+    if a.json:
+        print(json.dumps(sim.summary))
+    else:
+        con = Console()
+        con.print(sim.shape.describe())
+        print_summary(sim.summary, con)
+        if a.trace:
+            con.print(f"wrote {a.trace} (draw it: autopart timeline {a.trace})")
+    return 0
+
+
+def _plan(a: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from autopart.planner import print_search, search
+
+    shape = _shape(a)
+    con = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table
+    if not a.json:
+        con.print(f"planning {shape.describe()} on {a.gpus} × {a.cluster}, "
+                  f"global batch {a.global_batch}")  # fmt: skip
+    result = search(shape, a.cluster, a.gpus, a.global_batch, top=a.top, schedules=a.schedules,
+                    micro_batches=a.micro_batches, seq_chunks=a.seq_chunks,
+                    recompute=a.recompute, attention=a.attention, max_tp=a.max_tp,
+                    progress=not a.no_progress)  # fmt: skip
+    if a.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print_search(result, con)
     return 0
 
 

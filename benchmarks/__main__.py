@@ -26,6 +26,8 @@ BENCHMARKS = {
     "pipeline_bubble": lambda mod: mod.main(),
     "pp_vs_pipelining": lambda mod: mod.main(False),
     "compile_cache": lambda mod: mod.main(),
+    "plan_1t": lambda mod: mod.main(),
+    "calibration": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(argparse.Namespace(split="balanced", seq=1024, microbatches=8,
                                                        manual=False)),
 }  # fmt: skip

@@ -1,0 +1,120 @@
+"""The planner: the 1T search completes with fitting plans; its pruning loses nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from autopart.cli import main
+from autopart.cluster import PRESETS
+from autopart.errors import AutopartError
+from autopart.planner import _activation_peak, _variants, layouts, search
+from autopart.simulate import (
+    SHAPES,
+    CostModel,
+    GPTShape,
+    Strategy,
+    _actions,
+    fast_lower_bound,
+    simulate,
+    simulate_costs,
+)
+
+A100 = PRESETS["dgx-a100-80gb"]
+SMALL = GPTShape(24, 2048, 16, 50304, 2048, name="small")
+
+
+def test_1t_on_3072_gpus() -> None:
+    """The timed run is benchmarks/plan_1t.py; here: it completes and every plan fits."""
+    con = Console(file=io.StringIO(), width=120)
+    result = search(SHAPES["megatron-1t"], A100, 3072, 3072, top=5, progress=True, console=con)
+    print(f"\n1T on 3072 A100s planned in {result.stats['seconds']:.1f} s: "
+          f"{result.ranked[0].strategy.describe()}, "
+          f"{result.ranked[0].summary['tflops_per_gpu']:.1f} TFLOP/s per GPU")  # fmt: skip
+    assert "simulating" in con.file.getvalue()  # the progress display ran
+    assert len(result.ranked) == 5
+    times = [r.summary["iteration_s"] for r in result.ranked]
+    assert times == sorted(times)
+    for row in result.ranked:
+        assert row.summary["fits"] and row.summary["memory_gb_per_gpu"] <= 72.0
+        assert row.strategy.gpus == 3072 and row.reason
+        assert row.lower_bound <= row.summary["iteration_s"] * (1 + 1e-9)
+    st = result.stats
+    assert st["layouts"] > 1000 and st["simulated"] >= 5
+    assert st["too_big"] > 0 and result.rejected
+
+
+def test_lower_bound_never_exceeds_the_simulation() -> None:
+    """What makes the branch and bound exact: no plan simulates faster than its bound."""
+    for sched, v, k in (("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved-1f1b", 2, 1),
+                        ("seq1f1b", 1, 4), ("seq1f1b-interleaved", 3, 2)):  # fmt: skip
+        for rc in ("none", "full"):
+            st = Strategy(tp=4, pp=4, dp=4, virtual_stages=v, micro_batch=2, global_batch=128,
+                          schedule=sched, seq_chunks=k, recompute=rc, sequence_parallel=True,
+                          distributed_optimizer=rc == "full")  # fmt: skip
+            costs = CostModel(SMALL, A100, st)
+            sim = simulate_costs(costs, record=False)
+            assert fast_lower_bound(costs) <= sim.summary["iteration_s"] * (1 + 1e-12)
+
+
+def test_search_finds_the_brute_force_top() -> None:
+    """Simulate every fitting variant of every layout: the planner's top 3 layouts are the top
+    3 of the brute force, though it simulates a small part of them."""
+    kw = dict(schedules=("1f1b", "interleaved-1f1b", "seq1f1b"), micro_batches=(1, 2),
+              seq_chunks=(2, 4))  # fmt: skip
+    result = search(SMALL, A100, 32, 64, top=3, **kw)
+    brute: dict[int, float] = {}
+    for i, layout in enumerate(layouts(SMALL, A100, 32, 64, **kw)):
+        for st in _variants(layout, ("none", "selective", "full"), "flash"):
+            s = simulate(SMALL, A100, st, record=False).summary
+            if s["fits"]:
+                brute[i] = min(brute.get(i, float("inf")), s["iteration_s"])
+    want = sorted(brute.values())[:3]
+    got = [r.summary["iteration_s"] for r in result.ranked]
+    assert got == pytest.approx(want, rel=1e-9)
+    assert result.stats["simulated"] < result.stats["fitting_variants"] / 4
+
+
+def test_truncated_activation_peak_is_exact() -> None:
+    for sched, v, k in (("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("seq1f1b", 1, 3),
+                        ("seq1f1b-interleaved", 2, 2), ("gpipe", 1, 1)):  # fmt: skip
+        st = Strategy(tp=2, pp=4, dp=2, virtual_stages=v, global_batch=2 * 4 * 9,
+                      schedule=sched, seq_chunks=k, recompute="full")  # fmt: skip
+        costs = CostModel(SMALL, A100, st)
+        acts = _actions(sched, 4, st.microbatches, v, k, True, True)
+        for r in range(4):
+            assert _activation_peak(costs, r) == pytest.approx(costs.activation_peak(acts[r]))
+
+
+def test_layouts_respect_the_constraints() -> None:
+    found = layouts(SHAPES["megatron-1t"], A100, 3072, 3072)
+    assert found
+    for lay in found:
+        assert lay["tp"] * lay["pp"] * lay["dp"] == 3072 and lay["tp"] <= 8
+        m = 3072 // (lay["dp"] * lay["micro_batch"])
+        if "interleaved" in lay["schedule"]:
+            assert m % lay["pp"] == 0 and 128 % (lay["pp"] * lay["virtual_stages"]) == 0
+        assert (lay["seq_chunks"] > 1) == lay["schedule"].startswith("seq1f1b")
+
+
+def test_nothing_fits() -> None:
+    with pytest.raises(AutopartError, match="no plan") as err:
+        search(SHAPES["megatron-1t"], A100, 8, 8)
+    assert "more GPUs" in str(err.value)
+
+
+def test_cli_plan_json(capsys) -> None:
+    code = main(["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab", "32000",
+                 "--seq", "1024", "--gpus", "16", "--global-batch", "64", "--top", "3", "--json",
+                 "--no-progress"])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["plans"]) == 3 and out["stats"]["layouts"] > 0
+    first = out["plans"][0]
+    for key in ("plan", "reason", "iteration_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+                "bubble_fraction", "memory_gb_per_gpu", "breakdown"):  # fmt: skip
+        assert key in first
+    assert first["reason"].startswith("fastest")

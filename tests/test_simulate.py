@@ -1,0 +1,341 @@
+"""The simulator: closed-form bubbles, the event rules, clusters, memory, FLOPs, a Megatron point."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autopart.cli import main
+from autopart.cluster import GIB, PRESETS, Cluster, load_cluster
+from autopart.errors import AutopartError
+from autopart.schedule import Action, generate
+from autopart.simulate import (
+    SHAPES,
+    CostModel,
+    GPTShape,
+    Strategy,
+    shape_from_captured,
+    simulate,
+    simulate_actions,
+    to_chrome_trace,
+)
+
+A100 = PRESETS["dgx-a100-80gb"]
+
+
+def pipeline(name: str, p: int, m: int, v: int = 1, k: int = 1, **kw) -> dict[int, list[Action]]:
+    return {r: generate(name, r, m, list(range(p)), v=v, k=k, **kw) for r in range(p)}
+
+
+def equal_costs(f: float = 1.0, b: float = 2.0):
+    return lambda a: {"F": f, "B": b}.get(a.kind, 0.0)
+
+
+# -- closed forms: equal per-action costs, free communication ---------------------------------
+#
+# With every F costing f and every B costing b on every stage (and free transfers), rank r is
+# busy m·v·k·(f + b) and the iteration lasts that plus (p − 1) "slots" of one unit's f + b,
+# so the bubble (idle / iteration, the same on every rank) is (p − 1)/(m·v·k + p − 1):
+# GPipe and 1F1B (v = k = 1), interleaved 1F1B ((p − 1)/v micro-batch slots), Seq1F1B ((p − 1)/k),
+# and Seq1F1B interleaved. Checked here for B = 2F and B = F.
+
+
+def closed_form(p: int, m: int, v: int = 1, k: int = 1) -> float:
+    return (p - 1) / (m * v * k + p - 1)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
+def test_gpipe_and_1f1b_bubble(name: str, p: int, m: int) -> None:
+    for f, b in ((1.0, 2.0), (1.0, 1.0)):
+        tl = simulate_actions(pipeline(name, p, m), equal_costs(f, b))
+        assert tl.bubble_fraction == pytest.approx(closed_form(p, m), abs=1e-12)
+        assert tl.span == pytest.approx((m + p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (4, 4), (4, 8), (3, 9)])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_bubble(p: int, m: int, v: int) -> None:
+    tl = simulate_actions(pipeline("interleaved-1f1b", p, m, v=v), equal_costs())
+    assert tl.bubble_fraction == pytest.approx(closed_form(p, m, v=v), abs=1e-12)
+    # in micro-batch slots: (p − 1)/v of one micro-batch's forward + backward on a rank
+    per_mb = v * 3.0
+    assert tl.span - m * per_mb == pytest.approx((p - 1) / v * per_mb)
+
+
+@pytest.mark.parametrize("p", [2, 4, 5])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_seq1f1b_bubble(p: int, m: int, k: int) -> None:
+    tl = simulate_actions(pipeline("seq1f1b", p, m, k=k), equal_costs())
+    assert tl.bubble_fraction == pytest.approx(closed_form(p, m, k=k), abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m,v,k", [(2, 4, 2, 2), (4, 4, 2, 3), (3, 6, 3, 2), (4, 8, 2, 4)])
+def test_seq1f1b_interleaved_bubble(p: int, m: int, v: int, k: int) -> None:
+    tl = simulate_actions(pipeline("seq1f1b-interleaved", p, m, v=v, k=k), equal_costs())
+    assert tl.bubble_fraction == pytest.approx(closed_form(p, m, v=v, k=k), abs=1e-12)
+
+
+# -- the event rules ---------------------------------------------------------------------------
+
+
+def test_transfers_delay_receives_and_are_counted() -> None:
+    acts = pipeline("1f1b", 2, 4)
+    free = simulate_actions(acts, equal_costs())
+    slow = simulate_actions(acts, equal_costs(), comm_fn=lambda a: 0.5)
+    assert slow.span > free.span
+    assert slow.ranks[1].recv_exposed > 0 and slow.ranks[1].recv_exposed <= slow.ranks[1].recv_wait
+    # a send never blocks its sender: rank 0's first two forwards run back to back
+    f0 = [e for e in slow.events if e.rank == 0 and e.kind == "F"]
+    assert f0[1].start == pytest.approx(f0[0].end)
+
+
+def test_dp_reduce_overlaps_the_last_backward() -> None:
+    acts = pipeline("1f1b", 1, 3, dp=2)
+    for reduce_s, wait in ((1.5, 0.0), (5.0, 3.0)):  # the last B runs 7..9 and starts the reduce
+        costs = {"F": 1.0, "B": 2.0, "DP_REDUCE": reduce_s}
+        tl = simulate_actions(acts, lambda a, c=costs: c.get(a.kind, 0.0))
+        assert tl.ranks[0].dp_wait == pytest.approx(wait)
+        assert tl.span == pytest.approx(9.0 + wait)
+
+
+def test_tie_reduce_meets_both_ends() -> None:
+    acts = {r: generate("1f1b", r, 2, [0, 1], tied=r in (0, 1)) for r in range(2)}
+    tl = simulate_actions(acts, lambda a: {"F": 1.0, "B": 2.0, "TIE_REDUCE": 0.25}.get(a.kind, 0))
+    ties = [e for e in tl.events if e.kind == "TIE_REDUCE"]
+    assert len(ties) == 2 and ties[0].end == ties[1].end == pytest.approx(tl.span)
+
+
+def test_deadlock_is_refused() -> None:
+    acts = {0: [Action("RECV_B", 0, 0, peer=1), Action("SEND_F", 0, 0, peer=1)],
+            1: [Action("RECV_F", 1, 0, peer=0), Action("SEND_B", 1, 0, peer=0)]}  # fmt: skip
+    with pytest.raises(AutopartError, match="deadlocks"):
+        simulate_actions(acts, equal_costs())
+
+
+def test_chrome_trace_format() -> None:
+    acts = pipeline("seq1f1b", 2, 2, k=2)
+    tl = simulate_actions(acts, equal_costs(1e-3, 2e-3))
+    trace = to_chrome_trace(tl.events)
+    assert len(trace) == sum(len(a) for a in acts.values())  # one event per action
+    ev = next(e for e in trace if e["name"] == "F(s0,m1,c1)")
+    assert set(ev) == {"name", "cat", "ph", "pid", "tid", "ts", "dur"}
+    assert ev["cat"] == "F" and ev["ph"] == "X" and ev["pid"] == 0 and ev["tid"] == 0
+    assert ev["dur"] == pytest.approx(1e3)  # µs
+
+
+# -- clusters ---------------------------------------------------------------------------------
+
+
+def test_presets() -> None:
+    a100, h100 = load_cluster("dgx-a100-80gb"), load_cluster("dgx-h100")
+    assert (a100.peak_tflops, a100.hbm_tbps, a100.nvlink_gbps) == (312, 2.0, 300)
+    assert a100.gpus_per_node == 8
+    assert a100.ib_gbps_per_gpu == 25.0  # 8 × 200 Gb/s per node, one NIC per GPU
+    assert (h100.peak_tflops, h100.hbm_tbps, h100.nvlink_gbps) == (989, 3.35, 450)
+    assert h100.ib_gbps_per_gpu == 50.0
+    with pytest.raises(AutopartError, match="did you mean 'dgx-a100-80gb'"):
+        load_cluster("dgx-a100")
+
+
+def test_cluster_files(tmp_path) -> None:
+    toml = tmp_path / "mine.toml"
+    toml.write_text('base = "dgx-h100"\nmm_efficiency = 0.5\ngpus_per_node = 4\n')
+    c = load_cluster(toml)
+    assert c.name == "mine" and c.mm_efficiency == 0.5 and c.peak_tflops == 989
+    js = tmp_path / "full.json"
+    js.write_text(json.dumps({**A100.to_json(), "name": "copy"}))
+    assert load_cluster(js) == Cluster(**{**A100.to_json(), "name": "copy"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text('base = "dgx-h100"\npeak_tflop = 1\n')
+    with pytest.raises(AutopartError, match="did you mean 'peak_tflops'"):
+        load_cluster(bad)
+    (tmp_path / "part.toml").write_text('name = "x"\npeak_tflops = 1\n')
+    with pytest.raises(AutopartError, match="missing"):
+        load_cluster(tmp_path / "part.toml")
+
+
+def test_tp_inside_a_node_uses_nvlink_across_nodes_infiniband() -> None:
+    shape = SHAPES["gpt3-175b"]
+    costs = {t: CostModel(shape, A100, Strategy(tp=t, pp=8, dp=1, global_batch=8)) for t in (8, 16)}
+    assert A100.link(8)[0] == "nvlink" and A100.link(16)[0] == "ib"
+    tp8, tp16 = costs[8].units[1][0].f_tp, costs[16].units[1][0].f_tp
+    # same bytes per ring step nearly; NVLink 240 GB/s effective vs 21 GB/s per GPU over IB
+    assert tp16 / tp8 > 8
+
+
+def test_pipeline_hops_between_nodes_use_infiniband() -> None:
+    costs = CostModel(SHAPES["gpt3-175b"], A100, Strategy(tp=2, pp=8, dp=1, global_batch=8))
+    assert costs.p2p_link(0, 1)[0] == "nvlink"  # ranks 0-1 and 2-3: one node
+    assert costs.p2p_link(3, 4)[0] == "ib"  # ranks 6-7 and 8-9: two nodes
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def test_distributed_optimizer_divides_the_optimizer_state_by_dp() -> None:
+    shape = SHAPES["gpt3-175b"]
+    base = dict(tp=8, pp=8, dp=16, global_batch=128)
+    plain = CostModel(shape, A100, Strategy(**base)).static_bytes(0)
+    dist = CostModel(shape, A100, Strategy(**base, distributed_optimizer=True)).static_bytes(0)
+    assert dist["optimizer"] == pytest.approx(plain["optimizer"] / 16)
+    assert dist["parameters"] == plain["parameters"] and dist["gradients"] == plain["gradients"]
+    # 18 bytes per parameter, Megatron's mixed-precision Adam (bf16 weights, fp32 gradients)
+    params = CostModel(shape, A100, Strategy(**base)).params[0]
+    assert sum(plain.values()) == pytest.approx(18 * params)
+
+
+def test_parameters_add_up_to_the_model() -> None:
+    shape = SHAPES["megatron-1t"]
+    costs = CostModel(shape, A100, Strategy(tp=1, pp=4, dp=1, global_batch=4))
+    tied_copy = shape.vocab * shape.hidden  # the last stage's copy of the embedding
+    assert sum(costs.params) == pytest.approx(shape.params + tied_copy)
+    assert shape.params == pytest.approx(1.008e12, rel=1e-3)  # as benchmarks/capture_1t.py counts
+
+
+def test_activation_savers_save_memory() -> None:
+    shape = SHAPES["gpt3-175b"]
+    mem = {}
+    for rc in ("none", "selective", "full"):
+        for sp in (False, True):
+            st = Strategy(tp=8, pp=8, dp=1, global_batch=16, recompute=rc, sequence_parallel=sp,
+                          attention="unfused")  # fmt: skip
+            mem[rc, sp] = simulate(shape, A100, st).summary["memory"]["activations"]
+    assert mem["none", False] > mem["selective", False] > mem["full", False]
+    assert mem["selective", True] < mem["selective", False]
+    # a flash kernel stores no scores: no recompute keeps what selective keeps
+    flash = {rc: simulate(shape, A100, Strategy(tp=8, pp=8, global_batch=16, recompute=rc))
+             .summary["memory"]["activations"] for rc in ("none", "selective")}  # fmt: skip
+    assert flash["none"] == flash["selective"] == mem["selective", False]
+    # Korthikanti et al. 2022: 34·s·b·h + 5·a·s²·b bytes per layer without parallelism → with tp = 8
+    # and SP everything / 8, so "selective + SP" keeps 34/8·s·b·h per layer
+    st = Strategy(tp=8, pp=8, dp=1, global_batch=16, recompute="selective", sequence_parallel=True)
+    unit = CostModel(shape, A100, st).units[1][0]  # a middle stage: 12 layers, no embedding/head
+    assert unit.act == pytest.approx(12 * 34 * 2048 * shape.hidden / 8)
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe() -> None:
+    shape = SHAPES["gpt-7b"]
+    act = {s: simulate(shape, A100, Strategy(pp=4, dp=2, global_batch=32, schedule=s))
+           .summary["memory"]["activations"] for s in ("gpipe", "1f1b")}  # fmt: skip
+    assert act["gpipe"] > 3 * act["1f1b"]  # 16 micro-batches in flight on rank 0 against 4
+
+
+# -- FLOPs and the Megatron reference point ------------------------------------------------------
+
+
+def test_flops_follow_megatrons_formula() -> None:
+    shape = SHAPES["megatron-1t"]
+    B, s, n, h, V = 3072, 2048, 128, 25600, 51200  # n: layers (l in the paper)
+    full = CostModel(shape, A100, Strategy(tp=8, pp=64, dp=6, global_batch=B, recompute="full"))
+    with_recompute = 96 * B * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h))
+    without = 72 * B * s * n * h * h * (1 + s / (6 * h) + V / (12 * n * h))
+    assert full.hardware_flops() == pytest.approx(with_recompute)
+    assert full.model_flops() == pytest.approx(without)
+
+
+def test_megatron_1t_reference_point() -> None:
+    """Narayanan et al. 2021: 1T GPT (128 layers, hidden 25600, 160 heads) on 3072 A100s, tp=8,
+    pp=64, dp=6, global batch 3072, interleaved schedule, full recompute: 163 TFLOP/s per GPU
+    (52 % of peak). Unfused attention, as in 2021."""
+    st = Strategy(tp=8, pp=64, dp=6, virtual_stages=2, micro_batch=1, global_batch=3072,
+                  schedule="interleaved-1f1b", recompute="full", attention="unfused")  # fmt: skip
+    s = simulate(SHAPES["megatron-1t"], "dgx-a100-80gb", st, record=False).summary
+    print(f"\nMegatron 1T: predicted {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
+          f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), paper 163 (52 %); "
+          f"iteration {s['iteration_s']:.1f} s, bubble {s['bubble_fraction']:.1%}, "
+          f"{s['memory_gb_per_gpu']:.1f} GiB per GPU")  # fmt: skip
+    assert 0.30 <= s["hfu"] <= 0.70
+    assert 0.30 <= s["mfu"] <= 0.70
+    assert s["fits"]
+    parts = sum(s["breakdown"].values())
+    assert parts == pytest.approx(s["iteration_s"])
+
+
+def test_extrapolation_matches_the_full_simulation() -> None:
+    shape = SHAPES["gpt3-175b"]
+    for sched, v, k in (("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("seq1f1b", 1, 4),
+                        ("seq1f1b-interleaved", 2, 2)):  # fmt: skip
+        st = Strategy(tp=8, pp=4, dp=8, virtual_stages=v, global_batch=8 * 4 * 7, schedule=sched,
+                      seq_chunks=k, recompute="selective", sequence_parallel=True,
+                      distributed_optimizer=True)  # fmt: skip
+        full = simulate(shape, A100, st, extrapolate=False, record=False).summary
+        ext = simulate(shape, A100, st, extrapolate=True).summary
+        assert ext["extrapolated"] and not full["extrapolated"]
+        assert ext["iteration_s"] == pytest.approx(full["iteration_s"], rel=1e-9)
+        assert ext["memory_gb_per_gpu"] == pytest.approx(full["memory_gb_per_gpu"], rel=1e-9)
+        for key, val in full["breakdown"].items():
+            assert ext["breakdown"][key] == pytest.approx(val, rel=1e-9, abs=1e-12)
+
+
+def test_seq1f1b_chunks_are_balanced_by_work() -> None:
+    """Chunks balanced for FLOPs (autopart.chunks) are close in simulated time too, not equal:
+    the attention kernel runs at a lower share of peak than the GEMMs (docs/simulate.md)."""
+    shape = GPTShape(32, 4096, 32, 50304, 32768)
+    ratio = {}
+    for split in ("balanced", "uniform"):
+        st = Strategy(pp=4, global_batch=4, schedule="seq1f1b", seq_chunks=4, seq_split=split)
+        costs = CostModel(shape, A100, st)
+        assert sum(costs.chunk_lengths) == 32768
+        times = [u.f + u.b for u in costs.units[1]]
+        ratio[split] = max(times) / min(times)
+        if split == "balanced":
+            assert list(costs.chunk_lengths) == sorted(costs.chunk_lengths, reverse=True)
+    assert ratio["balanced"] < 1.25 and ratio["uniform"] > 2.0
+
+
+def test_refusals() -> None:
+    shape = SHAPES["gpt3-175b"]
+    with pytest.raises(AutopartError, match="divisible by dp"):
+        simulate(shape, A100, Strategy(dp=3, global_batch=16))
+    with pytest.raises(AutopartError, match="did you mean 'interleaved-1f1b'"):
+        simulate(shape, A100, Strategy(pp=2, schedule="interleaved-1fb", global_batch=4))
+    with pytest.raises(AutopartError, match="does not divide the heads"):
+        simulate(shape, A100, Strategy(tp=5, global_batch=4))
+    with pytest.raises(AutopartError, match="unknown cluster"):
+        simulate(shape, "dgx-b200", Strategy(global_batch=4))
+
+
+# -- shapes from a captured model and the command line ------------------------------------------
+
+
+def test_shape_from_captured(gpt_sdpa) -> None:
+    shape = shape_from_captured(gpt_sdpa.captured)
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv, shape.ffn_width, shape.vocab) == (
+        2, 32, 4, 4, 128, 96)  # fmt: skip
+    assert shape.tied and shape.seq == gpt_sdpa.captured.example_shape[1]
+    params = sum(t.numel() for t in gpt_sdpa.captured.params.values())
+    positions = gpt_sdpa.captured.params["transformer.wpe.weight"].numel()  # block_size rows
+    assert shape.params - shape.seq * shape.hidden == params - positions
+
+
+def test_cli_simulate_json(capsys, tmp_path) -> None:
+    trace = tmp_path / "sim.json"
+    code = main(["simulate", "--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab",
+                 "32000", "--seq", "1024", "--gpus", "16", "--tp", "2", "--pp", "4",
+                 "--global-batch", "32", "--schedule", "seq1f1b", "--seq-chunks", "2", "--json",
+                 "--trace", str(trace)])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("iteration_s", "tokens_per_s", "tflops_per_gpu", "mfu", "bubble_fraction",
+                "memory_gb_per_gpu", "breakdown"):  # fmt: skip
+        assert key in out
+    assert math.isclose(out["tokens_per_s"], 32 * 1024 / out["iteration_s"])
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    assert main(["simulate", "--shape", "gpt3-175b", "--gpus", "12", "--tp", "8",
+                 "--global-batch", "8"]) == 2  # fmt: skip
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_memory_units_are_gib() -> None:
+    s = simulate(SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).summary
+    assert s["memory"]["capacity"] == 80 and s["memory"]["usable"] == pytest.approx(72)
+    total = sum(s["memory"][k] for k in ("parameters", "gradients", "optimizer", "activations"))
+    assert s["memory_gb_per_gpu"] == pytest.approx(total)
+    assert s["memory"]["parameters"] * GIB == pytest.approx(2 * CostModel(
+        SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).params[0])  # fmt: skip
