@@ -147,6 +147,9 @@ SIM_EPILOG = """examples:
       --gpus 1024 --tp 8 --pp 16 --global-batch 1536 --schedule seq1f1b --seq-chunks 4 --json
   autopart simulate --model examples/gpt7b.py:make --seq 4096 --cluster dgx-h100 --gpus 64 \\
       --tp 8 --pp 2 --global-batch 512 --trace sim.json   (then: autopart timeline sim.json)
+  autopart simulate --measured run.json --global-batch 16
+      (run.json from: autopart run DIR --steps 3 --trace run.json; predicts DIR's layout at 16
+      sequences per step from the costs measured there)
 
 model shapes (--shape): gpt3-175b, megatron-1t, gpt-7b. clusters (--cluster): dgx-a100-80gb,
 dgx-h100, or a .toml / .json file (see docs/simulate.md).
@@ -159,7 +162,7 @@ PLAN_EPILOG = """examples:
 """
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
+def _model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None:
     g = p.add_argument_group("model (one of --model, --shape, or the shape flags)")
     g.add_argument(
         "--model", metavar="SPEC", help="capture path/to/file.py:make and read its shape"
@@ -175,7 +178,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster", default="dgx-a100-80gb",
                    help="dgx-a100-80gb (default), dgx-h100, or a .toml / .json file")  # fmt: skip
-    c.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    c.add_argument("--gpus", type=int, required=gpus_required, help="GPUs in all")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -184,7 +187,11 @@ def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
 
     s = sub.add_parser("simulate", help="predict one training iteration on a GPU cluster",
                        epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    _model_flags(s)
+    _model_flags(s, gpus_required=False)
+    s.add_argument("--measured", metavar="TRACE",
+                   help="replay the per-action costs of a real run here (the trace of autopart run "
+                   "DIR --trace TRACE) instead of a model and cluster: predicts that layout with "
+                   "--global-batch sequences or --schedule (docs/simulate.md, 'Calibration')")  # fmt: skip
     g = s.add_argument_group("plan (dp = gpus / (tp × pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
@@ -192,10 +199,10 @@ def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)"
     )
-    g.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
-    g.add_argument(
-        "--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)"
-    )
+    g.add_argument("--global-batch", type=int,
+                   help="sequences per iteration (required, except with --measured: the run's)")  # fmt: skip
+    g.add_argument("--schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)} (default 1f1b; with --measured, the run's)")  # fmt: skip
     g.add_argument("--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks (default 1)")
     g.add_argument("--seq-split", choices=("balanced", "uniform"), default="balanced",
                    help="Seq1F1B chunk boundaries (default balanced)")  # fmt: skip
@@ -375,12 +382,19 @@ def _simulate(a: argparse.Namespace) -> int:
 
     from autopart.simulate import Strategy, print_summary, simulate
 
+    if a.measured is not None:
+        return _simulate_measured(a)
+    for flag, value in (("--gpus", a.gpus), ("--global-batch", a.global_batch)):
+        if value is None:
+            raise AutopartError(f"simulate needs {flag}",
+                                hint="or --measured TRACE to replay a run measured here")  # fmt: skip
     if a.gpus % (a.tp * a.pp):
         raise AutopartError(f"--gpus {a.gpus} is not divisible by tp × pp = {a.tp * a.pp}",
                             hint="dp = gpus / (tp × pp) must be a whole number")  # fmt: skip
     strategy = Strategy(tp=a.tp, pp=a.pp, dp=a.gpus // (a.tp * a.pp),
                         virtual_stages=a.virtual_stages, micro_batch=a.micro_batch,
-                        global_batch=a.global_batch, schedule=a.schedule, seq_chunks=a.seq_chunks,
+                        global_batch=a.global_batch, schedule=a.schedule or "1f1b",
+                        seq_chunks=a.seq_chunks,
                         seq_split=a.seq_split, recompute=a.recompute,
                         sequence_parallel=a.sequence_parallel,
                         distributed_optimizer=a.distributed_optimizer,
@@ -396,6 +410,53 @@ def _simulate(a: argparse.Namespace) -> int:
         con = Console()
         con.print(sim.shape.describe())
         print_summary(sim.summary, con)
+        if a.trace:
+            con.print(f"wrote {a.trace} (draw it: autopart timeline {a.trace})")
+    return 0
+
+
+_NOT_MEASURED = ("--model", "--shape", "--layers", "--hidden", "--heads", "--vocab", "--seq",
+                 "--kv-heads", "--ffn", "--untied", "--cluster", "--gpus", "--tp", "--pp",
+                 "--virtual-stages", "--micro-batch", "--seq-chunks", "--seq-split", "--recompute",
+                 "--sequence-parallel", "--attention", "--distributed-optimizer")  # fmt: skip
+
+
+def _simulate_measured(a: argparse.Namespace) -> int:
+    """``simulate --measured TRACE``: the measured layout, predicted from its own action costs."""
+    import json
+
+    from rich.console import Console
+
+    from autopart.calibrate import load, predict, print_prediction
+
+    given = [f for f in _NOT_MEASURED if any(x == f or x.startswith(f + "=") for x in a.raw_argv)]
+    if given:
+        raise AutopartError(f"{given[0]} does not go with --measured: the model, cluster and "
+                            "layout are the measured run's",
+                            hint="--measured takes --global-batch, --schedule, --json and --trace")  # fmt: skip
+    m = load(a.measured)
+    mb = None
+    if a.global_batch is not None:
+        per = m.dp * m.microbatch_size
+        if not per:
+            raise AutopartError(f"{a.measured} does not record the micro-batch size",
+                                hint="re-measure with this version of autopart run")  # fmt: skip
+        if a.global_batch % per or a.global_batch < per:
+            raise AutopartError(f"--global-batch {a.global_batch} is not a whole number of "
+                                f"micro-batches of {m.microbatch_size} sequences on {m.dp} dp ranks",
+                                hint=f"use a multiple of {per} (the run measured {per * m.microbatches})")  # fmt: skip
+        mb = a.global_batch // per
+    pred = predict(m, microbatches=mb, schedule=a.schedule, record=bool(a.trace))
+    if a.trace:
+        from autopart.simulate import to_chrome_trace
+
+        with open(a.trace, "w") as f:
+            json.dump({"traceEvents": to_chrome_trace(pred.timeline.events)}, f)
+    if a.json:
+        print(json.dumps(pred.summary))
+    else:
+        con = Console()
+        print_prediction(pred.summary, con)
         if a.trace:
             con.print(f"wrote {a.trace} (draw it: autopart timeline {a.trace})")
     return 0

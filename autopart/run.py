@@ -152,11 +152,18 @@ def run(args: argparse.Namespace) -> int:
         if args.trace is not None or args.timeline is not None:
             runner.timeline = []
         start = _resume(runner, optim, args, rank)
-        _train(runner, optim, batches, args, rank, start, head["tied"])
+        last_s = _train(runner, optim, batches, args, rank, start, head["tied"])
         if args.checkpoint_dir is not None:
             _finish_checkpoints(runner, optim, args, rank, head["tied"])
         if args.trace is not None or args.timeline is not None:
-            _write_trace(runner, args.trace, rank, args.timeline, _title(plan, args.dir))
+            header = {"plan": {"schedule": plan.schedule, "microbatches": plan.microbatches,
+                               "virtual_stages": plan.virtual_stages, "seq_chunks": plan.seq_chunks,
+                               "dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp},
+                      "microbatch_size": batches.b // (plan.mesh.dp * plan.microbatches),
+                      "microbatch_tokens": batches.b * batches.s // (plan.mesh.dp * plan.microbatches)}  # fmt: skip
+            _write_trace(
+                runner, args.trace, rank, args.timeline, _title(plan, args.dir), header, last_s
+            )
         if args.dump_params is not None:
             args.dump_params.mkdir(parents=True, exist_ok=True)
             torch.save({f: p.detach().clone() for f, p in runner.named_parameters()},
@@ -284,7 +291,8 @@ def _kill_for_test(step: int, rank: int, world: int) -> None:
 
 
 def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int, first: int = 0,
-           tied: dict | None = None) -> None:  # fmt: skip
+           tied: dict | None = None) -> float:  # fmt: skip
+    """Train from step ``first`` to ``args.steps``; returns the last step's seconds."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     show = rank == 0 and not args.json
@@ -292,6 +300,7 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int,
                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), disable=not show) as bar:  # fmt: skip
         task = bar.add_task("train", total=args.steps, completed=min(first, args.steps), loss="")
         seen: list[float] = []
+        last_s = 0.0
         for step in range(first, args.steps):
             _kill_for_test(step, rank, dist.get_world_size())
             start = time.perf_counter()
@@ -301,7 +310,7 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int,
             if optim is not None:
                 optim.step()
                 optim.zero_grad(set_to_none=True)
-            seconds = time.perf_counter() - start
+            seconds = last_s = time.perf_counter() - start
             if rank == 0 and args.json:
                 print(
                     json.dumps({"step": step, "loss": float(loss), "seconds": round(seconds, 4)}),
@@ -319,6 +328,7 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int,
         first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
         print(f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
               f"({'falling' if last < first else 'NOT falling'})", flush=True)  # fmt: skip
+    return last_s
 
 
 def _title(plan: Plan, folder: Path) -> str:
@@ -328,17 +338,24 @@ def _title(plan: Plan, folder: Path) -> str:
             f"{chunks}{virtual} (last step, measured)")  # fmt: skip
 
 
-def _write_trace(runner, path: Path | None, rank: int, png: Path | None = None,
-                 title: str = "") -> None:  # fmt: skip
+def _write_trace(runner, path: Path | None, rank: int, png: Path | None = None, title: str = "",
+                 header: dict | None = None, step_s: float = 0.0) -> None:  # fmt: skip
+    """Gather every rank's last step to rank 0: the trace (with the header that
+    ``autopart simulate --measured`` reads, see autopart/calibrate.py) and the picture."""
+    from autopart.calibrate import trace_document
+
     mine = {"rank": rank, "events": runner.chrome_trace(), "busy_fraction": runner.busy_fraction(),
-            "peak_saved_bytes": runner.peak_saved_bytes}  # fmt: skip
+            "peak_saved_bytes": runner.peak_saved_bytes, "coords": runner.program.coords,
+            "step_s": step_s}  # fmt: skip
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
         events = [e for r in every for e in r["events"]]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+            header = {**(header or {}), "step_s": max(r["step_s"] for r in every),
+                      "ranks": {str(r["rank"]): r["coords"] for r in every}}  # fmt: skip
+            path.write_text(json.dumps(trace_document(events, header)))
         for r in every:
             print(json.dumps({"rank": r["rank"], "busy_fraction": round(r["busy_fraction"], 4),
                               "peak_saved_bytes": r["peak_saved_bytes"]}), flush=True)  # fmt: skip

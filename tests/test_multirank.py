@@ -217,6 +217,19 @@ def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
     assert (
         sum(e["cat"] == "F" for e in events) == 2 * 4 and sum(e["cat"] == "B" for e in events) == 8
     )
+    # the header autopart simulate --measured reads: the real run's costs replayed
+    from autopart.calibrate import load, predict
+
+    measured = load(tmp_path / "trace.json")
+    assert (measured.pp, measured.microbatches, measured.schedule) == (2, 4, "1f1b")
+    assert set(measured.compute) == {(k, s, 0) for k in "FB" for s in (0, 1)}
+    assert all(t > 0 for t in measured.compute.values()) and measured.step_s > 0
+    assert measured.microbatch_tokens == batch[0].numel() // 4
+    four, eight = predict(measured).summary, predict(measured, microbatches=8).summary
+    assert four["breakdown"]["compute_s"] >= 4 * (
+        measured.compute["F", 0, 0] + measured.compute["B", 0, 0]
+    )
+    assert eight["iteration_s"] > four["iteration_s"]
 
 
 def test_zero1_matches_the_unsharded_optimizer(tmp_path: Path) -> None:

@@ -1,0 +1,248 @@
+"""Calibrated simulation: a measured run's per-action costs, replayed on the schedule IR.
+
+Data enters as the trace of a real run (``autopart run DIR --trace FILE``): every rank's actions
+of the last step as Chrome trace events, plus an ``"autopart"`` header the runtime writes (the
+plan, each rank's mesh coordinates, the step's wall time). ``measure`` reduces it to the costs
+the simulator needs:
+
+- **compute**: the median duration of each ``F`` and ``B`` per (kind, stage, chunk), over every
+  micro-batch and every rank holding that stage (tp and dp ranks of a stage run in lockstep);
+- **reductions**: the shortest ``TIE_REDUCE`` and, per stage, ``DP_REDUCE`` over the ranks:
+  every rank waits in them until the last one arrives, so the shortest wait is the collective
+  itself (for ``DP_REDUCE``, the part of the gradient all-reduce not overlapped with backward);
+- **transfer**: the latency of a pipeline send, read from the trace itself: for each ``RECV``
+  posted before its matching ``SEND`` began (the receiver was waiting), the time from the send's
+  start to the receive's end; the median per (direction, chunk), and for a chunk whose receiver
+  never waited, its direction's median (the clocks of ranks on one machine agree);
+- **overhead**: the step's wall time minus the span of its actions (batch slicing, the loss
+  all-reduce, the optimizer step), taken as fixed.
+
+``predict`` then runs ``autopart.simulate.simulate_actions`` over the generators' action lists
+(the runtime's own schedule IR) for the same layout with another number of micro-batches or
+another schedule over the same units, and adds the overhead. ``autopart simulate --measured
+TRACE`` is the command line for it; ``benchmarks/calibration.py`` checks it against real runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopart.errors import AutopartError
+from autopart.schedule import generate
+from autopart.schedule.ir import Action
+from autopart.simulate import Timeline, simulate_actions
+from autopart.timeline import blocks
+
+HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
+VERSION = 1
+
+
+def trace_document(events: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object ``autopart run --trace`` writes: the events and the run's header."""
+    return {"traceEvents": events, "displayTimeUnit": "ms", HEADER: {"version": VERSION, **header}}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a measured step cost, per action: the input of ``predict``."""
+
+    schedule: str
+    pp: int
+    dp: int
+    virtual_stages: int
+    microbatches: int
+    seq_chunks: int
+    microbatch_size: int  # sequences in one micro-batch (0: not recorded)
+    microbatch_tokens: int  # sequences × tokens of one micro-batch
+    tied_pp_ranks: frozenset[int]  # pipeline ranks that hold a tied weight (TIE_REDUCE)
+    step_s: float  # the measured step's wall time (the slowest rank)
+    compute: dict[tuple[str, int, int], float]  # (F|B, stage, chunk) → seconds
+    transfer: dict[tuple[str, int], float]  # (SEND_F|SEND_B, chunk) → seconds
+    dp_reduce: dict[int, float] = field(default_factory=dict)  # stage → seconds
+    tie_reduce: float = 0.0
+    overhead_s: float = 0.0
+
+
+def load(path: str | Path) -> Measured:
+    """``measure`` the trace file of ``autopart run DIR --trace FILE``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AutopartError(f"no trace file {path}",
+                            hint="measure a run first: autopart run DIR --steps 3 --trace FILE") from None  # fmt: skip
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AutopartError(f"{path} is not a readable trace JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get(HEADER), dict):
+        raise AutopartError(f"{path} has no {HEADER!r} header, so it is not the trace of an "
+                            "autopart run (a simulated trace or another tool's cannot calibrate)",
+                            hint="write one with: autopart run DIR --steps 3 --trace FILE")  # fmt: skip
+    return measure(data.get("traceEvents") or [], data[HEADER], str(path))
+
+
+def measure(
+    events: list[dict[str, Any]], header: dict[str, Any], source: str = "the trace"
+) -> Measured:
+    """Reduce one measured step (its events and header) to per-action costs (module docstring)."""
+    if header.get("version") != VERSION:
+        raise AutopartError(f"{source}: trace header version {header.get('version')!r}, this "
+                            f"autopart reads {VERSION}", hint="re-measure with this version")  # fmt: skip
+    try:
+        plan, coords = header["plan"], {int(r): c for r, c in header["ranks"].items()}
+        step_s = float(header["step_s"])
+        pp = int(plan["pp"])
+        pp_of = {r: int(c["pp"]) for r, c in coords.items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AutopartError(f"{source}: malformed {HEADER!r} header ({exc!r} missing or wrong)",
+                            hint="re-measure with: autopart run DIR --trace FILE") from None  # fmt: skip
+    bs = [b for b in blocks(events) if b.action is not None]
+    if not any(b.kind in ("F", "B") for b in bs):
+        raise AutopartError(f"{source} holds no F or B actions to take costs from")
+    compute: dict[tuple[str, int, int], list[float]] = {}
+    dp_reduce: dict[int, list[float]] = {}
+    tie: list[float] = []
+    sends: dict[tuple, float] = {}
+    recvs: list[tuple[tuple, float, float]] = []
+    for b in bs:
+        a, dur = b.action, b.dur * 1e-6
+        if b.kind in ("F", "B"):
+            compute.setdefault((b.kind, a.stage, a.chunk), []).append(dur)
+        elif b.kind == "DP_REDUCE":
+            for stage in _stages_of(pp_of[b.rank], pp, int(plan["virtual_stages"])):
+                dp_reduce.setdefault(stage, []).append(dur)
+        elif b.kind == "TIE_REDUCE":
+            tie.append(dur)
+        elif b.kind in ("SEND_F", "SEND_B"):
+            sends[(b.kind, b.rank, a.peer, a.stage, a.mb, a.chunk)] = b.start
+        elif b.kind in ("RECV_F", "RECV_B"):
+            stage = a.stage - 1 if b.kind == "RECV_F" else a.stage + 1
+            kind = "SEND_" + b.kind[-1]
+            recvs.append(((kind, a.peer, b.rank, stage, a.mb, a.chunk), b.start, b.end))
+    transfer: dict[tuple[str, int], list[float]] = {}
+    for key, start, end in recvs:
+        sent = sends.get(key)
+        if sent is not None and start <= sent:  # the receiver waited for this message
+            transfer.setdefault((key[0], key[5]), []).append((end - sent) * 1e-6)
+    span = (max(b.end for b in bs) - min(b.start for b in bs)) * 1e-6
+    return Measured(
+        schedule=str(plan["schedule"]), pp=pp, dp=int(plan["dp"]),
+        virtual_stages=int(plan["virtual_stages"]), microbatches=int(plan["microbatches"]),
+        seq_chunks=int(plan["seq_chunks"]), microbatch_size=int(header.get("microbatch_size", 0)),
+        microbatch_tokens=int(header.get("microbatch_tokens", 0)),
+        tied_pp_ranks=frozenset(pp_of[b.rank] for b in bs if b.kind == "TIE_REDUCE"),
+        step_s=step_s,
+        compute={k: statistics.median(v) for k, v in compute.items()},
+        transfer={k: statistics.median(v) for k, v in transfer.items()},
+        dp_reduce={k: min(v) for k, v in dp_reduce.items()},
+        tie_reduce=min(tie) if tie else 0.0,
+        overhead_s=max(0.0, step_s - span),
+    )  # fmt: skip
+
+
+def _stages_of(r: int, pp: int, v: int) -> list[int]:
+    return [r + j * pp for j in range(v)]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """``predict``'s answer: the simulated step and its summary."""
+
+    timeline: Timeline
+    summary: dict[str, Any]
+
+
+def predict(m: Measured, microbatches: int | None = None, schedule: str | None = None,
+            record: bool = False) -> Prediction:  # fmt: skip
+    """The step time of the measured layout with ``microbatches`` and ``schedule`` (default: the
+    measured run's), from the measured per-action costs. The schedule may change only among
+    those with the same units: ``gpipe`` ↔ ``1f1b``; Seq1F1B with the measured chunk count and
+    interleaving with the measured virtual stages stay as they are."""
+    mb = m.microbatches if microbatches is None else microbatches
+    name = schedule or m.schedule
+    if mb < 1:
+        raise AutopartError(f"{mb} micro-batches: need at least 1")
+    if name.startswith("seq1f1b") != m.schedule.startswith("seq1f1b") or (
+        ("interleaved" in name) != ("interleaved" in m.schedule)
+    ):
+        raise AutopartError(f"the trace measured {m.schedule}; its costs cannot predict {name}",
+                            hint="sequence chunks and virtual stages change every action's cost: "
+                            f"measure a run of {name} (autopart run DIR --trace FILE)")  # fmt: skip
+    actions = {r: generate(name, r, mb, list(range(m.pp)), dp=m.dp, v=m.virtual_stages,
+                           tied=r in m.tied_pp_ranks, k=m.seq_chunks)
+               for r in range(m.pp)}  # fmt: skip
+    missing = sorted({(a.kind, a.stage, a.chunk) for acts in actions.values() for a in acts
+                      if a.kind in ("F", "B")} - set(m.compute))  # fmt: skip
+    if missing:
+        kind, stage, chunk = missing[0]
+        raise AutopartError(f"the trace holds no measured {kind} of stage {stage}, chunk {chunk}",
+                            hint="measure a full step of this layout: autopart run DIR --trace FILE")  # fmt: skip
+    by_kind = {kind: statistics.median(t for (k, _), t in m.transfer.items() if k == kind)
+               for kind in {k for k, _ in m.transfer}}  # fmt: skip
+    fallback = statistics.median(m.transfer.values()) if m.transfer else 0.0
+
+    def transfer(a: Action) -> float:  # a chunk whose receiver never waited: its kind's median
+        return m.transfer.get((a.kind, a.chunk), by_kind.get(a.kind, fallback))
+
+    def cost(a: Action) -> float:
+        if a.kind == "TIE_REDUCE":
+            return m.tie_reduce
+        if a.kind == "DP_REDUCE":
+            return m.dp_reduce.get(a.stage, 0.0)
+        return m.compute[(a.kind, a.stage, a.chunk)]
+
+    tl = simulate_actions(actions, cost, transfer, record=record)
+    step = tl.span + m.overhead_s
+    busy = max(rt.busy for rt in tl.ranks.values())
+    summary = {
+        "calibrated": True,
+        "schedule": name,
+        "pp": m.pp,
+        "dp": m.dp,
+        "virtual_stages": m.virtual_stages,
+        "seq_chunks": m.seq_chunks,
+        "microbatches": mb,
+        "iteration_s": step,
+        "tokens_per_s": mb * m.microbatch_tokens * m.dp / step if m.microbatch_tokens else None,
+        "bubble_fraction": tl.bubble_fraction,
+        "breakdown": {
+            "compute_s": busy,
+            "pp_comm_s": max(rt.recv_exposed for rt in tl.ranks.values()),
+            "dp_comm_s": max(rt.dp_wait for rt in tl.ranks.values()),
+            "tie_comm_s": max(rt.tie_wait for rt in tl.ranks.values()),
+            "bubble_s": tl.span - busy,
+            "overhead_s": m.overhead_s,
+        },
+        "measured": {
+            "microbatches": m.microbatches,
+            "schedule": m.schedule,
+            "iteration_s": m.step_s,
+        },
+    }
+    return Prediction(tl, summary)
+
+
+def print_prediction(summary: dict[str, Any], console: Any) -> None:
+    """The human-readable form of ``predict``'s summary (``autopart simulate --measured``)."""
+    from rich.table import Table
+
+    s, meas = summary, summary["measured"]
+    chunks = f", {s['seq_chunks']} chunks" if s["seq_chunks"] > 1 else ""
+    virtual = f", v={s['virtual_stages']}" if s["virtual_stages"] > 1 else ""
+    console.print(f"calibrated prediction: {s['schedule']}, pp={s['pp']} dp={s['dp']}{virtual}"
+                  f"{chunks}, {s['microbatches']} micro-batches (costs measured on "
+                  f"{meas['schedule']}, {meas['microbatches']} micro-batches)")  # fmt: skip
+    t = Table(show_header=False, box=None)
+    t.add_row("step time", f"{s['iteration_s'] * 1e3:.1f} ms")
+    if s["tokens_per_s"]:
+        t.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
+    t.add_row("bubble fraction", f"{s['bubble_fraction']:.3f}")
+    for k, v in s["breakdown"].items():
+        t.add_row(f"  {k[:-2].replace('_', ' ')}", f"{v * 1e3:.1f} ms")
+    same = s["microbatches"] == meas["microbatches"] and s["schedule"] == meas["schedule"]
+    t.add_row("measured step" + (" (the same run)" if same else f" ({meas['schedule']}, "
+              f"{meas['microbatches']} micro-batches)"), f"{meas['iteration_s'] * 1e3:.1f} ms")  # fmt: skip
+    console.print(t)

@@ -1,0 +1,128 @@
+"""autopart/calibrate.py: a measured trace gives back the per-action costs that made it, and
+replaying them on the schedule IR gives back its step time; the CLI path refuses what it cannot
+predict. (A real run's trace is read in tests/test_multirank.py::test_pipeline_trace_and_saved_bytes.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autopart import AutopartError
+from autopart.calibrate import load, measure, predict, trace_document
+from autopart.cli import main
+from autopart.schedule import generate
+from autopart.simulate import simulate_actions, to_chrome_trace
+
+P = 3
+OVERHEAD = 0.004
+
+
+def _costs(kind: str, stage: int, chunk: int) -> float:
+    """Distinct costs per (kind, stage, chunk): a wrong key in measure() shows."""
+    return (0.010 if kind == "F" else 0.021) + 0.001 * stage + 0.0003 * chunk
+
+
+def _fake_trace(schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1) -> tuple[dict, float]:
+    """A trace made by the simulator from known costs, as `autopart run --trace` writes one."""
+    actions = {r: generate(schedule, r, m, list(range(P)), dp=dp, v=v, tied=r in (0, P - 1), k=k)
+               for r in range(P)}  # fmt: skip
+
+    def cost(a):
+        if a.kind == "TIE_REDUCE":
+            return 0.002
+        if a.kind == "DP_REDUCE":
+            return 0.003
+        return _costs(a.kind, a.stage, a.chunk)
+
+    tl = simulate_actions(actions, cost, lambda a: 0.0015 if a.kind == "SEND_F" else 0.0007)
+    events = to_chrome_trace(tl.events)
+    for e in events:  # a real trace's clock starts anywhere
+        e["ts"] += 1.7e15
+    plan = {"schedule": schedule, "microbatches": m, "virtual_stages": v, "seq_chunks": k,
+            "dp": dp, "tp": 1, "pp": P}  # fmt: skip
+    header = {"plan": plan, "microbatch_size": 2, "microbatch_tokens": 2 * 64,
+              "step_s": tl.span + OVERHEAD, "ranks": {str(r): {"dp": 0, "tp": 0, "pp": r}
+                                                      for r in range(P)}}  # fmt: skip
+    return trace_document(events, header), tl.span
+
+
+@pytest.mark.parametrize(
+    "schedule,k,v", [("1f1b", 1, 1), ("gpipe", 1, 1), ("seq1f1b", 3, 1),
+                     ("interleaved-1f1b", 1, 2), ("seq1f1b-interleaved", 2, 2)],
+)  # fmt: skip
+def test_measure_recovers_the_costs_and_predict_the_step(schedule: str, k: int, v: int) -> None:
+    doc, span = _fake_trace(schedule, 6, k=k, v=v)
+    m = measure(doc["traceEvents"], doc["autopart"])
+    assert m.compute.keys() == {
+        (kind, s, c) for kind in "FB" for s in range(P * v) for c in range(k)
+    }
+    for key, seconds in m.compute.items():
+        assert seconds == pytest.approx(_costs(*key), abs=1e-6), key
+    assert m.transfer[("SEND_F", 0)] == pytest.approx(0.0015, abs=1e-6)
+    assert m.transfer[("SEND_B", 0)] == pytest.approx(0.0007, abs=1e-6)
+    assert m.tie_reduce == pytest.approx(0.002, abs=1e-6)
+    assert m.tied_pp_ranks == {0, P - 1}
+    assert m.overhead_s == pytest.approx(OVERHEAD, abs=1e-6)
+    same = predict(m)
+    assert same.summary["iteration_s"] == pytest.approx(span + OVERHEAD, abs=1e-5)
+    more = predict(m, microbatches=12)
+    assert more.summary["iteration_s"] > same.summary["iteration_s"]
+    assert more.summary["bubble_fraction"] < same.summary["bubble_fraction"]  # the bubble amortizes
+
+
+def test_dp_reduce_is_measured_per_stage() -> None:
+    doc, span = _fake_trace("1f1b", 4, dp=2)
+    m = measure(doc["traceEvents"], doc["autopart"])
+    assert set(m.dp_reduce) == set(range(P))
+    assert predict(m).summary["iteration_s"] == pytest.approx(span + OVERHEAD, abs=1e-5)
+
+
+def test_gpipe_from_a_1f1b_trace_has_the_same_work() -> None:
+    doc, _ = _fake_trace("1f1b", 6)
+    m = measure(doc["traceEvents"], doc["autopart"])
+    g = predict(m, schedule="gpipe").summary
+    assert g["breakdown"]["compute_s"] == pytest.approx(
+        predict(m).summary["breakdown"]["compute_s"]
+    )
+
+
+def test_refusals(tmp_path: Path) -> None:
+    doc, _ = _fake_trace("1f1b", 4)
+    m = measure(doc["traceEvents"], doc["autopart"])
+    with pytest.raises(AutopartError, match="cannot predict seq1f1b"):
+        predict(m, schedule="seq1f1b")
+    with pytest.raises(AutopartError, match="version"):
+        measure(doc["traceEvents"], {**doc["autopart"], "version": 99})
+    with pytest.raises(AutopartError, match="malformed"):
+        measure(doc["traceEvents"], {"version": 1, "plan": {}})
+    with pytest.raises(AutopartError, match="no trace file"):
+        load(tmp_path / "absent.json")
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"traceEvents": doc["traceEvents"]}))
+    with pytest.raises(AutopartError, match="not the trace of an autopart run"):
+        load(bare)
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc, span = _fake_trace("1f1b", 4)
+    trace = tmp_path / "run.json"
+    trace.write_text(json.dumps(doc))
+    assert main(["simulate", "--measured", str(trace), "--global-batch", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["microbatches"] == 8 and out["calibrated"] is True
+    assert out["measured"]["iteration_s"] == pytest.approx(span + OVERHEAD)
+    assert main(["simulate", "--measured", str(trace)]) == 0
+    assert "calibrated prediction" in capsys.readouterr().out
+    sim = tmp_path / "sim.json"
+    assert main(["simulate", "--measured", str(trace), "--trace", str(sim)]) == 0
+    assert {e["pid"] for e in json.loads(sim.read_text())["traceEvents"]} == set(range(P))
+    for argv, msg in ((["--global-batch", "5"], "not a whole number of micro-batches"),
+                      (["--tp", "2"], "--tp does not go with --measured"),
+                      (["--schedule", "seq1f1b"], "cannot predict seq1f1b")):  # fmt: skip
+        assert main(["simulate", "--measured", str(trace), *argv]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["simulate", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64",
+                 "--seq", "32", "--global-batch", "8"]) == 2  # fmt: skip
+    assert "simulate needs --gpus" in capsys.readouterr().err
