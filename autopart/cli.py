@@ -214,6 +214,9 @@ def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="shard the optimizer state over dp (Megatron's distributed optimizer)")  # fmt: skip
     s.add_argument("--trace", metavar="FILE", help="write the simulated pipeline as a Chrome trace")
+    s.add_argument("--ignore-memory", action="store_true",
+                   help="predict a plan even when it does not fit the GPUs' memory (default: "
+                   "refuse it, saying by how much and what would fit)")  # fmt: skip
     pl = sub.add_parser("plan", help="search for the fastest plan that fits in memory",
                         epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     _model_flags(pl)
@@ -399,8 +402,11 @@ def _simulate(a: argparse.Namespace) -> int:
                         sequence_parallel=a.sequence_parallel,
                         distributed_optimizer=a.distributed_optimizer,
                         attention=a.attention)  # fmt: skip
-    sim = simulate(_shape(a), a.cluster, strategy, record=bool(a.trace),
+    shape = _shape(a)
+    sim = simulate(shape, a.cluster, strategy, record=bool(a.trace),
                    extrapolate=False if a.trace else None)  # fmt: skip
+    if not sim.summary["fits"] and not a.ignore_memory:
+        _does_not_fit(shape, sim)
     if a.trace:
         with open(a.trace, "w") as f:
             json.dump({"traceEvents": sim.chrome_trace()}, f)
@@ -415,10 +421,31 @@ def _simulate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _does_not_fit(shape, sim) -> None:
+    """Refuse a simulated plan over the cluster's memory: by how much, and what would fit."""
+    from autopart.cluster import GIB
+    from autopart.planner import fitting_alternatives
+
+    mem = sim.summary["memory"]
+    over = mem["total"] - mem["usable"]
+    fits = fitting_alternatives(shape, sim.cluster, sim.strategy)
+    hint = ("; ".join(f"{alt.describe()} needs {need / GIB:.1f} GiB" for alt, need in fits)
+            if fits else "no single change fits")  # fmt: skip
+    raise AutopartError(
+        f"{sim.strategy.describe()} does not fit: rank {mem['rank']} needs {mem['total']:.1f} GiB "
+        f"per GPU ({mem['parameters']:.1f} parameters, {mem['gradients']:.1f} gradients, "
+        f"{mem['optimizer']:.1f} optimizer state, {mem['activations']:.1f} activations), "
+        f"{over:.1f} GiB over the {mem['usable']:.1f} usable on {sim.cluster.name}",
+        hint=f"these fit: {hint}. autopart plan searches all of them; --ignore-memory prints "
+        "the prediction anyway",
+    )
+
+
 _NOT_MEASURED = ("--model", "--shape", "--layers", "--hidden", "--heads", "--vocab", "--seq",
                  "--kv-heads", "--ffn", "--untied", "--cluster", "--gpus", "--tp", "--pp",
                  "--virtual-stages", "--micro-batch", "--seq-chunks", "--seq-split", "--recompute",
-                 "--sequence-parallel", "--attention", "--distributed-optimizer")  # fmt: skip
+                 "--sequence-parallel", "--attention", "--distributed-optimizer",
+                 "--ignore-memory")  # fmt: skip
 
 
 def _simulate_measured(a: argparse.Namespace) -> int:

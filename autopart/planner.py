@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -304,6 +304,45 @@ def search(
     stats["seconds"] = time.perf_counter() - t0
     rejected.sort(key=lambda x: x[0])
     return Search(ranked, stats, [text for _, text in rejected[:3]])
+
+
+def memory_need(shape: GPTShape, cluster: Cluster | str, st: Strategy) -> float:
+    """Bytes the fullest pipeline rank of ``st`` needs (static state + activation peak)."""
+    costs = CostModel(shape, load_cluster(cluster), st)
+    return max(sum(costs.static_bytes(r).values()) + _activation_peak(costs, r)
+               for r in range(st.pp))  # fmt: skip
+
+
+def fitting_alternatives(shape: GPTShape, cluster: Cluster | str, st: Strategy,
+                         limit: int = 3) -> list[tuple[Strategy, float]]:  # fmt: skip
+    """Plans one change away from ``st`` on the same GPUs that fit the cluster's memory, with
+    their need in bytes, fewest bytes first: a memory saver turned on (recompute, sequence
+    parallelism, the distributed optimizer), half the micro-batch, or twice the pp or tp (from
+    dp). For the error ``autopart simulate`` gives a plan that does not fit."""
+    cl = load_cluster(cluster)
+    changes: list[dict[str, Any]] = [{"recompute": rc} for rc in ("selective", "full")
+                                     if rc != st.recompute and st.recompute != "full"]  # fmt: skip
+    if st.tp > 1 and not st.sequence_parallel:
+        changes.append({"sequence_parallel": True})
+    if st.dp > 1 and not st.distributed_optimizer:
+        changes.append({"distributed_optimizer": True})
+    if st.micro_batch > 1:
+        changes.append({"micro_batch": st.micro_batch // 2})
+    if st.dp % 2 == 0:
+        changes += [{"pp": st.pp * 2, "dp": st.dp // 2}, {"tp": st.tp * 2, "dp": st.dp // 2}]
+    found = []
+    for change in changes:
+        alt = replace(st, **change)
+        try:
+            alt.check(shape)
+            if alt.tp > cl.gpus_per_node:
+                continue
+            need = memory_need(shape, cl, alt)
+        except AutopartError:
+            continue
+        if need <= cl.usable_bytes:
+            found.append((alt, need))
+    return sorted(found, key=lambda x: x[1])[:limit]
 
 
 def _static_peak(shape: GPTShape, st: Strategy) -> float:

@@ -339,3 +339,31 @@ def test_memory_units_are_gib() -> None:
     assert s["memory_gb_per_gpu"] == pytest.approx(total)
     assert s["memory"]["parameters"] * GIB == pytest.approx(2 * CostModel(
         SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).params[0])  # fmt: skip
+
+
+def test_cli_refuses_a_plan_that_does_not_fit(capsys) -> None:
+    """By how much, and which plans one change away fit (each checked to fit)."""
+    argv = ["simulate", "--shape", "megatron-1t", "--gpus", "3072", "--tp", "8", "--pp", "64",
+            "--virtual-stages", "2", "--schedule", "interleaved-1f1b", "--global-batch", "768",
+            "--attention", "unfused"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit: rank 0 needs 238.7 GiB" in err and "166.7 GiB over the 72.0 usable" in err
+    assert "these fit: tp=8 pp=64 dp=6 v=2 b=1 m=128 interleaved-1f1b recompute=full" in err
+    assert main([*argv, "--recompute", "full", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"]
+    assert main([*argv, "--ignore-memory", "--json"]) == 0
+    assert not json.loads(capsys.readouterr().out)["fits"]
+
+
+def test_fitting_alternatives_fit() -> None:
+    from autopart.planner import fitting_alternatives, memory_need
+
+    st = Strategy(tp=8, pp=16, dp=8, global_batch=512, micro_batch=4)
+    shape = SHAPES["gpt3-175b"]
+    assert memory_need(shape, A100, st) > A100.usable_bytes
+    alts = fitting_alternatives(shape, A100, st, limit=10)
+    assert alts, "a memory saver must fit 175B on 1024 GPUs"
+    for alt, need in alts:
+        assert need <= A100.usable_bytes
+        assert simulate(SHAPES["gpt3-175b"], A100, alt, record=False).summary["fits"]
