@@ -40,11 +40,13 @@ def parallelize(
     bucket_mb: float = 25.0,
     max_stage_memory_gb: float | None = None,
     timeout_s: float = 300.0,
+    compile: bool = False,
 ) -> Any:
     """Compile ``model`` for ``mesh``: a ``Program`` offline, the local ``Runner`` if live.
 
     ``example_inputs`` is ``(input_ids, labels)``, int64 ``(batch, seq)``; not needed when
-    ``model`` is already a ``Captured``.
+    ``model`` is already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
+    through ``torch.compile`` (Inductor), as ``autopart run --compile`` does.
     """
     offline, live = mesh_from(mesh)
     plan = Plan(offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb,
@@ -62,7 +64,7 @@ def parallelize(
         return program
     from autopart.runtime.runner import Runner
 
-    return Runner.from_program(program, live, timeout_s=timeout_s)
+    return Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -11,7 +11,8 @@ Megatron's conjugate pair over the tensor-parallel group:
 Sequence parallelism's pair: ``autopart::tp_gather`` (all-gather along a dim forward,
 reduce-scatter backward) and ``autopart::tp_scatter_reduce`` (reduce-scatter forward,
 all-gather backward). ``autopart::vocab_parallel_ce`` is the summed cross entropy of logits
-sharded by vocabulary: only [N]-sized tensors (max, sum of exp, target logit) cross ranks.
+sharded by vocabulary: only [N]-sized tensors (each slice's max, sum of exp and target logit,
+in one all-gather) cross ranks.
 
 Groups are named ("tp", "dp", ...) in the graph; ``bind(name, group)`` tells this process which
 ProcessGroup a name means. Every wait has a timeout; its error names the rank, the op and the
@@ -217,14 +218,17 @@ def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, tp_rank: torch
     Returns (loss_sum, row max [N], row sum of exp [N]); the last two are for the backward.
     """
     n_local = logits.shape[-1]
-    start = int(tp_rank) * n_local
-    row_max = _all_reduce(logits.detach().max(-1).values, group, dist.ReduceOp.MAX)  # [N]
-    shifted = logits - row_max[:, None]
-    sum_exp = _all_reduce(shifted.exp().sum(-1), group)  # [N]
-    local = labels - start
+    local = labels - int(tp_rank) * n_local
     mine = (local >= 0) & (local < n_local)
-    target = shifted.gather(1, local.clamp(0, n_local - 1)[:, None]).squeeze(1) * mine
-    target = _all_reduce(target, group)  # [N]: the target's shifted logit, from its owner
+    my_max = logits.detach().max(-1).values  # [N]
+    my_sum = (logits - my_max[:, None]).exp().sum(-1)  # [N], relative to this slice's max
+    my_target = logits.gather(1, local.clamp(0, n_local - 1)[:, None]).squeeze(1) * mine
+    # one collective for the three [N] statistics (latency, not bytes, is what a
+    # collective costs at this size): every rank combines all slices' the same way
+    every = _all_gather(torch.stack([my_max, my_sum, my_target])[None], 0, group)  # [tp, 3, N]
+    row_max = every[:, 0].max(0).values
+    sum_exp = (every[:, 1] * (every[:, 0] - row_max).exp()).sum(0)
+    target = every[:, 2].sum(0) - row_max  # the target's shifted logit, from its owner
     valid = labels != -100
     loss = ((sum_exp.log() - target) * valid).sum()
     return loss, row_max, sum_exp

@@ -125,14 +125,15 @@ def test_tensor_parallel_collectives_as_run() -> None:
     plain = runs[False]
     # forward: 2 all-reduces per block + the vocab embedding; backward: 2 per block + the LM head
     assert plain.count(("all_reduce", bsh)) == 2 * 2 + 1 + 2 * 2 + 1
-    # the vocab-parallel loss moves only [b·s] tensors: max, sum of exp, target logit
-    assert plain.count(("all_reduce", bs)) == 3
-    assert len(plain) == 13, plain
+    # the vocab-parallel loss moves only [b·s] tensors: max, sum of exp, target logit, gathered
+    # in one collective
+    assert plain.count(("all_gather", (1, 3, *bs))) == 1
+    assert len(plain) == 11, plain
     sp = runs[True]
     assert sp.count(("reduce_scatter", bsh)) == 5 + 5  # forward g's, backward of the gathers
     assert sp.count(("all_gather", (8, 16, 32))) == 5 + 5  # forward f's, backward of the scatters
     assert ("all_reduce", bsh) not in sp
-    assert sp.count(("all_reduce", bs)) == 3
+    assert sp.count(("all_gather", (1, 3, *bs))) == 1
     drop = next(d for d in lines if "dropout_split" in d)
     # per block: attention probabilities split over heads; embedding/residual dropouts replicated
     assert drop["dropout_split"].count(True) == 2 and drop["dropout_split"].count(False) == 5

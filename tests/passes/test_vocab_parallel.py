@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import Case
 from torch import fx
@@ -145,14 +144,14 @@ def test_vocab_parallel_ce_matches_cross_entropy(ignored: float, monkeypatch) ->
     logits = (torch.randn(N, V, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
     labels = torch.randint(0, V, (N,), generator=g)
     labels[torch.rand(N, generator=g) < ignored] = -100
-    reduced: list[tuple[int, ...]] = []
-    real = collectives._all_reduce
+    moved: list[tuple[int, ...]] = []
+    real = collectives._all_gather
 
-    def spy(x, group, op=None):
-        reduced.append(tuple(x.shape))
-        return real(x, group, op)
+    def spy(x, dim, group):
+        moved.append(tuple(x.shape))
+        return real(x, dim, group)
 
-    monkeypatch.setattr(collectives, "_all_reduce", spy)
+    monkeypatch.setattr(collectives, "_all_gather", spy)
     with solo_tp():
         loss, row_max, sum_exp = torch.ops.autopart.vocab_parallel_ce(
             logits, labels, torch.tensor(0), "tp"
@@ -167,12 +166,12 @@ def test_vocab_parallel_ce_matches_cross_entropy(ignored: float, monkeypatch) ->
     assert (grad[labels == -100] == 0).all()
     if ignored == 1.0:
         assert loss.item() == 0.0
-    assert reduced == [(N,)] * 3  # row max, sum of exp, target logit: nothing [N, V]
+    assert moved == [(1, 3, N)]  # one gather of row max, sum of exp, target logit: nothing [N, V]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_ce_over_threaded_ranks(tp: int, monkeypatch) -> None:
-    """tp ranks as threads of this process, all-reducing through shared memory: each rank's
+    """tp ranks as threads of this process, gathering through shared memory: each rank's
     loss is the full summed CE and its gradient is its vocabulary slice of the full gradient."""
     g = torch.Generator().manual_seed(2)
     N, V = 29, 12 * tp
@@ -181,15 +180,14 @@ def test_vocab_parallel_ce_over_threaded_ranks(tp: int, monkeypatch) -> None:
     labels[::5] = -100
     barrier, slots, me = threading.Barrier(tp, timeout=30), [None] * tp, threading.local()
 
-    def all_reduce(x, group, op=None):
+    def all_gather(x, dim, group):
         slots[me.rank] = x.detach().clone()
         barrier.wait()
-        stacked = torch.stack(slots)
-        out = stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0)
+        out = torch.cat(slots, dim)
         barrier.wait()
         return out
 
-    monkeypatch.setattr(collectives, "_all_reduce", all_reduce)
+    monkeypatch.setattr(collectives, "_all_gather", all_gather)
     results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     errors: list[BaseException] = []
 
