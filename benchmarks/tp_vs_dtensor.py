@@ -21,6 +21,7 @@ by Colwise into [q, half of k] | [other half of k, v], not per-head q|k|v. Setti
 forward that reads the local width from ``n_embd`` (what Megatron/torchtitan attention does).
 
     python benchmarks/tp_vs_dtensor.py
+    python benchmarks/tp_vs_dtensor.py --width 64 --seq 32 --batch 2   # a dispatch-bound size
 """
 
 from __future__ import annotations
@@ -44,8 +45,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from nanogpt import GPT, GPTConfig, batch  # noqa: E402
 
-CFG = GPTConfig(n_layer=4, n_embd=256, n_head=8, vocab_size=1024, block_size=128, dropout=0.0)
-BATCH, SEQ, WARMUP, ITERS, TP, RTOL = 8, 128, 3, 10, 2, 1e-4
+WARMUP, ITERS, TP, RTOL = 3, 10, 2, 1e-4
+CFG, BATCH, SEQ = None, 8, 128  # set by configure(): the defaults are 4 x 256, batch 8 x 128
+
+
+def configure(width: int = 256, seq: int = 128, batch_size: int = 8) -> None:
+    """The model and batch of this run (``--width/--seq/--batch``; the workers get the same)."""
+    global CFG, BATCH, SEQ
+    CFG = GPTConfig(n_layer=4, n_embd=width, n_head=8, vocab_size=1024, block_size=seq,
+                    dropout=0.0)  # fmt: skip
+    BATCH, SEQ = batch_size, seq
+
+
+configure()
 
 
 def build() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
@@ -150,7 +162,8 @@ def main() -> int:
     torch.set_num_threads(1)
     model, (x, y) = build()
     results = bench({"single": (lambda: torch_step(model, x, y), list(model.parameters()))})
-    ranks = run_workers(__file__, TP)
+    ranks = run_workers(__file__, TP, "--width", str(CFG.n_embd), "--seq", str(SEQ), "--batch",
+                        str(BATCH))  # fmt: skip
     if ranks is None:
         return 2
     results.update(ranks)
@@ -189,7 +202,11 @@ def main() -> int:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", metavar="RESULT_JSON", help="internal: run as a torchrun rank")
+    ap.add_argument("--width", type=int, default=256, help="model width (default 256, 8 heads)")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     args = ap.parse_args()
+    configure(args.width, args.seq, args.batch)
     if args.worker:
         worker(args.worker)
     else:
