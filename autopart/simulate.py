@@ -447,12 +447,12 @@ def _embed_head(shape: GPTShape, cl: Cluster, tp: int, sp: bool, b: int,
     emb_tp_b = _gather(t, 2 * T * h, link) if sp else 0.0
     embed = UnitCost(_mem(cl, 6 * T * h, 2), emb_tp_f, _mem(cl, 6 * T * h, 2), emb_tp_b,
                      T * h * r, 0.0, 0.0)  # fmt: skip
-    # head: final LayerNorm, logits (T × V/t), vocab-parallel cross entropy in fp32 (three
-    # all-reduces of T floats); SP all-gathers the head's input, without SP its gradient is
-    # all-reduced in the backward
+    # head: final LayerNorm, logits (T × V/t), vocab-parallel cross entropy in fp32 (one
+    # all-gather of each rank's 3 × T statistics); SP all-gathers the head's input, without SP
+    # its gradient is all-reduced in the backward
     mm_f, mm_b = _gemm_fb(cl, T, h, V / t)
     ce = 10 * T * V / t
-    tp_f = (_gather(t, 2 * T * h, link) if sp else 0.0) + 3 * _allreduce(t, 4 * T, link)
+    tp_f = (_gather(t, 2 * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
     tp_b = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
     head = UnitCost(mm_f + _mem(cl, ce + 4 * T * h * r, 4), tp_f,
                     mm_b + _mem(cl, ce + 8 * T * h * r, 4), tp_b,
