@@ -25,7 +25,6 @@ TRACE`` is the command line for it; ``benchmarks/calibration.py`` checks it agai
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from autopart.errors import AutopartError
 from autopart.schedule import generate
 from autopart.schedule.ir import Action
 from autopart.simulate import Timeline, simulate_actions
-from autopart.timeline import blocks
+from autopart.timeline import blocks, read_json
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
 VERSION = 1
@@ -69,14 +68,7 @@ class Measured:
 
 def load(path: str | Path) -> Measured:
     """``measure`` the trace file of ``autopart run DIR --trace FILE``."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise AutopartError(f"no trace file {path}",
-                            hint="measure a run first: autopart run DIR --steps 3 --trace FILE") from None  # fmt: skip
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AutopartError(f"{path} is not a readable trace JSON: {exc}") from None
+    data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get(HEADER), dict):
         raise AutopartError(f"{path} has no {HEADER!r} header, so it is not the trace of an "
                             "autopart run (a simulated trace or another tool's cannot calibrate)",

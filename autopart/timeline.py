@@ -122,16 +122,21 @@ def busy_fractions(events: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
-def load_trace(path: str | Path) -> list[dict[str, Any]]:
-    """The events of a Chrome/Perfetto trace JSON: ``{"traceEvents": [...]}`` or a bare list."""
+def read_json(path: str | Path) -> Any:
+    """A trace file's parsed JSON, or an ``AutopartError`` saying why it cannot be read."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise AutopartError(f"no trace file {path}",
-                            hint="write one with: autopart run DIR --trace FILE.json") from None  # fmt: skip
+                            hint="write one with: autopart run DIR --steps 3 --trace FILE.json") from None  # fmt: skip
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AutopartError(f"{path} is not a readable trace JSON: {exc}") from None
+
+
+def load_trace(path: str | Path) -> list[dict[str, Any]]:
+    """The events of a Chrome/Perfetto trace JSON: ``{"traceEvents": [...]}`` or a bare list."""
+    data = read_json(path)
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise AutopartError(
