@@ -6,7 +6,8 @@ parameter shards as DTensors on a ``("pp", "dp", "tp")`` device mesh (``Shard(di
 writes every slice once. ``load(path, runner, optimizer)`` reads the slices this rank needs under
 *its* layout, whatever the layout that saved them (tp=2 × pp=2 → pp=4, dp=4, tp=4, one device).
 ``export_state_dict(path)`` rebuilds the plain single-device state dict of the original model
-(no process group needed). See docs/checkpoint.md for the format and the rules.
+(no process group needed). A ZeRO-1 optimizer's state is saved by the dp rank that holds it
+and loaded by the one that owns it now. See docs/checkpoint.md for the format and the rules.
 
 Keys, all by the model's global FQN:
 
@@ -80,7 +81,6 @@ def save(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
     _need_dist("save")
     path = Path(path)
     rng = torch.get_rng_state()  # first: nothing below may draw from the generator before it
-    _refuse_zero(optimizer)
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
@@ -136,7 +136,6 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
     path = Path(path)
     info = read_info(path)
     meta = _metadata(path)
-    _refuse_zero(optimizer)
     _mesh(runner)  # collective the first time: every rank, whatever it holds
     rank, program = runner.rank, runner.program
     mesh_now = {d: getattr(runner.plan.mesh, d) for d in ("pp", "dp", "tp")}
@@ -162,8 +161,9 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
         done.append(lambda p=p, build=build: _copy_into(p, build()))
     if optimizer is not None:
         states = _saved_states(meta)
+        holder, owned = _holder(optimizer)
         for fqn, p in runner.params.items():
-            names = states.get(fqn, [])
+            names = states.get(fqn, []) if owned is None or id(p) in owned else []
             builds = {}
             for name in names:
                 scalar = meta.get(key(fqn, state=name))
@@ -178,7 +178,7 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
                     request.update(want)
                     builds[name] = build
             if builds:
-                done.append(lambda p=p, b=builds: optimizer.state.__setitem__(
+                done.append(lambda p=p, b=builds: holder.state.__setitem__(
                     p, {n: f() for n, f in b.items()}))  # fmt: skip
     rng_key = _rng_key(rank)
     same = info["mesh"] == mesh_now and rng_key in meta
@@ -357,11 +357,12 @@ def _buffer_names(runner: Any) -> set[str]:
 def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     out: dict[str, Any] = {}
     known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    holder, _ = _holder(optimizer)
     for fqn, p in runner.params.items():
         if id(p) not in known:
             raise AutopartError(f"rank {runner.rank}: the optimizer does not hold parameter {fqn}",
                                 hint="build the optimizer from runner.parameters()")  # fmt: skip
-        for name, v in optimizer.state.get(p, {}).items():
+        for name, v in holder.state.get(p, {}).items():
             if not isinstance(v, torch.Tensor):
                 raise AutopartError(f"rank {runner.rank}: optimizer state {name!r} of {fqn} is a "
                                     f"{type(v).__name__}, not a tensor",
@@ -391,12 +392,16 @@ def _optim_info(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | Non
     return {"class": type(optimizer).__name__, "param_groups": groups}
 
 
-def _refuse_zero(optimizer: Any) -> None:
+def _holder(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, set[int] | None]:
+    """The optimizer whose ``state`` holds this rank's optimizer state, and the ids of the
+    parameters whose state it holds (None: all). A ZeRO-1 optimizer keeps the state of its
+    partition only, in its local optimizer: each dp rank saves the states it owns, and on load
+    asks for the states of the parameters it owns now (the partition may have changed)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise AutopartError("checkpoints of a ZeRO-1 optimizer (--zero) are not supported yet",
-                            hint="train without --zero to checkpoint the AdamW state")  # fmt: skip
+        return optimizer.optim, {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
+    return optimizer, None
 
 
 # -- what each rank loads -----------------------------------------------------------------------

@@ -221,10 +221,6 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
         if used:
             raise AutopartError(f"{used[0]} needs --checkpoint-dir",
                                 hint="add --checkpoint-dir DIR (a folder all ranks can write)")  # fmt: skip
-    elif args.zero:
-        raise AutopartError("--checkpoint-dir with --zero is not supported yet: the ZeRO-1 "
-                            "optimizer state is sharded in a way checkpoints do not record",
-                            hint="drop --zero to checkpoint the AdamW state")  # fmt: skip
 
 
 def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
