@@ -74,10 +74,12 @@ def torch_step(model, x, y) -> torch.Tensor:
 
 def bench(runs: dict, sync=lambda: None) -> dict[str, tuple[float, list[float]]]:
     """``runs``: name -> (step, params). Steps of the runs alternate, so that background load
-    hits them alike. Returns name -> (step-0 loss, times in s of ITERS steps after WARMUP)."""
+    hits them alike, and their order flips every iteration (the second of two back-to-back
+    runs measured ~10 ms faster here whichever it was). Returns name -> (step-0 loss, times in
+    s of ITERS steps after WARMUP)."""
     out = {name: (None, []) for name in runs}
     for i in range(WARMUP + ITERS):
-        for name, (step, params) in runs.items():
+        for name, (step, params) in list(runs.items())[:: -1 if i % 2 else 1]:
             for p in params:
                 p.grad = None
             sync()
