@@ -52,6 +52,7 @@ class Measured:
     schedule: str
     pp: int
     dp: int
+    tp: int
     virtual_stages: int
     microbatches: int
     seq_chunks: int
@@ -121,7 +122,7 @@ def measure(
             transfer.setdefault((key[0], key[5]), []).append((end - sent) * 1e-6)
     span = (max(b.end for b in bs) - min(b.start for b in bs)) * 1e-6
     return Measured(
-        schedule=str(plan["schedule"]), pp=pp, dp=int(plan["dp"]),
+        schedule=str(plan["schedule"]), pp=pp, dp=int(plan["dp"]), tp=int(plan.get("tp", 1)),
         virtual_stages=int(plan["virtual_stages"]), microbatches=int(plan["microbatches"]),
         seq_chunks=int(plan["seq_chunks"]), microbatch_size=int(header.get("microbatch_size", 0)),
         microbatch_tokens=int(header.get("microbatch_tokens", 0)),
@@ -194,6 +195,7 @@ def predict(m: Measured, microbatches: int | None = None, schedule: str | None =
         "schedule": name,
         "pp": m.pp,
         "dp": m.dp,
+        "tp": m.tp,
         "virtual_stages": m.virtual_stages,
         "seq_chunks": m.seq_chunks,
         "microbatches": mb,
@@ -224,7 +226,7 @@ def print_prediction(summary: dict[str, Any], console: Any) -> None:
     s, meas = summary, summary["measured"]
     chunks = f", {s['seq_chunks']} chunks" if s["seq_chunks"] > 1 else ""
     virtual = f", v={s['virtual_stages']}" if s["virtual_stages"] > 1 else ""
-    console.print(f"calibrated prediction: {s['schedule']}, pp={s['pp']} dp={s['dp']}{virtual}"
+    console.print(f"calibrated prediction: {s['schedule']}, pp={s['pp']} tp={s['tp']} dp={s['dp']}{virtual}"
                   f"{chunks}, {s['microbatches']} micro-batches (costs measured on "
                   f"{meas['schedule']}, {meas['microbatches']} micro-batches)")  # fmt: skip
     t = Table(show_header=False, box=None)
