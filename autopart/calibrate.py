@@ -104,9 +104,10 @@ def measure(
         a, dur = b.action, b.dur * 1e-6
         if b.kind in ("F", "B"):
             compute.setdefault((b.kind, a.stage, a.chunk), []).append(dur)
-        elif b.kind == "DP_REDUCE":
-            for stage in _stages_of(pp_of[b.rank], pp, int(plan["virtual_stages"])):
-                dp_reduce.setdefault(stage, []).append(dur)
+        elif b.kind == "DP_REDUCE":  # one wait for all of the rank's stages: split evenly
+            stages = _stages_of(pp_of[b.rank], pp, int(plan["virtual_stages"]))
+            for stage in stages:
+                dp_reduce.setdefault(stage, []).append(dur / len(stages))
         elif b.kind == "TIE_REDUCE":
             tie.append(dur)
         elif b.kind in ("SEND_F", "SEND_B"):
