@@ -7,9 +7,12 @@ the simulator needs:
 
 - **compute**: the median duration of each ``F`` and ``B`` per (kind, stage, chunk), over every
   micro-batch and every rank holding that stage (tp and dp ranks of a stage run in lockstep);
-- **reductions**: the shortest ``TIE_REDUCE`` and, per stage, ``DP_REDUCE`` over the ranks:
-  every rank waits in them until the last one arrives, so the shortest wait is the collective
-  itself (for ``DP_REDUCE``, the part of the gradient all-reduce not overlapped with backward);
+- **reductions**: the shortest ``TIE_REDUCE`` over the ranks (every rank waits in it until the
+  last one arrives, so the shortest wait is the collective itself); for ``DP_REDUCE``, the time
+  from the start of the rank's last ``B`` to the end of its wait, the shortest over the ranks of
+  a pipeline rank, charged to the stage of that last ``B`` (its other stages get 0). The
+  simulator starts a stage's reduction at the start of its last ``B``, so this reproduces the
+  measured wait exactly; the part hidden behind earlier stages' backwards is not observable;
 - **transfer**: the latency of a pipeline send, read from the trace itself: for each ``RECV``
   posted before its matching ``SEND`` began (the receiver was waiting), the time from the send's
   start to the receive's end; the median per (direction, chunk), and for a chunk whose receiver
@@ -34,7 +37,7 @@ from autopart.errors import AutopartError
 from autopart.schedule import generate
 from autopart.schedule.ir import Action
 from autopart.simulate import Timeline, simulate_actions
-from autopart.timeline import blocks, read_json
+from autopart.timeline import Block, blocks, read_json
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
 VERSION = 1
@@ -87,9 +90,13 @@ def measure(
     try:
         plan, coords = header["plan"], {int(r): c for r, c in header["ranks"].items()}
         step_s = float(header["step_s"])
-        pp = int(plan["pp"])
         pp_of = {r: int(c["pp"]) for r, c in coords.items()}
-    except (KeyError, TypeError, ValueError) as exc:
+        layout = {k: int(plan[k]) for k in ("pp", "dp", "virtual_stages", "microbatches",
+                                             "seq_chunks")}  # fmt: skip
+        layout["tp"] = int(plan.get("tp", 1))
+        schedule = str(plan["schedule"])
+        sizes = (int(header.get("microbatch_size", 0)), int(header.get("microbatch_tokens", 0)))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise AutopartError(f"{source}: malformed {HEADER!r} header ({exc!r} missing or wrong)",
                             hint="re-measure with: autopart run DIR --trace FILE") from None  # fmt: skip
     bs = [b for b in blocks(events) if b.action is not None]
@@ -100,14 +107,21 @@ def measure(
     tie: list[float] = []
     sends: dict[tuple, float] = {}
     recvs: list[tuple[tuple, float, float]] = []
-    for b in bs:
+    last_b: dict[int, Block] = {}  # rank → its last B
+    for b in sorted(bs, key=lambda b: b.start):
         a, dur = b.action, b.dur * 1e-6
+        if b.rank not in pp_of:
+            raise AutopartError(f"{source}: an event of rank {b.rank}, which the header's ranks "
+                                "do not list", hint="re-measure with: autopart run DIR --trace FILE")  # fmt: skip
         if b.kind in ("F", "B"):
             compute.setdefault((b.kind, a.stage, a.chunk), []).append(dur)
-        elif b.kind == "DP_REDUCE":  # one wait for all of the rank's stages: split evenly
-            stages = _stages_of(pp_of[b.rank], pp, int(plan["virtual_stages"]))
-            for stage in stages:
-                dp_reduce.setdefault(stage, []).append(dur / len(stages))
+            if b.kind == "B":
+                last_b[b.rank] = b
+        elif b.kind == "DP_REDUCE":  # reproduces the simulator's rule (module docstring)
+            last = last_b.get(b.rank)
+            if last is not None:
+                seconds = max(0.0, b.end - last.start) * 1e-6
+                dp_reduce.setdefault(last.action.stage, []).append(seconds)
         elif b.kind == "TIE_REDUCE":
             tie.append(dur)
         elif b.kind in ("SEND_F", "SEND_B"):
@@ -123,10 +137,7 @@ def measure(
             transfer.setdefault((key[0], key[5]), []).append((end - sent) * 1e-6)
     span = (max(b.end for b in bs) - min(b.start for b in bs)) * 1e-6
     return Measured(
-        schedule=str(plan["schedule"]), pp=pp, dp=int(plan["dp"]), tp=int(plan.get("tp", 1)),
-        virtual_stages=int(plan["virtual_stages"]), microbatches=int(plan["microbatches"]),
-        seq_chunks=int(plan["seq_chunks"]), microbatch_size=int(header.get("microbatch_size", 0)),
-        microbatch_tokens=int(header.get("microbatch_tokens", 0)),
+        schedule=schedule, **layout, microbatch_size=sizes[0], microbatch_tokens=sizes[1],
         tied_pp_ranks=frozenset(pp_of[b.rank] for b in bs if b.kind == "TIE_REDUCE"),
         step_s=step_s,
         compute={k: statistics.median(v) for k, v in compute.items()},
@@ -135,10 +146,6 @@ def measure(
         tie_reduce=min(tie) if tie else 0.0,
         overhead_s=max(0.0, step_s - span),
     )  # fmt: skip
-
-
-def _stages_of(r: int, pp: int, v: int) -> list[int]:
-    return [r + j * pp for j in range(v)]
 
 
 @dataclass(frozen=True)
@@ -190,7 +197,15 @@ def predict(m: Measured, microbatches: int | None = None, schedule: str | None =
 
     tl = simulate_actions(actions, cost, transfer, record=record)
     step = tl.span + m.overhead_s
-    busy = max(rt.busy for rt in tl.ranks.values())
+    ranks = tl.ranks.values()
+    parts = {  # means over the pipeline ranks: with the bubble and the overhead, they add up
+        "compute_s": sum(rt.busy for rt in ranks) / m.pp,
+        "pp_comm_s": sum(rt.recv_exposed for rt in ranks) / m.pp,
+        "dp_comm_s": sum(rt.dp_wait for rt in ranks) / m.pp,
+        "tie_comm_s": sum(rt.tie_wait for rt in ranks) / m.pp,
+    }
+    parts["bubble_s"] = tl.span - sum(parts.values())
+    parts["overhead_s"] = m.overhead_s
     summary = {
         "calibrated": True,
         "schedule": name,
@@ -202,15 +217,8 @@ def predict(m: Measured, microbatches: int | None = None, schedule: str | None =
         "microbatches": mb,
         "iteration_s": step,
         "tokens_per_s": mb * m.microbatch_tokens * m.dp / step if m.microbatch_tokens else None,
-        "bubble_fraction": tl.bubble_fraction,
-        "breakdown": {
-            "compute_s": busy,
-            "pp_comm_s": max(rt.recv_exposed for rt in tl.ranks.values()),
-            "dp_comm_s": max(rt.dp_wait for rt in tl.ranks.values()),
-            "tie_comm_s": max(rt.tie_wait for rt in tl.ranks.values()),
-            "bubble_s": tl.span - busy,
-            "overhead_s": m.overhead_s,
-        },
+        "bubble_fraction": parts["bubble_s"] / step,
+        "breakdown": parts,
         "measured": {
             "microbatches": m.microbatches,
             "schedule": m.schedule,

@@ -185,8 +185,13 @@ def _model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None
 def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
     from autopart.simulate import ATTENTION, RECOMPUTE
 
-    s = sub.add_parser("simulate", help="predict one training iteration on a GPU cluster",
-                       epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    s = sub.add_parser(
+        "simulate",
+        help="predict one training iteration on a GPU cluster",
+        epilog=SIM_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )  # fmt: skip  (--measured must see every flag given)
     _model_flags(s, gpus_required=False)
     s.add_argument("--measured", metavar="TRACE",
                    help="replay the per-action costs of a real run here (the trace of autopart run "
@@ -429,15 +434,16 @@ def _does_not_fit(shape, sim) -> None:
     mem = sim.summary["memory"]
     over = mem["total"] - mem["usable"]
     fits = fitting_alternatives(shape, sim.cluster, sim.strategy)
-    hint = ("; ".join(f"{alt.describe()} needs {need / GIB:.1f} GiB" for alt, need in fits)
-            if fits else "no single change fits")  # fmt: skip
+    hint = ("these fit: " + "; ".join(f"{alt.describe()} needs {need / GIB:.1f} GiB"
+                                       for alt, need in fits) + "." if fits else
+            "no single change of layout fits; more GPUs or a smaller model may.")  # fmt: skip
     raise AutopartError(
         f"{sim.strategy.describe()} does not fit: rank {mem['rank']} needs {mem['total']:.1f} GiB "
         f"per GPU ({mem['parameters']:.1f} parameters, {mem['gradients']:.1f} gradients, "
         f"{mem['optimizer']:.1f} optimizer state, {mem['activations']:.1f} activations), "
         f"{over:.1f} GiB over the {mem['usable']:.1f} usable on {sim.cluster.name}",
-        hint=f"these fit: {hint}. autopart plan searches all of them; --ignore-memory prints "
-        "the prediction anyway",
+        hint=f"{hint} autopart plan searches every layout; --ignore-memory prints the "
+        "prediction anyway",
     )
 
 
@@ -473,6 +479,12 @@ def _simulate_measured(a: argparse.Namespace) -> int:
                                 f"micro-batches of {m.microbatch_size} sequences on {m.dp} dp ranks",
                                 hint=f"use a multiple of {per} (the run measured {per * m.microbatches})")  # fmt: skip
         mb = a.global_batch // per
+    name = a.schedule or m.schedule
+    if "interleaved" in name and m.pp > 1 and (mb or m.microbatches) % m.pp:
+        per_round = m.dp * m.microbatch_size * m.pp
+        raise AutopartError(f"{name} needs a multiple of pp={m.pp} micro-batches; --global-batch "
+                            f"{a.global_batch} gives {mb}",
+                            hint=f"use a multiple of {per_round} for --global-batch")  # fmt: skip
     pred = predict(m, microbatches=mb, schedule=a.schedule, record=bool(a.trace))
     if a.trace:
         from autopart.simulate import to_chrome_trace

@@ -221,15 +221,22 @@ def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, tp_rank: torch
     local = labels - int(tp_rank) * n_local
     mine = (local >= 0) & (local < n_local)
     my_max = logits.detach().max(-1).values  # [N]
-    my_sum = (logits - my_max[:, None]).exp().sum(-1)  # [N], relative to this slice's max
-    my_target = logits.gather(1, local.clamp(0, n_local - 1)[:, None]).squeeze(1) * mine
+    # a slice of only -inf (a masked block) has no finite max to shift by: it adds exp = 0
+    shift = torch.where(my_max.isfinite(), my_max, torch.zeros_like(my_max))
+    my_sum = (logits - shift[:, None]).exp().sum(-1)  # [N], relative to this slice's max
+    picked = logits.gather(1, local.clamp(0, n_local - 1)[:, None]).squeeze(1)
+    my_target = torch.where(mine, picked, torch.zeros_like(picked))  # -inf * 0 would be NaN
     # one collective for the three [N] statistics (latency, not bytes, is what a
     # collective costs at this size): every rank combines all slices' the same way
     every = _all_gather(torch.stack([my_max, my_sum, my_target])[None], 0, group)  # [tp, 3, N]
+    vocab, valid = n_local * every.shape[0], labels != -100
+    wrong = valid & ((labels < 0) | (labels >= vocab))  # every tp rank holds the same labels
+    if bool(wrong.any()):
+        raise AutopartError(f"label {int(labels[wrong][0])} is outside the vocabulary [0, {vocab})",
+                            hint="labels are token ids, or -100 at positions the loss ignores")  # fmt: skip
     row_max = every[:, 0].max(0).values
     sum_exp = (every[:, 1] * (every[:, 0] - row_max).exp()).sum(0)
     target = every[:, 2].sum(0) - row_max  # the target's shifted logit, from its owner
-    valid = labels != -100
     loss = ((sum_exp.log() - target) * valid).sum()
     return loss, row_max, sum_exp
 

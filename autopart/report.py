@@ -97,7 +97,7 @@ _COLLECTIVES = {
     "tp_gather": "all-gather fwd / reduce-scatter bwd",
     "tp_scatter_reduce": "reduce-scatter fwd / all-gather bwd",
     "tp_all_reduce_grad": "all-reduce of the gradient",
-    "vocab_parallel_ce": "3 all-reduces of \\[b·s] (max, sum exp, target); bytes: local logits",
+    "vocab_parallel_ce": "1 all-gather of \\[3, b·s] (max, sum exp, target); bytes: local logits",
 }
 
 

@@ -69,7 +69,7 @@ def _loss(gm: fx.GraphModule) -> fx.Node:
     )[:4]
     if weight is not None or reduction != 2 or ignore != -100 or smoothing:
         raise AutopartError(f"loss node {ce.format_node()} is not a plain summed cross entropy",
-                            hint="vocab-parallel loss supports no class weights and no label smoothing")  # fmt: skip
+                            hint="capture adds the loss as summed CE with ignore_index=-100, no class weights, no label smoothing; pass a graph from autopart.capture unchanged, or run without vocabulary parallelism")  # fmt: skip
     return ce
 
 

@@ -24,7 +24,8 @@ def _costs(kind: str, stage: int, chunk: int) -> float:
     return (0.010 if kind == "F" else 0.021) + 0.001 * stage + 0.0003 * chunk
 
 
-def _fake_trace(schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1) -> tuple[dict, float]:
+def _fake_trace(schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1,
+                dp_cost: float = 0.003) -> tuple[dict, float]:  # fmt: skip
     """A trace made by the simulator from known costs, as `autopart run --trace` writes one."""
     actions = {r: generate(schedule, r, m, list(range(P)), dp=dp, v=v, tied=r in (0, P - 1), k=k)
                for r in range(P)}  # fmt: skip
@@ -33,7 +34,7 @@ def _fake_trace(schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1) -> t
         if a.kind == "TIE_REDUCE":
             return 0.002
         if a.kind == "DP_REDUCE":
-            return 0.003
+            return dp_cost
         return _costs(a.kind, a.stage, a.chunk)
 
     tl = simulate_actions(actions, cost, lambda a: 0.0015 if a.kind == "SEND_F" else 0.0007)
@@ -72,11 +73,26 @@ def test_measure_recovers_the_costs_and_predict_the_step(schedule: str, k: int, 
     assert more.summary["bubble_fraction"] < same.summary["bubble_fraction"]  # the bubble amortizes
 
 
-def test_dp_reduce_is_measured_per_stage() -> None:
-    doc, span = _fake_trace("1f1b", 4, dp=2)
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("dp_cost", [0.003, 0.05, 0.2])  # hidden behind the last B, or not
+def test_dp_reduce_wait_is_reproduced(schedule: str, v: int, dp_cost: float) -> None:
+    doc, span = _fake_trace(schedule, 6, v=v, dp=2, dp_cost=dp_cost)
     m = measure(doc["traceEvents"], doc["autopart"])
-    assert set(m.dp_reduce) == set(range(P))
-    assert predict(m).summary["iteration_s"] == pytest.approx(span + OVERHEAD, abs=1e-5)
+    assert len(m.dp_reduce) == P  # one stage per pipeline rank carries its wait
+    same = predict(m).summary
+    assert same["iteration_s"] == pytest.approx(span + OVERHEAD, abs=1e-5)
+    waits = [e["dur"] * 1e-6 for e in doc["traceEvents"] if e.get("cat") == "DP_REDUCE"]
+    assert same["breakdown"]["dp_comm_s"] == pytest.approx(sum(waits) / P, abs=1e-5)
+    if dp_cost > 0.021:  # longer than any B: the wait shows
+        assert same["breakdown"]["dp_comm_s"] > 0.01
+
+
+def test_breakdown_adds_up() -> None:
+    doc, _ = _fake_trace("1f1b", 4, dp=2, dp_cost=0.05)
+    s = predict(measure(doc["traceEvents"], doc["autopart"]), microbatches=8).summary
+    assert sum(s["breakdown"].values()) == pytest.approx(s["iteration_s"], abs=1e-9)
+    assert min(s["breakdown"].values()) >= 0
+    assert s["bubble_fraction"] == pytest.approx(s["breakdown"]["bubble_s"] / s["iteration_s"])
 
 
 def test_gpipe_from_a_1f1b_trace_has_the_same_work() -> None:
@@ -97,6 +113,13 @@ def test_refusals(tmp_path: Path) -> None:
         measure(doc["traceEvents"], {**doc["autopart"], "version": 99})
     with pytest.raises(AutopartError, match="malformed"):
         measure(doc["traceEvents"], {"version": 1, "plan": {}})
+    for field in ("schedule", "virtual_stages", "dp"):
+        plan = {k: v for k, v in doc["autopart"]["plan"].items() if k != field}
+        with pytest.raises(AutopartError, match=f"malformed.*{field}"):
+            measure(doc["traceEvents"], {**doc["autopart"], "plan": plan})
+    with pytest.raises(AutopartError, match="rank 2, which the header's ranks do not list"):
+        ranks = {r: c for r, c in doc["autopart"]["ranks"].items() if r != "2"}
+        measure(doc["traceEvents"], {**doc["autopart"], "ranks": ranks})
     with pytest.raises(AutopartError, match="no trace file"):
         load(tmp_path / "absent.json")
     bare = tmp_path / "bare.json"
@@ -123,6 +146,15 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
                       (["--schedule", "seq1f1b"], "cannot predict seq1f1b")):  # fmt: skip
         assert main(["simulate", "--measured", str(trace), *argv]) == 2
         assert msg in capsys.readouterr().err
+    with pytest.raises(
+        SystemExit
+    ):  # an abbreviated flag is not silently taken for --virtual-stages
+        main(["simulate", "--measured", str(trace), "--virtual", "2"])
+    assert "unrecognized arguments: --virtual 2" in capsys.readouterr().err
+    inter, _ = _fake_trace("interleaved-1f1b", 6, v=2)
+    trace.write_text(json.dumps(inter))
+    assert main(["simulate", "--measured", str(trace), "--global-batch", "8"]) == 2
+    assert "hint: use a multiple of 6 for --global-batch" in capsys.readouterr().err
     assert main(["simulate", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64",
                  "--seq", "32", "--global-batch", "8"]) == 2  # fmt: skip
     assert "simulate needs --gpus" in capsys.readouterr().err

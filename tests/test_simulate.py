@@ -354,6 +354,9 @@ def test_cli_refuses_a_plan_that_does_not_fit(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["fits"]
     assert main([*argv, "--ignore-memory", "--json"]) == 0
     assert not json.loads(capsys.readouterr().out)["fits"]
+    assert main(["simulate", "--shape", "gpt3-175b", "--gpus", "8", "--tp", "8",
+                 "--global-batch", "8"]) == 2  # fmt: skip
+    assert "hint: no single change of layout fits; more GPUs" in capsys.readouterr().err
 
 
 def test_fitting_alternatives_fit() -> None:

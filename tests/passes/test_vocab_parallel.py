@@ -29,7 +29,7 @@ from tp_models import (
     through_views,
 )
 
-from autopart import collectives
+from autopart import AutopartError, collectives
 from autopart.capture import META_INPUT, InputRef
 from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
 
@@ -169,15 +169,9 @@ def test_vocab_parallel_ce_matches_cross_entropy(ignored: float, monkeypatch) ->
     assert moved == [(1, 3, N)]  # one gather of row max, sum of exp, target logit: nothing [N, V]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_ce_over_threaded_ranks(tp: int, monkeypatch) -> None:
+def _threaded_ce(full: torch.Tensor, labels: torch.Tensor, tp: int, monkeypatch) -> list:
     """tp ranks as threads of this process, gathering through shared memory: each rank's
-    loss is the full summed CE and its gradient is its vocabulary slice of the full gradient."""
-    g = torch.Generator().manual_seed(2)
-    N, V = 29, 12 * tp
-    full = torch.randn(N, V, generator=g, dtype=torch.float64) * 3
-    labels = torch.randint(0, V, (N,), generator=g)  # targets on every rank's slice
-    labels[::5] = -100
+    (loss, gradient of its vocabulary slice) from ``vocab_parallel_ce``."""
     barrier, slots, me = threading.Barrier(tp, timeout=30), [None] * tp, threading.local()
 
     def all_gather(x, dim, group):
@@ -207,11 +201,48 @@ def test_vocab_parallel_ce_over_threaded_ranks(tp: int, monkeypatch) -> None:
             t.start()
         for t in threads:
             t.join()
-    assert not errors, errors
+    if errors:
+        raise errors[0]
+    return [results[r] for r in range(tp)]
+
+
+def _reference(full: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ref_logits = full.clone().requires_grad_(True)
     ref = F.cross_entropy(ref_logits, labels, ignore_index=-100, reduction="sum")
-    (ref_grad,) = torch.autograd.grad(ref, ref_logits)
-    for r in range(tp):
-        loss, grad = results[r]
-        assert torch.allclose(loss, ref.detach(), rtol=0, atol=1e-12), (r, loss, ref)
+    return ref.detach(), torch.autograd.grad(ref, ref_logits)[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_ce_over_threaded_ranks(tp: int, monkeypatch) -> None:
+    """Each rank's loss is the full summed CE and its gradient is its vocabulary slice of the
+    full gradient."""
+    g = torch.Generator().manual_seed(2)
+    N, V = 29, 12 * tp
+    full = torch.randn(N, V, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, V, (N,), generator=g)  # targets on every rank's slice
+    labels[::5] = -100
+    ref, ref_grad = _reference(full, labels)
+    for r, (loss, grad) in enumerate(_threaded_ce(full, labels, tp, monkeypatch)):
+        assert torch.allclose(loss, ref, rtol=0, atol=1e-12), (r, loss, ref)
         assert torch.allclose(grad, ref_grad.chunk(tp, 1)[r], rtol=0, atol=1e-12), r
+
+
+def test_vocab_parallel_ce_masked_logits_and_bad_labels(monkeypatch) -> None:
+    """-inf logits (the column a clamped out-of-slice label reads, a slice of only -inf) give
+    F.cross_entropy's loss and gradient, not NaN; a label outside the vocabulary is refused, as
+    torch's own CE refuses it."""
+    g = torch.Generator().manual_seed(3)
+    N, V, tp = 13, 16, 2
+    full = torch.randn(N, V, generator=g, dtype=torch.float64)
+    full[:, [0, 7, 8]] = float("-inf")  # both ends of rank 0's slice, the start of rank 1's
+    full[:4, 8:] = float("-inf")  # rank 1's whole slice, in 4 rows
+    labels = torch.randint(1, 7, (N,), generator=g)
+    labels[6:] = torch.randint(9, V, (N - 6,), generator=g)
+    ref, ref_grad = _reference(full, labels)
+    assert torch.isfinite(ref)
+    for r, (loss, grad) in enumerate(_threaded_ce(full, labels, tp, monkeypatch)):
+        assert torch.allclose(loss, ref, rtol=0, atol=1e-12), (r, loss, ref)
+        assert torch.allclose(grad, ref_grad.chunk(tp, 1)[r], rtol=0, atol=1e-12), r
+    labels[3] = V
+    with pytest.raises(AutopartError, match=f"label {V} is outside the vocabulary"):
+        _threaded_ce(full, labels, tp, monkeypatch)
