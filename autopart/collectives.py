@@ -17,6 +17,13 @@ in one all-gather) cross ranks.
 Groups are named ("tp", "dp", ...) in the graph; ``bind(name, group)`` tells this process which
 ProcessGroup a name means. Every wait has a timeout; its error names the rank, the op and the
 action the runtime was running (``set_action``).
+
+On gloo groups of at most ``EXCHANGE_MAX`` ranks, the three collectives run as one direct
+exchange: every rank posts its sends and receives to every other at once (c10d ``isend`` /
+``irecv``) and sums what it received in rank order, so every rank gets bitwise the same result.
+That is one message latency where gloo's ring all-reduce pays several; measured here on 2 ranks,
+0.18 ms against 0.73 ms for 4 KB and 0.61 against 0.95 ms for 1 MB (docs/tensor_parallel.md).
+Larger groups and other backends (NCCL) use the backend's own collectives.
 """
 
 from __future__ import annotations
@@ -80,13 +87,47 @@ def _wait(work: Any, what: str) -> None:
         )
 
 
+EXCHANGE_MAX = 4  # gloo groups up to this size exchange directly (module docstring)
+_TAG = 0x7A7  # the exchange's message tag
+
+
+def _exchanges(g: Any) -> bool:
+    return dist.get_world_size(g) <= EXCHANGE_MAX and dist.get_backend(g) == "gloo"
+
+
+def _exchange(outgoing: list[torch.Tensor], g: Any, what: str) -> list[torch.Tensor]:
+    """Send ``outgoing[i]`` to group rank i and receive one tensor of the same shape from each;
+    returns what each rank sent us, in rank order (our own entry: ``outgoing[me]``)."""
+    me = dist.get_rank(g)
+    got = [t if i == me else torch.empty_like(t) for i, t in enumerate(outgoing)]
+    works = []
+    for i, t in enumerate(outgoing):
+        if i != me:
+            works.append(dist.irecv(got[i], group=g, group_src=i, tag=_TAG))
+            works.append(dist.isend(t, group=g, group_dst=i, tag=_TAG))
+    for work in works:
+        _wait(work, what)
+    return got
+
+
+def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    out = parts[0].clone()
+    for t in parts[1:]:
+        out += t
+    return out
+
+
 def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
-    out = x.contiguous().clone()
     g = _group(group)
     _record("all_reduce", group, x)
+    what = f"all-reduce over {group} of {tuple(x.shape)}"
+    if g is not None and op is None and _exchanges(g):
+        x = x.contiguous()
+        return _sum_in_rank_order(_exchange([x] * dist.get_world_size(g), g, what))
+    out = x.contiguous().clone()
     if g is not None:
         work = dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=g, async_op=True)
-        _wait(work, f"all-reduce over {group} of {tuple(x.shape)}")
+        _wait(work, what)
     return out
 
 
@@ -100,9 +141,12 @@ def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     _record("all_gather", group, x)
     if g is None:
         return x.clone()
-    parts = [torch.empty_like(x.contiguous()) for _ in range(dist.get_world_size(g))]
-    work = dist.all_gather(parts, x.contiguous(), group=g, async_op=True)
-    _wait(work, f"all-gather over {group} of {tuple(x.shape)}")
+    what = f"all-gather over {group} of {tuple(x.shape)}"
+    x = x.contiguous()
+    if _exchanges(g):
+        return torch.cat(_exchange([x] * dist.get_world_size(g), g, what), dim)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(g))]
+    _wait(dist.all_gather(parts, x, group=g, async_op=True), what)
     return torch.cat(parts, dim)
 
 
@@ -112,15 +156,16 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         return x.clone()
     n, me = dist.get_world_size(g), dist.get_rank(g)
     _record("reduce_scatter", group, x)
+    what = f"reduce-scatter over {group} of {tuple(x.shape)}"
+    parts = [p.contiguous() for p in x.chunk(n, dim)]
+    if _exchanges(g):  # each rank gets only the slices of its own part
+        return _sum_in_rank_order(_exchange(parts, g, what))
     if dist.get_backend(g) != "gloo":
-        parts = list(x.contiguous().chunk(n, dim))
-        mine = torch.empty_like(parts[me].contiguous())
-        work = dist.reduce_scatter(mine, [p.contiguous() for p in parts], group=g, async_op=True)
-        _wait(work, f"reduce-scatter over {group} of {tuple(x.shape)}")
+        mine = torch.empty_like(parts[me])
+        _wait(dist.reduce_scatter(mine, parts, group=g, async_op=True), what)
         return mine
     out = x.contiguous().clone()  # gloo has no reduce_scatter: all-reduce, keep our slice
-    work = dist.all_reduce(out, group=g, async_op=True)
-    _wait(work, f"reduce-scatter over {group} of {tuple(x.shape)}")
+    _wait(dist.all_reduce(out, group=g, async_op=True), what)
     return out.chunk(n, dim)[me].contiguous()
 
 

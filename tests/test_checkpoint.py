@@ -274,8 +274,9 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
 
 def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
     """ZeRO-1 (--zero, dp=2 × pp=2): each dp rank saves the AdamW states it owns. A run resumed
-    from step 2 ends bit for bit like an uninterrupted one, and the same checkpoint loads into
-    plain AdamW at pp=2 (dp=1), whose steps 2 and 3 match the ZeRO run's losses."""
+    from step 2 ends bit for bit like an uninterrupted one; the same checkpoint loads into plain
+    AdamW at pp=2 (dp=1), whose steps 2 and 3 match the ZeRO run's losses, and that plain run's
+    step-4 checkpoint loads back into ZeRO, whose steps 4 and 5 match too."""
     import hf_gpt2
 
     from autopart import parallelize
@@ -291,14 +292,14 @@ def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
         out = launch(n, ["-m", "autopart.run", str(program), "--json", *flags], timeout_s=180)
         return {d["step"]: d["loss"] for d in _json_lines(out)}, out
 
-    ref, _ = run(zero, 4, "--steps", "4", "--zero", "--dump-params", str(tmp_path / "ref"))
+    ref, _ = run(zero, 4, "--steps", "6", "--zero", "--dump-params", str(tmp_path / "ref"))
     ck = tmp_path / "ck"
     run(zero, 4, "--steps", "2", "--zero", "--checkpoint-dir", str(ck))
     shutil.copytree(ck, tmp_path / "ck-plain")
-    resumed, out = run(zero, 4, "--steps", "4", "--zero", "--checkpoint-dir", str(ck),
+    resumed, out = run(zero, 4, "--steps", "6", "--zero", "--checkpoint-dir", str(ck),
                        "--dump-params", str(tmp_path / "resumed"))  # fmt: skip
-    assert "resumed from step 2" in out and sorted(resumed) == [2, 3], out
-    assert all(resumed[s] == ref[s] for s in (2, 3))
+    assert "resumed from step 2" in out and sorted(resumed) == [2, 3, 4, 5], out
+    assert all(resumed[s] == ref[s] for s in (2, 3, 4, 5))
     for r in range(4):
         a = torch.load(tmp_path / "ref" / f"rank{r:05d}.pt", weights_only=True)
         b = torch.load(tmp_path / "resumed" / f"rank{r:05d}.pt", weights_only=True)
@@ -307,3 +308,9 @@ def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
     assert "resumed from step 2" in out and "resharded" in out and sorted(moved) == [2, 3], out
     for s in (2, 3):  # step 3 depends on the loaded AdamW moments, not only the weights
         assert abs(moved[s] - ref[s]) <= RTOL * abs(ref[s]), (s, moved[s], ref[s])
+    back, out = run(
+        zero, 4, "--steps", "6", "--zero", "--checkpoint-dir", str(tmp_path / "ck-plain")
+    )
+    assert "resumed from step 4" in out and "resharded" in out and sorted(back) == [4, 5], out
+    for s in (4, 5):  # plain AdamW's moments, now held by their ZeRO owners
+        assert abs(back[s] - ref[s]) <= RTOL * abs(ref[s]), (s, back[s], ref[s])

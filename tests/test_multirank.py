@@ -140,6 +140,15 @@ def test_tensor_parallel_collectives_as_run() -> None:
     assert drop["replicated_grads_equal"] and all(drop["replicated_grads_equal"])
 
 
+def test_collectives_exchange_and_gloo() -> None:
+    """3 ranks: the direct exchange's sum is the rank-order sum, bitwise the same on every rank;
+    gathers are exact and reduce-scatters keep each rank's slice, on both paths."""
+    out = launch(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=120)
+    res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
+    assert all(res["exchange"].values()), res["exchange"]
+    assert all(v for k, v in res["gloo"].items() if k != "sum_is_rank_order"), res["gloo"]
+
+
 NANO_DEEP, GPT2_DEEP = (
     f"{ROOT}/examples/nanogpt.py:make_deep",
     f"{ROOT}/examples/hf_gpt2.py:make_deep",
