@@ -28,17 +28,22 @@ Larger groups and other backends (NCCL) use the backend's own collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import atexit
+import os
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from autopart import shm
 from autopart.errors import AutopartError
+from autopart.shm import ShmGroup
 
 _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
+_SHM: dict[Any, ShmGroup | None] = {}  # group -> its shared-memory exchange, when it has one
 TRACE: list[tuple[str, str, tuple[int, ...]]] | None = None  # (kind, group, shape) when a list
 
 
@@ -91,13 +96,38 @@ EXCHANGE_MAX = 4  # gloo groups up to this size exchange directly (module docstr
 _TAG = 0x7A7  # the exchange's message tag
 
 
-def _exchanges(g: Any) -> bool:
-    return dist.get_world_size(g) <= EXCHANGE_MAX and dist.get_backend(g) == "gloo"
+def _shm(g: Any) -> ShmGroup | None:
+    """The shared-memory exchange of ``g``, connected on first use (None: not on one host)."""
+    if g not in _SHM:
+        use = os.environ.get("AUTOPART_SHM", "1") != "0" and shm.supported()
+        _SHM[g] = ShmGroup.connect(g) if use and dist.get_backend(g) == "gloo" else None
+    return _SHM[g]
 
 
-def _exchange(outgoing: list[torch.Tensor], g: Any, what: str) -> list[torch.Tensor]:
+def transport(g: Any) -> str:
+    """How collectives on ``g`` move data: "shm", "exchange" or "c10d" (module docstring)."""
+    if g is None:
+        return "local"
+    if _shm(g) is not None:
+        return "shm"
+    return (
+        "exchange"
+        if dist.get_world_size(g) <= EXCHANGE_MAX and dist.get_backend(g) == "gloo"
+        else "c10d"
+    )
+
+
+def _exchange(
+    outgoing: list[torch.Tensor], g: Any, what: str, combine: Callable[[list[torch.Tensor]], Any]
+) -> Any:
     """Send ``outgoing[i]`` to group rank i and receive one tensor of the same shape from each;
-    returns what each rank sent us, in rank order (our own entry: ``outgoing[me]``)."""
+    returns ``combine`` of what each rank sent us, in rank order (our own entry:
+    ``outgoing[me]``). ``combine`` must return fresh tensors."""
+    ring = _shm(g) if outgoing[0].device.type == "cpu" else None
+    if ring is not None:
+        return ring.exchange(
+            outgoing, combine, f"{what} during {_STATE['action']}", _STATE["timeout_s"]
+        )
     me = dist.get_rank(g)
     got = [t if i == me else torch.empty_like(t) for i, t in enumerate(outgoing)]
     works = []
@@ -107,7 +137,17 @@ def _exchange(outgoing: list[torch.Tensor], g: Any, what: str) -> list[torch.Ten
             works.append(dist.isend(t, group=g, group_dst=i, tag=_TAG))
     for work in works:
         _wait(work, what)
-    return got
+    return combine(got)
+
+
+def close() -> None:
+    """Unlink this process's shared-memory files that are still linked (end of a run)."""
+    for ring in _SHM.values():
+        if ring is not None:
+            ring.close()
+
+
+atexit.register(close)
 
 
 def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -121,9 +161,9 @@ def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
     g = _group(group)
     _record("all_reduce", group, x)
     what = f"all-reduce over {group} of {tuple(x.shape)}"
-    if g is not None and op is None and _exchanges(g):
+    if g is not None and op is None and transport(g) != "c10d":
         x = x.contiguous()
-        return _sum_in_rank_order(_exchange([x] * dist.get_world_size(g), g, what))
+        return _exchange([x] * dist.get_world_size(g), g, what, _sum_in_rank_order)
     out = x.contiguous().clone()
     if g is not None:
         work = dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=g, async_op=True)
@@ -143,8 +183,8 @@ def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         return x.clone()
     what = f"all-gather over {group} of {tuple(x.shape)}"
     x = x.contiguous()
-    if _exchanges(g):
-        return torch.cat(_exchange([x] * dist.get_world_size(g), g, what), dim)
+    if transport(g) != "c10d":
+        return _exchange([x] * dist.get_world_size(g), g, what, lambda got: torch.cat(got, dim))
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(g))]
     _wait(dist.all_gather(parts, x, group=g, async_op=True), what)
     return torch.cat(parts, dim)
@@ -158,8 +198,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     _record("reduce_scatter", group, x)
     what = f"reduce-scatter over {group} of {tuple(x.shape)}"
     parts = [p.contiguous() for p in x.chunk(n, dim)]
-    if _exchanges(g):  # each rank gets only the slices of its own part
-        return _sum_in_rank_order(_exchange(parts, g, what))
+    if transport(g) != "c10d":  # each rank gets only the slices of its own part
+        return _exchange(parts, g, what, _sum_in_rank_order)
     if dist.get_backend(g) != "gloo":
         mine = torch.empty_like(parts[me])
         _wait(dist.reduce_scatter(mine, parts, group=g, async_op=True), what)

@@ -376,6 +376,9 @@ def _dump(runner, loss: torch.Tensor, folder: Path) -> None:
 
 if __name__ == "__main__":
     code = main()
+    from autopart import collectives
+
+    collectives.close()  # os._exit skips atexit: unlink any shared-memory file still linked
     sys.stdout.flush()
     sys.stderr.flush()
     # The groups are already destroyed; skip interpreter teardown, where gloo's threads have been

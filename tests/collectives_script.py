@@ -1,49 +1,103 @@
 """Run under torchrun (3 ranks) by tests/test_multirank.py: autopart's collectives against the
-data every rank can regenerate, through the direct exchange (gloo groups of <= 4 ranks) and
-through gloo's own collectives (``EXCHANGE_MAX = 1``). Prints one JSON line per path on rank 0.
+data every rank can regenerate, through each transport (``collectives.transport``): shared
+memory, the direct exchange (when one rank cannot open the others' shared-memory files, and
+with ``AUTOPART_SHM=0``) and gloo's own collectives (also ``EXCHANGE_MAX = 1``). A peer that never
+arrives at a shared-memory exchange makes it time out with a named error. Shapes grow past the first shared-memory file and shrink again, and
+every case repeats, so both halves and a new file generation are used. Prints one JSON line on
+rank 0: per transport, each check and the transport the group actually got.
 """
 
+import glob
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from autopart import collectives
+from autopart import collectives, shm
+from autopart.errors import AutopartError
+
+SHAPES = ((6, 5, 4), (96, 1024, 3), (6, 5, 4))  # the middle one (2.3 MB) outgrows 1 MB halves
 
 
-def data(rank: int) -> torch.Tensor:
-    return torch.randn(6, 5, 4, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(rank), dtype=dtype)
 
 
-def check(n: int, me: int) -> dict:
-    every = [data(r) for r in range(n)]
+def check(n: int, me: int, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    every = [data(r, shape, dtype) for r in range(n)]
     ordered = every[0].clone()
     for t in every[1:]:
         ordered += t  # the rank-order sum, as the exchange computes it
-    mine = data(me)
+    mine = data(me, shape, dtype)
     summed = collectives._all_reduce(mine, "t")
     gathered = collectives._all_gather(mine, 1, "t")
     scattered = collectives._reduce_scatter(mine, 0, "t")
     results = [torch.empty_like(summed) for _ in range(n)]
     dist.all_gather(results, summed)  # plain gloo: compare the ranks' results
+    rtol = 1e-14 if dtype == torch.float64 else 1e-6
     return {
-        "sum_close": torch.allclose(summed, sum(every), rtol=1e-14, atol=0),
+        "sum_close": torch.allclose(summed, sum(every), rtol=rtol, atol=1e-6),
         "sum_is_rank_order": torch.equal(summed, ordered),
         "ranks_bitwise_equal": all(torch.equal(r, results[0]) for r in results),
         "gather_exact": torch.equal(gathered, torch.cat(every, 1)),
-        "scatter_close": torch.allclose(scattered, ordered.chunk(n, 0)[me], rtol=1e-14, atol=0),
-        "input_untouched": torch.equal(mine, data(me)),
+        "scatter_close": torch.allclose(scattered, ordered.chunk(n, 0)[me], rtol=rtol, atol=1e-6),
+        "input_untouched": torch.equal(mine, data(me, shape, dtype)),
     }
+
+
+def run_path(n: int, me: int) -> dict:
+    group = dist.new_group(list(range(n)))
+    collectives.bind("t", group)
+    out: dict = {}
+    for _repeat in range(3):
+        for shape in SHAPES:
+            for dtype in (torch.float64, torch.float32):
+                for k, v in check(n, me, shape, dtype).items():
+                    out[k] = out.get(k, True) and v
+    out["transport"] = collectives.transport(group)
+    return out
+
+
+def unseen(map_file):
+    def mapped(path: str, size: int, create: bool):
+        if not create:
+            raise FileNotFoundError(path)
+        return map_file(path, size, create)
+
+    return mapped
+
+
+def peer_never_arrives(n: int, me: int) -> str:
+    """Rank 0 all-reduces alone on a connected group: the error it gets (others: "")."""
+    group = dist.new_group(list(range(n)))
+    collectives.bind("t", group)
+    assert collectives.transport(group) == "shm"  # connects on every rank
+    collectives.set_action("the lonely step", timeout_s=1.0)
+    message = ""
+    if me == 0:
+        try:
+            collectives._all_reduce(data(me, (4,), torch.float64), "t")
+        except AutopartError as exc:
+            message = str(exc)
+    collectives.set_action("(checks)", timeout_s=60.0)
+    return message
 
 
 def main() -> int:
     dist.init_process_group("gloo")
     n, me = dist.get_world_size(), dist.get_rank()
-    collectives.bind("t", dist.new_group(list(range(n))))
-    out = {"exchange": check(n, me)}
+    out = {"shm": run_path(n, me)}  # its files are unlinked once every peer has mapped them
+    out["shm"]["dev_shm_clean"] = not glob.glob(f"/dev/shm/autopart-{os.getpid()}-*")
+    out["timeout"] = peer_never_arrives(n, me)
+    if me == 1:  # rank 1 cannot see the others' files (another host, another /dev/shm)
+        shm._map = unseen(shm._map)
+    out["unshared"] = run_path(n, me)  # so no rank uses shared memory
+    os.environ["AUTOPART_SHM"] = "0"
+    out["exchange"] = run_path(n, me)
     collectives.EXCHANGE_MAX = 1
-    out["gloo"] = check(n, me)
+    out["gloo"] = run_path(n, me)
     if me == 0:
         print(json.dumps(out), flush=True)
     dist.barrier()

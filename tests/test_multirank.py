@@ -140,11 +140,20 @@ def test_tensor_parallel_collectives_as_run() -> None:
     assert drop["replicated_grads_equal"] and all(drop["replicated_grads_equal"])
 
 
-def test_collectives_exchange_and_gloo() -> None:
-    """3 ranks: the direct exchange's sum is the rank-order sum, bitwise the same on every rank;
-    gathers are exact and reduce-scatters keep each rank's slice, on both paths."""
-    out = launch(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=120)
+def test_collectives_on_every_transport() -> None:
+    """3 ranks: through shared memory and the direct exchange, the sum is the rank-order sum,
+    bitwise the same on every rank; gathers are exact and reduce-scatters keep each rank's
+    slice on all three transports; shared memory leaves no file in /dev/shm, falls back to the
+    exchange where ranks share no directory, and times out naming the rank and action."""
+    out = launch(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=180)
     res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
+    paths = (("shm", "shm"), ("unshared", "exchange"), ("exchange", "exchange"), ("gloo", "c10d"))
+    for path, transport in paths:
+        assert res[path].pop("transport") == transport, res[path]
+    assert all(res["shm"].values()), res["shm"]
+    assert all(res["unshared"].values()), res["unshared"]
+    assert res["timeout"].startswith("rank 0: timed out after 1 s in all-reduce over t of (4,)")
+    assert "during the lonely step" in res["timeout"], res["timeout"]
     assert all(res["exchange"].values()), res["exchange"]
     assert all(v for k, v in res["gloo"].items() if k != "sum_is_rank_order"), res["gloo"]
 

@@ -1,0 +1,234 @@
+"""Shared-memory exchange for the collectives of ranks on one host (CPU tensors).
+
+One job: give every rank of a group what every other rank put in, through memory they all map,
+with no socket and no helper thread. The tensor-parallel collectives (``autopart.collectives``)
+use it on gloo groups whose ranks share a host and ``/dev/shm``; everything else keeps c10d.
+
+Layout, per rank (the *owner*): a control block of int64 fields (``SEQ``: the last exchange
+whose data it has published; ``DONE``: the last exchange it has finished reading; ``GEN``:
+which data file is current; ``TOKEN``: a random number checked by the peers at setup) and a data
+file of two halves. Exchange ``k`` uses half ``k % 2``:
+
+1. wait until every peer's ``DONE >= k - 2`` (nobody still reads this half), write the outgoing
+   pieces into it, then publish ``SEQ = k``;
+2. wait until every peer's ``SEQ >= k``, read the pieces addressed to us from each peer's half;
+3. after the caller has combined them into fresh tensors, publish ``DONE = k``.
+
+The data is written before ``SEQ`` and read after it; x86-64 keeps stores in order and loads in
+order, so a peer that sees ``SEQ = k`` sees the data (other architectures fall back to c10d).
+A data file grows (a new generation) when a message does not fit: the owner first waits until
+every peer has read everything, and unlinks each file once every peer has mapped it, so
+``/dev/shm`` keeps nothing after the first exchange that follows.
+
+A waiting rank spins (yielding the core) for ``SPIN_S``, then sleeps in growing steps up to
+0.5 ms; it spins only when the host has a core per local rank. Every wait ends at the
+caller's timeout with an ``AutopartError`` naming the rank and the action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart.errors import AutopartError
+
+SHM_DIR = "/dev/shm"
+SEQ, DONE, GEN, TOKEN = range(4)
+_CTL_BYTES = 64
+_ALIGN = 64
+_MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
+SPIN_S = 1e-3  # spin this long before sleeping (when every local rank has a core)
+
+
+def supported() -> bool:
+    """Whether this host can use the shared-memory exchange at all."""
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(SHM_DIR)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _map(path: str, size: int, create: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:  # reserve the pages now: a full tmpfs fails here, not later with SIGBUS
+            os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class ShmGroup:
+    """The shared-memory exchange of one process group (build with ``ShmGroup.connect``)."""
+
+    def __init__(self, group: Any, prefix: str) -> None:
+        self.group, self.prefix, self.prefixes = group, prefix, [prefix]
+        self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
+        self.rank = dist.get_rank()
+        self.timeout_s = 300.0  # set by each exchange
+        self.k = 0  # exchanges done
+        self.ctl_map = _map(prefix + "-ctl", _CTL_BYTES, create=True)
+        self.ctl = memoryview(self.ctl_map).cast("q")
+        self.ctl[TOKEN] = secrets.randbits(62)
+        self.peer_ctl: dict[int, memoryview] = {}
+        self.cap = 0  # bytes per half of our data file
+        self.data: torch.Tensor | None = None
+        self.peer_data: dict[int, tuple[int, torch.Tensor]] = {}  # peer -> (generation, bytes)
+        self.pending_unlink: list[tuple[int, str]] = []  # (exchange that must be read, path)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.n))
+        self.spin_s = SPIN_S if local <= (cores or 1) else 0.0
+
+    @classmethod
+    def connect(cls, group: Any) -> ShmGroup | None:
+        """Set up the exchange on ``group`` (collective: every member calls it), or None when
+        some member cannot map the others' memory (another host, no shared ``/dev/shm``)."""
+        prefix = f"{SHM_DIR}/autopart-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            me: ShmGroup | None = cls(group, prefix)
+            info = (prefix, me.ctl[TOKEN])
+        except OSError:
+            me, info = None, None
+        infos: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, info, group=group)
+        ok = me is not None and all(i is not None for i in infos)
+        if ok:
+            assert me is not None
+            try:
+                for peer, (path, token) in enumerate(infos):
+                    if peer != me.me:
+                        ctl = memoryview(_map(path + "-ctl", _CTL_BYTES, create=False)).cast("q")
+                        ok = ok and ctl[TOKEN] == token
+                        me.peer_ctl[peer] = ctl
+            except OSError:
+                ok = False
+        oks: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(oks, ok, group=group)
+        if me is not None:
+            os.unlink(prefix + "-ctl")  # every peer has mapped it, or none will use it
+        if not all(oks):
+            return None
+        assert me is not None
+        me.prefixes = [path for path, _ in infos]
+        return me
+
+    # -- the exchange ----------------------------------------------------------------------
+
+    def exchange(
+        self,
+        outgoing: Sequence[torch.Tensor],
+        combine: Callable[[list[torch.Tensor]], Any],
+        what: str,
+        timeout_s: float,
+    ) -> Any:
+        """Send ``outgoing[i]`` to group rank i; ``combine`` gets, in rank order, what each rank
+        sent us (our own entry: ``outgoing[me]``) and must return fresh tensors. ``what`` names
+        the collective and the action in errors."""
+        self.timeout_s = timeout_s
+        k = self.k = self.k + 1
+        same = all(t is outgoing[0] for t in outgoing)
+        pieces = [outgoing[0]] if same else list(outgoing)
+        offsets, total = [], 0
+        for t in pieces:
+            offsets.append(total)
+            total += _aligned(t.numel() * t.element_size())
+        if total > self.cap:
+            self._grow(total, k, what)
+        self._await(DONE, k - 2, what)
+        self._unlink_read(k - 2)
+        half = self._half(self.data, self.cap, k)
+        for t, off in zip(pieces, offsets, strict=True):
+            nb = t.numel() * t.element_size()
+            half[off : off + nb].view(t.dtype).view(t.shape).copy_(t)
+        self.ctl[SEQ] = k
+        self._await(SEQ, k, what)
+        mine = outgoing[self.me]
+        off = 0 if same else offsets[self.me]
+        nb = mine.numel() * mine.element_size()
+        got = []
+        for peer in range(self.n):
+            if peer == self.me:
+                got.append(mine)
+                continue
+            cap, data = self._peer(peer)
+            got.append(self._half(data, cap, k)[off : off + nb].view(mine.dtype).view(mine.shape))
+        out = combine(got)
+        self.ctl[DONE] = k
+        return out
+
+    @staticmethod
+    def _half(data: torch.Tensor | None, cap: int, k: int) -> torch.Tensor:
+        assert data is not None
+        return data[(k % 2) * cap : (k % 2 + 1) * cap]
+
+    def _grow(self, need: int, k: int, what: str) -> None:
+        self._await(DONE, k - 1, what)  # nobody reads our old file any more
+        self._unlink_read(k - 1)
+        cap = max(_MIN_CAPACITY, _aligned(need), 2 * self.cap)
+        gen = self.ctl[GEN] + 1
+        path = f"{self.prefix}-{gen}"
+        try:
+            mm = _map(path, 2 * cap, create=True)
+        except OSError as exc:
+            raise AutopartError(
+                f"rank {self.rank}: cannot reserve {2 * cap / 2**20:.1f} MiB in {SHM_DIR} for {what}: {exc}",
+                hint="free space in /dev/shm (docker: --shm-size), or set AUTOPART_SHM=0 to use c10d",
+            ) from exc
+        self.data = torch.frombuffer(mm, dtype=torch.uint8)
+        self.cap = cap
+        self.ctl[GEN] = gen
+        self.pending_unlink.append((k, path))
+
+    def _peer(self, peer: int) -> tuple[int, torch.Tensor]:
+        gen = self.peer_ctl[peer][GEN]
+        if peer not in self.peer_data or self.peer_data[peer][0] != gen:
+            mm = _map(f"{self.prefixes[peer]}-{gen}", 0, create=False)
+            self.peer_data[peer] = (gen, torch.frombuffer(mm, dtype=torch.uint8))
+        data = self.peer_data[peer][1]
+        return data.numel() // 2, data
+
+    def _unlink_read(self, k: int) -> None:
+        """Unlink our data files that every peer has read (and so mapped) by exchange ``k``."""
+        keep = []
+        for since, path in self.pending_unlink:
+            if since <= k:
+                os.unlink(path)
+            else:
+                keep.append((since, path))
+        self.pending_unlink = keep
+
+    def _await(self, field: int, target: int, what: str) -> None:
+        if target <= 0:
+            return
+        peers = list(self.peer_ctl.values())
+        start = time.monotonic()
+        nap = 20e-6
+        while any(c[field] < target for c in peers):
+            waited = time.monotonic() - start
+            if waited < self.spin_s:
+                os.sched_yield()
+                continue
+            if waited > self.timeout_s:
+                raise AutopartError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:.0f} s in {what}",
+                    hint="a peer rank probably died or is stuck (shared-memory exchange)",
+                )
+            time.sleep(nap)
+            nap = min(2 * nap, 5e-4)
+
+    def close(self) -> None:
+        """Unlink what is still linked (the files stay mapped by whoever uses them)."""
+        for _, path in self.pending_unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.pending_unlink = []
