@@ -47,6 +47,7 @@ _CTL_BYTES = 64
 _ALIGN = 64
 _MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
 SPIN_S = 1e-3  # spin this long before sleeping (when every local rank has a core)
+NAP_S = (20e-6, 5e-4)  # then sleep, doubling from the first to at most the second
 
 
 def supported() -> bool:
@@ -212,7 +213,7 @@ class ShmGroup:
             return
         peers = list(self.peer_ctl.values())
         start = time.monotonic()
-        nap = 20e-6
+        nap, longest = NAP_S
         while any(c[field] < target for c in peers):
             waited = time.monotonic() - start
             if waited < self.spin_s:
@@ -224,7 +225,7 @@ class ShmGroup:
                     hint="a peer rank probably died or is stuck (shared-memory exchange)",
                 )
             time.sleep(nap)
-            nap = min(2 * nap, 5e-4)
+            nap = min(2 * nap, longest)
 
     def close(self) -> None:
         """Unlink what is still linked (the files stay mapped by whoever uses them)."""

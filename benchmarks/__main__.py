@@ -22,6 +22,7 @@ import _launch  # noqa: E402
 # name → how its main() is called (the scripts keep their own command lines for single runs)
 BENCHMARKS = {
     "capture_1t": lambda mod: mod.main(),
+    "collectives": lambda mod: mod.main(),
     "tp_vs_dtensor": lambda mod: mod.main(),
     "pipeline_bubble": lambda mod: mod.main(),
     "pp_vs_pipelining": lambda mod: mod.main(False),

@@ -7,7 +7,8 @@ weights and batch for all three runs of a size. One step is forward + backward (
 timed as
 
 1. single process, 1 thread: ``logits = model(x)``, cross entropy (ignore_index=-100), backward;
-2. autopart tp=2: ``autopart.parallelize(model, mesh, ...).step(x, y)`` on the unmodified model;
+2. autopart tp=2: ``autopart.parallelize(model, mesh, ...).step(x, y)`` on the unmodified model
+   (its tp collectives go through shared memory; ``AUTOPART_SHM=0`` measures the socket path);
 3. DTensor tp=2: ``parallelize_module`` with ColwiseParallel on ``attn.c_attn`` / ``mlp.c_fc`` and
    RowwiseParallel on ``attn.c_proj`` / ``mlp.c_proj`` in every block, inputs replicated.
 
@@ -216,7 +217,7 @@ def main(sizes: tuple[tuple[int, int, int], ...] = SIZES) -> int:
     print(f"  (with n_head/n_embd halved but nanoGPT's own forward, DTensor {stock})")
     if missed:
         print(f"goal missed at width {', '.join(map(str, missed))}: there the step is bound by "
-              "matmuls and gloo latency, which both pay (docs/tensor_parallel.md)")  # fmt: skip
+              "matmuls and collective latency (docs/tensor_parallel.md)")  # fmt: skip
     if bad:
         print(f"LOSS MISMATCH at step 0 against the single process: {'; '.join(bad)}",
               file=sys.stderr)  # fmt: skip
