@@ -143,7 +143,7 @@ class ShmGroup:
         for t in pieces:
             offsets.append(total)
             total += _aligned(t.numel() * t.element_size())
-        if total > self.cap:
+        if self.data is None or total > self.cap:
             self._grow(total, k, what)
         self._await(DONE, k - 2, what)
         self._unlink_read(k - 2)
