@@ -65,6 +65,10 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
         if create:  # reserve the pages now: a full tmpfs fails here, not later with SIGBUS
             os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
+    except OSError:
+        if create:
+            os.unlink(path)
+        raise
     finally:
         os.close(fd)
 
