@@ -107,7 +107,8 @@ def _shm(g: Any) -> ShmGroup | None:
     """The shared-memory exchange of ``g``, connected on first use (None: not on one host)."""
     if g not in _SHM:
         use = os.environ.get("AUTOPART_SHM", "1") != "0" and shm.supported()
-        _SHM[g] = ShmGroup.connect(g) if use and dist.get_backend(g) == "gloo" else None
+        # every rank joins the vote, so that ranks that disagree all fall back together
+        _SHM[g] = ShmGroup.connect(g, use) if dist.get_backend(g) == "gloo" else None
     return _SHM[g]
 
 
@@ -204,6 +205,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     n, me = dist.get_world_size(g), dist.get_rank(g)
     _record("reduce_scatter", group, x)
     what = f"reduce-scatter over {group} of {tuple(x.shape)}"
+    if x.size(dim) % n:
+        raise AutopartError(f"reduce-scatter over {group}: dim {dim} of {tuple(x.shape)} does not split "
+                            f"into {n} equal parts", hint="shard only dims divisible by the group size")  # fmt: skip
     parts = [p.contiguous() for p in x.chunk(n, dim)]
     if transport(g) != "c10d":  # each rank gets only the slices of its own part
         return _exchange(parts, g, what, _sum_in_rank_order)

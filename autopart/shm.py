@@ -6,23 +6,30 @@ use it on gloo groups whose ranks share a host and ``/dev/shm``; everything else
 
 Layout, per rank (the *owner*): a control block of int64 fields (``SEQ``: the last exchange
 whose data it has published; ``DONE``: the last exchange it has finished reading; ``GEN``:
-which data file is current; ``TOKEN``: a random number checked by the peers at setup) and a data
-file of two halves. Exchange ``k`` uses half ``k % 2``:
+which data file is current; ``TOKEN``: a random number checked by the peers at setup; ``ERR``:
+set when this rank failed; ``SIZE + h``: bytes and element size of what half ``h`` holds) and a
+data file of two halves. Exchange ``k`` uses half ``k % 2``:
 
 1. wait until every peer's ``DONE >= k - 2`` (nobody still reads this half), write the outgoing
-   pieces into it, then publish ``SEQ = k``;
-2. wait until every peer's ``SEQ >= k``, read the pieces addressed to us from each peer's half;
+   pieces and their size into it, then publish ``SEQ = k``;
+2. wait until every peer's ``SEQ >= k``, check that each peer's size is ours (else every rank
+   raises: the ranks run different programs), read the pieces addressed to us from each half;
 3. after the caller has combined them into fresh tensors, publish ``DONE = k``.
 
 The data is written before ``SEQ`` and read after it; x86-64 keeps stores in order and loads in
 order, so a peer that sees ``SEQ = k`` sees the data (other architectures fall back to c10d).
 A data file grows (a new generation) when a message does not fit: the owner first waits until
 every peer has read everything, and unlinks each file once every peer has mapped it, so
-``/dev/shm`` keeps nothing after the first exchange that follows.
+``/dev/shm`` keeps nothing after the exchange that follows (a rank killed before that, e.g. by
+torchrun's SIGTERM when another rank failed, leaves its files; they are named
+``autopart-PID-*``).
 
 A waiting rank spins (yielding the core) for ``SPIN_S``, then sleeps in growing steps up to
 0.5 ms; it spins only when the host has a core per local rank. Every wait ends at the
-caller's timeout with an ``AutopartError`` naming the rank and the action.
+caller's timeout with an ``AutopartError`` naming the rank and the action. A rank that fails
+inside an exchange (a timeout, a full ``/dev/shm``, a size mismatch) sets ``ERR``, so its peers
+fail at once, naming it, instead of waiting out their timeouts; a failed group refuses further
+exchanges.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import torch.distributed as dist
 from autopart.errors import AutopartError
 
 SHM_DIR = "/dev/shm"
-SEQ, DONE, GEN, TOKEN = range(4)
+SEQ, DONE, GEN, TOKEN, ERR, SIZE = range(6)  # SIZE and SIZE + 1: one per half
 _CTL_BYTES = 64
 _ALIGN = 64
 _MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
@@ -79,8 +86,10 @@ class ShmGroup:
     def __init__(self, group: Any, prefix: str) -> None:
         self.group, self.prefix, self.prefixes = group, prefix, [prefix]
         self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
-        self.rank = dist.get_rank()
+        self.rank, self.pid = dist.get_rank(), os.getpid()
+        self.ranks = dist.get_process_group_ranks(group)  # group rank -> global rank
         self.timeout_s = 300.0  # set by each exchange
+        self.failed = ""  # why an exchange on this group failed, once one has
         self.k = 0  # exchanges done
         self.ctl_map = _map(prefix + "-ctl", _CTL_BYTES, create=True)
         self.ctl = memoryview(self.ctl_map).cast("q")
@@ -95,15 +104,27 @@ class ShmGroup:
         self.spin_s = SPIN_S if local <= (cores or 1) else 0.0
 
     @classmethod
-    def connect(cls, group: Any) -> ShmGroup | None:
-        """Set up the exchange on ``group`` (collective: every member calls it), or None when
-        some member cannot map the others' memory (another host, no shared ``/dev/shm``)."""
+    def connect(cls, group: Any, wanted: bool = True) -> ShmGroup | None:
+        """Set up the exchange on ``group`` (collective: every member calls it, also those that
+        do not want it), or None when some member does not want it or cannot map the others'
+        memory (another host, no shared ``/dev/shm``)."""
         prefix = f"{SHM_DIR}/autopart-{os.getpid()}-{secrets.token_hex(6)}"
+        me: ShmGroup | None = None
+        info = None
+        if wanted:
+            try:
+                me = cls(group, prefix)
+                info = (prefix, me.ctl[TOKEN])
+            except OSError:
+                me = None
         try:
-            me: ShmGroup | None = cls(group, prefix)
-            info = (prefix, me.ctl[TOKEN])
-        except OSError:
-            me, info = None, None
+            return cls._agree(group, me, info)
+        finally:
+            if me is not None:  # every peer has mapped it, or none will use it
+                os.unlink(prefix + "-ctl")
+
+    @staticmethod
+    def _agree(group: Any, me: ShmGroup | None, info: Any) -> ShmGroup | None:
         infos: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(infos, info, group=group)
         ok = me is not None and all(i is not None for i in infos)
@@ -119,8 +140,6 @@ class ShmGroup:
                 ok = False
         oks: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(oks, ok, group=group)
-        if me is not None:
-            os.unlink(prefix + "-ctl")  # every peer has mapped it, or none will use it
         if not all(oks):
             return None
         assert me is not None
@@ -139,24 +158,52 @@ class ShmGroup:
         """Send ``outgoing[i]`` to group rank i; ``combine`` gets, in rank order, what each rank
         sent us (our own entry: ``outgoing[me]``) and must return fresh tensors. ``what`` names
         the collective and the action in errors."""
+        if self.failed:
+            raise AutopartError(f"rank {self.rank}: {what} on a group whose exchange failed before",
+                                hint=self.failed)  # fmt: skip
         self.timeout_s = timeout_s
+        try:
+            return self._exchange(outgoing, combine, what)
+        except BaseException as exc:
+            self.failed = f"the first failure: {exc}"
+            self.ctl[ERR] = 1  # the peers stop waiting for us
+            raise
+
+    def _exchange(
+        self,
+        outgoing: Sequence[torch.Tensor],
+        combine: Callable[[list[torch.Tensor]], Any],
+        what: str,
+    ) -> Any:
         k = self.k = self.k + 1
         same = all(t is outgoing[0] for t in outgoing)
         pieces = [outgoing[0]] if same else list(outgoing)
-        offsets, total = [], 0
+        offsets, total, sent = [], 0, 0  # sent: the bytes without alignment padding
         for t in pieces:
             offsets.append(total)
             total += _aligned(t.numel() * t.element_size())
+            sent += t.numel() * t.element_size()
         if self.data is None or total > self.cap:
             self._grow(total, k, what)
         self._await(DONE, k - 2, what)
-        self._unlink_read(k - 2)
         half = self._half(self.data, self.cap, k)
         for t, off in zip(pieces, offsets, strict=True):
             nb = t.numel() * t.element_size()
             half[off : off + nb].view(t.dtype).view(t.shape).copy_(t)
+        size = sent << 8 | outgoing[0].element_size()
+        self.ctl[SIZE + k % 2] = size
         self.ctl[SEQ] = k
         self._await(SEQ, k, what)
+        self._unlink_read(k - 1)  # a peer at SEQ k is done with k - 1
+        for peer, ctl in self.peer_ctl.items():
+            if ctl[SIZE + k % 2] != size:
+                theirs = ctl[SIZE + k % 2]
+                raise AutopartError(
+                    f"rank {self.rank}: in {what}, rank {self.ranks[peer]} sent {theirs >> 8} bytes "
+                    f"of {theirs & 255}-byte elements where this rank sent {sent} of "
+                    f"{size & 255}: the ranks run different programs or shapes",
+                    hint="every rank of a group must run the same program on equal shapes",
+                )
         mine = outgoing[self.me]
         off = 0 if same else offsets[self.me]
         nb = mine.numel() * mine.element_size()
@@ -207,7 +254,8 @@ class ShmGroup:
         keep = []
         for since, path in self.pending_unlink:
             if since <= k:
-                os.unlink(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             else:
                 keep.append((since, path))
         self.pending_unlink = keep
@@ -215,10 +263,15 @@ class ShmGroup:
     def _await(self, field: int, target: int, what: str) -> None:
         if target <= 0:
             return
-        peers = list(self.peer_ctl.values())
+        peers = list(self.peer_ctl.items())
         start = time.monotonic()
         nap, longest = NAP_S
-        while any(c[field] < target for c in peers):
+        while any(c[field] < target for _, c in peers):
+            for peer, c in peers:
+                if c[ERR]:
+                    raise AutopartError(f"rank {self.rank}: rank {self.ranks[peer]} failed in an "
+                                        f"exchange with this one, during {what}",
+                                        hint=f"rank {self.ranks[peer]}'s own error says why")  # fmt: skip
             waited = time.monotonic() - start
             if waited < self.spin_s:
                 os.sched_yield()
@@ -232,7 +285,10 @@ class ShmGroup:
             nap = min(2 * nap, longest)
 
     def close(self) -> None:
-        """Unlink what is still linked (the files stay mapped by whoever uses them)."""
+        """Unlink what is still linked (the files stay mapped by whoever uses them); only in the
+        process that made them (not in a forked child)."""
+        if os.getpid() != self.pid:
+            return
         for _, path in self.pending_unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

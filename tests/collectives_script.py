@@ -2,7 +2,9 @@
 data every rank can regenerate, through each transport (``collectives.transport``): shared
 memory, the direct exchange (when one rank cannot open the others' shared-memory files, and
 with ``AUTOPART_SHM=0``) and gloo's own collectives (also ``EXCHANGE_MAX = 1``). A peer that never
-arrives at a shared-memory exchange makes it time out with a named error. Shapes grow past the first shared-memory file and shrink again, and
+arrives at a shared-memory exchange makes it time out with a named error; ranks that send
+different sizes, and a rank that cannot reserve shared memory, make every rank fail at once;
+ranks that disagree about shared memory all fall back to the exchange. Shapes grow past the first shared-memory file and shrink again, and
 every case repeats, so both halves and a new file generation are used. Prints one JSON line on
 rank 0: per transport, each check and the transport the group actually got.
 """
@@ -11,6 +13,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -86,19 +89,66 @@ def peer_never_arrives(n: int, me: int) -> str:
     return message
 
 
+def failures(n: int, me: int) -> dict:
+    """What each rank raises (its message, or "") when the ranks disagree or one rank fails."""
+    out = {}
+
+    def attempt(name: str, op) -> None:
+        start = time.monotonic()
+        try:
+            op()
+            out[name] = ""
+        except AutopartError as exc:
+            out[name] = str(exc)
+        out[name + "_s"] = time.monotonic() - start
+
+    mapping = shm._map
+    collectives.set_action("the failing step", timeout_s=60.0)
+    collectives.bind("t", dist.new_group(list(range(n))))
+    attempt("mismatch", lambda: collectives._all_reduce(torch.ones(4 if me == 0 else 8), "t"))
+    attempt("after_failure", lambda: collectives._all_reduce(torch.ones(4), "t"))
+    collectives.bind("t", dist.new_group(list(range(n))))
+    collectives._all_reduce(torch.ones(4), "t")  # connected, first file made
+    if me == 1:  # its next file cannot be reserved (a full /dev/shm)
+        shm._map = full(shm._map)
+    attempt("full", lambda: collectives._all_reduce(torch.ones(1 << 19), "t"))
+    attempt("uneven", lambda: collectives._reduce_scatter(torch.ones(n + 1, 2), 0, "t"))
+    collectives.set_action("(checks)", timeout_s=60.0)
+    shm._map = mapping
+    return out
+
+
+def full(map_file):
+    def mapped(path: str, size: int, create: bool):
+        if create:
+            raise OSError(28, "No space left on device")
+        return map_file(path, size, create)
+
+    return mapped
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     n, me = dist.get_world_size(), dist.get_rank()
     out = {"shm": run_path(n, me)}  # its files are unlinked once every peer has mapped them
     out["shm"]["dev_shm_clean"] = not glob.glob(f"/dev/shm/autopart-{os.getpid()}-*")
     out["timeout"] = peer_never_arrives(n, me)
+    out["failures"] = failures(n, me)
+    mapping = shm._map
     if me == 1:  # rank 1 cannot see the others' files (another host, another /dev/shm)
-        shm._map = unseen(shm._map)
+        shm._map = unseen(mapping)
     out["unshared"] = run_path(n, me)  # so no rank uses shared memory
+    shm._map = mapping
+    if me == 1:  # rank 1 does not want shared memory; the others do
+        os.environ["AUTOPART_SHM"] = "0"
+    out["disagree"] = run_path(n, me)  # all fall back together
     os.environ["AUTOPART_SHM"] = "0"
     out["exchange"] = run_path(n, me)
     collectives.EXCHANGE_MAX = 1
     out["gloo"] = run_path(n, me)
+    every: list = [None] * n
+    dist.all_gather_object(every, out["failures"])
+    out["failures"] = every
     if me == 0:
         print(json.dumps(out), flush=True)
     dist.barrier()

@@ -144,14 +144,27 @@ def test_collectives_on_every_transport() -> None:
     """3 ranks: through shared memory and the direct exchange, the sum is the rank-order sum,
     bitwise the same on every rank; gathers are exact and reduce-scatters keep each rank's
     slice on all three transports; shared memory leaves no file in /dev/shm, falls back to the
-    exchange where ranks share no directory, and times out naming the rank and action."""
+    exchange where one rank cannot map the others' files or does not want shared memory, times
+    out naming the rank and action, and fails on every rank at once when one rank fails."""
     out = launch(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=180)
     res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
-    paths = (("shm", "shm"), ("unshared", "exchange"), ("exchange", "exchange"), ("gloo", "c10d"))
+    paths = (("shm", "shm"), ("unshared", "exchange"), ("disagree", "exchange"),
+             ("exchange", "exchange"), ("gloo", "c10d"))  # fmt: skip
     for path, transport in paths:
         assert res[path].pop("transport") == transport, res[path]
     assert all(res["shm"].values()), res["shm"]
     assert all(res["unshared"].values()), res["unshared"]
+    assert all(res["disagree"].values()), res["disagree"]
+    for rank, f in enumerate(res["failures"]):  # each rank fails at once, saying why
+        assert "sent 16 bytes of 4-byte elements where this rank sent 32" in f["mismatch"] or (
+            rank == 0
+            and "sent 32 bytes of 4-byte elements where this rank sent 16" in f["mismatch"]
+        ), f["mismatch"]
+        assert "on a group whose exchange failed before" in f["after_failure"], f
+        want = "cannot reserve 4.0 MiB" if rank == 1 else "rank 1 failed in an exchange"
+        assert want in f["full"], f["full"]
+        assert "does not split into 3 equal parts" in f["uneven"], f["uneven"]
+        assert max(f[k] for k in ("mismatch_s", "full_s")) < 10, f  # not the 60 s timeout
     assert res["timeout"].startswith("rank 0: timed out after 1 s in all-reduce over t of (4,)")
     assert "during the lonely step" in res["timeout"], res["timeout"]
     assert all(res["exchange"].values()), res["exchange"]
