@@ -159,8 +159,11 @@ atexit.register(close)
 
 
 def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
-    out = parts[0].clone()
-    for t in parts[1:]:
+    """((p0 + p1) + p2) + ...: a fresh tensor, the same bits on every rank."""
+    if len(parts) == 1:
+        return parts[0].clone()
+    out = parts[0] + parts[1]
+    for t in parts[2:]:
         out += t
     return out
 
