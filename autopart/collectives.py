@@ -46,11 +46,11 @@ import torch.distributed as dist
 
 from autopart import shm
 from autopart.errors import AutopartError
-from autopart.shm import ShmGroup
 
 _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
-_SHM: dict[Any, ShmGroup | None] = {}  # group -> its shared-memory exchange, when it has one
+_SHM: dict[Any, shm.ShmGroup | None] = {}  # group -> its shared-memory exchange, when it has one
+_TRANSPORT: dict[Any, str] = {}  # group -> transport(group), decided on first use
 TRACE: list[tuple[str, str, tuple[int, ...]]] | None = None  # (kind, group, shape) when a list
 
 
@@ -103,12 +103,12 @@ EXCHANGE_MAX = 4  # gloo groups up to this size exchange directly (module docstr
 _TAG = 0x7A7  # the exchange's message tag
 
 
-def _shm(g: Any) -> ShmGroup | None:
+def _shm(g: Any) -> shm.ShmGroup | None:
     """The shared-memory exchange of ``g``, connected on first use (None: not on one host)."""
     if g not in _SHM:
         use = os.environ.get("AUTOPART_SHM", "1") != "0" and shm.supported()
         # every rank joins the vote, so that ranks that disagree all fall back together
-        _SHM[g] = ShmGroup.connect(g, use) if dist.get_backend(g) == "gloo" else None
+        _SHM[g] = shm.ShmGroup.connect(g, use) if dist.get_backend(g) == "gloo" else None
     return _SHM[g]
 
 
@@ -116,13 +116,14 @@ def transport(g: Any) -> str:
     """How collectives on ``g`` move data: "shm", "exchange" or "c10d" (module docstring)."""
     if g is None:
         return "local"
-    if _shm(g) is not None:
-        return "shm"
-    return (
-        "exchange"
-        if dist.get_world_size(g) <= EXCHANGE_MAX and dist.get_backend(g) == "gloo"
-        else "c10d"
-    )
+    if g not in _TRANSPORT:
+        gloo = dist.get_backend(g) == "gloo"
+        _TRANSPORT[g] = (
+            "shm" if _shm(g) is not None
+            else "exchange" if gloo and dist.get_world_size(g) <= EXCHANGE_MAX
+            else "c10d"
+        )  # fmt: skip
+    return _TRANSPORT[g]
 
 
 def _exchange(

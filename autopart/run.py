@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autopart import collectives
 from autopart.emit import load_rank, load_weights, read_head
 from autopart.errors import AutopartError
 from autopart.plan import Plan
@@ -376,8 +377,6 @@ def _dump(runner, loss: torch.Tensor, folder: Path) -> None:
 
 if __name__ == "__main__":
     code = main()
-    from autopart import collectives
-
     collectives.close()  # os._exit skips atexit: unlink any shared-memory file still linked
     sys.stdout.flush()
     sys.stderr.flush()

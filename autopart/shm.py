@@ -84,7 +84,7 @@ class ShmGroup:
     """The shared-memory exchange of one process group (build with ``ShmGroup.connect``)."""
 
     def __init__(self, group: Any, prefix: str) -> None:
-        self.group, self.prefix, self.prefixes = group, prefix, [prefix]
+        self.prefix, self.prefixes = prefix, [prefix]
         self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
         self.rank, self.pid = dist.get_rank(), os.getpid()
         self.ranks = dist.get_process_group_ranks(group)  # group rank -> global rank
@@ -178,17 +178,17 @@ class ShmGroup:
         k = self.k = self.k + 1
         same = all(t is outgoing[0] for t in outgoing)
         pieces = [outgoing[0]] if same else list(outgoing)
-        offsets, total, sent = [], 0, 0  # sent: the bytes without alignment padding
-        for t in pieces:
+        nbytes = [t.numel() * t.element_size() for t in pieces]
+        offsets, total = [], 0
+        for nb in nbytes:
             offsets.append(total)
-            total += _aligned(t.numel() * t.element_size())
-            sent += t.numel() * t.element_size()
+            total += _aligned(nb)
+        sent = sum(nbytes)  # without the alignment padding
         if self.data is None or total > self.cap:
             self._grow(total, k, what)
         self._await(DONE, k - 2, what)
         half = self._half(self.data, self.cap, k)
-        for t, off in zip(pieces, offsets, strict=True):
-            nb = t.numel() * t.element_size()
+        for t, off, nb in zip(pieces, offsets, nbytes, strict=True):
             half[off : off + nb].view(t.dtype).view(t.shape).copy_(t)
         size = sent << 8 | outgoing[0].element_size()
         self.ctl[SIZE + k % 2] = size
