@@ -161,10 +161,10 @@ def test_collectives_on_every_transport() -> None:
             and "sent 32 bytes of 4-byte elements where this rank sent 16" in f["mismatch"]
         ), f["mismatch"]
         assert "on a group whose exchange failed before" in f["after_failure"], f
+        # the peers' error names rank 1's failure: they did not wait out their timeout
         want = "cannot reserve 4.0 MiB" if rank == 1 else "rank 1 failed in an exchange"
         assert want in f["full"], f["full"]
         assert "does not split into 3 equal parts" in f["uneven"], f["uneven"]
-        assert max(f[k] for k in ("mismatch_s", "full_s")) < 10, f  # not the 60 s timeout
     assert res["timeout"].startswith("rank 0: timed out after 1 s in all-reduce over t of (4,)")
     assert "during the lonely step" in res["timeout"], res["timeout"]
     assert all(res["exchange"].values()), res["exchange"]
