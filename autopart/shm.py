@@ -7,7 +7,7 @@ use it on gloo groups whose ranks share a host and ``/dev/shm``; everything else
 Layout, per rank (the *owner*): a control block of int64 fields (``SEQ``: the last exchange
 whose data it has published; ``DONE``: the last exchange it has finished reading; ``GEN``:
 which data file is current; ``TOKEN``: a random number checked by the peers at setup; ``ERR``:
-set when this rank failed; ``SIZE + h``: bytes and element size of what half ``h`` holds) and a
+1 + the rank whose failure stopped this one (itself or, passed on, a peer's); ``SIZE + h``: bytes and element size of what half ``h`` holds) and a
 data file of two halves. Exchange ``k`` uses half ``k % 2``:
 
 1. wait until every peer's ``DONE >= k - 2`` (nobody still reads this half), write the outgoing
@@ -166,7 +166,9 @@ class ShmGroup:
             return self._exchange(outgoing, combine, what)
         except BaseException as exc:
             self.failed = f"the first failure: {exc}"
-            self.ctl[ERR] = 1  # the peers stop waiting for us
+            # the peers stop waiting for us; they name the rank that failed first, even when
+            # they see our flag before that rank's
+            self.ctl[ERR] = 1 + getattr(exc, "shm_origin", self.rank)
             raise
 
     def _exchange(
@@ -267,11 +269,14 @@ class ShmGroup:
         start = time.monotonic()
         nap, longest = NAP_S
         while any(c[field] < target for _, c in peers):
-            for peer, c in peers:
+            for _, c in peers:
                 if c[ERR]:
-                    raise AutopartError(f"rank {self.rank}: rank {self.ranks[peer]} failed in an "
-                                        f"exchange with this one, during {what}",
-                                        hint=f"rank {self.ranks[peer]}'s own error says why")  # fmt: skip
+                    origin = c[ERR] - 1
+                    err = AutopartError(f"rank {self.rank}: rank {origin} failed in an exchange "
+                                        f"with this one, during {what}",
+                                        hint=f"rank {origin}'s own error says why")  # fmt: skip
+                    err.shm_origin = origin  # type: ignore[attr-defined]
+                    raise err
             waited = time.monotonic() - start
             if waited < self.spin_s:
                 os.sched_yield()

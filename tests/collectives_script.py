@@ -111,6 +111,8 @@ def failures(n: int, me: int) -> dict:
     collectives._all_reduce(torch.ones(4), "t")  # connected, first file made
     if me == 1:  # its next file cannot be reserved (a full /dev/shm)
         shm._map = full(shm._map)
+    if me == 2:  # arrives after rank 0 has failed too: it must still name rank 1, the first
+        time.sleep(0.5)
     attempt("full", lambda: collectives._all_reduce(torch.ones(1 << 19), "t"))
     attempt("uneven", lambda: collectives._reduce_scatter(torch.ones(n + 1, 2), 0, "t"))
     collectives.set_action("(checks)", timeout_s=60.0)
