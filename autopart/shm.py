@@ -28,7 +28,8 @@ A waiting rank spins (yielding the core) for ``SPIN_S``, then sleeps in growing 
 0.5 ms; it spins only when the host has a core per local rank. Every wait ends at the
 caller's timeout with an ``AutopartError`` naming the rank and the action. A rank that fails
 inside an exchange (a timeout, a full ``/dev/shm``, a size mismatch) sets ``ERR``, so its peers
-fail at once, naming it, instead of waiting out their timeouts; a failed group refuses further
+fail at once instead of waiting out their timeouts; a peer stopped that way passes the first
+failing rank on in its own ``ERR``, so every rank names that one. A failed group refuses further
 exchanges.
 """
 
