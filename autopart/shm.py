@@ -7,8 +7,9 @@ use it on gloo groups whose ranks share a host and ``/dev/shm``; everything else
 Layout, per rank (the *owner*): a control block of int64 fields (``SEQ``: the last exchange
 whose data it has published; ``DONE``: the last exchange it has finished reading; ``GEN``:
 which data file is current; ``TOKEN``: a random number checked by the peers at setup; ``ERR``:
-1 + the rank whose failure stopped this one (itself or, passed on, a peer's); ``SIZE + h``: bytes and element size of what half ``h`` holds) and a
-data file of two halves. Exchange ``k`` uses half ``k % 2``:
+1 + the rank whose failure stopped this one (itself, or the one a peer's ``ERR`` names);
+``SIZE + h``: bytes and element size of what half ``h`` holds) and a data file of two halves.
+Exchange ``k`` uses half ``k % 2``:
 
 1. wait until every peer's ``DONE >= k - 2`` (nobody still reads this half), write the outgoing
    pieces and their size into it, then publish ``SEQ = k``;
@@ -56,6 +57,15 @@ _ALIGN = 64
 _MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
 SPIN_S = 1e-3  # spin this long before sleeping (when every local rank has a core)
 NAP_S = (20e-6, 5e-4)  # then sleep, doubling from the first to at most the second
+
+
+class PeerFailed(AutopartError):
+    """This rank stopped because global rank ``origin`` failed in an exchange with it."""
+
+    def __init__(self, rank: int, origin: int, what: str) -> None:
+        super().__init__(f"rank {rank}: rank {origin} failed in an exchange with this one, during {what}",
+                         hint=f"rank {origin}'s own error says why")  # fmt: skip
+        self.origin = origin
 
 
 def supported() -> bool:
@@ -169,7 +179,7 @@ class ShmGroup:
             self.failed = f"the first failure: {exc}"
             # the peers stop waiting for us; they name the rank that failed first, even when
             # they see our flag before that rank's
-            self.ctl[ERR] = 1 + getattr(exc, "shm_origin", self.rank)
+            self.ctl[ERR] = 1 + (exc.origin if isinstance(exc, PeerFailed) else self.rank)
             raise
 
     def _exchange(
@@ -272,12 +282,7 @@ class ShmGroup:
         while any(c[field] < target for _, c in peers):
             for _, c in peers:
                 if c[ERR]:
-                    origin = c[ERR] - 1
-                    err = AutopartError(f"rank {self.rank}: rank {origin} failed in an exchange "
-                                        f"with this one, during {what}",
-                                        hint=f"rank {origin}'s own error says why")  # fmt: skip
-                    err.shm_origin = origin  # type: ignore[attr-defined]
-                    raise err
+                    raise PeerFailed(self.rank, c[ERR] - 1, what)
             waited = time.monotonic() - start
             if waited < self.spin_s:
                 os.sched_yield()
