@@ -109,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--nnodes", type=int, default=1,
                    help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
                    "machines would (default 1)")  # fmt: skip
+    from autopart.verify import PLANS_HELP
+
+    v.add_argument("--plans", metavar="PLANS", default=None,
+                   help=f"check several plans in one call, e.g. \"tp=2; pp=2,1f1b,m=4; "
+                   f"pp=2,seq1f1b,k=2,m=4\": {PLANS_HELP}; the plan flags give what a plan leaves "
+                   "unset. The model is captured once, and all plans of one world size run in one "
+                   "torchrun launch")  # fmt: skip
+    v.add_argument("--in-memory", action="store_true",
+                   help="fork the ranks from this process with the compiled program in memory "
+                   "(as the live DeviceMesh API runs it) instead of saving it and launching "
+                   "torchrun: seconds faster per plan; no --nnodes or --compile")  # fmt: skip
 
     i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
     i.add_argument(
@@ -267,31 +278,43 @@ def _demo(a: argparse.Namespace) -> int:
 def _verify(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from autopart.verify import verify
+    from autopart.verify import Check, Report, parse_plans, verify_many
 
+    base = {"dp": a.dp, "tp": a.tp, "pp": a.pp, **_plan_kwargs(a)}
+    checks = parse_plans(a.plans, a.model, base) if a.plans else [Check(a.model, **base)]
     con = Console()
-    with con.status(
-        f"verifying {a.model} on dp={a.dp} tp={a.tp} pp={a.pp} ranks against one device"
-    ):
-        report = verify(
-            a.model,
-            dp=a.dp,
-            tp=a.tp,
-            pp=a.pp,
-            dtype=a.dtype,
-            timeout_s=a.timeout,
-            nnodes=a.nnodes,
-            compile=a.compile,
-            **_plan_kwargs(a),
-        )
-    con.print(
-        f"loss: {report.loss:.15g} (single device {report.ref_loss:.15g}), max rel error {report.loss_error:.3e}"
-    )
-    con.print(f"worst gradient: {report.worst}, max rel error {report.grad_error:.3e} "
-              f"({len(report.errors)} gradients compared)")  # fmt: skip
-    con.print(("[green]" if report.ok else "[red]") + f"{'PASS' if report.ok else 'FAIL'}"
-              f" (tolerance {report.tolerance:.0e}, {a.dtype}, {report.seconds:.1f} s)")  # fmt: skip
-    return 0 if report.ok else 1
+    outcome = {"fail": 0, "error": 0}
+
+    def show(name: str, result: Report | AutopartError) -> None:
+        if isinstance(result, AutopartError):
+            outcome["error"] += 1
+            if len(checks) == 1:
+                raise result
+            con.print(f"[red]ERROR[/] {name}: {result}", highlight=False)
+            return
+        outcome["fail"] += not result.ok
+        verdict = "[green]PASS[/]" if result.ok else "[red]FAIL[/]"
+        if len(checks) > 1:  # one line per plan
+            con.print(f"{verdict} {name}: loss rel err {result.loss_error:.1e}, worst gradient "
+                      f"{result.worst} {result.grad_error:.1e} ({len(result.errors)} compared, "
+                      f"tolerance {result.tolerance:.0e}, {result.seconds:.1f} s)", highlight=False)  # fmt: skip
+            return
+        con.print(f"loss: {result.loss:.15g} (single device {result.ref_loss:.15g}), "
+                  f"max rel error {result.loss_error:.3e}", highlight=False)  # fmt: skip
+        con.print(f"worst gradient: {result.worst}, max rel error {result.grad_error:.3e} "
+                  f"({len(result.errors)} gradients compared)", highlight=False)  # fmt: skip
+        con.print(f"{verdict} (tolerance {result.tolerance:.0e}, {a.dtype}, {result.seconds:.1f} s)",
+                  highlight=False)  # fmt: skip
+
+    what = f"{len(checks)} plans of" if len(checks) > 1 else "a plan of"
+    with con.status(f"verifying {what} {a.model} against one device"):
+        verify_many(checks, dtype=a.dtype, timeout_s=a.timeout, nnodes=a.nnodes, compile=a.compile,
+                    via="fork" if a.in_memory else "torchrun", on_result=show)  # fmt: skip
+    if len(checks) > 1:
+        passed = len(checks) - outcome["fail"] - outcome["error"]
+        con.print(f"{passed} of {len(checks)} plans pass, {outcome['fail']} fail, "
+                  f"{outcome['error']} errors", highlight=False)  # fmt: skip
+    return 2 if outcome["error"] else 1 if outcome["fail"] else 0
 
 
 def _inspect(a: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from autopart import collectives
 from autopart.emit import load_rank, load_weights, read_head
 from autopart.errors import AutopartError
 from autopart.plan import Plan
+from autopart.runtime.checks import dump
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -303,7 +303,7 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int,
             start = time.perf_counter()
             loss = runner.step(*batches(step))
             if step == 0 and args.dump is not None:
-                _dump(runner, loss, args.dump)
+                dump(runner, loss, args.dump)
             if optim is not None:
                 optim.step()
                 optim.zero_grad(set_to_none=True)
@@ -362,17 +362,6 @@ def _write_trace(runner, path: Path | None, rank: int, png: Path | None = None, 
             from autopart.timeline import plot_timeline
 
             print(f"timeline of the last step: {plot_timeline(events, png, title)}", flush=True)
-
-
-def _dump(runner, loss: torch.Tensor, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    grads = {
-        f: (p.grad.detach().clone() if p.grad is not None else None)
-        for f, p in runner.named_parameters()
-    }
-    shards = {f: asdict(s) for f, s in runner.program.shards.items()}
-    torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards, "coords": runner.program.coords},
-               folder / f"rank{runner.rank:05d}.pt")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@ the error of a tensor is ``max|got − ref| / max|ref|``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from autopart.capture import logits_of
 from autopart.emit import Shard
 from autopart.errors import AutopartError
+from autopart.runtime.checks import fork_ranks
 from autopart.spec import Factory, build
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
@@ -111,6 +115,251 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+@dataclass(frozen=True)
+class Check:
+    """One parity check: a model SPEC (or factory) and the plan to run it on."""
+
+    spec: str | Factory
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    seq_chunks: int = 1
+    seq_split: str = "balanced"
+    sequence_parallel: bool = False
+    max_stage_memory_gb: float | None = None
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``parallelize`` this check sets (all but the mesh)."""
+        return {k: getattr(self, k) for k in PLAN_KEYS}
+
+    def __str__(self) -> str:
+        """The plan in ``--plans`` syntax, e.g. ``pp=2,seq1f1b,k=2,m=4``."""
+        parts = [f"{d}={getattr(self, d)}" for d in ("dp", "tp", "pp") if getattr(self, d) > 1]
+        parts.append(self.schedule)
+        short = {"microbatches": "m", "virtual_stages": "v", "seq_chunks": "k"}
+        parts += [f"{s}={getattr(self, k)}" for k, s in short.items() if getattr(self, k) > 1]
+        if self.seq_split != "balanced":
+            parts.append(self.seq_split)
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.max_stage_memory_gb is not None:
+            parts.append(f"mem={self.max_stage_memory_gb:g}")
+        return ",".join(parts)
+
+
+PLAN_KEYS = ("schedule", "microbatches", "virtual_stages", "seq_chunks", "seq_split",
+             "sequence_parallel", "max_stage_memory_gb")  # fmt: skip
+_PLAN_WORDS = {"dp": "dp", "tp": "tp", "pp": "pp", "m": "microbatches", "v": "virtual_stages",
+               "k": "seq_chunks", "mem": "max_stage_memory_gb"}  # fmt: skip
+PLANS_HELP = ("plans separated by ';', each a comma-separated list of dp=N, tp=N, pp=N, m=N "
+              "(micro-batches), v=N (virtual stages), k=N (sequence chunks), mem=GIB, a schedule "
+              "name, sp (sequence parallel), uniform or balanced (chunk split)")  # fmt: skip
+
+
+def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = None) -> list[Check]:
+    """``"tp=2; pp=2,1f1b,m=4"`` → one ``Check`` per plan (unset fields from ``base``)."""
+    from autopart.plan import SCHEDULES
+
+    checks = []
+    for plan in (p.strip() for p in text.split(";")):
+        if not plan:
+            continue
+        fields: dict[str, Any] = dict(base or {})
+        for word in (w.strip() for w in plan.split(",")):
+            key, eq, value = word.partition("=")
+            if eq and key in _PLAN_WORDS:
+                try:
+                    fields[_PLAN_WORDS[key]] = float(value) if key == "mem" else int(value)
+                except ValueError:
+                    raise AutopartError(f"plan {plan!r}: {word!r} needs a number",
+                                        hint=PLANS_HELP) from None  # fmt: skip
+            elif word in SCHEDULES:
+                fields["schedule"] = word
+            elif word == "sp":
+                fields["sequence_parallel"] = True
+            elif word in ("uniform", "balanced"):
+                fields["seq_split"] = word
+            else:
+                raise AutopartError(f"plan {plan!r}: cannot read {word!r}", hint=PLANS_HELP)
+        checks.append(Check(spec, **fields))
+    if not checks:
+        raise AutopartError(f"no plan in {text!r}", hint=PLANS_HELP)
+    return checks
+
+
+@dataclass
+class _Model:
+    """One model of a batch of checks: built, referenced and captured once for all its plans."""
+
+    batch: tuple[torch.Tensor, torch.Tensor]
+    ref_loss: float
+    ref_grads: dict[str, torch.Tensor]
+    captured: Any
+
+
+def _prepare(spec: str | Factory, dtype: str) -> _Model:
+    from autopart.capture import capture
+
+    model, batch = build(spec)
+    model = model.to(DTYPES[dtype])
+    ref_loss, ref_grads = reference(model, batch)
+    return _Model(batch, ref_loss, ref_grads, capture(model, batch))
+
+
+def verify_many(
+    checks: Mapping[str, Check] | Sequence[Check],
+    *,
+    dtype: str = "float64",
+    timeout_s: float = 300.0,
+    workdir: str | Path | None = None,
+    nnodes: int = 1,
+    compile: bool = False,
+    via: str = "torchrun",
+    on_result: Callable[[str, Report | AutopartError], None] | None = None,
+) -> dict[str, Report | AutopartError]:
+    """Check many plans (and models) against one device; name → ``Report``, or the
+    ``AutopartError`` that stopped that check (a refused plan, a failing rank).
+
+    Each model is built, run on one device and captured once for all of its checks.
+    ``via="torchrun"`` saves every program and runs all checks of one world size in one
+    torchrun launch, each rank loading program after program (the path of ``autopart run``);
+    ``via="fork"`` forks each check's ranks from this process with the program in memory
+    (nothing saved or loaded; no ``nnodes`` or ``compile``). ``on_result`` hears each outcome
+    as it comes.
+    """
+    from autopart.api import parallelize
+    from autopart.plan import Mesh
+
+    if dtype not in DTYPES:
+        raise AutopartError(f"unknown dtype {dtype!r}", hint="use float64 or float32")
+    if via not in ("torchrun", "fork"):
+        raise AutopartError(f"unknown via={via!r}", hint="use 'torchrun' or 'fork'")
+    if via == "fork" and (nnodes > 1 or compile):
+        raise AutopartError("forked ranks run one node, uncompiled",
+                            hint="use via='torchrun' for nnodes > 1 or compile=True")  # fmt: skip
+    named = dict(checks) if isinstance(checks, Mapping) else _names(checks)
+    results: dict[str, Report | AutopartError] = {}
+
+    def done(name: str, result: Report | AutopartError) -> None:
+        results[name] = result
+        if on_result is not None:
+            on_result(name, result)
+
+    models: dict[Any, _Model | AutopartError] = {}
+    ready: dict[str, tuple[Any, _Model, float]] = {}  # name → (program, model, seconds so far)
+    for name, check in named.items():
+        start = time.perf_counter()
+        if check.spec not in models:
+            try:
+                models[check.spec] = _prepare(check.spec, dtype)
+            except AutopartError as exc:
+                models[check.spec] = exc
+        model = models[check.spec]
+        if isinstance(model, AutopartError):
+            done(name, model)
+            continue
+        try:
+            mesh = Mesh(dp=check.dp, pp=check.pp, tp=check.tp)
+            program = parallelize(model.captured, mesh, **check.plan_kwargs())
+            program.plan.check_batch(model.batch[0].shape[0])
+        except AutopartError as exc:
+            done(name, exc)
+            continue
+        ready[name] = (program, model, time.perf_counter() - start)
+    with tempfile.TemporaryDirectory(prefix="autopart-verify-", dir=workdir) as tmp:
+        root = Path(tmp)
+        folders = {name: root / f"check{i:03d}" for i, name in enumerate(ready)}
+        if via == "fork":
+            for name, (program, model, seconds) in ready.items():
+                start = time.perf_counter()
+                try:
+                    fork_ranks(program, model.batch, folders[name] / "dump", timeout_s=timeout_s)
+                except AutopartError as exc:
+                    done(name, exc)
+                    continue
+                seconds += time.perf_counter() - start
+                done(name, _compare(folders[name] / "dump", program, model, dtype, seconds, ""))
+        else:
+            by_size: dict[int, list[str]] = {}
+            for name, (program, model, _) in ready.items():
+                program.save(folders[name] / "program")
+                torch.save(model.batch, folders[name] / "batch.pt")
+                by_size.setdefault(program.mesh.size, []).append(name)
+            for size, names in by_size.items():
+                _launch_checks(size, names, folders, ready, dtype, timeout_s, nnodes, compile, done)
+    return {name: results[name] for name in named}
+
+
+def _names(checks: Sequence[Check]) -> dict[str, Check]:
+    """Each check by its plan (``pp=2,1f1b,m=4``), after its model when there are several."""
+    several = len({c.spec for c in checks}) > 1
+    named: dict[str, Check] = {}
+    for c in checks:
+        name = f"{c.spec}: {c}" if several else str(c)
+        named[name if name not in named else f"{name} (#{len(named) + 1})"] = c
+    return named
+
+
+def _launch_checks(size: int, names: list[str], folders: dict[str, Path], ready: dict, dtype: str,
+                   timeout_s: float, nnodes: int, compile: bool, done: Callable) -> None:  # fmt: skip
+    """All checks of one world size in one torchrun launch; when a check fails, the ranks
+    stop, that check is reported failed, and the checks after it go on in a new launch."""
+    todo = list(names)
+    while todo:
+        start = time.perf_counter()
+        manifest = folders[todo[0]] / "checks.json"
+        manifest.write_text(json.dumps({"timeout": timeout_s, "compile": compile, "checks": [
+            {"name": n, "program": str(folders[n] / "program"), "batch": str(folders[n] / "batch.pt"),
+             "dump": str(folders[n] / "dump")} for n in todo]}))  # fmt: skip
+        error: AutopartError | None = None
+        output = ""
+        try:
+            output = launch(size, ["-m", "autopart.runtime.checks", str(manifest)],
+                            timeout_s=timeout_s * len(todo), nnodes=nnodes)  # fmt: skip
+        except AutopartError as exc:
+            error = exc
+        share = (time.perf_counter() - start) / len(todo)
+        while todo and all(
+            (folders[todo[0]] / "dump" / f"rank{r:05d}.pt").exists() for r in range(size)
+        ):
+            name = todo.pop(0)
+            program, model, seconds = ready[name]
+            done(
+                name,
+                _compare(folders[name] / "dump", program, model, dtype, seconds + share, output),
+            )
+        if error is not None and todo:
+            done(todo.pop(0), error)
+        elif error is not None:
+            raise error  # every check finished, then the launch failed: say so
+        elif todo:
+            raise AutopartError(f"the ranks ended without checking {todo[0]}")
+
+
+def _compare(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
+             output: str) -> Report:  # fmt: skip
+    """The report of one check from its ranks' dumps."""
+    dumps = [
+        torch.load(dump / f"rank{r:05d}.pt", weights_only=True) for r in range(program.mesh.size)
+    ]
+    losses = [float(d["loss"]) for d in dumps]
+    loss_error = max(abs(v - model.ref_loss) / abs(model.ref_loss) for v in losses)
+    errors: dict[str, float] = {}
+    for fqn, copies in gather(dumps).items():
+        if fqn not in model.ref_grads:
+            raise AutopartError(f"rank gradients name {fqn!r}, which the model does not have")
+        errors[fqn] = max(rel_error(g, model.ref_grads[fqn]) for g in copies)
+    missing = set(model.ref_grads) - set(errors)
+    if missing:
+        raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
+    worst = max(errors, key=errors.get)
+    return Report(losses[0], model.ref_loss, loss_error, errors[worst], worst,
+                  TOLERANCE[DTYPES[dtype]], errors, seconds, output)  # fmt: skip
+
+
 def verify(
     spec: str | Factory,
     *,
@@ -129,49 +378,17 @@ def verify(
     workdir: str | Path | None = None,
     nnodes: int = 1,
     compile: bool = False,
+    via: str = "torchrun",
 ) -> Report:
-    """Run one step of the plan on real ranks and compare with one device (see module doc)."""
-    import time
-
-    from autopart.api import parallelize
-    from autopart.plan import Mesh
-
-    if dtype not in DTYPES:
-        raise AutopartError(f"unknown dtype {dtype!r}", hint="use float64 or float32")
-    start = time.perf_counter()
-    mesh = Mesh(dp=dp, pp=pp, tp=tp)
-    model, batch = build(spec)
-    model = model.to(DTYPES[dtype])
-    ref_loss, ref_grads = reference(model, batch)
-    program = parallelize(model, mesh, example_inputs=batch, schedule=schedule, microbatches=microbatches,
-                          virtual_stages=virtual_stages, seq_chunks=seq_chunks, seq_split=seq_split,
-                          sequence_parallel=sequence_parallel, max_stage_memory_gb=max_stage_memory_gb)  # fmt: skip
-    program.plan.check_batch(batch[0].shape[0])
-    with tempfile.TemporaryDirectory(prefix="autopart-verify-", dir=workdir) as tmp:
-        root = Path(tmp)
-        program.save(root / "program")
-        torch.save(batch, root / "batch.pt")
-        output = launch(mesh.size, ["-m", "autopart.run", str(root / "program"), "--batch", str(root / "batch.pt"),
-                        "--steps", "1", "--no-optim", "--dump", str(root / "dump"),
-                        "--timeout", str(timeout_s), "--json", *(["--compile"] if compile else [])],
-                        timeout_s=timeout_s, nnodes=nnodes)  # fmt: skip
-        dumps = [
-            torch.load(root / "dump" / f"rank{r:05d}.pt", weights_only=True)
-            for r in range(mesh.size)
-        ]
-    losses = [float(d["loss"]) for d in dumps]
-    loss_error = max(abs(v - ref_loss) / abs(ref_loss) for v in losses)
-    errors: dict[str, float] = {}
-    for fqn, copies in gather(dumps).items():
-        if fqn not in ref_grads:
-            raise AutopartError(f"rank gradients name {fqn!r}, which the model does not have")
-        errors[fqn] = max(rel_error(g, ref_grads[fqn]) for g in copies)
-    missing = set(ref_grads) - set(errors)
-    if missing:
-        raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
-    worst = max(errors, key=errors.get)
-    return Report(losses[0], ref_loss, loss_error, errors[worst], worst, TOLERANCE[DTYPES[dtype]],
-                  errors, time.perf_counter() - start, output)  # fmt: skip
+    """Run one step of the plan on real ranks and compare with one device (see module doc);
+    raises the ``AutopartError`` of a refused plan or a failing rank."""
+    check = Check(spec, dp, pp, tp, schedule, microbatches, virtual_stages, seq_chunks, seq_split,
+                  sequence_parallel, max_stage_memory_gb)  # fmt: skip
+    (result,) = verify_many([check], dtype=dtype, timeout_s=timeout_s, workdir=workdir,
+                            nnodes=nnodes, compile=compile, via=via).values()  # fmt: skip
+    if isinstance(result, AutopartError):
+        raise result
+    return result
 
 
 def launch(

@@ -1,6 +1,10 @@
-"""Parity on real gloo ranks (torchrun): the acceptance matrix of data parallelism.
+"""Parity on real gloo ranks: the acceptance matrices of data, tensor, pipeline and Seq1F1B
+parallelism, and the launches users make (torchrun, the CLI, several torchrun agents).
 
-Each case launches real processes (a few seconds each); nothing here is mocked.
+The matrices run as batches (``verify_many``): each model is captured once, and each check's
+ranks are real processes forked from this one with the compiled program in memory, meeting
+over gloo — nothing is mocked. The CLI tests cover the saved path: programs saved, loaded and
+run check after check in one torchrun launch per world size.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 
 from autopart import AutopartError, Mesh, parallelize, verify
 from autopart.cli import main as cli
-from autopart.verify import launch
+from autopart.verify import Check, Report, launch, verify_many
 
 ROOT = Path(__file__).resolve().parent.parent
 NANO, MANUAL, GPT2 = (f"{ROOT}/examples/nanogpt.py:make", f"{ROOT}/examples/nanogpt.py:make_manual",
@@ -25,21 +29,37 @@ pytestmark = pytest.mark.multirank
 sys.path.insert(0, str(ROOT / "examples"))
 
 
-@pytest.mark.parametrize(
-    ("spec", "dp"),
-    [(NANO, 2), (NANO, 4), (MANUAL, 2), (MANUAL, 4), (GPT2, 2), (GPT2, 4)],
-    ids=["nanogpt-sdpa-dp2", "nanogpt-sdpa-dp4", "nanogpt-manual-dp2", "nanogpt-manual-dp4",
-         "hf-gpt2-dp2", "hf-gpt2-dp4"],
-)  # fmt: skip
-def test_float64_parity(spec: str, dp: int) -> None:
-    report = verify(spec, dp=dp, microbatches=2, dtype="float64")
-    assert report.ok, str(report)
-    assert report.loss_error <= 1e-9 and report.grad_error <= 1e-9
-    assert len(report.errors) == 28  # every parameter of the 2-block models, tied weight once
+DP_CASES = {f"{name}-dp{dp}": Check(spec, dp=dp, microbatches=2)
+            for name, spec in (("nanogpt-sdpa", NANO), ("nanogpt-manual", MANUAL), ("hf-gpt2", GPT2))
+            for dp in (2, 4)}  # fmt: skip
+
+
+def _batch(cases: dict[str, Check]) -> dict[str, Report | AutopartError]:
+    """Every case of a matrix in one batch: each model captured once, forked ranks."""
+    return verify_many(cases, dtype="float64", timeout_s=120, via="fork")
+
+
+def _passes(result: Report | AutopartError) -> None:
+    if isinstance(result, AutopartError):
+        raise result
+    assert result.ok, str(result)
+    assert result.loss_error <= 1e-9 and result.grad_error <= 1e-9
+    assert result.tolerance == 1e-9
+
+
+@pytest.fixture(scope="module")
+def dp_reports() -> dict[str, Report | AutopartError]:
+    return _batch(DP_CASES)
+
+
+@pytest.mark.parametrize("case", list(DP_CASES))
+def test_float64_parity(case: str, dp_reports: dict) -> None:
+    _passes(dp_reports[case])
+    assert len(dp_reports[case].errors) == 28  # every parameter of the 2-block models, tied once
 
 
 def test_float32_parity_and_gpipe() -> None:
-    report = verify(NANO, dp=2, microbatches=2, schedule="gpipe", dtype="float32")
+    report = verify(NANO, dp=2, microbatches=2, schedule="gpipe", dtype="float32", via="fork")
     assert report.ok and report.tolerance == 1e-5, str(report)
 
 
@@ -52,7 +72,7 @@ def _dropout_model():
 def test_verify_fails_when_ranks_disagree_with_one_device() -> None:
     """With dropout the ranks draw autopart's explicit masks and the single-device run draws
     torch's: the runs differ, so parity must fail, and say so."""
-    report = verify(_dropout_model, dp=2, microbatches=1)
+    report = verify(_dropout_model, dp=2, microbatches=1, via="fork")
     assert not report.ok
     assert report.grad_error > 1e-6 and "FAIL" in str(report)
 
@@ -92,7 +112,7 @@ def test_cli_run_launches_ranks_and_trains(tmp_path: Path) -> None:
 
 
 def test_cli_verify_pass_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli(["verify", "--model", NANO, "--dp", "2", "--microbatches", "2"]) == 0
+    assert cli(["verify", "--model", NANO, "--dp", "2", "--microbatches", "2", "--in-memory"]) == 0
     assert "PASS" in capsys.readouterr().out
     assert cli(["verify", "--model", NANO, "--dp", "3"]) == 2  # batch 8 not divisible by 3
     assert "not divisible by dp(3) * microbatches(1) = 3" in capsys.readouterr().err
@@ -102,18 +122,62 @@ def test_cli_verify_pass_and_refusals(capsys: pytest.CaptureFixture[str]) -> Non
     assert "did you mean '1f1b'" in capsys.readouterr().err
 
 
+def test_cli_verify_several_plans_in_one_launch_per_world_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--plans: saved programs, one torchrun launch per world size (2 and 4) taking check after
+    check; a refused plan is an ERROR line, the others still run."""
+    plans = "dp=2,m=2; pp=2,m=2; tp=2,sp; dp=3; dp=2,tp=2,m=2; pp=2,seq1f1b,k=2,m=2"
+    assert cli(["verify", "--model", NANO, "--plans", plans, "--timeout", "60"]) == 2
+    out = capsys.readouterr().out
+    for plan in ("dp=2,1f1b,m=2", "pp=2,1f1b,m=2", "tp=2,1f1b,sp", "dp=2,tp=2,1f1b,m=2",
+                 "pp=2,seq1f1b,m=2,k=2"):  # fmt: skip
+        assert f"PASS {plan}: loss rel err" in out, out
+    assert "ERROR dp=3,1f1b: batch size 8 is not divisible by dp(3)" in out, out
+    assert "5 of 6 plans pass, 0 fail, 1 errors" in out, out
+
+
+def test_saved_checks_go_on_after_a_failing_one(tmp_path: Path) -> None:
+    """In one torchrun launch the ranks load and run saved programs one after another; when one
+    fails (here a damaged file), it is reported with the ranks' error and the checks after it
+    run in a new launch."""
+    from autopart.verify import _launch_checks, _prepare
+
+    model = _prepare(NANO, "float64")
+    ready, folders = {}, {}
+    for name, mesh in (("first", Mesh(dp=2)), ("damaged", Mesh(pp=2)), ("last", Mesh(tp=2))):
+        program = parallelize(model.captured, mesh)
+        folders[name] = tmp_path / name
+        program.save(folders[name] / "program")
+        torch.save(model.batch, folders[name] / "batch.pt")
+        ready[name] = (program, model, 0.0)
+    (folders["damaged"] / "program" / "rank00001" / "program.json").write_text("{}")
+    results: dict[str, Report | AutopartError] = {}
+    _launch_checks(2, list(ready), folders, ready, "float64", 60, 1, False, results.__setitem__)
+    assert list(results) == ["first", "damaged", "last"]
+    assert results["first"].ok and results["last"].ok, results
+    assert isinstance(results["damaged"], AutopartError)
+    assert "check damaged" in str(results["damaged"]) and "checksum" in str(results["damaged"])
+
+
 LLAMA = f"{ROOT}/examples/hf_llama.py:make"
 TP_MODELS = {"nanogpt-sdpa": NANO, "nanogpt-manual": MANUAL, "hf-gpt2": GPT2, "hf-llama-gqa": LLAMA}
 TP_MESHES = {"tp2": {"tp": 2}, "tp4": {"tp": 4}, "dp2xtp2": {"dp": 2, "tp": 2, "microbatches": 2}}
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["sp-off", "sp-on"])
-@pytest.mark.parametrize("mesh", list(TP_MESHES), ids=list(TP_MESHES))
-@pytest.mark.parametrize("model", list(TP_MODELS), ids=list(TP_MODELS))
-def test_tensor_parallel_float64_parity(model: str, mesh: str, sp: bool) -> None:
-    report = verify(TP_MODELS[model], sequence_parallel=sp, dtype="float64", **TP_MESHES[mesh])
-    assert report.ok, str(report)
-    assert report.loss_error <= 1e-9 and report.grad_error <= 1e-9
+TP_CASES = {f"{model}-{mesh}-sp-{'on' if sp else 'off'}":
+            Check(TP_MODELS[model], sequence_parallel=sp, **TP_MESHES[mesh])
+            for model in TP_MODELS for mesh in TP_MESHES for sp in (False, True)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp_reports() -> dict[str, Report | AutopartError]:
+    return _batch(TP_CASES)
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_float64_parity(case: str, tp_reports: dict) -> None:
+    _passes(tp_reports[case])
 
 
 def test_tensor_parallel_collectives_as_run() -> None:
@@ -189,11 +253,14 @@ PP_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(PP_CASES), ids=list(PP_CASES))
-def test_pipeline_float64_parity(case: str) -> None:
-    spec, kwargs = PP_CASES[case]
-    report = verify(spec, dtype="float64", timeout_s=120, **kwargs)
-    assert report.ok, str(report)
+@pytest.fixture(scope="module")
+def pp_reports() -> dict[str, Report | AutopartError]:
+    return _batch({name: Check(spec, **kw) for name, (spec, kw) in PP_CASES.items()})
+
+
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_pipeline_float64_parity(case: str, pp_reports: dict) -> None:
+    _passes(pp_reports[case])
 
 
 LONG = {m: f"{ROOT}/examples/{m}.py:make_long" for m in ("nanogpt", "hf_gpt2", "hf_llama")}
@@ -220,11 +287,14 @@ SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix:
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(SEQ1F1B_CASES), ids=list(SEQ1F1B_CASES))
-def test_seq1f1b_float64_parity(case: str) -> None:
-    spec, kwargs = SEQ1F1B_CASES[case]
-    report = verify(spec, dtype="float64", timeout_s=120, **kwargs)
-    assert report.ok, str(report)
+@pytest.fixture(scope="module")
+def seq1f1b_reports() -> dict[str, Report | AutopartError]:
+    return _batch({name: Check(spec, **kw) for name, (spec, kw) in SEQ1F1B_CASES.items()})
+
+
+@pytest.mark.parametrize("case", list(SEQ1F1B_CASES))
+def test_seq1f1b_float64_parity(case: str, seq1f1b_reports: dict) -> None:
+    _passes(seq1f1b_reports[case])
 
 
 def test_two_torchrun_agents_meet_by_c10d_rendezvous() -> None:

@@ -1,0 +1,185 @@
+"""Parity checks on live ranks: one step of a program, its loss and gradients dumped.
+
+``autopart verify`` runs its checks one of two ways, both on real gloo processes:
+
+- **saved** (``python -m autopart.runtime.checks MANIFEST`` under torchrun): the ranks stay up
+  and take check after check from a JSON manifest, loading each saved program folder as
+  ``autopart run`` does. One launch serves every check of one world size.
+- **forked** (``fork_ranks``): the process that compiled a ``Program`` forks its ranks, which
+  inherit the program in memory and meet through a ``FileStore``; nothing is saved, loaded or
+  imported again.
+
+Either way each rank calls ``run_check``: its process groups, a ``Runner``, one step on the
+check's batch, then ``dump`` (loss, local gradients, shard map) into ``DIR/rankNNNNN.pt``. Every
+distributed wait has the check's timeout, and a rank that fails says which rank and why.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopart import collectives
+from autopart.emit import Program, RankProgram, load_rank, load_weights, read_head
+from autopart.errors import AutopartError
+from autopart.plan import Plan
+
+
+def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
+    """Write this rank's loss, local gradients and shard map to ``folder/rankNNNNN.pt``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    grads = {
+        f: (p.grad.detach().clone() if p.grad is not None else None)
+        for f, p in runner.named_parameters()
+    }
+    shards = {f: asdict(s) for f, s in runner.program.shards.items()}
+    torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards,
+                "coords": runner.program.coords}, folder / f"rank{runner.rank:05d}.pt")  # fmt: skip
+
+
+def run_check(rp: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
+              batch: tuple[torch.Tensor, torch.Tensor], folder: Path, *, timeout_s: float,
+              seed: int = 0, compile: bool = False) -> None:  # fmt: skip
+    """One step of this rank's program on ``batch``, dumped to ``folder``; the check's process
+    groups are destroyed afterwards, so that the next check starts from a bare world."""
+    from autopart.runtime.runner import Runner, make_groups
+
+    # the seed autopart run uses (attention dropout inside SDPA draws from torch's generator)
+    torch.manual_seed((seed * 1_000_003 + rp.rank) % 2**63)
+    groups = make_groups(plan, rp.rank, rp.ties)
+    runner = Runner(rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile)
+    dump(runner, runner.step(*batch), folder)
+    collectives.set_action("the end of the check")
+    dist.barrier()  # every rank done with every collective before its groups go away
+    collectives.release(list({id(g): g for g in groups.values() if g is not None}.values()))
+
+
+# -- saved programs, one torchrun launch ---------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m autopart.runtime.checks MANIFEST`` (under torchrun): run every check the
+    manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool,
+    "checks": [{"name", "program", "batch", "dump"}, ...]}``; every program has this world size."""
+    from autopart.run import _join
+
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 1:
+        print("usage: python -m autopart.runtime.checks MANIFEST (under torchrun)", file=sys.stderr)
+        return 2
+    manifest = json.loads(Path(args[0]).read_text())
+    timeout_s = float(manifest["timeout"])
+    rank, world = _join(timeout_s)
+    current = "(setup)"
+    try:
+        for check in manifest["checks"]:
+            current = check["name"]
+            root = Path(check["program"])
+            plan = Plan.from_json(read_head(root)["plan"])
+            plan.mesh.check_world(world)
+            batch = torch.load(check["batch"], weights_only=True)
+            run_check(load_rank(root, rank), plan, load_weights(root, rank), batch,
+                      Path(check["dump"]), timeout_s=timeout_s, compile=manifest["compile"])  # fmt: skip
+    except AutopartError as exc:
+        print(f"autopart run: error: check {current}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# -- in-memory programs, forked ranks -------------------------------------------------------
+
+
+def fork_ranks(program: Program, batch: tuple[torch.Tensor, torch.Tensor], folder: Path, *,
+               timeout_s: float) -> None:  # fmt: skip
+    """Run one step of ``program`` on ``program.mesh.size`` ranks forked from this process
+    (real processes, gloo over TCP on this host) and dump each rank into ``folder``.
+
+    The ranks inherit the compiled program. A rank that fails writes why to
+    ``folder/rankNNNNN.err`` and exits; the others are stopped then, and the error names the
+    failing rank. The whole run gets ``timeout_s + 60`` s.
+    """
+    if dist.is_initialized():
+        raise AutopartError("cannot fork ranks from a process that has joined a process group",
+                            hint="verify in-memory from a plain process, or use saved programs")  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    world = program.mesh.size
+    store = folder / "store"
+    ctx = multiprocessing.get_context("fork")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    procs = [ctx.Process(target=_forked_rank, args=(program, r, world, store, batch, folder, timeout_s),
+                         daemon=True) for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s + 60
+    first_failure: float | None = None
+    try:
+        while any(p.exitcode is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                raise AutopartError(f"the {world} forked ranks did not finish within "
+                                    f"{timeout_s + 60:.0f} s", hint="a rank hangs")  # fmt: skip
+            if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+                first_failure = now  # the others fail too once they notice; give them a moment
+            if first_failure is not None and now - first_failure > 2.0:
+                break
+            wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+    errors = {r: (folder / f"rank{r:05d}.err") for r in range(world)}
+    said = {r: f.read_text().strip() for r, f in errors.items() if f.exists()}
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        first = min(said, key=lambda r: errors[r].stat().st_mtime) if said else failed[0]
+        why = said.get(first, f"exit code {procs[first].exitcode}")
+        raise AutopartError(f"rank {first} of {world} forked ranks failed: {why}")
+
+
+def _forked_rank(program: Program, rank: int, world: int, store: Path,
+                 batch: tuple[torch.Tensor, torch.Tensor], folder: Path, timeout_s: float) -> None:  # fmt: skip
+    code = 1
+    try:
+        torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1: one core per rank
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+        dist.init_process_group("gloo", store=dist.FileStore(str(store), world), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        rp = program.rank(rank)
+        weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}
+        weights.update(program.buffers)
+        run_check(rp, program.plan, weights, batch, folder, timeout_s=timeout_s)
+        dist.destroy_process_group()
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        what = str(exc) if isinstance(exc, AutopartError) else traceback.format_exc(limit=8)
+        (folder / f"rank{rank:05d}.err").write_text(f"{type(exc).__name__}: {what}")
+    finally:
+        collectives.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no atexit, no pytest teardown in the child
+
+
+if __name__ == "__main__":
+    code = main()
+    collectives.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as autopart.run: skip the teardown where gloo's threads may abort
