@@ -427,25 +427,112 @@ def launch(
             p.kill()
         raise AutopartError(f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
                             hint="a rank hangs; rerun with a smaller --timeout to see which") from exc  # fmt: skip
-    proc = subprocess.CompletedProcess(
-        "torchrun", max((p.returncode for p in procs), key=abs), "".join(outputs)
+    code = max((p.returncode for p in procs), key=abs)
+    output = "".join(outputs)
+    if code != 0:
+        raise _failed(f"torchrun with {nproc} ranks", code, output)
+    return output
+
+
+def _failed(what: str, code: int, output: str) -> AutopartError:
+    """The error of ranks that exited with ``code``: their error and hint lines (else the last
+    25 lines), and where the whole output is kept."""
+    lines = output.strip().splitlines()
+    said = list(
+        dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
     )
-    if proc.returncode != 0:
-        lines = (proc.stdout or "").strip().splitlines()
-        said = list(
-            dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
-        )
-        tail = "\n".join(said or lines[-25:]) or "(the ranks' output is above)"
-        log = None
-        if proc.stdout:
-            fd, log = tempfile.mkstemp(prefix="autopart-ranks-", suffix=".log")
-            with os.fdopen(fd, "w") as f:
-                f.write(proc.stdout)
-        where = f"\n(full output of every rank: {log})" if log else ""
-        raise AutopartError(
-            f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}{where}"
-        )
-    return proc.stdout or ""
+    tail = "\n".join(said or lines[-25:]) or "(the ranks' output is above)"
+    log = None
+    if output:
+        fd, log = tempfile.mkstemp(prefix="autopart-ranks-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(output)
+    where = f"\n(full output of every rank: {log})" if log else ""
+    return AutopartError(f"{what} failed (exit {code}):\n{tail}{where}")
+
+
+def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> str:
+    """``launch``'s counterpart without torchrun: ``nproc`` ranks forked from this process run
+    ``argv`` (``["-m", module, ...]`` or ``[script.py, ...]``) as ``__main__``, with the
+    environment torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...). Real
+    processes and real gloo groups, minus the start-up: no interpreter, torch or autopart import
+    per rank. Returns the ranks' output (rank order); a failing rank stops the others, and the
+    error quotes it as ``launch`` does. For what torchrun itself does (restarts, several
+    agents), use ``launch``."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise AutopartError("cannot fork ranks from a process that has joined a process group")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="autopart-forked-") as tmp:
+        logs = [Path(tmp) / f"rank{r:05d}.log" for r in range(nproc)]
+        ctx = multiprocessing.get_context("fork")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        procs = [ctx.Process(target=_forked_main, args=(r, nproc, port, argv, logs[r]), daemon=True)
+                 for r in range(nproc)]  # fmt: skip
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s + 60
+        failed_at = None
+        try:
+            while any(p.exitcode is None for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    raise AutopartError(f"the {nproc} forked ranks did not finish within "
+                                        f"{timeout_s + 60:.0f} s", hint="a rank hangs")  # fmt: skip
+                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                    failed_at = now  # torchrun stops the others too; first let them say why
+                if failed_at is not None and now - failed_at > 2.0:
+                    break
+                wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+        output = "".join(f.read_text(errors="replace") for f in logs if f.exists())
+    code = max((p.exitcode or 0 for p in procs), key=abs)
+    if code != 0:
+        raise _failed(f"{nproc} forked ranks", code, output)
+    return output
+
+
+def _forked_main(rank: int, nproc: int, port: int, argv: list[str], log: Path) -> None:
+    """One forked rank: output to ``log``, torchrun's environment, ``argv`` run as __main__."""
+    import runpy
+    import traceback
+    import warnings
+
+    code = 1
+    out = open(log, "w", buffering=1)  # noqa: SIM115 - kept open until os._exit
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    sys.stdout = sys.stderr = out
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                          TORCHELASTIC_RESTART_COUNT="0")  # fmt: skip
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed, as a rank's traceback would be
+        traceback.print_exc()
+    finally:
+        out.flush()
+        os._exit(code)
 
 
 def _free_port() -> int:

@@ -1,7 +1,9 @@
 """Checkpoints (autopart/checkpoint.py, ``autopart run --checkpoint-dir``): resharding round trips,
 the single-device export, and recovery from a real SIGKILL under ``torchrun --max-restarts 1``.
 
-Real gloo ranks under torchrun; nothing is mocked. One tp=2 × pp=2 job (HF GPT-2, 4 blocks,
+Real gloo ranks, forked from the test process (``launch_forked``: the environment torchrun
+gives, without its start-up) except for the recovery test, which needs torchrun's restarts;
+nothing is mocked. One tp=2 × pp=2 job (HF GPT-2, 4 blocks,
 float64, AdamW) gives both the uninterrupted reference losses and the checkpoint after step 1,
 which pp=4, dp=4 and tp=4 jobs (and one device, in this process) then load to run steps 1 and 2.
 """
@@ -25,7 +27,7 @@ from autopart import AutopartError, Mesh, capture, checkpoint, compile_program
 from autopart.emit import load_rank, load_weights, read_head
 from autopart.run import Batches, make_optimizer
 from autopart.run import main as run_main
-from autopart.verify import launch, reference
+from autopart.verify import launch_forked, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -66,7 +68,7 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def trained(programs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """3 uninterrupted AdamW steps at tp=2 × pp=2, checkpointed after every step."""
     ck = tmp_path_factory.mktemp("ck") / "tp2pp2"
-    out = launch(4, ["-m", "autopart.run", str(programs["tp2pp2"]), "--steps", "3", "--json",
+    out = launch_forked(4, ["-m", "autopart.run", str(programs["tp2pp2"]), "--steps", "3", "--json",
                      "--checkpoint-dir", str(ck), "--checkpoint-every", "1"], timeout_s=240)  # fmt: skip
     losses = {d["step"]: d["loss"] for d in _json_lines(out)}
     assert sorted(losses) == [0, 1, 2], out
@@ -91,7 +93,7 @@ def test_reshard_from_tp2_pp2(layout: str, programs, trained, tmp_path: Path) ->
     ck = tmp_path / "ck"
     shutil.copytree(trained["step1"], checkpoint.folder(ck, 1))
     mesh = LAYOUTS[layout][0]
-    out = launch(mesh.size, ["-m", "autopart.run", str(programs[layout]), "--steps", "3", "--json",
+    out = launch_forked(mesh.size, ["-m", "autopart.run", str(programs[layout]), "--steps", "3", "--json",
                              "--checkpoint-dir", str(ck)], timeout_s=240)  # fmt: skip
     assert "resumed from step 1" in out and "resharded" in out, out
     losses = {d["step"]: d["loss"] for d in _json_lines(out)}
@@ -289,7 +291,9 @@ def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
     plain = plain.save(tmp_path / "plain")
 
     def run(program: Path, n: int, *flags: str) -> dict[int, float]:
-        out = launch(n, ["-m", "autopart.run", str(program), "--json", *flags], timeout_s=180)
+        out = launch_forked(
+            n, ["-m", "autopart.run", str(program), "--json", *flags], timeout_s=180
+        )
         return {d["step"]: d["loss"] for d in _json_lines(out)}, out
 
     ref, _ = run(zero, 4, "--steps", "6", "--zero", "--dump-params", str(tmp_path / "ref"))

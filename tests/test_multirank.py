@@ -20,7 +20,7 @@ import torch
 
 from autopart import AutopartError, Mesh, parallelize, verify
 from autopart.cli import main as cli
-from autopart.verify import Check, Report, launch, verify_many
+from autopart.verify import Check, Report, launch_forked, verify_many
 
 ROOT = Path(__file__).resolve().parent.parent
 NANO, MANUAL, GPT2 = (f"{ROOT}/examples/nanogpt.py:make", f"{ROOT}/examples/nanogpt.py:make_manual",
@@ -83,7 +83,7 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
     model, batch = nanogpt.make()
     parallelize(model, Mesh(dp=2), example_inputs=batch).save(tmp_path / "p")
     with pytest.raises(AutopartError) as err:
-        launch(
+        launch_forked(
             1,
             ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "1", "--timeout", "20"],
             timeout_s=30,
@@ -92,7 +92,7 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_live_device_mesh_api() -> None:
-    out = launch(2, [str(ROOT / "tests" / "live_script.py")], timeout_s=120)
+    out = launch_forked(2, [str(ROOT / "tests" / "live_script.py")], timeout_s=120)
     verdicts = re.findall(r"rank (\d): .*?, (OK|MISMATCH)", out)  # ranks may share a line
     assert sorted(verdicts) == [("0", "OK"), ("1", "OK")], out
 
@@ -182,7 +182,7 @@ def test_tensor_parallel_float64_parity(case: str, tp_reports: dict) -> None:
 
 def test_tensor_parallel_collectives_as_run() -> None:
     """One tp=2 step of the 2-block nanoGPT (b=8, s=32, h=32, V=96), collectives as executed."""
-    out = launch(2, [str(ROOT / "tests" / "tp_count_script.py")], timeout_s=120)
+    out = launch_forked(2, [str(ROOT / "tests" / "tp_count_script.py")], timeout_s=120)
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     runs = {d["sp"]: [(k, tuple(s)) for k, s in d["calls"]] for d in lines if "sp" in d}
     bsh, bs = (8, 32, 32), (8 * 32,)
@@ -210,7 +210,7 @@ def test_collectives_on_every_transport() -> None:
     slice on all three transports; shared memory leaves no file in /dev/shm, falls back to the
     exchange where one rank cannot map the others' files or does not want shared memory, times
     out naming the rank and action, and fails on every rank at once when one rank fails."""
-    out = launch(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=180)
+    out = launch_forked(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=180)
     res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
     paths = (("shm", "shm"), ("unshared", "exchange"), ("disagree", "exchange"),
              ("exchange", "exchange"), ("gloo", "c10d"))  # fmt: skip
@@ -309,7 +309,7 @@ def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
 
     model, batch = nanogpt.make()
     parallelize(model, Mesh(pp=2), example_inputs=batch, microbatches=4).save(tmp_path / "p")
-    out = launch(2, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "2", "--json",
+    out = launch_forked(2, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "2", "--json",
                      "--trace", str(tmp_path / "trace.json")], timeout_s=120)  # fmt: skip
     ranks = [json.loads(x) for x in out.splitlines() if x.startswith('{"rank"')]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -343,7 +343,7 @@ def test_zero1_matches_the_unsharded_optimizer(tmp_path: Path) -> None:
     finals = {}
     for zero in (False, True):
         out = tmp_path / ("zero" if zero else "plain")
-        launch(4, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "4", "--json",
+        launch_forked(4, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "4", "--json",
                    "--dump-params", str(out), *(["--zero"] if zero else [])], timeout_s=120)  # fmt: skip
         finals[zero] = [torch.load(out / f"rank{r:05d}.pt", weights_only=True) for r in range(4)]
     for r, (plain, zero) in enumerate(zip(finals[False], finals[True], strict=True)):
@@ -354,6 +354,7 @@ def test_zero1_matches_the_unsharded_optimizer(tmp_path: Path) -> None:
             assert (zero[fqn] - plain[fqn]).abs().max() <= 1e-12 * plain[fqn].abs().max(), fqn
 
 
+@pytest.mark.slow
 def test_compiled_ranks_match_one_device_in_float32() -> None:
     """compile=True: tp=2 × pp=2 Seq1F1B on HF GPT-2 through torch.compile, float32 parity."""
     kwargs = {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2}
