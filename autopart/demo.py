@@ -91,7 +91,10 @@ def main(args: argparse.Namespace) -> int:
     launch(mesh.size, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
                      "--lr", "3e-3", "--trace", str(trace), "--timeline", str(picture)], stream=True)  # fmt: skip
     con.print(f"last step: trace {trace} (https://ui.perfetto.dev), timeline picture {picture}")
-    con.print("\n[bold]parity check[/] (float64, one step, every gradient vs one device)")
+    con.print(
+        "\n[bold]parity check[/] (float64, one step, every gradient vs one device; "
+        "ranks forked with the program in memory)"
+    )
     report = verify(
         factory,
         dp=args.dp,
@@ -102,6 +105,7 @@ def main(args: argparse.Namespace) -> int:
         seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
+        via="fork",  # the program already ran from its files under torchrun above
     )
     con.print(("[green]" if report.ok else "[red]") + str(report))
     con.print(Panel.fit(

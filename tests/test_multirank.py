@@ -1,10 +1,9 @@
-"""Parity on real gloo ranks: the acceptance matrices of data, tensor, pipeline and Seq1F1B
-parallelism, and the launches users make (torchrun, the CLI, several torchrun agents).
+"""Real gloo ranks, the ways users start them: torchrun (``autopart run``, ``autopart verify``
+with saved programs, check after check in one launch per world size, several torchrun agents),
+the live ``DeviceMesh`` API, the tp collectives as executed, ZeRO-1 and the pipeline trace.
 
-The matrices run as batches (``verify_many``): each model is captured once, and each check's
-ranks are real processes forked from this one with the compiled program in memory, meeting
-over gloo — nothing is mocked. The CLI tests cover the saved path: programs saved, loaded and
-run check after check in one torchrun launch per world size.
+Tests of what torchrun itself does launch torchrun; the others fork their ranks with torchrun's
+environment (``launch_forked``). Nothing is mocked. The parity matrices: tests/test_parity*.py.
 """
 
 from __future__ import annotations
@@ -17,64 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity_cases import LONG, NANO, ROOT, SEQ
 
 from autopart import AutopartError, Mesh, parallelize, verify
 from autopart.cli import main as cli
-from autopart.verify import Check, Report, launch_forked, verify_many
+from autopart.verify import Report, launch_forked
 
-ROOT = Path(__file__).resolve().parent.parent
-NANO, MANUAL, GPT2 = (f"{ROOT}/examples/nanogpt.py:make", f"{ROOT}/examples/nanogpt.py:make_manual",
-                      f"{ROOT}/examples/hf_gpt2.py:make")  # fmt: skip
 pytestmark = pytest.mark.multirank
 sys.path.insert(0, str(ROOT / "examples"))
-
-
-DP_CASES = {f"{name}-dp{dp}": Check(spec, dp=dp, microbatches=2)
-            for name, spec in (("nanogpt-sdpa", NANO), ("nanogpt-manual", MANUAL), ("hf-gpt2", GPT2))
-            for dp in (2, 4)}  # fmt: skip
-
-
-def _batch(cases: dict[str, Check]) -> dict[str, Report | AutopartError]:
-    """Every case of a matrix in one batch: each model captured once, forked ranks."""
-    return verify_many(cases, dtype="float64", timeout_s=120, via="fork")
-
-
-def _passes(result: Report | AutopartError) -> None:
-    if isinstance(result, AutopartError):
-        raise result
-    assert result.ok, str(result)
-    assert result.loss_error <= 1e-9 and result.grad_error <= 1e-9
-    assert result.tolerance == 1e-9
-
-
-@pytest.fixture(scope="module")
-def dp_reports() -> dict[str, Report | AutopartError]:
-    return _batch(DP_CASES)
-
-
-@pytest.mark.parametrize("case", list(DP_CASES))
-def test_float64_parity(case: str, dp_reports: dict) -> None:
-    _passes(dp_reports[case])
-    assert len(dp_reports[case].errors) == 28  # every parameter of the 2-block models, tied once
-
-
-def test_float32_parity_and_gpipe() -> None:
-    report = verify(NANO, dp=2, microbatches=2, schedule="gpipe", dtype="float32", via="fork")
-    assert report.ok and report.tolerance == 1e-5, str(report)
-
-
-def _dropout_model():
-    import nanogpt
-
-    return nanogpt.make(dropout=0.2)
-
-
-def test_verify_fails_when_ranks_disagree_with_one_device() -> None:
-    """With dropout the ranks draw autopart's explicit masks and the single-device run draws
-    torch's: the runs differ, so parity must fail, and say so."""
-    report = verify(_dropout_model, dp=2, microbatches=1, via="fork")
-    assert not report.ok
-    assert report.grad_error > 1e-6 and "FAIL" in str(report)
 
 
 def test_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
@@ -127,14 +76,13 @@ def test_cli_verify_several_plans_in_one_launch_per_world_size(
 ) -> None:
     """--plans: saved programs, one torchrun launch per world size (2 and 4) taking check after
     check; a refused plan is an ERROR line, the others still run."""
-    plans = "dp=2,m=2; pp=2,m=2; tp=2,sp; dp=3; dp=2,tp=2,m=2; pp=2,seq1f1b,k=2,m=2"
+    plans = "dp=2,m=2; pp=2,seq1f1b,k=2,m=2; dp=3; dp=2,tp=2,m=2,sp"
     assert cli(["verify", "--model", NANO, "--plans", plans, "--timeout", "60"]) == 2
     out = capsys.readouterr().out
-    for plan in ("dp=2,1f1b,m=2", "pp=2,1f1b,m=2", "tp=2,1f1b,sp", "dp=2,tp=2,1f1b,m=2",
-                 "pp=2,seq1f1b,m=2,k=2"):  # fmt: skip
+    for plan in ("dp=2,1f1b,m=2", "pp=2,seq1f1b,m=2,k=2", "dp=2,tp=2,1f1b,m=2,sp"):
         assert f"PASS {plan}: loss rel err" in out, out
     assert "ERROR dp=3,1f1b: batch size 8 is not divisible by dp(3)" in out, out
-    assert "5 of 6 plans pass, 0 fail, 1 errors" in out, out
+    assert "3 of 4 plans pass, 0 fail, 1 errors" in out, out
 
 
 def test_saved_checks_go_on_after_a_failing_one(tmp_path: Path) -> None:
@@ -158,26 +106,6 @@ def test_saved_checks_go_on_after_a_failing_one(tmp_path: Path) -> None:
     assert results["first"].ok and results["last"].ok, results
     assert isinstance(results["damaged"], AutopartError)
     assert "check damaged" in str(results["damaged"]) and "checksum" in str(results["damaged"])
-
-
-LLAMA = f"{ROOT}/examples/hf_llama.py:make"
-TP_MODELS = {"nanogpt-sdpa": NANO, "nanogpt-manual": MANUAL, "hf-gpt2": GPT2, "hf-llama-gqa": LLAMA}
-TP_MESHES = {"tp2": {"tp": 2}, "tp4": {"tp": 4}, "dp2xtp2": {"dp": 2, "tp": 2, "microbatches": 2}}
-
-
-TP_CASES = {f"{model}-{mesh}-sp-{'on' if sp else 'off'}":
-            Check(TP_MODELS[model], sequence_parallel=sp, **TP_MESHES[mesh])
-            for model in TP_MODELS for mesh in TP_MESHES for sp in (False, True)}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tp_reports() -> dict[str, Report | AutopartError]:
-    return _batch(TP_CASES)
-
-
-@pytest.mark.parametrize("case", list(TP_CASES))
-def test_tensor_parallel_float64_parity(case: str, tp_reports: dict) -> None:
-    _passes(tp_reports[case])
 
 
 def test_tensor_parallel_collectives_as_run() -> None:
@@ -233,68 +161,6 @@ def test_collectives_on_every_transport() -> None:
     assert "during the lonely step" in res["timeout"], res["timeout"]
     assert all(res["exchange"].values()), res["exchange"]
     assert all(v for k, v in res["gloo"].items() if k != "sum_is_rank_order"), res["gloo"]
-
-
-NANO_DEEP, GPT2_DEEP = (
-    f"{ROOT}/examples/nanogpt.py:make_deep",
-    f"{ROOT}/examples/hf_gpt2.py:make_deep",
-)
-PP_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs/pipeline.md)
-    "nanogpt-pp2-1f1b-m4": (NANO_DEEP, {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
-    "nanogpt-pp4-gpipe-m8": (NANO_DEEP, {"pp": 4, "schedule": "gpipe", "microbatches": 8}),
-    "nanogpt-pp2-interleaved-v2-m4": (
-        NANO_DEEP, {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 4}),
-    "gpt2-pp4-interleaved-v2-m8": (
-        GPT2_DEEP, {"pp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 8}),
-    "gpt2-pp2-1f1b-m8": (GPT2_DEEP, {"pp": 2, "schedule": "1f1b", "microbatches": 8}),
-    "gpt2-pp4-1f1b-m4": (GPT2_DEEP, {"pp": 4, "schedule": "1f1b", "microbatches": 4}),
-    "gpt2-dp2xpp2-1f1b-m2": (GPT2, {"dp": 2, "pp": 2, "microbatches": 2}),
-    "llama-tp2xpp2-sp-m4": (LLAMA, {"tp": 2, "pp": 2, "microbatches": 4, "sequence_parallel": True}),
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def pp_reports() -> dict[str, Report | AutopartError]:
-    return _batch({name: Check(spec, **kw) for name, (spec, kw) in PP_CASES.items()})
-
-
-@pytest.mark.parametrize("case", list(PP_CASES))
-def test_pipeline_float64_parity(case: str, pp_reports: dict) -> None:
-    _passes(pp_reports[case])
-
-
-LONG = {m: f"{ROOT}/examples/{m}.py:make_long" for m in ("nanogpt", "hf_gpt2", "hf_llama")}
-MANUAL_LONG = f"{ROOT}/examples/nanogpt.py:make_long_manual"
-SEQ = {"schedule": "seq1f1b"}
-SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs/seq1f1b.md)
-    "nanogpt-pp2-k2-balanced": (LONG["nanogpt"], {**SEQ, "pp": 2, "seq_chunks": 2, "microbatches": 4}),
-    "nanogpt-manual-pp4-k4-uniform": (
-        MANUAL_LONG, {**SEQ, "pp": 4, "seq_chunks": 4, "seq_split": "uniform", "microbatches": 4}),
-    "gpt2-pp2-k4-balanced": (LONG["hf_gpt2"], {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 2}),
-    "gpt2-pp4-k2-uniform": (
-        LONG["hf_gpt2"], {**SEQ, "pp": 4, "seq_chunks": 2, "seq_split": "uniform", "microbatches": 4}),
-    "llama-pp2-k4-balanced": (LONG["hf_llama"], {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 4}),
-    "llama-tp2xpp2-sp-k2": (
-        LONG["hf_llama"], {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2,
-                           "sequence_parallel": True}),
-    "gpt2-tp2xpp2-sp-k2": (  # HF GPT-2 under SP: head counts are expressions of s in the graph
-        LONG["hf_gpt2"], {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2,
-                          "sequence_parallel": True}),
-    "gpt2-pp2-v2-k2-interleaved": (
-        LONG["hf_gpt2"], {"schedule": "seq1f1b-interleaved", "pp": 2, "virtual_stages": 2,
-                          "seq_chunks": 2, "microbatches": 4}),
-    "nanogpt-dp2xpp2-k2": (LONG["nanogpt"], {**SEQ, "dp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2}),
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def seq1f1b_reports() -> dict[str, Report | AutopartError]:
-    return _batch({name: Check(spec, **kw) for name, (spec, kw) in SEQ1F1B_CASES.items()})
-
-
-@pytest.mark.parametrize("case", list(SEQ1F1B_CASES))
-def test_seq1f1b_float64_parity(case: str, seq1f1b_reports: dict) -> None:
-    _passes(seq1f1b_reports[case])
 
 
 def test_two_torchrun_agents_meet_by_c10d_rendezvous() -> None:

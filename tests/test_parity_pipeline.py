@@ -1,0 +1,40 @@
+"""Float64 parity of pipeline parallelism and Seq1F1B: cross-sections of their matrices
+(the whole matrices: docs/pipeline.md, docs/seq1f1b.md).
+
+Each matrix runs as one batch (``verify_many``): each model is built, run on one device and
+captured once, and each case's ranks are real processes forked from this one with the compiled
+program in memory, meeting over gloo; nothing is mocked. Every case is its own test.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from parity_cases import PP_CASES, ROOT, SEQ1F1B_CASES, assert_passes, batch
+
+from autopart import AutopartError
+from autopart.verify import Check, Report
+
+pytestmark = pytest.mark.multirank
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+@pytest.fixture(scope="module")
+def pp_reports() -> dict[str, Report | AutopartError]:
+    return batch({name: Check(spec, **kw) for name, (spec, kw) in PP_CASES.items()})
+
+
+@pytest.mark.parametrize("case", list(PP_CASES))
+def test_pipeline_float64_parity(case: str, pp_reports: dict) -> None:
+    assert_passes(pp_reports[case])
+
+
+@pytest.fixture(scope="module")
+def seq1f1b_reports() -> dict[str, Report | AutopartError]:
+    return batch({name: Check(spec, **kw) for name, (spec, kw) in SEQ1F1B_CASES.items()})
+
+
+@pytest.mark.parametrize("case", list(SEQ1F1B_CASES))
+def test_seq1f1b_float64_parity(case: str, seq1f1b_reports: dict) -> None:
+    assert_passes(seq1f1b_reports[case])
