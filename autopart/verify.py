@@ -47,6 +47,7 @@ class Report:
     errors: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     output: str = ""
+    zero: list[str] = field(default_factory=list)  # gradients zero by construction (round-off)
 
     @property
     def ok(self) -> bool:
@@ -58,11 +59,21 @@ class Report:
             f"{verdict}: loss {self.loss:.12g} vs single-device {self.ref_loss:.12g} "
             f"(rel err {self.loss_error:.2e}); worst gradient {self.worst} rel err "
             f"{self.grad_error:.2e}; tolerance {self.tolerance:.0e}; {len(self.errors)} gradients compared"
+            + (f" ({len(self.zero)} zero by construction, up to round-off)" if self.zero else "")
         )
 
 
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = ref.abs().max().item()
+FLOOR = 1e-3  # a gradient's error scale is at least this share of the largest gradient's
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """``max|got − ref| / max(max|ref|, floor)`` (the absolute difference when both are 0).
+
+    ``floor`` keeps round-off in a gradient that is zero by construction (a key bias under
+    softmax, say: ~1e-17 in float64) from reading as a 100 % error; ``verify`` passes
+    ``FLOOR`` × the largest reference gradient, so a real error is still caught down to
+    tolerance × that."""
+    scale = max(ref.abs().max().item(), floor)
     diff = (got.to(ref.dtype) - ref).abs().max().item()
     return diff / scale if scale > 0 else diff
 
@@ -348,16 +359,21 @@ def _compare(dump: Path, program: Any, model: _Model, dtype: str, seconds: float
     losses = [float(d["loss"]) for d in dumps]
     loss_error = max(abs(v - model.ref_loss) / abs(model.ref_loss) for v in losses)
     errors: dict[str, float] = {}
+    largest = max((g.abs().max().item() for g in model.ref_grads.values() if g.numel()), default=0)
+    eps = torch.finfo(DTYPES[dtype]).eps
+    zero = sorted(f for f, g in model.ref_grads.items()
+                  if g.numel() and largest > 0 and g.abs().max().item() <= 64 * eps * largest)  # fmt: skip
     for fqn, copies in gather(dumps).items():
         if fqn not in model.ref_grads:
             raise AutopartError(f"rank gradients name {fqn!r}, which the model does not have")
-        errors[fqn] = max(rel_error(g, model.ref_grads[fqn]) for g in copies)
+        ref = model.ref_grads[fqn]
+        errors[fqn] = max(rel_error(g, ref, FLOOR * largest) for g in copies)
     missing = set(model.ref_grads) - set(errors)
     if missing:
         raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
     worst = max(errors, key=errors.get)
     return Report(losses[0], model.ref_loss, loss_error, errors[worst], worst,
-                  TOLERANCE[DTYPES[dtype]], errors, seconds, output)  # fmt: skip
+                  TOLERANCE[DTYPES[dtype]], errors, seconds, output, zero)  # fmt: skip
 
 
 def verify(

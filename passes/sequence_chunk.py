@@ -23,7 +23,8 @@ What changes in the graph:
   from the sizes, so one graph serves every chunk);
 - **outputs**: the stage's outputs, then the full K, V of every attention layer, in order.
 
-A stage with attention the previous pass could not prove causal is refused (Seq1F1B needs it).
+A stage with attention the previous pass could not prove causal is refused (Seq1F1B needs it),
+and so is one where tokens meet along the sequence anywhere else (``refuse_sequence_mixing``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     for st in stage_graphs(gm):
         require_causal(st)
+        refuse_sequence_mixing(st)
         chunk_stage(st)
     return gm
 
@@ -133,6 +135,64 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     gm.recompile()
     propagate(gm)
     return gm
+
+
+_SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
+          aten.logcumsumexp.default, aten.flip.default, aten.roll.default}  # fmt: skip
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+            aten._log_softmax.default}  # fmt: skip
+_CONTRACT = {aten.bmm.default, aten.matmul.default, aten.mm.default, aten.baddbmm.default}
+
+
+def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
+    """Refuse a stage whose tokens meet along the sequence anywhere but in causal attention.
+
+    Chunking is exact only when every computation is token by token, apart from the causal
+    SDPAs (given their K/V prefix) and positions from ``arange`` (given the offset). So a scan
+    along a dim sized by the sequence (``cumsum`` of a mask into positions, as OPT and BLOOM's
+    ALiBi do; ``cumprod``, ``flip``, ``roll``, ...), a softmax over one (attention the previous
+    pass did not recognize), or a product contracting one is refused, naming the node and its
+    module; the chunked program would compute something else.
+    """
+    from autopart.capture import to_sympy
+
+    def along_sequence(x: fx.Node, dim: int) -> bool:
+        """The dim's size grows with the sequence (a size written as an expression of s that
+        is constant, such as a head count under tp, is not)."""
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            return False
+        size = to_sympy(val.shape[dim % val.dim()], gm)
+        if S not in size.free_symbols:
+            return False
+        others = {sym: 4 for sym in size.free_symbols - {S}}
+        return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        what = None
+        if n.target in _SCANS:
+            dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dims", n.kwargs.get("dim", 0))
+            dims = dims if isinstance(dims, (list, tuple)) else [dims]
+            if n.target == aten.roll.default:
+                dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims", [])
+                dims = dims if isinstance(dims, (list, tuple)) and dims else [0]
+            if any(along_sequence(n.args[0], d) for d in dims):
+                what = f"a {n.target.__name__.split('.')[0]} along the sequence"
+        elif n.target in _SOFTMAX and along_sequence(n.args[0], n.args[1]):
+            what = "a softmax over the sequence that is not a recognized causal attention"
+        elif n.target in _CONTRACT:
+            a = n.args[1] if n.target == aten.baddbmm.default else n.args[0]
+            if along_sequence(a, -1):
+                what = "a product summing over the sequence outside causal attention"
+        if what is not None:
+            raise AutopartError(
+                f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): "
+                f"{what} mixes tokens of different chunks",
+                hint="use the 1f1b or interleaved-1f1b schedule for this model (positions from "
+                "arange and causal attention are what Seq1F1B can chunk)",
+            )
 
 
 def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:

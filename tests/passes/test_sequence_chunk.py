@@ -8,6 +8,7 @@ import hf_llama
 import nanogpt
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import copy_graph
 from test_canonicalize_attention import _Masked
 from torch import fx
@@ -143,6 +144,51 @@ def test_non_causal_attention_is_refused() -> None:
     with pytest.raises(AutopartError) as err:
         parallelize(captured, Mesh(pp=1), schedule="seq1f1b", seq_chunks=2)
     assert "not causal" in err.value.message and "1f1b" in err.value.hint
+
+
+class _Mixer(torch.nn.Module):
+    """Token embedding + learned positions + a causal SDPA + head; ``mix`` adds one computation
+    along the sequence that chunking cannot reproduce (``None``: none, the control)."""
+
+    def __init__(self, mix: str | None) -> None:
+        super().__init__()
+        self.mix = mix
+        self.wte, self.wpe = torch.nn.Embedding(50, 16), torch.nn.Embedding(64, 16)
+        self.qkv, self.head = torch.nn.Linear(16, 48), torch.nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.mix == "cumsum":  # OPT's positions: a running count over the attention mask
+            pos = torch.cumsum(torch.ones_like(ids), dim=1) - 1
+        else:
+            pos = torch.arange(ids.shape[1]).expand_as(ids)
+        x = self.wte(ids) + self.wpe(pos)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
+        if self.mix == "flip":
+            x = x + x.flip(1)
+        elif self.mix == "pool":  # every token sees a softmax-weighted mix of all of them
+            x = x + torch.softmax(x @ x.transpose(1, 2), dim=-1) @ x
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("mix", "node"), [("cumsum", "a cumsum"), ("flip", "a flip"),
+                                           ("pool", "a softmax over the sequence")])  # fmt: skip
+def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> None:
+    """Negative controls: each construct is refused, naming the node; the same model without it
+    chunks and computes the whole sequence's loss and gradients."""
+    ids = torch.randint(0, 50, (2, 16))
+    with pytest.raises(AutopartError) as err:
+        parallelize(capture(_Mixer(mix), (ids, ids)), Mesh(), schedule="seq1f1b", seq_chunks=2)
+    assert node in err.value.message
+    assert "Seq1F1B cannot chunk node" in err.value.message and "1f1b" in err.value.hint
+    captured = capture(_Mixer(None).double(), (ids, ids))
+    gm = copy_graph(captured.graph)
+    gm.meta.update(captured.graph.meta)
+    gm = sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
+    loss, grads = run_chunks(captured, gm, (ids, ids), [6, 10])
+    ref_loss, ref_grads = _reference(captured, (ids, ids))
+    assert torch.allclose(loss, ref_loss, rtol=1e-12)
+    assert all(torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12) for f in grads)
 
 
 def test_other_schedules_leave_the_graph_alone(chunked) -> None:

@@ -1,0 +1,35 @@
+"""verify's own logic, in one process: the error metric, --plans parsing, check names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopart import AutopartError
+from autopart.verify import FLOOR, Check, parse_plans, rel_error
+
+
+def test_round_off_in_a_zero_gradient_is_not_an_error_but_a_real_one_is() -> None:
+    largest = 0.25  # the model's largest gradient entry
+    zero = torch.full((8,), 3e-18, dtype=torch.float64)  # a key bias: zero up to round-off
+    assert rel_error(-zero, zero) == pytest.approx(2.0)  # without a floor: "200 % wrong"
+    assert rel_error(-zero, zero, FLOOR * largest) < 1e-12
+    small = torch.full((8,), 1e-6, dtype=torch.float64)  # small but real: an error shows
+    assert rel_error(small * 1.01, small, FLOOR * largest) > 1e-9
+    big = torch.ones(8, dtype=torch.float64)  # above the floor the metric is plain relative
+    assert rel_error(big * (1 + 1e-7), big, FLOOR * largest) == pytest.approx(1e-7)
+
+
+def test_plans_parse_into_checks_and_print_back() -> None:
+    checks = parse_plans("tp=2; pp=2,1f1b,m=4 ;dp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;", "x:make",
+                         {"microbatches": 2})  # fmt: skip
+    assert [str(c) for c in checks] == [
+        "tp=2,1f1b,m=2", "pp=2,1f1b,m=4", "dp=2,pp=2,seq1f1b,m=2,k=2,uniform,sp"]  # fmt: skip
+    assert checks[2] == Check("x:make", dp=2, pp=2, schedule="seq1f1b", microbatches=2,
+                              seq_chunks=2, seq_split="uniform", sequence_parallel=True)  # fmt: skip
+    assert parse_plans(str(checks[2]), "x:make") == [checks[2]]  # a name reads back as its plan
+    for bad, said in (("tp=two", "needs a number"), ("pp=2,fast", "cannot read 'fast'"),
+                      (" ; ", "no plan")):  # fmt: skip
+        with pytest.raises(AutopartError) as err:
+            parse_plans(bad, "x:make")
+        assert said in err.value.message and "dp=N" in (err.value.hint or "")
