@@ -142,11 +142,25 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor])
         ep = torch.export.export(
             wrapper, (input_ids, labels), dynamic_shapes=(dyn, dyn), strict=False
         )
+        if any(_mutates(n) for n in ep.graph.nodes):
+            # in-place ops (Falcon's ``x += ...``): the passes and the saved program need a
+            # functional graph; an empty table functionalizes without decomposing anything
+            ep = ep.run_decompositions({})
     except AutopartError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
     return _annotate(ep, model, input_ids, wrapper.vocab_size)
+
+
+def _mutates(n: fx.Node) -> bool:
+    """An in-place or ``out=`` ATen op: its schema writes one of its arguments."""
+    target = n.target
+    return (
+        n.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and (target._schema.is_mutable)
+    )
 
 
 def _annotate(

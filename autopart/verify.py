@@ -216,7 +216,17 @@ def _prepare(spec: str | Factory, dtype: str) -> _Model:
 
     model, batch = build(spec)
     model = model.to(DTYPES[dtype])
-    ref_loss, ref_grads = reference(model, batch)
+    try:
+        ref_loss, ref_grads = reference(model, batch)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:  # a kernel without this dtype
+        other = "float32" if dtype == "float64" else "float64"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AutopartError(
+            f"the model does not run in {dtype} on one device, so there is no reference: {first}",
+            hint=f"verify in {other} (--dtype {other}, tolerance "
+            f"{TOLERANCE[DTYPES[other]]:.0e}); some kernels (e.g. grouped matmuls of mixtures "
+            "of experts) have no float64 version",
+        ) from exc
     return _Model(batch, ref_loss, ref_grads, capture(model, batch))
 
 

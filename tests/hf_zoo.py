@@ -46,3 +46,21 @@ def make_gptj():
 
     return _build(GPTJConfig, GPTJForCausalLM, n_embd=32, n_layer=2, n_head=4, rotary_dim=8,
                   n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+
+
+def make_falcon():
+    """Falcon: multi-query attention, parallel attention + MLP, in-place adds in its forward."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return _build(FalconConfig, FalconForCausalLM, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, multi_query=True, parallel_attn=True, new_decoder_architecture=False,
+                  alibi=False, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+
+
+def make_mixtral():
+    """Mixtral: a mixture of experts (top-2 routing over 4 experts) in every block."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _build(MixtralConfig, MixtralForCausalLM, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
