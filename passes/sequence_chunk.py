@@ -21,7 +21,9 @@ What changes in the graph:
   after their prefix, and the causal mask is aligned lower-right — query t of the chunk sees key
   positions ≤ P + t (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph
   from the sizes, so one graph serves every chunk);
-- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order.
+- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order;
+- **views** become reshapes (same values; the prefixed attention's output may have other
+  strides than the unchunked one had).
 
 A stage with attention the previous pass could not prove causal is refused (Seq1F1B needs it),
 and so is one where tokens meet along the sequence anywhere else (``refuse_sequence_mixing``).
@@ -110,6 +112,12 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             shifted = g.call_function(aten.add.Tensor, (n, offset))
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
 
+    # attention over [prefix; chunk] may lay its output out differently from the unchunked
+    # SDPA, so a later ``view`` of it can fail at run time (Falcon); in a functional graph
+    # ``reshape`` computes the same values and copies only when a view is impossible
+    for n in g.nodes:
+        if n.target == aten.view.default:
+            n.target = aten.reshape.default
     kv_out: list[fx.Node] = []
     for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
         kv_out += _attend_with_prefix(g, sdpa, kp, vp)
