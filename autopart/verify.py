@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from autopart.capture import logits_of
 from autopart.emit import Shard
 from autopart.errors import AutopartError
-from autopart.runtime.checks import fork_ranks
+from autopart.runtime.checks import fork_ranks, wait_ranks
 from autopart.spec import Factory, build
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
@@ -486,7 +486,6 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
     error quotes it as ``launch`` does. For what torchrun itself does (restarts, several
     agents), use ``launch``."""
     import multiprocessing
-    from multiprocessing.connection import wait
 
     import torch.distributed as dist
 
@@ -502,28 +501,10 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
                  for r in range(nproc)]  # fmt: skip
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s + 60
-        failed_at = None
-        try:
-            while any(p.exitcode is None for p in procs):
-                now = time.monotonic()
-                if now > deadline:
-                    raise AutopartError(f"the {nproc} forked ranks did not finish within "
-                                        f"{timeout_s + 60:.0f} s", hint="a rank hangs")  # fmt: skip
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                    failed_at = now  # torchrun stops the others too; first let them say why
-                if failed_at is not None and now - failed_at > 2.0:
-                    break
-                wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
-        finally:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-                p.join()
+        first = wait_ranks(procs, timeout_s + 60)
         output = "".join(f.read_text(errors="replace") for f in logs if f.exists())
-    code = max((p.exitcode or 0 for p in procs), key=abs)
-    if code != 0:
-        raise _failed(f"{nproc} forked ranks", code, output)
+    if first is not None:  # the exit code of the rank that failed first
+        raise _failed(f"{nproc} forked ranks", procs[first].exitcode, output)
     return output
 
 

@@ -125,17 +125,30 @@ def fork_ranks(program: Program, batch: tuple[torch.Tensor, torch.Tensor], folde
                          daemon=True) for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout_s + 60
-    first_failure: float | None = None
+    first = wait_ranks(procs, timeout_s + 60)
+    if first is not None:
+        err = folder / f"rank{first:05d}.err"
+        why = err.read_text().strip() if err.exists() else f"exit code {procs[first].exitcode}"
+        raise AutopartError(f"rank {first} of {world} forked ranks failed: {why}")
+
+
+def wait_ranks(procs: list[Any], limit_s: float) -> int | None:
+    """Wait for forked ranks; returns the rank that failed first (None: all exited 0). When
+    one fails, the others get 2 s to notice and say why, then are stopped (as torchrun stops
+    them); past ``limit_s`` every rank is stopped and this raises. Always joins them."""
+    deadline = time.monotonic() + limit_s
+    first: int | None = None
+    failed_at = 0.0
     try:
         while any(p.exitcode is None for p in procs):
             now = time.monotonic()
             if now > deadline:
-                raise AutopartError(f"the {world} forked ranks did not finish within "
-                                    f"{timeout_s + 60:.0f} s", hint="a rank hangs")  # fmt: skip
-            if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-                first_failure = now  # the others fail too once they notice; give them a moment
-            if first_failure is not None and now - first_failure > 2.0:
+                raise AutopartError(f"the {len(procs)} forked ranks did not finish within "
+                                    f"{limit_s:.0f} s", hint="a rank hangs")  # fmt: skip
+            if first is None:
+                first = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+                failed_at = now
+            if first is not None and now - failed_at > 2.0:
                 break
             wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
     finally:
@@ -143,13 +156,9 @@ def fork_ranks(program: Program, batch: tuple[torch.Tensor, torch.Tensor], folde
             if p.exitcode is None:
                 p.kill()
             p.join()
-    errors = {r: (folder / f"rank{r:05d}.err") for r in range(world)}
-    said = {r: f.read_text().strip() for r, f in errors.items() if f.exists()}
-    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        first = min(said, key=lambda r: errors[r].stat().st_mtime) if said else failed[0]
-        why = said.get(first, f"exit code {procs[first].exitcode}")
-        raise AutopartError(f"rank {first} of {world} forked ranks failed: {why}")
+    if first is None:
+        first = next((r for r, p in enumerate(procs) if p.exitcode != 0), None)
+    return first
 
 
 def _forked_rank(program: Program, rank: int, world: int, store: Path,
