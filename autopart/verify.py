@@ -361,8 +361,16 @@ def _launch_checks(size: int, names: list[str], folders: dict[str, Path], ready:
 
 
 def _compare(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
-             output: str) -> Report:  # fmt: skip
-    """The report of one check from its ranks' dumps."""
+             output: str) -> Report | AutopartError:  # fmt: skip
+    """The report of one check from its ranks' dumps (or why they cannot be compared)."""
+    try:
+        return _report(dump, program, model, dtype, seconds, output)
+    except AutopartError as exc:  # that check's result; the others go on
+        return exc
+
+
+def _report(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
+            output: str) -> Report:  # fmt: skip
     dumps = [
         torch.load(dump / f"rank{r:05d}.pt", weights_only=True) for r in range(program.mesh.size)
     ]
