@@ -160,7 +160,9 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
     along a dim sized by the sequence (``cumsum`` of a mask into positions, as OPT and BLOOM's
     ALiBi do; ``cumprod``, ``flip``, ``roll``, ...), a softmax over one (attention the previous
     pass did not recognize), or a product contracting one is refused, naming the node and its
-    module; the chunked program would compute something else.
+    module; the chunked program would compute something else. So is an index by positions
+    into a table whose length grows with the sequence (built for the chunk, it is too short for
+    the chunk's shifted positions).
     """
     from autopart.capture import to_sympy
 
@@ -194,6 +196,10 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             a = n.args[1] if n.target == aten.baddbmm.default else n.args[0]
             if along_sequence(a, -1):
                 what = "a product summing over the sequence outside causal attention"
+        elif n.target in _INDEX and _position_derived(n, gm):
+            src, dim = _indexed(n)
+            if along_sequence(src, dim):
+                what = "an index by position into a table as long as the sequence"
         if what is not None:
             raise AutopartError(
                 f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): "
@@ -201,6 +207,41 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
                 hint="use the 1f1b or interleaved-1f1b schedule for this model (positions from "
                 "arange and causal attention are what Seq1F1B can chunk)",
             )
+
+
+_INDEX = {aten.index.Tensor, aten.gather.default, aten.index_select.default,
+          aten.embedding.default}  # fmt: skip
+
+
+def _indexed(n: fx.Node) -> tuple[fx.Node, int]:
+    """The tensor an index op reads from and the dim its indices select along."""
+    if n.target == aten.embedding.default:
+        return n.args[0], 0
+    if n.target == aten.index.Tensor:
+        dims = [i for i, x in enumerate(n.args[1]) if x is not None]
+        return n.args[0], dims[0] if dims else 0
+    return n.args[0], n.args[1]  # gather, index_select: (self, dim, index)
+
+
+def _position_derived(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether the indices of index op ``n`` are computed from token positions (``arange``) by
+    integer arithmetic. The walk stops at floating-point values: indices chosen from
+    activations (a mixture of experts routing tokens with ``topk``) are not positions."""
+    idx = n.args[1] if n.target == aten.embedding.default else n.args[-1]
+    stack = [
+        x for x in (idx if isinstance(idx, (list, tuple)) else [idx]) if isinstance(x, fx.Node)
+    ]
+    seen: set[fx.Node] = set()
+    while stack:
+        x = stack.pop()
+        val = x.meta.get("val")
+        if x in seen or (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue
+        seen.add(x)
+        if _is_positions(x, gm):
+            return True
+        stack.extend(x.all_input_nodes)
+    return False
 
 
 def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:

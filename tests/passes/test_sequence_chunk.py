@@ -162,6 +162,8 @@ class _Mixer(torch.nn.Module):
         else:
             pos = torch.arange(ids.shape[1]).expand_as(ids)
         x = self.wte(ids) + self.wpe(pos)
+        if self.mix == "table":  # a table as long as the sequence, read at the positions
+            x = x + torch.sin(torch.arange(ids.shape[1], dtype=x.dtype)).unsqueeze(-1)[pos]
         q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
         x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
         if self.mix == "flip":
@@ -172,7 +174,8 @@ class _Mixer(torch.nn.Module):
 
 
 @pytest.mark.parametrize(("mix", "node"), [("cumsum", "a cumsum"), ("flip", "a flip"),
-                                           ("pool", "a softmax over the sequence")])  # fmt: skip
+                                           ("pool", "a softmax over the sequence"),
+                                           ("table", "an index by position")])  # fmt: skip
 def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> None:
     """Negative controls: each construct is refused, naming the node; the same model without it
     chunks and computes the whole sequence's loss and gradients."""
