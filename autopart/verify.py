@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from autopart.capture import logits_of
 from autopart.emit import Shard
 from autopart.errors import AutopartError
-from autopart.runtime.checks import fork_ranks, wait_ranks
+from autopart.runtime.checks import as_rank, fork_ranks, wait_ranks
 from autopart.spec import Factory, build
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
@@ -528,11 +528,8 @@ def _forked_main(rank: int, nproc: int, port: int, argv: list[str], log: Path) -
     os.dup2(out.fileno(), 2)
     sys.stdout = sys.stderr = out
     try:
-        torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                          TORCHELASTIC_RESTART_COUNT="0")  # fmt: skip
+        as_rank(rank, nproc, GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_RESTART_COUNT="0")  # fmt: skip
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]

@@ -41,7 +41,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils._sympy.value_ranges import ValueRanges
 
-from autopart.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S
+from autopart.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S, to_sympy
 from autopart.errors import AutopartError
 from autopart.passes.canonicalize_attention import META_ATTENTION, SDPA, require_causal
 from autopart.passes.pipeline_split import stage_graphs
@@ -164,7 +164,6 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
     into a table whose length grows with the sequence (built for the chunk, it is too short for
     the chunk's shifted positions).
     """
-    from autopart.capture import to_sympy
 
     def along_sequence(x: fx.Node, dim: int) -> bool:
         """The dim's size grows with the sequence (a size written as an expression of s that

@@ -7,16 +7,13 @@ program in memory, meeting over gloo; nothing is mocked. Every case is its own t
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from parity_cases import DP_CASES, NANO, ROOT, assert_passes, batch
+from parity_cases import DP_CASES, NANO, assert_passes, batch
 
 from autopart import AutopartError, verify
 from autopart.verify import Report
 
 pytestmark = pytest.mark.multirank
-sys.path.insert(0, str(ROOT / "examples"))
 
 
 @pytest.fixture(scope="module")

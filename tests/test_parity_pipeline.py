@@ -8,16 +8,13 @@ program in memory, meeting over gloo; nothing is mocked. Every case is its own t
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from parity_cases import PP_CASES, ROOT, SEQ1F1B_CASES, assert_passes, batch
+from parity_cases import PP_CASES, SEQ1F1B_CASES, assert_passes, batch
 
 from autopart import AutopartError
 from autopart.verify import Check, Report
 
 pytestmark = pytest.mark.multirank
-sys.path.insert(0, str(ROOT / "examples"))
 
 
 @pytest.fixture(scope="module")

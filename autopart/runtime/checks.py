@@ -35,6 +35,7 @@ from autopart import collectives
 from autopart.emit import Program, RankProgram, load_rank, load_weights, read_head
 from autopart.errors import AutopartError
 from autopart.plan import Plan
+from autopart.runtime.runner import Runner, local_weights, make_groups
 
 
 def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
@@ -54,8 +55,6 @@ def run_check(rp: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
               seed: int = 0, compile: bool = False) -> None:  # fmt: skip
     """One step of this rank's program on ``batch``, dumped to ``folder``; the check's process
     groups are destroyed afterwards, so that the next check starts from a bare world."""
-    from autopart.runtime.runner import Runner, make_groups
-
     # the seed autopart run uses (attention dropout inside SDPA draws from torch's generator)
     torch.manual_seed((seed * 1_000_003 + rp.rank) % 2**63)
     groups = make_groups(plan, rp.rank, rp.ties)
@@ -161,19 +160,23 @@ def wait_ranks(procs: list[Any], limit_s: float) -> int | None:
     return first
 
 
+def as_rank(rank: int, world: int, **env: str) -> None:
+    """Make a forked process rank ``rank`` of ``world``: torchrun's variables (and ``env``),
+    and one core's worth of threads (torchrun's OMP_NUM_THREADS=1)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", **env)  # fmt: skip
+
+
 def _forked_rank(program: Program, rank: int, world: int, store: Path,
                  batch: tuple[torch.Tensor, torch.Tensor], folder: Path, timeout_s: float) -> None:  # fmt: skip
     code = 1
     try:
-        torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1: one core per rank
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+        as_rank(rank, world)
         dist.init_process_group("gloo", store=dist.FileStore(str(store), world), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))  # fmt: skip
         rp = program.rank(rank)
-        weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}
-        weights.update(program.buffers)
-        run_check(rp, program.plan, weights, batch, folder, timeout_s=timeout_s)
+        run_check(rp, program.plan, local_weights(program, rp), batch, folder, timeout_s=timeout_s)
         dist.destroy_process_group()
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises

@@ -79,6 +79,13 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def local_weights(program: Program, rp: RankProgram) -> dict[str, torch.Tensor]:
+    """A rank's parameter shards and the buffers, cut from an in-memory ``Program``."""
+    weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}
+    weights.update(program.buffers)
+    return weights
+
+
 def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Create every process group of the mesh, and one per set of pipeline ranks sharing a tied
     parameter (all ranks must call this in the same order)."""
@@ -158,9 +165,8 @@ class Runner:
         program.mesh.check_world(world)
         rp = program.rank(rank)
         groups = _groups_of(program.plan, rank, mesh, rp.ties)
-        weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}
-        weights.update(program.buffers)
-        return cls(rp, program.plan, weights, groups, timeout_s=timeout_s, compile=compile)
+        return cls(rp, program.plan, local_weights(program, rp), groups, timeout_s=timeout_s,
+                   compile=compile)  # fmt: skip
 
     # -- what users call -------------------------------------------------------------------
 
