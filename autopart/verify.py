@@ -5,7 +5,9 @@ gradients on one device (mean next-token cross entropy over labels != -100), com
 the program, launches its ranks with torchrun (real gloo processes), runs one step, gathers
 every rank's gradient shards back to the model's global parameter names and compares.
 Passing means: loss and every gradient within ``rtol`` (float64: 1e-9, float32: 1e-5), where
-the error of a tensor is ``max|got − ref| / max|ref|``.
+the error of a tensor is ``max|got − ref| / max(max|ref|, FLOOR × largest gradient)``. A model
+that computes some values in a lower precision than it runs in (``islands``: Gemma's float32
+norms in a float64 model) is held to that precision's tolerance, and the report says where.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from autopart.errors import AutopartError
 from autopart.runtime.checks import as_rank, fork_ranks, wait_ranks
 from autopart.spec import Factory, build
 
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2,
+             torch.bfloat16: 5e-2}  # fmt: skip
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_DTYPE_OF = {str(d).removeprefix("torch."): d for d in TOLERANCE}
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Report:
     seconds: float = 0.0
     output: str = ""
     zero: list[str] = field(default_factory=list)  # gradients zero by construction (round-off)
+    islands: list[str] = field(default_factory=list)  # "module (dtype)" computed at lower precision
 
     @property
     def ok(self) -> bool:
@@ -58,9 +63,39 @@ class Report:
         return (
             f"{verdict}: loss {self.loss:.12g} vs single-device {self.ref_loss:.12g} "
             f"(rel err {self.loss_error:.2e}); worst gradient {self.worst} rel err "
-            f"{self.grad_error:.2e}; tolerance {self.tolerance:.0e}; {len(self.errors)} gradients compared"
+            f"{self.grad_error:.2e}; tolerance {self.tolerance:.0e}"
+            + (f" ({_lower(self.islands)})" if self.islands else "")
+            + f"; {len(self.errors)} gradients compared"
             + (f" ({len(self.zero)} zero by construction, up to round-off)" if self.zero else "")
         )
+
+
+def _lower(islands: list[str]) -> str:
+    """``["m.norm (float32)", ...]`` → "float32 inside the model: m.norm and 4 more modules"."""
+    dtypes = sorted({i.rpartition("(")[2].rstrip(")") for i in islands})
+    first = islands[0].rpartition(" (")[0]
+    more = f" and {len(islands) - 1} more modules" if len(islands) > 1 else ""
+    return f"{'/'.join(dtypes)} inside the model: {first}{more}"
+
+
+def islands(gm: Any, dtype: torch.dtype) -> list[str]:
+    """Where a graph traced at ``dtype`` computes in a lower floating precision: "module
+    (dtype)" for each module with such a value, in graph order. Gemma's RMSNorm, for one, upcasts
+    to float32 and back whatever the model's dtype, so a float64 run still rounds at float32
+    there: reordered sums (micro-batches, ranks) move that round-off, and the tolerance must be
+    the island's, not float64's."""
+    from autopart.capture import META_MODULE
+
+    found: dict[str, None] = {}
+    eps = torch.finfo(dtype).eps
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if (isinstance(val, torch.Tensor) and val.is_floating_point()
+                and torch.finfo(val.dtype).eps > eps):  # fmt: skip
+            found[
+                f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
+            ] = None
+    return list(found)
 
 
 FLOOR = 1e-3  # a gradient's error scale is at least this share of the largest gradient's
@@ -209,6 +244,13 @@ class _Model:
     ref_loss: float
     ref_grads: dict[str, torch.Tensor]
     captured: Any
+    islands: list[str] = field(default_factory=list)
+
+    @property
+    def lowest(self) -> torch.dtype:
+        """The lowest precision the model computes in (its dtype, or an island's)."""
+        found = [_DTYPE_OF[i.rpartition("(")[2].rstrip(")")] for i in self.islands]
+        return max([self.captured.dtype, *found], key=lambda d: torch.finfo(d).eps)
 
 
 def _prepare(spec: str | Factory, dtype: str) -> _Model:
@@ -227,7 +269,8 @@ def _prepare(spec: str | Factory, dtype: str) -> _Model:
             f"{TOLERANCE[DTYPES[other]]:.0e}); some kernels (e.g. grouped matmuls of mixtures "
             "of experts) have no float64 version",
         ) from exc
-    return _Model(batch, ref_loss, ref_grads, capture(model, batch))
+    captured = capture(model, batch)
+    return _Model(batch, ref_loss, ref_grads, captured, islands(captured.graph, captured.dtype))
 
 
 def verify_many(
@@ -378,7 +421,7 @@ def _report(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
     loss_error = max(abs(v - model.ref_loss) / abs(model.ref_loss) for v in losses)
     errors: dict[str, float] = {}
     largest = max((g.abs().max().item() for g in model.ref_grads.values() if g.numel()), default=0)
-    eps = torch.finfo(DTYPES[dtype]).eps
+    eps = torch.finfo(model.lowest).eps
     zero = sorted(f for f, g in model.ref_grads.items()
                   if g.numel() and largest > 0 and g.abs().max().item() <= 64 * eps * largest)  # fmt: skip
     for fqn, copies in gather(dumps).items():
@@ -390,8 +433,8 @@ def _report(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
     if missing:
         raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
     worst = max(errors, key=errors.get)
-    return Report(losses[0], model.ref_loss, loss_error, errors[worst], worst,
-                  TOLERANCE[DTYPES[dtype]], errors, seconds, output, zero)  # fmt: skip
+    return Report(losses[0], model.ref_loss, loss_error, errors[worst], worst, TOLERANCE[model.lowest],
+                  errors, seconds, output, zero, model.islands)  # fmt: skip
 
 
 def verify(

@@ -174,4 +174,7 @@ def _reduce_grad(gm: fx.GraphModule, p: fx.Node) -> None:
     with gm.graph.inserting_after(p):
         new = gm.graph.call_function(ops.tp_all_reduce_grad.default, (p, "tp"))
     new.meta.update({k: v for k, v in p.meta.items() if k != META_INPUT})
-    p.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+    # uses the tensor_parallel pass already reduces (per-head norm weights) stay as they are
+    p.replace_all_uses_with(
+        new, delete_user_cb=lambda u: u is not new and u.target != ops.tp_all_reduce_grad.default
+    )

@@ -10,7 +10,10 @@ attention, head reshapes, rotary slicing, GQA repeats) — runs on tp ranks with
 - row weights split by input features; each row matmul followed by one ``autopart::tp_reduce``
   (g), its bias added after the reduction;
 - every shape constant that encodes a split size divided by tp (``view``/``reshape``/
-  ``expand`` sizes, ``split`` sizes); ``meta["val"]`` holds the local shapes.
+  ``expand`` sizes, ``split`` sizes); ``meta["val"]`` holds the local shapes;
+- one ``autopart::tp_all_reduce_grad`` on each replicated operand that carries a gradient into
+  a split op (a per-head norm weight, as Qwen3's q/k norms): that op sees only this rank's
+  heads, so the gradient it sends back is this rank's share and the ranks' shares are summed.
 
 Parameter placeholders get ``meta["autopart.shard"]`` = ``TPShard(dim, strided)`` or keep
 ``None`` (replicated). A region the rules cannot prove is left replicated with a warning naming
@@ -74,6 +77,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
         n.meta["autopart.tp_split"] = sp.dims[n]
+    _sum_partial_grads(gm, sp)
     localize(gm, tp)
     return propagate(gm)
 
@@ -195,6 +199,36 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
     for new in {reduced, out}:
         new.meta.update({k: v for k, v in last.meta.items() if k not in ("val", META_ROLE)})
     last.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
+
+
+def _sum_partial_grads(gm: fx.GraphModule, sp) -> None:
+    """Route every replicated operand that carries a gradient into a split op (other than a
+    column matmul, whose input already has f) through ``tp_all_reduce_grad``: the op's backward
+    on one rank covers only that rank's part of the split dim."""
+    carries: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        val = tensor_val(n)
+        if val is None or not val.is_floating_point():
+            continue
+        ref = n.meta.get("autopart.input")
+        if (ref is not None and ref.kind == "param") or any(
+            a in carries for a in n.all_input_nodes
+        ):
+            carries.add(n)
+    reduced: dict[fx.Node, fx.Node] = {}
+    for n in list(sp.dims):
+        if n in sp.columns:
+            continue
+        for a in n.all_input_nodes:
+            if a in sp.dims or a not in carries or a.target == ops.tp_copy.default:
+                continue
+            if a not in reduced:
+                with gm.graph.inserting_after(a):
+                    reduced[a] = gm.graph.call_function(ops.tp_all_reduce_grad.default, (a, "tp"))
+                reduced[a].meta.update(
+                    {k: v for k, v in a.meta.items() if not k.startswith("autopart.input")}
+                )
+            n.replace_input_with(a, reduced[a])
 
 
 def _rewrite_constants(n: fx.Node, dims: dict[fx.Node, int], tp: int) -> None:

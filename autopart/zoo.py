@@ -1,0 +1,155 @@
+"""The Hugging Face zoo: causal LMs autopart was not written against, built from small random
+configs (nothing downloaded), and the compatibility matrix of plans over them.
+
+``autopart.zoo:<arch>`` is a model spec for any architecture in ``ARCHITECTURES`` (``autopart
+verify --model autopart.zoo:gemma``): a 2-block model, hidden 32, 4 heads (2 K/V heads where
+the architecture has grouped queries), vocabulary 96, no dropout, and a 4 × 32 batch of random
+tokens. ``autopart zoo`` checks every architecture under every plan of ``PLANS`` with
+``verify_many`` and writes the table (``docs/compatibility.md``).
+
+Needs ``transformers`` (a test dependency of autopart).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopart.errors import AutopartError
+
+VOCAB, BATCH, SEQ = 96, 4, 32
+COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # fmt: skip
+_NO_DROPOUT = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+               "attn_pdrop", "activation_dropout", "hidden_dropout_prob",
+               "attention_probs_dropout_prob", "resid_dropout", "embed_dropout",
+               "attn_dropout")  # fmt: skip
+
+# model_type → what the common config needs changed (sizes the defaults make large, names the
+# config spells its own way), and a line on what the architecture brings
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("learned positions, fused QKV Conv1D, tied embeddings", {}),
+    "llama": ("rotary, grouped-query attention, RMSNorm, SwiGLU", {}),
+    "mistral": ("Llama with sliding-window attention (window ≥ sequence)", {}),
+    "qwen2": ("Llama with QKV biases", {}),
+    "qwen3": ("per-head RMSNorm on Q and K", {"head_dim": 8}),
+    "gemma": ("RMSNorm computed in float32 (1 + w), scaled embeddings, GeGLU", {"head_dim": 8}),
+    "gemma2": ("logit soft-capping, sandwich norms, alternating local/global attention",
+               {"head_dim": 8}),
+    "phi": ("parallel attention + MLP, partial rotary, dense bias", {}),
+    "phi3": ("fused QKV and gate-up projections", {}),
+    "opt": ("learned positions from a cumulative sum of the attention mask",
+            {"ffn_dim": 64, "word_embed_proj_dim": 32}),
+    "bloom": ("ALiBi: a per-head bias built from a cumulative sum of the attention mask", {}),
+    "gptj": ("rotary sin/cos gathered from a position table, parallel attention + MLP",
+             {"rotary_dim": 8}),
+    "gpt_neox": ("fused QKV, partial rotary, parallel residual", {}),
+    "falcon": ("multi-query attention, parallel attention + MLP, in-place adds",
+               {"multi_query": True, "parallel_attn": True, "new_decoder_architecture": False,
+                "alibi": False}),
+    "mixtral": ("mixture of experts, top-2 routing over 4 experts",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "stablelm": ("partial rotary, LayerNorm, QKV biases", {}),
+    "starcoder2": ("LayerNorm, biases everywhere, GELU MLP", {}),
+    "olmo2": ("RMSNorm on Q and K over all heads, post-norms", {}),
+    "cohere": ("parallel attention + MLP, LayerNorm without bias, logit scale", {}),
+    "gpt_bigcode": ("multi-query attention with a fused QKV", {"multi_query": True}),
+    "granite": ("Llama with embedding, residual, attention and logit multipliers", {}),
+    "biogpt": ("learned positions, scaled embeddings, LayerNorm", {}),
+    "mpt": ("ALiBi, fused QKV, no biases", {"expansion_ratio": 2}),
+}  # fmt: skip
+
+PLANS = {  # the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
+    "dp=2": {"dp": 2},
+    "tp=2": {"tp": 2},
+    "pp=2 1F1B": {"pp": 2, "microbatches": 2},
+    "pp=2 Seq1F1B k=2": {"pp": 2, "schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2},
+    "tp=2×pp=2 Seq1F1B k=2": {"tp": 2, "pp": 2, "schedule": "seq1f1b", "seq_chunks": 2,
+                              "microbatches": 2},
+}  # fmt: skip
+
+
+def batch(vocab: int = VOCAB, size: int = BATCH, seq: int = SEQ):
+    """Random next-token data (seed 0): ``input_ids`` and ``labels`` (the last one ignored)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (size, seq + 1), generator=g)
+    input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    labels[:, -1] = -100
+    return input_ids, labels
+
+
+def make(arch: str, **overrides: Any) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A small random model of ``arch`` (a ``model_type`` of ``ARCHITECTURES``, or any other
+    causal LM type transformers knows, with the common sizes) and its batch."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, own = ARCHITECTURES.get(arch, ("", {}))
+    torch.manual_seed(0)
+    try:
+        config = AutoConfig.for_model(arch, **{**COMMON, **own, **overrides})
+    except ValueError as exc:
+        raise AutopartError(f"transformers has no architecture {arch!r}: {exc}") from exc
+    for name in _NO_DROPOUT:
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+    return AutoModelForCausalLM.from_config(config).eval(), batch()
+
+
+def __getattr__(name: str) -> Callable[[], tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]]:
+    """``autopart.zoo:llama`` and the like: the factory of that architecture."""
+    if name in ARCHITECTURES:
+        factory = functools.partial(make, name)
+        factory.__name__ = name  # type: ignore[attr-defined]
+        return factory
+    raise AttributeError(name)
+
+
+Cell = Any  # a verify Report or the AutopartError of that plan
+
+
+def matrix(
+    archs: list[str] | None = None,
+    plans: dict[str, dict[str, Any]] | None = None,
+    *,
+    timeout_s: float = 120.0,
+    on_result: Callable[[str, str, str, Cell], None] | None = None,
+) -> dict[str, tuple[str, dict[str, Cell]]]:
+    """Verify every architecture under every plan: arch → (dtype, plan name → result).
+
+    float64 where the model runs in float64 on one device, else float32 (its tolerance is in
+    each report). Each model is captured once; ranks are forked with the program in memory.
+    ``on_result(arch, dtype, plan, result)`` hears each cell as it comes."""
+    from autopart.verify import Check, verify_many
+
+    archs = list(ARCHITECTURES) if archs is None else archs
+    plans = PLANS if plans is None else plans
+    out: dict[str, tuple[str, dict[str, Cell]]] = {}
+    for arch in archs:
+        spec = f"autopart.zoo:{arch}"
+        for dtype in ("float64", "float32"):
+            checks = {p: Check(spec, **kw) for p, kw in plans.items()}
+
+            def heard(plan: str, result: Cell, dtype: str = dtype, arch: str = arch) -> None:
+                if on_result is not None and not _no_reference(result, dtype):
+                    on_result(arch, dtype, plan, result)
+
+            cells = verify_many(checks, dtype=dtype, timeout_s=timeout_s, via="fork",
+                                on_result=heard)  # fmt: skip
+            if not all(_no_reference(c, dtype) for c in cells.values()):
+                break
+        out[arch] = (dtype, cells)
+    return out
+
+
+def _no_reference(result: Cell, dtype: str) -> bool:
+    """The model has no float64 kernels for its one-device reference: retry in float32."""
+    return (
+        dtype == "float64"
+        and isinstance(result, AutopartError)
+        and "does not run in float64 on one device" in result.message
+    )
