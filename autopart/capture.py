@@ -142,15 +142,28 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor])
         ep = torch.export.export(
             wrapper, (input_ids, labels), dynamic_shapes=(dyn, dyn), strict=False
         )
-        if any(_mutates(n) for n in ep.graph.nodes):
+        fused = {n.target for n in ep.graph.nodes if n.target in _SPLIT_UP}
+        if fused or any(_mutates(n) for n in ep.graph.nodes):
             # in-place ops (Falcon's ``x += ...``): the passes and the saved program need a
-            # functional graph; an empty table functionalizes without decomposing anything
-            ep = ep.run_decompositions({})
+            # functional graph; a table of only _SPLIT_UP functionalizes and decomposes those
+            ep = ep.run_decompositions({op: _SPLIT_UP[op] for op in fused})
     except AutopartError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
     return _annotate(ep, model, input_ids, wrapper.vocab_size)
+
+
+def _baddbmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1):
+    out = torch.bmm(a, b)
+    out = out if alpha == 1 else out * alpha
+    return out + (x if beta == 1 else x * beta)
+
+
+# fused ops the passes see as their parts: BLOOM's ``alibi.baddbmm(q, kᵀ)`` becomes a bmm the
+# tp rules and attention recognition know, plus a bias (and fake propagation of baddbmm with a
+# broadcast, symbolic ``self`` fails on re-propagation in torch 2.13)
+_SPLIT_UP = {torch.ops.aten.baddbmm.default: _baddbmm}
 
 
 def _mutates(n: fx.Node) -> bool:

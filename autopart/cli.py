@@ -121,6 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "(as the live DeviceMesh API runs it) instead of saving it and launching "
                    "torchrun: seconds faster per plan; no --nnodes or --compile")  # fmt: skip
 
+    z = sub.add_parser(
+        "zoo",
+        help="verify Hugging Face architectures (random small configs) under the standard plans",
+        description="Build each architecture of autopart.zoo from a small random config "
+        "(needs transformers; nothing is downloaded), verify it under dp=2, tp=2, pp=2 1F1B, "
+        "pp=2 Seq1F1B k=2 and tp=2×pp=2 Seq1F1B k=2 with forked gloo ranks, print one line per "
+        "cell and write the compatibility matrix as Markdown.",
+    )
+    z.add_argument("--models", metavar="A,B", default=None,
+                   help="architectures to check, comma-separated (default: all of autopart.zoo's: "
+                   "see docs/compatibility.md)")  # fmt: skip
+    z.add_argument("--write", metavar="FILE", default=None,
+                   help="write the Markdown table there (e.g. docs/compatibility.md)")  # fmt: skip
+    z.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any distributed wait may take (default 120)")  # fmt: skip
+
     i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
     i.add_argument(
         "--model", required=True, metavar="SPEC", help="path/to/file.py:make or module:make"
@@ -262,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         commands = {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run,
-                    "timeline": _timeline, "simulate": _simulate, "plan": _plan}  # fmt: skip
+                    "timeline": _timeline, "simulate": _simulate, "plan": _plan, "zoo": _zoo}  # fmt: skip
         return commands[args.command](args)
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
@@ -315,6 +331,49 @@ def _verify(a: argparse.Namespace) -> int:
         con.print(f"{passed} of {len(checks)} plans pass, {outcome['fail']} fail, "
                   f"{outcome['error']} errors", highlight=False)  # fmt: skip
     return 2 if outcome["error"] else 1 if outcome["fail"] else 0
+
+
+def _zoo(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from autopart import zoo
+
+    archs = (
+        [m.strip() for m in a.models.split(",") if m.strip()]
+        if a.models
+        else list(zoo.ARCHITECTURES)
+    )
+    unknown = [m for m in archs if m not in zoo.ARCHITECTURES]
+    if unknown:
+        raise AutopartError(f"no architecture {', '.join(unknown)} in autopart.zoo",
+                            hint=f"choose from {', '.join(zoo.ARCHITECTURES)}")  # fmt: skip
+    con = Console()
+    total, done = len(archs) * len(zoo.PLANS), [0]
+
+    def show(arch: str, dtype: str, plan: str, cell) -> None:
+        done[0] += 1
+        word = zoo.verdict(cell)
+        colour = {"PASS": "green", "FAIL": "red", "refused": "yellow"}[word]
+        detail = cell.message.splitlines()[0] if word == "refused" else (
+            f"worst gradient {cell.worst} {cell.grad_error:.1e} (tolerance {cell.tolerance:.0e})")  # fmt: skip
+        con.print(f"[{done[0]:3d}/{total}] {arch:12s} {plan:22s} [{colour}]{word}[/] {dtype}: {detail}",
+                  highlight=False)  # fmt: skip
+
+    with con.status(f"verifying {len(archs)} architectures × {len(zoo.PLANS)} plans"):
+        results = zoo.matrix(archs, timeout_s=a.timeout, on_result=show)
+    text = zoo.table(results)
+    summary = next(line for line in text.splitlines() if "cells PASS" in line)
+    con.print(summary.replace("**", ""), highlight=False)
+    if a.write:
+        Path(a.write).write_text(text)
+        con.print(f"wrote {a.write}", highlight=False)
+    return (
+        1
+        if any(zoo.verdict(c) == "FAIL" for _, cells in results.values() for c in cells.values())
+        else 0
+    )
 
 
 def _inspect(a: argparse.Namespace) -> int:

@@ -84,17 +84,24 @@ def islands(gm: Any, dtype: torch.dtype) -> list[str]:
     to float32 and back whatever the model's dtype, so a float64 run still rounds at float32
     there: reordered sums (micro-batches, ranks) move that round-off, and the tolerance must be
     the island's, not float64's."""
-    from autopart.capture import META_MODULE
+    from autopart.capture import META_INPUT, META_MODULE
 
     found: dict[str, None] = {}
     eps = torch.finfo(dtype).eps
+    trained: set[Any] = set()  # values computed from parameters (a float32 mask of ones is not)
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        if (isinstance(val, torch.Tensor) and val.is_floating_point()
-                and torch.finfo(val.dtype).eps > eps):  # fmt: skip
-            found[
-                f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
-            ] = None
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue
+        ref = n.meta.get(META_INPUT)
+        if (ref is not None and ref.kind == "param") or any(
+            a in trained for a in n.all_input_nodes
+        ):
+            trained.add(n)
+            if torch.finfo(val.dtype).eps > eps:
+                found[
+                    f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
+                ] = None
     return list(found)
 
 

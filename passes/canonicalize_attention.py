@@ -89,50 +89,97 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node) -> bool:
     return True
 
 
+_CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
+MASKED = -1e30  # an additive mask entry at or below this zeroes its softmax weight exactly
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    """The one user of ``n`` other than metadata asserts, if there is exactly one."""
+    users = [u for u in n.users if u.target != aten._assert_tensor_metadata.default]
+    return users[0] if len(users) == 1 else None
+
+
 def _manual(gm: fx.GraphModule, sm: fx.Node) -> bool:
-    """softmax(masked_fill(matmul(q, kᵀ)·c, mask, −inf)) [→ dropout] → matmul(·, v)."""
+    """softmax(mask(matmul(q, kᵀ) [·/÷ c])) [→ casts] [→ dropout] [→ casts] → matmul(·, v),
+    where mask is ``masked_fill(·, m, −inf)`` or ``· + m`` with an additive mask (0 where kept,
+    ≤ −1e30 where not: GPT-J, GPT-2's eager path). A softmax of anything else (soft-capped
+    logits, ALiBi biases) is left as it is."""
     filled = sm.args[0]
-    if (
-        sm.args[1] not in (-1, 3)
-        or filled.target != aten.masked_fill.Scalar
-        or filled.args[2] != float("-inf")
-    ):
+    if sm.args[1] not in (-1, filled.meta["val"].dim() - 1):
         return False
-    scores, cond = filled.args[0], filled.args[1]
-    scale = None
-    if scores.target == aten.mul.Tensor and isinstance(scores.args[1], float):
-        scores, scale = scores.args[0], scores.args[1]
-    if scores.target != aten.matmul.default or scores.args[1].target != aten.transpose.int:
+    if filled.target == aten.masked_fill.Scalar and filled.args[2] == float("-inf"):
+        scores, cond, additive = filled.args[0], filled.args[1], False
+    elif filled.target == aten.add.Tensor and all(isinstance(a, fx.Node) for a in filled.args):
+        scores, cond = filled.args
+        if _qk(scores) is None:
+            scores, cond = cond, scores
+        additive = True
+    else:
         return False
-    q, kt = scores.args
-    if sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+    qk = _qk(scores)
+    if qk is None:
         return False
-    k = kt.args[0]
+    q, k, scale = qk
     probs, dropout = sm, 0.0
-    if len(sm.users) == 1 and next(iter(sm.users)).target == aten.dropout.default:
-        probs = next(iter(sm.users))
-        dropout = probs.args[1] if probs.args[2] else 0.0
-    users = list(probs.users)
-    if len(users) != 1 or users[0].target != aten.matmul.default or users[0].args[0] is not probs:
+    user = _only_user(probs)
+    while user is not None and user.target in _CASTS:
+        probs, user = user, _only_user(user)
+    if user is not None and user.target == aten.dropout.default:
+        probs, dropout = user, (user.args[1] if user.args[2] else 0.0)
+        user = _only_user(probs)
+    while user is not None and user.target in _CASTS:
+        probs, user = user, _only_user(user)
+    if user is None or user.target != aten.matmul.default or user.args[0] is not probs:
         return False
-    why = _why_not_causal(gm, cond, keep_is_true=False)
+    why = (
+        _why_not_causal(gm, cond, keep_is_true=True, additive=True)
+        if additive
+        else _why_not_causal(gm, cond, keep_is_true=False)
+    )
     sm.meta[META_ATTENTION] = why or "causal"
     if why:
         return False
-    _replace(gm, users[0], q, k, users[0].args[1], dropout, scale)
+    _replace(gm, user, q, k, user.args[1], dropout, scale)
     return True
+
+
+def _qk(scores: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """``matmul(q, kᵀ)`` [· c | ÷ c] → (q, k, c) (c = 1 when unscaled), else None."""
+    scale = 1.0
+    if scores.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(
+        scores.args[1], (int, float)
+    ):
+        c = float(scores.args[1])
+        scores, scale = scores.args[0], (c if scores.target == aten.mul.Tensor else 1.0 / c)
+    if scores.target != aten.matmul.default or scores.args[1].target != aten.transpose.int:
+        return None
+    q, kt = scores.args
+    if sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+        return None
+    return q, kt.args[0], scale
 
 
 def _replace(
     gm: fx.GraphModule, old: fx.Node, q, k, v, dropout: float, scale: float | None
 ) -> None:
-    with gm.graph.inserting_before(old):
-        new = gm.graph.call_function(
+    """SDPA(q, k, v) in q's dtype (v cast to it, the output cast back to ``old``'s), in place
+    of ``old`` and the chain that fed it."""
+    g = gm.graph
+    dtype, out_dtype = q.meta["val"].dtype, old.meta["val"].dtype
+    with g.inserting_before(old):
+        if v.meta["val"].dtype != dtype:
+            v = g.call_function(aten._to_copy.default, (v,), {"dtype": dtype})
+            v.meta.update({k_: x for k_, x in old.meta.items() if k_ != "val"})
+        new = g.call_function(
             SDPA, (q, k, v, None, float(dropout), True), {"scale": scale} if scale else {}
         )
-    new.meta.update(old.meta)
+        new.meta.update(old.meta)
+        out = new
+        if out_dtype != dtype:
+            out = g.call_function(aten._to_copy.default, (new,), {"dtype": out_dtype})
+            out.meta.update({k_: x for k_, x in old.meta.items() if k_ != "val"})
     new.meta[META_ATTENTION] = "causal"
-    old.replace_all_uses_with(new)
+    old.replace_all_uses_with(out)
     stack = [old]  # the replaced chain (dropout is impure to fx: remove it by hand)
     while stack:
         n = stack.pop()
@@ -141,8 +188,11 @@ def _replace(
             gm.graph.erase_node(n)
 
 
-def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool) -> str | None:
-    """None if ``mask`` evaluates to the causal mask at every size tried, else the reason."""
+def _why_not_causal(
+    gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool = False
+) -> str | None:
+    """None if ``mask`` evaluates to the causal mask at every size tried, else the reason.
+    An ``additive`` mask must be 0 where kept and at most ``MASKED`` elsewhere."""
     sub, inputs = _cut(gm, mask)
     if sub is None:
         return f"not causal: its mask depends on {inputs}"
@@ -152,6 +202,8 @@ def _why_not_causal(gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool) -> st
             got = sub(*args)
         except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
             return f"not provably causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})"
+        if additive and (got.dtype == torch.bool or bool(((got != 0) & (got > MASKED)).any())):
+            return f"not causal: its additive mask is not 0 or -inf (at most {MASKED:g}) at sequence {s}"
         got = got if got.dtype == torch.bool else (got == 0) if keep_is_true else got.bool()
         keep = got if keep_is_true else ~got
         causal = torch.ones(s, s, dtype=torch.bool).tril()

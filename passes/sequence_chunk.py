@@ -16,12 +16,14 @@ What changes in the graph:
   positions, then ``InputRef("kv", "2i")`` / ``("kv", "2i+1")`` — layer i's K and V prefix,
   ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk);
 - **positions**: every ``arange`` over the sequence length from 0 (learned positions, rotary
-  tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``;
+  tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``, and every running
+  count ``cumsum(full(c))`` (OPT's positions from an all-ones mask) gains ``c · offset``;
 - **attention** (only the causal SDPA canonicalize_attention leaves): K and V are concatenated
   after their prefix, and the causal mask is aligned lower-right — query t of the chunk sees key
   positions ≤ P + t (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph
   from the sizes, so one graph serves every chunk);
-- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order;
+- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order
+  (prefixes are in the model's dtype: K/V an attention computes in another are cast);
 - **views** become reshapes (same values; the prefixed attention's output may have other
   strides than the unchunked one had).
 
@@ -73,12 +75,13 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     output = next(n for n in g.nodes if n.op == "output")
     attention = [n for n in g.nodes if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal"]
     positions = [n for n in g.nodes if _is_positions(n, gm)]
+    counts = [n for n in g.nodes if _fill_value(n) is not None]
 
     new_refs: list[InputRef] = []
     mode = detect_fake_mode([n.meta["val"] for n in placeholders])
     anchor = last_ph
     offset = None
-    if positions:
+    if positions or counts:
         with g.inserting_after(anchor):
             offset = g.placeholder("chunk_offset")
         with mode:
@@ -87,6 +90,14 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         new_refs.append(offset.meta[META_INPUT])
         anchor = offset
     prefix_len = _prefix_symint(mode) if attention else None
+    # prefixes travel in the model's dtype (the runtime's zeros for the first chunk); K/V that an
+    # attention computes in another (GPT-J's float32 keys in a float64 model) are cast to it
+    dtype = next(
+        (p.meta["val"].dtype for p in placeholders
+         if getattr(p.meta.get(META_INPUT), "kind", None) == "param"
+         and p.meta["val"].is_floating_point()),
+        None,
+    )  # fmt: skip
     prefixes: list[tuple[fx.Node, fx.Node]] = []
     for i, sdpa in enumerate(attention):
         pair = []
@@ -96,7 +107,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             val = src.meta["val"]
             shape = [*val.shape[:-2], prefix_len, val.shape[-1]]
             with mode:
-                ph.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
+                ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
             ph.meta[META_INPUT] = InputRef("kv", str(2 * i + j))
             ph.meta[META_MODULE], ph.meta[META_LAYER] = (
                 sdpa.meta.get(META_MODULE, ""),
@@ -110,6 +121,12 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     for n in positions:
         with g.inserting_after(n):
             shifted = g.call_function(aten.add.Tensor, (n, offset))
+        n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
+    for n in counts:  # cumsum of c over the chunk + c · offset: the count over the sequence
+        with g.inserting_after(n):
+            before = g.call_function(aten.mul.Tensor, (offset, _fill_value(n)))
+        with g.inserting_after(before):
+            shifted = g.call_function(aten.add.Tensor, (n, before))
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
 
     # attention over [prefix; chunk] may lay its output out differently from the unchunked
@@ -177,10 +194,13 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
         others = {sym: 4 for sym in size.free_symbols - {S}}
         return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
 
+    found: list[tuple[fx.Node, str]] = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         what = None
+        if _fill_value(n) is not None:
+            continue  # a running count over the sequence: shifted by the offset
         if n.target in _SCANS:
             dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dims", n.kwargs.get("dim", 0))
             dims = dims if isinstance(dims, (list, tuple)) else [dims]
@@ -190,7 +210,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             if any(along_sequence(n.args[0], d) for d in dims):
                 what = f"a {n.target.__name__.split('.')[0]} along the sequence"
         elif n.target in _SOFTMAX and along_sequence(n.args[0], n.args[1]):
-            what = "a softmax over the sequence that is not a recognized causal attention"
+            what = ("a softmax over the sequence that is not a recognized causal attention "
+                    "(soft-capped scores and position biases such as ALiBi are not)")
         elif n.target in _CONTRACT:
             a = n.args[1] if n.target == aten.baddbmm.default else n.args[0]
             if along_sequence(a, -1):
@@ -200,16 +221,39 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             if along_sequence(src, dim):
                 what = "an index by position into a table as long as the sequence"
         if what is not None:
-            raise AutopartError(
-                f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): "
-                f"{what} mixes tokens of different chunks",
-                hint="use the 1f1b or interleaved-1f1b schedule for this model (positions from "
-                "arange and causal attention are what Seq1F1B can chunk)",
-            )
+            found.append((n, what))
+    if found:  # an attention it does not recognize explains the rest (its mask's construction)
+        n, what = min(found, key=lambda f: "softmax" not in f[1])
+        raise AutopartError(
+            f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): "
+            f"{what} mixes tokens of different chunks",
+            hint="use the 1f1b or interleaved-1f1b schedule for this model (positions from "
+            "arange or a running count, and causal attention are what Seq1F1B can chunk)",
+        )
 
 
 _INDEX = {aten.index.Tensor, aten.gather.default, aten.index_select.default,
           aten.embedding.default}  # fmt: skip
+
+
+_FILLS = {aten.ones.default: 1, aten.ones_like.default: 1, aten.new_ones.default: 1,
+          aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}  # fmt: skip
+
+
+def _fill_value(n: fx.Node) -> int | float | None:
+    """c when ``n`` is ``cumsum(x, d)`` of a tensor x filled with the constant c (``ones``,
+    ``full``) along the sequence dim d: a running count (OPT's positions, from the all-ones
+    attention mask Hugging Face makes when none is given), whose value at global token t is
+    c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset."""
+    if n.target != aten.cumsum.default:
+        return None
+    x = n.args[0]
+    if not isinstance(x, fx.Node) or x.target not in _FILLS:
+        return None
+    if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
+        return 1
+    value = x.args[_FILLS[x.target]] if len(x.args) > _FILLS[x.target] else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _indexed(n: fx.Node) -> tuple[fx.Node, int]:
@@ -299,12 +343,22 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
         for key, val in sdpa.kwargs.items()
         if key not in ("attn_mask", "dropout_p", "is_causal")
     }
+    made = []
+
+    def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
+        """``x`` (of ``src``'s dtype) in ``to``'s dtype."""
+        if src.meta["val"].dtype == to.meta["val"].dtype:
+            return x
+        made.append(g.call_function(aten._to_copy.default, (x,), {"dtype": to.meta["val"].dtype}))
+        return made[-1]
+
     with g.inserting_before(sdpa):
-        k_full = g.call_function(aten.cat.default, ([kp, k], -2))
-        v_full = g.call_function(aten.cat.default, ([vp, v], -2))
+        k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
+        v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
         mask = lower_right_mask(g, q, k_full)
         new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
-    for n in (k_full, v_full, new):
+        outs = [cast(k_full, k, kp), cast(v_full, v, vp)]
+    for n in (k_full, v_full, new, *made):
         n.meta[META_MODULE], n.meta[META_LAYER] = (
             sdpa.meta.get(META_MODULE, ""),
             sdpa.meta.get(META_LAYER),
@@ -312,7 +366,7 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
     new.meta[META_ATTENTION] = "causal, chunked"
     sdpa.replace_all_uses_with(new)
     g.erase_node(sdpa)
-    return [k_full, v_full]
+    return outs
 
 
 def lower_right_mask(g: fx.Graph, q: fx.Node, k_full: fx.Node) -> fx.Node:

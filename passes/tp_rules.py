@@ -139,6 +139,31 @@ def _cat(n, dims):
     return ds.pop()
 
 
+def _stack(n, dims):
+    tensors = n.args[0]
+    if not all(t in dims for t in tensors):
+        raise Illegal("stack of split and replicated tensors")
+    ds = {dims[t] for t in tensors}
+    if len(ds) != 1:
+        raise Illegal(f"operands split along different dims {sorted(ds)}")
+    d = ds.pop()
+    new = _norm(n.args[1] if len(n.args) > 1 else 0, _ndim(n))
+    return d if d < new else d + 1
+
+
+def _flatten(n, dims):
+    d, nd = _first(n, dims), _ndim(n.args[0])
+    start = _norm(n.args[1] if len(n.args) > 1 else 0, nd)
+    end = _norm(n.args[2] if len(n.args) > 2 else -1, nd)
+    if d < start:
+        return d
+    if d > end:
+        return d - (end - start)
+    if d == start:  # the outer dim of the merge: each rank keeps a contiguous block
+        return start
+    raise Illegal("flattens the split dim into an outer one")
+
+
 def _reduce(n, dims):
     d = _first(n, dims)
     nd = _ndim(n.args[0])
@@ -234,6 +259,8 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.split_with_sizes.default: _split,
     aten.chunk.default: _split,
     aten.cat.default: _cat,
+    aten.stack.default: _stack,
+    aten.flatten.using_ints: _flatten,
     aten.softmax.int: _not_along(1),
     aten._softmax.default: _not_along(1),
     aten.log_softmax.int: _not_along(1),
