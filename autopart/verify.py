@@ -79,29 +79,39 @@ def _lower(islands: list[str]) -> str:
 
 
 def islands(gm: Any, dtype: torch.dtype) -> list[str]:
-    """Where a graph traced at ``dtype`` computes in a lower floating precision: "module
-    (dtype)" for each module with such a value, in graph order. Gemma's RMSNorm, for one, upcasts
-    to float32 and back whatever the model's dtype, so a float64 run still rounds at float32
-    there: reordered sums (micro-batches, ranks) move that round-off, and the tolerance must be
-    the island's, not float64's."""
+    """Where a graph traced at ``dtype`` rounds at a lower precision in a way a plan can move:
+    "module (dtype)" for each module, in graph order. Counted: a parameter cast down (Gemma's
+    and Cohere's norms multiply by ``weight.float()``, so the weight's gradient is summed over
+    tokens in float32) and a lower-precision op whose sum a plan reorders or recomputes
+    (products, softmax, the loss: GPT-J's float32 attention scores). A float32 step applied
+    token by token (Llama's RMSNorm statistics) rounds the same way in every plan."""
     from autopart.capture import META_INPUT, META_MODULE
 
-    found: dict[str, None] = {}
+    aten = torch.ops.aten
+    mixing = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default,
+              aten.linear.default, aten.addmm.default, aten.softmax.int, aten._softmax.default,
+              aten.log_softmax.int, aten._log_softmax.default,
+              aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default,
+              aten.nll_loss_forward.default}  # fmt: skip
+    casts = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
     eps = torch.finfo(dtype).eps
-    trained: set[Any] = set()  # values computed from parameters (a float32 mask of ones is not)
+    found: dict[str, None] = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
             continue
-        ref = n.meta.get(META_INPUT)
-        if (ref is not None and ref.kind == "param") or any(
-            a in trained for a in n.all_input_nodes
-        ):
-            trained.add(n)
-            if torch.finfo(val.dtype).eps > eps:
-                found[
-                    f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
-                ] = None
+        if torch.finfo(val.dtype).eps <= eps or n.op != "call_function":
+            continue
+        src = n.args[0] if n.args else None
+        cast_param = (
+            n.target in casts
+            and isinstance(src, torch.fx.Node)
+            and getattr(src.meta.get(META_INPUT), "kind", None) == "param"
+        )
+        if cast_param or n.target in mixing:
+            found[
+                f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
+            ] = None
     return list(found)
 
 

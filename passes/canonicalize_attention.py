@@ -11,8 +11,10 @@ Recognized forms:
 
 A mask is proven causal by evaluation, not by pattern: its construction (which must not
 depend on parameters) is cut out of the graph and run at several sequence lengths with
-random token ids; only if it equals the lower-triangular causal mask every time is it dropped.
-A padding, bidirectional or sliding-window mask fails that test and stays. The pass runs only
+random token ids, and just past every length the construction names (a sliding window of
+4096 keys differs from causal only at 4097 tokens; a length beyond 8192 is not evaluated and
+the mask is not proven); only if it equals the lower-triangular causal mask every time is it
+dropped. A padding, bidirectional or sliding-window mask fails that test and stays. The pass runs only
 for the Seq1F1B schedules (which need one attention form); ``require_causal`` refuses a graph
 with attention it could not prove causal.
 """
@@ -31,6 +33,7 @@ aten = torch.ops.aten
 META_ATTENTION = "autopart.attention"
 SDPA = aten.scaled_dot_product_attention.default
 _SIZES = (3, 5, 8, 13)
+LONGEST = 8192  # the longest sequence a mask is evaluated at (batch 1 beyond _SIZES)
 
 
 def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -196,8 +199,16 @@ def _why_not_causal(
     sub, inputs = _cut(gm, mask)
     if sub is None:
         return f"not causal: its mask depends on {inputs}"
-    for s in _SIZES:
-        args = [_example(ph, s, gm) for ph in inputs]
+    # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
+    # just past every integer the mask's construction uses
+    lengths = {c for n in sub.graph.nodes for c in n.args
+               if isinstance(c, int) and not isinstance(c, bool) and _SIZES[-1] < c < 2**31}  # fmt: skip
+    too_long = [c for c in lengths if c + 2 > LONGEST]
+    if too_long:
+        return (f"not provably causal: its mask uses the length {min(too_long)}, longer than "
+                f"the {LONGEST} tokens it can be evaluated at")  # fmt: skip
+    for s in (*_SIZES, *sorted({c + d for c in lengths for d in (1, 2)})):
+        args = [_example(ph, s, gm, 2 if s <= _SIZES[-1] else 1) for ph in inputs]
         try:
             got = sub(*args)
         except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
@@ -233,10 +244,10 @@ def _cut(gm: fx.GraphModule, out: fx.Node):
     return fx.GraphModule(gm, g), placeholders
 
 
-def _example(ph: fx.Node, s: int, gm: fx.GraphModule) -> torch.Tensor:
+def _example(ph: fx.Node, s: int, gm: fx.GraphModule, batch: int = 2) -> torch.Tensor:
     ref = ph.meta[META_INPUT]
     if ref.kind == "data":
-        return torch.randint(0, 50, (2, s))
+        return torch.randint(0, 50, (batch, s))
     if ref.kind in ("buffer", "constant"):
         return gm.meta["autopart.buffers"][ref.name]
     if ref.kind == "rank":

@@ -210,8 +210,10 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             if any(along_sequence(n.args[0], d) for d in dims):
                 what = f"a {n.target.__name__.split('.')[0]} along the sequence"
         elif n.target in _SOFTMAX and along_sequence(n.args[0], n.args[1]):
-            what = ("a softmax over the sequence that is not a recognized causal attention "
-                    "(soft-capped scores and position biases such as ALiBi are not)")
+            what = (
+                "a softmax over the sequence that is not a recognized causal attention "
+                "(soft-capped scores and position biases such as ALiBi are not)"
+            )
         elif n.target in _CONTRACT:
             a = n.args[1] if n.target == aten.baddbmm.default else n.args[0]
             if along_sequence(a, -1):

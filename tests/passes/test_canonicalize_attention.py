@@ -13,6 +13,7 @@ from torch import nn
 
 from autopart.capture import capture
 from autopart.errors import AutopartError
+from autopart.api import parallelize
 from autopart.passes.canonicalize_attention import (
     META_ATTENTION,
     SDPA,
@@ -100,3 +101,62 @@ def test_other_schedules_leave_the_graph_alone() -> None:
     gm = copy_graph(captured.graph)
     before = gm.code
     assert canonicalize_attention(gm, Plan(Mesh())).code == before
+
+
+class _Additive(nn.Module):
+    """Manual attention with an additive mask, as GPT-J and eager Hugging Face models build it:
+    q and k cast to float32 (in a float64 model), ``q·kᵀ / c + mask``, softmax, back to the
+    model's dtype, ``· v``. ``kind``: "causal" (0 / float32 min), "unscaled" (no ÷ c), "soft"
+    (−1 where masked: a bias, not a mask), "capped" (tanh soft-capped scores), "alibi" (a
+    per-key-position bias on top of the causal mask)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(s)
+        keep = pos[None, :] <= pos[:, None]
+        lowest = -1.0 if self.kind == "soft" else torch.finfo(torch.float32).min
+        mask = torch.where(keep, 0.0, lowest)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
+        if self.kind != "unscaled":
+            scores = scores / 8**0.5
+        if self.kind == "capped":
+            scores = torch.tanh(scores / 30.0) * 30.0
+        if self.kind == "alibi":
+            mask = mask + 0.5 * pos.float()[None, :]
+        probs = torch.softmax(scores + mask, dim=-1).to(v.dtype)
+        y = torch.matmul(probs, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize(("kind", "causal"), [("causal", True), ("unscaled", True),
+                                              ("soft", False), ("capped", False),
+                                              ("alibi", False)])  # fmt: skip
+def test_additive_masks_with_casts(kind: str, causal: bool) -> None:
+    """A proven additive causal mask becomes SDPA in the scores' dtype (float32 here), with its
+    scale (1 when unscaled) and casts, computing the same loss to float32 round-off; a bias that
+    is not −inf where masked, soft-capped scores and ALiBi stay as they are (Seq1F1B then refuses
+    them)."""
+    ids = torch.randint(1, 50, (2, 12))
+    captured = capture(_Additive(kind).double(), (ids, ids))
+    gm = _run(captured)
+    sdpa = [n for n in gm.graph.nodes if n.target == SDPA]
+    assert len(sdpa) == int(causal), gm.code
+    (before,) = captured.graph(*feed(captured, (ids, ids)))
+    (after,) = gm(*feed(captured, (ids, ids)))
+    assert torch.allclose(after, before, rtol=1e-6, atol=0)
+    if causal:
+        (n,) = sdpa
+        assert n.meta["val"].dtype == torch.float32 and n.kwargs["scale"] == (
+            1.0 if kind == "unscaled" else pytest.approx(8**-0.5)
+        )
+        require_causal(gm)
+    else:
+        with pytest.raises(AutopartError) as err:
+            parallelize(captured, Mesh(), schedule="seq1f1b", seq_chunks=2)
+        assert "softmax" in err.value.message or "not causal" in err.value.message

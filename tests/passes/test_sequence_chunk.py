@@ -157,7 +157,9 @@ class _Mixer(torch.nn.Module):
         self.qkv, self.head = torch.nn.Linear(16, 48), torch.nn.Linear(16, 50)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.mix == "cumsum":  # OPT's positions: a running count over the attention mask
+        if self.mix == "cumsum":  # positions counting non-padding tokens: data along the sequence
+            pos = torch.cumsum((ids != 0).long(), dim=1)
+        elif self.mix == "count":  # OPT's: a running count of an all-ones mask (chunkable)
             pos = torch.cumsum(torch.ones_like(ids), dim=1) - 1
         else:
             pos = torch.arange(ids.shape[1]).expand_as(ids)
@@ -184,7 +186,19 @@ def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> N
         parallelize(capture(_Mixer(mix), (ids, ids)), Mesh(), schedule="seq1f1b", seq_chunks=2)
     assert node in err.value.message
     assert "Seq1F1B cannot chunk node" in err.value.message and "1f1b" in err.value.hint
-    captured = capture(_Mixer(None).double(), (ids, ids))
+    _assert_chunks_exactly(_Mixer(None), ids)
+
+
+def test_a_running_count_is_shifted_by_the_offset() -> None:
+    """OPT's positions, ``cumsum(ones) − 1``, are not refused: each chunk's count gains
+    1 · offset, so chunk 2's positions continue chunk 1's (the loss and gradients match)."""
+    ids = torch.randint(0, 50, (2, 16))
+    gm = _assert_chunks_exactly(_Mixer("count"), ids)
+    assert any(n.target == torch.ops.aten.cumsum.default for n in gm.graph.nodes)
+
+
+def _assert_chunks_exactly(model: torch.nn.Module, ids: torch.Tensor) -> fx.GraphModule:
+    captured = capture(model.double(), (ids, ids))
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
     gm = sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
@@ -192,6 +206,7 @@ def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> N
     ref_loss, ref_grads = _reference(captured, (ids, ids))
     assert torch.allclose(loss, ref_loss, rtol=1e-12)
     assert all(torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12) for f in grads)
+    return gm
 
 
 def test_other_schedules_leave_the_graph_alone(chunked) -> None:
