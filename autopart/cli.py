@@ -359,7 +359,7 @@ def _zoo(a: argparse.Namespace) -> int:
         detail = cell.message.splitlines()[0] if word == "refused" else (
             f"worst gradient {cell.worst} {cell.grad_error:.1e} (tolerance {cell.tolerance:.0e})")  # fmt: skip
         con.print(f"[{done[0]:3d}/{total}] {arch:12s} {plan:22s} [{colour}]{word}[/] {dtype}: {detail}",
-                  highlight=False)  # fmt: skip
+                  highlight=False, soft_wrap=True)  # fmt: skip
 
     with con.status(f"verifying {len(archs)} architectures × {len(zoo.PLANS)} plans"):
         results = zoo.matrix(archs, timeout_s=a.timeout, on_result=show)

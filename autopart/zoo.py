@@ -45,9 +45,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                     {"head_dim": 8}),
     "phi": ("parallel attention + MLP, partial rotary, dense bias", {}),
     "phi3": ("fused QKV and gate-up projections", {}),
-    "opt": ("learned positions from a cumulative sum of the attention mask",
+    "opt": ("learned positions from a running count (cumsum) of the attention mask",
             {"ffn_dim": 64, "word_embed_proj_dim": 32}),
-    "bloom": ("ALiBi: a per-head bias built from a cumulative sum of the attention mask", {}),
+    "bloom": ("ALiBi (a per-head bias over key positions) added by baddbmm, heads folded into the batch", {}),
     "gptj": ("rotary sin/cos gathered from a position table, parallel attention + MLP",
              {"rotary_dim": 8}),
     "gpt_neox": ("fused QKV, partial rotary, parallel residual", {}),
@@ -225,3 +225,26 @@ def table(results: dict[str, tuple[str, dict[str, Cell]]]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def parse_table(text: str) -> dict[str, dict[str, str]]:
+    """A written matrix back to arch → {"dtype", "tolerance", plan: verdict or refusal text}
+    (to compare a fresh run with ``docs/compatibility.md``)."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| architecture |"))
+    columns = [c.strip() for c in lines[head].strip("|").split("|")]
+    notes = {}
+    for line in lines:
+        number, dot, rest = line.partition(". ")
+        if dot and number.isdigit():
+            notes[number] = rest
+    out = {}
+    for line in lines[head + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        for plan in columns[4:]:
+            word, _, number = cells[plan].partition(" (")
+            cells[plan] = f"refused: {notes[number.rstrip(')')]}" if word == "refused" else word
+        out[cells.pop("architecture")] = {k: v for k, v in cells.items() if k != "what it brings"}
+    return out

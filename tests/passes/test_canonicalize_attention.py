@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from conftest import copy_graph, feed
 from torch import nn
 
+from autopart.api import parallelize
 from autopart.capture import capture
 from autopart.errors import AutopartError
-from autopart.api import parallelize
 from autopart.passes.canonicalize_attention import (
     META_ATTENTION,
     SDPA,
@@ -53,7 +53,7 @@ def test_every_form_becomes_one_causal_sdpa(make) -> None:
 
 
 class _Masked(nn.Module):
-    """One attention layer with a mask built in the graph: causal, padding, or full."""
+    """One attention layer with a mask built in the graph: causal, windowed, padding, or full."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -70,6 +70,8 @@ class _Masked(nn.Module):
         pos = torch.arange(s)
         if self.kind == "causal":
             mask = pos[None, :] <= pos[:, None]
+        elif self.kind == "window":  # sliding window of 20 keys: causal until 21 tokens
+            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 20)
         elif self.kind == "padding":
             mask = (pos[None, :] <= pos[:, None]) & (ids != 0)[:, None, None, :]
         else:
@@ -79,7 +81,7 @@ class _Masked(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("kind", "causal"), [("causal", True), ("padding", False), ("full", False)]
+    ("kind", "causal"), [("causal", True), ("window", False), ("padding", False), ("full", False)]
 )
 def test_masks_are_proven_by_evaluation(kind: str, causal: bool) -> None:
     ids = torch.randint(1, 50, (2, 12))
