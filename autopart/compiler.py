@@ -1,6 +1,8 @@
 """The pass runner: applies the ordered passes to a graph, checking and recording each.
 
-After every pass the graph is linted and recompiled; the runner checks that the pass returned
+A pass that fails with anything but an ``AutopartError`` (a bug of the pass on that model)
+becomes an ``AutopartError`` naming the pass, so a plan is refused, not crashed. After every
+pass the graph is linted and recompiled; the runner checks that the pass returned
 a ``GraphModule``, times it, and keeps the generated code so that ``Program.history`` (and
 ``autopart inspect --after PASS``) shows the program after each step. The graph's
 ``meta["autopart.passes"]`` lists the passes that made it.
@@ -38,7 +40,18 @@ def run_passes(
     for i, p in enumerate(passes, 1):
         name = getattr(p, "__name__", repr(p))
         start = time.perf_counter()
-        out = p(gm, plan)
+        try:
+            out = p(gm, plan)
+        except AutopartError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a pass's own bug on this model: say which
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise AutopartError(
+                f"pass {i} ({name}) failed on this model: {type(exc).__name__}: {first}",
+                hint="this is a bug in autopart, not in the model; please report it with the "
+                "model and plan (the chained traceback shows where); a plan without this pass's "
+                "feature may work meanwhile",
+            ) from exc
         if not isinstance(out, fx.GraphModule):
             raise AutopartError(
                 f"pass {i} ({name}) returned {type(out).__name__}, not a GraphModule"

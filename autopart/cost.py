@@ -72,8 +72,20 @@ class Group:
     nodes: list[str] = field(default_factory=list)
 
 
+def _size(x: object, gm: fx.GraphModule) -> sympy.Expr:
+    """A size in b and s. A data-dependent size (the tokens a router sends to one expert: an
+    unbacked symbol) is taken at its bound, every token of the batch (b·s), so costs stay
+    expressions in b and s."""
+    from autopart.capture import B, S
+
+    expr = to_sympy(x, gm)
+    known = {B, S, *gm.meta.get("autopart.symbols", {}).values()}
+    extra = expr.free_symbols - known
+    return expr.xreplace({u: B * S for u in extra}) if extra else expr
+
+
 def _numel(val: torch.Tensor, gm: fx.GraphModule) -> sympy.Expr:
-    return sympy.Mul(*(to_sympy(d, gm) for d in val.shape)) if val.dim() else sympy.Integer(1)
+    return sympy.Mul(*(_size(d, gm) for d in val.shape)) if val.dim() else sympy.Integer(1)
 
 
 def _tensors(x: object) -> list[torch.Tensor]:
@@ -102,16 +114,16 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> Cost:
     out = outs[0]
     if op in _MATMULS:
         a = node.args[1 if op in ("addmm", "baddbmm") else 0].meta["val"]
-        k = to_sympy(a.shape[-1], gm)
+        k = _size(a.shape[-1], gm)
         mm = 2 * _numel(out, gm) * k
         return Cost(flops=mm, mm_flops=mm, bytes=moved, act_bytes=act)
     if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention"):
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        b_h = sympy.Mul(*(to_sympy(d, gm) for d in q.shape[:-2]))
+        b_h = sympy.Mul(*(_size(d, gm) for d in q.shape[:-2]))
         sq, sk, d = (
-            to_sympy(q.shape[-2], gm),
-            to_sympy(k.shape[-2], gm),
-            to_sympy(q.shape[-1], gm),
+            _size(q.shape[-2], gm),
+            _size(k.shape[-2], gm),
+            _size(q.shape[-1], gm),
         )
         slot = (
             5 if op == "scaled_dot_product_attention" else 4

@@ -80,12 +80,14 @@ def _lower(islands: list[str]) -> str:
 
 def islands(gm: Any, dtype: torch.dtype) -> list[str]:
     """Where a graph traced at ``dtype`` rounds at a lower precision in a way a plan can move:
-    "module (dtype)" for each module, in graph order. Counted: a parameter cast down (Gemma's
-    and Cohere's norms multiply by ``weight.float()``, so the weight's gradient is summed over
-    tokens in float32) and a lower-precision op whose sum a plan reorders or recomputes
-    (products, softmax, the loss: GPT-J's float32 attention scores). A float32 step applied
-    token by token (Llama's RMSNorm statistics) rounds the same way in every plan."""
-    from autopart.capture import META_INPUT, META_MODULE
+    "module (dtype)" for each module, in graph order. Counted, among values computed from
+    parameters: a lower-precision value without batch or sequence dims (Gemma's
+    and Cohere's norms multiply by ``weight.float()``, DiffLlama scales by a float32 lambda:
+    their gradients are summed over tokens in float32) and a lower-precision op whose sums a
+    plan reorders or recomputes (products, softmax, the loss: GPT-J's float32 attention
+    scores). A float32 step applied token by token (Llama's RMSNorm statistics) rounds the
+    same way in every plan."""
+    from autopart.capture import META_INPUT, META_MODULE, B, S, to_sympy
 
     aten = torch.ops.aten
     mixing = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default,
@@ -93,22 +95,34 @@ def islands(gm: Any, dtype: torch.dtype) -> list[str]:
               aten.log_softmax.int, aten._log_softmax.default,
               aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default,
               aten.nll_loss_forward.default}  # fmt: skip
-    casts = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
+
+    def tokens(x: Any) -> bool:
+        """The value has a batch or sequence dim (its gradient is not summed over tokens)."""
+        val = x.meta.get("val")
+        return isinstance(val, torch.Tensor) and any(
+            to_sympy(d, gm).free_symbols & {B, S} for d in val.shape
+        )
+
     eps = torch.finfo(dtype).eps
     found: dict[str, None] = {}
+    trained: set[Any] = set()  # floating values computed from parameters
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
             continue
+        ref = n.meta.get(META_INPUT)
+        if not (
+            (ref is not None and ref.kind == "param")
+            or any(a in trained for a in n.all_input_nodes)
+        ):
+            continue
+        trained.add(n)
         if torch.finfo(val.dtype).eps <= eps or n.op != "call_function":
             continue
-        src = n.args[0] if n.args else None
-        cast_param = (
-            n.target in casts
-            and isinstance(src, torch.fx.Node)
-            and getattr(src.meta.get(META_INPUT), "kind", None) == "param"
-        )
-        if cast_param or n.target in mixing:
+        # lower precision where a plan moves the round-off: a product, softmax or loss (sums a
+        # plan reorders), or a value without token dims (a parameter cast down, DiffLlama's
+        # float32 lambda): its gradient, a sum over tokens, is rounded to this precision
+        if n.target in mixing or not tokens(n):
             found[
                 f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
             ] = None

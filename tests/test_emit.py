@@ -304,3 +304,23 @@ def test_damaged_program_folders_are_refused(saved_pair, tmp_path, damage, needl
     assert needle in err.value.message, err.value.message
     assert err.value.hint
     load_rank(good, 0), load_weights(good, 1)  # the undamaged original still loads
+
+
+def test_a_pass_that_breaks_on_a_model_refuses_the_plan_naming_the_pass(model_batch) -> None:
+    """A pass's own bug on a model (JetMoE's data-dependent expert sizes once broke the
+    pipeline cost model with a sympy TypeError) refuses the plan with an AutopartError naming
+    the pass, instead of a raw traceback."""
+    from autopart.capture import capture
+    from autopart.compiler import run_passes
+
+    def broken(gm, plan):
+        raise TypeError("Cannot convert expression to float")
+
+    model, batch = model_batch
+    gm = capture(model, batch).graph
+    with pytest.raises(AutopartError) as err:
+        run_passes(gm, Plan(Mesh()), [*PIPELINE[:1], broken])
+    assert err.value.message == (
+        "pass 2 (broken) failed on this model: TypeError: Cannot convert expression to float"
+    )
+    assert "bug in autopart" in err.value.hint and isinstance(err.value.__cause__, TypeError)

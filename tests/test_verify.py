@@ -33,3 +33,43 @@ def test_plans_parse_into_checks_and_print_back() -> None:
         with pytest.raises(AutopartError) as err:
             parse_plans(bad, "x:make")
         assert said in err.value.message and "dp=N" in (err.value.hint or "")
+
+
+class _Islands(torch.nn.Module):
+    """A float64 model with float32 inside: ``kind`` "norm-stats" (Llama's RMSNorm: statistics
+    in float32, token by token), "weight" (Gemma's: the weight cast to float32), "scalar"
+    (DiffLlama's float32 lambda from parameters), "scores" (GPT-J's float32 products)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.w, self.lam = torch.nn.Parameter(torch.ones(16)), torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        if self.kind == "norm-stats":
+            var = x.float().pow(2).mean(-1, keepdim=True)
+            x = self.w * (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype)
+        elif self.kind == "weight":
+            x = (x.float() * self.w.float()).to(x.dtype)
+        elif self.kind == "scalar":
+            x = x * torch.exp(self.lam.sum(-1, dtype=torch.float32)).to(x.dtype)
+        else:
+            x = (x.float() @ x.float().transpose(1, 2)).softmax(-1).to(x.dtype) @ x
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("kind", "found"), [("norm-stats", False), ("weight", True),
+                                             ("scalar", True), ("scores", True)])  # fmt: skip
+def test_islands_are_where_a_plan_can_move_lower_precision_round_off(kind, found) -> None:
+    """Token-by-token float32 (Llama's norm statistics) rounds alike in every plan and keeps
+    the float64 tolerance; a float32 parameter, a float32 value from parameters, or float32
+    products/softmax set float32's."""
+    from autopart.capture import capture
+    from autopart.verify import islands
+
+    ids = torch.randint(0, 50, (2, 8))
+    got = islands(capture(_Islands(kind).double(), (ids, ids)).graph, torch.float64)
+    assert bool(got) == found, got
+    assert all(i.endswith("(float32)") for i in got)
