@@ -75,7 +75,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     output = next(n for n in g.nodes if n.op == "output")
     attention = [n for n in g.nodes if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal"]
     positions = [n for n in g.nodes if _is_positions(n, gm)]
-    counts = [n for n in g.nodes if _fill_value(n) is not None]
+    counts = [n for n in g.nodes if _fill_value(n, gm) is not None]
 
     new_refs: list[InputRef] = []
     mode = detect_fake_mode([n.meta["val"] for n in placeholders])
@@ -124,7 +124,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
     for n in counts:  # cumsum of c over the chunk + c · offset: the count over the sequence
         with g.inserting_after(n):
-            before = g.call_function(aten.mul.Tensor, (offset, _fill_value(n)))
+            before = g.call_function(aten.mul.Tensor, (offset, _fill_value(n, gm)))
         with g.inserting_after(before):
             shifted = g.call_function(aten.add.Tensor, (n, before))
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
@@ -182,24 +182,12 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
     the chunk's shifted positions).
     """
 
-    def along_sequence(x: fx.Node, dim: int) -> bool:
-        """The dim's size grows with the sequence (a size written as an expression of s that
-        is constant, such as a head count under tp, is not)."""
-        val = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.dim() == 0:
-            return False
-        size = to_sympy(val.shape[dim % val.dim()], gm)
-        if S not in size.free_symbols:
-            return False
-        others = {sym: 4 for sym in size.free_symbols - {S}}
-        return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
-
     found: list[tuple[fx.Node, str]] = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         what = None
-        if _fill_value(n) is not None:
+        if _fill_value(n, gm) is not None:
             continue  # a running count over the sequence: shifted by the offset
         if n.target in _SCANS:
             dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dims", n.kwargs.get("dim", 0))
@@ -207,20 +195,20 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             if n.target == aten.roll.default:
                 dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims", [])
                 dims = dims if isinstance(dims, (list, tuple)) and dims else [0]
-            if any(along_sequence(n.args[0], d) for d in dims):
+            if any(_along_sequence(n.args[0], d, gm) for d in dims):
                 what = f"a {n.target.__name__.split('.')[0]} along the sequence"
-        elif n.target in _SOFTMAX and along_sequence(n.args[0], n.args[1]):
+        elif n.target in _SOFTMAX and _along_sequence(n.args[0], n.args[1], gm):
             what = (
                 "a softmax over the sequence that is not a recognized causal attention "
                 "(soft-capped scores and position biases such as ALiBi are not)"
             )
         elif n.target in _CONTRACT:
             a = n.args[1] if n.target == aten.baddbmm.default else n.args[0]
-            if along_sequence(a, -1):
+            if _along_sequence(a, -1, gm):
                 what = "a product summing over the sequence outside causal attention"
         elif n.target in _INDEX and _position_derived(n, gm):
             src, dim = _indexed(n)
-            if along_sequence(src, dim):
+            if _along_sequence(src, dim, gm):
                 what = "an index by position into a table as long as the sequence"
         if what is not None:
             found.append((n, what))
@@ -234,6 +222,19 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
         )
 
 
+def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
+    """The dim's size grows with the sequence (a size written as an expression of s that is
+    constant, such as a head count under tp, is not)."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return False
+    size = to_sympy(val.shape[dim % val.dim()], gm)
+    if S not in size.free_symbols:
+        return False
+    others = {sym: 4 for sym in size.free_symbols - {S}}
+    return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
+
+
 _INDEX = {aten.index.Tensor, aten.gather.default, aten.index_select.default,
           aten.embedding.default}  # fmt: skip
 
@@ -242,15 +243,17 @@ _FILLS = {aten.ones.default: 1, aten.ones_like.default: 1, aten.new_ones.default
           aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}  # fmt: skip
 
 
-def _fill_value(n: fx.Node) -> int | float | None:
+def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
     """c when ``n`` is ``cumsum(x, d)`` of a tensor x filled with the constant c (``ones``,
     ``full``) along the sequence dim d: a running count (OPT's positions, from the all-ones
     attention mask Hugging Face makes when none is given), whose value at global token t is
-    c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset."""
+    c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset. (A running count along
+    another dim is the same in every chunk and needs nothing.)"""
     if n.target != aten.cumsum.default:
         return None
     x = n.args[0]
-    if not isinstance(x, fx.Node) or x.target not in _FILLS:
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
         return None
     if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
         return 1

@@ -161,6 +161,8 @@ class _Mixer(torch.nn.Module):
             pos = torch.cumsum((ids != 0).long(), dim=1)
         elif self.mix == "count":  # OPT's: a running count of an all-ones mask (chunkable)
             pos = torch.cumsum(torch.ones_like(ids), dim=1) - 1
+        elif self.mix == "rows":  # a running count over the batch: the same in every chunk
+            pos = torch.cumsum(torch.ones_like(ids), dim=0) + torch.arange(ids.shape[1])
         else:
             pos = torch.arange(ids.shape[1]).expand_as(ids)
         x = self.wte(ids) + self.wpe(pos)
@@ -189,11 +191,13 @@ def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> N
     _assert_chunks_exactly(_Mixer(None), ids)
 
 
-def test_a_running_count_is_shifted_by_the_offset() -> None:
-    """OPT's positions, ``cumsum(ones) − 1``, are not refused: each chunk's count gains
-    1 · offset, so chunk 2's positions continue chunk 1's (the loss and gradients match)."""
+@pytest.mark.parametrize("mix", ["count", "rows"])
+def test_a_running_count_is_shifted_by_the_offset(mix: str) -> None:
+    """OPT's positions, ``cumsum(ones) − 1`` along the sequence, are not refused: each chunk's
+    count gains 1 · offset, so chunk 2's positions continue chunk 1's; a count along the batch
+    is left as it is. Either way the chunks give the whole sequence's loss and gradients."""
     ids = torch.randint(0, 50, (2, 16))
-    gm = _assert_chunks_exactly(_Mixer("count"), ids)
+    gm = _assert_chunks_exactly(_Mixer(mix), ids)
     assert any(n.target == torch.ops.aten.cumsum.default for n in gm.graph.nodes)
 
 
