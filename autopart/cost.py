@@ -130,7 +130,8 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> Cost:
         )  # flash: (q, k, v, dropout, is_causal)
         causal = bool(
             node.kwargs.get("is_causal", node.args[slot] if len(node.args) > slot else False)
-        )
+        ) or "causal" in str(node.meta.get("autopart.attention", ""))  # a windowed or chunked
+        # causal SDPA has an explicit mask: counted as causal (the window's saving is not)
         pairs = sq * sk - sq**2 / 2 if causal else sq * sk
         mm = 4 * b_h * d * pairs
         return Cost(flops=mm + 3 * b_h * pairs, mm_flops=mm, bytes=moved, act_bytes=act)

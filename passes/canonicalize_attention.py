@@ -1,6 +1,9 @@
 """canonicalize_attention: after this pass every provably causal attention is one node,
 ``aten.scaled_dot_product_attention(q, k, v, None, dropout_p, True, scale=…)``, marked
-``meta["autopart.attention"] = "causal"``; any other attention is marked with why it is not.
+``meta["autopart.attention"] = "causal"``; a causal attention within a sliding window of W keys
+is ``scaled_dot_product_attention(q, k, v, lower_right_mask(q, k, W), dropout_p, False, …)``,
+marked the same and with ``meta["autopart.window"] = W``; any other attention is marked with
+why it is not.
 
 Recognized forms:
 
@@ -13,13 +16,16 @@ A mask is proven causal by evaluation, not by pattern: its construction (which m
 depend on parameters) is cut out of the graph and run at several sequence lengths with
 random token ids, and just past every length the construction names (a sliding window of
 4096 keys differs from causal only at 4097 tokens; a length beyond 8192 is not evaluated and
-the mask is not proven); only if it equals the lower-triangular causal mask every time is it
-dropped. A padding, bidirectional or sliding-window mask fails that test and stays. The pass runs only
+the mask is not proven); only if it equals the lower-triangular causal mask every time, or that
+mask within the window of W keys it shows at the longest length tried, is it replaced. A
+padding or bidirectional mask fails that test and stays. The pass runs only
 for the Seq1F1B schedules (which need one attention form); ``require_causal`` refuses a graph
 with attention it could not prove causal.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -31,6 +37,7 @@ from autopart.shapes import propagate
 
 aten = torch.ops.aten
 META_ATTENTION = "autopart.attention"
+META_WINDOW = "autopart.window"  # on a canonical SDPA: its sliding window in keys (None: none)
 SDPA = aten.scaled_dot_product_attention.default
 _SIZES = (3, 5, 8, 13)
 LONGEST = 8192  # the longest sequence a mask is evaluated at (batch 1 beyond _SIZES)
@@ -82,13 +89,13 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node) -> bool:
     if mask is None:
         n.meta[META_ATTENTION] = "causal" if causal else "not causal: no mask and is_causal=False"
         return False
-    why = _why_not_causal(gm, mask, keep_is_true=mask.meta["val"].dtype == torch.bool)
+    why, window = _causal_window(gm, mask, keep_is_true=mask.meta["val"].dtype == torch.bool)
     n.meta[META_ATTENTION] = why or "causal"
     if why:
         return False
     q, k, v = n.args[:3]
     dropout = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
-    _replace(gm, n, q, k, v, dropout, n.kwargs.get("scale"))
+    _replace(gm, n, q, k, v, dropout, n.kwargs.get("scale"), window)
     return True
 
 
@@ -134,15 +141,15 @@ def _manual(gm: fx.GraphModule, sm: fx.Node) -> bool:
         probs, user = user, _only_user(user)
     if user is None or user.target != aten.matmul.default or user.args[0] is not probs:
         return False
-    why = (
-        _why_not_causal(gm, cond, keep_is_true=True, additive=True)
+    why, window = (
+        _causal_window(gm, cond, keep_is_true=True, additive=True)
         if additive
-        else _why_not_causal(gm, cond, keep_is_true=False)
+        else _causal_window(gm, cond, keep_is_true=False)
     )
     sm.meta[META_ATTENTION] = why or "causal"
     if why:
         return False
-    _replace(gm, user, q, k, user.args[1], dropout, scale)
+    _replace(gm, user, q, k, user.args[1], dropout, scale, window)
     return True
 
 
@@ -163,20 +170,24 @@ def _qk(scores: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
 
 
 def _replace(
-    gm: fx.GraphModule, old: fx.Node, q, k, v, dropout: float, scale: float | None
-) -> None:
+    gm: fx.GraphModule, old: fx.Node, q, k, v, dropout: float, scale: float | None,
+    window: int | None = None,
+) -> None:  # fmt: skip
     """SDPA(q, k, v) in q's dtype (v cast to it, the output cast back to ``old``'s), in place
-    of ``old`` and the chain that fed it."""
+    of ``old`` and the chain that fed it; with a sliding ``window``, its mask built from the
+    sizes (``lower_right_mask``)."""
     g = gm.graph
     dtype, out_dtype = q.meta["val"].dtype, old.meta["val"].dtype
     with g.inserting_before(old):
         if v.meta["val"].dtype != dtype:
             v = g.call_function(aten._to_copy.default, (v,), {"dtype": dtype})
             v.meta.update({k_: x for k_, x in old.meta.items() if k_ != "val"})
+        mask = None if window is None else lower_right_mask(g, q, k, window)
         new = g.call_function(
-            SDPA, (q, k, v, None, float(dropout), True), {"scale": scale} if scale else {}
+            SDPA, (q, k, v, mask, float(dropout), window is None), {"scale": scale} if scale else {}
         )
         new.meta.update(old.meta)
+        new.meta[META_WINDOW] = window
         out = new
         if out_dtype != dtype:
             out = g.call_function(aten._to_copy.default, (new,), {"dtype": out_dtype})
@@ -191,14 +202,39 @@ def _replace(
             gm.graph.erase_node(n)
 
 
-def _why_not_causal(
+def lower_right_mask(g: fx.Graph, q: fx.Node, k: fx.Node, window: int | None = None) -> fx.Node:
+    """Boolean [Lq, Lk] mask built from the sizes in the graph, True where key j ≤ (Lk − Lq) + i
+    (lower-right causal: the queries are the last Lq of the Lk positions) and, with a sliding
+    ``window``, j > (Lk − Lq) + i − window."""
+    lq = g.call_function(aten.sym_size.int, (q, -2))
+    lk = g.call_function(aten.sym_size.int, (k, -2))
+    lp = g.call_function(operator.sub, (lk, lq))
+    where = {"dtype": torch.int64, "device": q.meta["val"].device}
+    rows = g.call_function(
+        aten.unsqueeze.default, (g.call_function(aten.arange.start, (lp, lk), where), 1)
+    )
+    cols = g.call_function(
+        aten.unsqueeze.default, (g.call_function(aten.arange.default, (lk,), where), 0)
+    )
+    keep = g.call_function(aten.le.Tensor, (cols, rows))
+    if window is not None:
+        first = g.call_function(aten.sub.Tensor, (rows, window))
+        keep = g.call_function(
+            aten.bitwise_and.Tensor, (keep, g.call_function(aten.gt.Tensor, (cols, first)))
+        )
+    return keep
+
+
+def _causal_window(
     gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool = False
-) -> str | None:
-    """None if ``mask`` evaluates to the causal mask at every size tried, else the reason.
-    An ``additive`` mask must be 0 where kept and at most ``MASKED`` elsewhere."""
+) -> tuple[str | None, int | None]:
+    """``(None, W)`` if ``mask`` evaluates to the causal mask limited to the last W keys
+    (query i sees keys i − W < j ≤ i: a sliding window; W None: plain causal) at every size
+    tried, else ``(the reason, None)``. An ``additive`` mask must be 0 where kept and at most
+    ``MASKED`` elsewhere."""
     sub, inputs = _cut(gm, mask)
     if sub is None:
-        return f"not causal: its mask depends on {inputs}"
+        return f"not causal: its mask depends on {inputs}", None
     # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
     # just past every integer the mask's construction uses
     lengths = {c for n in sub.graph.nodes for c in n.args
@@ -206,21 +242,40 @@ def _why_not_causal(
     too_long = [c for c in lengths if c + 2 > LONGEST]
     if too_long:
         return (f"not provably causal: its mask uses the length {min(too_long)}, longer than "
-                f"the {LONGEST} tokens it can be evaluated at")  # fmt: skip
+                f"the {LONGEST} tokens it can be evaluated at"), None  # fmt: skip
+    keeps = {}
     for s in (*_SIZES, *sorted({c + d for c in lengths for d in (1, 2)})):
         args = [_example(ph, s, gm, 2 if s <= _SIZES[-1] else 1) for ph in inputs]
         try:
             got = sub(*args)
         except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
-            return f"not provably causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})"
+            return (
+                f"not provably causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})",
+                None,
+            )
         if additive and (got.dtype == torch.bool or bool(((got != 0) & (got > MASKED)).any())):
-            return f"not causal: its additive mask is not 0 or -inf (at most {MASKED:g}) at sequence {s}"
+            return (
+                f"not causal: its additive mask is not 0 or -inf (at most {MASKED:g}) at sequence {s}",
+                None,
+            )
         got = got if got.dtype == torch.bool else (got == 0) if keep_is_true else got.bool()
-        keep = got if keep_is_true else ~got
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
-        if keep.shape[-2:] != (s, s) or not bool((keep == causal).all()):
-            return f"not causal: its mask differs from the causal mask at sequence {s}"
-    return None
+        keeps[s] = got if keep_is_true else ~got
+        if keeps[s].shape[-2:] != (s, s):
+            return f"not causal: its mask is not {s} × {s} at sequence {s}", None
+    longest = max(keeps)
+    window = int(keeps[longest].reshape(-1, longest, longest)[0, -1].sum())  # the last query's keys
+    window = None if window >= longest else window
+    for s, keep in keeps.items():
+        if not bool((keep == band(s, window)).all()):
+            what = "causal mask" if window is None else f"causal mask within {window} keys"
+            return f"not causal: its mask differs from the {what} at sequence {s}", None
+    return None, window
+
+
+def band(s: int, window: int | None) -> torch.Tensor:
+    """[s, s] boolean: query i sees key j iff j ≤ i (and i − j < window, when given)."""
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    return (j <= i) & ((i - j < window) if window is not None else True)
 
 
 def _cut(gm: fx.GraphModule, out: fx.Node):

@@ -20,8 +20,9 @@ What changes in the graph:
   count ``cumsum(full(c))`` (OPT's positions from an all-ones mask) gains ``c · offset``;
 - **attention** (only the causal SDPA canonicalize_attention leaves): K and V are concatenated
   after their prefix, and the causal mask is aligned lower-right — query t of the chunk sees key
-  positions ≤ P + t (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph
-  from the sizes, so one graph serves every chunk);
+  positions ≤ P + t, and > P + t − W under a sliding window of W keys
+  (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph from the sizes, so
+  one graph serves every chunk);
 - **outputs**: the stage's outputs, then the full K, V of every attention layer, in order
   (prefixes are in the model's dtype: K/V an attention computes in another are cast);
 - **views** become reshapes (same values; the prefixed attention's output may have other
@@ -33,8 +34,6 @@ and so is one where tokens meet along the sequence anywhere else (``refuse_seque
 
 from __future__ import annotations
 
-import operator
-
 import sympy
 import torch
 from torch import fx
@@ -45,7 +44,13 @@ from torch.utils._sympy.value_ranges import ValueRanges
 
 from autopart.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S, to_sympy
 from autopart.errors import AutopartError
-from autopart.passes.canonicalize_attention import META_ATTENTION, SDPA, require_causal
+from autopart.passes.canonicalize_attention import (
+    META_ATTENTION,
+    META_WINDOW,
+    SDPA,
+    lower_right_mask,
+    require_causal,
+)
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.plan import Plan
 from autopart.shapes import propagate
@@ -360,7 +365,7 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
     with g.inserting_before(sdpa):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
         v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
-        mask = lower_right_mask(g, q, k_full)
+        mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
         new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
         outs = [cast(k_full, k, kp), cast(v_full, v, vp)]
     for n in (k_full, v_full, new, *made):
@@ -369,26 +374,17 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
             sdpa.meta.get(META_LAYER),
         )
     new.meta[META_ATTENTION] = "causal, chunked"
+    new.meta[META_WINDOW] = sdpa.meta.get(META_WINDOW)
+    old_mask = sdpa.args[3] if len(sdpa.args) > 3 else None
     sdpa.replace_all_uses_with(new)
     g.erase_node(sdpa)
+    stack = [old_mask] if isinstance(old_mask, fx.Node) else []  # the unchunked window mask
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and not n.users:
+            stack.extend(n.all_input_nodes)
+            g.erase_node(n)
     return outs
-
-
-def lower_right_mask(g: fx.Graph, q: fx.Node, k_full: fx.Node) -> fx.Node:
-    """Boolean [Lq, Lk] mask, True where key j ≤ (Lk − Lq) + query i (lower-right causal)."""
-    lq = g.call_function(aten.sym_size.int, (q, -2))
-    lk = g.call_function(aten.sym_size.int, (k_full, -2))
-    lp = g.call_function(operator.sub, (lk, lq))
-    where = {"dtype": torch.int64, "device": q.meta["val"].device}
-    rows = g.call_function(aten.arange.start, (lp, lk), where)
-    cols = g.call_function(aten.arange.default, (lk,), where)
-    return g.call_function(
-        aten.le.Tensor,
-        (
-            g.call_function(aten.unsqueeze.default, (cols, 0)),
-            g.call_function(aten.unsqueeze.default, (rows, 1)),
-        ),
-    )
 
 
 __all__ = ["META_KV", "META_KV_SHAPES", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.multirank
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 # one architecture per fix: OPT's running-count positions and GPT-J's additive-mask float32
 # attention (were silently wrong / crashed under Seq1F1B), Qwen3's per-head norms (wrong under
-# tp), BLOOM's ALiBi (tp crashed; Seq1F1B refused), Mistral's window (refused under Seq1F1B)
+# tp), BLOOM's ALiBi (tp crashed; Seq1F1B refused), Mistral's sliding window (taken for causal
+# attention, which is wrong beyond 4096 tokens; now chunked with its window)
 SUBSET = ["opt", "gptj", "qwen3", "bloom", "mistral"]
 SEQ, BOTH = "pp=2 Seq1F1B k=2", "tp=2×pp=2 Seq1F1B k=2"
 
@@ -54,14 +55,14 @@ def test_what_was_wrong_or_crashed_now_passes(matrix) -> None:
     for plan in ("tp=2", BOTH):
         assert_passes(matrix["qwen3"][1][plan])
     assert_passes(matrix["bloom"][1]["tp=2"])
+    for plan in (SEQ, BOTH):
+        assert_passes(matrix["mistral"][1][plan])
 
 
 @pytest.mark.parametrize(("arch", "why"), [
     ("bloom", "node softmax (transformer.h.0.self_attention): a softmax over the sequence that "
               "is not a recognized causal attention (soft-capped scores and position biases "
               "such as ALiBi are not)"),
-    ("mistral", "(model.layers.0.self_attn) is not causal: its mask differs from the causal "
-                "mask at sequence 4097"),
 ])  # fmt: skip
 def test_seq1f1b_refuses_what_it_cannot_chunk(arch: str, why: str, matrix) -> None:
     """Refused by parallelize, naming the node, its module and the reason; 1F1B trains it."""

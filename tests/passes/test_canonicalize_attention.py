@@ -16,6 +16,7 @@ from autopart.capture import capture
 from autopart.errors import AutopartError
 from autopart.passes.canonicalize_attention import (
     META_ATTENTION,
+    META_WINDOW,
     SDPA,
     canonicalize_attention,
     require_causal,
@@ -81,14 +82,20 @@ class _Masked(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("kind", "causal"), [("causal", True), ("window", False), ("padding", False), ("full", False)]
+    ("kind", "causal"), [("causal", True), ("window", True), ("padding", False), ("full", False)]
 )
 def test_masks_are_proven_by_evaluation(kind: str, causal: bool) -> None:
-    ids = torch.randint(1, 50, (2, 12))
+    ids = torch.randint(1, 50, (2, 24))  # longer than the window: the window shows
     captured = capture(_Masked(kind), (ids, ids))
     gm = _run(captured)
     marks = [n.meta.get(META_ATTENTION) for n in gm.graph.nodes if META_ATTENTION in n.meta]
     assert marks and all((m == "causal") == causal for m in marks), marks
+    windows = [n.meta[META_WINDOW] for n in gm.graph.nodes if n.target == SDPA and causal]
+    assert windows == ([20] if kind == "window" else [None] if causal else [])
+    if causal:  # the canonical form computes what the model did
+        (before,) = captured.graph(*feed(captured, (ids, ids)))
+        (after,) = gm(*feed(captured, (ids, ids)))
+        assert torch.allclose(after, before, rtol=1e-5)
     if causal:
         require_causal(gm)
     else:

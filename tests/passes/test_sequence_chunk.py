@@ -213,6 +213,32 @@ def _assert_chunks_exactly(model: torch.nn.Module, ids: torch.Tensor) -> fx.Grap
     return gm
 
 
+def test_a_sliding_window_reaches_across_chunks(monkeypatch) -> None:
+    """A window of 20 keys over 40 tokens cut 16 + 24: chunk 2's queries see only the last 20
+    keys, some in chunk 1's prefix. The chunks give the whole sequence's loss and gradients;
+    the same chunks with the window dropped from the chunked mask do not (negative control)."""
+    import sys
+
+    ids = torch.randint(1, 50, (2, 40))
+    captured = capture(_Masked("window").double(), (ids, ids))
+    ref_loss, ref_grads = _reference(captured, (ids, ids))
+
+    def chunked_loss() -> tuple[torch.Tensor, dict]:
+        gm = copy_graph(captured.graph)
+        gm.meta.update(captured.graph.meta)
+        gm = sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
+        return run_chunks(captured, gm, (ids, ids), [16, 24])
+
+    loss, grads = chunked_loss()
+    assert torch.allclose(loss, ref_loss, rtol=1e-12)
+    assert all(torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12) for f in grads)
+    chunk_pass = sys.modules["autopart.passes.sequence_chunk"]
+    whole = chunk_pass.lower_right_mask
+    monkeypatch.setattr(chunk_pass, "lower_right_mask", lambda g, q, k, w=None: whole(g, q, k))
+    wrong, _ = chunked_loss()
+    assert not torch.allclose(wrong, ref_loss, rtol=1e-6)
+
+
 def test_other_schedules_leave_the_graph_alone(chunked) -> None:
     captured, _, _ = chunked
     gm = copy_graph(captured.graph)
