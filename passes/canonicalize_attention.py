@@ -9,8 +9,9 @@ Recognized forms:
 
 1. ``scaled_dot_product_attention(..., is_causal=True)`` — already canonical;
 2. ``scaled_dot_product_attention`` with a mask built in the graph (as Hugging Face models do);
-3. the manual path ``matmul(q, kᵀ) · scale → masked_fill(mask, −inf) → softmax → [dropout] →
-   matmul(·, v)``.
+3. the manual path ``matmul(q, kᵀ) [· c | ÷ c] → masked_fill(mask, −inf) or + additive mask →
+   softmax → [casts] [dropout] [casts] → matmul(·, v)`` (nanoGPT, GPT-J, eager Hugging Face
+   attention), replaced by SDPA in q's dtype with the graph's scale (1 when unscaled).
 
 A mask is proven causal by evaluation, not by pattern: its construction (which must not
 depend on parameters) is cut out of the graph and run at several sequence lengths with
@@ -18,8 +19,9 @@ random token ids, and just past every length the construction names (a sliding w
 4096 keys differs from causal only at 4097 tokens; a length beyond 8192 is not evaluated and
 the mask is not proven); only if it equals the lower-triangular causal mask every time, or that
 mask within the window of W keys it shows at the longest length tried, is it replaced. A
-padding or bidirectional mask fails that test and stays. The pass runs only
-for the Seq1F1B schedules (which need one attention form); ``require_causal`` refuses a graph
+padding or bidirectional mask fails that test and stays; so does a softmax over scores the
+forms above do not cover (soft-capping, ALiBi biases). The pass runs only for the Seq1F1B
+schedules (which need one attention form); ``require_causal`` refuses a graph
 with attention it could not prove causal.
 """
 
@@ -52,6 +54,7 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             changed |= _sdpa(gm, n)
         elif n.target in (aten.softmax.int, aten._softmax.default):
             changed |= _manual(gm, n)
+    gm.meta.pop("autopart.mask_proofs", None)
     if changed:
         remove_dead(gm)
         propagate(gm)
@@ -226,6 +229,18 @@ def lower_right_mask(g: fx.Graph, q: fx.Node, k: fx.Node, window: int | None = N
 
 
 def _causal_window(
+    gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool = False
+) -> tuple[str | None, int | None]:
+    """``_evaluate_mask`` once per mask node and reading (the layers of a Hugging Face model
+    share one mask: evaluating it at 4097 tokens once is enough)."""
+    cache = gm.meta.setdefault("autopart.mask_proofs", {})
+    key = (mask.name, keep_is_true, additive)
+    if key not in cache:
+        cache[key] = _evaluate_mask(gm, mask, keep_is_true, additive)
+    return cache[key]
+
+
+def _evaluate_mask(
     gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool = False
 ) -> tuple[str | None, int | None]:
     """``(None, W)`` if ``mask`` evaluates to the causal mask limited to the last W keys
