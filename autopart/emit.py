@@ -12,9 +12,11 @@ global parameters (``Shard``), its gradient buckets and its process groups.
     dir/rank00003/stage0.py       the same graph as readable Python
     dir/rank00003/weights.pt      this rank's parameter shards and buffers (tensors only)
 
-``Program.load(dir)`` / ``load_rank(dir, r)`` read them back. Nothing is unpickled: graphs are
-torch.export archives, tensors are read with ``torch.load(weights_only=True)``, the rest is
-JSON. ``plan.json`` lists the SHA-256 of every other file; a file is checked against it before
+``Program.load(dir)`` / ``load_rank(dir, r)`` read them back, running no code from the files:
+a graph archive is first checked to hold only what autopart writes (no weights, constants,
+example inputs, custom objects or guard code that torch would unpickle or run; only ATen,
+autopart and Python size ops as call targets: ``autopart/archive.py``), tensors are read with
+``torch.load(weights_only=True)``, the rest is JSON. ``plan.json`` lists the SHA-256 of every other file; a file is checked against it before
 it is read, so a changed, truncated, missing or swapped-in file (another program's) is refused
 with an ``AutopartError`` naming it. Each JSON file's schema (keys and types) is checked too.
 The checksums catch damage and mix-ups, not a deliberate attacker who also rewrites
@@ -46,6 +48,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from autopart.archive import check_pt2, check_targets
 from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, layer_of
 from autopart.compiler import PassRecord
 from autopart.errors import AutopartError
@@ -310,11 +313,16 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
             n.meta.get(META_MODULE, ""),
             n.meta.get(META_LAYER),
         )
-    return ExportedProgram(
+    ep = ExportedProgram(
         root=graph, graph=graph.graph, graph_signature=sig, state_dict={},
         range_constraints=graph.meta.get("autopart.range_constraints", {}),
         module_call_graph=[call], constants={}, verifiers=None,
     )  # fmt: skip
+    # torch derives Python guard code from the graph's shape asserts and would compile it in
+    # ``ep.module()``; the runtime checks shapes itself, and a loaded archive carrying code is
+    # refused (autopart/archive.py), so none is written
+    ep._guards_code = []
+    return ep
 
 
 def _save_rank(
@@ -362,11 +370,13 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
     stages = []
     for st in doc["stages"]:
         pt2 = checked(root, f"rank{rank:05d}/{st['file']}", head)
+        check_pt2(pt2)  # nothing torch would unpickle or call beyond known ops
         try:
             graph = torch.export.load(pt2).graph_module
         except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
             raise AutopartError(f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
                                 hint="re-save the program with this autopart and torch version") from exc  # fmt: skip
+        check_targets(graph, pt2)
         graph.meta["autopart.passes"] = st["passes"]
         graph.meta["autopart.kv_shapes"] = st.get("kv_shapes", [])
         inputs = [InputRef(k, n) for k, n in st["inputs"]]
