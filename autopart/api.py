@@ -59,6 +59,8 @@ def parallelize(
         )
     else:
         captured = capture(model, example_inputs)
+    # refused now, not at the first step: the example batch is taken for the training batch
+    plan.check_batch(captured.example_shape[0])
     program = compile_program(captured, plan)
     if live is None:
         return program
@@ -129,7 +131,7 @@ def compile_program(captured: Captured, plan: Plan, progress: Progress | None = 
             shards={f: s for f, s in shards.items() if f in used},
             buckets=_rank_buckets([stages[k] for k in mine]),
             ties={f: pps for f, pps in ties.items() if f in used},
-            n_stages=len(stages), chunk_cost=chunk_cost,
+            n_stages=len(stages), chunk_cost=chunk_cost, vocab_size=captured.vocab_size,
         ))  # fmt: skip
     units = {(s, mb, c) for s in range(len(stages)) for mb in range(plan.microbatches)
              for c in range(plan.seq_chunks)}  # fmt: skip

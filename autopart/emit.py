@@ -12,6 +12,7 @@ global parameters (``Shard``), its gradient buckets and its process groups.
     dir/rank00003/stage0.py       the same graph as readable Python
     dir/rank00003/weights.pt      this rank's parameter shards and buffers (tensors only)
 
+Saving into a folder that holds an earlier program first removes that program's files.
 ``Program.load(dir)`` / ``load_rank(dir, r)`` read them back, running no code from the files:
 a graph archive is first checked to hold only what autopart writes (no weights, constants,
 example inputs, custom objects or guard code that torch would unpickle or run; only ATen,
@@ -100,6 +101,7 @@ class RankProgram:
     ties: dict[str, list[int]] = field(default_factory=dict)  # FQN → pipeline ranks holding it
     n_stages: int = 1
     chunk_cost: tuple[float, float] | None = None  # Seq1F1B: (c1, c2) for the chunk boundaries
+    vocab_size: int | None = None  # token ids and labels are checked against it at every step
 
     def __str__(self) -> str:
         c = self.coords
@@ -174,6 +176,7 @@ class Program:
         """Write ``plan.json`` and one folder per rank (see the module docstring)."""
         root = Path(path)
         root.mkdir(parents=True, exist_ok=True)
+        _clear_old(root)
         head = {
             "format": FORMAT,
             "plan": self.plan.to_json(),
@@ -230,6 +233,24 @@ _HEAD_SCHEMA = {"format": int, "plan": dict, "world_size": int, "example_shape":
                 "vocab_size": int, "tied": dict, "params": dict, "buffers": list, "files": dict}  # fmt: skip
 _RANK_SCHEMA = {"rank": int, "coords": dict, "groups": dict, "stages": list, "actions": list,
                 "shards": dict, "buckets": list, "ties": dict, "n_stages": int}  # fmt: skip
+
+
+_OURS = ("program.json", "weights.pt", "stage*.pt2", "stage*.py")
+
+
+def _clear_old(root: Path) -> None:
+    """Remove what an earlier save left in ``root``: its plan.json and its rank folders' files
+    (a stale ``weights.pt`` would otherwise be listed, checksummed and trained from). Only
+    autopart's own file names are touched; a rank folder left empty is removed."""
+    (root / "plan.json").unlink(missing_ok=True)
+    for folder in root.glob("rank[0-9][0-9][0-9][0-9][0-9]"):
+        if not folder.is_dir():
+            continue
+        for pattern in _OURS:
+            for f in folder.glob(pattern):
+                f.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _sha256(path: Path) -> str:
@@ -344,7 +365,7 @@ def _save_rank(
         "actions": [a.to_json() for a in rp.actions],
         "shards": {f: asdict(s) for f, s in rp.shards.items()},
         "buckets": rp.buckets, "ties": rp.ties, "n_stages": rp.n_stages,
-        "chunk_cost": rp.chunk_cost,
+        "chunk_cost": rp.chunk_cost, "vocab_size": rp.vocab_size,
     }  # fmt: skip
     (folder / "program.json").write_text(json.dumps(doc, indent=1))
     real = {f: t for f, t in params.items() if t.device.type != "meta" and f in rp.shards}
@@ -400,6 +421,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         shards={f: Shard(**{**s, "shape": tuple(s["shape"])}) for f, s in doc["shards"].items()},
         buckets=doc["buckets"], ties=doc.get("ties", {}), n_stages=doc.get("n_stages", 1),
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
+        vocab_size=doc.get("vocab_size") if isinstance(doc.get("vocab_size"), int) else None,
     )  # fmt: skip
 
 

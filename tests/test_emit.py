@@ -324,3 +324,30 @@ def test_a_pass_that_breaks_on_a_model_refuses_the_plan_naming_the_pass(model_ba
         "pass 2 (broken) failed on this model: TypeError: Cannot convert expression to float"
     )
     assert "bug in autopart" in err.value.hint and isinstance(err.value.__cause__, TypeError)
+
+
+def test_saving_over_an_older_program_leaves_none_of_its_files(model_batch, tmp_path) -> None:
+    """A program saved from a meta model into a folder that held a 4-rank program with weights:
+    the old weights.pt and rank folders are gone, so nothing trains from stale weights."""
+    model, batch = model_batch
+    old = parallelize(model, Mesh(dp=4), example_inputs=batch)
+    root = old.save(tmp_path / "p")
+    assert (root / "rank00003" / "weights.pt").exists()
+    with torch.device("meta"):
+        meta_model, _ = nanogpt.make()
+    new = parallelize(meta_model, Mesh(dp=2), example_inputs=batch)
+    new.save(root)
+    assert not (root / "rank00000" / "weights.pt").exists()
+    assert not (root / "rank00002").exists() and not (root / "rank00003").exists()
+    head = read_head(root)
+    assert not [f for f in head["files"] if f.endswith("weights.pt")]
+    assert load_weights(root, 0) == {}
+
+
+@pytest.mark.parametrize("plan", [{"mesh": Mesh(dp=3)}, {"mesh": Mesh(), "microbatches": 3}])
+def test_a_batch_that_does_not_split_is_refused_by_parallelize(model_batch, plan) -> None:
+    """Refused when compiling, not at the first step (the example batch is the batch size)."""
+    model, batch = model_batch  # 8 sequences
+    with pytest.raises(AutopartError) as err:
+        parallelize(model, plan.pop("mesh"), example_inputs=batch, **plan)
+    assert "batch size 8 is not divisible by" in err.value.message and "= 3" in err.value.message

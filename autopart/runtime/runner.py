@@ -153,6 +153,9 @@ class Runner:
         self._p2p = p2p.Channel(self.rank, timeout_s)
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
+        # a step whose global loss is NaN or ±inf raises instead of returning it (all ranks
+        # alike: the loss is reduced first), so no optimizer steps on its gradients
+        self.stop_on_nonfinite = True
         # per step: buckets reduced, and how many of them were launched while backward ran
         self.stats = {"buckets": len(self._buckets), "launched_during_backward": 0}
 
@@ -268,15 +271,25 @@ class Runner:
             self._record(action, start=False)
         self._p2p.wait_sends()
         self._kv, self._kv_grads = {}, {}
-        for f, p in self.params.items():
-            if kept[f] is not None:
-                p.grad = kept[f] if p.grad is None else p.grad + kept[f]
         loss = (
             torch.stack(list(losses.values())).sum()
             if losses
             else torch.zeros((), dtype=self._dtype)
         )
-        return self._reduce_loss(loss)
+        loss = self._reduce_loss(loss)  # the global mean: the same on every rank
+        if self.stop_on_nonfinite and not bool(torch.isfinite(loss)):
+            for f, p in self.params.items():  # the gradients as they were before this step
+                p.grad = kept[f]
+            raise AutopartError(
+                f"rank {self.rank}: step {self.steps}: the loss is {float(loss)}, not finite; "
+                "this step's gradients were dropped, so no optimizer steps on them",
+                hint="look at the batch of this step and the learning rate; a loss that "
+                "overflows in low precision needs a loss scale",
+            )
+        for f, p in self.params.items():
+            if kept[f] is not None:
+                p.grad = kept[f] if p.grad is None else p.grad + kept[f]
+        return loss
 
     def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
@@ -311,7 +324,15 @@ class Runner:
         args = self._args(
             action.stage, ids, labels, acts=unit.get("acts", []), offset=a, prefix=prefix
         )
-        out = list(self._run[action.stage](*args))
+        try:
+            out = list(self._run[action.stage](*args))
+        except IndexError as exc:  # a kernel's bounds check: say where and the likely cause
+            raise AutopartError(
+                f"rank {self.rank}: {action}: an index out of range in the model: {exc}",
+                hint="is the sequence longer than the model's position table "
+                f"({ids.shape[1]} tokens in this chunk, offset {a})? Use sequences no longer "
+                "than the model's maximum length",
+            ) from exc
         if n_kv:
             out, kv = out[:-n_kv], out[-n_kv:]
             if action.chunk < self.plan.seq_chunks - 1:  # the last chunk's K/V has no reader
@@ -399,8 +420,32 @@ class Runner:
             )
         dp_i, m = self.program.coords["dp"], self.plan.microbatches
         start = dp_i * m * mb
+        self._check_tokens(input_ids, labels)
         return [(input_ids[start + j * mb: start + (j + 1) * mb], labels[start + j * mb: start + (j + 1) * mb])
                 for j in range(m)]  # fmt: skip
+
+    def _check_tokens(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Refuse ids outside [0, V) and labels outside [0, V) ∪ {-100}: a vocabulary-parallel
+        embedding would zero such an id and train on, silently wrong; one device would fail deep
+        in a kernel. Every rank checks the whole global batch (one comparison per token), so all
+        refuse together, naming the first bad value, and none waits on another in a collective."""
+        vocab = self.program.vocab_size
+        if vocab is None:
+            return
+        for name, t, ok in (
+            ("input_ids", input_ids, lambda x: (x >= 0) & (x < vocab)),
+            ("labels", labels, lambda x: ((x >= 0) & (x < vocab)) | (x == -100)),
+        ):
+            bad = ~ok(t)
+            if bool(bad.any()):
+                i, j = (int(x) for x in bad.nonzero()[0])
+                raise AutopartError(
+                    f"rank {self.rank}: {name}[{i}, {j}] = {int(t[i, j])} is outside the "
+                    f"vocabulary of {vocab} tokens"
+                    + (" (or -100, ignored)" if name == "labels" else ""),
+                    hint="check the tokenizer and the data: ids and labels must be < the model's "
+                    "vocabulary size",
+                )
 
     def _stage(self, stage: int):
         return next(s for s in self.program.stages if s.stage == stage)

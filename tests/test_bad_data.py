@@ -1,0 +1,55 @@
+"""Bad data never trains silently: token ids and labels outside the vocabulary are refused at
+the step on every rank (naming the value and its position), under tp=1 and tp=2 (where the
+vocabulary-parallel embedding used to zero such an id and train on), and a non-finite loss
+stops the step before any optimizer could use its gradients. Real forked gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import nanogpt
+
+from autopart import AutopartError, Mesh, parallelize
+from autopart.runtime.checks import fork_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def programs():
+    model, batch = nanogpt.make()
+    model = model.double()
+    return {
+        "tp1": parallelize(model, Mesh(dp=2), example_inputs=batch, microbatches=2),
+        "tp2": parallelize(model, Mesh(tp=2), example_inputs=batch),
+    }, batch
+
+
+@pytest.mark.parametrize("mesh", ["tp1", "tp2"])
+@pytest.mark.parametrize(("which", "value"), [("input_ids", 96), ("input_ids", -1),
+                                              ("labels", 96), ("labels", -7)])  # fmt: skip
+def test_ids_and_labels_outside_the_vocabulary_are_refused(programs, mesh, which, value, tmp_path):
+    progs, (ids, labels) = programs
+    ids, labels = ids.clone(), labels.clone()
+    (ids if which == "input_ids" else labels)[5, 7] = value
+    with pytest.raises(AutopartError) as err:
+        fork_ranks(progs[mesh], (ids, labels), tmp_path, timeout_s=60)
+    assert f"{which}[5, 7] = {value} is outside the vocabulary of 96 tokens" in err.value.message
+
+
+def test_a_non_finite_loss_stops_the_step(programs, tmp_path):
+    progs, batch = programs
+    program = progs["tp1"]
+    wte = program.params["transformer.wte.weight"]
+    saved = wte.detach().clone()
+    with torch.no_grad():
+        wte[batch[0][3, 2]] = float("nan")
+    try:
+        with pytest.raises(AutopartError) as err:
+            fork_ranks(program, batch, tmp_path, timeout_s=60)
+    finally:
+        with torch.no_grad():
+            wte.copy_(saved)
+    assert "step 1: the loss is nan, not finite" in err.value.message
+    assert "no optimizer steps on them" in err.value.message
+    assert not list(tmp_path.glob("rank*.pt"))  # no rank dumped (saved) anything
