@@ -118,8 +118,12 @@ def save(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
             "optimizer": _optim_info(optimizer),
         }
         tmp = path / f".{INFO}.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
+        with open(tmp, "w") as f:  # DCP has fsynced its files (sync_files); the marker last
+            f.write(json.dumps(info, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path / INFO)  # atomic: the checkpoint is complete from here on
+        _fsync_dir(path)
     _barrier(runner, "the end of the checkpoint save")
     return path
 
@@ -151,6 +155,7 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
             hint=f"it was saved from a different model (it holds e.g. {', '.join(have[:3])}); "
             "load a checkpoint of this model",
         )
+    _same_model(path, runner, optimizer, info, meta)
     request: dict[str, Any] = {}
     done: list[Callable[[], None]] = []
     for fqn, p in runner.params.items():
@@ -243,6 +248,30 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def _same_model(path: Path, runner: Any, optimizer: Any, info: dict[str, Any],
+                meta: dict[str, Any]) -> None:  # fmt: skip
+    """Refuse a checkpoint of another model (parameters this model does not have: a deeper
+    model of the same width would otherwise load into a shallower one, its extra blocks
+    ignored; other tied weights) or another optimizer, naming the difference. Collective."""
+    ours = set().union(*_all_gather_json(sorted(runner.params), runner, "checkpoint model check"))
+    saved = {k.split("::")[0] for k in meta if _is_model_key(k)} - set(info.get("buffers", []))
+    extra = sorted(saved - ours)
+    if extra:
+        raise AutopartError(
+            f"rank {runner.rank}: checkpoint {path} is of another model: it holds "
+            f"{len(extra)} parameters this model does not have: {', '.join(extra[:4])}"
+            + (" …" if len(extra) > 4 else ""),
+            hint="load a checkpoint saved from this model (same architecture and depth)",
+        )
+    was = (info.get("optimizer") or {}).get("class")
+    now = None if optimizer is None else type(_holder(optimizer)[0]).__name__
+    if was not in (None, "ZeroRedundancyOptimizer") and now is not None and was != now:
+        raise AutopartError(
+            f"rank {runner.rank}: checkpoint {path} holds {was} state, the optimizer now is {now}",
+            hint=f"resume with {was}, or load the weights only (optimizer=None)",
+        )
+
+
 def read_info(path: str | Path) -> dict[str, Any]:
     """``autopart.json`` of a complete checkpoint (refuses an incomplete or foreign folder)."""
     path = Path(path)
@@ -279,11 +308,35 @@ def latest(root: str | Path, runner: Any = None) -> Path | None:
 
 
 def _latest(root: Path) -> Path | None:
+    """The newest checkpoint whose marker reads; a damaged one (an empty or cut ``autopart.json``
+    after a power loss, a missing ``.metadata``) is skipped with a warning."""
     if not root.is_dir():
         return None
     done = [d for d in root.glob("step*")
             if d.is_dir() and d.name[4:].isdigit() and (d / INFO).is_file()]  # fmt: skip
-    return max(done, key=lambda d: int(d.name[4:]), default=None)
+    for d in sorted(done, key=lambda d: int(d.name[4:]), reverse=True):
+        try:
+            read_info(d)
+            if not (d / ".metadata").is_file():
+                raise AutopartError(f"{d} has no .metadata")
+            return d
+        except AutopartError as exc:
+            warnings.warn(f"skipping the damaged checkpoint {d}: {exc.message}", stacklevel=3)
+    return None
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def folder(root: str | Path, step: int) -> Path:
@@ -389,7 +442,10 @@ def _optim_info(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | Non
 
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                if k != "params" and plain(v)} for g in optimizer.param_groups]  # fmt: skip
-    return {"class": type(optimizer).__name__, "param_groups": groups}
+    return {
+        "class": type(_holder(optimizer)[0]).__name__,
+        "param_groups": groups,
+    }  # ZeRO: its inner
 
 
 def _holder(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, set[int] | None]:

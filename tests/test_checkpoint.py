@@ -202,6 +202,35 @@ def test_checkpoint_of_another_model_names_what_is_missing(trained, world1, tmp_
     assert "has no entry for" in msg and "transformer.h.4." in msg and "different model" in msg
 
 
+def test_checkpoint_of_a_deeper_model_or_another_optimizer_is_refused(trained, world1, tmp_path):
+    """A 2-block GPT-2 of the same width used to load the 4-block checkpoint silently (blocks 2
+    and 3 ignored); an SGD run used to take AdamW state. Both are refused, naming the
+    difference."""
+    import hf_gpt2
+
+    from autopart import parallelize
+
+    model, batch = hf_gpt2.make(n_layer=2)
+    runner = _runner(parallelize(model.double(), Mesh(), example_inputs=batch).save(tmp_path / "p"))
+    with pytest.raises(AutopartError) as err:
+        checkpoint.load(trained["step1"], runner)
+    assert "is of another model: it holds" in err.value.message
+    assert (
+        "transformer.h.2." in err.value.message and "this model does not have" in err.value.message
+    )
+    deep = _runner(_programs_one(tmp_path))
+    with pytest.raises(AutopartError) as err:
+        checkpoint.load(trained["step1"], deep, torch.optim.SGD(deep.parameters(), lr=0.1))
+    assert "holds AdamW state, the optimizer now is SGD" in err.value.message
+
+
+def _programs_one(tmp_path: Path) -> Path:
+    from autopart.plan import Plan
+
+    model, batch = _gpt2()
+    return compile_program(capture(model, batch), Plan(Mesh())).save(tmp_path / "one")
+
+
 class _Evil:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -221,6 +250,12 @@ def test_refusals(trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         checkpoint.export_state_dict(half)
     with pytest.raises(AutopartError, match="not an autopart checkpoint"):
         checkpoint.read_info(tmp_path)
+    # a newest checkpoint whose marker was cut short (power loss) is skipped with a warning
+    cut = checkpoint.folder(tmp_path / "ck", 9)
+    shutil.copytree(trained["step1"], cut)
+    (cut / checkpoint.INFO).write_text("")
+    with pytest.warns(UserWarning, match="skipping the damaged checkpoint .*step00000009"):
+        assert checkpoint.latest(tmp_path / "ck") == checkpoint.folder(tmp_path / "ck", 1)
     # .metadata is unpickled with an allow-list: a pickle that would run code is refused
     bad = tmp_path / "bad"
     shutil.copytree(trained["step1"], bad)
