@@ -19,15 +19,22 @@ Exchange ``k`` uses half ``k % 2``:
 
 The data is written before ``SEQ`` and read after it; x86-64 keeps stores in order and loads in
 order, so a peer that sees ``SEQ = k`` sees the data (other architectures fall back to c10d).
-A data file grows (a new generation) when a message does not fit: the owner first waits until
-every peer has read everything, and unlinks each file once every peer has mapped it, so
-``/dev/shm`` keeps nothing after the exchange that follows (a rank killed before that, e.g. by
-torchrun's SIGTERM when another rank failed, leaves its files; they are named
-``autopart-PID-*``).
+The first data file is made at setup, a probe of ``/dev/shm``: if it cannot be reserved, every
+rank of the group falls back to the socket transport, with a warning. A data file grows (a new
+generation) when a message does not fit: the owner first waits until every peer has read
+everything, and unlinks each file once every peer has mapped it, so ``/dev/shm`` keeps nothing
+after the exchange that follows. Each generation's name ends in 62 random bits, published in
+the control block (``NAME``) before ``GEN``, so another local user cannot plant the next file;
+if one exists anyway the error says so. Files are named ``autopart-PID-*``: a rank killed before
+it could unlink its files (torchrun's SIGTERM when another rank failed) leaves them, and the
+next setup on the host (``sweep``) unlinks this user's files whose process is gone.
 
 A waiting rank spins (yielding the core) for ``SPIN_S``, then sleeps in growing steps up to
 0.5 ms; it spins only when the host has a core per local rank. Every wait ends at the
-caller's timeout with an ``AutopartError`` naming the rank and the action. A rank that fails
+caller's timeout with an ``AutopartError`` naming the rank and the action; every
+``ALIVE_EVERY_S`` (0.25 s) of waiting it also checks that the peers it waits for still run
+(their process ids are in their file names), so a peer that died outside an exchange, which set
+no flag, is named within a second instead of at the timeout. A rank that fails
 inside an exchange (a timeout, a full ``/dev/shm``, a size mismatch) sets ``ERR``, so its peers
 fail at once instead of waiting out their timeouts; a peer stopped that way passes the first
 failing rank on in its own ``ERR``, so every rank names that one. A failed group refuses further
@@ -42,6 +49,7 @@ import os
 import platform
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,11 +59,12 @@ import torch.distributed as dist
 from autopart.errors import AutopartError
 
 SHM_DIR = "/dev/shm"
-SEQ, DONE, GEN, TOKEN, ERR, SIZE = range(6)  # SIZE and SIZE + 1: one per half
+SEQ, DONE, GEN, TOKEN, ERR, SIZE, _SIZE1, NAME = range(8)  # SIZE, SIZE + 1: one per half
 _CTL_BYTES = 64
 _ALIGN = 64
 _MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
 SPIN_S = 1e-3  # spin this long before sleeping (when every local rank has a core)
+ALIVE_EVERY_S = 0.25  # while waiting, check this often that the peers' processes still live
 NAP_S = (20e-6, 5e-4)  # then sleep, doubling from the first to at most the second
 
 
@@ -91,6 +100,52 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def _data_path(prefix: str, gen: int, name: int) -> str:
+    return f"{prefix}-{gen}-{name:016x}"
+
+
+def _pid_of(prefix: str) -> int | None:
+    """The process id in ``.../autopart-PID-HEX`` (None if the name has another form)."""
+    parts = os.path.basename(prefix).split("-")
+    return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep() -> list[str]:
+    """Unlink this user's ``autopart-PID-*`` files whose process is gone (a rank killed before
+    it could clean up); returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except OSError:
+        return removed
+    for e in entries:
+        pid = _pid_of(e.path) if e.name.startswith("autopart-") else None
+        if pid is None or pid == os.getpid() or alive(pid):
+            continue
+        try:
+            if e.stat(follow_symlinks=False).st_uid == os.getuid():
+                os.unlink(e.path)
+                removed.append(e.path)
+        except OSError:
+            continue
+    return removed
+
+
 class ShmGroup:
     """The shared-memory exchange of one process group (build with ``ShmGroup.connect``)."""
 
@@ -110,6 +165,7 @@ class ShmGroup:
         self.data: torch.Tensor | None = None
         self.peer_data: dict[int, tuple[int, torch.Tensor]] = {}  # peer -> (generation, bytes)
         self.pending_unlink: list[tuple[int, str]] = []  # (exchange that must be read, path)
+        self.pids: dict[int, int | None] = {}  # peer -> its process id (from its file names)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.n))
         self.spin_s = SPIN_S if local <= (cores or 1) else 0.0
@@ -123,16 +179,26 @@ class ShmGroup:
         me: ShmGroup | None = None
         info = None
         if wanted:
+            sweep()
             try:
                 me = cls(group, prefix)
+                me._grow(0, 1, "the size probe at setup")  # the first data file, now (peers map
+                # it in exchange 1, so it is unlinked in exchange 2)
                 info = (prefix, me.ctl[TOKEN])
-            except OSError:
+            except (OSError, AutopartError) as exc:
+                warnings.warn(f"rank {dist.get_rank()}: no shared-memory transport ({exc}); "
+                              "the tp collectives use the socket transport", stacklevel=2)  # fmt: skip
+                if me is not None:
+                    me.close()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(prefix + "-ctl")
                 me = None
         try:
             return cls._agree(group, me, info)
         finally:
             if me is not None:  # every peer has mapped it, or none will use it
-                os.unlink(prefix + "-ctl")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(prefix + "-ctl")
 
     @staticmethod
     def _agree(group: Any, me: ShmGroup | None, info: Any) -> ShmGroup | None:
@@ -155,6 +221,7 @@ class ShmGroup:
             return None
         assert me is not None
         me.prefixes = [path for path, _ in infos]
+        me.pids = {peer: _pid_of(path) for peer, (path, _) in enumerate(infos) if peer != me.me}
         return me
 
     # -- the exchange ----------------------------------------------------------------------
@@ -240,10 +307,16 @@ class ShmGroup:
         self._await(DONE, k - 1, what)  # nobody reads our old file any more
         self._unlink_read(k - 1)
         cap = max(_MIN_CAPACITY, _aligned(need), 2 * self.cap)
-        gen = self.ctl[GEN] + 1
-        path = f"{self.prefix}-{gen}"
+        gen, name = self.ctl[GEN] + 1, secrets.randbits(62)  # a name nobody can plant first
+        path = _data_path(self.prefix, gen, name)
         try:
             mm = _map(path, 2 * cap, create=True)
+        except FileExistsError as exc:
+            raise AutopartError(
+                f"rank {self.rank}: {path} already exists, made by another process, in {what}",
+                hint=f"another user or job writes autopart-* files into {SHM_DIR}; give this job "
+                "its own /dev/shm, or set AUTOPART_SHM=0 to use c10d",
+            ) from exc
         except OSError as exc:
             raise AutopartError(
                 f"rank {self.rank}: cannot reserve {2 * cap / 2**20:.1f} MiB in {SHM_DIR} for {what}: {exc}",
@@ -251,13 +324,15 @@ class ShmGroup:
             ) from exc
         self.data = torch.frombuffer(mm, dtype=torch.uint8)
         self.cap = cap
+        self.ctl[NAME] = name  # before GEN: a peer that sees the new GEN sees its name
         self.ctl[GEN] = gen
         self.pending_unlink.append((k, path))
 
     def _peer(self, peer: int) -> tuple[int, torch.Tensor]:
         gen = self.peer_ctl[peer][GEN]
         if peer not in self.peer_data or self.peer_data[peer][0] != gen:
-            mm = _map(f"{self.prefixes[peer]}-{gen}", 0, create=False)
+            path = _data_path(self.prefixes[peer], gen, self.peer_ctl[peer][NAME])
+            mm = _map(path, 0, create=False)
             self.peer_data[peer] = (gen, torch.frombuffer(mm, dtype=torch.uint8))
         data = self.peer_data[peer][1]
         return data.numel() // 2, data
@@ -279,11 +354,23 @@ class ShmGroup:
         peers = list(self.peer_ctl.items())
         start = time.monotonic()
         nap, longest = NAP_S
+        checked = start
         while any(c[field] < target for _, c in peers):
             for _, c in peers:
                 if c[ERR]:
                     raise PeerFailed(self.rank, c[ERR] - 1, what)
-            waited = time.monotonic() - start
+            now = time.monotonic()
+            if now - checked > ALIVE_EVERY_S:  # a peer killed outside an exchange sets no ERR
+                checked = now
+                for peer, c in peers:
+                    pid = self.pids.get(peer)
+                    if c[field] < target and pid is not None and not alive(pid):
+                        raise AutopartError(
+                            f"rank {self.rank}: rank {self.ranks[peer]} (process {pid}) died; "
+                            f"noticed {now - start:.2f} s into {what}",
+                            hint=f"rank {self.ranks[peer]}'s log says why it ended",
+                        )
+            waited = now - start
             if waited < self.spin_s:
                 os.sched_yield()
                 continue

@@ -20,3 +20,65 @@ def test_mapped_files_share_their_bytes(tmp_path: Path) -> None:
     peer = shm._map(str(tmp_path / "f"), 0, create=False)  # 0: the whole file
     owner[100:104] = b"abcd"
     assert len(peer) == 4096 and peer[100:104] == b"abcd"
+
+
+def test_stale_files_of_dead_processes_are_swept(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from autopart import shm
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid is free
+    dead = f"{shm.SHM_DIR}/autopart-{child.pid}-0123456789ab-1-00"
+    mine = f"{shm.SHM_DIR}/autopart-{os.getpid()}-0123456789ab-ctl"
+    for path in (dead, mine):
+        open(path, "w").close()
+    try:
+        assert not shm.alive(child.pid) and shm.alive(os.getpid())
+        assert dead in shm.sweep()
+        assert not os.path.exists(dead) and os.path.exists(mine)
+    finally:
+        for path in (dead, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_planted_data_file_is_named_not_blamed_on_space(monkeypatch) -> None:
+    """Data file names carry 62 random bits, so nobody can plant the next one; if one exists
+    anyway, the error says so instead of blaming free space."""
+    from autopart import AutopartError, shm
+
+    g = shm.ShmGroup.__new__(shm.ShmGroup)
+    g.prefix, g.rank, g.cap, g.data, g.pending_unlink = (
+        f"{shm.SHM_DIR}/autopart-{os.getpid()}-feedfeedfeed", 0, 0, None, [])  # fmt: skip
+    g.ctl = memoryview(bytearray(64)).cast("q")
+    g.peer_ctl = {}
+    monkeypatch.setattr(shm.secrets, "randbits", lambda n: 0xABC)
+    planted = shm._data_path(g.prefix, 1, 0xABC)
+    open(planted, "w").close()
+    try:
+        with pytest.raises(AutopartError) as err:
+            g._grow(10, 1, "the test")
+        assert "already exists, made by another process" in err.value.message
+        assert "free space" not in err.value.hint
+    finally:
+        os.unlink(planted)
+
+
+@pytest.mark.multirank
+def test_a_small_dev_shm_falls_back_and_a_dead_peer_is_noticed_within_a_second() -> None:
+    import json
+    from pathlib import Path
+
+    from autopart.verify import launch_forked
+
+    script = Path(__file__).resolve().parent / "shm_script.py"
+    out = launch_forked(2, [str(script)], timeout_s=60)
+    res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
+    assert res["small_transport"] != "shm" and res["small_sum"] == [2.0] * 4, res
+    assert res["transport"] == "shm" and res["sum"] == [2.0] * 4, res
+    assert "rank 0: rank 1 (process" in res["dead"] and "died; noticed" in res["dead"], res
+    assert "into all-reduce over t" in res["dead"], res["dead"]
+    assert res["dead_seconds"] < 1.0, res  # against the 300 s timeout it used to wait out
+    print(f"dead peer noticed after {res['dead_seconds']:.2f} s (timeout 300 s)")
