@@ -123,10 +123,10 @@ def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape",
             hint="labels[i, t] is the target for input_ids[i, t] (already shifted)",
         )
-    if input_ids.shape[0] < 2 or input_ids.shape[1] < 2:
+    if input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
         raise AutopartError(
-            f"example batch {tuple(input_ids.shape)} is too small to keep batch and sequence symbolic",
-            hint="capture with batch ≥ 2 and sequence ≥ 2 (torch.export specializes sizes 0 and 1)",
+            f"example batch {tuple(input_ids.shape)} is too small to keep the sequence symbolic",
+            hint="capture with a sequence of ≥ 2 tokens (torch.export specializes sizes 0 and 1)",
         )
     return input_ids, labels
 
@@ -138,10 +138,15 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor])
     input_ids, labels = input_ids.to(device), labels.to(device)  # e.g. CPU tokens, meta model
     wrapper = _LossSum(model)
     dyn = {0: Dim.AUTO, 1: Dim.AUTO}
+    # torch.export specializes a size of 1: a batch of one sequence (micro-batch 1, as the
+    # largest runs use) is traced as two copies of it, so the batch stays symbolic
+    traced = (
+        (input_ids, labels)
+        if input_ids.shape[0] > 1
+        else (input_ids.repeat(2, 1), labels.repeat(2, 1))
+    )
     try:
-        ep = torch.export.export(
-            wrapper, (input_ids, labels), dynamic_shapes=(dyn, dyn), strict=False
-        )
+        ep = torch.export.export(wrapper, traced, dynamic_shapes=(dyn, dyn), strict=False)
         fused = {n.target for n in ep.graph.nodes if n.target in _SPLIT_UP}
         if fused or any(_mutates(n) for n in ep.graph.nodes):
             # in-place ops (Falcon's ``x += ...``): the passes and the saved program need a

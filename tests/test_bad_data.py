@@ -53,3 +53,29 @@ def test_a_non_finite_loss_stops_the_step(programs, tmp_path):
     assert "step 1: the loss is nan, not finite" in err.value.message
     assert "no optimizer steps on them" in err.value.message
     assert not list(tmp_path.glob("rank*.pt"))  # no rank dumped (saved) anything
+
+
+def test_a_sequence_longer_than_the_position_table_is_named(tmp_path):
+    """nanoGPT's learned positions hold 64 rows: 72 tokens used to be a raw IndexError inside a
+    rank; now the error names the rank, the action and the length."""
+    model, _ = nanogpt.make()
+    ids = torch.randint(0, 96, (2, 72))
+    program = parallelize(model, Mesh(pp=2), example_inputs=(ids, ids))
+    with pytest.raises(AutopartError) as err:
+        fork_ranks(program, (ids, ids), tmp_path, timeout_s=60)
+    assert "rank 0: F(stage=0, mb=0" in err.value.message or "an index out of range" in err.value.message
+    assert "an index out of range in the model" in err.value.message, err.value.message
+
+
+def test_micro_batch_1_is_captured_and_trains_exactly():
+    """An example of one sequence (micro-batch 1, as the largest runs use) is traced as two
+    copies, so the batch stays symbolic; pp=2 then matches one device in float64."""
+    from autopart.verify import Check, verify_many
+
+    def one():
+        model, (ids, labels) = nanogpt.make()
+        return model, (ids[:1].clone(), labels[:1].clone())
+
+    (report,) = verify_many([Check(one, pp=2)], via="fork", timeout_s=60).values()
+    assert not isinstance(report, AutopartError), report
+    assert report.ok and report.tolerance == 1e-9, str(report)
