@@ -61,6 +61,12 @@ def parallelize(
         captured = capture(model, example_inputs)
     # refused now, not at the first step: the example batch is taken for the training batch
     plan.check_batch(captured.example_shape[0])
+    seq, tp = captured.example_shape[1], plan.mesh.tp
+    if plan.sequence_parallel and seq % tp:
+        raise AutopartError(
+            f"sequence length {seq} is not divisible by tp={tp}, which sequence parallelism needs",
+            hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
+        )
     program = compile_program(captured, plan)
     if live is None:
         return program

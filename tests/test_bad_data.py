@@ -63,7 +63,6 @@ def test_a_sequence_longer_than_the_position_table_is_named(tmp_path):
     program = parallelize(model, Mesh(pp=2), example_inputs=(ids, ids))
     with pytest.raises(AutopartError) as err:
         fork_ranks(program, (ids, ids), tmp_path, timeout_s=60)
-    assert "rank 0: F(stage=0, mb=0" in err.value.message or "an index out of range" in err.value.message
     assert "an index out of range in the model" in err.value.message, err.value.message
 
 

@@ -351,3 +351,11 @@ def test_a_batch_that_does_not_split_is_refused_by_parallelize(model_batch, plan
     with pytest.raises(AutopartError) as err:
         parallelize(model, plan.pop("mesh"), example_inputs=batch, **plan)
     assert "batch size 8 is not divisible by" in err.value.message and "= 3" in err.value.message
+
+
+def test_a_sequence_sequence_parallelism_cannot_split_is_refused_by_parallelize() -> None:
+    model, (ids, labels) = nanogpt.make()
+    with pytest.raises(AutopartError) as err:
+        parallelize(model, Mesh(tp=4), example_inputs=(ids[:, :30], labels[:, :30]),
+                    sequence_parallel=True)  # fmt: skip
+    assert "sequence length 30 is not divisible by tp=4" in err.value.message

@@ -80,7 +80,7 @@ def _ids() -> torch.Tensor:
         (lambda: ((_ids(), _ids()), _model()), "got tuple"),
         (lambda: (_model(), (_ids(),)), "example_inputs must be (input_ids, labels)"),
         (lambda: (_model(), (_ids().float(), _ids())), "input_ids must be an int64"),
-        (lambda: (_model(), (_ids()[:1], _ids()[:1])), "too small"),
+        (lambda: (_model(), (_ids()[:, :1], _ids()[:, :1])), "too small"),
     ],
     ids=[
         "model-only",
@@ -90,7 +90,7 @@ def _ids() -> torch.Tensor:
         "swapped",
         "one-tensor",
         "float",
-        "batch-1",
+        "seq-1",
     ],
 )
 def test_build_rejects_wrong_shapes(factory, needle: str) -> None:
