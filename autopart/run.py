@@ -102,6 +102,15 @@ class Batches:
         if self.tokens is not None and self.tokens.numel() <= self.s + 1:
             raise AutopartError(f"{args.tokens} holds {self.tokens.numel()} tokens, fewer than a "
                                 f"sequence of {self.s + 1}", hint="use a longer file or --seq-len")  # fmt: skip
+        if self.tokens is not None:  # the whole file once, before any step trains on it
+            bad = (self.tokens < 0) | (self.tokens >= self.vocab)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise AutopartError(
+                    f"{args.tokens}: token {i} is {int(self.tokens[i])}, outside the model's "
+                    f"vocabulary of {self.vocab}",
+                    hint="tokenize with the model's tokenizer (ids < vocabulary size)",
+                )
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fixed is not None:

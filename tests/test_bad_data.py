@@ -78,3 +78,18 @@ def test_micro_batch_1_is_captured_and_trains_exactly():
     (report,) = verify_many([Check(one, pp=2)], via="fork", timeout_s=60).values()
     assert not isinstance(report, AutopartError), report
     assert report.ok and report.tolerance == 1e-9, str(report)
+
+
+def test_a_token_file_with_an_id_outside_the_vocabulary_is_refused_before_training(tmp_path):
+    import argparse
+
+    from autopart.run import Batches
+
+    tokens = torch.randint(0, 96, (500,))
+    tokens[321] = 4000
+    torch.save(tokens, tmp_path / "tokens.pt")
+    args = argparse.Namespace(batch_size=None, seq_len=None, seed=0, batch=None,
+                              tokens=tmp_path / "tokens.pt")  # fmt: skip
+    with pytest.raises(AutopartError) as err:
+        Batches(args, {"example_shape": [8, 32], "vocab_size": 96})
+    assert "token 321 is 4000, outside the model's vocabulary of 96" in err.value.message
