@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from rich.progress import Progress
 from torch import fx, nn
 
 from autopart.capture import META_INPUT, Captured, capture
@@ -94,7 +93,7 @@ def _shards(captured: Captured, split: dict, tp_index: int, tp: int) -> dict[str
     return out
 
 
-def compile_program(captured: Captured, plan: Plan, progress: Progress | None = None) -> Program:
+def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     mesh = plan.mesh
     gm = _copy(captured.graph)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import fx
 
-from autopart.capture import META_LAYER, META_MODULE, Captured, to_sympy
+from autopart.capture import META_LAYER, Captured, to_sympy
 from autopart.cost import Group, analyze, evaluate, total
 
 
@@ -85,10 +85,6 @@ def write_dot(gm: fx.GraphModule, path: str | Path, title: str = "") -> Path:
     p = Path(path)
     p.write_text(to_dot(gm, title))
     return p
-
-
-def module_of(node: fx.Node) -> str:
-    return node.meta.get(META_MODULE, "")
 
 
 _COLLECTIVES = {

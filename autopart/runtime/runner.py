@@ -400,9 +400,6 @@ class Runner:
     def _dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
-    def _graph(self, stage: int):
-        return next(s.graph for s in self.program.stages if s.stage == stage)
-
     def _microbatches(
         self, input_ids: torch.Tensor, labels: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
