@@ -19,10 +19,6 @@ from rich.panel import Panel
 
 from autopart.errors import AutopartError
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SPEC = str(EXAMPLES / "nanogpt.py") + ":make"
-
-
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 SEQ = 64  # tokens (bytes) per sequence
 
@@ -37,15 +33,9 @@ def corpus() -> torch.Tensor:
 
 def main(args: argparse.Namespace) -> int:
     from autopart import Mesh, parallelize
+    from autopart.nanogpt import GPT, GPTConfig
     from autopart.report import print_costs
-    from autopart.spec import load_factory
     from autopart.verify import launch, verify
-
-    if not (EXAMPLES / "nanogpt.py").exists():
-        raise AutopartError(f"the demo model {EXAMPLES / 'nanogpt.py'} is missing",
-                            hint="run the demo from a checkout installed with pip install -e .")  # fmt: skip
-    nanogpt = load_factory(SPEC).__globals__
-    GPT, GPTConfig = nanogpt["GPT"], nanogpt["GPTConfig"]
 
     con = Console()
     out = Path(args.out)
