@@ -17,6 +17,17 @@ from autopart.verify import Report, verify
 
 __version__ = "0.1.0"
 __all__ = [
-    "AutopartError", "Captured", "Mesh", "Plan", "Program", "RankProgram", "Report",
-    "analyze", "capture", "compile_program", "parallelize", "sequence_chunks", "verify",
-]  # fmt: skip
+    "AutopartError",
+    "Captured",
+    "Mesh",
+    "Plan",
+    "Program",
+    "RankProgram",
+    "Report",
+    "analyze",
+    "capture",
+    "compile_program",
+    "parallelize",
+    "sequence_chunks",
+    "verify",
+]

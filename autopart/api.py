@@ -48,8 +48,17 @@ def parallelize(
     through ``torch.compile`` (Inductor), as ``autopart run --compile`` does.
     """
     offline, live = mesh_from(mesh)
-    plan = Plan(offline, schedule, microbatches, virtual_stages, seq_chunks, sequence_parallel, bucket_mb,
-                max_stage_memory_gb, seq_split)  # fmt: skip
+    plan = Plan(
+        offline,
+        schedule,
+        microbatches,
+        virtual_stages,
+        seq_chunks,
+        sequence_parallel,
+        bucket_mb,
+        max_stage_memory_gb,
+        seq_split,
+    )
     if isinstance(model, Captured):
         captured = model
     elif example_inputs is None:
@@ -109,8 +118,12 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         st.meta["autopart.passes"] = gm.meta.get("autopart.passes", [])
         for n, ref in zip((n for n in st.graph.nodes if n.op == "placeholder"), refs, strict=True):
             n.meta[META_INPUT] = ref
-    split = {n.meta[META_INPUT].name: n.meta.get(META_SHARD) for st in stages for n in st.graph.nodes
-             if n.op == "placeholder" and n.meta[META_INPUT].kind == "param"}  # fmt: skip
+    split = {
+        n.meta[META_INPUT].name: n.meta.get(META_SHARD)
+        for st in stages
+        for n in st.graph.nodes
+        if n.op == "placeholder" and n.meta[META_INPUT].kind == "param"
+    }
     holders: dict[str, set[int]] = {}  # FQN → pipeline ranks whose stages use it
     for k, refs in enumerate(inputs):
         for ref in refs:
@@ -119,31 +132,61 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     ties = {f: sorted(pps) for f, pps in holders.items() if len(pps) > 1}
     chunk_cost = cost_coefficients(captured) if plan.schedule.startswith("seq1f1b") else None
     if chunk_cost is not None:  # refuse chunks the example sequence cannot hold, now, not at run
-        chunk_lengths(chunk_cost, captured.example_shape[1], plan.seq_chunks, plan.seq_split,
-                      plan.chunk_multiple)  # fmt: skip
+        chunk_lengths(
+            chunk_cost,
+            captured.example_shape[1],
+            plan.seq_chunks,
+            plan.seq_split,
+            plan.chunk_multiple,
+        )
     ranks = []
     for r in range(mesh.size):
         coords = mesh.coords(r)
         mine = [k for k in range(len(stages)) if k % mesh.pp == coords["pp"]]
         used = {ref.name for k in mine for ref in inputs[k] if ref.kind == "param"}
         shards = _shards(captured, split, coords["tp"], mesh.tp)
-        ranks.append(RankProgram(
-            rank=r, coords=coords,
-            groups={d: mesh.group(d, r) for d in ("dp", "pp", "tp")},
-            stages=[StageProgram(k, stages[k], inputs[k]) for k in mine],
-            actions=generate(plan.schedule, coords["pp"], plan.microbatches, mesh.group("pp", r), mesh.dp,
-                             plan.virtual_stages, tied=any(f in ties for f in used), k=plan.seq_chunks),
-            shards={f: s for f, s in shards.items() if f in used},
-            buckets=_rank_buckets([stages[k] for k in mine]),
-            ties={f: pps for f, pps in ties.items() if f in used},
-            n_stages=len(stages), chunk_cost=chunk_cost, vocab_size=captured.vocab_size,
-        ))  # fmt: skip
-    units = {(s, mb, c) for s in range(len(stages)) for mb in range(plan.microbatches)
-             for c in range(plan.seq_chunks)}  # fmt: skip
+        ranks.append(
+            RankProgram(
+                rank=r,
+                coords=coords,
+                groups={d: mesh.group(d, r) for d in ("dp", "pp", "tp")},
+                stages=[StageProgram(k, stages[k], inputs[k]) for k in mine],
+                actions=generate(
+                    plan.schedule,
+                    coords["pp"],
+                    plan.microbatches,
+                    mesh.group("pp", r),
+                    mesh.dp,
+                    plan.virtual_stages,
+                    tied=any(f in ties for f in used),
+                    k=plan.seq_chunks,
+                ),
+                shards={f: s for f, s in shards.items() if f in used},
+                buckets=_rank_buckets([stages[k] for k in mine]),
+                ties={f: pps for f, pps in ties.items() if f in used},
+                n_stages=len(stages),
+                chunk_cost=chunk_cost,
+                vocab_size=captured.vocab_size,
+            )
+        )
+    units = {
+        (s, mb, c)
+        for s in range(len(stages))
+        for mb in range(plan.microbatches)
+        for c in range(plan.seq_chunks)
+    }
     for pipeline in mesh.groups("pp"):
         verify({r: ranks[r].actions for r in pipeline}, units)
-    program = Program(plan, ranks, dict(captured.params), dict(captured.buffers), dict(captured.tied),
-                      captured.example_shape, captured.vocab_size, history)  # fmt: skip
+    program = Program(
+        plan,
+        ranks,
+        dict(captured.params),
+        dict(captured.buffers),
+        dict(captured.tied),
+        captured.example_shape,
+        captured.vocab_size,
+        history,
+    )
     program.split = {
         k: gm.meta[f"autopart.{k}"] for k in ("unit_costs", "cuts") if f"autopart.{k}" in gm.meta
     }

@@ -23,15 +23,54 @@ from torch import fx
 from autopart.errors import AutopartError
 
 # the archive members autopart's own save writes (under one top-level folder)
-_MEMBERS = {"archive_format", "archive_version", ".data/version", ".data/serialization_id",
-            "byteorder", "models/model.json", "data/weights/model_weights_config.json",
-            "data/constants/model_constants_config.json", "data/sample_inputs/model.pt"}  # fmt: skip
+_MEMBERS = {
+    "archive_format",
+    "archive_version",
+    ".data/version",
+    ".data/serialization_id",
+    "byteorder",
+    "models/model.json",
+    "data/weights/model_weights_config.json",
+    "data/constants/model_constants_config.json",
+    "data/sample_inputs/model.pt",
+}
 _EMPTY = {"data/weights/model_weights_config.json", "data/constants/model_constants_config.json"}
 NAMESPACES = ("torch.ops.aten.", "torch.ops.autopart.")
-PYTHON_OPS = {f"_operator.{f}" for f in ("add", "sub", "mul", "floordiv", "truediv", "mod",
-              "pow", "neg", "eq", "ne", "lt", "le", "gt", "ge", "getitem", "and_", "or_")}  # fmt: skip
-PYTHON_OPS |= {f"torch.{f}" for f in ("sym_max", "sym_min", "sym_not", "sym_float", "sym_int",
-               "sym_ite", "sym_sum", "sym_sqrt")}  # fmt: skip
+PYTHON_OPS = {
+    f"_operator.{f}"
+    for f in (
+        "add",
+        "sub",
+        "mul",
+        "floordiv",
+        "truediv",
+        "mod",
+        "pow",
+        "neg",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "getitem",
+        "and_",
+        "or_",
+    )
+}
+PYTHON_OPS |= {
+    f"torch.{f}"
+    for f in (
+        "sym_max",
+        "sym_min",
+        "sym_not",
+        "sym_float",
+        "sym_int",
+        "sym_ite",
+        "sym_sum",
+        "sym_sqrt",
+    )
+}
 _TREESPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 
 
@@ -55,8 +94,10 @@ def check_pt2(path: Path) -> None:
             members = {i.filename.split("/", 1)[1]: i for i in infos if "/" in i.filename}
             extra = sorted(set(members) - _MEMBERS)
             if extra:
-                raise refuse(f"it holds {extra[0]!r}, which autopart never writes (weights, "
-                             "constants or objects torch would unpickle)")  # fmt: skip
+                raise refuse(
+                    f"it holds {extra[0]!r}, which autopart never writes (weights, "
+                    "constants or objects torch would unpickle)"
+                )
             if "models/model.json" not in members:
                 raise refuse("it has no models/model.json")
             sample = members.get("data/sample_inputs/model.pt")
@@ -80,8 +121,10 @@ def check_pt2(path: Path) -> None:
     for node in graph.get("nodes", []):
         target = node.get("target") if isinstance(node, dict) else None
         if not isinstance(target, str) or not allowed(target):
-            raise refuse(f"a node calls {target!r}, which is not an ATen op, an autopart op "
-                         "or a Python operator on sizes")  # fmt: skip
+            raise refuse(
+                f"a node calls {target!r}, which is not an ATen op, an autopart op "
+                "or a Python operator on sizes"
+            )
     for spec in _treespec_types(model["graph_module"].get("module_call_graph", [])):
         if spec not in _TREESPEC_TYPES:
             raise refuse(f"its call signature names the type {spec!r}")
@@ -107,9 +150,11 @@ def check_targets(graph: fx.GraphModule, where: Path) -> None:
             or target in py_ops
         )
         if not ok:
-            raise AutopartError(f"{where}: node {n.name} calls {target!r} ({n.op}), which a "
-                                "stage graph autopart wrote never does; it was not run",
-                                hint="re-save the program with Program.save()")  # fmt: skip
+            raise AutopartError(
+                f"{where}: node {n.name} calls {target!r} ({n.op}), which a "
+                "stage graph autopart wrote never does; it was not run",
+                hint="re-save the program with Program.save()",
+            )
 
 
 def _treespec_types(calls: Any) -> list[Any]:

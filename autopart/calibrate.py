@@ -74,9 +74,11 @@ def load(path: str | Path) -> Measured:
     """``measure`` the trace file of ``autopart run DIR --trace FILE``."""
     data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get(HEADER), dict):
-        raise AutopartError(f"{path} has no {HEADER!r} header, so it is not the trace of an "
-                            "autopart run (a simulated trace or another tool's cannot calibrate)",
-                            hint="write one with: autopart run DIR --steps 3 --trace FILE")  # fmt: skip
+        raise AutopartError(
+            f"{path} has no {HEADER!r} header, so it is not the trace of an "
+            "autopart run (a simulated trace or another tool's cannot calibrate)",
+            hint="write one with: autopart run DIR --steps 3 --trace FILE",
+        )
     return measure(data.get("traceEvents") or [], data[HEADER], str(path))
 
 
@@ -85,20 +87,26 @@ def measure(
 ) -> Measured:
     """Reduce one measured step (its events and header) to per-action costs (module docstring)."""
     if header.get("version") != VERSION:
-        raise AutopartError(f"{source}: trace header version {header.get('version')!r}, this "
-                            f"autopart reads {VERSION}", hint="re-measure with this version")  # fmt: skip
+        raise AutopartError(
+            f"{source}: trace header version {header.get('version')!r}, this "
+            f"autopart reads {VERSION}",
+            hint="re-measure with this version",
+        )
     try:
         plan, coords = header["plan"], {int(r): c for r, c in header["ranks"].items()}
         step_s = float(header["step_s"])
         pp_of = {r: int(c["pp"]) for r, c in coords.items()}
-        layout = {k: int(plan[k]) for k in ("pp", "dp", "virtual_stages", "microbatches",
-                                             "seq_chunks")}  # fmt: skip
+        layout = {
+            k: int(plan[k]) for k in ("pp", "dp", "virtual_stages", "microbatches", "seq_chunks")
+        }
         layout["tp"] = int(plan.get("tp", 1))
         schedule = str(plan["schedule"])
         sizes = (int(header.get("microbatch_size", 0)), int(header.get("microbatch_tokens", 0)))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise AutopartError(f"{source}: malformed {HEADER!r} header ({exc!r} missing or wrong)",
-                            hint="re-measure with: autopart run DIR --trace FILE") from None  # fmt: skip
+        raise AutopartError(
+            f"{source}: malformed {HEADER!r} header ({exc!r} missing or wrong)",
+            hint="re-measure with: autopart run DIR --trace FILE",
+        ) from None
     bs = [b for b in blocks(events) if b.action is not None]
     if not any(b.kind in ("F", "B") for b in bs):
         raise AutopartError(f"{source} holds no F or B actions to take costs from")
@@ -111,8 +119,10 @@ def measure(
     for b in sorted(bs, key=lambda b: b.start):
         a, dur = b.action, b.dur * 1e-6
         if b.rank not in pp_of:
-            raise AutopartError(f"{source}: an event of rank {b.rank}, which the header's ranks "
-                                "do not list", hint="re-measure with: autopart run DIR --trace FILE")  # fmt: skip
+            raise AutopartError(
+                f"{source}: an event of rank {b.rank}, which the header's ranks do not list",
+                hint="re-measure with: autopart run DIR --trace FILE",
+            )
         if b.kind in ("F", "B"):
             compute.setdefault((b.kind, a.stage, a.chunk), []).append(dur)
             if b.kind == "B":
@@ -137,7 +147,10 @@ def measure(
             transfer.setdefault((key[0], key[5]), []).append((end - sent) * 1e-6)
     span = (max(b.end for b in bs) - min(b.start for b in bs)) * 1e-6
     return Measured(
-        schedule=schedule, **layout, microbatch_size=sizes[0], microbatch_tokens=sizes[1],
+        schedule=schedule,
+        **layout,
+        microbatch_size=sizes[0],
+        microbatch_tokens=sizes[1],
         tied_pp_ranks=frozenset(pp_of[b.rank] for b in bs if b.kind == "TIE_REDUCE"),
         step_s=step_s,
         compute={k: statistics.median(v) for k, v in compute.items()},
@@ -145,7 +158,7 @@ def measure(
         dp_reduce={k: min(v) for k, v in dp_reduce.items()},
         tie_reduce=min(tie) if tie else 0.0,
         overhead_s=max(0.0, step_s - span),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -156,8 +169,9 @@ class Prediction:
     summary: dict[str, Any]
 
 
-def predict(m: Measured, microbatches: int | None = None, schedule: str | None = None,
-            record: bool = False) -> Prediction:  # fmt: skip
+def predict(
+    m: Measured, microbatches: int | None = None, schedule: str | None = None, record: bool = False
+) -> Prediction:
     """The step time of the measured layout with ``microbatches`` and ``schedule`` (default: the
     measured run's), from the measured per-action costs. The schedule may change only among
     those with the same units: ``gpipe`` ↔ ``1f1b``; Seq1F1B with the measured chunk count and
@@ -169,20 +183,43 @@ def predict(m: Measured, microbatches: int | None = None, schedule: str | None =
     if name.startswith("seq1f1b") != m.schedule.startswith("seq1f1b") or (
         ("interleaved" in name) != ("interleaved" in m.schedule)
     ):
-        raise AutopartError(f"the trace measured {m.schedule}; its costs cannot predict {name}",
-                            hint="sequence chunks and virtual stages change every action's cost: "
-                            f"measure a run of {name} (autopart run DIR --trace FILE)")  # fmt: skip
-    actions = {r: generate(name, r, mb, list(range(m.pp)), dp=m.dp, v=m.virtual_stages,
-                           tied=r in m.tied_pp_ranks, k=m.seq_chunks)
-               for r in range(m.pp)}  # fmt: skip
-    missing = sorted({(a.kind, a.stage, a.chunk) for acts in actions.values() for a in acts
-                      if a.kind in ("F", "B")} - set(m.compute))  # fmt: skip
+        raise AutopartError(
+            f"the trace measured {m.schedule}; its costs cannot predict {name}",
+            hint="sequence chunks and virtual stages change every action's cost: "
+            f"measure a run of {name} (autopart run DIR --trace FILE)",
+        )
+    actions = {
+        r: generate(
+            name,
+            r,
+            mb,
+            list(range(m.pp)),
+            dp=m.dp,
+            v=m.virtual_stages,
+            tied=r in m.tied_pp_ranks,
+            k=m.seq_chunks,
+        )
+        for r in range(m.pp)
+    }
+    missing = sorted(
+        {
+            (a.kind, a.stage, a.chunk)
+            for acts in actions.values()
+            for a in acts
+            if a.kind in ("F", "B")
+        }
+        - set(m.compute)
+    )
     if missing:
         kind, stage, chunk = missing[0]
-        raise AutopartError(f"the trace holds no measured {kind} of stage {stage}, chunk {chunk}",
-                            hint="measure a full step of this layout: autopart run DIR --trace FILE")  # fmt: skip
-    by_kind = {kind: statistics.median(t for (k, _), t in m.transfer.items() if k == kind)
-               for kind in {k for k, _ in m.transfer}}  # fmt: skip
+        raise AutopartError(
+            f"the trace holds no measured {kind} of stage {stage}, chunk {chunk}",
+            hint="measure a full step of this layout: autopart run DIR --trace FILE",
+        )
+    by_kind = {
+        kind: statistics.median(t for (k, _), t in m.transfer.items() if k == kind)
+        for kind in {k for k, _ in m.transfer}
+    }
     fallback = statistics.median(m.transfer.values()) if m.transfer else 0.0
 
     def transfer(a: Action) -> float:  # a chunk whose receiver never waited: its kind's median
@@ -235,9 +272,11 @@ def print_prediction(summary: dict[str, Any], console: Any) -> None:
     s, meas = summary, summary["measured"]
     chunks = f", {s['seq_chunks']} chunks" if s["seq_chunks"] > 1 else ""
     virtual = f", v={s['virtual_stages']}" if s["virtual_stages"] > 1 else ""
-    console.print(f"calibrated prediction: {s['schedule']}, pp={s['pp']} tp={s['tp']} dp={s['dp']}{virtual}"
-                  f"{chunks}, {s['microbatches']} micro-batches (costs measured on "
-                  f"{meas['schedule']}, {meas['microbatches']} micro-batches)")  # fmt: skip
+    console.print(
+        f"calibrated prediction: {s['schedule']}, pp={s['pp']} tp={s['tp']} dp={s['dp']}{virtual}"
+        f"{chunks}, {s['microbatches']} micro-batches (costs measured on "
+        f"{meas['schedule']}, {meas['microbatches']} micro-batches)"
+    )
     t = Table(show_header=False, box=None)
     t.add_row("step time", f"{s['iteration_s'] * 1e3:.1f} ms")
     if s["tokens_per_s"]:
@@ -246,6 +285,13 @@ def print_prediction(summary: dict[str, Any], console: Any) -> None:
     for k, v in s["breakdown"].items():
         t.add_row(f"  {k[:-2].replace('_', ' ')}", f"{v * 1e3:.1f} ms")
     same = s["microbatches"] == meas["microbatches"] and s["schedule"] == meas["schedule"]
-    t.add_row("measured step" + (" (the same run)" if same else f" ({meas['schedule']}, "
-              f"{meas['microbatches']} micro-batches)"), f"{meas['iteration_s'] * 1e3:.1f} ms")  # fmt: skip
+    t.add_row(
+        "measured step"
+        + (
+            " (the same run)"
+            if same
+            else f" ({meas['schedule']}, {meas['microbatches']} micro-batches)"
+        ),
+        f"{meas['iteration_s'] * 1e3:.1f} ms",
+    )
     console.print(t)

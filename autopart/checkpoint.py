@@ -68,9 +68,15 @@ def _is_model_key(k: str) -> bool:
 # -- public API --------------------------------------------------------------------------------
 
 
-def save(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None = None,
-         step: int = 0, extra: dict[str, Any] | None = None, *,
-         tied: dict[str, str] | None = None) -> Path:  # fmt: skip
+def save(
+    path: str | Path,
+    runner: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+    *,
+    tied: dict[str, str] | None = None,
+) -> Path:
     """Write a checkpoint of ``runner`` (and ``optimizer``'s state) to ``path``; every rank calls it.
 
     ``step`` is the data position (steps done), ``extra`` any JSON-able dict (returned by
@@ -84,25 +90,31 @@ def save(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as exc:
-        raise AutopartError(f"rank {runner.rank}: checkpoint extra is not JSON-able: {exc}",
-                            hint="pass plain numbers, strings, lists and dicts") from None  # fmt: skip
+        raise AutopartError(
+            f"rank {runner.rank}: checkpoint extra is not JSON-able: {exc}",
+            hint="pass plain numbers, strings, lists and dicts",
+        ) from None
     _mesh(runner)  # collective the first time: every rank, whatever it holds
     state = _model_state(runner)
     if optimizer is not None:
         state.update(_optim_state(runner, optimizer))
     state[_rng_key(runner.rank)] = rng
     mine = {
-        "strided": {f: [s.dim, s.strided] for f, s in runner.program.shards.items() if s.strided > 1},
+        "strided": {
+            f: [s.dim, s.strided] for f, s in runner.program.shards.items() if s.strided > 1
+        },
         "buffers": sorted(_buffer_names(runner)),
-    }  # fmt: skip
+    }
     if runner.rank == 0:
         _clear(path)
     every = _all_gather_json(mine, runner, "checkpoint layout exchange")  # also: path is clear
     try:
         dcp.save(state, checkpoint_id=path)
     except Exception as exc:  # noqa: BLE001 - a storage or peer failure, named
-        raise AutopartError(f"rank {runner.rank}: saving the checkpoint {path} failed: {exc}",
-                            hint="check free disk space and that every rank can write there") from exc  # fmt: skip
+        raise AutopartError(
+            f"rank {runner.rank}: saving the checkpoint {path} failed: {exc}",
+            hint="check free disk space and that every rank can write there",
+        ) from exc
     if runner.rank == 0:
         info = {
             "format": FORMAT,
@@ -128,8 +140,9 @@ def save(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
     return path
 
 
-def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None = None
-         ) -> dict[str, Any]:  # fmt: skip
+def load(
+    path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """Load a checkpoint saved under any layout into this rank's shards (and ``optimizer``).
 
     Every rank calls it. Restores ``runner.steps`` (dropout seeds) and, when the checkpoint was
@@ -144,8 +157,9 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
     rank, program = runner.rank, runner.program
     mesh_now = {d: getattr(runner.plan.mesh, d) for d in ("pp", "dp", "tp")}
     strided = {f: tuple(v) for f, v in info["strided"].items()}
-    missing = [f for f in runner.params
-               if not all(k in meta for k in _saved_keys(f, strided.get(f)))]  # fmt: skip
+    missing = [
+        f for f in runner.params if not all(k in meta for k in _saved_keys(f, strided.get(f)))
+    ]
     if missing:
         have = sorted({k.split("::")[0] for k in meta if _is_model_key(k)})
         raise AutopartError(
@@ -178,13 +192,22 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
                     builds[name] = lambda t=t: t
                 else:
                     md = meta[_saved_keys(fqn, strided.get(fqn), name)[0]]
-                    want, build = _request(fqn, program.shards[fqn], strided.get(fqn), name,
-                                           md.properties.dtype, runner)  # fmt: skip
+                    want, build = _request(
+                        fqn,
+                        program.shards[fqn],
+                        strided.get(fqn),
+                        name,
+                        md.properties.dtype,
+                        runner,
+                    )
                     request.update(want)
                     builds[name] = build
             if builds:
-                done.append(lambda p=p, b=builds: holder.state.__setitem__(
-                    p, {n: f() for n, f in b.items()}))  # fmt: skip
+                done.append(
+                    lambda p=p, b=builds: holder.state.__setitem__(
+                        p, {n: f() for n, f in b.items()}
+                    )
+                )
     rng_key = _rng_key(rank)
     same = info["mesh"] == mesh_now and rng_key in meta
     if same:
@@ -193,15 +216,22 @@ def load(path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None 
     try:
         dcp.load(request, checkpoint_id=path, storage_reader=_Reader(path))
     except Exception as exc:  # noqa: BLE001 - a storage or peer failure, named
-        raise AutopartError(f"rank {rank}: loading the checkpoint {path} failed: {exc}",
-                            hint="the checkpoint may be damaged, or a peer rank died") from exc  # fmt: skip
+        raise AutopartError(
+            f"rank {rank}: loading the checkpoint {path} failed: {exc}",
+            hint="the checkpoint may be damaged, or a peer rank died",
+        ) from exc
     for f in done:
         f()
     if same:
         torch.set_rng_state(rng)
     runner.steps = int(info["runner_steps"])
-    return {"step": int(info["step"]), "extra": info["extra"], "seed": int(info["seed"]),
-            "mesh": info["mesh"], "same_layout": same}  # fmt: skip
+    return {
+        "step": int(info["step"]),
+        "extra": info["extra"],
+        "seed": int(info["seed"]),
+        "mesh": info["mesh"],
+        "same_layout": same,
+    }
 
 
 def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -213,15 +243,20 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     info = read_info(path)
     meta = _metadata(path)
-    full = {k: torch.empty(md.size, dtype=md.properties.dtype)
-            for k, md in meta.items() if _is_model_key(k) and isinstance(md, TensorStorageMetadata)}  # fmt: skip
+    full = {
+        k: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in meta.items()
+        if _is_model_key(k) and isinstance(md, TensorStorageMetadata)
+    }
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(full, checkpoint_id=path, storage_reader=_Reader(path), no_dist=True)
     except Exception as exc:  # noqa: BLE001 - a storage failure, named
-        raise AutopartError(f"reading the checkpoint {path} failed: {exc}",
-                            hint="the checkpoint may be damaged or incomplete") from exc  # fmt: skip
+        raise AutopartError(
+            f"reading the checkpoint {path} failed: {exc}",
+            hint="the checkpoint may be damaged or incomplete",
+        ) from exc
     out: dict[str, torch.Tensor] = {}
     for k, t in full.items():
         fqn, sep, _ = k.partition("::block")
@@ -248,8 +283,9 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def _same_model(path: Path, runner: Any, optimizer: Any, info: dict[str, Any],
-                meta: dict[str, Any]) -> None:  # fmt: skip
+def _same_model(
+    path: Path, runner: Any, optimizer: Any, info: dict[str, Any], meta: dict[str, Any]
+) -> None:
     """Refuse a checkpoint of another model (parameters this model does not have: a deeper
     model of the same width would otherwise load into a shallower one, its extra blocks
     ignored; other tied weights) or another optimizer, naming the difference. Collective."""
@@ -277,10 +313,15 @@ def read_info(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     f = path / INFO
     if not f.is_file():
-        what = "an incomplete checkpoint (its save did not finish)" if (path / ".metadata").is_file() \
-            else "not an autopart checkpoint"  # fmt: skip
-        raise AutopartError(f"{path} is {what}: it has no {INFO}",
-                            hint="point at a folder written by autopart.checkpoint.save")  # fmt: skip
+        what = (
+            "an incomplete checkpoint (its save did not finish)"
+            if (path / ".metadata").is_file()
+            else "not an autopart checkpoint"
+        )
+        raise AutopartError(
+            f"{path} is {what}: it has no {INFO}",
+            hint="point at a folder written by autopart.checkpoint.save",
+        )
     try:
         info = json.loads(f.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -288,8 +329,11 @@ def read_info(path: str | Path) -> dict[str, Any]:
             f"{f} is not valid JSON ({exc})", hint="the checkpoint is damaged"
         ) from None
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise AutopartError(f"{f} has format {info.get('format') if isinstance(info, dict) else None}, "
-                            f"this autopart reads {FORMAT}", hint="save the checkpoint again with this version")  # fmt: skip
+        raise AutopartError(
+            f"{f} has format {info.get('format') if isinstance(info, dict) else None}, "
+            f"this autopart reads {FORMAT}",
+            hint="save the checkpoint again with this version",
+        )
     return info
 
 
@@ -312,8 +356,11 @@ def _latest(root: Path) -> Path | None:
     after a power loss, a missing ``.metadata``) is skipped with a warning."""
     if not root.is_dir():
         return None
-    done = [d for d in root.glob("step*")
-            if d.is_dir() and d.name[4:].isdigit() and (d / INFO).is_file()]  # fmt: skip
+    done = [
+        d
+        for d in root.glob("step*")
+        if d.is_dir() and d.name[4:].isdigit() and (d / INFO).is_file()
+    ]
     for d in sorted(done, key=lambda d: int(d.name[4:]), reverse=True):
         try:
             read_info(d)
@@ -365,8 +412,14 @@ def _dtensor(local: torch.Tensor, runner: Any, dim: int, shape: tuple[int, ...])
 
     mesh = _mesh(runner)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Replicate(), Replicate(), DShard(dim)],
-                              run_check=False, shape=torch.Size(shape), stride=stride)  # fmt: skip
+    return DTensor.from_local(
+        local,
+        mesh,
+        [Replicate(), Replicate(), DShard(dim)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
+    )
 
 
 def _direct(shard: Shard, runner: Any) -> bool:
@@ -375,21 +428,26 @@ def _direct(shard: Shard, runner: Any) -> bool:
     return shard.index == runner.program.coords["tp"] and shard.parts == runner.plan.mesh.tp
 
 
-def _pieces(fqn: str, shard: Shard, local: torch.Tensor, runner: Any,
-            state: str | None = None) -> dict[str, Any]:  # fmt: skip
+def _pieces(
+    fqn: str, shard: Shard, local: torch.Tensor, runner: Any, state: str | None = None
+) -> dict[str, Any]:
     """The DCP entries of one local tensor laid out like parameter ``fqn``."""
     local = local.detach()
     if shard.dim is None:
         return {key(fqn, state=state): local}
     if not _direct(shard, runner):
-        raise AutopartError(f"rank {runner.rank}: {fqn} is slice {shard.index} of {shard.parts}, "
-                            f"but this rank's tp index is {runner.program.coords['tp']} of {runner.plan.mesh.tp}",
-                            hint="save from the runner of the program compiled for this mesh")  # fmt: skip
+        raise AutopartError(
+            f"rank {runner.rank}: {fqn} is slice {shard.index} of {shard.parts}, "
+            f"but this rank's tp index is {runner.program.coords['tp']} of {runner.plan.mesh.tp}",
+            hint="save from the runner of the program compiled for this mesh",
+        )
     if shard.strided == 1:
         return {key(fqn, state=state): _dtensor(local.contiguous(), runner, shard.dim, shard.shape)}
     block = _block_shape(shard.shape, shard.dim, shard.strided)
-    return {key(fqn, j, state): _dtensor(piece.contiguous(), runner, shard.dim, block)
-            for j, piece in enumerate(local.chunk(shard.strided, shard.dim))}  # fmt: skip
+    return {
+        key(fqn, j, state): _dtensor(piece.contiguous(), runner, shard.dim, block)
+        for j, piece in enumerate(local.chunk(shard.strided, shard.dim))
+    }
 
 
 def _model_state(runner: Any) -> dict[str, Any]:
@@ -403,8 +461,12 @@ def _model_state(runner: Any) -> dict[str, Any]:
 
 def _buffer_names(runner: Any) -> set[str]:
     """The model buffers this rank's stages read (lifted constants are not model state)."""
-    return {i.name for st in runner.program.stages for i in st.inputs
-            if i.kind == "buffer" and i.name in runner.buffers}  # fmt: skip
+    return {
+        i.name
+        for st in runner.program.stages
+        for i in st.inputs
+        if i.kind == "buffer" and i.name in runner.buffers
+    }
 
 
 def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -413,21 +475,28 @@ def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
     holder, _ = _holder(optimizer)
     for fqn, p in runner.params.items():
         if id(p) not in known:
-            raise AutopartError(f"rank {runner.rank}: the optimizer does not hold parameter {fqn}",
-                                hint="build the optimizer from runner.parameters()")  # fmt: skip
+            raise AutopartError(
+                f"rank {runner.rank}: the optimizer does not hold parameter {fqn}",
+                hint="build the optimizer from runner.parameters()",
+            )
         for name, v in holder.state.get(p, {}).items():
             if not isinstance(v, torch.Tensor):
-                raise AutopartError(f"rank {runner.rank}: optimizer state {name!r} of {fqn} is a "
-                                    f"{type(v).__name__}, not a tensor",
-                                    hint="checkpoints hold tensor states (AdamW, Adam, SGD momentum)")  # fmt: skip
+                raise AutopartError(
+                    f"rank {runner.rank}: optimizer state {name!r} of {fqn} is a "
+                    f"{type(v).__name__}, not a tensor",
+                    hint="checkpoints hold tensor states (AdamW, Adam, SGD momentum)",
+                )
             if v.dim() == 0:
                 out[key(fqn, state=name)] = v.detach().clone()
             elif v.shape == p.shape:
                 out.update(_pieces(fqn, runner.program.shards[fqn], v, runner, name))
             else:
-                raise AutopartError(f"rank {runner.rank}: optimizer state {name!r} of {fqn} has "
-                                    f"shape {tuple(v.shape)}, neither a scalar nor the parameter's "
-                                    f"{tuple(p.shape)}", hint="checkpoints hold element-wise states (AdamW, Adam, SGD momentum)")  # fmt: skip
+                raise AutopartError(
+                    f"rank {runner.rank}: optimizer state {name!r} of {fqn} has "
+                    f"shape {tuple(v.shape)}, neither a scalar nor the parameter's "
+                    f"{tuple(p.shape)}",
+                    hint="checkpoints hold element-wise states (AdamW, Adam, SGD momentum)",
+                )
     return out
 
 
@@ -440,8 +509,14 @@ def _optim_info(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | Non
             return all(isinstance(x, (int, float)) for x in v)
         return v is None or isinstance(v, (int, float, bool, str))
 
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-               if k != "params" and plain(v)} for g in optimizer.param_groups]  # fmt: skip
+    groups = [
+        {
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in g.items()
+            if k != "params" and plain(v)
+        }
+        for g in optimizer.param_groups
+    ]
     return {
         "class": type(_holder(optimizer)[0]).__name__,
         "param_groups": groups,
@@ -483,8 +558,14 @@ def _block_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
     return tuple(d // n if i == dim else d for i, d in enumerate(shape))
 
 
-def _check_shape(path: Path, rank: int, fqn: str, shard: Shard, saved: tuple[int, int] | None,
-                 meta: dict[str, Any]) -> None:  # fmt: skip
+def _check_shape(
+    path: Path,
+    rank: int,
+    fqn: str,
+    shard: Shard,
+    saved: tuple[int, int] | None,
+    meta: dict[str, Any],
+) -> None:
     if saved is None:
         got = tuple(meta[key(fqn)].size)
     else:
@@ -492,13 +573,21 @@ def _check_shape(path: Path, rank: int, fqn: str, shard: Shard, saved: tuple[int
         blocks = [tuple(meta[key(fqn, j)].size) for j in range(n)]
         got = tuple(d * n if i == dim else d for i, d in enumerate(blocks[0]))
     if got != tuple(shard.shape):
-        raise AutopartError(f"rank {rank}: {fqn} has shape {got} in checkpoint {path}, but "
-                            f"{tuple(shard.shape)} in this model",
-                            hint="the checkpoint comes from a model of another size")  # fmt: skip
+        raise AutopartError(
+            f"rank {rank}: {fqn} has shape {got} in checkpoint {path}, but "
+            f"{tuple(shard.shape)} in this model",
+            hint="the checkpoint comes from a model of another size",
+        )
 
 
-def _request(fqn: str, shard: Shard, saved: tuple[int, int] | None, state: str | None,
-             dtype: torch.dtype, runner: Any) -> tuple[dict[str, Any], Callable[[], torch.Tensor]]:  # fmt: skip
+def _request(
+    fqn: str,
+    shard: Shard,
+    saved: tuple[int, int] | None,
+    state: str | None,
+    dtype: torch.dtype,
+    runner: Any,
+) -> tuple[dict[str, Any], Callable[[], torch.Tensor]]:
     """What to ask DCP for to rebuild this rank's local tensor of ``fqn`` (or of its optimizer
     ``state``), and how to rebuild it. DCP reads just the local slice when the saved and the
     current layouts split the same way (whole or fused blocks); otherwise this rank reads the
@@ -553,8 +642,10 @@ class _Reader(FileSystemReader):
             TypeError,
             ValueError,
         ) as exc:
-            raise AutopartError(f"{f} is not a readable DCP metadata file: {exc}",
-                                hint="the checkpoint is damaged, incomplete or not from autopart") from exc  # fmt: skip
+            raise AutopartError(
+                f"{f} is not a readable DCP metadata file: {exc}",
+                hint="the checkpoint is damaged, incomplete or not from autopart",
+            ) from exc
         if not isinstance(metadata, Metadata):
             raise AutopartError(f"{f} does not hold DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -565,16 +656,35 @@ class _Reader(FileSystemReader):
 
 _ALLOWED = {  # everything DCP's .metadata refers to, and nothing that could run code
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch": {"Size", "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
-              "int8", "uint8", "bool", "complex64", "complex128"},
+    "torch": {
+        "Size",
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+    },
     "torch.serialization": {"_get_layout"},  # a name → torch layout lookup
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
-}  # fmt: skip
+}
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -600,8 +710,10 @@ def _clear(path: Path) -> None:
             e.name in (INFO, f".{INFO}.tmp", ".metadata") or e.suffix == ".distcp" for e in entries
         )
         if not path.is_dir() or not ours:
-            raise AutopartError(f"{path} exists and is not an autopart checkpoint; not overwriting it",
-                                hint="save the checkpoint to a new or empty folder")  # fmt: skip
+            raise AutopartError(
+                f"{path} exists and is not an autopart checkpoint; not overwriting it",
+                hint="save the checkpoint to a new or empty folder",
+            )
         (path / INFO).unlink(missing_ok=True)  # first: a half-replaced checkpoint is never complete
         shutil.rmtree(path)
     path.mkdir(parents=True)
@@ -609,8 +721,10 @@ def _clear(path: Path) -> None:
 
 def _need_dist(what: str) -> None:
     if not dist.is_initialized():
-        raise AutopartError(f"checkpoint {what} needs the runner's process group",
-                            hint="call it on every rank under torchrun (export_state_dict needs none)")  # fmt: skip
+        raise AutopartError(
+            f"checkpoint {what} needs the runner's process group",
+            hint="call it on every rank under torchrun (export_state_dict needs none)",
+        )
 
 
 def _wait(work: Any, runner: Any, what: str) -> None:
@@ -618,8 +732,10 @@ def _wait(work: Any, runner: Any, what: str) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=t))
     except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(f"rank {runner.rank}: {what} failed or timed out after {t:.0f} s: {exc}",
-                            hint="a peer rank probably died or is stuck; check its log") from exc  # fmt: skip
+        raise AutopartError(
+            f"rank {runner.rank}: {what} failed or timed out after {t:.0f} s: {exc}",
+            hint="a peer rank probably died or is stuck; check its log",
+        ) from exc
     if ok is False:
         raise AutopartError(f"rank {runner.rank}: timed out after {t:.0f} s waiting for {what}")
 

@@ -40,15 +40,17 @@ def chunk_cost(c1: float, c2: float, a: int, e: int) -> float:
     return c1 * (e - a) + c2 * (e * e - a * a)
 
 
-def sequence_chunks(captured: Captured, seq_len: int, k: int, split: str = "balanced",
-                    multiple: int = 8) -> list[int]:  # fmt: skip
+def sequence_chunks(
+    captured: Captured, seq_len: int, k: int, split: str = "balanced", multiple: int = 8
+) -> list[int]:
     """Lengths of the k chunks of a ``seq_len``-token sequence, in order (they sum to seq_len)."""
     coeffs = cost_coefficients(captured) if split == "balanced" else (1.0, 0.0)
     return chunk_lengths(coeffs, seq_len, k, split, multiple)
 
 
-def chunk_lengths(coeffs: tuple[float, float], seq_len: int, k: int, split: str = "balanced",
-                  multiple: int = 8) -> list[int]:  # fmt: skip
+def chunk_lengths(
+    coeffs: tuple[float, float], seq_len: int, k: int, split: str = "balanced", multiple: int = 8
+) -> list[int]:
     """``sequence_chunks`` from the cost coefficients ``(c1, c2)`` (what the runtime keeps)."""
     if split not in SPLITS:
         raise AutopartError(

@@ -46,32 +46,45 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch"
     )
-    g.add_argument("--seq-split", choices=("balanced", "uniform"), default="balanced",
-                   help="Seq1F1B chunk boundaries: equal work (default) or equal length")  # fmt: skip
+    g.add_argument(
+        "--seq-split",
+        choices=("balanced", "uniform"),
+        default="balanced",
+        help="Seq1F1B chunk boundaries: equal work (default) or equal length",
+    )
     g.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="split activations between tp regions along the sequence",
     )
-    g.add_argument("--max-stage-memory-gb", type=float, default=None,
-                   help="pipeline cuts keep each stage's weights, gradients, Adam states and "
-                   "in-flight activations under this many GiB")  # fmt: skip
+    g.add_argument(
+        "--max-stage-memory-gb",
+        type=float,
+        default=None,
+        help="pipeline cuts keep each stage's weights, gradients, Adam states and "
+        "in-flight activations under this many GiB",
+    )
 
 
 def _plan_kwargs(a: argparse.Namespace) -> dict:
     return dict(
-        schedule=a.schedule, microbatches=a.microbatches, virtual_stages=a.virtual_stages,
-        seq_chunks=a.seq_chunks, seq_split=a.seq_split, sequence_parallel=a.sequence_parallel,
+        schedule=a.schedule,
+        microbatches=a.microbatches,
+        virtual_stages=a.virtual_stages,
+        seq_chunks=a.seq_chunks,
+        seq_split=a.seq_split,
+        sequence_parallel=a.sequence_parallel,
         max_stage_memory_gb=a.max_stage_memory_gb,
-    )  # fmt: skip
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="autopart",
         description="Compile an unmodified PyTorch GPT into one parallel program per rank.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     d = sub.add_parser(
@@ -79,13 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     d.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
-    d.add_argument("--schedule", default="seq1f1b",
-                   help=f"one of {', '.join(SCHEDULES)} (default seq1f1b)")  # fmt: skip
-    d.add_argument("--seq-chunks", type=int, default=2,
-                   help="Seq1F1B sequence chunks per micro-batch (default 2)")  # fmt: skip
+    d.add_argument(
+        "--schedule", default="seq1f1b", help=f"one of {', '.join(SCHEDULES)} (default seq1f1b)"
+    )
+    d.add_argument(
+        "--seq-chunks",
+        type=int,
+        default=2,
+        help="Seq1F1B sequence chunks per micro-batch (default 2)",
+    )
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    d.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
-                   help="keep activations between tp regions whole (default: split along the sequence)")  # fmt: skip
+    d.add_argument(
+        "--no-sequence-parallel",
+        dest="sequence_parallel",
+        action="store_false",
+        help="keep activations between tp regions whole (default: split along the sequence)",
+    )
     d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
     d.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
     d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
@@ -106,20 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the ranks' stage graphs through torch.compile (use --dtype float32)",
     )
-    v.add_argument("--nnodes", type=int, default=1,
-                   help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
-                   "machines would (default 1)")  # fmt: skip
+    v.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
+        "machines would (default 1)",
+    )
     from autopart.verify import PLANS_HELP
 
-    v.add_argument("--plans", metavar="PLANS", default=None,
-                   help=f"check several plans in one call, e.g. \"tp=2; pp=2,1f1b,m=4; "
-                   f"pp=2,seq1f1b,k=2,m=4\": {PLANS_HELP}; the plan flags give what a plan leaves "
-                   "unset. The model is captured once, and all plans of one world size run in one "
-                   "torchrun launch")  # fmt: skip
-    v.add_argument("--in-memory", action="store_true",
-                   help="fork the ranks from this process with the compiled program in memory "
-                   "(as the live DeviceMesh API runs it) instead of saving it and launching "
-                   "torchrun: seconds faster per plan; no --nnodes or --compile")  # fmt: skip
+    v.add_argument(
+        "--plans",
+        metavar="PLANS",
+        default=None,
+        help=f'check several plans in one call, e.g. "tp=2; pp=2,1f1b,m=4; '
+        f'pp=2,seq1f1b,k=2,m=4": {PLANS_HELP}; the plan flags give what a plan leaves '
+        "unset. The model is captured once, and all plans of one world size run in one "
+        "torchrun launch",
+    )
+    v.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="fork the ranks from this process with the compiled program in memory "
+        "(as the live DeviceMesh API runs it) instead of saving it and launching "
+        "torchrun: seconds faster per plan; no --nnodes or --compile",
+    )
 
     z = sub.add_parser(
         "zoo",
@@ -129,13 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
         "pp=2 Seq1F1B k=2 and tp=2×pp=2 Seq1F1B k=2 with forked gloo ranks, print one line per "
         "cell and write the compatibility matrix as Markdown.",
     )
-    z.add_argument("--models", metavar="A,B", default=None,
-                   help="architectures to check, comma-separated (default: all of autopart.zoo's: "
-                   "see docs/compatibility.md)")  # fmt: skip
-    z.add_argument("--write", metavar="FILE", default=None,
-                   help="write the Markdown table there (e.g. docs/compatibility.md)")  # fmt: skip
-    z.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds any distributed wait may take (default 120)")  # fmt: skip
+    z.add_argument(
+        "--models",
+        metavar="A,B",
+        default=None,
+        help="architectures to check, comma-separated (default: all of autopart.zoo's: "
+        "see docs/compatibility.md)",
+    )
+    z.add_argument(
+        "--write",
+        metavar="FILE",
+        default=None,
+        help="write the Markdown table there (e.g. docs/compatibility.md)",
+    )
+    z.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds any distributed wait may take (default 120)",
+    )
 
     i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
     i.add_argument(
@@ -143,8 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _plan_flags(i)
     i.add_argument("--rank", default="0", help="rank to print, or 'all' (default 0)")
-    i.add_argument("--seq-len", type=int, default=None,
-                   help="sequence length for the Seq1F1B chunk table (default: the example's)")  # fmt: skip
+    i.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="sequence length for the Seq1F1B chunk table (default: the example's)",
+    )
     i.add_argument("--dot", metavar="FILE", help="write the rank's stage graph as Graphviz DOT")
     i.add_argument(
         "--after",
@@ -154,14 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     from autopart.run import build_parser as run_parser
 
-    r = sub.add_parser("run", help="run saved ranks (under torchrun, or launching it)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    r = sub.add_parser(
+        "run",
+        help="run saved ranks (under torchrun, or launching it)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run_parser(r)
 
     t = sub.add_parser("timeline", help="draw a trace (autopart run --trace) as a timeline PNG")
     t.add_argument("trace", metavar="TRACE", help="Chrome/Perfetto trace JSON")
-    t.add_argument("-o", "--out", default=None, metavar="PNG",
-                   help="picture to write (default: TRACE with .png)")  # fmt: skip
+    t.add_argument(
+        "-o",
+        "--out",
+        default=None,
+        metavar="PNG",
+        help="picture to write (default: TRACE with .png)",
+    )
     t.add_argument("--title", default="", help="title above the picture (default: the file name)")
     _simulate_parsers(sub)
     return p
@@ -195,16 +252,23 @@ def _model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None
         "--model", metavar="SPEC", help="capture path/to/file.py:make and read its shape"
     )
     g.add_argument("--shape", metavar="NAME", help="a named shape: gpt3-175b, megatron-1t, gpt-7b")
-    for name, text in (("layers", "transformer blocks"), ("hidden", "model width"),
-                       ("heads", "attention heads"), ("vocab", "vocabulary size")):  # fmt: skip
+    for name, text in (
+        ("layers", "transformer blocks"),
+        ("hidden", "model width"),
+        ("heads", "attention heads"),
+        ("vocab", "vocabulary size"),
+    ):
         g.add_argument(f"--{name}", type=int, help=text)
     g.add_argument("--seq", type=int, help="sequence length (default with --model: the example's)")
     g.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads)")
     g.add_argument("--ffn", type=int, help="MLP width (default 4 × hidden)")
     g.add_argument("--untied", action="store_true", help="the LM head does not share the embedding")
     c = p.add_argument_group("cluster")
-    c.add_argument("--cluster", default="dgx-a100-80gb",
-                   help="dgx-a100-80gb (default), dgx-h100, or a .toml / .json file")  # fmt: skip
+    c.add_argument(
+        "--cluster",
+        default="dgx-a100-80gb",
+        help="dgx-a100-80gb (default), dgx-h100, or a .toml / .json file",
+    )
     c.add_argument("--gpus", type=int, required=gpus_required, help="GPUs in all")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -217,13 +281,16 @@ def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
         help="predict one training iteration on a GPU cluster",
         epilog=SIM_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )  # fmt: skip  (--measured must see every flag given)
+        allow_abbrev=False,  # --measured must see every flag given
+    )
     _model_flags(s, gpus_required=False)
-    s.add_argument("--measured", metavar="TRACE",
-                   help="replay the per-action costs of a real run here (the trace of autopart run "
-                   "DIR --trace TRACE) instead of a model and cluster: predicts that layout with "
-                   "--global-batch sequences or --schedule (docs/simulate.md, 'Calibration')")  # fmt: skip
+    s.add_argument(
+        "--measured",
+        metavar="TRACE",
+        help="replay the per-action costs of a real run here (the trace of autopart run "
+        "DIR --trace TRACE) instead of a model and cluster: predicts that layout with "
+        "--global-batch sequences or --schedule (docs/simulate.md, 'Calibration')",
+    )
     g = s.add_argument_group("plan (dp = gpus / (tp × pp))")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
@@ -231,39 +298,93 @@ def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)"
     )
-    g.add_argument("--global-batch", type=int,
-                   help="sequences per iteration (required, except with --measured: the run's)")  # fmt: skip
-    g.add_argument("--schedule", default=None,
-                   help=f"one of {', '.join(SCHEDULES)} (default 1f1b; with --measured, the run's)")  # fmt: skip
+    g.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per iteration (required, except with --measured: the run's)",
+    )
+    g.add_argument(
+        "--schedule",
+        default=None,
+        help=f"one of {', '.join(SCHEDULES)} (default 1f1b; with --measured, the run's)",
+    )
     g.add_argument("--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks (default 1)")
-    g.add_argument("--seq-split", choices=("balanced", "uniform"), default="balanced",
-                   help="Seq1F1B chunk boundaries (default balanced)")  # fmt: skip
-    g.add_argument("--recompute", choices=RECOMPUTE, default="none",
-                   help="activation recomputation (default none)")  # fmt: skip
+    g.add_argument(
+        "--seq-split",
+        choices=("balanced", "uniform"),
+        default="balanced",
+        help="Seq1F1B chunk boundaries (default balanced)",
+    )
+    g.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="none",
+        help="activation recomputation (default none)",
+    )
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
-    g.add_argument("--attention", choices=ATTENTION, default="flash",
-                   help="attention kernel: fused causal (default) or unfused (Megatron 2021)")  # fmt: skip
-    g.add_argument("--distributed-optimizer", action="store_true",
-                   help="shard the optimizer state over dp (Megatron's distributed optimizer)")  # fmt: skip
+    g.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="flash",
+        help="attention kernel: fused causal (default) or unfused (Megatron 2021)",
+    )
+    g.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="shard the optimizer state over dp (Megatron's distributed optimizer)",
+    )
     s.add_argument("--trace", metavar="FILE", help="write the simulated pipeline as a Chrome trace")
-    s.add_argument("--ignore-memory", action="store_true",
-                   help="predict a plan even when it does not fit the GPUs' memory (default: "
-                   "refuse it, saying by how much and what would fit)")  # fmt: skip
-    pl = sub.add_parser("plan", help="search for the fastest plan that fits in memory",
-                        epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    s.add_argument(
+        "--ignore-memory",
+        action="store_true",
+        help="predict a plan even when it does not fit the GPUs' memory (default: "
+        "refuse it, saying by how much and what would fit)",
+    )
+    pl = sub.add_parser(
+        "plan",
+        help="search for the fastest plan that fits in memory",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _model_flags(pl)
     pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
     pl.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
-    pl.add_argument("--schedules", nargs="+", default=list(SCHEDULES), metavar="NAME",
-                    help="schedules to try (default: all)")  # fmt: skip
-    pl.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4, 8], metavar="B",
-                    help="micro-batch sizes to try (default 1 2 4 8)")  # fmt: skip
-    pl.add_argument("--seq-chunks", nargs="+", type=int, default=[2, 4, 8], metavar="K",
-                    help="Seq1F1B chunk counts to try (default 2 4 8)")  # fmt: skip
-    pl.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE),
-                    help="recompute modes to try (default: all)")  # fmt: skip
-    pl.add_argument("--attention", choices=ATTENTION, default="flash",
-                    help="attention kernel of every plan (default flash)")  # fmt: skip
+    pl.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(SCHEDULES),
+        metavar="NAME",
+        help="schedules to try (default: all)",
+    )
+    pl.add_argument(
+        "--micro-batches",
+        nargs="+",
+        type=int,
+        default=[1, 2, 4, 8],
+        metavar="B",
+        help="micro-batch sizes to try (default 1 2 4 8)",
+    )
+    pl.add_argument(
+        "--seq-chunks",
+        nargs="+",
+        type=int,
+        default=[2, 4, 8],
+        metavar="K",
+        help="Seq1F1B chunk counts to try (default 2 4 8)",
+    )
+    pl.add_argument(
+        "--recompute",
+        nargs="+",
+        choices=RECOMPUTE,
+        default=list(RECOMPUTE),
+        help="recompute modes to try (default: all)",
+    )
+    pl.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="flash",
+        help="attention kernel of every plan (default flash)",
+    )
     pl.add_argument("--max-tp", type=int, default=None, help="largest tp (default: GPUs per node)")
     pl.add_argument("--no-progress", action="store_true", help="no progress display")
 
@@ -277,8 +398,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        commands = {"demo": _demo, "verify": _verify, "inspect": _inspect, "run": _run,
-                    "timeline": _timeline, "simulate": _simulate, "plan": _plan, "zoo": _zoo}  # fmt: skip
+        commands = {
+            "demo": _demo,
+            "verify": _verify,
+            "inspect": _inspect,
+            "run": _run,
+            "timeline": _timeline,
+            "simulate": _simulate,
+            "plan": _plan,
+            "zoo": _zoo,
+        }
         return commands[args.command](args)
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
@@ -311,25 +440,46 @@ def _verify(a: argparse.Namespace) -> int:
         outcome["fail"] += not result.ok
         verdict = "[green]PASS[/]" if result.ok else "[red]FAIL[/]"
         if len(checks) > 1:  # one line per plan
-            con.print(f"{verdict} {name}: loss rel err {result.loss_error:.1e}, worst gradient "
-                      f"{result.worst} {result.grad_error:.1e} ({len(result.errors)} compared, "
-                      f"tolerance {result.tolerance:.0e}, {result.seconds:.1f} s)", highlight=False)  # fmt: skip
+            con.print(
+                f"{verdict} {name}: loss rel err {result.loss_error:.1e}, worst gradient "
+                f"{result.worst} {result.grad_error:.1e} ({len(result.errors)} compared, "
+                f"tolerance {result.tolerance:.0e}, {result.seconds:.1f} s)",
+                highlight=False,
+            )
             return
-        con.print(f"loss: {result.loss:.15g} (single device {result.ref_loss:.15g}), "
-                  f"max rel error {result.loss_error:.3e}", highlight=False)  # fmt: skip
-        con.print(f"worst gradient: {result.worst}, max rel error {result.grad_error:.3e} "
-                  f"({len(result.errors)} gradients compared)", highlight=False)  # fmt: skip
-        con.print(f"{verdict} (tolerance {result.tolerance:.0e}, {a.dtype}, {result.seconds:.1f} s)",
-                  highlight=False)  # fmt: skip
+        con.print(
+            f"loss: {result.loss:.15g} (single device {result.ref_loss:.15g}), "
+            f"max rel error {result.loss_error:.3e}",
+            highlight=False,
+        )
+        con.print(
+            f"worst gradient: {result.worst}, max rel error {result.grad_error:.3e} "
+            f"({len(result.errors)} gradients compared)",
+            highlight=False,
+        )
+        con.print(
+            f"{verdict} (tolerance {result.tolerance:.0e}, {a.dtype}, {result.seconds:.1f} s)",
+            highlight=False,
+        )
 
     what = f"{len(checks)} plans of" if len(checks) > 1 else "a plan of"
     with con.status(f"verifying {what} {a.model} against one device"):
-        verify_many(checks, dtype=a.dtype, timeout_s=a.timeout, nnodes=a.nnodes, compile=a.compile,
-                    via="fork" if a.in_memory else "torchrun", on_result=show)  # fmt: skip
+        verify_many(
+            checks,
+            dtype=a.dtype,
+            timeout_s=a.timeout,
+            nnodes=a.nnodes,
+            compile=a.compile,
+            via="fork" if a.in_memory else "torchrun",
+            on_result=show,
+        )
     if len(checks) > 1:
         passed = len(checks) - outcome["fail"] - outcome["error"]
-        con.print(f"{passed} of {len(checks)} plans pass, {outcome['fail']} fail, "
-                  f"{outcome['error']} errors", highlight=False)  # fmt: skip
+        con.print(
+            f"{passed} of {len(checks)} plans pass, {outcome['fail']} fail, "
+            f"{outcome['error']} errors",
+            highlight=False,
+        )
     return 2 if outcome["error"] else 1 if outcome["fail"] else 0
 
 
@@ -347,8 +497,10 @@ def _zoo(a: argparse.Namespace) -> int:
     )
     unknown = [m for m in archs if m not in zoo.ARCHITECTURES]
     if unknown:
-        raise AutopartError(f"no architecture {', '.join(unknown)} in autopart.zoo",
-                            hint=f"choose from {', '.join(zoo.ARCHITECTURES)}")  # fmt: skip
+        raise AutopartError(
+            f"no architecture {', '.join(unknown)} in autopart.zoo",
+            hint=f"choose from {', '.join(zoo.ARCHITECTURES)}",
+        )
     con = Console()
     total, done = len(archs) * len(zoo.PLANS), [0]
 
@@ -356,10 +508,18 @@ def _zoo(a: argparse.Namespace) -> int:
         done[0] += 1
         word = zoo.verdict(cell)
         colour = {"PASS": "green", "FAIL": "red", "refused": "yellow"}[word]
-        detail = cell.message.splitlines()[0] if word == "refused" else (
-            f"worst gradient {cell.worst} {cell.grad_error:.1e} (tolerance {cell.tolerance:.0e})")  # fmt: skip
-        con.print(f"[{done[0]:3d}/{total}] {arch:12s} {plan:22s} [{colour}]{word}[/] {dtype}: {detail}",
-                  highlight=False, soft_wrap=True)  # fmt: skip
+        detail = (
+            cell.message.splitlines()[0]
+            if word == "refused"
+            else (
+                f"worst gradient {cell.worst} {cell.grad_error:.1e} (tolerance {cell.tolerance:.0e})"
+            )
+        )
+        con.print(
+            f"[{done[0]:3d}/{total}] {arch:12s} {plan:22s} [{colour}]{word}[/] {dtype}: {detail}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     with con.status(f"verifying {len(archs)} architectures × {len(zoo.PLANS)} plans"):
         results = zoo.matrix(archs, timeout_s=a.timeout, on_result=show)
@@ -392,8 +552,14 @@ def _inspect(a: argparse.Namespace) -> int:
         captured = capture(model, batch)
     print_costs(captured, con)
     if a.seq_chunks > 1:
-        con.print(chunk_rich(captured, a.seq_len or captured.example_shape[1], a.seq_chunks,
-                             math.lcm(8, a.tp) if a.sequence_parallel else 8))  # fmt: skip
+        con.print(
+            chunk_rich(
+                captured,
+                a.seq_len or captured.example_shape[1],
+                a.seq_chunks,
+                math.lcm(8, a.tp) if a.sequence_parallel else 8,
+            )
+        )
     with con.status(f"compiling for {mesh}"):
         program = parallelize(captured, mesh, **_plan_kwargs(a))
     program.summary(con)
@@ -460,9 +626,18 @@ def _timeline(a: argparse.Namespace) -> int:
 def _shape(a: argparse.Namespace):
     from autopart.simulate import resolve_shape
 
-    return resolve_shape(a.model, a.shape, layers=a.layers, hidden=a.hidden, heads=a.heads,
-                         vocab=a.vocab, seq=a.seq, kv_heads=a.kv_heads, ffn=a.ffn,
-                         tied=not a.untied)  # fmt: skip
+    return resolve_shape(
+        a.model,
+        a.shape,
+        layers=a.layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        vocab=a.vocab,
+        seq=a.seq,
+        kv_heads=a.kv_heads,
+        ffn=a.ffn,
+        tied=not a.untied,
+    )
 
 
 def _simulate(a: argparse.Namespace) -> int:
@@ -476,22 +651,33 @@ def _simulate(a: argparse.Namespace) -> int:
         return _simulate_measured(a)
     for flag, value in (("--gpus", a.gpus), ("--global-batch", a.global_batch)):
         if value is None:
-            raise AutopartError(f"simulate needs {flag}",
-                                hint="or --measured TRACE to replay a run measured here")  # fmt: skip
+            raise AutopartError(
+                f"simulate needs {flag}", hint="or --measured TRACE to replay a run measured here"
+            )
     if a.gpus % (a.tp * a.pp):
-        raise AutopartError(f"--gpus {a.gpus} is not divisible by tp × pp = {a.tp * a.pp}",
-                            hint="dp = gpus / (tp × pp) must be a whole number")  # fmt: skip
-    strategy = Strategy(tp=a.tp, pp=a.pp, dp=a.gpus // (a.tp * a.pp),
-                        virtual_stages=a.virtual_stages, micro_batch=a.micro_batch,
-                        global_batch=a.global_batch, schedule=a.schedule or "1f1b",
-                        seq_chunks=a.seq_chunks,
-                        seq_split=a.seq_split, recompute=a.recompute,
-                        sequence_parallel=a.sequence_parallel,
-                        distributed_optimizer=a.distributed_optimizer,
-                        attention=a.attention)  # fmt: skip
+        raise AutopartError(
+            f"--gpus {a.gpus} is not divisible by tp × pp = {a.tp * a.pp}",
+            hint="dp = gpus / (tp × pp) must be a whole number",
+        )
+    strategy = Strategy(
+        tp=a.tp,
+        pp=a.pp,
+        dp=a.gpus // (a.tp * a.pp),
+        virtual_stages=a.virtual_stages,
+        micro_batch=a.micro_batch,
+        global_batch=a.global_batch,
+        schedule=a.schedule or "1f1b",
+        seq_chunks=a.seq_chunks,
+        seq_split=a.seq_split,
+        recompute=a.recompute,
+        sequence_parallel=a.sequence_parallel,
+        distributed_optimizer=a.distributed_optimizer,
+        attention=a.attention,
+    )
     shape = _shape(a)
-    sim = simulate(shape, a.cluster, strategy, record=bool(a.trace),
-                   extrapolate=False if a.trace else None)  # fmt: skip
+    sim = simulate(
+        shape, a.cluster, strategy, record=bool(a.trace), extrapolate=False if a.trace else None
+    )
     if not sim.summary["fits"] and not a.ignore_memory:
         _does_not_fit(shape, sim)
     if a.trace:
@@ -516,9 +702,13 @@ def _does_not_fit(shape, sim) -> None:
     mem = sim.summary["memory"]
     over = mem["total"] - mem["usable"]
     fits = fitting_alternatives(shape, sim.cluster, sim.strategy)
-    hint = ("these fit: " + "; ".join(f"{alt.describe()} needs {need / GIB:.1f} GiB"
-                                       for alt, need in fits) + "." if fits else
-            "no single change of layout fits; more GPUs or a smaller model may.")  # fmt: skip
+    hint = (
+        "these fit: "
+        + "; ".join(f"{alt.describe()} needs {need / GIB:.1f} GiB" for alt, need in fits)
+        + "."
+        if fits
+        else "no single change of layout fits; more GPUs or a smaller model may."
+    )
     raise AutopartError(
         f"{sim.strategy.describe()} does not fit: rank {mem['rank']} needs {mem['total']:.1f} GiB "
         f"per GPU ({mem['parameters']:.1f} parameters, {mem['gradients']:.1f} gradients, "
@@ -529,11 +719,31 @@ def _does_not_fit(shape, sim) -> None:
     )
 
 
-_NOT_MEASURED = ("--model", "--shape", "--layers", "--hidden", "--heads", "--vocab", "--seq",
-                 "--kv-heads", "--ffn", "--untied", "--cluster", "--gpus", "--tp", "--pp",
-                 "--virtual-stages", "--micro-batch", "--seq-chunks", "--seq-split", "--recompute",
-                 "--sequence-parallel", "--attention", "--distributed-optimizer",
-                 "--ignore-memory")  # fmt: skip
+_NOT_MEASURED = (
+    "--model",
+    "--shape",
+    "--layers",
+    "--hidden",
+    "--heads",
+    "--vocab",
+    "--seq",
+    "--kv-heads",
+    "--ffn",
+    "--untied",
+    "--cluster",
+    "--gpus",
+    "--tp",
+    "--pp",
+    "--virtual-stages",
+    "--micro-batch",
+    "--seq-chunks",
+    "--seq-split",
+    "--recompute",
+    "--sequence-parallel",
+    "--attention",
+    "--distributed-optimizer",
+    "--ignore-memory",
+)
 
 
 def _simulate_measured(a: argparse.Namespace) -> int:
@@ -546,27 +756,35 @@ def _simulate_measured(a: argparse.Namespace) -> int:
 
     given = [f for f in _NOT_MEASURED if any(x == f or x.startswith(f + "=") for x in a.raw_argv)]
     if given:
-        raise AutopartError(f"{given[0]} does not go with --measured: the model, cluster and "
-                            "layout are the measured run's",
-                            hint="--measured takes --global-batch, --schedule, --json and --trace")  # fmt: skip
+        raise AutopartError(
+            f"{given[0]} does not go with --measured: the model, cluster and "
+            "layout are the measured run's",
+            hint="--measured takes --global-batch, --schedule, --json and --trace",
+        )
     m = load(a.measured)
     mb = None
     if a.global_batch is not None:
         per = m.dp * m.microbatch_size
         if not per:
-            raise AutopartError(f"{a.measured} does not record the micro-batch size",
-                                hint="re-measure with this version of autopart run")  # fmt: skip
+            raise AutopartError(
+                f"{a.measured} does not record the micro-batch size",
+                hint="re-measure with this version of autopart run",
+            )
         if a.global_batch % per or a.global_batch < per:
-            raise AutopartError(f"--global-batch {a.global_batch} is not a whole number of "
-                                f"micro-batches of {m.microbatch_size} sequences on {m.dp} dp ranks",
-                                hint=f"use a multiple of {per} (the run measured {per * m.microbatches})")  # fmt: skip
+            raise AutopartError(
+                f"--global-batch {a.global_batch} is not a whole number of "
+                f"micro-batches of {m.microbatch_size} sequences on {m.dp} dp ranks",
+                hint=f"use a multiple of {per} (the run measured {per * m.microbatches})",
+            )
         mb = a.global_batch // per
     name = a.schedule or m.schedule
     if "interleaved" in name and m.pp > 1 and (mb or m.microbatches) % m.pp:
         per_round = m.dp * m.microbatch_size * m.pp
-        raise AutopartError(f"{name} needs a multiple of pp={m.pp} micro-batches; --global-batch "
-                            f"{a.global_batch} gives {mb}",
-                            hint=f"use a multiple of {per_round} for --global-batch")  # fmt: skip
+        raise AutopartError(
+            f"{name} needs a multiple of pp={m.pp} micro-batches; --global-batch "
+            f"{a.global_batch} gives {mb}",
+            hint=f"use a multiple of {per_round} for --global-batch",
+        )
     pred = predict(m, microbatches=mb, schedule=a.schedule, record=bool(a.trace))
     if a.trace:
         from autopart.simulate import to_chrome_trace
@@ -593,12 +811,23 @@ def _plan(a: argparse.Namespace) -> int:
     shape = _shape(a)
     con = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table
     if not a.json:
-        con.print(f"planning {shape.describe()} on {a.gpus} × {a.cluster}, "
-                  f"global batch {a.global_batch}")  # fmt: skip
-    result = search(shape, a.cluster, a.gpus, a.global_batch, top=a.top, schedules=a.schedules,
-                    micro_batches=a.micro_batches, seq_chunks=a.seq_chunks,
-                    recompute=a.recompute, attention=a.attention, max_tp=a.max_tp,
-                    progress=not a.no_progress)  # fmt: skip
+        con.print(
+            f"planning {shape.describe()} on {a.gpus} × {a.cluster}, global batch {a.global_batch}"
+        )
+    result = search(
+        shape,
+        a.cluster,
+        a.gpus,
+        a.global_batch,
+        top=a.top,
+        schedules=a.schedules,
+        micro_batches=a.micro_batches,
+        seq_chunks=a.seq_chunks,
+        recompute=a.recompute,
+        attention=a.attention,
+        max_tp=a.max_tp,
+        progress=not a.no_progress,
+    )
     if a.json:
         print(json.dumps(result.to_json()))
     else:

@@ -67,8 +67,14 @@ class Cluster:
                 raise AutopartError(
                     f"cluster {self.name!r}: {f.name}={value!r} must be a positive number"
                 )
-        for f in ("mm_efficiency", "attn_efficiency", "hbm_efficiency", "nvlink_efficiency", "ib_efficiency",
-                  "usable_memory_fraction"):  # fmt: skip
+        for f in (
+            "mm_efficiency",
+            "attn_efficiency",
+            "hbm_efficiency",
+            "nvlink_efficiency",
+            "ib_efficiency",
+            "usable_memory_fraction",
+        ):
             if getattr(self, f) > 1:
                 raise AutopartError(f"cluster {self.name!r}: {f}={getattr(self, f)} is above 1")
 
@@ -85,8 +91,11 @@ class Cluster:
         """(name, bytes/s, alpha seconds) of a group of ranks ``span`` consecutive ranks wide:
         NVLink when it fits in one node, InfiniBand (each GPU's share of the NICs) otherwise."""
         if span <= self.gpus_per_node:
-            return ("nvlink", self.nvlink_gbps * 1e9 * self.nvlink_efficiency,
-                    self.nvlink_latency_us * 1e-6)  # fmt: skip
+            return (
+                "nvlink",
+                self.nvlink_gbps * 1e9 * self.nvlink_efficiency,
+                self.nvlink_latency_us * 1e-6,
+            )
         return ("ib", self.ib_gbps_per_gpu * 1e9 * self.ib_efficiency, self.ib_latency_us * 1e-6)
 
     def to_json(self) -> dict[str, Any]:
@@ -140,11 +149,14 @@ def cluster_from_dict(data: dict[str, Any], source: str = "cluster") -> Cluster:
         start = preset(str(base)).to_json()
         start.update(data)
         data = start
-    missing = [f.name for f in fields(Cluster)
-               if f.name not in data and f.default is dataclasses.MISSING]  # fmt: skip
+    missing = [
+        f.name for f in fields(Cluster) if f.name not in data and f.default is dataclasses.MISSING
+    ]
     if missing:
-        raise AutopartError(f"{source}: missing {', '.join(missing)}",
-                            hint=f"give them, or start from a preset: base = \"{next(iter(PRESETS))}\"")  # fmt: skip
+        raise AutopartError(
+            f"{source}: missing {', '.join(missing)}",
+            hint=f'give them, or start from a preset: base = "{next(iter(PRESETS))}"',
+        )
     try:
         return Cluster(**data)
     except TypeError as exc:
@@ -174,8 +186,9 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     if text in PRESETS or path.suffix.lower() not in (".toml", ".json"):
         return preset(text)
     if not path.exists():
-        raise AutopartError(f"cluster file {path} does not exist",
-                            hint=f"or use a preset: {', '.join(PRESETS)}")  # fmt: skip
+        raise AutopartError(
+            f"cluster file {path} does not exist", hint=f"or use a preset: {', '.join(PRESETS)}"
+        )
     raw = path.read_bytes()
     try:
         data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)

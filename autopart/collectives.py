@@ -80,8 +80,10 @@ def set_action(action: str, timeout_s: float | None = None) -> None:
 
 def _group(name: str) -> Any:
     if name not in _GROUPS:
-        raise AutopartError(f"collective group {name!r} is not bound in this process",
-                            hint="run the program through autopart's Runner, which binds its groups")  # fmt: skip
+        raise AutopartError(
+            f"collective group {name!r} is not bound in this process",
+            hint="run the program through autopart's Runner, which binds its groups",
+        )
     return _GROUPS[name]
 
 
@@ -91,8 +93,11 @@ def _wait(work: Any, what: str) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(f"rank {rank}: {what} during {_STATE['action']} failed or timed out "
-                            f"after {timeout:.0f} s: {exc}", hint="a peer rank probably died or is stuck") from exc  # fmt: skip
+        raise AutopartError(
+            f"rank {rank}: {what} during {_STATE['action']} failed or timed out "
+            f"after {timeout:.0f} s: {exc}",
+            hint="a peer rank probably died or is stuck",
+        ) from exc
     if ok is False:
         raise AutopartError(
             f"rank {rank}: timed out after {timeout:.0f} s in {what} during {_STATE['action']}"
@@ -119,10 +124,12 @@ def transport(g: Any) -> str:
     if g not in _TRANSPORT:
         gloo = dist.get_backend(g) == "gloo"
         _TRANSPORT[g] = (
-            "shm" if _shm(g) is not None
-            else "exchange" if gloo and dist.get_world_size(g) <= EXCHANGE_MAX
+            "shm"
+            if _shm(g) is not None
+            else "exchange"
+            if gloo and dist.get_world_size(g) <= EXCHANGE_MAX
             else "c10d"
-        )  # fmt: skip
+        )
     return _TRANSPORT[g]
 
 
@@ -225,8 +232,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     _record("reduce_scatter", group, x)
     what = f"reduce-scatter over {group} of {tuple(x.shape)}"
     if x.size(dim) % n:
-        raise AutopartError(f"reduce-scatter over {group}: dim {dim} of {tuple(x.shape)} does not split "
-                            f"into {n} equal parts", hint="shard only dims divisible by the group size")  # fmt: skip
+        raise AutopartError(
+            f"reduce-scatter over {group}: dim {dim} of {tuple(x.shape)} does not split "
+            f"into {n} equal parts",
+            hint="shard only dims divisible by the group size",
+        )
     parts = [p.contiguous() for p in x.chunk(n, dim)]
     if transport(g) != "c10d":  # each rank gets only the slices of its own part
         return _exchange(parts, g, what, _sum_in_rank_order)
@@ -300,8 +310,13 @@ def set_fake_world(sizes: dict[str, int]) -> None:
     _FAKE_WORLD.update(sizes)
 
 
-for _op, _fake in ((tp_copy, _same), (tp_reduce, _same), (tp_all_reduce_grad, _same),
-                   (tp_gather, _gathered), (tp_scatter_reduce, _scattered)):  # fmt: skip
+for _op, _fake in (
+    (tp_copy, _same),
+    (tp_reduce, _same),
+    (tp_all_reduce_grad, _same),
+    (tp_gather, _gathered),
+    (tp_scatter_reduce, _scattered),
+):
     _op.register_fake(_fake)
 
 
@@ -326,8 +341,9 @@ tp_scatter_reduce.register_autograd(
 
 
 @torch.library.custom_op("autopart::vocab_parallel_ce", mutates_args=())
-def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, tp_rank: torch.Tensor,
-                      group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def vocab_parallel_ce(
+    logits: torch.Tensor, labels: torch.Tensor, tp_rank: torch.Tensor, group: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed CE over labels != -100 of logits [N, V/tp] sharded by vocabulary.
 
     Returns (loss_sum, row max [N], row sum of exp [N]); the last two are for the backward.
@@ -347,8 +363,10 @@ def vocab_parallel_ce(logits: torch.Tensor, labels: torch.Tensor, tp_rank: torch
     vocab, valid = n_local * every.shape[0], labels != -100
     wrong = valid & ((labels < 0) | (labels >= vocab))  # every tp rank holds the same labels
     if _group(group) is not None and bool(wrong.any()):  # (unbound: one-process shape tests)
-        raise AutopartError(f"label {int(labels[wrong][0])} is outside the vocabulary [0, {vocab})",
-                            hint="labels are token ids, or -100 at positions the loss ignores")  # fmt: skip
+        raise AutopartError(
+            f"label {int(labels[wrong][0])} is outside the vocabulary [0, {vocab})",
+            hint="labels are token ids, or -100 at positions the loss ignores",
+        )
     row_max = every[:, 0].max(0).values
     sum_exp = (every[:, 1] * (every[:, 0] - row_max).exp()).sum(0)
     target = every[:, 2].sum(0) - row_max  # the target's shifted logit, from its owner
@@ -386,8 +404,14 @@ vocab_parallel_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
 # -- dropout with explicit, reproducible randomness ------------------------------------------
 
 
-def _dropout_mask(shape: list[int], p: float, seed: torch.Tensor, slot: int, rank: torch.Tensor | None,
-                  dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def _dropout_mask(
+    shape: list[int],
+    p: float,
+    seed: torch.Tensor,
+    slot: int,
+    rank: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Keep-mask (scaled by 1/(1-p)) from (seed, slot[, rank]): the same inputs give the same mask."""
     mix = (
         int(seed) * 1_000_003 + slot * 7_919 + (0 if rank is None else (int(rank) + 1) * 104_729)

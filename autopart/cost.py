@@ -30,11 +30,31 @@ META_COST = "autopart.cost"
 ZERO = sympy.Integer(0)
 
 _VIEWS = {
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
-    "squeeze", "slice", "select", "split", "split_with_sizes", "alias", "as_strided",
-    "unflatten", "flatten", "chunk", "unbind", "detach", "lift_fresh_copy", "sym_size",
-    "_assert_tensor_metadata", "to",
-}  # fmt: skip
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "t",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "alias",
+    "as_strided",
+    "unflatten",
+    "flatten",
+    "chunk",
+    "unbind",
+    "detach",
+    "lift_fresh_copy",
+    "sym_size",
+    "_assert_tensor_metadata",
+    "to",
+}
 _GATHERS = {"embedding", "index", "arange", "ones", "zeros", "new_ones", "full", "empty"}
 _MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
 
@@ -169,9 +189,14 @@ def analyze(captured: Captured) -> list[Group]:
     for name, nodes in per.items():
         n_params = sum(captured.params[f].numel() for f, g in owner.items() if g == name)
         groups.append(
-            Group(name, layers[name], n_params, total(n.meta[META_COST] for n in nodes),
-                  [n.name for n in nodes])
-        )  # fmt: skip
+            Group(
+                name,
+                layers[name],
+                n_params,
+                total(n.meta[META_COST] for n in nodes),
+                [n.name for n in nodes],
+            )
+        )
     return groups
 
 

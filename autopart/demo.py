@@ -26,8 +26,10 @@ SEQ = 64  # tokens (bytes) per sequence
 def corpus() -> torch.Tensor:
     """The shipped text as byte ids (a 1-D int64 tensor)."""
     if not CORPUS.exists():
-        raise AutopartError(f"the demo corpus {CORPUS} is missing",
-                            hint="reinstall autopart (pip install -e .) from a complete checkout")  # fmt: skip
+        raise AutopartError(
+            f"the demo corpus {CORPUS} is missing",
+            hint="reinstall autopart (pip install -e .) from a complete checkout",
+        )
     return torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
 
 
@@ -41,11 +43,15 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     mesh = Mesh(dp=args.dp, tp=args.tp, pp=args.pp)
     args.sequence_parallel = args.sequence_parallel and args.tp > 1
-    con.print(Panel.fit(
-        f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
-        f" × {args.microbatches} micro-batches, {args.schedule}"
-        f"{f' with {args.seq_chunks} sequence chunks' if args.schedule.startswith('seq1f1b') else ''}"
-        f" → {mesh.size} ranks under torchrun (gloo, CPU), trained on {CORPUS.name} as bytes", style="bold"))  # fmt: skip
+    con.print(
+        Panel.fit(
+            f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
+            f" × {args.microbatches} micro-batches, {args.schedule}"
+            f"{f' with {args.seq_chunks} sequence chunks' if args.schedule.startswith('seq1f1b') else ''}"
+            f" → {mesh.size} ranks under torchrun (gloo, CPU), trained on {CORPUS.name} as bytes",
+            style="bold",
+        )
+    )
     cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=2 * SEQ)
     text = corpus()
 
@@ -75,11 +81,30 @@ def main(args: argparse.Namespace) -> int:
     saved = program.save(out / "program")
     tokens = out / "tokens.pt"
     torch.save(text, tokens)
-    con.print(f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
-              f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})")  # fmt: skip
+    con.print(
+        f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
+        f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})"
+    )
     trace, picture = out / "trace.json", out / "timeline.png"
-    launch(mesh.size, ["-m", "autopart.run", str(saved), "--tokens", str(tokens), "--steps", str(args.steps),
-                     "--lr", "3e-3", "--trace", str(trace), "--timeline", str(picture)], stream=True)  # fmt: skip
+    launch(
+        mesh.size,
+        [
+            "-m",
+            "autopart.run",
+            str(saved),
+            "--tokens",
+            str(tokens),
+            "--steps",
+            str(args.steps),
+            "--lr",
+            "3e-3",
+            "--trace",
+            str(trace),
+            "--timeline",
+            str(picture),
+        ],
+        stream=True,
+    )
     con.print(f"last step: trace {trace} (https://ui.perfetto.dev), timeline picture {picture}")
     con.print(
         "\n[bold]parity check[/] (float64, one step, every gradient vs one device; "
@@ -98,15 +123,18 @@ def main(args: argparse.Namespace) -> int:
         via="fork",  # the program already ran from its files under torchrun above
     )
     con.print(("[green]" if report.ok else "[red]") + str(report))
-    con.print(Panel.fit(
-        f"outputs in {out.resolve()}\n"
-        f"  program/plan.json         the plan\n"
-        f"  program/rank00000/        rank 0: stageK.py (readable graphs), stageK.pt2, program.json, weights.pt\n"
-        f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
-        f"  timeline.png              the same as a picture: one row per rank, blocks by micro-batch\n"
-        f"  tokens.pt                 the training text as byte ids ({CORPUS.name}, {text.numel():,} bytes)\n"
-        f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
-        title="done"))  # fmt: skip
+    con.print(
+        Panel.fit(
+            f"outputs in {out.resolve()}\n"
+            f"  program/plan.json         the plan\n"
+            f"  program/rank00000/        rank 0: stageK.py (readable graphs), stageK.pt2, program.json, weights.pt\n"
+            f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
+            f"  timeline.png              the same as a picture: one row per rank, blocks by micro-batch\n"
+            f"  tokens.pt                 the training text as byte ids ({CORPUS.name}, {text.numel():,} bytes)\n"
+            f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
+            title="done",
+        )
+    )
     if not report.ok:
         raise AutopartError("the demo's parity check failed", hint="please report this as a bug")
     return 0

@@ -168,8 +168,13 @@ class Program:
                 _numel(tuple(s.local(torch.empty(s.shape, device="meta")).shape))
                 for s in rp.shards.values()
             )
-            t.add_row(str(rp.rank), *(str(rp.coords[d]) for d in ("pp", "dp", "tp")),
-                      str([s.stage for s in rp.stages]), str(len(rp.actions)), f"{n:,}")  # fmt: skip
+            t.add_row(
+                str(rp.rank),
+                *(str(rp.coords[d]) for d in ("pp", "dp", "tp")),
+                str([s.stage for s in rp.stages]),
+                str(len(rp.actions)),
+                f"{n:,}",
+            )
         (console or Console()).print(t)
 
     def save(self, path: str | Path) -> Path:
@@ -229,10 +234,28 @@ class Program:
         )
 
 
-_HEAD_SCHEMA = {"format": int, "plan": dict, "world_size": int, "example_shape": list,
-                "vocab_size": int, "tied": dict, "params": dict, "buffers": list, "files": dict}  # fmt: skip
-_RANK_SCHEMA = {"rank": int, "coords": dict, "groups": dict, "stages": list, "actions": list,
-                "shards": dict, "buckets": list, "ties": dict, "n_stages": int}  # fmt: skip
+_HEAD_SCHEMA = {
+    "format": int,
+    "plan": dict,
+    "world_size": int,
+    "example_shape": list,
+    "vocab_size": int,
+    "tied": dict,
+    "params": dict,
+    "buffers": list,
+    "files": dict,
+}
+_RANK_SCHEMA = {
+    "rank": int,
+    "coords": dict,
+    "groups": dict,
+    "stages": list,
+    "actions": list,
+    "shards": dict,
+    "buckets": list,
+    "ties": dict,
+    "n_stages": int,
+}
 
 
 _OURS = ("program.json", "weights.pt", "stage*.pt2", "stage*.py")
@@ -265,14 +288,18 @@ def _json(path: Path, schema: dict[str, type]) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AutopartError(f"{path} is not a valid autopart JSON file ({exc})",
-                            hint="the file is damaged or not from Program.save(); re-save the program") from None  # fmt: skip
+        raise AutopartError(
+            f"{path} is not a valid autopart JSON file ({exc})",
+            hint="the file is damaged or not from Program.save(); re-save the program",
+        ) from None
     bad = [
         k for k, t in schema.items() if not isinstance(doc, dict) or not isinstance(doc.get(k), t)
     ]
     if bad:
-        raise AutopartError(f"{path} does not have autopart's layout: {', '.join(bad)} missing or of the wrong type",
-                            hint="the file is damaged or from another tool or version; re-save the program")  # fmt: skip
+        raise AutopartError(
+            f"{path} does not have autopart's layout: {', '.join(bad)} missing or of the wrong type",
+            hint="the file is damaged or from another tool or version; re-save the program",
+        )
     return doc
 
 
@@ -284,8 +311,10 @@ def read_head(root: Path) -> dict[str, Any]:
         )
     fmt = _json(f, {})
     if fmt.get("format") != FORMAT:
-        raise AutopartError(f"{f} has format {fmt.get('format')}, this autopart reads {FORMAT}",
-                            hint="re-run parallelize(...).save() with this version")  # fmt: skip
+        raise AutopartError(
+            f"{f} has format {fmt.get('format')}, this autopart reads {FORMAT}",
+            hint="re-run parallelize(...).save() with this version",
+        )
     return _json(f, _HEAD_SCHEMA)
 
 
@@ -295,8 +324,10 @@ def checked(root: str | Path, rel: str, head: dict[str, Any] | None = None) -> P
     want = (head or read_head(root))["files"].get(rel)
     path = root / rel
     if want is None:
-        raise AutopartError(f"{path} is not listed in {root / 'plan.json'}",
-                            hint="the program folder is incomplete or mixed up; re-save the program")  # fmt: skip
+        raise AutopartError(
+            f"{path} is not listed in {root / 'plan.json'}",
+            hint="the program folder is incomplete or mixed up; re-save the program",
+        )
     if not path.is_file():
         raise AutopartError(
             f"{path} is missing", hint="re-save the program, or copy the whole folder"
@@ -335,10 +366,15 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
             n.meta.get(META_LAYER),
         )
     ep = ExportedProgram(
-        root=graph, graph=graph.graph, graph_signature=sig, state_dict={},
+        root=graph,
+        graph=graph.graph,
+        graph_signature=sig,
+        state_dict={},
         range_constraints=graph.meta.get("autopart.range_constraints", {}),
-        module_call_graph=[call], constants={}, verifiers=None,
-    )  # fmt: skip
+        module_call_graph=[call],
+        constants={},
+        verifiers=None,
+    )
     # torch derives Python guard code from the graph's shape asserts and would compile it in
     # ``ep.module()``; the runtime checks shapes itself, and a loaded archive carrying code is
     # refused (autopart/archive.py), so none is written
@@ -354,19 +390,28 @@ def _save_rank(
     for st in rp.stages:
         torch.export.save(_to_exported(st.graph), folder / f"stage{st.stage}.pt2")
         (folder / f"stage{st.stage}.py").write_text(st.graph.code)
-        stages.append({
-            "stage": st.stage, "file": f"stage{st.stage}.pt2",
-            "passes": st.graph.meta.get("autopart.passes", []),
-            "inputs": [[i.kind, i.name] for i in st.inputs],
-            "kv_shapes": st.graph.meta.get("autopart.kv_shapes", []),
-        })  # fmt: skip
+        stages.append(
+            {
+                "stage": st.stage,
+                "file": f"stage{st.stage}.pt2",
+                "passes": st.graph.meta.get("autopart.passes", []),
+                "inputs": [[i.kind, i.name] for i in st.inputs],
+                "kv_shapes": st.graph.meta.get("autopart.kv_shapes", []),
+            }
+        )
     doc = {
-        "rank": rp.rank, "coords": rp.coords, "groups": rp.groups, "stages": stages,
+        "rank": rp.rank,
+        "coords": rp.coords,
+        "groups": rp.groups,
+        "stages": stages,
         "actions": [a.to_json() for a in rp.actions],
         "shards": {f: asdict(s) for f, s in rp.shards.items()},
-        "buckets": rp.buckets, "ties": rp.ties, "n_stages": rp.n_stages,
-        "chunk_cost": rp.chunk_cost, "vocab_size": rp.vocab_size,
-    }  # fmt: skip
+        "buckets": rp.buckets,
+        "ties": rp.ties,
+        "n_stages": rp.n_stages,
+        "chunk_cost": rp.chunk_cost,
+        "vocab_size": rp.vocab_size,
+    }
     (folder / "program.json").write_text(json.dumps(doc, indent=1))
     real = {f: t for f, t in params.items() if t.device.type != "meta" and f in rp.shards}
     if real:
@@ -384,8 +429,10 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
     logging.getLogger("torch._export.serde.serialize").setLevel(logging.ERROR)
     folder = Path(root) / f"rank{rank:05d}"
     if not (folder / "program.json").exists():
-        raise AutopartError(f"{folder} is missing: the saved program has no rank {rank}",
-                            hint="launch as many ranks as plan.json's world_size")  # fmt: skip
+        raise AutopartError(
+            f"{folder} is missing: the saved program has no rank {rank}",
+            hint="launch as many ranks as plan.json's world_size",
+        )
     head = read_head(Path(root))
     doc = _json(checked(root, f"rank{rank:05d}/program.json", head), _RANK_SCHEMA)
     stages = []
@@ -395,8 +442,10 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         try:
             graph = torch.export.load(pt2).graph_module
         except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
-            raise AutopartError(f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
-                                hint="re-save the program with this autopart and torch version") from exc  # fmt: skip
+            raise AutopartError(
+                f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
+                hint="re-save the program with this autopart and torch version",
+            ) from exc
         check_targets(graph, pt2)
         graph.meta["autopart.passes"] = st["passes"]
         graph.meta["autopart.kv_shapes"] = st.get("kv_shapes", [])
@@ -416,13 +465,18 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
                 n.meta[META_LAYER] = layer_of(ref.name)
         stages.append(StageProgram(st["stage"], graph, inputs))
     return RankProgram(
-        rank=doc["rank"], coords=doc["coords"], groups=doc["groups"], stages=stages,
+        rank=doc["rank"],
+        coords=doc["coords"],
+        groups=doc["groups"],
+        stages=stages,
         actions=[Action.from_json(a) for a in doc["actions"]],
         shards={f: Shard(**{**s, "shape": tuple(s["shape"])}) for f, s in doc["shards"].items()},
-        buckets=doc["buckets"], ties=doc.get("ties", {}), n_stages=doc.get("n_stages", 1),
+        buckets=doc["buckets"],
+        ties=doc.get("ties", {}),
+        n_stages=doc.get("n_stages", 1),
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
         vocab_size=doc.get("vocab_size") if isinstance(doc.get("vocab_size"), int) else None,
-    )  # fmt: skip
+    )
 
 
 def load_weights(root: str | Path, rank: int) -> dict[str, torch.Tensor]:

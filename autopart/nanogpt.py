@@ -19,8 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "batch", "make", "make_deep", "make_long", "make_long_manual",
-           "make_manual"]  # fmt: skip
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "batch",
+    "make",
+    "make_deep",
+    "make_long",
+    "make_long_manual",
+    "make_manual",
+]
 
 
 @dataclass

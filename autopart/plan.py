@@ -137,16 +137,19 @@ class Plan:
         if self.bucket_mb <= 0:
             raise AutopartError(f"bucket_mb={self.bucket_mb} must be positive")
         if self.sequence_parallel and self.mesh.tp == 1:
-            raise AutopartError("sequence_parallel=True needs tensor parallelism (tp > 1)",
-                                hint="sequence parallelism splits the activations tp leaves replicated; set tp ≥ 2")  # fmt: skip
+            raise AutopartError(
+                "sequence_parallel=True needs tensor parallelism (tp > 1)",
+                hint="sequence parallelism splits the activations tp leaves replicated; set tp ≥ 2",
+            )
         self._check_chunks()
 
     def _check_chunks(self) -> None:
         from autopart.chunks import SPLITS
 
         if self.seq_split not in SPLITS:
-            raise AutopartError(f"unknown seq_split {self.seq_split!r}",
-                                hint=f"use one of {', '.join(SPLITS)}")  # fmt: skip
+            raise AutopartError(
+                f"unknown seq_split {self.seq_split!r}", hint=f"use one of {', '.join(SPLITS)}"
+            )
         if self.seq_chunks > 1 and not self.schedule.startswith("seq1f1b"):
             raise AutopartError(
                 f"seq_chunks={self.seq_chunks} needs a Seq1F1B schedule, not {self.schedule}",

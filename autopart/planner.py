@@ -65,8 +65,13 @@ class Ranked:
     notes: list[str] = field(default_factory=list)  # variants of the layout that lost, and why
 
     def to_json(self) -> dict[str, Any]:
-        return {"plan": self.strategy.describe(), "reason": self.reason, "notes": self.notes,
-                "lower_bound_s": self.lower_bound, **self.summary}  # fmt: skip
+        return {
+            "plan": self.strategy.describe(),
+            "reason": self.reason,
+            "notes": self.notes,
+            "lower_bound_s": self.lower_bound,
+            **self.summary,
+        }
 
 
 @dataclass
@@ -78,8 +83,11 @@ class Search:
     rejected: list[str]  # examples of plans refused for memory, with the numbers
 
     def to_json(self) -> dict[str, Any]:
-        return {"plans": [r.to_json() for r in self.ranked], "stats": self.stats,
-                "rejected_examples": self.rejected}  # fmt: skip
+        return {
+            "plans": [r.to_json() for r in self.ranked],
+            "stats": self.stats,
+            "rejected_examples": self.rejected,
+        }
 
 
 def _divisors(n: int) -> list[int]:
@@ -102,8 +110,9 @@ def layouts(
     schedules = list(schedules)
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
-        raise AutopartError(f"unknown schedule {unknown[0]!r}",
-                            hint=f"choose from {', '.join(SCHEDULES)}")  # fmt: skip
+        raise AutopartError(
+            f"unknown schedule {unknown[0]!r}", hint=f"choose from {', '.join(SCHEDULES)}"
+        )
     max_tp = max_tp or cluster.gpus_per_node
     out = []
     for tp in _divisors(gpus):
@@ -132,9 +141,18 @@ def layouts(
                         ks = [k for k in seq_chunks if k > 1 and 8 * k <= shape.seq]
                     for v in vs:
                         for k in ks:
-                            out.append(dict(tp=tp, pp=pp, dp=dp, virtual_stages=v, micro_batch=b,
-                                            global_batch=global_batch, schedule=sched,
-                                            seq_chunks=k))  # fmt: skip
+                            out.append(
+                                dict(
+                                    tp=tp,
+                                    pp=pp,
+                                    dp=dp,
+                                    virtual_stages=v,
+                                    micro_batch=b,
+                                    global_batch=global_batch,
+                                    schedule=sched,
+                                    seq_chunks=k,
+                                )
+                            )
     return out
 
 
@@ -143,9 +161,18 @@ def _variants(layout: dict[str, Any], recompute: Iterable[str], attention: str) 
     dos = (False, True) if layout["dp"] > 1 else (False,)
     if attention == "flash":  # selective recompute is what the flash kernel's backward does
         recompute = [rc for rc in recompute if rc != "selective"] or ["none"]
-    return [Strategy(**layout, recompute=rc, sequence_parallel=sp, distributed_optimizer=do,
-                     attention=attention)
-            for rc in recompute for sp in sps for do in dos]  # fmt: skip
+    return [
+        Strategy(
+            **layout,
+            recompute=rc,
+            sequence_parallel=sp,
+            distributed_optimizer=do,
+            attention=attention,
+        )
+        for rc in recompute
+        for sp in sps
+        for do in dos
+    ]
 
 
 @cache
@@ -205,16 +232,25 @@ def search(
     t0 = time.perf_counter()
     cl = load_cluster(cluster)
     if gpus < 1 or global_batch < 1 or top < 1:
-        raise AutopartError(f"gpus ({gpus}), the global batch ({global_batch}) and top ({top}) "
-                            "must be positive")  # fmt: skip
+        raise AutopartError(
+            f"gpus ({gpus}), the global batch ({global_batch}) and top ({top}) must be positive"
+        )
     recompute = list(recompute)
     for rc in recompute:
         if rc not in RECOMPUTE:
             raise AutopartError(f"unknown recompute {rc!r}", hint=f"use {', '.join(RECOMPUTE)}")
     if attention not in ATTENTION:
         raise AutopartError(f"unknown attention {attention!r}", hint=f"use {', '.join(ATTENTION)}")
-    found = layouts(shape, cl, gpus, global_batch, schedules=schedules,
-                    micro_batches=micro_batches, seq_chunks=seq_chunks, max_tp=max_tp)  # fmt: skip
+    found = layouts(
+        shape,
+        cl,
+        gpus,
+        global_batch,
+        schedules=schedules,
+        micro_batches=micro_batches,
+        seq_chunks=seq_chunks,
+        max_tp=max_tp,
+    )
     if not found:
         raise AutopartError(
             f"no layout of {gpus} GPUs fits a global batch of {global_batch}",
@@ -222,8 +258,14 @@ def search(
             "a multiple of the GPU count",
         )
     prog = _Progress(progress, console)
-    stats: dict[str, Any] = {"layouts": len(found), "variants": 0, "too_big": 0,
-                             "fitting_layouts": 0, "fitting_variants": 0, "simulated": 0}  # fmt: skip
+    stats: dict[str, Any] = {
+        "layouts": len(found),
+        "variants": 0,
+        "too_big": 0,
+        "fitting_layouts": 0,
+        "fitting_variants": 0,
+        "simulated": 0,
+    }
     rejected: list[tuple[float, str]] = []
     candidates: list[tuple[float, int, CostModel]] = []  # (bound, layout index, costs)
     notes: dict[int, list[str]] = {}
@@ -238,17 +280,25 @@ def search(
                 static = _static_peak(shape, st)
                 if static > usable:
                     stats["too_big"] += 1
-                    rejected.append((static, f"{st.describe()}: parameters, gradients and "
-                                     f"optimizer state alone need {_gib(static)}"))  # fmt: skip
+                    rejected.append(
+                        (
+                            static,
+                            f"{st.describe()}: parameters, gradients and "
+                            f"optimizer state alone need {_gib(static)}",
+                        )
+                    )
                     continue
                 costs = CostModel(shape, cl, st)
-                need = max(sum(costs.static_bytes(r).values()) + _activation_peak(costs, r)
-                           for r in {0, st.pp - 1})  # fmt: skip
+                need = max(
+                    sum(costs.static_bytes(r).values()) + _activation_peak(costs, r)
+                    for r in {0, st.pp - 1}
+                )
                 bound = fast_lower_bound(costs)
                 if need > usable:
                     stats["too_big"] += 1
-                    rejected.append((need, f"{st.describe()}: needs {_gib(need)} "
-                                     f"(> {_gib(usable)})"))  # fmt: skip
+                    rejected.append(
+                        (need, f"{st.describe()}: needs {_gib(need)} (> {_gib(usable)})")
+                    )
                     too_big.append((bound, f"{_knobs(st)} could be faster but needs {_gib(need)}"))
                     continue
                 fitting.append((bound, index, costs))
@@ -262,8 +312,9 @@ def search(
         candidates.sort(key=lambda c: c[0])
         best: dict[int, Ranked] = {}  # per layout, its fastest simulated variant
         others: dict[int, list[tuple[float, str]]] = {}  # the layout's other simulated variants
-        sim_task = prog.add(f"simulating the best of {len(candidates)} fitting plans",
-                            len(candidates))  # fmt: skip
+        sim_task = prog.add(
+            f"simulating the best of {len(candidates)} fitting plans", len(candidates)
+        )
         for bound, index, costs in candidates:
             times = sorted(r.summary["iteration_s"] for r in best.values())
             if len(times) >= top and bound > times[top - 1]:
@@ -272,9 +323,13 @@ def search(
             stats["simulated"] += 1
             prog.advance(sim_task)
             if not sim.summary["fits"]:  # a middle rank over the limit
-                rejected.append((sim.summary["memory_gb_per_gpu"] * GIB,
-                                 f"{costs.st.describe()}: rank {sim.summary['memory']['rank']} "
-                                 f"needs {sim.summary['memory_gb_per_gpu']:.2f} GiB"))  # fmt: skip
+                rejected.append(
+                    (
+                        sim.summary["memory_gb_per_gpu"] * GIB,
+                        f"{costs.st.describe()}: rank {sim.summary['memory']['rank']} "
+                        f"needs {sim.summary['memory_gb_per_gpu']:.2f} GiB",
+                    )
+                )
                 continue
             held = best.get(index)
             if held is None or sim.summary["iteration_s"] < held.summary["iteration_s"]:
@@ -309,19 +364,24 @@ def search(
 def memory_need(shape: GPTShape, cluster: Cluster | str, st: Strategy) -> float:
     """Bytes the fullest pipeline rank of ``st`` needs (static state + activation peak)."""
     costs = CostModel(shape, load_cluster(cluster), st)
-    return max(sum(costs.static_bytes(r).values()) + _activation_peak(costs, r)
-               for r in range(st.pp))  # fmt: skip
+    return max(
+        sum(costs.static_bytes(r).values()) + _activation_peak(costs, r) for r in range(st.pp)
+    )
 
 
-def fitting_alternatives(shape: GPTShape, cluster: Cluster | str, st: Strategy,
-                         limit: int = 3) -> list[tuple[Strategy, float]]:  # fmt: skip
+def fitting_alternatives(
+    shape: GPTShape, cluster: Cluster | str, st: Strategy, limit: int = 3
+) -> list[tuple[Strategy, float]]:
     """Plans one change away from ``st`` on the same GPUs that fit the cluster's memory, with
     their need in bytes, fewest bytes first: a memory saver turned on (recompute, sequence
     parallelism, the distributed optimizer), half the micro-batch, or twice the pp or tp (from
     dp). For the error ``autopart simulate`` gives a plan that does not fit."""
     cl = load_cluster(cluster)
-    changes: list[dict[str, Any]] = [{"recompute": rc} for rc in ("selective", "full")
-                                     if rc != st.recompute and st.recompute != "full"]  # fmt: skip
+    changes: list[dict[str, Any]] = [
+        {"recompute": rc}
+        for rc in ("selective", "full")
+        if rc != st.recompute and st.recompute != "full"
+    ]
     if st.tp > 1 and not st.sequence_parallel:
         changes.append({"sequence_parallel": True})
     if st.dp > 1 and not st.distributed_optimizer:
@@ -361,8 +421,14 @@ def _knobs(st: Strategy) -> str:
     return ", ".join(bits)
 
 
-_CATS = {"compute_s": "compute", "tp_comm_s": "tp comm", "pp_comm_s": "pp comm",
-         "dp_comm_s": "dp comm", "optimizer_s": "optimizer", "bubble_s": "bubble"}  # fmt: skip
+_CATS = {
+    "compute_s": "compute",
+    "tp_comm_s": "tp comm",
+    "pp_comm_s": "pp comm",
+    "dp_comm_s": "dp comm",
+    "optimizer_s": "optimizer",
+    "bubble_s": "bubble",
+}
 
 
 def _explain(ranked: list[Ranked]) -> None:
@@ -373,14 +439,21 @@ def _explain(ranked: list[Ranked]) -> None:
     eps = 1e-3 * best.summary["iteration_s"]
 
     def deltas(a: Ranked, b: Ranked) -> list[tuple[float, str]]:
-        return sorted(((a.summary["breakdown"][k] - b.summary["breakdown"][k], name)
-                       for k, name in _CATS.items()), reverse=True)  # fmt: skip
+        return sorted(
+            (
+                (a.summary["breakdown"][k] - b.summary["breakdown"][k], name)
+                for k, name in _CATS.items()
+            ),
+            reverse=True,
+        )
 
     if len(ranked) > 1:
         more = [f"{name} +{_secs(d)}" for d, name in deltas(ranked[1], best)[:2] if d > eps]
         ahead = ranked[1].summary["iteration_s"] / best.summary["iteration_s"] - 1
-        best.reason = (f"fastest; {ahead:.1%} ahead of #2, which spends "
-                       f"{' and '.join(more) or 'about the same in every category'}")  # fmt: skip
+        best.reason = (
+            f"fastest; {ahead:.1%} ahead of #2, which spends "
+            f"{' and '.join(more) or 'about the same in every category'}"
+        )
     else:
         best.reason = "fastest"
     for row in ranked[1:]:
@@ -411,9 +484,14 @@ class _Progress:
                 TimeElapsedColumn,
             )
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                                MofNCompleteColumn(), TimeElapsedColumn(),
-                                console=console or Console(stderr=True), transient=False)  # fmt: skip
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console or Console(stderr=True),
+                transient=False,
+            )
 
     def __enter__(self) -> _Progress:
         if self.bar is not None:
@@ -434,8 +512,12 @@ class _Progress:
     def finish(self, task: int) -> None:
         if self.bar is not None:
             done = self.bar.tasks[task].completed
-            self.bar.update(task, total=done, completed=done,
-                            description=self.bar.tasks[task].description + " (rest pruned)")  # fmt: skip
+            self.bar.update(
+                task,
+                total=done,
+                completed=done,
+                description=self.bar.tasks[task].description + " (rest pruned)",
+            )
 
 
 def print_search(result: Search, console: Any) -> None:
@@ -447,17 +529,26 @@ def print_search(result: Search, console: Any) -> None:
         table.add_column(col, justify="left" if col == "plan" else "right")
     for i, row in enumerate(result.ranked, 1):
         s = row.summary
-        table.add_row(str(i), row.strategy.describe(), _secs(s["iteration_s"]),
-                      f"{s['tokens_per_s']:,.0f}", f"{s['tflops_per_gpu']:.1f}", f"{s['mfu']:.1%}",
-                      f"{s['bubble_fraction']:.1%}", f"{s['memory_gb_per_gpu']:.1f} GiB")  # fmt: skip
+        table.add_row(
+            str(i),
+            row.strategy.describe(),
+            _secs(s["iteration_s"]),
+            f"{s['tokens_per_s']:,.0f}",
+            f"{s['tflops_per_gpu']:.1f}",
+            f"{s['mfu']:.1%}",
+            f"{s['bubble_fraction']:.1%}",
+            f"{s['memory_gb_per_gpu']:.1f} GiB",
+        )
     console.print(table)
     for i, row in enumerate(result.ranked, 1):
         console.print(f"#{i}: {row.reason}" + "".join(f"\n    {n}" for n in row.notes))
     st = result.stats
-    console.print(f"{st['layouts']} layouts, {st['variants']} plans costed, {st['too_big']} "
-                  f"did not fit; {st['fitting_variants']} plans ({st['fitting_layouts']} layouts) "
-                  f"fit, {st['simulated']} simulated, {st['pruned_by_bound']} pruned by their "
-                  f"lower bound; {st['seconds']:.1f} s")  # fmt: skip
+    console.print(
+        f"{st['layouts']} layouts, {st['variants']} plans costed, {st['too_big']} "
+        f"did not fit; {st['fitting_variants']} plans ({st['fitting_layouts']} layouts) "
+        f"fit, {st['simulated']} simulated, {st['pruned_by_bound']} pruned by their "
+        f"lower bound; {st['seconds']:.1f} s"
+    )
     for text in result.rejected:
         console.print(f"closest miss: {text}")
 

@@ -21,8 +21,12 @@ def _human(x: float, unit: str = "") -> str:
     return f"{x:.0f} {unit}".strip()
 
 
-def cost_table(captured: Captured, groups: list[Group] | None = None, b: int | None = None,
-               s: int | None = None) -> Table:  # fmt: skip
+def cost_table(
+    captured: Captured,
+    groups: list[Group] | None = None,
+    b: int | None = None,
+    s: int | None = None,
+) -> Table:
     """Per-block parameters, forward FLOPs and activation bytes, as numbers and formulas."""
     groups = groups if groups is not None else analyze(captured)
     b = b or captured.example_shape[0]
@@ -35,10 +39,13 @@ def cost_table(captured: Captured, groups: list[Group] | None = None, b: int | N
         Group("total", None, sum(g.params for g in groups), total(g.cost for g in groups)),
     ]:
         t.add_row(
-            g.name, f"{g.params:,}", _human(evaluate(g.cost.flops, b, s)),
-            _human(evaluate(g.cost.mm_flops, b, s)), _human(evaluate(g.cost.act_bytes, b, s), "B"),
+            g.name,
+            f"{g.params:,}",
+            _human(evaluate(g.cost.flops, b, s)),
+            _human(evaluate(g.cost.mm_flops, b, s)),
+            _human(evaluate(g.cost.act_bytes, b, s), "B"),
             str(sympy.nsimplify(sympy.expand(g.cost.flops))),
-        )  # fmt: skip
+        )
     return t
 
 
@@ -129,7 +136,8 @@ def parallel_table(rp, example_shape: tuple[int, int]) -> Table:
                 size = f", {_human(numel * val.element_size(), 'B')}"
             group = next((a for a in n.args if isinstance(a, str)), "?")
             rows.setdefault(n.meta.get(META_LAYER), []).append(
-                ("collective", f"{name}({group})", f"{_COLLECTIVES[name]}{size}"))  # fmt: skip
+                ("collective", f"{name}({group})", f"{_COLLECTIVES[name]}{size}")
+            )
         for layer in sorted(rows, key=lambda x: (x is not None, x if x is not None else -1)):
             for what, name, detail in rows[layer]:
                 t.add_row("-" if layer is None else f"block {layer}", what, name, detail)
@@ -176,6 +184,10 @@ def chunk_rich(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> T
     for col in ("split", "chunk lengths", "chunk FLOPs", "max/min"):
         t.add_column(col, justify="right" if col == "max/min" else "left")
     for row in chunk_table(captured, seq_len, k, multiple):
-        t.add_row(row["split"], str(row["lengths"]), ", ".join(_human(c) for c in row["costs"]),
-                  f"{row['max_over_min']:.4f}")  # fmt: skip
+        t.add_row(
+            row["split"],
+            str(row["lengths"]),
+            ", ".join(_human(c) for c in row["costs"]),
+            f"{row['max_over_min']:.4f}",
+        )
     return t

@@ -28,8 +28,11 @@ from autopart.runtime.checks import dump
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="python -m autopart.run", description=__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = parser or argparse.ArgumentParser(
+        prog="python -m autopart.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("dir", type=Path, help="folder written by Program.save() (holds plan.json)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument(
@@ -38,8 +41,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--seq-len", type=int, default=None, help="sequence length (default: the example's)"
     )
-    p.add_argument("--tokens", type=Path, default=None,
-                   help="token file: a torch.save'd 1-D int tensor (.pt) or raw uint16 ids (.bin)")  # fmt: skip
+    p.add_argument(
+        "--tokens",
+        type=Path,
+        default=None,
+        help="token file: a torch.save'd 1-D int tensor (.pt) or raw uint16 ids (.bin)",
+    )
     p.add_argument(
         "--batch",
         type=Path,
@@ -54,14 +61,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="seed of the synthetic data and of dropout masks (default 0)",
     )
     p.add_argument("--no-optim", action="store_true", help="compute gradients only, never step")
-    p.add_argument("--zero", action="store_true",
-                   help="ZeRO-1: shard the AdamW state over the data-parallel ranks "
-                   "(torch's ZeroRedundancyOptimizer)")  # fmt: skip
-    p.add_argument("--compile", action="store_true",
-                   help="run each stage graph through torch.compile (Inductor); kernels are cached "
-                   "under ~/.cache/autopart/inductor, so a second run does not recompile")  # fmt: skip
-    p.add_argument("--dump-params", type=Path, default=None,
-                   help="write each rank's parameter shards here after the last step")  # fmt: skip
+    p.add_argument(
+        "--zero",
+        action="store_true",
+        help="ZeRO-1: shard the AdamW state over the data-parallel ranks "
+        "(torch's ZeroRedundancyOptimizer)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each stage graph through torch.compile (Inductor); kernels are cached "
+        "under ~/.cache/autopart/inductor, so a second run does not recompile",
+    )
+    p.add_argument(
+        "--dump-params",
+        type=Path,
+        default=None,
+        help="write each rank's parameter shards here after the last step",
+    )
     p.add_argument(
         "--dump",
         type=Path,
@@ -72,21 +89,50 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
     )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line per step")
-    p.add_argument("--trace", type=Path, default=None,
-                   help="write the last step's per-rank action timeline here (Chrome/Perfetto JSON) "
-                   "and print each rank's busy fraction and peak saved-activation bytes")  # fmt: skip
-    p.add_argument("--timeline", type=Path, default=None, metavar="PNG",
-                   help="draw the last step's per-rank timeline to this PNG (see docs/timeline.md)")  # fmt: skip
-    p.add_argument("--checkpoint-dir", type=Path, default=None, metavar="DIR",
-                   help="resume from the latest checkpoint in DIR if there is one, and save one "
-                   "there after the last step (see docs/checkpoint.md)")  # fmt: skip
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                   help="also save a checkpoint after every N steps (needs --checkpoint-dir)")  # fmt: skip
-    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K",
-                   help="keep only the K latest checkpoints in --checkpoint-dir (default 0: all)")  # fmt: skip
-    p.add_argument("--export", type=Path, default=None, metavar="FILE",
-                   help="after training, rank 0 writes the single-device state dict of the final "
-                   "checkpoint to FILE (torch.save; needs --checkpoint-dir)")  # fmt: skip
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write the last step's per-rank action timeline here (Chrome/Perfetto JSON) "
+        "and print each rank's busy fraction and peak saved-activation bytes",
+    )
+    p.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="draw the last step's per-rank timeline to this PNG (see docs/timeline.md)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="resume from the latest checkpoint in DIR if there is one, and save one "
+        "there after the last step (see docs/checkpoint.md)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also save a checkpoint after every N steps (needs --checkpoint-dir)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=0,
+        metavar="K",
+        help="keep only the K latest checkpoints in --checkpoint-dir (default 0: all)",
+    )
+    p.add_argument(
+        "--export",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="after training, rank 0 writes the single-device state dict of the final "
+        "checkpoint to FILE (torch.save; needs --checkpoint-dir)",
+    )
     return p
 
 
@@ -100,8 +146,11 @@ class Batches:
         self.fixed = torch.load(args.batch, weights_only=True) if args.batch else None
         self.tokens = _read_tokens(args.tokens) if args.tokens else None
         if self.tokens is not None and self.tokens.numel() <= self.s + 1:
-            raise AutopartError(f"{args.tokens} holds {self.tokens.numel()} tokens, fewer than a "
-                                f"sequence of {self.s + 1}", hint="use a longer file or --seq-len")  # fmt: skip
+            raise AutopartError(
+                f"{args.tokens} holds {self.tokens.numel()} tokens, fewer than a "
+                f"sequence of {self.s + 1}",
+                hint="use a longer file or --seq-len",
+            )
         if self.tokens is not None:  # the whole file once, before any step trains on it
             bad = (self.tokens < 0) | (self.tokens >= self.vocab)
             if bool(bad.any()):
@@ -155,8 +204,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank)
-        runner = Runner(program, plan, load_weights(args.dir, rank), make_groups(plan, rank, program.ties),
-                        timeout_s=args.timeout, seed=args.seed, compile=args.compile)  # fmt: skip
+        runner = Runner(
+            program,
+            plan,
+            load_weights(args.dir, rank),
+            make_groups(plan, rank, program.ties),
+            timeout_s=args.timeout,
+            seed=args.seed,
+            compile=args.compile,
+        )
         batches = Batches(args, head)
         optim = None if args.no_optim else make_optimizer(runner, args.lr, args.zero)
         if args.trace is not None or args.timeline is not None:
@@ -166,18 +222,28 @@ def run(args: argparse.Namespace) -> int:
         if args.checkpoint_dir is not None:
             _finish_checkpoints(runner, optim, args, rank, head["tied"])
         if args.trace is not None or args.timeline is not None:
-            header = {"plan": {"schedule": plan.schedule, "microbatches": plan.microbatches,
-                               "virtual_stages": plan.virtual_stages, "seq_chunks": plan.seq_chunks,
-                               "dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp},
-                      "microbatch_size": batches.b // (plan.mesh.dp * plan.microbatches),
-                      "microbatch_tokens": batches.b * batches.s // (plan.mesh.dp * plan.microbatches)}  # fmt: skip
+            header = {
+                "plan": {
+                    "schedule": plan.schedule,
+                    "microbatches": plan.microbatches,
+                    "virtual_stages": plan.virtual_stages,
+                    "seq_chunks": plan.seq_chunks,
+                    "dp": plan.mesh.dp,
+                    "tp": plan.mesh.tp,
+                    "pp": plan.mesh.pp,
+                },
+                "microbatch_size": batches.b // (plan.mesh.dp * plan.microbatches),
+                "microbatch_tokens": batches.b * batches.s // (plan.mesh.dp * plan.microbatches),
+            }
             _write_trace(
                 runner, args.trace, rank, args.timeline, _title(plan, args.dir), header, last_s
             )
         if args.dump_params is not None:
             args.dump_params.mkdir(parents=True, exist_ok=True)
-            torch.save({f: p.detach().clone() for f, p in runner.named_parameters()},
-                       args.dump_params / f"rank{rank:05d}.pt")  # fmt: skip
+            torch.save(
+                {f: p.detach().clone() for f, p in runner.named_parameters()},
+                args.dump_params / f"rank{rank:05d}.pt",
+            )
     except BaseException:
         raise  # torchrun ends the other ranks; tearing groups down here could hang
     else:
@@ -199,11 +265,20 @@ def _join(timeout_s: float) -> tuple[int, int]:
 
         env = os.environ
         world = int(env["WORLD_SIZE"])
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))  # fmt: skip
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
-                                rank=int(env["RANK"]), world_size=world,
-                                timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
+            rank=int(env["RANK"]),
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
     return init_distributed(timeout_s)
 
 
@@ -215,22 +290,33 @@ def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimiz
         return torch.optim.AdamW(runner.parameters(), lr=lr)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(list(runner.parameters()), optimizer_class=torch.optim.AdamW,
-                                   process_group=dp, lr=lr)  # fmt: skip
+    return ZeroRedundancyOptimizer(
+        list(runner.parameters()), optimizer_class=torch.optim.AdamW, process_group=dp, lr=lr
+    )
 
 
 def _check_checkpoint_args(args: argparse.Namespace) -> None:
-    for flag, value in (("--checkpoint-every", args.checkpoint_every),
-                        ("--keep-checkpoints", args.keep_checkpoints)):  # fmt: skip
+    for flag, value in (
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--keep-checkpoints", args.keep_checkpoints),
+    ):
         if value < 0:
             raise AutopartError(f"{flag} {value} must be 0 or more")
     if args.checkpoint_dir is None:
-        used = [f for f, on in (("--checkpoint-every", args.checkpoint_every),
-                                ("--keep-checkpoints", args.keep_checkpoints),
-                                ("--export", args.export is not None)) if on]  # fmt: skip
+        used = [
+            f
+            for f, on in (
+                ("--checkpoint-every", args.checkpoint_every),
+                ("--keep-checkpoints", args.keep_checkpoints),
+                ("--export", args.export is not None),
+            )
+            if on
+        ]
         if used:
-            raise AutopartError(f"{used[0]} needs --checkpoint-dir",
-                                hint="add --checkpoint-dir DIR (a folder all ranks can write)")  # fmt: skip
+            raise AutopartError(
+                f"{used[0]} needs --checkpoint-dir",
+                hint="add --checkpoint-dir DIR (a folder all ranks can write)",
+            )
 
 
 def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
@@ -244,9 +330,11 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
         return 0
     info = checkpoint.load(found, runner, optim)
     if info["seed"] != args.seed:
-        raise AutopartError(f"{found} was trained with --seed {info['seed']}, not {args.seed}: "
-                            "the data order and dropout masks would change",
-                            hint=f"pass --seed {info['seed']}, or use a fresh --checkpoint-dir")  # fmt: skip
+        raise AutopartError(
+            f"{found} was trained with --seed {info['seed']}, not {args.seed}: "
+            "the data order and dropout masks would change",
+            hint=f"pass --seed {info['seed']}, or use a fresh --checkpoint-dir",
+        )
     if rank == 0:
         how = "" if info["same_layout"] else f" (saved on mesh {info['mesh']}, resharded)"
         print(f"resumed from step {info['step']}: {found}{how}", flush=True)
@@ -256,8 +344,14 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
 def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: dict) -> None:
     from autopart import checkpoint
 
-    path = checkpoint.save(checkpoint.folder(args.checkpoint_dir, step), runner, optim, step,
-                           {"seed": args.seed}, tied=tied)  # fmt: skip
+    path = checkpoint.save(
+        checkpoint.folder(args.checkpoint_dir, step),
+        runner,
+        optim,
+        step,
+        {"seed": args.seed},
+        tied=tied,
+    )
     if rank == 0 and args.keep_checkpoints:
         done = sorted(
             p for p in args.checkpoint_dir.glob("step*") if (p / checkpoint.INFO).is_file()
@@ -296,14 +390,27 @@ def _kill_for_test(step: int, rank: int, world: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int, first: int = 0,
-           tied: dict | None = None) -> float:  # fmt: skip
+def _train(
+    runner,
+    optim,
+    batches: Batches,
+    args: argparse.Namespace,
+    rank: int,
+    first: int = 0,
+    tied: dict | None = None,
+) -> float:
     """Train from step ``first`` to ``args.steps``; returns the last step's seconds."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     show = rank == 0 and not args.json
-    with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-                  TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), disable=not show) as bar:  # fmt: skip
+    with Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        disable=not show,
+    ) as bar:
         task = bar.add_task("train", total=args.steps, completed=min(first, args.steps), loss="")
         seen: list[float] = []
         last_s = 0.0
@@ -332,39 +439,67 @@ def _train(runner, optim, batches: Batches, args: argparse.Namespace, rank: int,
                 _save(runner, optim, args, rank, step + 1, tied or {})
     if show and len(seen) >= 10:  # a mean over 5 steps: one batch's loss is noisy
         first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
-        print(f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
-              f"({'falling' if last < first else 'NOT falling'})", flush=True)  # fmt: skip
+        print(
+            f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
+            f"({'falling' if last < first else 'NOT falling'})",
+            flush=True,
+        )
     return last_s
 
 
 def _title(plan: Plan, folder: Path) -> str:
     chunks = f", {plan.seq_chunks} sequence chunks" if plan.seq_chunks > 1 else ""
     virtual = f", {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else ""
-    return (f"{folder.name}: {plan.schedule}, {plan.mesh}, {plan.microbatches} micro-batches"
-            f"{chunks}{virtual} (last step, measured)")  # fmt: skip
+    return (
+        f"{folder.name}: {plan.schedule}, {plan.mesh}, {plan.microbatches} micro-batches"
+        f"{chunks}{virtual} (last step, measured)"
+    )
 
 
-def _write_trace(runner, path: Path | None, rank: int, png: Path | None = None, title: str = "",
-                 header: dict | None = None, step_s: float = 0.0) -> None:  # fmt: skip
+def _write_trace(
+    runner,
+    path: Path | None,
+    rank: int,
+    png: Path | None = None,
+    title: str = "",
+    header: dict | None = None,
+    step_s: float = 0.0,
+) -> None:
     """Gather every rank's last step to rank 0: the trace (with the header that
     ``autopart simulate --measured`` reads, see autopart/calibrate.py) and the picture."""
     from autopart.calibrate import trace_document
 
-    mine = {"rank": rank, "events": runner.chrome_trace(), "busy_fraction": runner.busy_fraction(),
-            "peak_saved_bytes": runner.peak_saved_bytes, "coords": runner.program.coords,
-            "step_s": step_s}  # fmt: skip
+    mine = {
+        "rank": rank,
+        "events": runner.chrome_trace(),
+        "busy_fraction": runner.busy_fraction(),
+        "peak_saved_bytes": runner.peak_saved_bytes,
+        "coords": runner.program.coords,
+        "step_s": step_s,
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
         events = [e for r in every for e in r["events"]]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            header = {**(header or {}), "step_s": max(r["step_s"] for r in every),
-                      "ranks": {str(r["rank"]): r["coords"] for r in every}}  # fmt: skip
+            header = {
+                **(header or {}),
+                "step_s": max(r["step_s"] for r in every),
+                "ranks": {str(r["rank"]): r["coords"] for r in every},
+            }
             path.write_text(json.dumps(trace_document(events, header)))
         for r in every:
-            print(json.dumps({"rank": r["rank"], "busy_fraction": round(r["busy_fraction"], 4),
-                              "peak_saved_bytes": r["peak_saved_bytes"]}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "rank": r["rank"],
+                        "busy_fraction": round(r["busy_fraction"], 4),
+                        "peak_saved_bytes": r["peak_saved_bytes"],
+                    }
+                ),
+                flush=True,
+            )
         if path is not None:
             print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)", flush=True)
         if png is not None:

@@ -72,8 +72,10 @@ class PeerFailed(AutopartError):
     """This rank stopped because global rank ``origin`` failed in an exchange with it."""
 
     def __init__(self, rank: int, origin: int, what: str) -> None:
-        super().__init__(f"rank {rank}: rank {origin} failed in an exchange with this one, during {what}",
-                         hint=f"rank {origin}'s own error says why")  # fmt: skip
+        super().__init__(
+            f"rank {rank}: rank {origin} failed in an exchange with this one, during {what}",
+            hint=f"rank {origin}'s own error says why",
+        )
         self.origin = origin
 
 
@@ -186,8 +188,11 @@ class ShmGroup:
                 # it in exchange 1, so it is unlinked in exchange 2)
                 info = (prefix, me.ctl[TOKEN])
             except (OSError, AutopartError) as exc:
-                warnings.warn(f"rank {dist.get_rank()}: no shared-memory transport ({exc}); "
-                              "the tp collectives use the socket transport", stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"rank {dist.get_rank()}: no shared-memory transport ({exc}); "
+                    "the tp collectives use the socket transport",
+                    stacklevel=2,
+                )
                 if me is not None:
                     me.close()
                     with contextlib.suppress(FileNotFoundError):
@@ -237,8 +242,10 @@ class ShmGroup:
         sent us (our own entry: ``outgoing[me]``) and must return fresh tensors. ``what`` names
         the collective and the action in errors."""
         if self.failed:
-            raise AutopartError(f"rank {self.rank}: {what} on a group whose exchange failed before",
-                                hint=self.failed)  # fmt: skip
+            raise AutopartError(
+                f"rank {self.rank}: {what} on a group whose exchange failed before",
+                hint=self.failed,
+            )
         self.timeout_s = timeout_s
         try:
             return self._exchange(outgoing, combine, what)

@@ -63,8 +63,10 @@ class GPTShape:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AutopartError(f"model {f}={value!r} must be a positive integer")
         if self.hidden % self.heads:
-            raise AutopartError(f"hidden {self.hidden} is not divisible by heads {self.heads}",
-                                hint="the head width is hidden / heads")  # fmt: skip
+            raise AutopartError(
+                f"hidden {self.hidden} is not divisible by heads {self.heads}",
+                hint="the head width is hidden / heads",
+            )
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise AutopartError(f"kv_heads={self.kv_heads} must divide heads={self.heads}")
         if self.ffn is not None and self.ffn < 1:
@@ -106,9 +108,11 @@ class GPTShape:
 
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv heads" if self.kv_heads not in (None, self.heads) else ""
-        return (f"{self.name + ': ' if self.name else ''}{self.params / 1e9:.1f} B parameters, "
-                f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
-                f"ffn {self.ffn_width}, vocabulary {self.vocab}, sequence {self.seq}")  # fmt: skip
+        return (
+            f"{self.name + ': ' if self.name else ''}{self.params / 1e9:.1f} B parameters, "
+            f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
+            f"ffn {self.ffn_width}, vocabulary {self.vocab}, sequence {self.seq}"
+        )
 
 
 SHAPES: dict[str, GPTShape] = {
@@ -137,8 +141,10 @@ def shape_from_captured(captured: Any, seq: int | None = None) -> GPTShape:
     groups = analyze(captured)
     blocks = [g for g in groups if g.layer is not None]
     if not blocks:
-        raise AutopartError("the captured model has no transformer blocks (autopart.layer)",
-                            hint="simulate a GPT: blocks under a ModuleList, e.g. transformer.h.0")  # fmt: skip
+        raise AutopartError(
+            "the captured model has no transformer blocks (autopart.layer)",
+            hint="simulate a GPT: blocks under a ModuleList, e.g. transformer.h.0",
+        )
     vocab = hidden = 0
     heads = kv_heads = 0
     for node in gm.graph.nodes:
@@ -159,17 +165,25 @@ def shape_from_captured(captured: Any, seq: int | None = None) -> GPTShape:
                 if str(k.shape[-1]) == str(q.shape[-2]):  # q @ kᵀ: (b, h, s, d) @ (b, h, d, s)
                     heads = kv_heads = int(q.shape[-3])
     if not vocab or not heads:
-        raise AutopartError("could not read the embedding table or the attention heads",
-                            hint="give the shape instead: --layers --hidden --heads --vocab --seq")  # fmt: skip
+        raise AutopartError(
+            "could not read the embedding table or the attention heads",
+            hint="give the shape instead: --layers --hidden --heads --vocab --seq",
+        )
     c1 = sympy.Poly(sympy.expand(blocks[0].cost.mm_flops.subs(B, 1)), S).coeff_monomial(S)
     d = hidden // heads
     attn = hidden * (hidden + 2 * kv_heads * d) + hidden * hidden
     ffn = max(1, round((float(c1) / 2 - attn) / (2 * hidden)))
     return GPTShape(
-        layers=len({g.layer for g in blocks}), hidden=hidden, heads=heads, vocab=vocab,
-        seq=seq or captured.example_shape[1], kv_heads=kv_heads, ffn=ffn,
-        tied=bool(captured.tied), name="captured",
-    )  # fmt: skip
+        layers=len({g.layer for g in blocks}),
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        seq=seq or captured.example_shape[1],
+        kv_heads=kv_heads,
+        ffn=ffn,
+        tied=bool(captured.tied),
+        name="captured",
+    )
 
 
 _PROJECTIONS = ("linear", "addmm", "mm", "matmul")
@@ -245,22 +259,25 @@ class Strategy:
         """Refuse what the generators, the compiler or the shape cannot run (with a hint)."""
         import difflib
 
-        for f in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "global_batch",
-                  "seq_chunks"):  # fmt: skip
+        for f in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "global_batch", "seq_chunks"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AutopartError(f"{f}={value!r} must be a positive integer")
         if self.schedule not in SCHEDULES:
             close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1)
-            raise AutopartError(f"unknown schedule {self.schedule!r}",
-                                hint=(f"did you mean {close[0]!r}? " if close else "")
-                                + f"choose one of: {', '.join(SCHEDULES)}")  # fmt: skip
+            raise AutopartError(
+                f"unknown schedule {self.schedule!r}",
+                hint=(f"did you mean {close[0]!r}? " if close else "")
+                + f"choose one of: {', '.join(SCHEDULES)}",
+            )
         if self.attention not in ATTENTION:
-            raise AutopartError(f"unknown attention {self.attention!r}",
-                                hint=f"use one of {', '.join(ATTENTION)}")  # fmt: skip
+            raise AutopartError(
+                f"unknown attention {self.attention!r}", hint=f"use one of {', '.join(ATTENTION)}"
+            )
         if self.recompute not in RECOMPUTE:
-            raise AutopartError(f"unknown recompute {self.recompute!r}",
-                                hint=f"use one of {', '.join(RECOMPUTE)}")  # fmt: skip
+            raise AutopartError(
+                f"unknown recompute {self.recompute!r}", hint=f"use one of {', '.join(RECOMPUTE)}"
+            )
         parts = self.dp * self.micro_batch
         if self.global_batch % parts:
             raise AutopartError(
@@ -270,11 +287,12 @@ class Strategy:
             )
         if self.sequence_parallel and self.tp == 1:
             raise AutopartError("sequence parallelism needs tp > 1")
-        for what, n in (("heads", shape.heads), ("kv heads", shape.kv),
-                        ("ffn", shape.ffn_width)):  # fmt: skip
+        for what, n in (("heads", shape.heads), ("kv heads", shape.kv), ("ffn", shape.ffn_width)):
             if n % self.tp:
-                raise AutopartError(f"tp={self.tp} does not divide the {what} ({n})",
-                                    hint=f"use a tp that divides {n}")  # fmt: skip
+                raise AutopartError(
+                    f"tp={self.tp} does not divide the {what} ({n})",
+                    hint=f"use a tp that divides {n}",
+                )
         if self.pp * self.virtual_stages > shape.layers:
             raise AutopartError(
                 f"pp({self.pp}) × virtual stages({self.virtual_stages}) > {shape.layers} layers",
@@ -282,16 +300,20 @@ class Strategy:
             )
         interleaved = "interleaved" in self.schedule
         if (self.virtual_stages > 1) != interleaved:
-            raise AutopartError(f"schedule {self.schedule} with virtual_stages={self.virtual_stages}",
-                                hint="virtual stages > 1 need an interleaved schedule, and it needs them")  # fmt: skip
+            raise AutopartError(
+                f"schedule {self.schedule} with virtual_stages={self.virtual_stages}",
+                hint="virtual stages > 1 need an interleaved schedule, and it needs them",
+            )
         if interleaved and self.microbatches % self.pp:
             raise AutopartError(
                 f"{self.schedule} needs micro-batches ({self.microbatches}) divisible by pp ({self.pp})",
                 hint="change the global batch or the micro-batch size, or use 1f1b",
             )
         if self.seq_chunks > 1 and not self.schedule.startswith("seq1f1b"):
-            raise AutopartError(f"seq_chunks={self.seq_chunks} needs a Seq1F1B schedule",
-                                hint="use schedule seq1f1b or seq1f1b-interleaved")  # fmt: skip
+            raise AutopartError(
+                f"seq_chunks={self.seq_chunks} needs a Seq1F1B schedule",
+                hint="use schedule seq1f1b or seq1f1b-interleaved",
+            )
         if self.seq_chunks * self.chunk_multiple > shape.seq:
             raise AutopartError(
                 f"a sequence of {shape.seq} tokens cannot be cut into {self.seq_chunks} chunks "
@@ -374,15 +396,28 @@ class UnitCost(NamedTuple):
 
 
 @lru_cache(maxsize=65536)
-def _layer(shape: GPTShape, cl: Cluster, tp: int, sp: bool, recompute: str, attention: str,
-           b: int, a: int, L: int) -> UnitCost:  # fmt: skip
+def _layer(
+    shape: GPTShape,
+    cl: Cluster,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    attention: str,
+    b: int,
+    a: int,
+    L: int,
+) -> UnitCost:
     """One transformer layer on ``b`` sequences' tokens [a, a + L) (a > 0: a Seq1F1B chunk
     attending to a prefix of a tokens)."""
     h, f, kvd, d = shape.hidden, shape.ffn_width, shape.kv_dim, shape.head_dim
     T, t, heads = b * L, tp, shape.heads // tp
     r = 1 / t if sp else 1.0  # share of the replicated activations this GPU holds
-    gemms = [_gemm_fb(cl, T, h, (h + 2 * kvd) / t), _gemm_fb(cl, T, h / t, h),
-             _gemm_fb(cl, T, h, f / t), _gemm_fb(cl, T, f / t, h)]  # fmt: skip
+    gemms = [
+        _gemm_fb(cl, T, h, (h + 2 * kvd) / t),
+        _gemm_fb(cl, T, h / t, h),
+        _gemm_fb(cl, T, h, f / t),
+        _gemm_fb(cl, T, f / t, h),
+    ]
     if attention == "flash":
         # one fused causal kernel (FlashAttention-2, bottom-right causal for a chunk): the
         # 4·d FLOPs per (query, key) pair below the diagonal at attn_efficiency of peak; its
@@ -434,8 +469,9 @@ def _layer(shape: GPTShape, cl: Cluster, tp: int, sp: bool, recompute: str, atte
 
 
 @lru_cache(maxsize=65536)
-def _embed_head(shape: GPTShape, cl: Cluster, tp: int, sp: bool, b: int,
-                L: int) -> tuple[UnitCost, UnitCost]:  # fmt: skip
+def _embed_head(
+    shape: GPTShape, cl: Cluster, tp: int, sp: bool, b: int, L: int
+) -> tuple[UnitCost, UnitCost]:
     """(embedding, final norm + LM head + cross entropy) on ``b × L`` tokens."""
     h, t, T = shape.hidden, tp, b * L
     V = _padded_vocab(shape.vocab, tp)
@@ -445,8 +481,9 @@ def _embed_head(shape: GPTShape, cl: Cluster, tp: int, sp: bool, b: int,
     # (reduce-scattered under SP) over tp; the backward scatters the gradient into the table
     emb_tp_f = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
     emb_tp_b = _gather(t, 2 * T * h, link) if sp else 0.0
-    embed = UnitCost(_mem(cl, 6 * T * h, 2), emb_tp_f, _mem(cl, 6 * T * h, 2), emb_tp_b,
-                     T * h * r, 0.0, 0.0)  # fmt: skip
+    embed = UnitCost(
+        _mem(cl, 6 * T * h, 2), emb_tp_f, _mem(cl, 6 * T * h, 2), emb_tp_b, T * h * r, 0.0, 0.0
+    )
     # head: final LayerNorm, logits (T × V/t), vocab-parallel cross entropy in fp32 (one
     # all-gather of each rank's 3 × T statistics); SP all-gathers the head's input, without SP
     # its gradient is all-reduced in the backward
@@ -454,9 +491,15 @@ def _embed_head(shape: GPTShape, cl: Cluster, tp: int, sp: bool, b: int,
     ce = 10 * T * V / t
     tp_f = (_gather(t, 2 * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
     tp_b = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
-    head = UnitCost(mm_f + _mem(cl, ce + 4 * T * h * r, 4), tp_f,
-                    mm_b + _mem(cl, ce + 8 * T * h * r, 4), tp_b,
-                    T * (4 * h * r + 6 * V / t), 0.0, 0.0)  # fmt: skip
+    head = UnitCost(
+        mm_f + _mem(cl, ce + 4 * T * h * r, 4),
+        tp_f,
+        mm_b + _mem(cl, ce + 8 * T * h * r, 4),
+        tp_b,
+        T * (4 * h * r + 6 * V / t),
+        0.0,
+        0.0,
+    )
     return embed, head
 
 
@@ -522,12 +565,15 @@ class CostModel:
         # chunk boundaries as autopart cuts them: forward FLOPs per sequence c1·s + c2·s²
         c1 = shape.layers * 2 * shape.layer_matmul_params + 2 * h * self.vocab
         c2 = shape.layers * 2 * h
-        self.chunk_lengths = _chunks(float(c1), float(c2), shape.seq, k, st.seq_split,
-                                     st.chunk_multiple)  # fmt: skip
+        self.chunk_lengths = _chunks(
+            float(c1), float(c2), shape.seq, k, st.seq_split, st.chunk_multiple
+        )
         starts = [sum(self.chunk_lengths[:j]) for j in range(k)]
         b = st.micro_batch
-        layer = [_layer(shape, cl, t, st.sequence_parallel, st.recompute, st.attention, b, a, L)
-                 for a, L in zip(starts, self.chunk_lengths, strict=True)]  # fmt: skip
+        layer = [
+            _layer(shape, cl, t, st.sequence_parallel, st.recompute, st.attention, b, a, L)
+            for a, L in zip(starts, self.chunk_lengths, strict=True)
+        ]
         ends = [_embed_head(shape, cl, t, st.sequence_parallel, b, L) for L in self.chunk_lengths]
         self.units: list[list[UnitCost]] = []  # [stage][chunk]
         rows: dict[tuple[int, bool, bool], list[UnitCost]] = {}
@@ -706,8 +752,9 @@ class RankTimes:
 
     def scaled(self, other: RankTimes, x: float) -> RankTimes:
         """self + x · (other − self), field by field (linear extrapolation)."""
-        return RankTimes(*(a + x * (b - a) for a, b in zip(_astuple(self), _astuple(other),
-                                                            strict=True)))  # fmt: skip
+        return RankTimes(
+            *(a + x * (b - a) for a, b in zip(_astuple(self), _astuple(other), strict=True))
+        )
 
 
 def _astuple(rt: RankTimes) -> tuple[float, ...]:
@@ -806,8 +853,9 @@ def simulate_actions(
     """
     comp = _compile(actions_by_rank)
     comm_fn = comm_fn or (lambda a: 0.0)
-    cost = [comm_fn(a) if s else cost_fn(a) for a, s in zip(comp.keys, comp.is_send_key,
-                                                            strict=True)]  # fmt: skip
+    cost = [
+        comm_fn(a) if s else cost_fn(a) for a, s in zip(comp.keys, comp.is_send_key, strict=True)
+    ]
     return _run(comp, cost, actions_by_rank if record else None)
 
 
@@ -912,8 +960,18 @@ def _index_of(ops: list[tuple[int, int, int]], code: int) -> int:
 
 def to_chrome_trace(events: list[Event]) -> list[dict[str, Any]]:
     """Events as Chrome/Perfetto trace events, in ``Runner.chrome_trace``'s format."""
-    return [{"name": ev.name, "cat": ev.kind, "ph": "X", "pid": ev.rank, "tid": 0,
-             "ts": ev.start * 1e6, "dur": (ev.end - ev.start) * 1e6} for ev in events]  # fmt: skip
+    return [
+        {
+            "name": ev.name,
+            "cat": ev.kind,
+            "ph": "X",
+            "pid": ev.rank,
+            "tid": 0,
+            "ts": ev.start * 1e6,
+            "dur": (ev.end - ev.start) * 1e6,
+        }
+        for ev in events
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -945,11 +1003,16 @@ class Simulation:
 
 
 @lru_cache(maxsize=256)
-def _actions(schedule: str, p: int, m: int, v: int, k: int, dp: bool,
-             tied: bool) -> dict[int, list[Action]]:  # fmt: skip
+def _actions(
+    schedule: str, p: int, m: int, v: int, k: int, dp: bool, tied: bool
+) -> dict[int, list[Action]]:
     peers = list(range(p))
-    return {r: generate(schedule, r, m, peers, dp=2 if dp else 1, v=v,
-                        tied=tied and r in (0, p - 1), k=k) for r in range(p)}  # fmt: skip
+    return {
+        r: generate(
+            schedule, r, m, peers, dp=2 if dp else 1, v=v, tied=tied and r in (0, p - 1), k=k
+        )
+        for r in range(p)
+    }
 
 
 @lru_cache(maxsize=256)
@@ -971,12 +1034,14 @@ def simulate(
     number (the steady state repeats every pp micro-batches); ``None`` does so only when the
     pipeline has more than ``EXACT_LIMIT`` F and B actions. Extrapolated runs have no events.
     """
-    return simulate_costs(CostModel(shape, load_cluster(cluster), strategy), record=record,
-                          extrapolate=extrapolate)  # fmt: skip
+    return simulate_costs(
+        CostModel(shape, load_cluster(cluster), strategy), record=record, extrapolate=extrapolate
+    )
 
 
-def simulate_costs(costs: CostModel, *, record: bool = True,
-                   extrapolate: bool | None = None) -> Simulation:  # fmt: skip
+def simulate_costs(
+    costs: CostModel, *, record: bool = True, extrapolate: bool | None = None
+) -> Simulation:
     """``simulate`` with a ready ``CostModel`` (the planner builds one per candidate)."""
     st = costs.st
     p, v, k, m = st.pp, st.virtual_stages, st.seq_chunks, st.microbatches
@@ -999,20 +1064,30 @@ def simulate_costs(costs: CostModel, *, record: bool = True,
 
 
 def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | None) -> Timeline:
-    cost = [costs.transfer(a) if s else costs.action_cost(a)
-            for a, s in zip(comp.keys, comp.is_send_key, strict=True)]  # fmt: skip
+    cost = [
+        costs.transfer(a) if s else costs.action_cost(a)
+        for a, s in zip(comp.keys, comp.is_send_key, strict=True)
+    ]
     return _run(comp, cost, acts)
 
 
-def _summary(costs: CostModel, tl: Timeline, acts: dict[int, list[Action]],
-             extrapolated: bool) -> dict[str, Any]:  # fmt: skip
+def _summary(
+    costs: CostModel, tl: Timeline, acts: dict[int, list[Action]], extrapolated: bool
+) -> dict[str, Any]:
     st, sh, cl = costs.st, costs.shape, costs.cluster
     p, m = st.pp, st.microbatches
-    finish = {r: tl.ranks[r].end + costs.param_gather_time(r) + costs.optimizer_time(r)
-              for r in range(p)}  # fmt: skip
+    finish = {
+        r: tl.ranks[r].end + costs.param_gather_time(r) + costs.optimizer_time(r) for r in range(p)
+    }
     T = max(finish.values())
-    cats = {"compute_s": 0.0, "tp_comm_s": 0.0, "pp_comm_s": 0.0, "dp_comm_s": 0.0,
-            "optimizer_s": 0.0, "bubble_s": 0.0}  # fmt: skip
+    cats = {
+        "compute_s": 0.0,
+        "tp_comm_s": 0.0,
+        "pp_comm_s": 0.0,
+        "dp_comm_s": 0.0,
+        "optimizer_s": 0.0,
+        "bubble_s": 0.0,
+    }
     recompute = 0.0
     for r in range(p):
         comp = tp = rec = 0.0
@@ -1039,8 +1114,13 @@ def _summary(costs: CostModel, tl: Timeline, acts: dict[int, list[Action]],
     for r in range(p):
         static = costs.static_bytes(r)
         act = costs.activation_peak(acts[r])
-        mem.append({**{k: v / GIB for k, v in static.items()}, "activations": act / GIB,
-                    "total": (sum(static.values()) + act) / GIB})  # fmt: skip
+        mem.append(
+            {
+                **{k: v / GIB for k, v in static.items()},
+                "activations": act / GIB,
+                "total": (sum(static.values()) + act) / GIB,
+            }
+        )
     worst = max(range(p), key=lambda r: mem[r]["total"])
     tokens = st.global_batch * sh.seq
     return {
@@ -1097,8 +1177,11 @@ def fast_lower_bound(costs: CostModel) -> float:
 
     best = prefix_f = prefix_b = 0.0
     for r in range(p):
-        busy = sum(m * (u.f + u.f_tp + u.b + u.b_tp) for s in range(r, costs.n_stages, p)
-                   for u in costs.units[s])  # fmt: skip
+        busy = sum(
+            m * (u.f + u.f_tp + u.b + u.b_tp)
+            for s in range(r, costs.n_stages, p)
+            for u in costs.units[s]
+        )
         end = prefix_f + busy
         best = max(best, end + finish(r), end + prefix_b + (finish(0) if r else 0.0))
         u0 = costs.units[r][0]
@@ -1147,16 +1230,27 @@ def resolve_shape(
             import difflib
 
             close = difflib.get_close_matches(shape, list(SHAPES), n=1)
-            raise AutopartError(f"unknown model shape {shape!r}",
-                                hint=(f"did you mean {close[0]!r}? " if close else "")
-                                + f"shapes: {', '.join(SHAPES)}")  # fmt: skip
+            raise AutopartError(
+                f"unknown model shape {shape!r}",
+                hint=(f"did you mean {close[0]!r}? " if close else "")
+                + f"shapes: {', '.join(SHAPES)}",
+            )
         base = SHAPES[shape]
         return base if seq is None else GPTShape(**{**asdict(base), "seq": seq})
     if not all(given) or seq is None:
-        missing = [f"--{n}" for n, x in zip(("layers", "hidden", "heads", "vocab", "seq"),
-                                            (*given, seq is not None), strict=True) if not x]  # fmt: skip
-        raise AutopartError(f"the model shape needs {', '.join(missing)}",
-                            hint="or --model SPEC (captured) or --shape megatron-1t")  # fmt: skip
+        missing = [
+            f"--{n}"
+            for n, x in zip(
+                ("layers", "hidden", "heads", "vocab", "seq"),
+                (*given, seq is not None),
+                strict=True,
+            )
+            if not x
+        ]
+        raise AutopartError(
+            f"the model shape needs {', '.join(missing)}",
+            hint="or --model SPEC (captured) or --shape megatron-1t",
+        )
     return GPTShape(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, ffn=ffn, tied=tied)
 
 
@@ -1167,24 +1261,32 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     st = summary["strategy"]
     plan = Strategy(**{k: v for k, v in st.items() if k not in ("microbatches", "gpus")})
     mem = summary["memory"]
-    head = Table(title=f"{plan.describe()} on {summary['gpus']} × {summary['cluster']}",
-                 show_header=False)  # fmt: skip
+    head = Table(
+        title=f"{plan.describe()} on {summary['gpus']} × {summary['cluster']}", show_header=False
+    )
     head.add_column(justify="left")
     head.add_column(justify="right")
     rows = [
-        ("iteration", f"{summary['iteration_s']:.3f} s"
-         + (" (extrapolated)" if summary["extrapolated"] else "")),
+        (
+            "iteration",
+            f"{summary['iteration_s']:.3f} s"
+            + (" (extrapolated)" if summary["extrapolated"] else ""),
+        ),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
         ("TFLOP/s per GPU (Megatron's count)", f"{summary['tflops_per_gpu']:.1f}"),
         ("MFU / HFU", f"{summary['mfu']:.1%} / {summary['hfu']:.1%}"),
         ("bubble", f"{summary['bubble_fraction']:.1%}"),
-        (f"memory per GPU (rank {mem['rank']})",
-         f"{mem['total']:.1f} GiB of {mem['usable']:.1f} usable"
-         + ("" if summary["fits"] else "  [red]does not fit[/red]")),
-        ("  parameters / gradients / optimizer",
-         f"{mem['parameters']:.1f} / {mem['gradients']:.1f} / {mem['optimizer']:.1f} GiB"),
+        (
+            f"memory per GPU (rank {mem['rank']})",
+            f"{mem['total']:.1f} GiB of {mem['usable']:.1f} usable"
+            + ("" if summary["fits"] else "  [red]does not fit[/red]"),
+        ),
+        (
+            "  parameters / gradients / optimizer",
+            f"{mem['parameters']:.1f} / {mem['gradients']:.1f} / {mem['optimizer']:.1f} GiB",
+        ),
         ("  activations", f"{mem['activations']:.1f} GiB"),
-    ]  # fmt: skip
+    ]
     for k, v in rows:
         head.add_row(k, v)
     console.print(head)
@@ -1197,7 +1299,25 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
 
 
 __all__ = [
-    "ATTENTION", "RECOMPUTE", "SCHEDULES", "SHAPES", "CostModel", "Event", "GPTShape", "RankTimes",
-    "Simulation", "Strategy", "Timeline", "breakdown_table", "print_summary", "resolve_shape", "fast_lower_bound", "simulate_costs",
-    "shape_from_captured", "simulate", "simulate_actions", "stage_layers", "to_chrome_trace",
-]  # fmt: skip
+    "ATTENTION",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "SHAPES",
+    "CostModel",
+    "Event",
+    "GPTShape",
+    "RankTimes",
+    "Simulation",
+    "Strategy",
+    "Timeline",
+    "breakdown_table",
+    "print_summary",
+    "resolve_shape",
+    "fast_lower_bound",
+    "simulate_costs",
+    "shape_from_captured",
+    "simulate",
+    "simulate_actions",
+    "stage_layers",
+    "to_chrome_trace",
+]

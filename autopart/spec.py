@@ -24,8 +24,10 @@ def load_factory(spec: str) -> Factory:
     """The factory a spec names (the module is imported, the function not yet called)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise AutopartError(f"model spec {spec!r} has no ':function' part",
-                            hint="write path/to/file.py:make or package.module:make")  # fmt: skip
+        raise AutopartError(
+            f"model spec {spec!r} has no ':function' part",
+            hint="write path/to/file.py:make or package.module:make",
+        )
     if where.endswith(".py") or "/" in where:
         path = Path(where)
         if not path.exists():
@@ -40,8 +42,10 @@ def load_factory(spec: str) -> Factory:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise AutopartError(f"cannot import {where!r}: {exc}",
-                                hint="use a file path (examples/nanogpt.py:make) or an importable module") from exc  # fmt: skip
+            raise AutopartError(
+                f"cannot import {where!r}: {exc}",
+                hint="use a file path (examples/nanogpt.py:make) or an importable module",
+            ) from exc
     factory = getattr(module, name, None)
     if not callable(factory):
         raise AutopartError(f"{where} has no function {name!r}")

@@ -113,8 +113,9 @@ def busy_fractions(events: list[dict[str, Any]]) -> dict[int, float]:
     out: dict[int, float] = {}
     for rank in sorted({b.rank for b in bs}):
         busy, until = 0.0, float("-inf")
-        for b in sorted((b for b in bs if b.rank == rank and b.kind in COMPUTE),
-                        key=lambda b: b.start):  # fmt: skip
+        for b in sorted(
+            (b for b in bs if b.rank == rank and b.kind in COMPUTE), key=lambda b: b.start
+        ):
             if b.end > until:  # the part of this block not already counted
                 busy += b.end - max(b.start, until)
                 until = b.end
@@ -128,8 +129,10 @@ def read_json(path: str | Path) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise AutopartError(f"no trace file {path}",
-                            hint="write one with: autopart run DIR --steps 3 --trace FILE.json") from None  # fmt: skip
+        raise AutopartError(
+            f"no trace file {path}",
+            hint="write one with: autopart run DIR --steps 3 --trace FILE.json",
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AutopartError(f"{path} is not a readable trace JSON: {exc}") from None
 
@@ -203,15 +206,31 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
     for kind, hatch in (("F", None), ("B", "//")):
         mine = [b for b in compute if b.kind == kind]
         if mine:
-            ax.barh([row[b.rank] for b in mine], [b.dur / 1e3 for b in mine], height=h,
-                    left=[(b.start - t0) / 1e3 for b in mine], color=[colour(b) for b in mine],
-                    edgecolor="white", linewidth=0.4, hatch=hatch, align="center")  # fmt: skip
+            ax.barh(
+                [row[b.rank] for b in mine],
+                [b.dur / 1e3 for b in mine],
+                height=h,
+                left=[(b.start - t0) / 1e3 for b in mine],
+                color=[colour(b) for b in mine],
+                edgecolor="white",
+                linewidth=0.4,
+                hatch=hatch,
+                align="center",
+            )
     thin = [b for b in bs if b.kind not in COMPUTE]
     if thin:
-        ax.barh([row[b.rank] + h / 2 + 0.07 for b in thin], [b.dur / 1e3 for b in thin],
-                height=0.1, left=[(b.start - t0) / 1e3 for b in thin], linewidth=0,
-                color=[_REDUCE if "REDUCE" in b.kind else _SEND_RECV if b.kind in KINDS
-                       else _OTHER for b in thin], align="center")  # fmt: skip
+        ax.barh(
+            [row[b.rank] + h / 2 + 0.07 for b in thin],
+            [b.dur / 1e3 for b in thin],
+            height=0.1,
+            left=[(b.start - t0) / 1e3 for b in thin],
+            linewidth=0,
+            color=[
+                _REDUCE if "REDUCE" in b.kind else _SEND_RECV if b.kind in KINDS else _OTHER
+                for b in thin
+            ],
+            align="center",
+        )
 
     ax.set_xlim(0, span_ms)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
@@ -230,8 +249,15 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
         label = f"{b.kind}{b.action.mb}" + (f".{b.action.chunk}" if n_chunks > 1 else "")
         if b.dur / 1e3 / span_ms * axes_px > 6.5 * len(label) + 4:
             dark = b.kind == "B" and not (n_chunks > 1 and b.action.chunk == n_chunks - 1)
-            ax.text((b.start - t0 + b.dur / 2) / 1e3, row[b.rank], label, ha="center",
-                    va="center", fontsize=7, color="white" if dark else "black")  # fmt: skip
+            ax.text(
+                (b.start - t0 + b.dur / 2) / 1e3,
+                row[b.rank],
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if dark else "black",
+            )
 
     side = blended_transform_factory(ax.transAxes, ax.transData)
     for r, frac in busy_fractions(events).items():
@@ -240,18 +266,32 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
     grey = (0.55, 0.55, 0.55)
     handles = [Patch(color=base[m], label=f"m{m}") for m in mbs]
     if compute:
-        handles += [Patch(facecolor=grey, edgecolor="white", label="F"),
-                    Patch(facecolor=_mix(grey, 0.0, 0.3), edgecolor="white", hatch="//", label="B")]  # fmt: skip
-    handles += [Patch(color=_mix(grey, 1.0, 0.55 * c / (n_chunks - 1)), label=f"chunk {c}")
-                for c in range(n_chunks)] if n_chunks > 1 else []  # fmt: skip
+        handles += [
+            Patch(facecolor=grey, edgecolor="white", label="F"),
+            Patch(facecolor=_mix(grey, 0.0, 0.3), edgecolor="white", hatch="//", label="B"),
+        ]
+    handles += (
+        [
+            Patch(color=_mix(grey, 1.0, 0.55 * c / (n_chunks - 1)), label=f"chunk {c}")
+            for c in range(n_chunks)
+        ]
+        if n_chunks > 1
+        else []
+    )
     kinds = {b.kind for b in thin}
     if kinds & {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}:
         handles.append(Patch(color=_SEND_RECV, label="send/recv"))
     if kinds & {"DP_REDUCE", "TIE_REDUCE"}:
         handles.append(Patch(color=_REDUCE, label="reduce"))
     axes_h_in = ax.get_position().height * fig.get_figheight()  # the legend 0.6 in below it
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.6 / axes_h_in),
-              ncol=min(len(handles), 10), fontsize=8, frameon=False)  # fmt: skip
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.6 / axes_h_in),
+        ncol=min(len(handles), 10),
+        fontsize=8,
+        frameon=False,
+    )
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,7 @@ from autopart.errors import AutopartError
 from autopart.runtime.checks import as_rank, fork_ranks, wait_ranks
 from autopart.spec import Factory, build
 
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2,
-             torch.bfloat16: 5e-2}  # fmt: skip
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 _DTYPE_OF = {str(d).removeprefix("torch."): d for d in TOLERANCE}
 
@@ -90,11 +89,21 @@ def islands(gm: Any, dtype: torch.dtype) -> list[str]:
     from autopart.capture import META_INPUT, META_MODULE, B, S, to_sympy
 
     aten = torch.ops.aten
-    mixing = {aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default,
-              aten.linear.default, aten.addmm.default, aten.softmax.int, aten._softmax.default,
-              aten.log_softmax.int, aten._log_softmax.default,
-              aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default,
-              aten.nll_loss_forward.default}  # fmt: skip
+    mixing = {
+        aten.matmul.default,
+        aten.bmm.default,
+        aten.mm.default,
+        aten.baddbmm.default,
+        aten.linear.default,
+        aten.addmm.default,
+        aten.softmax.int,
+        aten._softmax.default,
+        aten.log_softmax.int,
+        aten._log_softmax.default,
+        aten.scaled_dot_product_attention.default,
+        aten.cross_entropy_loss.default,
+        aten.nll_loss_forward.default,
+    }
 
     def tokens(x: Any) -> bool:
         """The value has a batch or sequence dim (its gradient is not summed over tokens)."""
@@ -184,8 +193,10 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
             raise AutopartError(
                 f"gradient of {fqn}: tp slices {sorted(parts)} of {shard.parts} arrived"
             )
-        blocks = [[g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
-                  for j in range(shard.strided)]  # fmt: skip
+        blocks = [
+            [g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
+            for j in range(shard.strided)
+        ]
         out.setdefault(fqn, []).append(
             torch.cat([torch.cat(b, shard.dim) for b in blocks], shard.dim)
         )
@@ -227,13 +238,29 @@ class Check:
         return ",".join(parts)
 
 
-PLAN_KEYS = ("schedule", "microbatches", "virtual_stages", "seq_chunks", "seq_split",
-             "sequence_parallel", "max_stage_memory_gb")  # fmt: skip
-_PLAN_WORDS = {"dp": "dp", "tp": "tp", "pp": "pp", "m": "microbatches", "v": "virtual_stages",
-               "k": "seq_chunks", "mem": "max_stage_memory_gb"}  # fmt: skip
-PLANS_HELP = ("plans separated by ';', each a comma-separated list of dp=N, tp=N, pp=N, m=N "
-              "(micro-batches), v=N (virtual stages), k=N (sequence chunks), mem=GIB, a schedule "
-              "name, sp (sequence parallel), uniform or balanced (chunk split)")  # fmt: skip
+PLAN_KEYS = (
+    "schedule",
+    "microbatches",
+    "virtual_stages",
+    "seq_chunks",
+    "seq_split",
+    "sequence_parallel",
+    "max_stage_memory_gb",
+)
+_PLAN_WORDS = {
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "m": "microbatches",
+    "v": "virtual_stages",
+    "k": "seq_chunks",
+    "mem": "max_stage_memory_gb",
+}
+PLANS_HELP = (
+    "plans separated by ';', each a comma-separated list of dp=N, tp=N, pp=N, m=N "
+    "(micro-batches), v=N (virtual stages), k=N (sequence chunks), mem=GIB, a schedule "
+    "name, sp (sequence parallel), uniform or balanced (chunk split)"
+)
 
 
 def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = None) -> list[Check]:
@@ -251,8 +278,9 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
                 try:
                     fields[_PLAN_WORDS[key]] = float(value) if key == "mem" else int(value)
                 except ValueError:
-                    raise AutopartError(f"plan {plan!r}: {word!r} needs a number",
-                                        hint=PLANS_HELP) from None  # fmt: skip
+                    raise AutopartError(
+                        f"plan {plan!r}: {word!r} needs a number", hint=PLANS_HELP
+                    ) from None
             elif word in SCHEDULES:
                 fields["schedule"] = word
             elif word == "sp":
@@ -333,8 +361,10 @@ def verify_many(
     if via not in ("torchrun", "fork"):
         raise AutopartError(f"unknown via={via!r}", hint="use 'torchrun' or 'fork'")
     if via == "fork" and (nnodes > 1 or compile):
-        raise AutopartError("forked ranks run one node, uncompiled",
-                            hint="use via='torchrun' for nnodes > 1 or compile=True")  # fmt: skip
+        raise AutopartError(
+            "forked ranks run one node, uncompiled",
+            hint="use via='torchrun' for nnodes > 1 or compile=True",
+        )
     named = dict(checks) if isinstance(checks, Mapping) else _names(checks)
     results: dict[str, Report | AutopartError] = {}
 
@@ -398,22 +428,49 @@ def _names(checks: Sequence[Check]) -> dict[str, Check]:
     return named
 
 
-def _launch_checks(size: int, names: list[str], folders: dict[str, Path], ready: dict, dtype: str,
-                   timeout_s: float, nnodes: int, compile: bool, done: Callable) -> None:  # fmt: skip
+def _launch_checks(
+    size: int,
+    names: list[str],
+    folders: dict[str, Path],
+    ready: dict,
+    dtype: str,
+    timeout_s: float,
+    nnodes: int,
+    compile: bool,
+    done: Callable,
+) -> None:
     """All checks of one world size in one torchrun launch; when a check fails, the ranks
     stop, that check is reported failed, and the checks after it go on in a new launch."""
     todo = list(names)
     while todo:
         start = time.perf_counter()
         manifest = folders[todo[0]] / "checks.json"
-        manifest.write_text(json.dumps({"timeout": timeout_s, "compile": compile, "checks": [
-            {"name": n, "program": str(folders[n] / "program"), "batch": str(folders[n] / "batch.pt"),
-             "dump": str(folders[n] / "dump")} for n in todo]}))  # fmt: skip
+        manifest.write_text(
+            json.dumps(
+                {
+                    "timeout": timeout_s,
+                    "compile": compile,
+                    "checks": [
+                        {
+                            "name": n,
+                            "program": str(folders[n] / "program"),
+                            "batch": str(folders[n] / "batch.pt"),
+                            "dump": str(folders[n] / "dump"),
+                        }
+                        for n in todo
+                    ],
+                }
+            )
+        )
         error: AutopartError | None = None
         output = ""
         try:
-            output = launch(size, ["-m", "autopart.runtime.checks", str(manifest)],
-                            timeout_s=timeout_s * len(todo), nnodes=nnodes)  # fmt: skip
+            output = launch(
+                size,
+                ["-m", "autopart.runtime.checks", str(manifest)],
+                timeout_s=timeout_s * len(todo),
+                nnodes=nnodes,
+            )
         except AutopartError as exc:
             error = exc
         share = (time.perf_counter() - start) / len(todo)
@@ -434,8 +491,9 @@ def _launch_checks(size: int, names: list[str], folders: dict[str, Path], ready:
             raise AutopartError(f"the ranks ended without checking {todo[0]}")
 
 
-def _compare(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
-             output: str) -> Report | AutopartError:  # fmt: skip
+def _compare(
+    dump: Path, program: Any, model: _Model, dtype: str, seconds: float, output: str
+) -> Report | AutopartError:
     """The report of one check from its ranks' dumps (or why they cannot be compared)."""
     try:
         return _report(dump, program, model, dtype, seconds, output)
@@ -443,8 +501,9 @@ def _compare(dump: Path, program: Any, model: _Model, dtype: str, seconds: float
         return exc
 
 
-def _report(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
-            output: str) -> Report:  # fmt: skip
+def _report(
+    dump: Path, program: Any, model: _Model, dtype: str, seconds: float, output: str
+) -> Report:
     dumps = [
         torch.load(dump / f"rank{r:05d}.pt", weights_only=True) for r in range(program.mesh.size)
     ]
@@ -453,8 +512,11 @@ def _report(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
     errors: dict[str, float] = {}
     largest = max((g.abs().max().item() for g in model.ref_grads.values() if g.numel()), default=0)
     eps = torch.finfo(model.lowest).eps
-    zero = sorted(f for f, g in model.ref_grads.items()
-                  if g.numel() and largest > 0 and g.abs().max().item() <= 64 * eps * largest)  # fmt: skip
+    zero = sorted(
+        f
+        for f, g in model.ref_grads.items()
+        if g.numel() and largest > 0 and g.abs().max().item() <= 64 * eps * largest
+    )
     for fqn, copies in gather(dumps).items():
         if fqn not in model.ref_grads:
             raise AutopartError(f"rank gradients name {fqn!r}, which the model does not have")
@@ -464,8 +526,19 @@ def _report(dump: Path, program: Any, model: _Model, dtype: str, seconds: float,
     if missing:
         raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
     worst = max(errors, key=errors.get)
-    return Report(losses[0], model.ref_loss, loss_error, errors[worst], worst, TOLERANCE[model.lowest],
-                  errors, seconds, output, zero, model.islands)  # fmt: skip
+    return Report(
+        losses[0],
+        model.ref_loss,
+        loss_error,
+        errors[worst],
+        worst,
+        TOLERANCE[model.lowest],
+        errors,
+        seconds,
+        output,
+        zero,
+        model.islands,
+    )
 
 
 def verify(
@@ -490,10 +563,28 @@ def verify(
 ) -> Report:
     """Run one step of the plan on real ranks and compare with one device (see module doc);
     raises the ``AutopartError`` of a refused plan or a failing rank."""
-    check = Check(spec, dp, pp, tp, schedule, microbatches, virtual_stages, seq_chunks, seq_split,
-                  sequence_parallel, max_stage_memory_gb)  # fmt: skip
-    (result,) = verify_many([check], dtype=dtype, timeout_s=timeout_s, workdir=workdir,
-                            nnodes=nnodes, compile=compile, via=via).values()  # fmt: skip
+    check = Check(
+        spec,
+        dp,
+        pp,
+        tp,
+        schedule,
+        microbatches,
+        virtual_stages,
+        seq_chunks,
+        seq_split,
+        sequence_parallel,
+        max_stage_memory_gb,
+    )
+    (result,) = verify_many(
+        [check],
+        dtype=dtype,
+        timeout_s=timeout_s,
+        workdir=workdir,
+        nnodes=nnodes,
+        compile=compile,
+        via=via,
+    ).values()
     if isinstance(result, AutopartError):
         raise result
     return result
@@ -514,27 +605,46 @@ def launch(
     c10d rendezvous on 127.0.0.1, as separate machines would.
     """
     if nproc % nnodes:
-        raise AutopartError(f"{nproc} ranks do not split over {nnodes} nodes",
-                            hint="use a node count that divides the world size")  # fmt: skip
+        raise AutopartError(
+            f"{nproc} ranks do not split over {nnodes} nodes",
+            hint="use a node count that divides the world size",
+        )
     if nnodes == 1:
         where = [["--standalone", f"--nproc-per-node={nproc}"]]
     else:
         port = _free_port()
-        where = [[f"--nnodes={nnodes}", f"--nproc-per-node={nproc // nnodes}", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=autopart-{port}"]] * nnodes  # fmt: skip
+        where = [
+            [
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={nproc // nnodes}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=autopart-{port}",
+            ]
+        ] * nnodes
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     limit = None if timeout_s is None else timeout_s + 60
     out = None if stream else subprocess.PIPE
     err = None if stream else subprocess.STDOUT
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *w, *argv], env=env,
-                              text=True, stdout=out, stderr=err) for w in where]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *w, *argv],
+            env=env,
+            text=True,
+            stdout=out,
+            stderr=err,
+        )
+        for w in where
+    ]
     try:
         outputs = [p.communicate(timeout=limit)[0] or "" for p in procs]
     except subprocess.TimeoutExpired as exc:
         for p in procs:
             p.kill()
-        raise AutopartError(f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
-                            hint="a rank hangs; rerun with a smaller --timeout to see which") from exc  # fmt: skip
+        raise AutopartError(
+            f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
+            hint="a rank hangs; rerun with a smaller --timeout to see which",
+        ) from exc
     code = max((p.returncode for p in procs), key=abs)
     output = "".join(outputs)
     if code != 0:
@@ -579,8 +689,10 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
         ctx = multiprocessing.get_context("fork")
         sys.stdout.flush()
         sys.stderr.flush()
-        procs = [ctx.Process(target=_forked_main, args=(r, nproc, port, argv, logs[r]), daemon=True)
-                 for r in range(nproc)]  # fmt: skip
+        procs = [
+            ctx.Process(target=_forked_main, args=(r, nproc, port, argv, logs[r]), daemon=True)
+            for r in range(nproc)
+        ]
         for p in procs:
             p.start()
         first = wait_ranks(procs, timeout_s + 60)
@@ -602,8 +714,14 @@ def _forked_main(rank: int, nproc: int, port: int, argv: list[str], log: Path) -
     os.dup2(out.fileno(), 2)
     sys.stdout = sys.stderr = out
     try:
-        as_rank(rank, nproc, GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHELASTIC_RESTART_COUNT="0")  # fmt: skip
+        as_rank(
+            rank,
+            nproc,
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RESTART_COUNT="0",
+        )
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]

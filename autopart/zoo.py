@@ -22,13 +22,33 @@ from torch import nn
 from autopart.errors import AutopartError
 
 VOCAB, BATCH, SEQ = 96, 4, 32
-COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-          "use_cache": False, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # fmt: skip
-_NO_DROPOUT = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
-               "attn_pdrop", "activation_dropout", "hidden_dropout_prob",
-               "attention_probs_dropout_prob", "resid_dropout", "embed_dropout",
-               "attn_dropout")  # fmt: skip
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "use_cache": False,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+}
+_NO_DROPOUT = (
+    "dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "activation_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "resid_dropout",
+    "embed_dropout",
+    "attn_dropout",
+)
 
 # model_type → what the common config needs changed (sizes the defaults make large, names the
 # config spells its own way), and a line on what the architecture brings
@@ -39,26 +59,51 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Llama with QKV biases", {}),
     "qwen3": ("per-head RMSNorm on Q and K", {"head_dim": 8}),
     "gemma": ("RMSNorm computed in float32 (1 + w), scaled embeddings, GeGLU", {"head_dim": 8}),
-    "gemma2": ("logit soft-capping, sandwich norms, alternating local/global attention",
-               {"head_dim": 8}),
-    "gemma3_text": ("Gemma 3: per-head q/k norms in float32, sliding-window and global layers",
-                    {"head_dim": 8}),
+    "gemma2": (
+        "logit soft-capping, sandwich norms, alternating local/global attention",
+        {"head_dim": 8},
+    ),
+    "gemma3_text": (
+        "Gemma 3: per-head q/k norms in float32, sliding-window and global layers",
+        {"head_dim": 8},
+    ),
     "phi": ("parallel attention + MLP, partial rotary, dense bias", {}),
     "phi3": ("fused QKV and gate-up projections", {}),
-    "opt": ("learned positions from a running count (cumsum) of the attention mask",
-            {"ffn_dim": 64, "word_embed_proj_dim": 32}),
-    "bloom": ("ALiBi (a per-head bias over key positions) added by baddbmm, heads folded into the batch", {}),
-    "gptj": ("rotary sin/cos gathered from a position table, parallel attention + MLP",
-             {"rotary_dim": 8}),
+    "opt": (
+        "learned positions from a running count (cumsum) of the attention mask",
+        {"ffn_dim": 64, "word_embed_proj_dim": 32},
+    ),
+    "bloom": (
+        "ALiBi (a per-head bias over key positions) added by baddbmm, heads folded into the batch",
+        {},
+    ),
+    "gptj": (
+        "rotary sin/cos gathered from a position table, parallel attention + MLP",
+        {"rotary_dim": 8},
+    ),
     "gpt_neox": ("fused QKV, partial rotary, parallel residual", {}),
-    "falcon": ("multi-query attention, parallel attention + MLP, in-place adds",
-               {"multi_query": True, "parallel_attn": True, "new_decoder_architecture": False,
-                "alibi": False}),
-    "mixtral": ("mixture of experts, top-2 routing over 4 experts",
-                {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen2_moe": ("mixture of experts with a gated shared expert, top-2 of 4 experts",
-                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "shared_expert_intermediate_size": 64}),
+    "falcon": (
+        "multi-query attention, parallel attention + MLP, in-place adds",
+        {
+            "multi_query": True,
+            "parallel_attn": True,
+            "new_decoder_architecture": False,
+            "alibi": False,
+        },
+    ),
+    "mixtral": (
+        "mixture of experts, top-2 routing over 4 experts",
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2_moe": (
+        "mixture of experts with a gated shared expert, top-2 of 4 experts",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
     "stablelm": ("partial rotary, LayerNorm, QKV biases", {}),
     "starcoder2": ("LayerNorm, biases everywhere, GELU MLP", {}),
     "olmo2": ("RMSNorm on Q and K over all heads, post-norms", {}),
@@ -74,8 +119,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "openai-gpt": ("GPT-1: post-norm blocks, attention masked by −1e4 (not −∞)", {}),
     "ctrl": ("sinusoidal positions, a scaled embedding, eager attention", {"dff": 64}),
     "granitemoe": ("mixture of experts with Granite's multipliers", {"num_local_experts": 4}),
-    "olmoe": ("mixture of experts, 4 experts, Q/K norms",
-              {"num_experts": 4, "num_experts_per_tok": 2}),
+    "olmoe": (
+        "mixture of experts, 4 experts, Q/K norms",
+        {"num_experts": 4, "num_experts_per_tok": 2},
+    ),
     "phimoe": ("mixture of experts with sparsemixer routing", {"num_local_experts": 4}),
     "jetmoe": ("mixture of experts in attention and MLP", {"head_dim": 8}),
     "diffllama": ("differential attention with float32 lambdas", {"head_dim": 8}),
@@ -86,16 +133,21 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "apertus": ("xIELU activation, Q/K norms", {"head_dim": 8}),
     "helium": ("Llama-like with its own RMSNorm", {"head_dim": 8}),
     "smollm3": ("rotary skipped on some layers (NoPE)", {"head_dim": 8}),
-}  # fmt: skip
+}
 
 PLANS = {  # the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
     "dp=2": {"dp": 2},
     "tp=2": {"tp": 2},
     "pp=2 1F1B": {"pp": 2, "microbatches": 2},
     "pp=2 Seq1F1B k=2": {"pp": 2, "schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2},
-    "tp=2×pp=2 Seq1F1B k=2": {"tp": 2, "pp": 2, "schedule": "seq1f1b", "seq_chunks": 2,
-                              "microbatches": 2},
-}  # fmt: skip
+    "tp=2×pp=2 Seq1F1B k=2": {
+        "tp": 2,
+        "pp": 2,
+        "schedule": "seq1f1b",
+        "seq_chunks": 2,
+        "microbatches": 2,
+    },
+}
 
 
 def batch(vocab: int = VOCAB, size: int = BATCH, seq: int = SEQ):
@@ -162,8 +214,9 @@ def matrix(
                 if on_result is not None and not _no_reference(result, dtype):
                     on_result(arch, dtype, plan, result)
 
-            cells = verify_many(checks, dtype=dtype, timeout_s=timeout_s, via="fork",
-                                on_result=heard)  # fmt: skip
+            cells = verify_many(
+                checks, dtype=dtype, timeout_s=timeout_s, via="fork", on_result=heard
+            )
             if not all(_no_reference(c, dtype) for c in cells.values()):
                 break
         out[arch] = (dtype, cells)

@@ -29,9 +29,10 @@ BENCHMARKS = {
     "compile_cache": lambda mod: mod.main(),
     "plan_1t": lambda mod: mod.main(),
     "calibration": lambda mod: mod.main(),
-    "seq1f1b": lambda mod: mod.main(argparse.Namespace(split="balanced", seq=1024, microbatches=8,
-                                                       manual=False)),
-}  # fmt: skip
+    "seq1f1b": lambda mod: mod.main(
+        argparse.Namespace(split="balanced", seq=1024, microbatches=8, manual=False)
+    ),
+}
 
 
 def main() -> int:
@@ -63,8 +64,16 @@ def main() -> int:
         )
     for r in _launch.ROWS:
         met = "" if r["met"] is None else ("yes" if r["met"] else "[red]NO")
-        table.add_row(r["benchmark"], r["metric"], f"{r['autopart']:.4g} {r['unit']}", r["peer_name"],
-                      f"{r['peer']:.4g} {r['unit']}", f"{r['ratio']:.3f}", r["goal"], met)  # fmt: skip
+        table.add_row(
+            r["benchmark"],
+            r["metric"],
+            f"{r['autopart']:.4g} {r['unit']}",
+            r["peer_name"],
+            f"{r['peer']:.4g} {r['unit']}",
+            f"{r['ratio']:.3f}",
+            r["goal"],
+            met,
+        )
     con.print(table)
     if failed:
         con.print(f"[red]failed: {', '.join(failed)}")

@@ -63,8 +63,15 @@ class Half(nn.Module):
         return x if self.first else self.lm_head(t.ln_f(x))
 
 
-def torch_stage(model: nn.Module, rank: int, x_mb: torch.Tensor, group, manual: bool, split: str,
-                stages: int = 2):  # fmt: skip
+def torch_stage(
+    model: nn.Module,
+    rank: int,
+    x_mb: torch.Tensor,
+    group,
+    manual: bool,
+    split: str,
+    stages: int = 2,
+):
     """This rank's ``PipelineStage`` of HF GPT-2 split at module ``split`` (traced by
     ``pipeline()``; if the tracer fails, or ``manual``, the ``Half`` modules); and how."""
     from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline

@@ -31,8 +31,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record  # noqa: E402
 
-GPT2 = dict(vocab_size=1024, n_positions=512, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+GPT2 = dict(
+    vocab_size=1024,
+    n_positions=512,
+    n_embd=256,
+    n_layer=4,
+    n_head=8,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 P, SEQ, PROFILE_M, RUN_M, K = 2, 512, 4, 8, 2
 PLANS = {"1f1b": dict(schedule="1f1b"), "seq1f1b": dict(schedule="seq1f1b", seq_chunks=K)}
 
@@ -51,16 +62,21 @@ def save(name: str, m: int, folder: Path) -> Path:
     import autopart
 
     model, (x, y) = build(m)
-    prog = autopart.parallelize(model, autopart.Mesh(pp=P), example_inputs=(x, y), microbatches=m,
-                                **PLANS[name])  # fmt: skip
+    prog = autopart.parallelize(
+        model, autopart.Mesh(pp=P), example_inputs=(x, y), microbatches=m, **PLANS[name]
+    )
     prog.save(folder)
     return folder
 
 
 def autopart_cli(*args: str) -> str:
     """Run ``python -m autopart ARGS`` (one thread per rank, as torchrun sets); its stdout."""
-    proc = subprocess.run([sys.executable, "-m", "autopart", *args], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopart", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"autopart {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}")
     return proc.stdout
@@ -73,31 +89,55 @@ def step_times(stdout: str) -> list[float]:
 
 
 def main() -> int:
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
-          "(the cores may be shared with other processes: expect noise)")  # fmt: skip
-    print(f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, V={GPT2['vocab_size']}, "
-          f"float32, {SEQ} tokens per micro-batch, pp={P}; profiled at m={PROFILE_M}, "
-          f"predicted and measured at m={RUN_M}")  # fmt: skip
+    print(
+        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
+        "(the cores may be shared with other processes: expect noise)"
+    )
+    print(
+        f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, V={GPT2['vocab_size']}, "
+        f"float32, {SEQ} tokens per micro-batch, pp={P}; profiled at m={PROFILE_M}, "
+        f"predicted and measured at m={RUN_M}"
+    )
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for name in PLANS:
             base = Path(tmp) / name
             trace = base / "profile.json"
-            autopart_cli("run", str(save(name, PROFILE_M, base / "m4")), "--steps", "4", "--json",
-                         "--trace", str(trace))  # fmt: skip
-            pred = json.loads(autopart_cli("simulate", "--measured", str(trace), "--global-batch",
-                                           str(RUN_M), "--json"))  # fmt: skip
+            autopart_cli(
+                "run",
+                str(save(name, PROFILE_M, base / "m4")),
+                "--steps",
+                "4",
+                "--json",
+                "--trace",
+                str(trace),
+            )
+            pred = json.loads(
+                autopart_cli(
+                    "simulate", "--measured", str(trace), "--global-batch", str(RUN_M), "--json"
+                )
+            )
             run = autopart_cli("run", str(save(name, RUN_M, base / "m8")), "--steps", "6", "--json")
             measured = statistics.median(step_times(run)[1:])
             predicted = pred["iteration_s"]
             err = predicted / measured - 1
             ok &= abs(err) <= 0.15
-            print(f"  {name:<8} predicted {predicted * 1e3:8.1f} ms (bubble "
-                  f"{pred['bubble_fraction']:.3f}, profiled step {pred['measured']['iteration_s'] * 1e3:.1f} ms "
-                  f"at m={PROFILE_M})  measured {measured * 1e3:8.1f} ms  error {err:+.1%}  "
-                  f"({'within' if abs(err) <= 0.15 else 'OUTSIDE'} 15 %)")  # fmt: skip
-            record("calibration", f"pp=2 {name} step time, m={RUN_M}", predicted * 1e3,
-                   measured * 1e3, "the measured run", "within 15 %", abs(err) <= 0.15, "ms")  # fmt: skip
+            print(
+                f"  {name:<8} predicted {predicted * 1e3:8.1f} ms (bubble "
+                f"{pred['bubble_fraction']:.3f}, profiled step {pred['measured']['iteration_s'] * 1e3:.1f} ms "
+                f"at m={PROFILE_M})  measured {measured * 1e3:8.1f} ms  error {err:+.1%}  "
+                f"({'within' if abs(err) <= 0.15 else 'OUTSIDE'} 15 %)"
+            )
+            record(
+                "calibration",
+                f"pp=2 {name} step time, m={RUN_M}",
+                predicted * 1e3,
+                measured * 1e3,
+                "the measured run",
+                "within 15 %",
+                abs(err) <= 0.15,
+                "ms",
+            )
     return 0 if ok else 1
 
 

@@ -102,8 +102,16 @@ def main() -> int:
             cells.append(f"{med[name]:7.3f} / {1e3 * ts[int(0.9 * len(ts))]:6.3f}")
         ratio = med["shm"] / med["gloo"]
         print(f"{size:>5}  {'  '.join(cells)}  {ratio:8.2f}  (ms)")
-        record("collectives", f"all-reduce {size}, 2 ranks", med["shm"], med["gloo"],
-               "gloo all_reduce", "", None, "ms")  # fmt: skip
+        record(
+            "collectives",
+            f"all-reduce {size}, 2 ranks",
+            med["shm"],
+            med["gloo"],
+            "gloo all_reduce",
+            "",
+            None,
+            "ms",
+        )
     if not all(res["ok"].values()):
         print(f"MISMATCH against the rank-order sum: {res['ok']}", file=sys.stderr)
         return 1

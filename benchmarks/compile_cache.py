@@ -40,13 +40,28 @@ def main() -> int:
         parallelize(model, Mesh(tp=2, pp=2), example_inputs=batch, **PLAN).save(Path(tmp) / "p")
         compile_s = []
         for run in ("first (empty cache)", "second (warm cache)"):
-            out = launch(4, ["-m", "autopart.run", str(Path(tmp) / "p"), "--steps", "3", "--json",
-                             "--compile", "--timeout", "600"], timeout_s=600)  # fmt: skip
+            out = launch(
+                4,
+                [
+                    "-m",
+                    "autopart.run",
+                    str(Path(tmp) / "p"),
+                    "--steps",
+                    "3",
+                    "--json",
+                    "--compile",
+                    "--timeout",
+                    "600",
+                ],
+                timeout_s=600,
+            )
             steps = [json.loads(x) for x in out.splitlines() if x.startswith('{"step"')]
             later = statistics.median(s["seconds"] for s in steps[1:])
             compile_s.append(steps[0]["seconds"] - later)
-            print(f"{run}: step 0 {steps[0]['seconds']:.1f} s, later steps {later:.2f} s → "
-                  f"compile {compile_s[-1]:.1f} s")  # fmt: skip
+            print(
+                f"{run}: step 0 {steps[0]['seconds']:.1f} s, later steps {later:.2f} s → "
+                f"compile {compile_s[-1]:.1f} s"
+            )
         print(f"second run's compile time / first's: {compile_s[1] / compile_s[0]:.3f}")
         record(
             "compile_cache",
@@ -58,11 +73,20 @@ def main() -> int:
             compile_s[1] < compile_s[0],
             "s",
         )
-        report = verify(hf_gpt2.__file__ + ":make_long", tp=2, pp=2, dtype="float32",
-                        compile=True, timeout_s=600, **PLAN)  # fmt: skip
-    print(f"compiled parity (float32): loss rel err {report.loss_error:.1e}, worst gradient "
-          f"{report.worst} {report.grad_error:.1e} (tolerance {report.tolerance:.0e}): "
-          f"{'PASS' if report.ok else 'FAIL'}")  # fmt: skip
+        report = verify(
+            hf_gpt2.__file__ + ":make_long",
+            tp=2,
+            pp=2,
+            dtype="float32",
+            compile=True,
+            timeout_s=600,
+            **PLAN,
+        )
+    print(
+        f"compiled parity (float32): loss rel err {report.loss_error:.1e}, worst gradient "
+        f"{report.worst} {report.grad_error:.1e} (tolerance {report.tolerance:.0e}): "
+        f"{'PASS' if report.ok else 'FAIL'}"
+    )
     return 0 if report.ok else 1
 
 

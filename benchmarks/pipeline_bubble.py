@@ -67,8 +67,9 @@ def stage_costs(m: int) -> tuple[list[float], list[int]]:
     import autopart
 
     model, (x, y) = build(m)
-    prog = autopart.parallelize(model, autopart.Mesh(pp=P), example_inputs=(x, y),
-                                schedule="1f1b", microbatches=m)  # fmt: skip
+    prog = autopart.parallelize(
+        model, autopart.Mesh(pp=P), example_inputs=(x, y), schedule="1f1b", microbatches=m
+    )
     meta = prog.rank(0).stages[0].graph.meta  # the split pass's meta, copied onto each stage
     return meta["autopart.unit_costs"], meta["autopart.cuts"]
 
@@ -105,8 +106,10 @@ def recv_wait(timelines: list[list]) -> list[float]:
             if k.startswith("SEND"):
                 s, mb = unit(n)  # the receiving stage is the next one (F) or the previous (B)
                 posted[(k[-1], s + 1 if k == "SEND_F" else s - 1, mb)] = t0
-    return [sum(t1 - max(t0, posted[(k[-1], *unit(n))]) for n, k, t0, t1 in tl
-                if k.startswith("RECV")) for tl in timelines]  # fmt: skip
+    return [
+        sum(t1 - max(t0, posted[(k[-1], *unit(n))]) for n, k, t0, t1 in tl if k.startswith("RECV"))
+        for tl in timelines
+    ]
 
 
 def worker(out: str) -> None:
@@ -120,8 +123,9 @@ def worker(out: str) -> None:
     results = {}
     for m in MS:
         model, (x, y) = build(m)
-        runner = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b",
-                                      microbatches=m)  # fmt: skip
+        runner = autopart.parallelize(
+            model, mesh, example_inputs=(x, y), schedule="1f1b", microbatches=m
+        )
         busy, timelines, step_s = [], [], []
         for i in range(WARMUP + STEPS):
             for p in runner.parameters():
@@ -149,10 +153,14 @@ def worker(out: str) -> None:
 
 def main() -> int:
     params = sum(p.numel() for p in build(1)[0].parameters())
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
-          "(the cores may be shared with other processes: expect some noise)")  # fmt: skip
-    print(f"model: nanoGPT {CFG.n_layer} x {CFG.n_embd}, {CFG.n_head} heads, V={CFG.vocab_size}, "
-          f"{params / 1e6:.2f} M params, float32, micro-batch {MB} x {SEQ} tokens")  # fmt: skip
+    print(
+        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
+        "(the cores may be shared with other processes: expect some noise)"
+    )
+    print(
+        f"model: nanoGPT {CFG.n_layer} x {CFG.n_embd}, {CFG.n_head} heads, V={CFG.vocab_size}, "
+        f"{params / 1e6:.2f} M params, float32, micro-batch {MB} x {SEQ} tokens"
+    )
     for m in MS:
         cost, cuts = stage_costs(m)
         names = ["embed", *(f"h{i}" for i in range(len(cost) - 2)), "head"]
@@ -160,16 +168,22 @@ def main() -> int:
         stages = [sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
         units = " | ".join(f"{n} {c / 1e9:.3f}" for n, c in zip(names, cost, strict=True))
         print(f"autopart stage costs at m={m} (fwd+bwd GFLOP per micro-batch): {units}")
-        split = ", ".join(f"stage {k} = {'+'.join(names[a:b])} = {s / 1e9:.3f}"
-                          for k, (a, b, s) in enumerate(zip(bounds, bounds[1:], stages, strict=False)))  # fmt: skip
+        split = ", ".join(
+            f"stage {k} = {'+'.join(names[a:b])} = {s / 1e9:.3f}"
+            for k, (a, b, s) in enumerate(zip(bounds, bounds[1:], stages, strict=False))
+        )
         print(f"  cuts {cuts}: {split}  (max/min {max(stages) / min(stages):.3f})")
     results = run_workers(__file__, P)
     if results is None:
         return 2
-    print(f"1F1B, p={P}: medians over {STEPS} recorded steps after {WARMUP} warm-up steps "
-          "(busy = F+B time / step span, per rank)")  # fmt: skip
-    print(f"  {'m':>2} {'step ms':>8} {'rank':>4} {'F+B ms/mb':>9} {'busy':>6} {'ideal':>6} "
-          f"{'diff':>7} {'ok':>3} {'replay':>7} {'recv wait ms':>12}")  # fmt: skip
+    print(
+        f"1F1B, p={P}: medians over {STEPS} recorded steps after {WARMUP} warm-up steps "
+        "(busy = F+B time / step span, per rank)"
+    )
+    print(
+        f"  {'m':>2} {'step ms':>8} {'rank':>4} {'F+B ms/mb':>9} {'busy':>6} {'ideal':>6} "
+        f"{'diff':>7} {'ok':>3} {'replay':>7} {'recv wait ms':>12}"
+    )
     ok = True
     for m in MS:
         res = results[str(m)]
@@ -178,13 +192,16 @@ def main() -> int:
         wait = [1e3 * statistics.median(x) for x in zip(*map(recv_wait, steps), strict=True)]
         for r, rk in enumerate(res["ranks"]):
             busy = statistics.median(rk["busy"])
-            fb = statistics.median(sum(e - s for _, k, s, e in tl if k in ("F", "B"))
-                                   for tl in rk["timelines"])  # fmt: skip
+            fb = statistics.median(
+                sum(e - s for _, k, s, e in tl if k in ("F", "B")) for tl in rk["timelines"]
+            )
             diff = busy - ideal(m)
             ok &= abs(diff) <= TARGET
-            print(f"  {m:>2} {1e3 * statistics.median(res['step_s']):>8.1f} {r:>4} "
-                  f"{1e3 * fb / m:>9.1f} {busy:>6.3f} {ideal(m):>6.3f} {diff:>+7.3f} "
-                  f"{'yes' if abs(diff) <= TARGET else 'NO':>3} {rep[r]:>7.3f} {wait[r]:>12.1f}")  # fmt: skip
+            print(
+                f"  {m:>2} {1e3 * statistics.median(res['step_s']):>8.1f} {r:>4} "
+                f"{1e3 * fb / m:>9.1f} {busy:>6.3f} {ideal(m):>6.3f} {diff:>+7.3f} "
+                f"{'yes' if abs(diff) <= TARGET else 'NO':>3} {rep[r]:>7.3f} {wait[r]:>12.1f}"
+            )
     print(f"acceptance (every rank and m within {TARGET} of ideal): {'met' if ok else 'MISSED'}")
     for m in MS:
         worst = min(statistics.median(rk["busy"]) for rk in results[str(m)]["ranks"])
@@ -199,8 +216,11 @@ def main() -> int:
         )
     last = results[str(MS[-1])]["ranks"]
     path = Path(tempfile.mkdtemp(prefix="autopart-bubble-")) / f"trace_1f1b_m{MS[-1]}.json"
-    path.write_text(json.dumps({"traceEvents": [e for rk in last for e in rk["trace"]],
-                                "displayTimeUnit": "ms"}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {"traceEvents": [e for rk in last for e in rk["trace"]], "displayTimeUnit": "ms"}
+        )
+    )
     print(
         f"Perfetto trace of the last step at m={MS[-1]}: {path} (open in https://ui.perfetto.dev)"
     )

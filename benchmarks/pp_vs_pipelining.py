@@ -43,8 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record, run_workers  # noqa: E402
 from _torchpp import TIED, LiveSaved, torch_1f1b, torch_stage  # noqa: E402
 
-GPT2 = dict(vocab_size=1024, n_positions=256, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+GPT2 = dict(
+    vocab_size=1024,
+    n_positions=256,
+    n_embd=256,
+    n_layer=4,
+    n_head=8,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 BATCH, SEQ, M, P, WARMUP, ITERS, RTOL = 8, 128, 4, 2, 3, 10, 1e-4
 SPLIT = "transformer.h.2"
 
@@ -54,8 +65,9 @@ def build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**GPT2))
-    tokens = torch.randint(0, GPT2["vocab_size"], (BATCH, SEQ + 1),
-                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    tokens = torch.randint(
+        0, GPT2["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
@@ -69,13 +81,16 @@ def worker(out: str, manual: bool) -> None:
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("pp",))
     rank = dist.get_rank()
     model, (x, y) = build()
-    runner = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b",
-                                  microbatches=M)  # fmt: skip
+    runner = autopart.parallelize(
+        model, mesh, example_inputs=(x, y), schedule="1f1b", microbatches=M
+    )
     stage, how = torch_stage(build()[0], rank, x[: BATCH // M], mesh.get_group("pp"), manual, SPLIT)
     torch_step, tparams = torch_1f1b(stage, M, rank, x, y)
 
-    runs = {"autopart": (lambda: runner.step(x, y), dict(runner.named_parameters())),
-            "torch": (torch_step, tparams)}  # fmt: skip
+    runs = {
+        "autopart": (lambda: runner.step(x, y), dict(runner.named_parameters())),
+        "torch": (torch_step, tparams),
+    }
     loss0, grads0, times = {}, {}, {k: [] for k in runs}
     for i in range(WARMUP + ITERS):
         for name, (step, params) in runs.items():
@@ -87,22 +102,35 @@ def worker(out: str, manual: bool) -> None:
             elapsed = time.perf_counter() - start
             if i == 0:
                 loss0[name] = loss.item()
-                grads0[name] = {TIED[0] if n == TIED[1] else n: p.grad.clone()
-                                for n, p in params.items() if p.grad is not None}  # fmt: skip
+                grads0[name] = {
+                    TIED[0] if n == TIED[1] else n: p.grad.clone()
+                    for n, p in params.items()
+                    if p.grad is not None
+                }
             if i >= WARMUP:
                 times[name].append(elapsed)
     saved = LiveSaved(tparams.values())  # one more torch step (grads accumulate: no matter)
     with saved.hooks:
         torch_step()
     common = sorted(set(grads0["autopart"]) & set(grads0["torch"]))
-    gerr = max((grads0["autopart"][n] - grads0["torch"][n]).norm().item()
-               / grads0["torch"][n].norm().clamp(min=1e-30).item() for n in common)  # fmt: skip
+    gerr = max(
+        (grads0["autopart"][n] - grads0["torch"][n]).norm().item()
+        / grads0["torch"][n].norm().clamp(min=1e-30).item()
+        for n in common
+    )
     t = torch.tensor(list(times.values()), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slower rank's time
     blocks = sorted({int(n.split(".")[2]) for n, _ in runner.named_parameters() if ".h." in n})
-    mine = {"rank": rank, "how": how, "loss0": loss0, "grad_err": gerr, "n_common": len(common),
-            "saved": {"autopart": runner.peak_saved_bytes, "torch": saved.peak},
-            "blocks": blocks, "times": t.tolist()}  # fmt: skip
+    mine = {
+        "rank": rank,
+        "how": how,
+        "loss0": loss0,
+        "grad_err": gerr,
+        "n_common": len(common),
+        "saved": {"autopart": runner.peak_saved_bytes, "torch": saved.peak},
+        "blocks": blocks,
+        "times": t.tolist(),
+    }
     every = [None] * P
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -119,27 +147,43 @@ def main(manual: bool) -> int:
     ms = [1e3 * statistics.median(t) for t in ranks[0]["times"]]
     loss = ranks[-1]["loss0"]
     blocks = ", ".join(f"rank {r['rank']} blocks {r['blocks']}" for r in ranks)
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
-          "(the cores may be shared with other processes: expect noise)")  # fmt: skip
-    print(f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} "
-          f"heads, V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x "
-          f"{SEQ} in {M} micro-batches, pp={P}, 1F1B")  # fmt: skip
+    print(
+        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
+        "(the cores may be shared with other processes: expect noise)"
+    )
+    print(
+        f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} "
+        f"heads, V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x "
+        f"{SEQ} in {M} micro-batches, pp={P}, 1F1B"
+    )
     print(f"torch.distributed.pipelining: {ranks[0]['how']}")
     print(f"autopart: automatic split: {blocks}")
-    print(f"timing: median of {ITERS} steps after {WARMUP} warm-up (forward + backward, no "
-          "optimizer; per step the slower rank)")  # fmt: skip
+    print(
+        f"timing: median of {ITERS} steps after {WARMUP} warm-up (forward + backward, no "
+        "optimizer; per step the slower rank)"
+    )
     for name, t in zip(("autopart 1F1B", "torch Schedule1F1B"), ms, strict=True):
         print(f"  {name:<20} {t:8.1f} ms/step   step-0 loss {loss[name.split()[0]]:.6f}")
     ratio = ms[0] / ms[1]
-    record("pp_vs_pipelining", "pp=2 1F1B step time", ms[0], ms[1], "torch.distributed.pipelining "
-           "Schedule1F1B", "<= 1.0", ratio <= 1.0, "ms")  # fmt: skip
+    record(
+        "pp_vs_pipelining",
+        "pp=2 1F1B step time",
+        ms[0],
+        ms[1],
+        "torch.distributed.pipelining Schedule1F1B",
+        "<= 1.0",
+        ratio <= 1.0,
+        "ms",
+    )
     print(f"autopart / torch: {ratio:.3f}  (goal <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})")
     print("peak saved-activation bytes (saved_tensors_hooks, parameters excluded); step-0 grads:")
     for r in ranks:
         a, t = r["saved"]["autopart"], r["saved"]["torch"]
-        print(f"  rank {r['rank']}: autopart {a / 2**20:6.2f} MiB, torch {t / 2**20:6.2f} MiB "
-              f"(ratio {a / max(t, 1):.3f}); gradients of {r['n_common']} common parameters: "
-              f"max relative difference {r['grad_err']:.1e}")  # fmt: skip
+        print(
+            f"  rank {r['rank']}: autopart {a / 2**20:6.2f} MiB, torch {t / 2**20:6.2f} MiB "
+            f"(ratio {a / max(t, 1):.3f}); gradients of {r['n_common']} common parameters: "
+            f"max relative difference {r['grad_err']:.1e}"
+        )
     if abs(loss["autopart"] - loss["torch"]) > RTOL * abs(loss["torch"]):
         print("LOSS MISMATCH at step 0: autopart vs torch", file=sys.stderr)
         return 1

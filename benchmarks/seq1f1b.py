@@ -39,8 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record, run_workers  # noqa: E402
 from _torchpp import LiveSaved, torch_1f1b, torch_stage  # noqa: E402
 
-GPT2 = dict(vocab_size=1024, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+GPT2 = dict(
+    vocab_size=1024,
+    n_embd=256,
+    n_layer=4,
+    n_head=8,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 BATCH, P, K, WARMUP, ITERS, RTOL = 8, 2, 4, 2, 5, 1e-4
 SPLIT = "transformer.h.2"
 
@@ -50,8 +60,9 @@ def build(seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **GPT2))
-    tokens = torch.randint(0, GPT2["vocab_size"], (BATCH, seq + 1),
-                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    tokens = torch.randint(
+        0, GPT2["vocab_size"], (BATCH, seq + 1), generator=torch.Generator().manual_seed(0)
+    )
     return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
@@ -66,8 +77,15 @@ def worker(out: str, split: str, seq: int, m: int, manual: bool) -> None:
     rank = dist.get_rank()
     model, (x, y) = build(seq)
     one = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="1f1b", microbatches=m)
-    seq1 = autopart.parallelize(model, mesh, example_inputs=(x, y), schedule="seq1f1b",
-                                microbatches=m, seq_chunks=K, seq_split=split)  # fmt: skip
+    seq1 = autopart.parallelize(
+        model,
+        mesh,
+        example_inputs=(x, y),
+        schedule="seq1f1b",
+        microbatches=m,
+        seq_chunks=K,
+        seq_split=split,
+    )
     stage, how = torch_stage(
         build(seq)[0], rank, x[: BATCH // m], mesh.get_group("pp"), manual, SPLIT
     )
@@ -96,10 +114,15 @@ def worker(out: str, split: str, seq: int, m: int, manual: bool) -> None:
         torch_step()
     t = torch.tensor(list(times.values()), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    mine = {"rank": rank, "how": how, "loss0": loss0, "times": t.tolist(),
-            "saved": [one.peak_saved_bytes, seq1.peak_saved_bytes, saved.peak],
-            "chunks": [e - a for a, e in seq1._bounds],
-            "blocks": sorted({int(n.split(".")[2]) for n, _ in one.named_parameters() if ".h." in n})}  # fmt: skip
+    mine = {
+        "rank": rank,
+        "how": how,
+        "loss0": loss0,
+        "times": t.tolist(),
+        "saved": [one.peak_saved_bytes, seq1.peak_saved_bytes, saved.peak],
+        "chunks": [e - a for a, e in seq1._bounds],
+        "blocks": sorted({int(n.split(".")[2]) for n, _ in one.named_parameters() if ".h." in n}),
+    }
     every = [None] * P
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -109,18 +132,31 @@ def worker(out: str, split: str, seq: int, m: int, manual: bool) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    ranks = run_workers(__file__, P, "--split", a.split, "--seq", str(a.seq), "--microbatches",
-                        str(a.microbatches), *(["--manual"] if a.manual else []))  # fmt: skip
+    ranks = run_workers(
+        __file__,
+        P,
+        "--split",
+        a.split,
+        "--seq",
+        str(a.seq),
+        "--microbatches",
+        str(a.microbatches),
+        *(["--manual"] if a.manual else []),
+    )
     if ranks is None:
         return 2
     names = list(ranks[0]["loss0"])
     ms = [1e3 * statistics.median(t) for t in ranks[0]["times"]]
     params = sum(p.numel() for p in build(a.seq)[0].parameters())
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
-          "(the cores may be shared with other processes: expect noise)")  # fmt: skip
-    print(f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} heads, "
-          f"V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x {a.seq} "
-          f"in {a.microbatches} micro-batches, pp={P}")  # fmt: skip
+    print(
+        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread/rank "
+        "(the cores may be shared with other processes: expect noise)"
+    )
+    print(
+        f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, {GPT2['n_head']} heads, "
+        f"V={GPT2['vocab_size']}, {params / 1e6:.2f} M params, float32; batch {BATCH} x {a.seq} "
+        f"in {a.microbatches} micro-batches, pp={P}"
+    )
     print(f"Seq1F1B chunks ({a.split}): {ranks[0]['chunks']} tokens")
     print("autopart split: " + ", ".join(f"rank {r['rank']} blocks {r['blocks']}" for r in ranks))
     print(f"torch.distributed.pipelining: {ranks[0]['how']}")
@@ -136,10 +172,20 @@ def main(a: argparse.Namespace) -> int:
     s0 = ranks[0]["saved"]
     ratio = s0[1] / s0[0]
     theory = (P + K - 1) / (K * P)
-    print(f"stage 0: Seq1F1B / 1F1B = {ratio:.3f} (theory for equal chunks {theory:.3f}; goal <= 0.70: "
-          f"{'met' if ratio <= 0.70 else 'MISSED'}); Seq1F1B / torch Schedule1F1B = {s0[1] / s0[2]:.3f}")  # fmt: skip
-    record("seq1f1b", "stage-0 peak saved bytes", s0[1] / 2**20, s0[0] / 2**20, "autopart 1F1B",
-           "<= 0.70", ratio <= 0.70, "MiB")  # fmt: skip
+    print(
+        f"stage 0: Seq1F1B / 1F1B = {ratio:.3f} (theory for equal chunks {theory:.3f}; goal <= 0.70: "
+        f"{'met' if ratio <= 0.70 else 'MISSED'}); Seq1F1B / torch Schedule1F1B = {s0[1] / s0[2]:.3f}"
+    )
+    record(
+        "seq1f1b",
+        "stage-0 peak saved bytes",
+        s0[1] / 2**20,
+        s0[0] / 2**20,
+        "autopart 1F1B",
+        "<= 0.70",
+        ratio <= 0.70,
+        "MiB",
+    )
     record(
         "seq1f1b",
         "stage-0 peak saved bytes",
@@ -153,10 +199,20 @@ def main(a: argparse.Namespace) -> int:
     )
     tokens = BATCH * a.seq
     for n, t in zip(names, ms, strict=True):
-        print(f"  {n:<26} {t:8.1f} ms/step  {tokens / t * 1e3:9.0f} tokens/s   step-0 loss "
-              f"{ranks[-1]['loss0'][n]:.6f}")  # fmt: skip
-    record("seq1f1b", f"step time at {a.seq} tokens", ms[1], ms[0], "autopart 1F1B", "< 1.0",
-           ms[1] < ms[0], "ms")  # fmt: skip
+        print(
+            f"  {n:<26} {t:8.1f} ms/step  {tokens / t * 1e3:9.0f} tokens/s   step-0 loss "
+            f"{ranks[-1]['loss0'][n]:.6f}"
+        )
+    record(
+        "seq1f1b",
+        f"step time at {a.seq} tokens",
+        ms[1],
+        ms[0],
+        "autopart 1F1B",
+        "< 1.0",
+        ms[1] < ms[0],
+        "ms",
+    )
     record(
         "seq1f1b",
         f"step time at {a.seq} tokens",

@@ -57,8 +57,7 @@ CFG, BATCH, SEQ = None, 8, 128  # set by configure(): the defaults are 4 x 256, 
 def configure(width: int = 256, seq: int = 128, batch_size: int = 8) -> None:
     """The model and batch of this run (``--width/--seq/--batch``; the workers get the same)."""
     global CFG, BATCH, SEQ
-    CFG = GPTConfig(n_layer=4, n_embd=width, n_head=8, vocab_size=1024, block_size=seq,
-                    dropout=0.0)  # fmt: skip
+    CFG = GPTConfig(n_layer=4, n_embd=width, n_head=8, vocab_size=1024, block_size=seq, dropout=0.0)
     BATCH, SEQ = batch_size, seq
 
 
@@ -119,10 +118,15 @@ def dtensor_model(mesh, x: torch.Tensor) -> tuple[GPT, str]:
     model, _ = build()
     C, s = CFG.n_embd, CFG.n_embd // TP
     # rank r's contiguous Colwise shard of c_attn must be [q_r | k_r | v_r] (its own heads)
-    rows = torch.cat([torch.arange(j * C + r * s, j * C + (r + 1) * s)
-                      for r in range(TP) for j in range(3)])  # fmt: skip
-    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}  # fmt: skip
+    rows = torch.cat(
+        [torch.arange(j * C + r * s, j * C + (r + 1) * s) for r in range(TP) for j in range(3)]
+    )
+    plan = {
+        "attn.c_attn": ColwiseParallel(),
+        "attn.c_proj": RowwiseParallel(),
+        "mlp.c_fc": ColwiseParallel(),
+        "mlp.c_proj": RowwiseParallel(),
+    }
     for block in model.transformer.h:
         with torch.no_grad():
             for t in (block.attn.c_attn.weight, block.attn.c_attn.bias):
@@ -152,8 +156,10 @@ def worker(out: str) -> None:
     model, (x, y) = build()
     runner = autopart.parallelize(model, mesh, example_inputs=(x, y), microbatches=1)
     dt, stock = dtensor_model(mesh, x)
-    runs = {"autopart": (lambda: runner.step(x, y), list(runner.parameters())),
-            "dtensor": (lambda: torch_step(dt, x, y), list(dt.parameters()))}  # fmt: skip
+    runs = {
+        "autopart": (lambda: runner.step(x, y), list(runner.parameters())),
+        "dtensor": (lambda: torch_step(dt, x, y), list(dt.parameters())),
+    }
     res = bench(runs, dist.barrier)
     for name, (loss0, times) in res.items():  # per step, the slower rank's time
         t = torch.tensor(times, dtype=torch.float64)
@@ -174,8 +180,9 @@ def measure_size(width: int, seq: int, batch_size: int) -> dict | None:
     configure(width, seq, batch_size)
     model, (x, y) = build()
     results = bench({"single": (lambda: torch_step(model, x, y), list(model.parameters()))})
-    ranks = run_workers(__file__, TP, "--width", str(width), "--seq", str(seq), "--batch",
-                        str(batch_size))  # fmt: skip
+    ranks = run_workers(
+        __file__, TP, "--width", str(width), "--seq", str(seq), "--batch", str(batch_size)
+    )
     if ranks is None:
         return None
     results.update(ranks)
@@ -190,8 +197,10 @@ def main(sizes: tuple[tuple[int, int, int], ...] = SIZES) -> int:
         "model: nanoGPT 4 blocks, 8 heads, V=1024, float32; forward + backward, "
         f"median of {ITERS} steps after {WARMUP} warm-up; autopart and DTensor alternate"
     )
-    print(f"{'width':>5} {'batch':>9} {'params':>8} {'single':>9} {'autopart':>9} {'DTensor':>9}"
-          f" {'ap/DTensor':>10} {'ap/single':>9}  goal <= 0.8")  # fmt: skip
+    print(
+        f"{'width':>5} {'batch':>9} {'params':>8} {'single':>9} {'autopart':>9} {'DTensor':>9}"
+        f" {'ap/DTensor':>10} {'ap/single':>9}  goal <= 0.8"
+    )
     bad, stock, missed = [], "", []
     for width, seq, batch_size in sizes:
         results = measure_size(width, seq, batch_size)
@@ -204,23 +213,41 @@ def main(sizes: tuple[tuple[int, int, int], ...] = SIZES) -> int:
         ratio = ms["autopart"] / ms["dtensor"]
         if ratio > 0.8:
             missed.append(width)
-        print(f"{width:>5} {f'{batch_size} x {seq}':>9} {params / 1e6:>7.2f}M {ms['single']:>7.1f}ms "
-              f"{ms['autopart']:>7.1f}ms {ms['dtensor']:>7.1f}ms {ratio:>10.3f} "
-              f"{ms['autopart'] / ms['single']:>9.3f}  {'met' if ratio <= 0.8 else 'MISSED'}",
-              flush=True)  # fmt: skip
-        record("tp_vs_dtensor", f"tp=2 step, width {width}, {batch_size}x{seq}", ms["autopart"],
-               ms["dtensor"], "DTensor tp=2 (hand plan)", "<= 0.8", ratio <= 0.8, "ms")  # fmt: skip
-        bad += [f"width {width}: {k}" for k in ("autopart", "dtensor")
-                if abs(loss[k] - loss["single"]) > RTOL * abs(loss["single"])]  # fmt: skip
-    print("model edits: autopart none; DTensor needed c_attn rows reordered per rank, "
-          "attn.n_head //= 2, attn.n_embd //= 2 and a forward using the local width")  # fmt: skip
+        print(
+            f"{width:>5} {f'{batch_size} x {seq}':>9} {params / 1e6:>7.2f}M {ms['single']:>7.1f}ms "
+            f"{ms['autopart']:>7.1f}ms {ms['dtensor']:>7.1f}ms {ratio:>10.3f} "
+            f"{ms['autopart'] / ms['single']:>9.3f}  {'met' if ratio <= 0.8 else 'MISSED'}",
+            flush=True,
+        )
+        record(
+            "tp_vs_dtensor",
+            f"tp=2 step, width {width}, {batch_size}x{seq}",
+            ms["autopart"],
+            ms["dtensor"],
+            "DTensor tp=2 (hand plan)",
+            "<= 0.8",
+            ratio <= 0.8,
+            "ms",
+        )
+        bad += [
+            f"width {width}: {k}"
+            for k in ("autopart", "dtensor")
+            if abs(loss[k] - loss["single"]) > RTOL * abs(loss["single"])
+        ]
+    print(
+        "model edits: autopart none; DTensor needed c_attn rows reordered per rank, "
+        "attn.n_head //= 2, attn.n_embd //= 2 and a forward using the local width"
+    )
     print(f"  (with n_head/n_embd halved but nanoGPT's own forward, DTensor {stock})")
     if missed:
-        print(f"goal missed at width {', '.join(map(str, missed))}: there the step is bound by "
-              "matmuls and collective latency (docs/tensor_parallel.md)")  # fmt: skip
+        print(
+            f"goal missed at width {', '.join(map(str, missed))}: there the step is bound by "
+            "matmuls and collective latency (docs/tensor_parallel.md)"
+        )
     if bad:
-        print(f"LOSS MISMATCH at step 0 against the single process: {'; '.join(bad)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"LOSS MISMATCH at step 0 against the single process: {'; '.join(bad)}", file=sys.stderr
+        )
         return 1
     print(f"losses agree at step 0 (relative tolerance {RTOL:g})")
     return 0

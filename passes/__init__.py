@@ -24,5 +24,13 @@ PIPELINE = (
 )
 
 __all__ = [
-    "PIPELINE", "canonicalize_attention", "data_parallel", "dropout_rng", "pipeline_split", "sequence_chunk", "sequence_parallel", "tensor_parallel", "vocab_parallel",
-]  # fmt: skip
+    "PIPELINE",
+    "canonicalize_attention",
+    "data_parallel",
+    "dropout_rng",
+    "pipeline_split",
+    "sequence_chunk",
+    "sequence_parallel",
+    "tensor_parallel",
+    "vocab_parallel",
+]

@@ -173,9 +173,15 @@ def _qk(scores: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
 
 
 def _replace(
-    gm: fx.GraphModule, old: fx.Node, q, k, v, dropout: float, scale: float | None,
+    gm: fx.GraphModule,
+    old: fx.Node,
+    q,
+    k,
+    v,
+    dropout: float,
+    scale: float | None,
     window: int | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """SDPA(q, k, v) in q's dtype (v cast to it, the output cast back to ``old``'s), in place
     of ``old`` and the chain that fed it; with a sliding ``window``, its mask built from the
     sizes (``lower_right_mask``)."""
@@ -252,12 +258,18 @@ def _evaluate_mask(
         return f"not causal: its mask depends on {inputs}", None
     # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
     # just past every integer the mask's construction uses
-    lengths = {c for n in sub.graph.nodes for c in n.args
-               if isinstance(c, int) and not isinstance(c, bool) and _SIZES[-1] < c < 2**31}  # fmt: skip
+    lengths = {
+        c
+        for n in sub.graph.nodes
+        for c in n.args
+        if isinstance(c, int) and not isinstance(c, bool) and _SIZES[-1] < c < 2**31
+    }
     too_long = [c for c in lengths if c + 2 > LONGEST]
     if too_long:
-        return (f"not provably causal: its mask uses the length {min(too_long)}, longer than "
-                f"the {LONGEST} tokens it can be evaluated at"), None  # fmt: skip
+        return (
+            f"not provably causal: its mask uses the length {min(too_long)}, longer than "
+            f"the {LONGEST} tokens it can be evaluated at"
+        ), None
     keeps = {}
     for s in (*_SIZES, *sorted({c + d for c in lengths for d in (1, 2)})):
         args = [_example(ph, s, gm, 2 if s <= _SIZES[-1] else 1) for ph in inputs]

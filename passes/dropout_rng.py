@@ -44,8 +44,10 @@ def dropout_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for slot, n in enumerate(active):
         split = any(k in n.args[0].meta or k in n.meta for k in META_SPLIT)
         with gm.graph.inserting_before(n):
-            new = gm.graph.call_function(ops.dropout.default, (n.args[0], float(n.args[1]), seed, slot,
-                                                               rank if split else None))  # fmt: skip
+            new = gm.graph.call_function(
+                ops.dropout.default,
+                (n.args[0], float(n.args[1]), seed, slot, rank if split else None),
+            )
         new.meta.update(n.meta)
         new.meta["autopart.dropout_split"] = split
         n.replace_all_uses_with(new)

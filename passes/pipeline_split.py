@@ -119,8 +119,9 @@ def _unit_costs(
     return cost
 
 
-def _unit_memory(gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int,
-                 plan: Plan) -> list[tuple[float, float]]:  # fmt: skip
+def _unit_memory(
+    gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int, plan: Plan
+) -> list[tuple[float, float]]:
     """(parameter bytes, activation bytes per micro-batch) of each unit at the example shape."""
     from autopart.capture import B, S
 
@@ -138,8 +139,13 @@ def _unit_memory(gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int,
     return [(p, a) for p, a in out]
 
 
-def balanced_cuts(cost: list[float], stages: int, memory: list[tuple[float, float]] | None = None,
-                  limit: float | None = None, inflight: list[int] | None = None) -> list[int]:  # fmt: skip
+def balanced_cuts(
+    cost: list[float],
+    stages: int,
+    memory: list[tuple[float, float]] | None = None,
+    limit: float | None = None,
+    inflight: list[int] | None = None,
+) -> list[int]:
     """Split units into ``stages`` contiguous, non-empty runs minimizing the largest run's cost
     (ties: the smaller sum of squares). Returns the first unit of each stage after the first.
 
@@ -303,8 +309,10 @@ def _needed(gm, k, stage_of, rec, crossing, output, stages) -> set[fx.Node]:
         stack.extend(n.all_input_nodes)
     bad = [n for n in need if n in stage_of and stage_of[n] != k and n not in arriving]
     if bad:
-        raise AutopartError(f"stage {k} would need {bad[0].format_node()} from another stage",
-                            hint="please report this model: a value skips the stage boundary")  # fmt: skip
+        raise AutopartError(
+            f"stage {k} would need {bad[0].format_node()} from another stage",
+            hint="please report this model: a value skips the stage boundary",
+        )
     return need
 
 
@@ -352,6 +360,12 @@ def stage_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 
 __all__ = [
-    "META_STAGE", "balanced_cuts", "equal_block_cuts", "imbalance", "pipeline_split", "recomputable",
-    "stage_costs", "stage_graphs",
-]  # fmt: skip
+    "META_STAGE",
+    "balanced_cuts",
+    "equal_block_cuts",
+    "imbalance",
+    "pipeline_split",
+    "recomputable",
+    "stage_costs",
+    "stage_graphs",
+]

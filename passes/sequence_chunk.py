@@ -98,11 +98,14 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     # prefixes travel in the model's dtype (the runtime's zeros for the first chunk); K/V that an
     # attention computes in another (GPT-J's float32 keys in a float64 model) are cast to it
     dtype = next(
-        (p.meta["val"].dtype for p in placeholders
-         if getattr(p.meta.get(META_INPUT), "kind", None) == "param"
-         and p.meta["val"].is_floating_point()),
+        (
+            p.meta["val"].dtype
+            for p in placeholders
+            if getattr(p.meta.get(META_INPUT), "kind", None) == "param"
+            and p.meta["val"].is_floating_point()
+        ),
         None,
-    )  # fmt: skip
+    )
     prefixes: list[tuple[fx.Node, fx.Node]] = []
     for i, sdpa in enumerate(attention):
         pair = []
@@ -167,10 +170,21 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-_SCANS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
-          aten.logcumsumexp.default, aten.flip.default, aten.roll.default}  # fmt: skip
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-            aten._log_softmax.default}  # fmt: skip
+_SCANS = {
+    aten.cumsum.default,
+    aten.cumprod.default,
+    aten.cummax.default,
+    aten.cummin.default,
+    aten.logcumsumexp.default,
+    aten.flip.default,
+    aten.roll.default,
+}
+_SOFTMAX = {
+    aten.softmax.int,
+    aten._softmax.default,
+    aten.log_softmax.int,
+    aten._log_softmax.default,
+}
 _CONTRACT = {aten.bmm.default, aten.matmul.default, aten.mm.default, aten.baddbmm.default}
 
 
@@ -240,12 +254,17 @@ def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
     return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
 
 
-_INDEX = {aten.index.Tensor, aten.gather.default, aten.index_select.default,
-          aten.embedding.default}  # fmt: skip
+_INDEX = {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.embedding.default}
 
 
-_FILLS = {aten.ones.default: 1, aten.ones_like.default: 1, aten.new_ones.default: 1,
-          aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}  # fmt: skip
+_FILLS = {
+    aten.ones.default: 1,
+    aten.ones_like.default: 1,
+    aten.new_ones.default: 1,
+    aten.full.default: 1,
+    aten.full_like.default: 1,
+    aten.new_full.default: 2,
+}
 
 
 def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:

@@ -37,8 +37,10 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         None,
     )
     if rank is None:
-        raise AutopartError("sequence parallelism needs the vocabulary-parallel embedding",
-                            hint="run without sequence_parallel for this model")  # fmt: skip
+        raise AutopartError(
+            "sequence parallelism needs the vocabulary-parallel embedding",
+            hint="run without sequence_parallel for this model",
+        )
     collectives.set_fake_world({"tp": plan.mesh.tp})  # shapes of gathers/scatters at compile time
     seq: dict[fx.Node, int] = {}
     grad_reduce: set[fx.Node] = set()
@@ -71,8 +73,10 @@ def _seq_dim(n: fx.Node) -> int:
     val = tensor_val(n)
     dims = [i for i, d in enumerate(val.shape) if to_sympy(d, _gm_of(n)) == S]
     if len(dims) != 1:
-        raise AutopartError(f"{n.format_node()} has no single sequence dim (shape {tuple(val.shape)})",
-                            hint="sequence parallelism needs (batch, seq, hidden) activations at tp boundaries")  # fmt: skip
+        raise AutopartError(
+            f"{n.format_node()} has no single sequence dim (shape {tuple(val.shape)})",
+            hint="sequence parallelism needs (batch, seq, hidden) activations at tp boundaries",
+        )
     return dims[0]
 
 
@@ -112,9 +116,11 @@ def _follow(
     except Illegal as exc:
         reason = str(exc)
     if "spans the split dim" not in reason:
-        raise AutopartError(f"sequence parallelism cannot pass {n.format_node()} "
-                            f"({n.meta.get(META_MODULE) or '<root>'}): {reason}",
-                            hint="run without sequence_parallel for this model")  # fmt: skip
+        raise AutopartError(
+            f"sequence parallelism cannot pass {n.format_node()} "
+            f"({n.meta.get(META_MODULE) or '<root>'}): {reason}",
+            hint="run without sequence_parallel for this model",
+        )
     split = next(a for a in n.all_input_nodes if a in seq)
     d = seq[split]
     for a in list(n.all_input_nodes):

@@ -66,8 +66,11 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         for members, reason in bad:
             cols = [m for m in members if m in sp.columns]
             excluded.update(cols)
-            log.warning("tensor_parallel: leaving %s replicated: %s",
-                        ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in cols), reason)  # fmt: skip
+            log.warning(
+                "tensor_parallel: leaving %s replicated: %s",
+                ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in cols),
+                reason,
+            )
     _check_divisible(sp, tp)
     strided = _strided(sp)
     for n in sp.columns:
@@ -126,8 +129,10 @@ def _strided(sp) -> dict[fx.Node, int]:
         parts = len(n.meta["val"])
         sizes = {tuple(v.shape)[sp.dims[src]] for v in n.meta["val"]}
         if len(sizes) != 1:
-            raise AutopartError(f"{n.name} splits a tp-split tensor into unequal parts {sorted(sizes)}",
-                                hint="fused projections with unequal q/k/v widths are not supported with tp")  # fmt: skip
+            raise AutopartError(
+                f"{n.name} splits a tp-split tensor into unequal parts {sorted(sizes)}",
+                hint="fused projections with unequal q/k/v widths are not supported with tp",
+            )
         while src not in sp.columns:  # back to the column matmul through local ops
             src = src.args[0]
         out[src] = parts
@@ -137,8 +142,10 @@ def _strided(sp) -> dict[fx.Node, int]:
 def _set_shard(p: fx.Node, shard: TPShard) -> None:
     old = p.meta.get(META_SHARD)
     if old is not None and old != shard:
-        raise AutopartError(f"parameter {p.meta['autopart.input'].name} would be split two ways ({old} and {shard})",
-                            hint="a weight used by two different matmuls cannot be tensor-parallel")  # fmt: skip
+        raise AutopartError(
+            f"parameter {p.meta['autopart.input'].name} would be split two ways ({old} and {shard})",
+            hint="a weight used by two different matmuls cannot be tensor-parallel",
+        )
     p.meta[META_SHARD] = shard
 
 

@@ -241,9 +241,16 @@ def _view(n, dims):
 
 
 _UNARY_LIKE = {
-    aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
-    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.type_as.default,
-}  # fmt: skip
+    aten.dropout.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.type_as.default,
+}
 
 RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.transpose.int: _transpose,
@@ -367,8 +374,11 @@ class Spread:
         return groups
 
 
-def spread(gm: fx.GraphModule, column: Callable[[Matmul], bool],
-           end: Callable[[fx.Node, dict[fx.Node, int]], bool] = lambda n, d: False) -> Spread:  # fmt: skip
+def spread(
+    gm: fx.GraphModule,
+    column: Callable[[Matmul], bool],
+    end: Callable[[fx.Node, dict[fx.Node, int]], bool] = lambda n, d: False,
+) -> Spread:
     """Split the output features of every matmul ``column`` accepts; follow the split forward."""
     sp = Spread()
     for n in gm.graph.nodes:

@@ -68,8 +68,10 @@ def _loss(gm: fx.GraphModule) -> fx.Node:
         list(ce.args[2:]) + [None, 1, -100, 0.0][len(ce.args) - 2 :]
     )[:4]
     if weight is not None or reduction != 2 or ignore != -100 or smoothing:
-        raise AutopartError(f"loss node {ce.format_node()} is not a plain summed cross entropy",
-                            hint="capture adds the loss as summed CE with ignore_index=-100, no class weights, no label smoothing; pass a graph from autopart.capture unchanged, or run without vocabulary parallelism")  # fmt: skip
+        raise AutopartError(
+            f"loss node {ce.format_node()} is not a plain summed cross entropy",
+            hint="capture adds the loss as summed CE with ignore_index=-100, no class weights, no label smoothing; pass a graph from autopart.capture unchanged, or run without vocabulary parallelism",
+        )
     return ce
 
 
@@ -139,8 +141,15 @@ def _is_token_embedding(n: fx.Node, vocab: int) -> bool:
     return ref == InputRef("data", "input_ids") and tensor_val(table).shape[0] == vocab
 
 
-_SAME_IDS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
-             aten.contiguous.default, aten.to.dtype, aten._to_copy.default}  # fmt: skip
+_SAME_IDS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+}
 
 
 def _split_embedding(gm: fx.GraphModule, n: fx.Node, rank: fx.Node, rows: int) -> None:

@@ -11,12 +11,17 @@ from autopart import AutopartError
 from autopart.verify import Check, Report, verify_many
 
 ROOT = Path(__file__).resolve().parent.parent
-NANO, MANUAL, GPT2 = (f"{ROOT}/examples/nanogpt.py:make", f"{ROOT}/examples/nanogpt.py:make_manual",
-                      f"{ROOT}/examples/hf_gpt2.py:make")  # fmt: skip
+NANO, MANUAL, GPT2 = (
+    f"{ROOT}/examples/nanogpt.py:make",
+    f"{ROOT}/examples/nanogpt.py:make_manual",
+    f"{ROOT}/examples/hf_gpt2.py:make",
+)
 
-DP_CASES = {f"{name}-dp{dp}": Check(spec, dp=dp, microbatches=2)
-            for name, spec in (("nanogpt-sdpa", NANO), ("nanogpt-manual", MANUAL), ("hf-gpt2", GPT2))
-            for dp in (2, 4)}  # fmt: skip
+DP_CASES = {
+    f"{name}-dp{dp}": Check(spec, dp=dp, microbatches=2)
+    for name, spec in (("nanogpt-sdpa", NANO), ("nanogpt-manual", MANUAL), ("hf-gpt2", GPT2))
+    for dp in (2, 4)
+}
 
 
 def batch(cases: dict[str, Check]) -> dict[str, Report | AutopartError]:
@@ -37,9 +42,14 @@ TP_MODELS = {"nanogpt-sdpa": NANO, "nanogpt-manual": MANUAL, "hf-gpt2": GPT2, "h
 TP_MESHES = {"tp2": {"tp": 2}, "tp4": {"tp": 4}, "dp2xtp2": {"dp": 2, "tp": 2, "microbatches": 2}}
 
 
-TP_CASES = {f"{model}-{mesh}-sp-{'on' if sp else 'off'}":
-            Check(TP_MODELS[model], sequence_parallel=sp, **TP_MESHES[mesh])
-            for model in TP_MODELS for mesh in TP_MESHES for sp in (False, True)}  # fmt: skip
+TP_CASES = {
+    f"{model}-{mesh}-sp-{'on' if sp else 'off'}": Check(
+        TP_MODELS[model], sequence_parallel=sp, **TP_MESHES[mesh]
+    )
+    for model in TP_MODELS
+    for mesh in TP_MESHES
+    for sp in (False, True)
+}
 
 
 NANO_DEEP, GPT2_DEEP = (
@@ -50,35 +60,64 @@ PP_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs
     "nanogpt-pp2-1f1b-m4": (NANO_DEEP, {"pp": 2, "schedule": "1f1b", "microbatches": 4}),
     "nanogpt-pp4-gpipe-m8": (NANO_DEEP, {"pp": 4, "schedule": "gpipe", "microbatches": 8}),
     "nanogpt-pp2-interleaved-v2-m4": (
-        NANO_DEEP, {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 4}),
+        NANO_DEEP,
+        {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 4},
+    ),
     "gpt2-pp4-interleaved-v2-m8": (
-        GPT2_DEEP, {"pp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 8}),
+        GPT2_DEEP,
+        {"pp": 4, "schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": 8},
+    ),
     "gpt2-pp2-1f1b-m8": (GPT2_DEEP, {"pp": 2, "schedule": "1f1b", "microbatches": 8}),
     "gpt2-pp4-1f1b-m4": (GPT2_DEEP, {"pp": 4, "schedule": "1f1b", "microbatches": 4}),
     "gpt2-dp2xpp2-1f1b-m2": (GPT2, {"dp": 2, "pp": 2, "microbatches": 2}),
-    "llama-tp2xpp2-sp-m4": (LLAMA, {"tp": 2, "pp": 2, "microbatches": 4, "sequence_parallel": True}),
-}  # fmt: skip
+    "llama-tp2xpp2-sp-m4": (
+        LLAMA,
+        {"tp": 2, "pp": 2, "microbatches": 4, "sequence_parallel": True},
+    ),
+}
 
 
 LONG = {m: f"{ROOT}/examples/{m}.py:make_long" for m in ("nanogpt", "hf_gpt2", "hf_llama")}
 MANUAL_LONG = f"{ROOT}/examples/nanogpt.py:make_long_manual"
 SEQ = {"schedule": "seq1f1b"}
 SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs/seq1f1b.md)
-    "nanogpt-pp2-k2-balanced": (LONG["nanogpt"], {**SEQ, "pp": 2, "seq_chunks": 2, "microbatches": 4}),
+    "nanogpt-pp2-k2-balanced": (
+        LONG["nanogpt"],
+        {**SEQ, "pp": 2, "seq_chunks": 2, "microbatches": 4},
+    ),
     "nanogpt-manual-pp4-k4-uniform": (
-        MANUAL_LONG, {**SEQ, "pp": 4, "seq_chunks": 4, "seq_split": "uniform", "microbatches": 4}),
+        MANUAL_LONG,
+        {**SEQ, "pp": 4, "seq_chunks": 4, "seq_split": "uniform", "microbatches": 4},
+    ),
     "gpt2-pp2-k4-balanced": (LONG["hf_gpt2"], {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 2}),
     "gpt2-pp4-k2-uniform": (
-        LONG["hf_gpt2"], {**SEQ, "pp": 4, "seq_chunks": 2, "seq_split": "uniform", "microbatches": 4}),
-    "llama-pp2-k4-balanced": (LONG["hf_llama"], {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 4}),
+        LONG["hf_gpt2"],
+        {**SEQ, "pp": 4, "seq_chunks": 2, "seq_split": "uniform", "microbatches": 4},
+    ),
+    "llama-pp2-k4-balanced": (
+        LONG["hf_llama"],
+        {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 4},
+    ),
     "llama-tp2xpp2-sp-k2": (
-        LONG["hf_llama"], {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2,
-                           "sequence_parallel": True}),
+        LONG["hf_llama"],
+        {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2, "sequence_parallel": True},
+    ),
     "gpt2-tp2xpp2-sp-k2": (  # HF GPT-2 under SP: head counts are expressions of s in the graph
-        LONG["hf_gpt2"], {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2,
-                          "sequence_parallel": True}),
+        LONG["hf_gpt2"],
+        {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2, "sequence_parallel": True},
+    ),
     "gpt2-pp2-v2-k2-interleaved": (
-        LONG["hf_gpt2"], {"schedule": "seq1f1b-interleaved", "pp": 2, "virtual_stages": 2,
-                          "seq_chunks": 2, "microbatches": 4}),
-    "nanogpt-dp2xpp2-k2": (LONG["nanogpt"], {**SEQ, "dp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2}),
-}  # fmt: skip
+        LONG["hf_gpt2"],
+        {
+            "schedule": "seq1f1b-interleaved",
+            "pp": 2,
+            "virtual_stages": 2,
+            "seq_chunks": 2,
+            "microbatches": 4,
+        },
+    ),
+    "nanogpt-dp2xpp2-k2": (
+        LONG["nanogpt"],
+        {**SEQ, "dp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2},
+    ),
+}

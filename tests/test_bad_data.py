@@ -26,8 +26,9 @@ def programs():
 
 
 @pytest.mark.parametrize("mesh", ["tp1", "tp2"])
-@pytest.mark.parametrize(("which", "value"), [("input_ids", 96), ("input_ids", -1),
-                                              ("labels", 96), ("labels", -7)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("which", "value"), [("input_ids", 96), ("input_ids", -1), ("labels", 96), ("labels", -7)]
+)
 def test_ids_and_labels_outside_the_vocabulary_are_refused(programs, mesh, which, value, tmp_path):
     progs, (ids, labels) = programs
     ids, labels = ids.clone(), labels.clone()
@@ -88,8 +89,9 @@ def test_a_token_file_with_an_id_outside_the_vocabulary_is_refused_before_traini
     tokens = torch.randint(0, 96, (500,))
     tokens[321] = 4000
     torch.save(tokens, tmp_path / "tokens.pt")
-    args = argparse.Namespace(batch_size=None, seq_len=None, seed=0, batch=None,
-                              tokens=tmp_path / "tokens.pt")  # fmt: skip
+    args = argparse.Namespace(
+        batch_size=None, seq_len=None, seed=0, batch=None, tokens=tmp_path / "tokens.pt"
+    )
     with pytest.raises(AutopartError) as err:
         Batches(args, {"example_shape": [8, 32], "vocab_size": 96})
     assert "token 321 is 4000, outside the model's vocabulary of 96" in err.value.message

@@ -24,11 +24,14 @@ def _costs(kind: str, stage: int, chunk: int) -> float:
     return (0.010 if kind == "F" else 0.021) + 0.001 * stage + 0.0003 * chunk
 
 
-def _fake_trace(schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1,
-                dp_cost: float = 0.003) -> tuple[dict, float]:  # fmt: skip
+def _fake_trace(
+    schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1, dp_cost: float = 0.003
+) -> tuple[dict, float]:
     """A trace made by the simulator from known costs, as `autopart run --trace` writes one."""
-    actions = {r: generate(schedule, r, m, list(range(P)), dp=dp, v=v, tied=r in (0, P - 1), k=k)
-               for r in range(P)}  # fmt: skip
+    actions = {
+        r: generate(schedule, r, m, list(range(P)), dp=dp, v=v, tied=r in (0, P - 1), k=k)
+        for r in range(P)
+    }
 
     def cost(a):
         if a.kind == "TIE_REDUCE":
@@ -41,18 +44,35 @@ def _fake_trace(schedule: str, m: int, k: int = 1, v: int = 1, dp: int = 1,
     events = to_chrome_trace(tl.events)
     for e in events:  # a real trace's clock starts anywhere
         e["ts"] += 1.7e15
-    plan = {"schedule": schedule, "microbatches": m, "virtual_stages": v, "seq_chunks": k,
-            "dp": dp, "tp": 1, "pp": P}  # fmt: skip
-    header = {"plan": plan, "microbatch_size": 2, "microbatch_tokens": 2 * 64,
-              "step_s": tl.span + OVERHEAD, "ranks": {str(r): {"dp": 0, "tp": 0, "pp": r}
-                                                      for r in range(P)}}  # fmt: skip
+    plan = {
+        "schedule": schedule,
+        "microbatches": m,
+        "virtual_stages": v,
+        "seq_chunks": k,
+        "dp": dp,
+        "tp": 1,
+        "pp": P,
+    }
+    header = {
+        "plan": plan,
+        "microbatch_size": 2,
+        "microbatch_tokens": 2 * 64,
+        "step_s": tl.span + OVERHEAD,
+        "ranks": {str(r): {"dp": 0, "tp": 0, "pp": r} for r in range(P)},
+    }
     return trace_document(events, header), tl.span
 
 
 @pytest.mark.parametrize(
-    "schedule,k,v", [("1f1b", 1, 1), ("gpipe", 1, 1), ("seq1f1b", 3, 1),
-                     ("interleaved-1f1b", 1, 2), ("seq1f1b-interleaved", 2, 2)],
-)  # fmt: skip
+    "schedule,k,v",
+    [
+        ("1f1b", 1, 1),
+        ("gpipe", 1, 1),
+        ("seq1f1b", 3, 1),
+        ("interleaved-1f1b", 1, 2),
+        ("seq1f1b-interleaved", 2, 2),
+    ],
+)
 def test_measure_recovers_the_costs_and_predict_the_step(schedule: str, k: int, v: int) -> None:
     doc, span = _fake_trace(schedule, 6, k=k, v=v)
     m = measure(doc["traceEvents"], doc["autopart"])
@@ -141,9 +161,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sim = tmp_path / "sim.json"
     assert main(["simulate", "--measured", str(trace), "--trace", str(sim)]) == 0
     assert {e["pid"] for e in json.loads(sim.read_text())["traceEvents"]} == set(range(P))
-    for argv, msg in ((["--global-batch", "5"], "not a whole number of micro-batches"),
-                      (["--tp", "2"], "--tp does not go with --measured"),
-                      (["--schedule", "seq1f1b"], "cannot predict seq1f1b")):  # fmt: skip
+    for argv, msg in (
+        (["--global-batch", "5"], "not a whole number of micro-batches"),
+        (["--tp", "2"], "--tp does not go with --measured"),
+        (["--schedule", "seq1f1b"], "cannot predict seq1f1b"),
+    ):
         assert main(["simulate", "--measured", str(trace), *argv]) == 2
         assert msg in capsys.readouterr().err
     with pytest.raises(
@@ -155,6 +177,24 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace.write_text(json.dumps(inter))
     assert main(["simulate", "--measured", str(trace), "--global-batch", "8"]) == 2
     assert "hint: use a multiple of 6 for --global-batch" in capsys.readouterr().err
-    assert main(["simulate", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "64",
-                 "--seq", "32", "--global-batch", "8"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                "--layers",
+                "2",
+                "--hidden",
+                "64",
+                "--heads",
+                "4",
+                "--vocab",
+                "64",
+                "--seq",
+                "32",
+                "--global-batch",
+                "8",
+            ]
+        )
+        == 2
+    )
     assert "simulate needs --gpus" in capsys.readouterr().err

@@ -68,8 +68,22 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def trained(programs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """3 uninterrupted AdamW steps at tp=2 × pp=2, checkpointed after every step."""
     ck = tmp_path_factory.mktemp("ck") / "tp2pp2"
-    out = launch_forked(4, ["-m", "autopart.run", str(programs["tp2pp2"]), "--steps", "3", "--json",
-                     "--checkpoint-dir", str(ck), "--checkpoint-every", "1"], timeout_s=240)  # fmt: skip
+    out = launch_forked(
+        4,
+        [
+            "-m",
+            "autopart.run",
+            str(programs["tp2pp2"]),
+            "--steps",
+            "3",
+            "--json",
+            "--checkpoint-dir",
+            str(ck),
+            "--checkpoint-every",
+            "1",
+        ],
+        timeout_s=240,
+    )
     losses = {d["step"]: d["loss"] for d in _json_lines(out)}
     assert sorted(losses) == [0, 1, 2], out
     return {"losses": losses, "ck": ck, "step1": checkpoint.folder(ck, 1)}
@@ -93,8 +107,20 @@ def test_reshard_from_tp2_pp2(layout: str, programs, trained, tmp_path: Path) ->
     ck = tmp_path / "ck"
     shutil.copytree(trained["step1"], checkpoint.folder(ck, 1))
     mesh = LAYOUTS[layout][0]
-    out = launch_forked(mesh.size, ["-m", "autopart.run", str(programs[layout]), "--steps", "3", "--json",
-                             "--checkpoint-dir", str(ck)], timeout_s=240)  # fmt: skip
+    out = launch_forked(
+        mesh.size,
+        [
+            "-m",
+            "autopart.run",
+            str(programs[layout]),
+            "--steps",
+            "3",
+            "--json",
+            "--checkpoint-dir",
+            str(ck),
+        ],
+        timeout_s=240,
+    )
     assert "resumed from step 1" in out and "resharded" in out, out
     losses = {d["step"]: d["loss"] for d in _json_lines(out)}
     assert sorted(losses) == [1, 2], out
@@ -177,8 +203,13 @@ def test_reshard_to_one_device_and_round_trip(programs, trained, world1, tmp_pat
     fresh_optim = make_optimizer(fresh, 1e-3)
     torch.manual_seed(8)
     info = checkpoint.load(saved, fresh, fresh_optim)
-    assert info == {"step": 3, "extra": {"note": "x"}, "seed": 0, "mesh": {"pp": 1, "dp": 1, "tp": 1},
-                    "same_layout": True}  # fmt: skip
+    assert info == {
+        "step": 3,
+        "extra": {"note": "x"},
+        "seed": 0,
+        "mesh": {"pp": 1, "dp": 1, "tp": 1},
+        "same_layout": True,
+    }
     assert torch.equal(torch.get_rng_state(), rng) and fresh.steps == 3
     for f, p in fresh.named_parameters():
         assert torch.equal(p, params[f]), f
@@ -283,10 +314,28 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
     )
 
     def job(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                "--max-restarts=1", "-m", "autopart.run", str(program), "--steps", "6", "--json",
-                "--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "2",
-                "--dump-params", str(tmp_path / f"{name}-params"), "--timeout", "60"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "-m",
+            "autopart.run",
+            str(program),
+            "--steps",
+            "6",
+            "--json",
+            "--checkpoint-dir",
+            str(tmp_path / name),
+            "--checkpoint-every",
+            "2",
+            "--dump-params",
+            str(tmp_path / f"{name}-params"),
+            "--timeout",
+            "60",
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
         return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
 
@@ -306,7 +355,10 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
         b = torch.load(tmp_path / "killed-params" / f"rank{r:05d}.pt", weights_only=True)
         assert set(a) == set(b) and all(torch.equal(a[f], b[f]) for f in a), r
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == [
-        "step00000002", "step00000004", "step00000006"]  # fmt: skip
+        "step00000002",
+        "step00000004",
+        "step00000006",
+    ]
 
 
 def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
@@ -335,8 +387,17 @@ def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     run(zero, 4, "--steps", "2", "--zero", "--checkpoint-dir", str(ck))
     shutil.copytree(ck, tmp_path / "ck-plain")
-    resumed, out = run(zero, 4, "--steps", "6", "--zero", "--checkpoint-dir", str(ck),
-                       "--dump-params", str(tmp_path / "resumed"))  # fmt: skip
+    resumed, out = run(
+        zero,
+        4,
+        "--steps",
+        "6",
+        "--zero",
+        "--checkpoint-dir",
+        str(ck),
+        "--dump-params",
+        str(tmp_path / "resumed"),
+    )
     assert "resumed from step 2" in out and sorted(resumed) == [2, 3, 4, 5], out
     assert all(resumed[s] == ref[s] for s in (2, 3, 4, 5))
     for r in range(4):

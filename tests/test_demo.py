@@ -11,8 +11,12 @@ from pathlib import Path
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "autopart", "demo", "--steps", "12", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "autopart", "demo", "--steps", "12", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-3000:]
     assert "seq1f1b with 2 sequence chunks" in text and "corpus.txt" in text

@@ -40,8 +40,14 @@ def saved(program: Program, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
 def _loss(rp: RankProgram, params: dict, buffers: dict, batch) -> torch.Tensor:
     st = rp.stages[0]
     data = {"input_ids": batch[0], "labels": batch[1]}
-    args = [params[i.name] if i.kind == "param" else buffers[i.name] if i.kind != "data" else data[i.name]
-            for i in st.inputs]  # fmt: skip
+    args = [
+        params[i.name]
+        if i.kind == "param"
+        else buffers[i.name]
+        if i.kind != "data"
+        else data[i.name]
+        for i in st.inputs
+    ]
     (loss,) = st.graph(*args)
     return loss.detach()
 
@@ -209,8 +215,13 @@ def test_parallelize_refusals(gpt_sdpa: Case) -> None:
     with pytest.raises(AutopartError, match="needs a Seq1F1B schedule"):
         parallelize(gpt_sdpa.captured, Mesh(dp=2), seq_chunks=2)
     with pytest.raises(AutopartError, match="2 transformer blocks"):
-        parallelize(gpt_sdpa.captured, Mesh(pp=2), schedule="interleaved-1f1b", virtual_stages=2,
-                    microbatches=2)  # fmt: skip
+        parallelize(
+            gpt_sdpa.captured,
+            Mesh(pp=2),
+            schedule="interleaved-1f1b",
+            virtual_stages=2,
+            microbatches=2,
+        )
     with pytest.raises(AutopartError, match="expected an autopart.Mesh"):
         parallelize(gpt_sdpa.captured, 2)
 
@@ -273,9 +284,15 @@ def _edit_actions(d):
         ("foreign-plan", "does not have autopart's layout: files missing"),
         ("missing-file", "stage0.pt2 is missing"),
     ],
-    ids=["truncated-graph", "edited-actions", "foreign-weights", "garbage-plan", "old-plan",
-         "missing-file"],
-)  # fmt: skip
+    ids=[
+        "truncated-graph",
+        "edited-actions",
+        "foreign-weights",
+        "garbage-plan",
+        "old-plan",
+        "missing-file",
+    ],
+)
 def test_damaged_program_folders_are_refused(saved_pair, tmp_path, damage, needle) -> None:
     import json
     import shutil
@@ -356,6 +373,7 @@ def test_a_batch_that_does_not_split_is_refused_by_parallelize(model_batch, plan
 def test_a_sequence_sequence_parallelism_cannot_split_is_refused_by_parallelize() -> None:
     model, (ids, labels) = nanogpt.make()
     with pytest.raises(AutopartError) as err:
-        parallelize(model, Mesh(tp=4), example_inputs=(ids[:, :30], labels[:, :30]),
-                    sequence_parallel=True)  # fmt: skip
+        parallelize(
+            model, Mesh(tp=4), example_inputs=(ids[:, :30], labels[:, :30]), sequence_parallel=True
+        )
     assert "sequence length 30 is not divisible by tp=4" in err.value.message

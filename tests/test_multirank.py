@@ -51,9 +51,25 @@ def test_cli_run_launches_ranks_and_trains(tmp_path: Path) -> None:
 
     model, batch = nanogpt.make()
     parallelize(model, Mesh(dp=2), example_inputs=batch, microbatches=2).save(tmp_path / "p")
-    proc = subprocess.run([sys.executable, "-m", "autopart", "run", str(tmp_path / "p"), "--steps", "4",
-                           "--json", "--lr", "1e-2", "--batch-size", "16"],
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autopart",
+            "run",
+            str(tmp_path / "p"),
+            "--steps",
+            "4",
+            "--json",
+            "--lr",
+            "1e-2",
+            "--batch-size",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
@@ -140,8 +156,13 @@ def test_collectives_on_every_transport() -> None:
     out naming the rank and action, and fails on every rank at once when one rank fails."""
     out = launch_forked(3, [str(ROOT / "tests" / "collectives_script.py")], timeout_s=180)
     res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
-    paths = (("shm", "shm"), ("unshared", "exchange"), ("disagree", "exchange"),
-             ("exchange", "exchange"), ("gloo", "c10d"))  # fmt: skip
+    paths = (
+        ("shm", "shm"),
+        ("unshared", "exchange"),
+        ("disagree", "exchange"),
+        ("exchange", "exchange"),
+        ("gloo", "c10d"),
+    )
     for path, transport in paths:
         assert res[path].pop("transport") == transport, res[path]
     assert all(res["shm"].values()), res["shm"]
@@ -175,8 +196,20 @@ def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
 
     model, batch = nanogpt.make()
     parallelize(model, Mesh(pp=2), example_inputs=batch, microbatches=4).save(tmp_path / "p")
-    out = launch_forked(2, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "2", "--json",
-                     "--trace", str(tmp_path / "trace.json")], timeout_s=120)  # fmt: skip
+    out = launch_forked(
+        2,
+        [
+            "-m",
+            "autopart.run",
+            str(tmp_path / "p"),
+            "--steps",
+            "2",
+            "--json",
+            "--trace",
+            str(tmp_path / "trace.json"),
+        ],
+        timeout_s=120,
+    )
     ranks = [json.loads(x) for x in out.splitlines() if x.startswith('{"rank"')]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(0 < r["busy_fraction"] <= 1 and r["peak_saved_bytes"] > 0 for r in ranks)
@@ -209,8 +242,21 @@ def test_zero1_matches_the_unsharded_optimizer(tmp_path: Path) -> None:
     finals = {}
     for zero in (False, True):
         out = tmp_path / ("zero" if zero else "plain")
-        launch_forked(4, ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "4", "--json",
-                   "--dump-params", str(out), *(["--zero"] if zero else [])], timeout_s=120)  # fmt: skip
+        launch_forked(
+            4,
+            [
+                "-m",
+                "autopart.run",
+                str(tmp_path / "p"),
+                "--steps",
+                "4",
+                "--json",
+                "--dump-params",
+                str(out),
+                *(["--zero"] if zero else []),
+            ],
+            timeout_s=120,
+        )
         finals[zero] = [torch.load(out / f"rank{r:05d}.pt", weights_only=True) for r in range(4)]
     for r, (plain, zero) in enumerate(zip(finals[False], finals[True], strict=True)):
         assert plain.keys() == zero.keys() == prog.rank(r).shards.keys()

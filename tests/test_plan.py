@@ -27,8 +27,15 @@ def test_mesh_layout_tp_fastest_then_dp_then_pp() -> None:
     assert mesh.size == 8
     coords = [mesh.coords(r) for r in range(8)]
     assert [(c["pp"], c["dp"], c["tp"]) for c in coords] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
-    ]  # fmt: skip
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
     for r, c in enumerate(coords):
         assert mesh.rank_of(**c) == r
     assert mesh.rank_of(pp=1, dp=0, tp=1) == 5

@@ -31,9 +31,11 @@ def test_1t_on_3072_gpus() -> None:
     """The timed run is benchmarks/plan_1t.py; here: it completes and every plan fits."""
     con = Console(file=io.StringIO(), width=120)
     result = search(SHAPES["megatron-1t"], A100, 3072, 3072, top=5, progress=True, console=con)
-    print(f"\n1T on 3072 A100s planned in {result.stats['seconds']:.1f} s: "
-          f"{result.ranked[0].strategy.describe()}, "
-          f"{result.ranked[0].summary['tflops_per_gpu']:.1f} TFLOP/s per GPU")  # fmt: skip
+    print(
+        f"\n1T on 3072 A100s planned in {result.stats['seconds']:.1f} s: "
+        f"{result.ranked[0].strategy.describe()}, "
+        f"{result.ranked[0].summary['tflops_per_gpu']:.1f} TFLOP/s per GPU"
+    )
     assert "simulating" in con.file.getvalue()  # the progress display ran
     assert len(result.ranked) == 5
     times = [r.summary["iteration_s"] for r in result.ranked]
@@ -49,12 +51,27 @@ def test_1t_on_3072_gpus() -> None:
 
 def test_lower_bound_never_exceeds_the_simulation() -> None:
     """What makes the branch and bound exact: no plan simulates faster than its bound."""
-    for sched, v, k in (("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved-1f1b", 2, 1),
-                        ("seq1f1b", 1, 4), ("seq1f1b-interleaved", 3, 2)):  # fmt: skip
+    for sched, v, k in (
+        ("gpipe", 1, 1),
+        ("1f1b", 1, 1),
+        ("interleaved-1f1b", 2, 1),
+        ("seq1f1b", 1, 4),
+        ("seq1f1b-interleaved", 3, 2),
+    ):
         for rc in ("none", "full"):
-            st = Strategy(tp=4, pp=4, dp=4, virtual_stages=v, micro_batch=2, global_batch=128,
-                          schedule=sched, seq_chunks=k, recompute=rc, sequence_parallel=True,
-                          distributed_optimizer=rc == "full")  # fmt: skip
+            st = Strategy(
+                tp=4,
+                pp=4,
+                dp=4,
+                virtual_stages=v,
+                micro_batch=2,
+                global_batch=128,
+                schedule=sched,
+                seq_chunks=k,
+                recompute=rc,
+                sequence_parallel=True,
+                distributed_optimizer=rc == "full",
+            )
             costs = CostModel(SMALL, A100, st)
             sim = simulate_costs(costs, record=False)
             assert fast_lower_bound(costs) <= sim.summary["iteration_s"] * (1 + 1e-12)
@@ -63,8 +80,9 @@ def test_lower_bound_never_exceeds_the_simulation() -> None:
 def test_search_finds_the_brute_force_top() -> None:
     """Simulate every fitting variant of every layout: the planner's top 3 layouts are the top
     3 of the brute force, though it simulates a small part of them."""
-    kw = dict(schedules=("1f1b", "interleaved-1f1b", "seq1f1b"), micro_batches=(1, 2),
-              seq_chunks=(2, 4))  # fmt: skip
+    kw = dict(
+        schedules=("1f1b", "interleaved-1f1b", "seq1f1b"), micro_batches=(1, 2), seq_chunks=(2, 4)
+    )
     result = search(SMALL, A100, 32, 64, top=3, **kw)
     brute: dict[int, float] = {}
     for i, layout in enumerate(layouts(SMALL, A100, 32, 64, **kw)):
@@ -79,10 +97,23 @@ def test_search_finds_the_brute_force_top() -> None:
 
 
 def test_truncated_activation_peak_is_exact() -> None:
-    for sched, v, k in (("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("seq1f1b", 1, 3),
-                        ("seq1f1b-interleaved", 2, 2), ("gpipe", 1, 1)):  # fmt: skip
-        st = Strategy(tp=2, pp=4, dp=2, virtual_stages=v, global_batch=2 * 4 * 9,
-                      schedule=sched, seq_chunks=k, recompute="full")  # fmt: skip
+    for sched, v, k in (
+        ("1f1b", 1, 1),
+        ("interleaved-1f1b", 2, 1),
+        ("seq1f1b", 1, 3),
+        ("seq1f1b-interleaved", 2, 2),
+        ("gpipe", 1, 1),
+    ):
+        st = Strategy(
+            tp=2,
+            pp=4,
+            dp=2,
+            virtual_stages=v,
+            global_batch=2 * 4 * 9,
+            schedule=sched,
+            seq_chunks=k,
+            recompute="full",
+        )
         costs = CostModel(SMALL, A100, st)
         acts = _actions(sched, 4, st.microbatches, v, k, True, True)
         for r in range(4):
@@ -107,14 +138,43 @@ def test_nothing_fits() -> None:
 
 
 def test_cli_plan_json(capsys) -> None:
-    code = main(["plan", "--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab", "32000",
-                 "--seq", "1024", "--gpus", "16", "--global-batch", "64", "--top", "3", "--json",
-                 "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "--layers",
+            "8",
+            "--hidden",
+            "1024",
+            "--heads",
+            "16",
+            "--vocab",
+            "32000",
+            "--seq",
+            "1024",
+            "--gpus",
+            "16",
+            "--global-batch",
+            "64",
+            "--top",
+            "3",
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["plans"]) == 3 and out["stats"]["layouts"] > 0
     first = out["plans"][0]
-    for key in ("plan", "reason", "iteration_s", "tokens_per_s", "tflops_per_gpu", "mfu",
-                "bubble_fraction", "memory_gb_per_gpu", "breakdown"):  # fmt: skip
+    for key in (
+        "plan",
+        "reason",
+        "iteration_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "bubble_fraction",
+        "memory_gb_per_gpu",
+        "breakdown",
+    ):
         assert key in first
     assert first["reason"].startswith("fastest")

@@ -15,8 +15,15 @@ from autopart.runtime.runner import Runner
 def _runner(k: int, split: str = "balanced", **kw) -> tuple[Runner, tuple]:
     model, batch = nanogpt.make_long(**kw)
     model = model.double()
-    prog = parallelize(model, Mesh(), example_inputs=batch, schedule="seq1f1b", seq_chunks=k,
-                       seq_split=split, microbatches=2)  # fmt: skip
+    prog = parallelize(
+        model,
+        Mesh(),
+        example_inputs=batch,
+        schedule="seq1f1b",
+        seq_chunks=k,
+        seq_split=split,
+        microbatches=2,
+    )
     rp = prog.rank(0)
     weights = {f: rp.shards[f].local(t.detach().clone()) for f, t in prog.params.items()}
     return Runner(rp, prog.plan, {**weights, **prog.buffers}, {}), (model, batch)

@@ -75,8 +75,12 @@ def test_gpipe_all_forwards_then_all_backwards(p: int) -> None:
 def test_single_stage_schedules_are_the_accumulation_loop() -> None:
     for name in FLAT:
         assert [str(a) for a in generate(name, 0, 2, [0], dp=2)] == [
-            "F(s0,m0)", "B(s0,m0)", "F(s0,m1)", "B(s0,m1)", "DP_REDUCE",
-        ]  # fmt: skip
+            "F(s0,m0)",
+            "B(s0,m0)",
+            "F(s0,m1)",
+            "B(s0,m1)",
+            "DP_REDUCE",
+        ]
 
 
 def test_sends_and_receives_name_global_peers() -> None:

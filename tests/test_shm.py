@@ -51,7 +51,12 @@ def test_a_planted_data_file_is_named_not_blamed_on_space(monkeypatch) -> None:
 
     g = shm.ShmGroup.__new__(shm.ShmGroup)
     g.prefix, g.rank, g.cap, g.data, g.pending_unlink = (
-        f"{shm.SHM_DIR}/autopart-{os.getpid()}-feedfeedfeed", 0, 0, None, [])  # fmt: skip
+        f"{shm.SHM_DIR}/autopart-{os.getpid()}-feedfeedfeed",
+        0,
+        0,
+        None,
+        [],
+    )
     g.ctl = memoryview(bytearray(64)).cast("q")
     g.peer_ctl = {}
     monkeypatch.setattr(shm.secrets, "randbits", lambda n: 0xABC)

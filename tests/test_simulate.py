@@ -111,8 +111,10 @@ def test_tie_reduce_meets_both_ends() -> None:
 
 
 def test_deadlock_is_refused() -> None:
-    acts = {0: [Action("RECV_B", 0, 0, peer=1), Action("SEND_F", 0, 0, peer=1)],
-            1: [Action("RECV_F", 1, 0, peer=0), Action("SEND_B", 1, 0, peer=0)]}  # fmt: skip
+    acts = {
+        0: [Action("RECV_B", 0, 0, peer=1), Action("SEND_F", 0, 0, peer=1)],
+        1: [Action("RECV_F", 1, 0, peer=0), Action("SEND_B", 1, 0, peer=0)],
+    }
     with pytest.raises(AutopartError, match="deadlocks"):
         simulate_actions(acts, equal_costs())
 
@@ -202,14 +204,25 @@ def test_activation_savers_save_memory() -> None:
     mem = {}
     for rc in ("none", "selective", "full"):
         for sp in (False, True):
-            st = Strategy(tp=8, pp=8, dp=1, global_batch=16, recompute=rc, sequence_parallel=sp,
-                          attention="unfused")  # fmt: skip
+            st = Strategy(
+                tp=8,
+                pp=8,
+                dp=1,
+                global_batch=16,
+                recompute=rc,
+                sequence_parallel=sp,
+                attention="unfused",
+            )
             mem[rc, sp] = simulate(shape, A100, st).summary["memory"]["activations"]
     assert mem["none", False] > mem["selective", False] > mem["full", False]
     assert mem["selective", True] < mem["selective", False]
     # a flash kernel stores no scores: no recompute keeps what selective keeps
-    flash = {rc: simulate(shape, A100, Strategy(tp=8, pp=8, global_batch=16, recompute=rc))
-             .summary["memory"]["activations"] for rc in ("none", "selective")}  # fmt: skip
+    flash = {
+        rc: simulate(shape, A100, Strategy(tp=8, pp=8, global_batch=16, recompute=rc)).summary[
+            "memory"
+        ]["activations"]
+        for rc in ("none", "selective")
+    }
     assert flash["none"] == flash["selective"] == mem["selective", False]
     # Korthikanti et al. 2022: 34·s·b·h + 5·a·s²·b bytes per layer without parallelism → with tp = 8
     # and SP everything / 8, so "selective + SP" keeps 34/8·s·b·h per layer
@@ -220,8 +233,12 @@ def test_activation_savers_save_memory() -> None:
 
 def test_1f1b_holds_fewer_micro_batches_than_gpipe() -> None:
     shape = SHAPES["gpt-7b"]
-    act = {s: simulate(shape, A100, Strategy(pp=4, dp=2, global_batch=32, schedule=s))
-           .summary["memory"]["activations"] for s in ("gpipe", "1f1b")}  # fmt: skip
+    act = {
+        s: simulate(shape, A100, Strategy(pp=4, dp=2, global_batch=32, schedule=s)).summary[
+            "memory"
+        ]["activations"]
+        for s in ("gpipe", "1f1b")
+    }
     assert act["gpipe"] > 3 * act["1f1b"]  # 16 micro-batches in flight on rank 0 against 4
 
 
@@ -242,13 +259,24 @@ def test_megatron_1t_reference_point() -> None:
     """Narayanan et al. 2021: 1T GPT (128 layers, hidden 25600, 160 heads) on 3072 A100s, tp=8,
     pp=64, dp=6, global batch 3072, interleaved schedule, full recompute: 163 TFLOP/s per GPU
     (52 % of peak). Unfused attention, as in 2021."""
-    st = Strategy(tp=8, pp=64, dp=6, virtual_stages=2, micro_batch=1, global_batch=3072,
-                  schedule="interleaved-1f1b", recompute="full", attention="unfused")  # fmt: skip
+    st = Strategy(
+        tp=8,
+        pp=64,
+        dp=6,
+        virtual_stages=2,
+        micro_batch=1,
+        global_batch=3072,
+        schedule="interleaved-1f1b",
+        recompute="full",
+        attention="unfused",
+    )
     s = simulate(SHAPES["megatron-1t"], "dgx-a100-80gb", st, record=False).summary
-    print(f"\nMegatron 1T: predicted {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
-          f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), paper 163 (52 %); "
-          f"iteration {s['iteration_s']:.1f} s, bubble {s['bubble_fraction']:.1%}, "
-          f"{s['memory_gb_per_gpu']:.1f} GiB per GPU")  # fmt: skip
+    print(
+        f"\nMegatron 1T: predicted {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
+        f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), paper 163 (52 %); "
+        f"iteration {s['iteration_s']:.1f} s, bubble {s['bubble_fraction']:.1%}, "
+        f"{s['memory_gb_per_gpu']:.1f} GiB per GPU"
+    )
     assert 0.30 <= s["hfu"] <= 0.70
     assert 0.30 <= s["mfu"] <= 0.70
     assert s["fits"]
@@ -258,11 +286,24 @@ def test_megatron_1t_reference_point() -> None:
 
 def test_extrapolation_matches_the_full_simulation() -> None:
     shape = SHAPES["gpt3-175b"]
-    for sched, v, k in (("1f1b", 1, 1), ("interleaved-1f1b", 2, 1), ("seq1f1b", 1, 4),
-                        ("seq1f1b-interleaved", 2, 2)):  # fmt: skip
-        st = Strategy(tp=8, pp=4, dp=8, virtual_stages=v, global_batch=8 * 4 * 7, schedule=sched,
-                      seq_chunks=k, recompute="selective", sequence_parallel=True,
-                      distributed_optimizer=True)  # fmt: skip
+    for sched, v, k in (
+        ("1f1b", 1, 1),
+        ("interleaved-1f1b", 2, 1),
+        ("seq1f1b", 1, 4),
+        ("seq1f1b-interleaved", 2, 2),
+    ):
+        st = Strategy(
+            tp=8,
+            pp=4,
+            dp=8,
+            virtual_stages=v,
+            global_batch=8 * 4 * 7,
+            schedule=sched,
+            seq_chunks=k,
+            recompute="selective",
+            sequence_parallel=True,
+            distributed_optimizer=True,
+        )
         full = simulate(shape, A100, st, extrapolate=False, record=False).summary
         ext = simulate(shape, A100, st, extrapolate=True).summary
         assert ext["extrapolated"] and not full["extrapolated"]
@@ -306,7 +347,13 @@ def test_refusals() -> None:
 def test_shape_from_captured(gpt_sdpa) -> None:
     shape = shape_from_captured(gpt_sdpa.captured)
     assert (shape.layers, shape.hidden, shape.heads, shape.kv, shape.ffn_width, shape.vocab) == (
-        2, 32, 4, 4, 128, 96)  # fmt: skip
+        2,
+        32,
+        4,
+        4,
+        128,
+        96,
+    )
     assert shape.tied and shape.seq == gpt_sdpa.captured.example_shape[1]
     params = sum(t.numel() for t in gpt_sdpa.captured.params.values())
     positions = gpt_sdpa.captured.params["transformer.wpe.weight"].numel()  # block_size rows
@@ -315,20 +362,57 @@ def test_shape_from_captured(gpt_sdpa) -> None:
 
 def test_cli_simulate_json(capsys, tmp_path) -> None:
     trace = tmp_path / "sim.json"
-    code = main(["simulate", "--layers", "8", "--hidden", "1024", "--heads", "16", "--vocab",
-                 "32000", "--seq", "1024", "--gpus", "16", "--tp", "2", "--pp", "4",
-                 "--global-batch", "32", "--schedule", "seq1f1b", "--seq-chunks", "2", "--json",
-                 "--trace", str(trace)])  # fmt: skip
+    code = main(
+        [
+            "simulate",
+            "--layers",
+            "8",
+            "--hidden",
+            "1024",
+            "--heads",
+            "16",
+            "--vocab",
+            "32000",
+            "--seq",
+            "1024",
+            "--gpus",
+            "16",
+            "--tp",
+            "2",
+            "--pp",
+            "4",
+            "--global-batch",
+            "32",
+            "--schedule",
+            "seq1f1b",
+            "--seq-chunks",
+            "2",
+            "--json",
+            "--trace",
+            str(trace),
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("iteration_s", "tokens_per_s", "tflops_per_gpu", "mfu", "bubble_fraction",
-                "memory_gb_per_gpu", "breakdown"):  # fmt: skip
+    for key in (
+        "iteration_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "bubble_fraction",
+        "memory_gb_per_gpu",
+        "breakdown",
+    ):
         assert key in out
     assert math.isclose(out["tokens_per_s"], 32 * 1024 / out["iteration_s"])
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
-    assert main(["simulate", "--shape", "gpt3-175b", "--gpus", "12", "--tp", "8",
-                 "--global-batch", "8"]) == 2  # fmt: skip
+    assert (
+        main(
+            ["simulate", "--shape", "gpt3-175b", "--gpus", "12", "--tp", "8", "--global-batch", "8"]
+        )
+        == 2
+    )
     assert "not divisible" in capsys.readouterr().err
 
 
@@ -337,15 +421,32 @@ def test_memory_units_are_gib() -> None:
     assert s["memory"]["capacity"] == 80 and s["memory"]["usable"] == pytest.approx(72)
     total = sum(s["memory"][k] for k in ("parameters", "gradients", "optimizer", "activations"))
     assert s["memory_gb_per_gpu"] == pytest.approx(total)
-    assert s["memory"]["parameters"] * GIB == pytest.approx(2 * CostModel(
-        SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).params[0])  # fmt: skip
+    assert s["memory"]["parameters"] * GIB == pytest.approx(
+        2 * CostModel(SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).params[0]
+    )
 
 
 def test_cli_refuses_a_plan_that_does_not_fit(capsys) -> None:
     """By how much, and which plans one change away fit (each checked to fit)."""
-    argv = ["simulate", "--shape", "megatron-1t", "--gpus", "3072", "--tp", "8", "--pp", "64",
-            "--virtual-stages", "2", "--schedule", "interleaved-1f1b", "--global-batch", "768",
-            "--attention", "unfused"]  # fmt: skip
+    argv = [
+        "simulate",
+        "--shape",
+        "megatron-1t",
+        "--gpus",
+        "3072",
+        "--tp",
+        "8",
+        "--pp",
+        "64",
+        "--virtual-stages",
+        "2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--global-batch",
+        "768",
+        "--attention",
+        "unfused",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "does not fit: rank 0 needs 238.7 GiB" in err and "166.7 GiB over the 72.0 usable" in err
@@ -354,8 +455,12 @@ def test_cli_refuses_a_plan_that_does_not_fit(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["fits"]
     assert main([*argv, "--ignore-memory", "--json"]) == 0
     assert not json.loads(capsys.readouterr().out)["fits"]
-    assert main(["simulate", "--shape", "gpt3-175b", "--gpus", "8", "--tp", "8",
-                 "--global-batch", "8"]) == 2  # fmt: skip
+    assert (
+        main(
+            ["simulate", "--shape", "gpt3-175b", "--gpus", "8", "--tp", "8", "--global-batch", "8"]
+        )
+        == 2
+    )
     assert "hint: no single change of layout fits; more GPUs" in capsys.readouterr().err
 
 

@@ -18,8 +18,15 @@ T0 = 1.7e15  # µs since the epoch, as time.time() × 1e6 gives
 
 
 def _event(name: str, kind: str, rank: int, start: float, dur: float) -> dict[str, Any]:
-    return {"name": name, "cat": kind, "ph": "X", "pid": rank, "tid": 0, "ts": T0 + start,
-            "dur": dur}  # fmt: skip
+    return {
+        "name": name,
+        "cat": kind,
+        "ph": "X",
+        "pid": rank,
+        "tid": 0,
+        "ts": T0 + start,
+        "dur": dur,
+    }
 
 
 def synthetic() -> list[dict[str, Any]]:
@@ -57,8 +64,14 @@ def synthetic() -> list[dict[str, Any]]:
 
 
 def test_parse_name_reads_back_action_str() -> None:
-    for a in [Action("F", 0, 1, 2), Action("B", 1, 0), Action("SEND_F", 0, 1, peer=1),
-              Action("RECV_B", 2, 3, 1, peer=0), Action("DP_REDUCE"), Action("TIE_REDUCE")]:  # fmt: skip
+    for a in [
+        Action("F", 0, 1, 2),
+        Action("B", 1, 0),
+        Action("SEND_F", 0, 1, peer=1),
+        Action("RECV_B", 2, 3, 1, peer=0),
+        Action("DP_REDUCE"),
+        Action("TIE_REDUCE"),
+    ]:
         assert parse_name(str(a)) == a
     assert parse_name("F(s0,m1,c2)") == Action("F", 0, 1, 2)
     assert parse_name("B(s1,m0)").chunk == 0

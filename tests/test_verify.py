@@ -21,15 +21,30 @@ def test_round_off_in_a_zero_gradient_is_not_an_error_but_a_real_one_is() -> Non
 
 
 def test_plans_parse_into_checks_and_print_back() -> None:
-    checks = parse_plans("tp=2; pp=2,1f1b,m=4 ;dp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;", "x:make",
-                         {"microbatches": 2})  # fmt: skip
+    checks = parse_plans(
+        "tp=2; pp=2,1f1b,m=4 ;dp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;", "x:make", {"microbatches": 2}
+    )
     assert [str(c) for c in checks] == [
-        "tp=2,1f1b,m=2", "pp=2,1f1b,m=4", "dp=2,pp=2,seq1f1b,m=2,k=2,uniform,sp"]  # fmt: skip
-    assert checks[2] == Check("x:make", dp=2, pp=2, schedule="seq1f1b", microbatches=2,
-                              seq_chunks=2, seq_split="uniform", sequence_parallel=True)  # fmt: skip
+        "tp=2,1f1b,m=2",
+        "pp=2,1f1b,m=4",
+        "dp=2,pp=2,seq1f1b,m=2,k=2,uniform,sp",
+    ]
+    assert checks[2] == Check(
+        "x:make",
+        dp=2,
+        pp=2,
+        schedule="seq1f1b",
+        microbatches=2,
+        seq_chunks=2,
+        seq_split="uniform",
+        sequence_parallel=True,
+    )
     assert parse_plans(str(checks[2]), "x:make") == [checks[2]]  # a name reads back as its plan
-    for bad, said in (("tp=two", "needs a number"), ("pp=2,fast", "cannot read 'fast'"),
-                      (" ; ", "no plan")):  # fmt: skip
+    for bad, said in (
+        ("tp=two", "needs a number"),
+        ("pp=2,fast", "cannot read 'fast'"),
+        (" ; ", "no plan"),
+    ):
         with pytest.raises(AutopartError) as err:
             parse_plans(bad, "x:make")
         assert said in err.value.message and "dp=N" in (err.value.hint or "")
@@ -60,8 +75,9 @@ class _Islands(torch.nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize(("kind", "found"), [("norm-stats", False), ("weight", True),
-                                             ("scalar", True), ("scores", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "found"), [("norm-stats", False), ("weight", True), ("scalar", True), ("scores", True)]
+)
 def test_islands_are_where_a_plan_can_move_lower_precision_round_off(kind, found) -> None:
     """Token-by-token float32 (Llama's norm statistics) rounds alike in every plan and keeps
     the float64 tolerance; a float32 parameter, a float32 value from parameters, or float32

@@ -59,11 +59,17 @@ def test_what_was_wrong_or_crashed_now_passes(matrix) -> None:
         assert_passes(matrix["mistral"][1][plan])
 
 
-@pytest.mark.parametrize(("arch", "why"), [
-    ("bloom", "node softmax (transformer.h.0.self_attention): a softmax over the sequence that "
-              "is not a recognized causal attention (soft-capped scores and position biases "
-              "such as ALiBi are not)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "why"),
+    [
+        (
+            "bloom",
+            "node softmax (transformer.h.0.self_attention): a softmax over the sequence that "
+            "is not a recognized causal attention (soft-capped scores and position biases "
+            "such as ALiBi are not)",
+        ),
+    ],
+)
 def test_seq1f1b_refuses_what_it_cannot_chunk(arch: str, why: str, matrix) -> None:
     """Refused by parallelize, naming the node, its module and the reason; 1F1B trains it."""
     for plan in (SEQ, BOTH):

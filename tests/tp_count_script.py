@@ -43,8 +43,11 @@ def main() -> int:
     model, batch = nanogpt.make(dropout=0.2, attention="manual")
     runner = autopart.parallelize(model.double(), mesh, example_inputs=batch)
     runner.step(*batch)
-    split = [n.meta["autopart.dropout_split"] for n in runner.program.stages[0].graph.graph.nodes
-             if "autopart.dropout_split" in n.meta]  # fmt: skip
+    split = [
+        n.meta["autopart.dropout_split"]
+        for n in runner.program.stages[0].graph.graph.nodes
+        if "autopart.dropout_split" in n.meta
+    ]
     same = []
     for fqn, p in runner.named_parameters():
         if runner.program.shards[fqn].dim is None:

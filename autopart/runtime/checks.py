@@ -46,13 +46,28 @@ def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
         for f, p in runner.named_parameters()
     }
     shards = {f: asdict(s) for f, s in runner.program.shards.items()}
-    torch.save({"loss": loss.detach().clone(), "grads": grads, "shards": shards,
-                "coords": runner.program.coords}, folder / f"rank{runner.rank:05d}.pt")  # fmt: skip
+    torch.save(
+        {
+            "loss": loss.detach().clone(),
+            "grads": grads,
+            "shards": shards,
+            "coords": runner.program.coords,
+        },
+        folder / f"rank{runner.rank:05d}.pt",
+    )
 
 
-def run_check(rp: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
-              batch: tuple[torch.Tensor, torch.Tensor], folder: Path, *, timeout_s: float,
-              seed: int = 0, compile: bool = False) -> None:  # fmt: skip
+def run_check(
+    rp: RankProgram,
+    plan: Plan,
+    weights: dict[str, torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    folder: Path,
+    *,
+    timeout_s: float,
+    seed: int = 0,
+    compile: bool = False,
+) -> None:
     """One step of this rank's program on ``batch``, dumped to ``folder``; the check's process
     groups are destroyed afterwards, so that the next check starts from a bare world."""
     # the seed autopart run uses (attention dropout inside SDPA draws from torch's generator)
@@ -89,8 +104,15 @@ def main(argv: list[str] | None = None) -> int:
             plan = Plan.from_json(read_head(root)["plan"])
             plan.mesh.check_world(world)
             batch = torch.load(check["batch"], weights_only=True)
-            run_check(load_rank(root, rank), plan, load_weights(root, rank), batch,
-                      Path(check["dump"]), timeout_s=timeout_s, compile=manifest["compile"])  # fmt: skip
+            run_check(
+                load_rank(root, rank),
+                plan,
+                load_weights(root, rank),
+                batch,
+                Path(check["dump"]),
+                timeout_s=timeout_s,
+                compile=manifest["compile"],
+            )
     except AutopartError as exc:
         print(f"autopart run: error: check {current}: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -102,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 # -- in-memory programs, forked ranks -------------------------------------------------------
 
 
-def fork_ranks(program: Program, batch: tuple[torch.Tensor, torch.Tensor], folder: Path, *,
-               timeout_s: float) -> None:  # fmt: skip
+def fork_ranks(
+    program: Program, batch: tuple[torch.Tensor, torch.Tensor], folder: Path, *, timeout_s: float
+) -> None:
     """Run one step of ``program`` on ``program.mesh.size`` ranks forked from this process
     (real processes, gloo over TCP on this host) and dump each rank into ``folder``.
 
@@ -112,16 +135,24 @@ def fork_ranks(program: Program, batch: tuple[torch.Tensor, torch.Tensor], folde
     failing rank. The whole run gets ``timeout_s + 60`` s.
     """
     if dist.is_initialized():
-        raise AutopartError("cannot fork ranks from a process that has joined a process group",
-                            hint="verify in-memory from a plain process, or use saved programs")  # fmt: skip
+        raise AutopartError(
+            "cannot fork ranks from a process that has joined a process group",
+            hint="verify in-memory from a plain process, or use saved programs",
+        )
     folder.mkdir(parents=True, exist_ok=True)
     world = program.mesh.size
     store = folder / "store"
     ctx = multiprocessing.get_context("fork")
     sys.stdout.flush()
     sys.stderr.flush()
-    procs = [ctx.Process(target=_forked_rank, args=(program, r, world, store, batch, folder, timeout_s),
-                         daemon=True) for r in range(world)]  # fmt: skip
+    procs = [
+        ctx.Process(
+            target=_forked_rank,
+            args=(program, r, world, store, batch, folder, timeout_s),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     first = wait_ranks(procs, timeout_s + 60)
@@ -142,8 +173,10 @@ def wait_ranks(procs: list[Any], limit_s: float) -> int | None:
         while any(p.exitcode is None for p in procs):
             now = time.monotonic()
             if now > deadline:
-                raise AutopartError(f"the {len(procs)} forked ranks did not finish within "
-                                    f"{limit_s:.0f} s", hint="a rank hangs")  # fmt: skip
+                raise AutopartError(
+                    f"the {len(procs)} forked ranks did not finish within {limit_s:.0f} s",
+                    hint="a rank hangs",
+                )
             if first is None:
                 first = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
                 failed_at = now
@@ -164,17 +197,35 @@ def as_rank(rank: int, world: int, **env: str) -> None:
     """Make a forked process rank ``rank`` of ``world``: torchrun's variables (and ``env``),
     and one core's worth of threads (torchrun's OMP_NUM_THREADS=1)."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", **env)  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        **env,
+    )
 
 
-def _forked_rank(program: Program, rank: int, world: int, store: Path,
-                 batch: tuple[torch.Tensor, torch.Tensor], folder: Path, timeout_s: float) -> None:  # fmt: skip
+def _forked_rank(
+    program: Program,
+    rank: int,
+    world: int,
+    store: Path,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    folder: Path,
+    timeout_s: float,
+) -> None:
     code = 1
     try:
         as_rank(rank, world)
-        dist.init_process_group("gloo", store=dist.FileStore(str(store), world), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(str(store), world),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
         rp = program.rank(rank)
         run_check(rp, program.plan, local_weights(program, rp), batch, folder, timeout_s=timeout_s)
         dist.destroy_process_group()

@@ -33,10 +33,12 @@ _HEADER = 10  # dtype code, ndim, up to 8 sizes
 
 def _tag(stage: int, mb: int, chunk: int, backward: bool, index: int, part: int) -> int:
     if mb >= 4096 or index >= 64 or chunk >= 16 or stage >= 64:
-        raise AutopartError("pipeline message tags allow < 64 stages, < 4096 micro-batches, < 16 "
-                            f"chunks and < 64 tensors per hand-over (got stage {stage}, micro-batch "
-                            f"{mb}, chunk {chunk}, tensor {index})",
-                            hint="use fewer micro-batches, chunks or stages")  # fmt: skip
+        raise AutopartError(
+            "pipeline message tags allow < 64 stages, < 4096 micro-batches, < 16 "
+            f"chunks and < 64 tensors per hand-over (got stage {stage}, micro-batch "
+            f"{mb}, chunk {chunk}, tensor {index})",
+            hint="use fewer micro-batches, chunks or stages",
+        )
     return ((((stage * 4096 + mb) * 16 + chunk) * 2 + backward) * 64 + index) * 2 + part
 
 
@@ -52,15 +54,24 @@ class Channel:
         self.shapes: dict[tuple[bool, int, int], list[tuple[torch.dtype, list[int]]]] = {}
         self.posted: dict[tuple[bool, int, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
 
-    def send(self, tensors: list[torch.Tensor], peer: int, stage: int, mb: int, chunk: int,
-             backward: bool) -> None:  # fmt: skip
+    def send(
+        self,
+        tensors: list[torch.Tensor],
+        peer: int,
+        stage: int,
+        mb: int,
+        chunk: int,
+        backward: bool,
+    ) -> None:
         """Start sending ``tensors`` (from ``stage``) to ``peer``."""
         for i, t in enumerate(tensors):
             t = t.detach().contiguous()
             if mb == 0:
                 if t.dtype not in _DTYPES or t.dim() > _HEADER - 2:
-                    raise AutopartError(f"rank {self.rank}: cannot send a {t.dtype} tensor of {t.dim()} dims "
-                                        "between pipeline stages")  # fmt: skip
+                    raise AutopartError(
+                        f"rank {self.rank}: cannot send a {t.dtype} tensor of {t.dim()} dims "
+                        "between pipeline stages"
+                    )
                 head = torch.zeros(_HEADER, dtype=torch.int64)
                 head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
                 head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
@@ -82,8 +93,9 @@ class Channel:
         ]
         self.posted[key] = (works, bufs)
 
-    def recv(self, count: int, peer: int, stage: int, mb: int, chunk: int, backward: bool,
-             what: str) -> list[torch.Tensor]:  # fmt: skip
+    def recv(
+        self, count: int, peer: int, stage: int, mb: int, chunk: int, backward: bool, what: str
+    ) -> list[torch.Tensor]:
         """The ``count`` tensors ``stage`` sent for (``mb``, ``chunk``) (waits, with a timeout)."""
         key = (backward, stage, mb, chunk)
         if key not in self.posted:
@@ -129,7 +141,9 @@ def _wait(work: Any, rank: int, what: str, peer: int | None, timeout_s: float) -
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(f"rank {rank}: {what}{who} failed or timed out after {timeout_s:.0f} s: {exc}",
-                            hint="the peer probably died or runs a different schedule") from exc  # fmt: skip
+        raise AutopartError(
+            f"rank {rank}: {what}{who} failed or timed out after {timeout_s:.0f} s: {exc}",
+            hint="the peer probably died or runs a different schedule",
+        ) from exc
     if ok is False:
         raise AutopartError(f"rank {rank}: timed out after {timeout_s:.0f} s in {what}{who}")

@@ -109,9 +109,17 @@ def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None)
 class Runner:
     """Executes one rank's program; holds its parameter shards and gradient buckets."""
 
-    def __init__(self, program: RankProgram, plan: Plan, weights: dict[str, torch.Tensor],
-                 groups: dict[str, Any], *, timeout_s: float = 300.0, seed: int = 0,
-                 compile: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        program: RankProgram,
+        plan: Plan,
+        weights: dict[str, torch.Tensor],
+        groups: dict[str, Any],
+        *,
+        timeout_s: float = 300.0,
+        seed: int = 0,
+        compile: bool = False,
+    ) -> None:
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
         self.rank = program.rank
         self.seed, self.steps = (
@@ -168,8 +176,14 @@ class Runner:
         program.mesh.check_world(world)
         rp = program.rank(rank)
         groups = _groups_of(program.plan, rank, mesh, rp.ties)
-        return cls(rp, program.plan, local_weights(program, rp), groups, timeout_s=timeout_s,
-                   compile=compile)  # fmt: skip
+        return cls(
+            rp,
+            program.plan,
+            local_weights(program, rp),
+            groups,
+            timeout_s=timeout_s,
+            compile=compile,
+        )
 
     # -- what users call -------------------------------------------------------------------
 
@@ -181,8 +195,18 @@ class Runner:
     def chrome_trace(self, pid: int | None = None) -> list[dict[str, Any]]:
         """The recorded ``timeline`` as Chrome/Perfetto trace events (one row per rank)."""
         pid = self.rank if pid is None else pid
-        return [{"name": name, "cat": kind, "ph": "X", "pid": pid, "tid": 0,
-                 "ts": s * 1e6, "dur": (e - s) * 1e6} for name, kind, s, e in self.timeline or []]  # fmt: skip
+        return [
+            {
+                "name": name,
+                "cat": kind,
+                "ph": "X",
+                "pid": pid,
+                "tid": 0,
+                "ts": s * 1e6,
+                "dur": (e - s) * 1e6,
+            }
+            for name, kind, s, e in self.timeline or []
+        ]
 
     def busy_fraction(self) -> float:
         """Share of the last recorded step this rank spent in forward and backward compute."""
@@ -306,8 +330,14 @@ class Runner:
         ends = [sum(lengths[: j + 1]) for j in range(k)]
         return list(zip([0, *ends[:-1]], ends, strict=True))
 
-    def _forward(self, action: Action, unit: dict[str, Any], mb: tuple, count: torch.Tensor,
-                 losses: dict[tuple[int, int], torch.Tensor]) -> None:  # fmt: skip
+    def _forward(
+        self,
+        action: Action,
+        unit: dict[str, Any],
+        mb: tuple,
+        count: torch.Tensor,
+        losses: dict[tuple[int, int], torch.Tensor],
+    ) -> None:
         self._seed = self._seed_for(action.mb, action.chunk)
         a, e = self._bounds[action.chunk]
         ids, labels = (t[:, a:e] for t in mb)
@@ -317,8 +347,10 @@ class Runner:
             before = self._kv.pop((action.stage, action.mb), None)
             if before is None:
                 b = mb[0].shape[0]
-                before = [torch.zeros([b if d == "b" else d for d in shape], dtype=self._dtype)
-                          for shape in self._kv_shapes[action.stage]]  # fmt: skip
+                before = [
+                    torch.zeros([b if d == "b" else d for d in shape], dtype=self._dtype)
+                    for shape in self._kv_shapes[action.stage]
+                ]
             prefix = [t.detach().requires_grad_() for t in before]
             unit["prefix"] = prefix
         args = self._args(
@@ -406,7 +438,8 @@ class Runner:
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise AutopartError(
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
-                f"{tuple(labels.shape)} must both be (batch, seq)")  # fmt: skip
+                f"{tuple(labels.shape)} must both be (batch, seq)"
+            )
         mb = self.plan.check_batch(input_ids.shape[0])
         tp = self.plan.mesh.tp
         if self.plan.sequence_parallel and input_ids.shape[1] % tp:
@@ -418,8 +451,13 @@ class Runner:
         dp_i, m = self.program.coords["dp"], self.plan.microbatches
         start = dp_i * m * mb
         self._check_tokens(input_ids, labels)
-        return [(input_ids[start + j * mb: start + (j + 1) * mb], labels[start + j * mb: start + (j + 1) * mb])
-                for j in range(m)]  # fmt: skip
+        return [
+            (
+                input_ids[start + j * mb : start + (j + 1) * mb],
+                labels[start + j * mb : start + (j + 1) * mb],
+            )
+            for j in range(m)
+        ]
 
     def _check_tokens(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         """Refuse ids outside [0, V) and labels outside [0, V) ∪ {-100}: a vocabulary-parallel
@@ -447,9 +485,15 @@ class Runner:
     def _stage(self, stage: int):
         return next(s for s in self.program.stages if s.stage == stage)
 
-    def _args(self, stage: int, input_ids: torch.Tensor, labels: torch.Tensor,
-              acts: list[torch.Tensor] = (), offset: int = 0,
-              prefix: list[torch.Tensor] = ()) -> list[torch.Tensor]:  # fmt: skip
+    def _args(
+        self,
+        stage: int,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        acts: list[torch.Tensor] = (),
+        offset: int = 0,
+        prefix: list[torch.Tensor] = (),
+    ) -> list[torch.Tensor]:
         st = self._stage(stage)
         data = {"input_ids": input_ids, "labels": labels}
         out = []
@@ -535,8 +579,10 @@ class Runner:
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-            raise AutopartError(f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f} s: {exc}",
-                                hint="a peer rank probably died or is stuck; check its log") from exc  # fmt: skip
+            raise AutopartError(
+                f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f} s: {exc}",
+                hint="a peer rank probably died or is stuck; check its log",
+            ) from exc
         if ok is False:
             raise AutopartError(
                 f"rank {self.rank}: timed out after {self.timeout_s:.0f} s waiting for {what}"
@@ -561,5 +607,7 @@ def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]
     if live_mesh is None or ties:
         return make_groups(plan, rank, ties)
     names = live_mesh.mesh_dim_names
-    return {d: (live_mesh.get_group(d) if d in names and getattr(plan.mesh, d) > 1 else None)
-            for d in ("dp", "pp", "tp")}  # fmt: skip
+    return {
+        d: (live_mesh.get_group(d) if d in names and getattr(plan.mesh, d) > 1 else None)
+        for d in ("dp", "pp", "tp")
+    }

@@ -121,14 +121,20 @@ def generate(
 ) -> list[Action]:
     """The action list of pipeline rank ``r`` for schedule ``name``."""
     if name not in GENERATORS:
-        raise AutopartError(f"schedule {name!r} has no generator in this version",
-                            hint=f"available: {', '.join(GENERATORS)}")  # fmt: skip
+        raise AutopartError(
+            f"schedule {name!r} has no generator in this version",
+            hint=f"available: {', '.join(GENERATORS)}",
+        )
     if (v > 1) != ("interleaved" in name):
-        raise AutopartError(f"schedule {name} with virtual_stages={v}",
-                            hint="virtual stages > 1 need an interleaved schedule, and it needs them")  # fmt: skip
+        raise AutopartError(
+            f"schedule {name} with virtual_stages={v}",
+            hint="virtual stages > 1 need an interleaved schedule, and it needs them",
+        )
     if "interleaved" in name and m % len(peers):
-        raise AutopartError(f"{name} needs micro-batches ({m}) divisible by pp ({len(peers)})",
-                            hint=f"use {m + len(peers) - m % len(peers)} micro-batches, or 1f1b")  # fmt: skip
+        raise AutopartError(
+            f"{name} needs micro-batches ({m}) divisible by pp ({len(peers)})",
+            hint=f"use {m + len(peers) - m % len(peers)} micro-batches, or 1f1b",
+        )
     if (k > 1) != name.startswith("seq1f1b") and k > 1:
         raise AutopartError(
             f"schedule {name} with seq_chunks={k}", hint="sequence chunks need seq1f1b"

@@ -32,8 +32,11 @@ def _run(captured):
     return canonicalize_attention(gm, SEQ1F1B)
 
 
-@pytest.mark.parametrize("make", [nanogpt.make, nanogpt.make_manual, hf_gpt2.make, hf_llama.make],
-                         ids=["sdpa-causal", "manual-masked-softmax", "hf-gpt2-mask", "hf-llama-mask"])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [nanogpt.make, nanogpt.make_manual, hf_gpt2.make, hf_llama.make],
+    ids=["sdpa-causal", "manual-masked-softmax", "hf-gpt2-mask", "hf-llama-mask"],
+)
 def test_every_form_becomes_one_causal_sdpa(make) -> None:
     model, batch = make()
     captured = capture(model.double(), batch)
@@ -143,9 +146,10 @@ class _Additive(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, 16))
 
 
-@pytest.mark.parametrize(("kind", "causal"), [("causal", True), ("unscaled", True),
-                                              ("soft", False), ("capped", False),
-                                              ("alibi", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "causal"),
+    [("causal", True), ("unscaled", True), ("soft", False), ("capped", False), ("alibi", False)],
+)
 def test_additive_masks_with_casts(kind: str, causal: bool) -> None:
     """A proven additive causal mask becomes SDPA in the scores' dtype (float32 here), with its
     scale (1 when unscaled) and casts, computing the same loss to float32 round-off; a bias that

@@ -23,8 +23,12 @@ from autopart.passes.sequence_chunk import META_KV, META_KV_SHAPES, lower_right_
 from autopart.plan import Plan
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b", seq_chunks=3)
-MODELS = {"nanogpt-sdpa": nanogpt.make, "nanogpt-manual": nanogpt.make_manual,
-          "hf-gpt2": hf_gpt2.make, "hf-llama-gqa": hf_llama.make}  # fmt: skip
+MODELS = {
+    "nanogpt-sdpa": nanogpt.make,
+    "nanogpt-manual": nanogpt.make_manual,
+    "hf-gpt2": hf_gpt2.make,
+    "hf-llama-gqa": hf_llama.make,
+}
 
 
 @pytest.fixture(scope="module", params=list(MODELS), ids=list(MODELS))
@@ -36,8 +40,9 @@ def chunked(request) -> tuple[Captured, tuple, fx.GraphModule]:
     return captured, batch, sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
 
 
-def run_chunks(captured: Captured, gm: fx.GraphModule, batch: tuple, lengths: list[int],
-               shift: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+def run_chunks(
+    captured: Captured, gm: fx.GraphModule, batch: tuple, lengths: list[int], shift: bool = True
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward chunk by chunk, then backward in reverse chunk order handing each prefix's
     gradient to the chunk that produced it (what the runtime does); loss and gradients."""
     params = {f: t.detach().clone().requires_grad_() for f, t in captured.params.items()}
@@ -86,8 +91,9 @@ def _reference(captured: Captured, batch: tuple):
     return run_graph(captured, batch)
 
 
-@pytest.mark.parametrize("lengths", [[32], [16, 16], [8, 16, 8], [8, 8, 8, 8]],
-                         ids=["k1", "k2", "k3-unequal", "k4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "lengths", [[32], [16, 16], [8, 16, 8], [8, 8, 8, 8]], ids=["k1", "k2", "k3-unequal", "k4"]
+)
 def test_chunks_reproduce_the_whole_sequence(chunked, lengths: list[int]) -> None:
     captured, batch, gm = chunked
     want_loss, want = _reference(captured, batch)
@@ -177,9 +183,15 @@ class _Mixer(torch.nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize(("mix", "node"), [("cumsum", "a cumsum"), ("flip", "a flip"),
-                                           ("pool", "a softmax over the sequence"),
-                                           ("table", "an index by position")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mix", "node"),
+    [
+        ("cumsum", "a cumsum"),
+        ("flip", "a flip"),
+        ("pool", "a softmax over the sequence"),
+        ("table", "an index by position"),
+    ],
+)
 def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> None:
     """Negative controls: each construct is refused, naming the node; the same model without it
     chunks and computes the whole sequence's loss and gradients."""
@@ -248,8 +260,14 @@ def test_other_schedules_leave_the_graph_alone(chunked) -> None:
 
 def test_chunked_stages_save_and_load(tmp_path) -> None:
     model, batch = nanogpt.make()
-    prog = parallelize(model.double(), Mesh(pp=2), example_inputs=batch, schedule="seq1f1b",
-                       seq_chunks=2, microbatches=2)  # fmt: skip
+    prog = parallelize(
+        model.double(),
+        Mesh(pp=2),
+        example_inputs=batch,
+        schedule="seq1f1b",
+        seq_chunks=2,
+        microbatches=2,
+    )
     prog.save(tmp_path / "p")
     for r in (0, 1):
         loaded = load_rank(tmp_path / "p", r)

@@ -385,5 +385,7 @@ def test_a_replicated_parameter_inside_a_region_has_its_gradient_summed() -> Non
         assert [u.target for u in gain.users] == [ops.tp_all_reduce_grad.default]
         assert by_name[f"transformer.h.{layer}.mlp.c_fc.weight"].meta[META_SHARD] == COL
     # a parameter outside every region (a norm weight) gets no reduction
-    assert all(u.target != ops.tp_all_reduce_grad.default
-               for u in by_name["transformer.h.0.ln_1.weight"].users)  # fmt: skip
+    assert all(
+        u.target != ops.tp_all_reduce_grad.default
+        for u in by_name["transformer.h.0.ln_1.weight"].users
+    )
