@@ -376,20 +376,6 @@ def _finish_checkpoints(runner, optim, args: argparse.Namespace, rank: int, tied
         print(f"single-device state dict of step {runner.steps}: {args.export}", flush=True)
 
 
-def _kill_for_test(step: int, rank: int, world: int) -> None:
-    """Test hook (tests/test_checkpoint.py): AUTOPART_TEST_KILL_AT_STEP=S makes one rank
-    (AUTOPART_TEST_KILL_RANK, default the last) SIGKILL itself as step S starts, on the job's
-    first attempt only (TORCHELASTIC_RESTART_COUNT=0), as a crash would."""
-    at = os.environ.get("AUTOPART_TEST_KILL_AT_STEP")
-    if at is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or step != int(at):
-        return
-    if rank == int(os.environ.get("AUTOPART_TEST_KILL_RANK", world - 1)):
-        import signal
-
-        print(f"rank {rank}: killing myself (SIGKILL) at step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _train(
     runner,
     optim,
@@ -415,7 +401,6 @@ def _train(
         seen: list[float] = []
         last_s = 0.0
         for step in range(first, args.steps):
-            _kill_for_test(step, rank, dist.get_world_size())
             start = time.perf_counter()
             loss = runner.step(*batches(step))
             if step == 0 and args.dump is not None:

@@ -314,6 +314,7 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
     )
 
     def job(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+        crash = "KILL_AT_STEP" in env  # autopart run, with rank 1 killed (tests/killed_run.py)
         argv = [
             sys.executable,
             "-m",
@@ -321,8 +322,7 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
             "--standalone",
             "--nproc-per-node=2",
             "--max-restarts=1",
-            "-m",
-            "autopart.run",
+            *([str(ROOT / "tests" / "killed_run.py")] if crash else ["-m", "autopart.run"]),
             str(program),
             "--steps",
             "6",
@@ -341,7 +341,7 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
 
     plain = job("plain", {})
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    killed = job("killed", {"AUTOPART_TEST_KILL_AT_STEP": "3"})
+    killed = job("killed", {"KILL_AT_STEP": "3"})
     out = killed.stdout + killed.stderr
     assert killed.returncode == 0, out
     assert "rank 1: killing myself (SIGKILL) at step 3" in out
