@@ -51,19 +51,6 @@ _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
 _SHM: dict[Any, shm.ShmGroup | None] = {}  # group -> its shared-memory exchange, when it has one
 _TRANSPORT: dict[Any, str] = {}  # group -> transport(group), decided on first use
-TRACE: list[tuple[str, str, tuple[int, ...]]] | None = None  # (kind, group, shape) when a list
-
-
-def trace(on: bool = True) -> list[tuple[str, str, tuple[int, ...]]]:
-    """Start (or stop) recording every collective this process runs; returns the record."""
-    global TRACE
-    TRACE = [] if on else None
-    return TRACE if TRACE is not None else []
-
-
-def _record(kind: str, group: str, x: torch.Tensor) -> None:
-    if TRACE is not None:
-        TRACE.append((kind, group, tuple(x.shape)))
 
 
 def bind(name: str, group: Any) -> None:
@@ -193,7 +180,6 @@ def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
     g = _group(group)
-    _record("all_reduce", group, x)
     what = f"all-reduce over {group} of {tuple(x.shape)}"
     if g is not None and op is None and transport(g) != "c10d":
         x = x.contiguous()
@@ -212,7 +198,6 @@ def _world(group: str) -> int:
 
 def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     g = _group(group)
-    _record("all_gather", group, x)
     if g is None:
         return x.clone()
     what = f"all-gather over {group} of {tuple(x.shape)}"
@@ -229,7 +214,6 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     if g is None:
         return x.clone()
     n, me = dist.get_world_size(g), dist.get_rank(g)
-    _record("reduce_scatter", group, x)
     what = f"reduce-scatter over {group} of {tuple(x.shape)}"
     if x.size(dim) % n:
         raise AutopartError(

@@ -21,8 +21,27 @@ import nanogpt  # noqa: E402
 import autopart  # noqa: E402
 from autopart import collectives  # noqa: E402
 
+LOG: list | None = None  # (kind, group, shape) of every collective while a list
+
+
+def _counted(kind: str, run, group_at: int):
+    """``run`` (one of collectives' transports), recording each call while LOG is a list."""
+
+    def call(x, *args, **kwargs):
+        if LOG is not None:
+            LOG.append((kind, args[group_at], tuple(x.shape)))
+        return run(x, *args, **kwargs)
+
+    return call
+
+
+collectives._all_reduce = _counted("all_reduce", collectives._all_reduce, 0)
+collectives._all_gather = _counted("all_gather", collectives._all_gather, 1)
+collectives._reduce_scatter = _counted("reduce_scatter", collectives._reduce_scatter, 1)
+
 
 def main() -> int:
+    global LOG
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     for sp in (False, True):
@@ -30,9 +49,9 @@ def main() -> int:
         runner = autopart.parallelize(
             model.double(), mesh, example_inputs=batch, sequence_parallel=sp
         )
-        log = collectives.trace()
+        log = LOG = []
         runner.step(*batch)
-        collectives.trace(False)
+        LOG = None
         if dist.get_rank() == 0:
             print(
                 json.dumps({"sp": sp, "calls": [[k, list(s)] for k, g, s in log if g == "tp"]}),
