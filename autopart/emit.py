@@ -35,8 +35,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from rich.console import Console
-from rich.table import Table
 from torch import fx
 from torch.export import ExportedProgram
 from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
@@ -158,8 +156,11 @@ class Program:
     def __str__(self) -> str:
         return f"Program({self.mesh}, schedule={self.plan.schedule}, microbatches={self.plan.microbatches}, {len(self.params)} parameters)"
 
-    def summary(self, console: Console | None = None) -> None:
+    def summary(self, console: Any = None) -> None:
         """Print the per-rank layout as a table."""
+        from rich.console import Console  # terminal output: only when asked for
+        from rich.table import Table
+
         t = Table(title=str(self))
         for col in ("rank", "pp", "dp", "tp", "stages", "actions", "local params"):
             t.add_column(col, justify="right")
