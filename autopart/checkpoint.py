@@ -30,7 +30,6 @@ import shutil
 import warnings
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from autopart.emit import Shard
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, wait
 
 FORMAT = 1
 INFO = "autopart.json"  # written last, by rank 0: a folder without it is an incomplete checkpoint
@@ -728,16 +727,7 @@ def _need_dist(what: str) -> None:
 
 
 def _wait(work: Any, runner: Any, what: str) -> None:
-    t = runner.timeout_s
-    try:
-        ok = work.wait(timeout=timedelta(seconds=t))
-    except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(
-            f"rank {runner.rank}: {what} failed or timed out after {t:.0f} s: {exc}",
-            hint="a peer rank probably died or is stuck; check its log",
-        ) from exc
-    if ok is False:
-        raise AutopartError(f"rank {runner.rank}: timed out after {t:.0f} s waiting for {what}")
+    wait(work, runner.rank, what, runner.timeout_s)
 
 
 def _barrier(runner: Any, what: str) -> None:

@@ -38,14 +38,13 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopart import shm
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, wait
 
 _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
@@ -76,19 +75,7 @@ def _group(name: str) -> Any:
 
 def _wait(work: Any, what: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else "?"
-    timeout = _STATE["timeout_s"]
-    try:
-        ok = work.wait(timeout=timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(
-            f"rank {rank}: {what} during {_STATE['action']} failed or timed out "
-            f"after {timeout:.0f} s: {exc}",
-            hint="a peer rank probably died or is stuck",
-        ) from exc
-    if ok is False:
-        raise AutopartError(
-            f"rank {rank}: timed out after {timeout:.0f} s in {what} during {_STATE['action']}"
-        )
+    wait(work, rank, f"{what} during {_STATE['action']}", _STATE["timeout_s"])
 
 
 EXCHANGE_MAX = 4  # gloo groups up to this size exchange directly (module docstring)

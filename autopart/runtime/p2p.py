@@ -11,13 +11,12 @@ error names the rank, the action and the peer.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, wait
 
 _DTYPES = [
     torch.float64,
@@ -138,12 +137,10 @@ class Channel:
 
 def _wait(work: Any, rank: int, what: str, peer: int | None, timeout_s: float) -> None:
     who = f" (peer rank {peer})" if peer is not None else ""
-    try:
-        ok = work.wait(timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(
-            f"rank {rank}: {what}{who} failed or timed out after {timeout_s:.0f} s: {exc}",
-            hint="the peer probably died or runs a different schedule",
-        ) from exc
-    if ok is False:
-        raise AutopartError(f"rank {rank}: timed out after {timeout_s:.0f} s in {what}{who}")
+    wait(
+        work,
+        rank,
+        f"{what}{who}",
+        timeout_s,
+        hint="the peer probably died or runs a different schedule",
+    )

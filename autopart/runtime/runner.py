@@ -30,7 +30,7 @@ from torch import nn
 from autopart import collectives
 from autopart.chunks import chunk_lengths
 from autopart.emit import Program, RankProgram
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, wait
 from autopart.plan import Plan
 from autopart.runtime import p2p
 from autopart.schedule.ir import Action
@@ -576,17 +576,7 @@ class Runner:
         self._pending = []
 
     def _wait(self, work: Any, what: str) -> None:
-        try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-            raise AutopartError(
-                f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f} s: {exc}",
-                hint="a peer rank probably died or is stuck; check its log",
-            ) from exc
-        if ok is False:
-            raise AutopartError(
-                f"rank {self.rank}: timed out after {self.timeout_s:.0f} s waiting for {what}"
-            )
+        wait(work, self.rank, what, self.timeout_s)
 
     def _reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.groups.get("pp") is not None:  # only the last stage holds the loss
