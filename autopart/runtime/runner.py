@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,25 @@ def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None)
     return mine
 
 
+@dataclass
+class _Step:
+    """What one ``Runner.step`` works on, made fresh for each step (nothing of it outlives it)."""
+
+    mbs: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's micro-batches
+    count: torch.Tensor  # labels ≠ −100 in the global batch
+    bounds: list[tuple[int, int]]  # [start, end) of each sequence chunk
+    arm_at: dict[int, list[tuple[int, nn.Parameter]]]  # action index → buckets to arm
+    recvs: list[tuple[int, Action]]  # the receives, for prefetching the next one
+    live: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
+    losses: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    kv: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)  # next prefix
+    kv_grads: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
+    ready: list[set[int]] = field(default_factory=list)  # per bucket: parameters final
+    pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)  # all-reduces
+    next_bucket: int = 0  # the first bucket not yet launched
+    seed: torch.Tensor | None = None  # the running forward's dropout seed
+
+
 class Runner:
     """Executes one rank's program; holds its parameter shards and gradient buckets."""
 
@@ -143,6 +163,7 @@ class Runner:
         # set to [] to record each step's (action, kind, start, end); keeps the last step
         self.timeline: list[tuple[str, str, float, float]] | None = None
         self._saved = SavedBytes()
+        self._s: _Step | None = None  # the running step's state (None between steps)
         # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
         self._kv_shapes = {
             st.stage: st.graph.meta.get("autopart.kv_shapes", []) for st in program.stages
@@ -231,7 +252,6 @@ class Runner:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One forward + backward over the global batch; returns the global mean loss."""
         mbs = self._microbatches(input_ids, labels)
-        count = (labels != -100).sum().clamp(min=1).to(self._dtype)
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
@@ -239,62 +259,29 @@ class Runner:
         self._saved.reset(self.params.values())
         if self.timeline is not None:
             self.timeline = []  # keep the last step's only
-        arm_at = self._final_backwards()
-        self._ready = [set() for _ in self._buckets]
-        self._pending, self._next = [], 0
         self._p2p.reset()
-        recvs = [
-            (i, a) for i, a in enumerate(self.program.actions) if a.kind in ("RECV_F", "RECV_B")
-        ]
         self.stats["launched_during_backward"] = 0
-        live: dict[tuple[int, int, int], dict[str, Any]] = {}  # (stage, mb, chunk) → tensors
-        self._kv: dict[tuple[int, int], list[torch.Tensor]] = {}  # (stage, mb) → next prefix
-        self._kv_grads: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        self._bounds = self._chunk_bounds(input_ids.shape[1])
-        losses: dict[tuple[int, int], torch.Tensor] = {}
-        for i, action in enumerate(self.program.actions):
-            collectives.set_action(f"{action} on rank {self.rank}")
-            self._record(action, start=True)
-            unit = (action.stage, action.mb, action.chunk)
-            if action.kind in ("F", "B"):  # overlap the next hand-over's transfer with this compute
-                nxt = next((a for j, a in recvs if j > i), None)
-                if nxt is not None:
-                    self._p2p.prefetch(nxt.peer, *_sender(nxt), nxt.kind == "RECV_B")
-            if action.kind == "F":
-                with self._saved.watch(unit):
-                    self._forward(action, live.setdefault(unit, {}), mbs[action.mb], count, losses)
-            elif action.kind == "B":
-                hooks = self._arm_buckets(arm_at.get(i, []))
-                self._backward(action, live[unit], losses)
-                self._saved.release(unit)
-                for h in hooks:
-                    h.remove()
-                if "grads_out" not in live[unit]:
-                    del live[unit]  # this unit's activations are freed
-            elif action.kind == "SEND_F":
-                self._p2p.send(live[unit]["outputs"], action.peer, *unit, backward=False)
-            elif action.kind == "RECV_F":
-                st = self._stage(action.stage)
-                n = sum(r.kind == "act" for r in st.inputs)
-                got = self._p2p.recv(n, action.peer, *_sender(action), False, str(action))
-                live.setdefault(unit, {})["acts"] = [
-                    t.requires_grad_() if t.is_floating_point() else t for t in got
-                ]
-            elif action.kind == "SEND_B":
-                self._p2p.send(live[unit].pop("grads_out"), action.peer, *unit, backward=True)
-                del live[unit]
-            elif action.kind == "RECV_B":
-                n = sum(t.is_floating_point() for t in live[unit]["outputs"])
-                live[unit]["grads_in"] = self._p2p.recv(
-                    n, action.peer, *_sender(action), True, str(action)
+        actions = self.program.actions
+        s = self._s = _Step(
+            mbs=mbs,
+            count=(labels != -100).sum().clamp(min=1).to(self._dtype),
+            bounds=self._chunk_bounds(input_ids.shape[1]),
+            arm_at=self._final_backwards(),
+            recvs=[(i, a) for i, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")],
+            ready=[set() for _ in self._buckets],
+        )
+        try:
+            for i, action in enumerate(actions):
+                collectives.set_action(f"{action} on rank {self.rank}")
+                self._record(action, start=True)
+                self._HANDLERS[action.kind](
+                    self, i, action, (action.stage, action.mb, action.chunk)
                 )
-            elif action.kind == "DP_REDUCE":
-                self._finish_buckets(action)
-            elif action.kind == "TIE_REDUCE":
-                self._tie_reduce(action)
-            self._record(action, start=False)
-        self._p2p.wait_sends()
-        self._kv, self._kv_grads = {}, {}
+                self._record(action, start=False)
+            self._p2p.wait_sends()
+            losses = s.losses
+        finally:
+            self._s = None  # the step's activations, prefixes and buckets go with it
         loss = (
             torch.stack(list(losses.values())).sum()
             if losses
@@ -315,6 +302,67 @@ class Runner:
                 p.grad = kept[f] if p.grad is None else p.grad + kept[f]
         return loss
 
+    # -- one handler per action kind (the schedule's IR, autopart/schedule/ir.py) --------------
+
+    def _prefetch_after(self, i: int) -> None:
+        """Overlap the next hand-over's transfer with the compute of action ``i``."""
+        nxt = next((a for j, a in self._s.recvs if j > i), None)
+        if nxt is not None:
+            self._p2p.prefetch(nxt.peer, *_sender(nxt), nxt.kind == "RECV_B")
+
+    def _on_forward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        self._prefetch_after(i)
+        with self._saved.watch(unit):
+            self._forward(action, self._s.live.setdefault(unit, {}), self._s.mbs[action.mb])
+
+    def _on_backward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        self._prefetch_after(i)
+        live = self._s.live
+        hooks = self._arm_buckets(self._s.arm_at.get(i, []))
+        self._backward(action, live[unit])
+        self._saved.release(unit)
+        for h in hooks:
+            h.remove()
+        if "grads_out" not in live[unit]:
+            del live[unit]  # this unit's activations are freed
+
+    def _on_send_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        self._p2p.send(self._s.live[unit]["outputs"], action.peer, *unit, backward=False)
+
+    def _on_recv_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        n = sum(r.kind == "act" for r in self._stage(action.stage).inputs)
+        got = self._p2p.recv(n, action.peer, *_sender(action), False, str(action))
+        self._s.live.setdefault(unit, {})["acts"] = [
+            t.requires_grad_() if t.is_floating_point() else t for t in got
+        ]
+
+    def _on_send_b(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        live = self._s.live
+        self._p2p.send(live[unit].pop("grads_out"), action.peer, *unit, backward=True)
+        del live[unit]
+
+    def _on_recv_b(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        live = self._s.live
+        n = sum(t.is_floating_point() for t in live[unit]["outputs"])
+        live[unit]["grads_in"] = self._p2p.recv(n, action.peer, *_sender(action), True, str(action))
+
+    def _on_dp_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        self._finish_buckets(action)
+
+    def _on_tie_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        self._tie_reduce(action)
+
+    _HANDLERS: dict[str, Callable[..., None]] = {
+        "F": _on_forward,
+        "B": _on_backward,
+        "SEND_F": _on_send_f,
+        "RECV_F": _on_recv_f,
+        "SEND_B": _on_send_b,
+        "RECV_B": _on_recv_b,
+        "DP_REDUCE": _on_dp_reduce,
+        "TIE_REDUCE": _on_tie_reduce,
+    }
+
     def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
         k = self.plan.seq_chunks
@@ -330,21 +378,15 @@ class Runner:
         ends = [sum(lengths[: j + 1]) for j in range(k)]
         return list(zip([0, *ends[:-1]], ends, strict=True))
 
-    def _forward(
-        self,
-        action: Action,
-        unit: dict[str, Any],
-        mb: tuple,
-        count: torch.Tensor,
-        losses: dict[tuple[int, int], torch.Tensor],
-    ) -> None:
-        self._seed = self._seed_for(action.mb, action.chunk)
-        a, e = self._bounds[action.chunk]
+    def _forward(self, action: Action, unit: dict[str, Any], mb: tuple) -> None:
+        count, losses = self._s.count, self._s.losses
+        self._s.seed = self._seed_for(action.mb, action.chunk)
+        a, e = self._s.bounds[action.chunk]
         ids, labels = (t[:, a:e] for t in mb)
         n_kv = self._n_kv[action.stage]
         prefix = []
         if n_kv:  # K/V of this micro-batch's earlier chunks: leaves, whose gradients go back
-            before = self._kv.pop((action.stage, action.mb), None)
+            before = self._s.kv.pop((action.stage, action.mb), None)
             if before is None:
                 b = mb[0].shape[0]
                 before = [
@@ -368,16 +410,15 @@ class Runner:
         if n_kv:
             out, kv = out[:-n_kv], out[-n_kv:]
             if action.chunk < self.plan.seq_chunks - 1:  # the last chunk's K/V has no reader
-                self._kv[(action.stage, action.mb)] = kv
+                self._s.kv[(action.stage, action.mb)] = kv
                 unit["kv_out"] = kv
         if action.stage == self.n_stages - 1:
             losses[(action.mb, action.chunk)] = out[0] / count
         else:
             unit["outputs"] = out
 
-    def _backward(
-        self, action: Action, unit: dict[str, Any], losses: dict[tuple[int, int], torch.Tensor]
-    ) -> None:
+    def _backward(self, action: Action, unit: dict[str, Any]) -> None:
+        losses = self._s.losses
         key = (action.mb, action.chunk)
         if action.stage == self.n_stages - 1:
             outs, grads = [losses[key]], [torch.ones_like(losses[key])]
@@ -389,11 +430,11 @@ class Runner:
             ]
             outs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if "kv_out" in unit:  # what the later chunks' attention sent back to this chunk's K/V
-            back = self._kv_grads.pop((action.stage, action.mb, action.chunk))
+            back = self._s.kv_grads.pop((action.stage, action.mb, action.chunk))
             outs, grads = outs + unit.pop("kv_out"), grads + back
         torch.autograd.backward(outs, grad_tensors=grads)
         if "prefix" in unit and action.chunk > 0:
-            self._kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
+            self._s.kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in unit.pop("prefix")
             ]
         unit.pop("prefix", None)
@@ -505,7 +546,7 @@ class Runner:
             elif ref.kind == "rank":
                 out.append(torch.tensor(self.program.coords[ref.name]))
             elif ref.kind == "rng":
-                out.append(self._seed)
+                out.append(self._s.seed)
             elif ref.kind == "data":
                 out.append(data[ref.name])
             elif ref.kind == "kv":
@@ -540,13 +581,13 @@ class Runner:
         for b, p in watch:
 
             def hook(p: nn.Parameter, b: int = b) -> None:
-                self._ready[b].add(id(p))
-                while self._next < len(self._buckets) and len(self._ready[self._next]) == len(
-                    self._buckets[self._next]
-                ):
-                    self._launch(self._next)
+                self._s.ready[b].add(id(p))
+                while self._s.next_bucket < len(self._buckets) and len(
+                    self._s.ready[self._s.next_bucket]
+                ) == len(self._buckets[self._s.next_bucket]):
+                    self._launch(self._s.next_bucket)
                     self.stats["launched_during_backward"] += 1
-                    self._next += 1
+                    self._s.next_bucket += 1
 
             hooks.append(p.register_post_accumulate_grad_hook(hook))
         return hooks
@@ -557,13 +598,13 @@ class Runner:
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
         work = dist.all_reduce(flat, group=self.groups["dp"], async_op=True)
-        self._pending.append((i, flat, work))
+        self._s.pending.append((i, flat, work))
 
     def _finish_buckets(self, action: Action) -> None:
-        for i in range(self._next, len(self._buckets)):
+        for i in range(self._s.next_bucket, len(self._buckets)):
             self._launch(i)  # buckets whose parameters got no gradient this step
-        self._next = len(self._buckets)
-        for i, flat, work in self._pending:
+        self._s.next_bucket = len(self._buckets)
+        for i, flat, work in self._s.pending:
             self._wait(
                 work,
                 f"{action} (all-reduce of gradient bucket {i} over dp ranks {self.program.groups['dp']})",
@@ -573,7 +614,7 @@ class Runner:
                 n = p.numel()
                 p.grad = flat[offset : offset + n].view_as(p).clone()
                 offset += n
-        self._pending = []
+        self._s.pending = []
 
     def _wait(self, work: Any, what: str) -> None:
         wait(work, self.rank, what, self.timeout_s)
