@@ -71,6 +71,9 @@ PYTHON_OPS |= {
         "sym_sqrt",
     )
 }
+# the Python callables those names resolve to (for the loaded graph's own check)
+_PY_CALLABLES = {getattr(operator, t.split(".", 1)[1]) for t in PYTHON_OPS if t.startswith("_")}
+_PY_CALLABLES |= {getattr(torch, t.split(".", 1)[1]) for t in PYTHON_OPS if t.startswith("torch")}
 _TREESPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 
 
@@ -137,17 +140,13 @@ def allowed(target: str) -> bool:
 
 def check_targets(graph: fx.GraphModule, where: Path) -> None:
     """Every call in a loaded stage graph is an ATen or autopart op or a Python size op."""
-    py_ops = {getattr(operator, t.split(".", 1)[1], None) for t in PYTHON_OPS if t.startswith("_")}
-    py_ops |= {
-        getattr(torch, t.split(".", 1)[1], None) for t in PYTHON_OPS if t.startswith("torch")
-    }
     for n in graph.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         target = n.target
         ok = n.op == "call_function" and (
             (isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "autopart"))
-            or target in py_ops
+            or target in _PY_CALLABLES
         )
         if not ok:
             raise AutopartError(

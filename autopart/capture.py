@@ -267,6 +267,20 @@ def _name_symbols(gm: fx.GraphModule) -> None:
     gm.meta["autopart.symbols"] = subs
 
 
+def from_parameters(gm: fx.GraphModule) -> set[fx.Node]:
+    """The floating-point values of ``gm`` computed from parameters: those that carry a
+    gradient back (a float32 mask of ones, say, does not)."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue
+        ref = n.meta.get(META_INPUT)
+        if (ref is not None and ref.kind == "param") or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def to_sympy(x: Any, gm: fx.GraphModule) -> sympy.Expr:
     """An int or SymInt of ``gm`` as a sympy expression in b and s."""
     if isinstance(x, torch.SymInt):

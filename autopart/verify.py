@@ -34,7 +34,6 @@ from autopart.spec import Factory, build
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_DTYPE_OF = {str(d).removeprefix("torch."): d for d in TOLERANCE}
 
 
 @dataclass
@@ -52,6 +51,7 @@ class Report:
     output: str = ""
     zero: list[str] = field(default_factory=list)  # gradients zero by construction (round-off)
     islands: list[str] = field(default_factory=list)  # "module (dtype)" computed at lower precision
+    precision: str = ""  # the lowest of the islands' dtypes ("float32"), when there are islands
 
     @property
     def ok(self) -> bool:
@@ -63,30 +63,37 @@ class Report:
             f"{verdict}: loss {self.loss:.12g} vs single-device {self.ref_loss:.12g} "
             f"(rel err {self.loss_error:.2e}); worst gradient {self.worst} rel err "
             f"{self.grad_error:.2e}; tolerance {self.tolerance:.0e}"
-            + (f" ({_lower(self.islands)})" if self.islands else "")
+            + (f" ({self._lower()})" if self.islands else "")
             + f"; {len(self.errors)} gradients compared"
             + (f" ({len(self.zero)} zero by construction, up to round-off)" if self.zero else "")
         )
 
+    def _lower(self) -> str:
+        """ "float32 inside the model: m.norm and 4 more modules"."""
+        first = self.islands[0].rpartition(" (")[0]
+        more = f" and {len(self.islands) - 1} more modules" if len(self.islands) > 1 else ""
+        return f"{self.precision} inside the model: {first}{more}"
 
-def _lower(islands: list[str]) -> str:
-    """``["m.norm (float32)", ...]`` → "float32 inside the model: m.norm and 4 more modules"."""
-    dtypes = sorted({i.rpartition("(")[2].rstrip(")") for i in islands})
-    first = islands[0].rpartition(" (")[0]
-    more = f" and {len(islands) - 1} more modules" if len(islands) > 1 else ""
-    return f"{'/'.join(dtypes)} inside the model: {first}{more}"
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def islands(gm: Any, dtype: torch.dtype) -> list[str]:
+    """``island_dtypes`` as ``"module (dtype)"`` strings, in graph order."""
+    return [f"{module} ({_name(d)})" for module, d in island_dtypes(gm, dtype)]
+
+
+def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     """Where a graph traced at ``dtype`` rounds at a lower precision in a way a plan can move:
-    "module (dtype)" for each module, in graph order. Counted, among values computed from
+    (module, dtype) for each module, in graph order. Counted, among values computed from
     parameters: a lower-precision value without batch or sequence dims (Gemma's
     and Cohere's norms multiply by ``weight.float()``, DiffLlama scales by a float32 lambda:
     their gradients are summed over tokens in float32) and a lower-precision op whose sums a
     plan reorders or recomputes (products, softmax, the loss: GPT-J's float32 attention
     scores). A float32 step applied token by token (Llama's RMSNorm statistics) rounds the
     same way in every plan."""
-    from autopart.capture import META_INPUT, META_MODULE, B, S, to_sympy
+    from autopart.capture import META_MODULE, B, S, from_parameters, to_sympy
 
     aten = torch.ops.aten
     mixing = {
@@ -113,28 +120,19 @@ def islands(gm: Any, dtype: torch.dtype) -> list[str]:
         )
 
     eps = torch.finfo(dtype).eps
-    found: dict[str, None] = {}
-    trained: set[Any] = set()  # floating values computed from parameters
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+    found: dict[tuple[str, torch.dtype], None] = {}
+    trained = from_parameters(gm)
+    for n in gm.graph.nodes:  # in graph order
+        if n not in trained or n.op != "call_function":
             continue
-        ref = n.meta.get(META_INPUT)
-        if not (
-            (ref is not None and ref.kind == "param")
-            or any(a in trained for a in n.all_input_nodes)
-        ):
-            continue
-        trained.add(n)
-        if torch.finfo(val.dtype).eps <= eps or n.op != "call_function":
+        low = n.meta["val"].dtype
+        if torch.finfo(low).eps <= eps:
             continue
         # lower precision where a plan moves the round-off: a product, softmax or loss (sums a
         # plan reorders), or a value without token dims (a parameter cast down, DiffLlama's
         # float32 lambda): its gradient, a sum over tokens, is rounded to this precision
         if n.target in mixing or not tokens(n):
-            found[
-                f"{n.meta.get(META_MODULE) or '<root>'} ({str(val.dtype).removeprefix('torch.')})"
-            ] = None
+            found[(n.meta.get(META_MODULE) or "<root>", low)] = None
     return list(found)
 
 
@@ -304,12 +302,7 @@ class _Model:
     ref_grads: dict[str, torch.Tensor]
     captured: Any
     islands: list[str] = field(default_factory=list)
-
-    @property
-    def lowest(self) -> torch.dtype:
-        """The lowest precision the model computes in (its dtype, or an island's)."""
-        found = [_DTYPE_OF[i.rpartition("(")[2].rstrip(")")] for i in self.islands]
-        return max([self.captured.dtype, *found], key=lambda d: torch.finfo(d).eps)
+    lowest: torch.dtype = torch.float64  # the lowest precision it computes in (dtype or island)
 
 
 def _prepare(spec: str | Factory, dtype: str) -> _Model:
@@ -329,7 +322,10 @@ def _prepare(spec: str | Factory, dtype: str) -> _Model:
             "of experts) have no float64 version",
         ) from exc
     captured = capture(model, batch)
-    return _Model(batch, ref_loss, ref_grads, captured, islands(captured.graph, captured.dtype))
+    found = island_dtypes(captured.graph, captured.dtype)
+    lowest = max([captured.dtype, *(d for _, d in found)], key=lambda d: torch.finfo(d).eps)
+    names = [f"{module} ({_name(d)})" for module, d in found]
+    return _Model(batch, ref_loss, ref_grads, captured, names, lowest)
 
 
 def verify_many(
@@ -538,6 +534,7 @@ def _report(
         output,
         zero,
         model.islands,
+        _name(model.lowest) if model.islands else "",
     )
 
 

@@ -251,7 +251,7 @@ def table(results: dict[str, tuple[str, dict[str, Cell]]]) -> str:
     for arch, (dtype, cells) in results.items():
         what = ARCHITECTURES.get(arch, ("",))[0]
         tolerance = {
-            (c.tolerance, c.islands[0].rpartition("(")[2].rstrip(")") if c.islands else dtype)
+            (c.tolerance, c.precision or dtype)
             for c in cells.values()
             if not isinstance(c, AutopartError)
         }

@@ -49,12 +49,12 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not plan.schedule.startswith("seq1f1b"):
         return gm
     changed = False
+    proofs: dict = {}  # mask → its proof: the layers of a Hugging Face model share one mask
     for n in list(gm.graph.nodes):
         if n.target == SDPA:
-            changed |= _sdpa(gm, n)
+            changed |= _sdpa(gm, n, proofs)
         elif n.target in (aten.softmax.int, aten._softmax.default):
-            changed |= _manual(gm, n)
-    gm.meta.pop("autopart.mask_proofs", None)
+            changed |= _manual(gm, n, proofs)
     if changed:
         remove_dead(gm)
         propagate(gm)
@@ -86,13 +86,15 @@ def require_causal(gm: fx.GraphModule) -> None:
             )
 
 
-def _sdpa(gm: fx.GraphModule, n: fx.Node) -> bool:
+def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict) -> bool:
     mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
     causal = n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
     if mask is None:
         n.meta[META_ATTENTION] = "causal" if causal else "not causal: no mask and is_causal=False"
         return False
-    why, window = _causal_window(gm, mask, keep_is_true=mask.meta["val"].dtype == torch.bool)
+    why, window = _causal_window(
+        gm, proofs, mask, keep_is_true=mask.meta["val"].dtype == torch.bool
+    )
     n.meta[META_ATTENTION] = why or "causal"
     if why:
         return False
@@ -112,7 +114,7 @@ def _only_user(n: fx.Node) -> fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def _manual(gm: fx.GraphModule, sm: fx.Node) -> bool:
+def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     """softmax(mask(matmul(q, kᵀ) [·/÷ c])) [→ casts] [→ dropout] [→ casts] → matmul(·, v),
     where mask is ``masked_fill(·, m, −inf)`` or ``· + m`` with an additive mask (0 where kept,
     ≤ −1e30 where not: GPT-J, GPT-2's eager path). A softmax of anything else (soft-capped
@@ -145,9 +147,9 @@ def _manual(gm: fx.GraphModule, sm: fx.Node) -> bool:
     if user is None or user.target != aten.matmul.default or user.args[0] is not probs:
         return False
     why, window = (
-        _causal_window(gm, cond, keep_is_true=True, additive=True)
+        _causal_window(gm, proofs, cond, keep_is_true=True, additive=True)
         if additive
-        else _causal_window(gm, cond, keep_is_true=False)
+        else _causal_window(gm, proofs, cond, keep_is_true=False)
     )
     sm.meta[META_ATTENTION] = why or "causal"
     if why:
@@ -235,15 +237,13 @@ def lower_right_mask(g: fx.Graph, q: fx.Node, k: fx.Node, window: int | None = N
 
 
 def _causal_window(
-    gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool = False
+    gm: fx.GraphModule, proofs: dict, mask: fx.Node, keep_is_true: bool, additive: bool = False
 ) -> tuple[str | None, int | None]:
-    """``_evaluate_mask`` once per mask node and reading (the layers of a Hugging Face model
-    share one mask: evaluating it at 4097 tokens once is enough)."""
-    cache = gm.meta.setdefault("autopart.mask_proofs", {})
-    key = (mask.name, keep_is_true, additive)
-    if key not in cache:
-        cache[key] = _evaluate_mask(gm, mask, keep_is_true, additive)
-    return cache[key]
+    """``_evaluate_mask``, once per mask and reading (evaluating at 4097 tokens once is enough)."""
+    key = (mask, keep_is_true, additive)
+    if key not in proofs:
+        proofs[key] = _evaluate_mask(gm, mask, keep_is_true, additive)
+    return proofs[key]
 
 
 def _evaluate_mask(

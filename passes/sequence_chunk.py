@@ -80,7 +80,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     output = next(n for n in g.nodes if n.op == "output")
     attention = [n for n in g.nodes if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal"]
     positions = [n for n in g.nodes if _is_positions(n, gm)]
-    counts = [n for n in g.nodes if _fill_value(n, gm) is not None]
+    counts = {n: c for n in g.nodes if (c := _fill_value(n, gm)) is not None}
 
     new_refs: list[InputRef] = []
     mode = detect_fake_mode([n.meta["val"] for n in placeholders])
@@ -130,9 +130,9 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         with g.inserting_after(n):
             shifted = g.call_function(aten.add.Tensor, (n, offset))
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
-    for n in counts:  # cumsum of c over the chunk + c · offset: the count over the sequence
+    for n, c in counts.items():  # cumsum of c over the chunk + c · offset: the whole count
         with g.inserting_after(n):
-            before = g.call_function(aten.mul.Tensor, (offset, _fill_value(n, gm)))
+            before = g.call_function(aten.mul.Tensor, (offset, c))
         with g.inserting_after(before):
             shifted = g.call_function(aten.add.Tensor, (n, before))
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)

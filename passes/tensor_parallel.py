@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
-from autopart.capture import META_MODULE
+from autopart.capture import META_MODULE, from_parameters
 from autopart.errors import AutopartError
 from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
 from autopart.plan import Plan
@@ -212,16 +212,7 @@ def _sum_partial_grads(gm: fx.GraphModule, sp) -> None:
     """Route every replicated operand that carries a gradient into a split op (other than a
     column matmul, whose input already has f) through ``tp_all_reduce_grad``: the op's backward
     on one rank covers only that rank's part of the split dim."""
-    carries: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        val = tensor_val(n)
-        if val is None or not val.is_floating_point():
-            continue
-        ref = n.meta.get("autopart.input")
-        if (ref is not None and ref.kind == "param") or any(
-            a in carries for a in n.all_input_nodes
-        ):
-            carries.add(n)
+    carries = from_parameters(gm)
     reduced: dict[fx.Node, fx.Node] = {}
     for n in list(sp.dims):
         if n in sp.columns:
