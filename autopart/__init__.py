@@ -3,17 +3,18 @@
 import autopart
 prog = autopart.parallelize(model, autopart.Mesh(dp=2), example_inputs=(input_ids, labels))
 print(prog.rank(1))
-prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.run out/
+prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.runtime.run out/
 """
 
-from autopart.api import compile_program, parallelize
-from autopart.capture import Captured, capture
-from autopart.chunks import sequence_chunks
-from autopart.cost import analyze
-from autopart.emit import Program, RankProgram
+from autopart.api import parallelize
 from autopart.errors import AutopartError
-from autopart.plan import Mesh, Plan
-from autopart.verify import Report, verify
+from autopart.frontend.capture import Captured, capture
+from autopart.frontend.cost import analyze
+from autopart.layout import Mesh, Plan
+from autopart.lowering import compile_program
+from autopart.parity.verify import Report, verify
+from autopart.program.format import Program, RankProgram
+from autopart.schedule.chunks import sequence_chunks
 
 __version__ = "0.1.0"
 __all__ = [

@@ -20,7 +20,7 @@ action the runtime was running (``set_action``).
 
 How they move data (``transport``), on gloo groups:
 
-- ``"shm"``: ranks on one x86-64 host exchange through shared memory (``autopart.shm``): each writes
+- ``"shm"``: ranks on one x86-64 host exchange through shared memory (``autopart.runtime.shm``): each writes
   its tensor once, reads the others' and sums in rank order. No socket, no helper thread; the
   default wherever every member can map the others' files (``AUTOPART_SHM=0`` turns it off).
 - ``"exchange"``: otherwise, on groups of at most ``EXCHANGE_MAX`` ranks, every rank posts its
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopart import shm
 from autopart.errors import AutopartError, wait
+from autopart.runtime import shm
 
 _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}

@@ -7,7 +7,7 @@ schedule goes through the user's own path, the command line:
 1. **profile** — the program compiled for 4 micro-batches runs 4 steps with
    ``autopart run DIR --trace TRACE``: the last step's actions on both ranks, and its wall time;
 2. **predict** — ``autopart simulate --measured TRACE --global-batch 8 --json`` replays those
-   per-action costs on the schedule IR of 8 micro-batches (``autopart/calibrate.py``);
+   per-action costs on the schedule IR of 8 micro-batches (``autopart/planning/calibrate.py``);
 3. **measure** — the program compiled for 8 micro-batches runs 6 steps with ``autopart run``:
    the median step time of the last 5.
 

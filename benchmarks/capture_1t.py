@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record  # noqa: E402
 
 from autopart import analyze, capture  # noqa: E402
-from autopart.cost import evaluate, total  # noqa: E402
+from autopart.frontend.cost import evaluate, total  # noqa: E402
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ the slower rank's time per call:
 
 - ``gloo``: ``dist.all_reduce`` (the peer; what DTensor and the c10d path use);
 - ``exchange``: autopart's ``isend``/``irecv`` exchange (``AUTOPART_SHM=0``);
-- ``shm``: autopart's shared-memory exchange (``autopart/shm.py``), the default on one host.
+- ``shm``: autopart's shared-memory exchange (``autopart/runtime/shm.py``), the default on one host.
 
 The three loops alternate per call so that background load hits them alike. Every result is
 checked against the rank-order sum; the script exits 1 on a mismatch. No goal: the figures

@@ -32,7 +32,7 @@ def main() -> int:
     import hf_gpt2
 
     from autopart import Mesh, parallelize
-    from autopart.verify import launch, verify
+    from autopart.parity.verify import launch, verify
 
     with tempfile.TemporaryDirectory(prefix="autopart-compile-") as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
@@ -44,7 +44,7 @@ def main() -> int:
                 4,
                 [
                     "-m",
-                    "autopart.run",
+                    "autopart.runtime.run",
                     str(Path(tmp) / "p"),
                     "--steps",
                     "3",

@@ -3,11 +3,11 @@
 Model: 128 layers, hidden 25600, 160 heads, vocabulary 51200, sequence 2048 (Narayanan et al.,
 SC21, the 1T row of Table 1), global batch 3072, cluster ``dgx-a100-80gb``.
 
-1. ``autopart.planner.search`` over every dp × tp × pp × v × micro-batch × schedule (Seq1F1B
+1. ``autopart.planning.planner.search`` over every dp × tp × pp × v × micro-batch × schedule (Seq1F1B
    and its k included) × recompute × sequence parallelism × distributed optimizer, with the
    progress display. Target: ≤ 60 s on this 2-core machine. Prints the top 5 with their
    reasons.
-2. ``autopart.simulate`` of the paper's plan (tp=8, pp=64, dp=6, interleaved with 2 virtual
+2. ``autopart.planning.simulate`` of the paper's plan (tp=8, pp=64, dp=6, interleaved with 2 virtual
    stages, micro-batch 1, full recompute, unfused attention as in 2021): predicted TFLOP/s per
    GPU against the paper's 163 (52 % of the 312 TFLOP/s peak).
 
@@ -25,8 +25,8 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record  # noqa: E402
 
-from autopart.planner import print_search, search  # noqa: E402
-from autopart.simulate import SHAPES, Strategy, simulate  # noqa: E402
+from autopart.planning.planner import print_search, search  # noqa: E402
+from autopart.planning.simulate import SHAPES, Strategy, simulate  # noqa: E402
 
 PAPER_TFLOPS = 163.0
 

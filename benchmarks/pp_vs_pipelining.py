@@ -199,6 +199,8 @@ if __name__ == "__main__":
     if args.worker:
         worker(args.worker, args.manual)
         sys.stdout.flush()
-        os._exit(0)  # skip interpreter teardown, where gloo threads can abort (see autopart/run.py)
+        os._exit(
+            0
+        )  # skip interpreter teardown, where gloo threads can abort (see autopart/runtime/run.py)
     else:
         sys.exit(main(args.manual))

@@ -244,5 +244,7 @@ if __name__ == "__main__":
     if a.worker:
         worker(a.worker, a.split, a.seq, a.microbatches, a.manual)
         sys.stdout.flush()
-        os._exit(0)  # skip interpreter teardown, where gloo threads can abort (see autopart/run.py)
+        os._exit(
+            0
+        )  # skip interpreter teardown, where gloo threads can abort (see autopart/runtime/run.py)
     sys.exit(main(a))

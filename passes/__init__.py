@@ -1,6 +1,6 @@
 """autopart's compiler passes: each ``name(gm, plan) -> gm``, one file, one invariant.
 
-The order the compiler runs them in is ``PIPELINE`` (see ``autopart.compiler``).
+The order the compiler runs them in is ``PIPELINE`` (see ``autopart.lowering.pass_runner``).
 """
 
 from autopart.passes.canonicalize_attention import canonicalize_attention

@@ -32,10 +32,10 @@ import operator
 import torch
 from torch import fx
 
-from autopart.capture import META_INPUT, META_MODULE
 from autopart.errors import AutopartError
-from autopart.plan import Plan
-from autopart.shapes import propagate
+from autopart.frontend.capture import META_INPUT, META_MODULE
+from autopart.frontend.shapes import propagate
+from autopart.layout import Plan
 
 aten = torch.ops.aten
 META_ATTENTION = "autopart.attention"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopart.capture import META_INPUT
-from autopart.plan import Plan
+from autopart.frontend.capture import META_INPUT
+from autopart.layout import Plan
 
 META_BUCKET = "autopart.dp_bucket"
 

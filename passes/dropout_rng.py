@@ -15,9 +15,9 @@ import torch
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers autopart::dropout
-from autopart.capture import META_INPUT, InputRef
-from autopart.plan import Plan
-from autopart.shapes import propagate
+from autopart.frontend.capture import META_INPUT, InputRef
+from autopart.frontend.shapes import propagate
+from autopart.layout import Plan
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 META_SPLIT = ("autopart.tp_split", "autopart.seq_split")  # set by tensor_/sequence_parallel

@@ -25,10 +25,10 @@ import networkx as nx
 import torch
 from torch import fx
 
-from autopart.capture import META_INPUT, META_LAYER, InputRef
-from autopart.cost import node_cost
 from autopart.errors import AutopartError
-from autopart.plan import Plan
+from autopart.frontend.capture import META_INPUT, META_LAYER, InputRef
+from autopart.frontend.cost import node_cost
+from autopart.layout import Plan
 
 META_STAGE = "autopart.stage"
 
@@ -108,7 +108,7 @@ def _unit_costs(
 ) -> list[float]:
     """Forward + backward FLOPs (3 × forward) of each unit at the example shape."""
     b, s = gm.meta.get("autopart.example_shape", (8, 128))
-    from autopart.capture import B, S
+    from autopart.frontend.capture import B, S
 
     cost = [0.0] * n_units
     for n, u in units.items():
@@ -123,7 +123,7 @@ def _unit_memory(
     gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int, plan: Plan
 ) -> list[tuple[float, float]]:
     """(parameter bytes, activation bytes per micro-batch) of each unit at the example shape."""
-    from autopart.capture import B, S
+    from autopart.frontend.capture import B, S
 
     b, s = gm.meta.get("autopart.example_shape", (8, 128))
     sizes = {B: max(1, b // plan.microbatches), S: s}

@@ -42,8 +42,10 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils._sympy.value_ranges import ValueRanges
 
-from autopart.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S, to_sympy
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S, to_sympy
+from autopart.frontend.shapes import propagate
+from autopart.layout import Plan
 from autopart.passes.canonicalize_attention import (
     META_ATTENTION,
     META_WINDOW,
@@ -52,8 +54,6 @@ from autopart.passes.canonicalize_attention import (
     require_causal,
 )
 from autopart.passes.pipeline_split import stage_graphs
-from autopart.plan import Plan
-from autopart.shapes import propagate
 
 aten = torch.ops.aten
 P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas

@@ -18,12 +18,12 @@ import torch
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
-from autopart.capture import META_INPUT, META_MODULE, S, to_sympy
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_INPUT, META_MODULE, S, to_sympy
+from autopart.frontend.shapes import propagate
+from autopart.layout import Plan
 from autopart.passes.tensor_parallel import META_SHARD, VIEWS
 from autopart.passes.tp_rules import Illegal, out_dim, tensor_val, view_map
-from autopart.plan import Plan
-from autopart.shapes import propagate
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 META_SEQ = "autopart.seq_split"  # on activations: the dim split along the sequence, or absent

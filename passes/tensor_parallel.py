@@ -30,11 +30,11 @@ import torch
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
-from autopart.capture import META_MODULE, from_parameters
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_MODULE, from_parameters
+from autopart.frontend.shapes import fake_like, propagate
+from autopart.layout import Plan
 from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
-from autopart.plan import Plan
-from autopart.shapes import fake_like, propagate
 
 log = logging.getLogger("autopart")
 aten, ops = torch.ops.aten, torch.ops.autopart

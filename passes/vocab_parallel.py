@@ -17,8 +17,10 @@ import operator
 import torch
 from torch import fx
 
-from autopart.capture import META_INPUT, META_MODULE, InputRef
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_INPUT, META_MODULE, InputRef
+from autopart.frontend.shapes import propagate
+from autopart.layout import Plan
 from autopart.passes.tensor_parallel import (
     META_ROLE,
     META_SHARD,
@@ -29,8 +31,6 @@ from autopart.passes.tensor_parallel import (
     tp_copy_of,
 )
 from autopart.passes.tp_rules import matmul_form, spread, tensor_val
-from autopart.plan import Plan
-from autopart.shapes import propagate
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 
@@ -70,7 +70,7 @@ def _loss(gm: fx.GraphModule) -> fx.Node:
     if weight is not None or reduction != 2 or ignore != -100 or smoothing:
         raise AutopartError(
             f"loss node {ce.format_node()} is not a plain summed cross entropy",
-            hint="capture adds the loss as summed CE with ignore_index=-100, no class weights, no label smoothing; pass a graph from autopart.capture unchanged, or run without vocabulary parallelism",
+            hint="capture adds the loss as summed CE with ignore_index=-100, no class weights, no label smoothing; pass a graph from autopart.frontend.capture unchanged, or run without vocabulary parallelism",
         )
     return ce
 

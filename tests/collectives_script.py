@@ -18,8 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from autopart import collectives, shm
+from autopart import collectives
 from autopart.errors import AutopartError
+from autopart.runtime import shm
 
 SHAPES = ((6, 5, 4), (96, 1024, 3), (6, 5, 4))  # the middle one (2.3 MB) outgrows 1 MB halves
 

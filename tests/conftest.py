@@ -1,7 +1,7 @@
 """Shared fixtures: the examples on ``sys.path`` and one capture per model for the session.
 
 Capturing costs about a second per model, so every test that only reads a capture shares
-these. Tests that mutate a graph (a pass) work on a copy (see ``copy_graph``).
+these. Tests that mutate a graph (a pass) work on a copy (``autopart.lowering.compile.copy_graph``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -24,7 +24,7 @@ if str(EXAMPLES) not in sys.path:
 import hf_gpt2  # noqa: E402
 import nanogpt  # noqa: E402
 
-from autopart.capture import Captured, capture, logits_of  # noqa: E402
+from autopart.frontend.capture import Captured, capture, logits_of  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -63,13 +63,6 @@ def hf_gpt() -> Case:
 def case(request) -> Case:
     """Each of the three captured models in turn."""
     return request.getfixturevalue(request.param)
-
-
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes (and node meta dicts) a pass may change freely."""
-    from autopart.api import _copy
-
-    return _copy(gm)
 
 
 def feed(captured: Captured, batch: Batch, params: dict[str, torch.Tensor] | None = None) -> list:

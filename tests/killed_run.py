@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-from autopart import run
+from autopart.runtime import run
 from autopart.runtime.runner import Runner
 
 AT = int(os.environ["KILL_AT_STEP"])

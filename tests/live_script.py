@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import nanogpt  # noqa: E402
 
 import autopart  # noqa: E402
-from autopart.verify import reference, rel_error  # noqa: E402
+from autopart.parity.verify import reference, rel_error  # noqa: E402
 
 
 def main() -> int:
@@ -52,4 +52,4 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
-    os._exit(code)  # skip interpreter teardown (see autopart/run.py)
+    os._exit(code)  # skip interpreter teardown (see autopart/runtime/run.py)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autopart import AutopartError
-from autopart.verify import Check, Report, verify_many
+from autopart.parity.verify import Check, Report, verify_many
 
 ROOT = Path(__file__).resolve().parent.parent
 NANO, MANUAL, GPT2 = (

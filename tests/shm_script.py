@@ -14,8 +14,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from autopart import collectives, shm
+from autopart import collectives
 from autopart.errors import AutopartError
+from autopart.runtime import shm
 
 
 def main() -> int:

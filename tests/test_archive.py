@@ -16,8 +16,8 @@ from conftest import nanogpt
 from torch import fx
 
 from autopart import AutopartError, Mesh, parallelize
-from autopart.archive import check_targets
-from autopart.emit import load_rank
+from autopart.program.archive import check_targets
+from autopart.program.format import load_rank
 
 
 class _Payload:

@@ -10,7 +10,7 @@ import torch
 from conftest import nanogpt
 
 from autopart import AutopartError, Mesh, parallelize
-from autopart.runtime.checks import fork_ranks
+from autopart.parity.checks import fork_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -70,7 +70,7 @@ def test_a_sequence_longer_than_the_position_table_is_named(tmp_path):
 def test_micro_batch_1_is_captured_and_trains_exactly():
     """An example of one sequence (micro-batch 1, as the largest runs use) is traced as two
     copies, so the batch stays symbolic; pp=2 then matches one device in float64."""
-    from autopart.verify import Check, verify_many
+    from autopart.parity.verify import Check, verify_many
 
     def one():
         model, (ids, labels) = nanogpt.make()
@@ -84,7 +84,7 @@ def test_micro_batch_1_is_captured_and_trains_exactly():
 def test_a_token_file_with_an_id_outside_the_vocabulary_is_refused_before_training(tmp_path):
     import argparse
 
-    from autopart.run import Batches
+    from autopart.runtime.run import Batches
 
     tokens = torch.randint(0, 96, (500,))
     tokens[321] = 4000

@@ -1,4 +1,4 @@
-"""autopart/calibrate.py: a measured trace gives back the per-action costs that made it, and
+"""autopart/planning/calibrate.py: a measured trace gives back the per-action costs that made it, and
 replaying them on the schedule IR gives back its step time; the CLI path refuses what it cannot
 predict. (A real run's trace is read in tests/test_multirank.py::test_pipeline_trace_and_saved_bytes.)"""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from autopart import AutopartError
-from autopart.calibrate import load, measure, predict, trace_document
 from autopart.cli import main
+from autopart.planning.calibrate import load, measure, predict, trace_document
+from autopart.planning.simulate import simulate_actions, to_chrome_trace
 from autopart.schedule import generate
-from autopart.simulate import simulate_actions, to_chrome_trace
 
 P = 3
 OVERHEAD = 0.004

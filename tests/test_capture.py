@@ -10,7 +10,8 @@ import torch
 from conftest import Case, nanogpt, rel_err, run_graph, run_model
 from torch import nn
 
-from autopart.capture import (
+from autopart.errors import AutopartError
+from autopart.frontend.capture import (
     META_INPUT,
     META_LAYER,
     META_MODULE,
@@ -22,7 +23,6 @@ from autopart.capture import (
     logits_of,
     to_sympy,
 )
-from autopart.errors import AutopartError
 
 
 def test_every_placeholder_has_an_input_ref(case: Case) -> None:

@@ -1,4 +1,4 @@
-"""Checkpoints (autopart/checkpoint.py, ``autopart run --checkpoint-dir``): resharding round trips,
+"""Checkpoints (autopart/runtime/checkpoint.py, ``autopart run --checkpoint-dir``): resharding round trips,
 the single-device export, and recovery from a real SIGKILL under ``torchrun --max-restarts 1``.
 
 Real gloo ranks, forked from the test process (``launch_forked``: the environment torchrun
@@ -23,11 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopart import AutopartError, Mesh, capture, checkpoint, compile_program
-from autopart.emit import load_rank, load_weights, read_head
-from autopart.run import Batches, make_optimizer
-from autopart.run import main as run_main
-from autopart.verify import launch_forked, reference
+from autopart import AutopartError, Mesh, capture, compile_program
+from autopart.parity.verify import launch_forked, reference
+from autopart.program.format import load_rank, load_weights, read_head
+from autopart.runtime import checkpoint
+from autopart.runtime.run import Batches, make_optimizer
+from autopart.runtime.run import main as run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -53,7 +54,7 @@ def _gpt2():
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The 4-block float64 GPT-2 compiled for every layout (one capture)."""
-    from autopart.plan import Plan
+    from autopart.layout import Plan
 
     root = tmp_path_factory.mktemp("programs")
     model, batch = _gpt2()
@@ -72,7 +73,7 @@ def trained(programs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
         4,
         [
             "-m",
-            "autopart.run",
+            "autopart.runtime.run",
             str(programs["tp2pp2"]),
             "--steps",
             "3",
@@ -111,7 +112,7 @@ def test_reshard_from_tp2_pp2(layout: str, programs, trained, tmp_path: Path) ->
         mesh.size,
         [
             "-m",
-            "autopart.run",
+            "autopart.runtime.run",
             str(programs[layout]),
             "--steps",
             "3",
@@ -169,7 +170,7 @@ def world1(tmp_path: Path):
 
 
 def _runner(program: Path):
-    from autopart.plan import Plan
+    from autopart.layout import Plan
     from autopart.runtime.runner import Runner, make_groups
 
     plan = Plan.from_json(read_head(program)["plan"])
@@ -256,7 +257,7 @@ def test_checkpoint_of_a_deeper_model_or_another_optimizer_is_refused(trained, w
 
 
 def _programs_one(tmp_path: Path) -> Path:
-    from autopart.plan import Plan
+    from autopart.layout import Plan
 
     model, batch = _gpt2()
     return compile_program(capture(model, batch), Plan(Mesh())).save(tmp_path / "one")
@@ -322,7 +323,7 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
             "--standalone",
             "--nproc-per-node=2",
             "--max-restarts=1",
-            *([str(ROOT / "tests" / "killed_run.py")] if crash else ["-m", "autopart.run"]),
+            *([str(ROOT / "tests" / "killed_run.py")] if crash else ["-m", "autopart.runtime.run"]),
             str(program),
             "--steps",
             "6",
@@ -379,7 +380,7 @@ def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
 
     def run(program: Path, n: int, *flags: str) -> dict[int, float]:
         out = launch_forked(
-            n, ["-m", "autopart.run", str(program), "--json", *flags], timeout_s=180
+            n, ["-m", "autopart.runtime.run", str(program), "--json", *flags], timeout_s=180
         )
         return {d["step"]: d["loss"] for d in _json_lines(out)}, out
 

@@ -7,9 +7,9 @@ import pytest
 from conftest import Case
 
 import autopart
-from autopart import chunks
-from autopart.capture import capture
 from autopart.errors import AutopartError
+from autopart.frontend.capture import capture
+from autopart.schedule import chunks
 
 
 @pytest.fixture(scope="module")

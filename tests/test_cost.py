@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from conftest import Case
 from torch import fx, nn
 
-from autopart.capture import B, S, capture
-from autopart.cost import META_COST, Cost, analyze, evaluate, node_cost, total
+from autopart.frontend.capture import B, S, capture
+from autopart.frontend.cost import META_COST, Cost, analyze, evaluate, node_cost, total
 
 
 def _op(node: fx.Node) -> str:

@@ -10,10 +10,10 @@ import torch
 from conftest import Case, nanogpt
 
 from autopart.api import parallelize
-from autopart.emit import Program, RankProgram, Shard, load_rank, load_weights, read_head
 from autopart.errors import AutopartError
+from autopart.layout import Mesh, Plan
 from autopart.passes import PIPELINE
-from autopart.plan import Mesh, Plan
+from autopart.program.format import Program, RankProgram, Shard, load_rank, load_weights, read_head
 from autopart.schedule import Action
 
 PASS_NAMES = [p.__name__ for p in PIPELINE]
@@ -297,7 +297,7 @@ def test_damaged_program_folders_are_refused(saved_pair, tmp_path, damage, needl
     import json
     import shutil
 
-    from autopart.emit import load_rank, load_weights
+    from autopart.program.format import load_rank, load_weights
 
     good, foreign = saved_pair
     if damage == "foreign-weights":
@@ -327,8 +327,8 @@ def test_a_pass_that_breaks_on_a_model_refuses_the_plan_naming_the_pass(model_ba
     """A pass's own bug on a model (JetMoE's data-dependent expert sizes once broke the
     pipeline cost model with a sympy TypeError) refuses the plan with an AutopartError naming
     the pass, instead of a raw traceback."""
-    from autopart.capture import capture
-    from autopart.compiler import run_passes
+    from autopart.frontend.capture import capture
+    from autopart.lowering.pass_runner import run_passes
 
     def broken(gm, plan):
         raise TypeError("Cannot convert expression to float")

@@ -20,7 +20,7 @@ from parity_cases import GPT2, LONG, NANO, ROOT, SEQ
 
 from autopart import AutopartError, Mesh, parallelize, verify
 from autopart.cli import main as cli
-from autopart.verify import Report, launch_forked
+from autopart.parity.verify import Report, launch_forked
 
 pytestmark = pytest.mark.multirank
 sys.path.insert(0, str(ROOT / "examples"))
@@ -34,7 +34,7 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(AutopartError) as err:
         launch_forked(
             1,
-            ["-m", "autopart.run", str(tmp_path / "p"), "--steps", "1", "--timeout", "20"],
+            ["-m", "autopart.runtime.run", str(tmp_path / "p"), "--steps", "1", "--timeout", "20"],
             timeout_s=30,
         )
     assert "dp(2) * pp(1) * tp(1) = 2 != WORLD_SIZE (1)" in str(err.value)
@@ -105,7 +105,7 @@ def test_saved_checks_go_on_after_a_failing_one(tmp_path: Path) -> None:
     """In one torchrun launch the ranks load and run saved programs one after another; when one
     fails (here a damaged file), it is reported with the ranks' error and the checks after it
     run in a new launch."""
-    from autopart.verify import _launch_checks, _prepare
+    from autopart.parity.verify import _launch_checks, _prepare
 
     model = _prepare(NANO, "float64")
     ready, folders = {}, {}
@@ -200,7 +200,7 @@ def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
         2,
         [
             "-m",
-            "autopart.run",
+            "autopart.runtime.run",
             str(tmp_path / "p"),
             "--steps",
             "2",
@@ -219,7 +219,7 @@ def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
         sum(e["cat"] == "F" for e in events) == 2 * 4 and sum(e["cat"] == "B" for e in events) == 8
     )
     # the header autopart simulate --measured reads: the real run's costs replayed
-    from autopart.calibrate import load, predict
+    from autopart.planning.calibrate import load, predict
 
     measured = load(tmp_path / "trace.json")
     assert (measured.pp, measured.microbatches, measured.schedule) == (2, 4, "1f1b")
@@ -246,7 +246,7 @@ def test_zero1_matches_the_unsharded_optimizer(tmp_path: Path) -> None:
             4,
             [
                 "-m",
-                "autopart.run",
+                "autopart.runtime.run",
                 str(tmp_path / "p"),
                 "--steps",
                 "4",

@@ -11,7 +11,7 @@ import pytest
 from parity_cases import DP_CASES, NANO, assert_passes, batch
 
 from autopart import AutopartError, verify
-from autopart.verify import Report
+from autopart.parity.verify import Report
 
 pytestmark = pytest.mark.multirank
 

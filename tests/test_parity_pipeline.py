@@ -12,7 +12,7 @@ import pytest
 from parity_cases import PP_CASES, SEQ1F1B_CASES, assert_passes, batch
 
 from autopart import AutopartError
-from autopart.verify import Check, Report
+from autopart.parity.verify import Check, Report
 
 pytestmark = pytest.mark.multirank
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autopart.errors import AutopartError
-from autopart.plan import SCHEDULES, Mesh, Plan, mesh_from
+from autopart.layout import SCHEDULES, Mesh, Plan, mesh_from
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import pytest
 from rich.console import Console
 
 from autopart.cli import main
-from autopart.cluster import PRESETS
 from autopart.errors import AutopartError
-from autopart.planner import _activation_peak, _variants, layouts, search
-from autopart.simulate import (
+from autopart.planning.cluster import PRESETS
+from autopart.planning.planner import _activation_peak, _variants, layouts, search
+from autopart.planning.simulate import (
     SHAPES,
     CostModel,
     GPTShape,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autopart import shm
+from autopart.runtime import shm
 
 
 def test_a_file_that_cannot_be_reserved_is_an_error_and_leaves_nothing(tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_stale_files_of_dead_processes_are_swept(tmp_path) -> None:
     import subprocess
     import sys
 
-    from autopart import shm
+    from autopart.runtime import shm
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: its pid is free
@@ -47,7 +47,8 @@ def test_stale_files_of_dead_processes_are_swept(tmp_path) -> None:
 def test_a_planted_data_file_is_named_not_blamed_on_space(monkeypatch) -> None:
     """Data file names carry 62 random bits, so nobody can plant the next one; if one exists
     anyway, the error says so instead of blaming free space."""
-    from autopart import AutopartError, shm
+    from autopart import AutopartError
+    from autopart.runtime import shm
 
     g = shm.ShmGroup.__new__(shm.ShmGroup)
     g.prefix, g.rank, g.cap, g.data, g.pending_unlink = (
@@ -76,7 +77,7 @@ def test_a_small_dev_shm_falls_back_and_a_dead_peer_is_named_before_the_timeout(
     import json
     from pathlib import Path
 
-    from autopart.verify import launch_forked
+    from autopart.parity.verify import launch_forked
 
     script = Path(__file__).resolve().parent / "shm_script.py"
     out = launch_forked(2, [str(script)], timeout_s=60)
@@ -89,7 +90,7 @@ def test_a_small_dev_shm_falls_back_and_a_dead_peer_is_named_before_the_timeout(
     print(f"dead peer noticed after {res['dead_seconds']:.2f} s (timeout 300 s)")
     import glob
 
-    from autopart import shm
+    from autopart.runtime import shm
 
     shm.sweep()  # what the next job's setup does: the dead ranks' files go
     left = [f for f in glob.glob(f"{shm.SHM_DIR}/autopart-*") if not shm.alive(shm._pid_of(f))]

@@ -8,10 +8,9 @@ import math
 import pytest
 
 from autopart.cli import main
-from autopart.cluster import GIB, PRESETS, Cluster, load_cluster
 from autopart.errors import AutopartError
-from autopart.schedule import Action, generate
-from autopart.simulate import (
+from autopart.planning.cluster import GIB, PRESETS, Cluster, load_cluster
+from autopart.planning.simulate import (
     SHAPES,
     CostModel,
     GPTShape,
@@ -21,6 +20,7 @@ from autopart.simulate import (
     simulate_actions,
     to_chrome_trace,
 )
+from autopart.schedule import Action, generate
 
 A100 = PRESETS["dgx-a100-80gb"]
 
@@ -314,7 +314,7 @@ def test_extrapolation_matches_the_full_simulation() -> None:
 
 
 def test_seq1f1b_chunks_are_balanced_by_work() -> None:
-    """Chunks balanced for FLOPs (autopart.chunks) are close in simulated time too, not equal:
+    """Chunks balanced for FLOPs (autopart.schedule.chunks) are close in simulated time too, not equal:
     the attention kernel runs at a lower share of peak than the GEMMs (docs/simulate.md)."""
     shape = GPTShape(32, 4096, 32, 50304, 32768)
     ratio = {}
@@ -465,7 +465,7 @@ def test_cli_refuses_a_plan_that_does_not_fit(capsys) -> None:
 
 
 def test_fitting_alternatives_fit() -> None:
-    from autopart.planner import fitting_alternatives, memory_need
+    from autopart.planning.planner import fitting_alternatives, memory_need
 
     st = Strategy(tp=8, pp=16, dp=8, global_batch=512, micro_batch=4)
     shape = SHAPES["gpt3-175b"]

@@ -10,7 +10,7 @@ from conftest import REPO, nanogpt
 from torch import nn
 
 from autopart.errors import AutopartError
-from autopart.spec import build, load_factory
+from autopart.frontend.spec import build, load_factory
 
 
 def test_load_factory_from_a_file(monkeypatch: pytest.MonkeyPatch) -> None:

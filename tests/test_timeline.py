@@ -1,4 +1,4 @@
-"""The pipeline timeline picture (autopart/timeline.py) and ``autopart timeline``."""
+"""The pipeline timeline picture (autopart/runtime/timeline.py) and ``autopart timeline``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from autopart.cli import main
 from autopart.errors import AutopartError
+from autopart.runtime.timeline import blocks, busy_fractions, load_trace, parse_name, plot_timeline
 from autopart.schedule.ir import Action
-from autopart.timeline import blocks, busy_fractions, load_trace, parse_name, plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1.7e15  # µs since the epoch, as time.time() × 1e6 gives

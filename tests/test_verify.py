@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopart import AutopartError
-from autopart.verify import FLOOR, Check, parse_plans, rel_error
+from autopart.parity.verify import FLOOR, Check, parse_plans, rel_error
 
 
 def test_round_off_in_a_zero_gradient_is_not_an_error_but_a_real_one_is() -> None:
@@ -82,8 +82,8 @@ def test_islands_are_where_a_plan_can_move_lower_precision_round_off(kind, found
     """Token-by-token float32 (Llama's norm statistics) rounds alike in every plan and keeps
     the float64 tolerance; a float32 parameter, a float32 value from parameters, or float32
     products/softmax set float32's."""
-    from autopart.capture import capture
-    from autopart.verify import islands
+    from autopart.frontend.capture import capture
+    from autopart.parity.verify import islands
 
     ids = torch.randint(0, 50, (2, 8))
     got = islands(capture(_Islands(kind).double(), (ids, ids)).graph, torch.float64)

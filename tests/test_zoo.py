@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs autopart was not written against (``autopart.zoo``, small random
+"""Hugging Face causal LMs autopart was not written against (``autopart.models.zoo``, small random
 configs): each plan is correct (float64 parity, float32 where the model has no float64 kernels,
 at the tolerance of the precision the model computes in) or refused by ``parallelize`` naming
 the construct; never wrong, never a crashed rank. A fast subset of the compatibility matrix runs
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from autopart import AutopartError, zoo
-from autopart.verify import Check, Report, verify_many
+from autopart import AutopartError
+from autopart.models import zoo
+from autopart.parity.verify import Check, Report, verify_many
 
 pytestmark = pytest.mark.multirank
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
@@ -106,7 +107,7 @@ def test_lower_precision_islands_set_the_tolerance_and_real_errors_still_fail() 
 def test_a_model_without_float64_kernels_is_verified_in_float32() -> None:
     """Mixtral's grouped expert matmuls have no float64 kernel: float64 verify says so and
     offers float32, where tp=2 and pp=2 Seq1F1B pass at its tolerance."""
-    mixtral = "autopart.zoo:mixtral"
+    mixtral = "autopart.models.zoo:mixtral"
     checks = {"tp2": Check(mixtral, tp=2), "seq": Check(mixtral, **zoo.PLANS[SEQ])}
     (no64,) = verify_many({"x": checks["tp2"]}, via="fork").values()
     assert isinstance(no64, AutopartError)

@@ -83,4 +83,4 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
-    os._exit(code)  # skip interpreter teardown (see autopart/run.py)
+    os._exit(code)  # skip interpreter teardown (see autopart/runtime/run.py)

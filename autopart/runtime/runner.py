@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autopart import collectives
-from autopart.chunks import chunk_lengths
-from autopart.emit import Program, RankProgram
 from autopart.errors import AutopartError, wait
-from autopart.plan import Plan
+from autopart.layout import Plan
+from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p
+from autopart.schedule.chunks import chunk_lengths
 from autopart.schedule.ir import Action
 
 COMPILE_CACHE = (

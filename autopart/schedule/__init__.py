@@ -1,4 +1,5 @@
-"""Schedules as data: the action IR, its generators and its static verifier."""
+"""Schedules as data, shared by lowering, runtime and planning: the action IR, its generators,
+its static verifier and the Seq1F1B chunk boundaries (``chunks``)."""
 
 from autopart.schedule.generators import GENERATORS, generate
 from autopart.schedule.ir import Action, table

@@ -8,12 +8,14 @@ import nanogpt
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import copy_graph, feed
+from conftest import feed
 from torch import nn
 
 from autopart.api import parallelize
-from autopart.capture import capture
 from autopart.errors import AutopartError
+from autopart.frontend.capture import capture
+from autopart.layout import Mesh, Plan
+from autopart.lowering.compile import copy_graph
 from autopart.passes.canonicalize_attention import (
     META_ATTENTION,
     META_WINDOW,
@@ -21,7 +23,6 @@ from autopart.passes.canonicalize_attention import (
     canonicalize_attention,
     require_causal,
 )
-from autopart.plan import Mesh, Plan
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b")
 

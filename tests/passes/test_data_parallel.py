@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Case, copy_graph
+from conftest import Case
 from torch import fx
 
-from autopart.capture import META_INPUT
-from autopart.compiler import run_passes
+from autopart.frontend.capture import META_INPUT
+from autopart.layout import Mesh, Plan
+from autopart.lowering.compile import copy_graph
+from autopart.lowering.pass_runner import run_passes
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import META_BUCKET, buckets, data_parallel
-from autopart.plan import Mesh, Plan
 
 PASS_NAMES = [p.__name__ for p in PIPELINE]
 

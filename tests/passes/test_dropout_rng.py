@@ -5,12 +5,12 @@ from __future__ import annotations
 import nanogpt
 import pytest
 import torch
-from conftest import copy_graph
 
-from autopart.capture import META_INPUT, capture
-from autopart.compiler import run_passes
+from autopart.frontend.capture import META_INPUT, capture
+from autopart.layout import Mesh, Plan
+from autopart.lowering.compile import copy_graph
+from autopart.lowering.pass_runner import run_passes
 from autopart.passes import PIPELINE
-from autopart.plan import Mesh, Plan
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 

@@ -7,14 +7,16 @@ import itertools
 import nanogpt
 import pytest
 import torch
-from conftest import Case, copy_graph, feed, rel_err, run_graph
+from conftest import Case, feed, rel_err, run_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopart.api import compile_program
-from autopart.capture import META_INPUT, capture
-from autopart.compiler import run_passes
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_INPUT, capture
+from autopart.layout import Mesh, Plan
+from autopart.lowering import compile_program
+from autopart.lowering.compile import copy_graph
+from autopart.lowering.pass_runner import run_passes
 from autopart.passes import PIPELINE
 from autopart.passes.pipeline_split import (
     balanced_cuts,
@@ -25,7 +27,6 @@ from autopart.passes.pipeline_split import (
     stage_costs,
     stage_graphs,
 )
-from autopart.plan import Mesh, Plan
 
 
 def _split(case: Case, pp: int = 2, v: int = 1, m: int = 2):

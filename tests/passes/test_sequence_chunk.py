@@ -9,18 +9,18 @@ import nanogpt
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import copy_graph
 from test_canonicalize_attention import _Masked
 from torch import fx
 from torch.nn.attention.bias import causal_lower_right
 
 from autopart import Mesh, parallelize
-from autopart.capture import META_INPUT, Captured, capture
-from autopart.emit import load_rank
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_INPUT, Captured, capture
+from autopart.layout import Plan
+from autopart.lowering.compile import copy_graph
 from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.sequence_chunk import META_KV, META_KV_SHAPES, lower_right_mask, sequence_chunk
-from autopart.plan import Plan
+from autopart.program.format import load_rank
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b", seq_chunks=3)
 MODELS = {

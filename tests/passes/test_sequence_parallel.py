@@ -25,11 +25,11 @@ from tp_models import (
     sym,
 )
 
-from autopart.capture import META_LAYER, B, S
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_LAYER, B, S
+from autopart.layout import Mesh, Plan
 from autopart.passes.sequence_parallel import META_SEQ
 from autopart.passes.tensor_parallel import META_SHARD
-from autopart.plan import Mesh, Plan
 
 TP = 2
 _GPT = (

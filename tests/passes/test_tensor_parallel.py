@@ -11,7 +11,7 @@ import nanogpt
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Case, _case, copy_graph
+from conftest import Case, _case
 from torch import fx, nn
 from tp_models import (
     MODELS,
@@ -34,12 +34,13 @@ from tp_models import (
     through_views,
 )
 
-from autopart.capture import META_LAYER
-from autopart.compiler import run_passes
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_LAYER
+from autopart.layout import Mesh, Plan
+from autopart.lowering.compile import copy_graph
+from autopart.lowering.pass_runner import run_passes
 from autopart.passes import PIPELINE
 from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
-from autopart.plan import Mesh, Plan
 
 COL, ROW = TPShard(0), TPShard(1)  # nn.Linear stores [out, in]
 NANO = {

@@ -30,7 +30,7 @@ from tp_models import (
 )
 
 from autopart import AutopartError, collectives
-from autopart.capture import META_INPUT, InputRef
+from autopart.frontend.capture import META_INPUT, InputRef
 from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
 
 TP = 2

@@ -15,16 +15,17 @@ import hf_llama
 import pytest
 import sympy
 import torch
-from conftest import Case, _case, copy_graph
+from conftest import Case, _case
 from torch import fx
 
 from autopart import collectives
-from autopart.capture import META_INPUT, META_LAYER, B, S, to_sympy
-from autopart.compiler import run_passes
-from autopart.emit import Shard
+from autopart.frontend.capture import META_INPUT, META_LAYER, B, S, to_sympy
+from autopart.layout import Mesh, Plan
+from autopart.lowering.compile import copy_graph
+from autopart.lowering.pass_runner import run_passes
 from autopart.passes import PIPELINE
 from autopart.passes.tensor_parallel import META_SHARD, TPShard
-from autopart.plan import Mesh, Plan
+from autopart.program.format import Shard
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 MODELS = ("gpt_sdpa", "gpt_manual", "hf_gpt", "llama")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.plan import Plan
+from autopart.layout import Plan
 
 log = logging.getLogger("autopart")
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]

@@ -24,7 +24,7 @@ import sympy
 import torch
 from torch import fx
 
-from autopart.capture import META_LAYER, Captured, to_sympy
+from autopart.frontend.capture import META_LAYER, Captured, to_sympy
 
 META_COST = "autopart.cost"
 ZERO = sympy.Integer(0)
@@ -96,7 +96,7 @@ def _size(x: object, gm: fx.GraphModule) -> sympy.Expr:
     """A size in b and s. A data-dependent size (the tokens a router sends to one expert: an
     unbacked symbol) is taken at its bound, every token of the batch (b·s), so costs stay
     expressions in b and s."""
-    from autopart.capture import B, S
+    from autopart.frontend.capture import B, S
 
     expr = to_sympy(x, gm)
     known = {B, S, *gm.meta.get("autopart.symbols", {}).values()}
@@ -202,6 +202,6 @@ def analyze(captured: Captured) -> list[Group]:
 
 def evaluate(expr: sympy.Expr, b: int, s: int) -> float:
     """Value of a cost expression at batch ``b`` and sequence ``s``."""
-    from autopart.capture import B, S
+    from autopart.frontend.capture import B, S
 
     return float(sympy.sympify(expr).subs({B: b, S: s}))

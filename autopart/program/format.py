@@ -16,7 +16,7 @@ Saving into a folder that holds an earlier program first removes that program's 
 ``Program.load(dir)`` / ``load_rank(dir, r)`` read them back, running no code from the files:
 a graph archive is first checked to hold only what autopart writes (no weights, constants,
 example inputs, custom objects or guard code that torch would unpickle or run; only ATen,
-autopart and Python size ops as call targets: ``autopart/archive.py``), tensors are read with
+autopart and Python size ops as call targets: ``autopart/program/archive.py``), tensors are read with
 ``torch.load(weights_only=True)``, the rest is JSON. ``plan.json`` lists the SHA-256 of every other file; a file is checked against it before
 it is read, so a changed, truncated, missing or swapped-in file (another program's) is refused
 with an ``AutopartError`` naming it. Each JSON file's schema (keys and types) is checked too.
@@ -47,11 +47,11 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from autopart.archive import check_pt2, check_targets
-from autopart.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, layer_of
-from autopart.compiler import PassRecord
 from autopart.errors import AutopartError
-from autopart.plan import Mesh, Plan
+from autopart.frontend.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, layer_of
+from autopart.layout import Mesh, Plan
+from autopart.lowering.pass_runner import PassRecord
+from autopart.program.archive import check_pt2, check_targets
 from autopart.schedule.ir import Action, table
 
 FORMAT = 1
@@ -378,7 +378,7 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
     )
     # torch derives Python guard code from the graph's shape asserts and would compile it in
     # ``ep.module()``; the runtime checks shapes itself, and a loaded archive carrying code is
-    # refused (autopart/archive.py), so none is written
+    # refused (autopart/program/archive.py), so none is written
     ep._guards_code = []
     return ep
 

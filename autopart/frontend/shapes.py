@@ -9,8 +9,8 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autopart.capture import META_MODULE
 from autopart.errors import AutopartError
+from autopart.frontend.capture import META_MODULE
 
 
 class _Prop(FakeTensorProp):

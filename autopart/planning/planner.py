@@ -34,10 +34,9 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
-from autopart.cluster import GIB, Cluster, load_cluster
 from autopart.errors import AutopartError
-from autopart.schedule.generators import generate
-from autopart.simulate import (
+from autopart.planning.cluster import GIB, Cluster, load_cluster
+from autopart.planning.simulate import (
     ATTENTION,
     RECOMPUTE,
     SCHEDULES,
@@ -48,6 +47,7 @@ from autopart.simulate import (
     simulate_costs,
     stage_params,
 )
+from autopart.schedule.generators import generate
 
 MICRO_BATCHES = (1, 2, 4, 8)
 SEQ_CHUNKS = (2, 4, 8)

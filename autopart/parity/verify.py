@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autopart.capture import logits_of
-from autopart.emit import Shard
 from autopart.errors import AutopartError
-from autopart.runtime.checks import as_rank, fork_ranks, wait_ranks
-from autopart.spec import Factory, build
+from autopart.frontend.capture import logits_of
+from autopart.frontend.spec import Factory, build
+from autopart.parity.checks import as_rank, fork_ranks, wait_ranks
+from autopart.program.format import Shard
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -93,7 +93,7 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     plan reorders or recomputes (products, softmax, the loss: GPT-J's float32 attention
     scores). A float32 step applied token by token (Llama's RMSNorm statistics) rounds the
     same way in every plan."""
-    from autopart.capture import META_MODULE, B, S, from_parameters, to_sympy
+    from autopart.frontend.capture import META_MODULE, B, S, from_parameters, to_sympy
 
     aten = torch.ops.aten
     mixing = {
@@ -263,7 +263,7 @@ PLANS_HELP = (
 
 def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = None) -> list[Check]:
     """``"tp=2; pp=2,1f1b,m=4"`` → one ``Check`` per plan (unset fields from ``base``)."""
-    from autopart.plan import SCHEDULES
+    from autopart.layout import SCHEDULES
 
     checks = []
     for plan in (p.strip() for p in text.split(";")):
@@ -306,7 +306,7 @@ class _Model:
 
 
 def _prepare(spec: str | Factory, dtype: str) -> _Model:
-    from autopart.capture import capture
+    from autopart.frontend.capture import capture
 
     model, batch = build(spec)
     model = model.to(DTYPES[dtype])
@@ -350,7 +350,7 @@ def verify_many(
     as it comes.
     """
     from autopart.api import parallelize
-    from autopart.plan import Mesh
+    from autopart.layout import Mesh
 
     if dtype not in DTYPES:
         raise AutopartError(f"unknown dtype {dtype!r}", hint="use float64 or float32")
@@ -463,7 +463,7 @@ def _launch_checks(
         try:
             output = launch(
                 size,
-                ["-m", "autopart.runtime.checks", str(manifest)],
+                ["-m", "autopart.parity.checks", str(manifest)],
                 timeout_s=timeout_s * len(todo),
                 nnodes=nnodes,
             )

@@ -39,8 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from autopart.emit import Shard
 from autopart.errors import AutopartError, wait
+from autopart.program.format import Shard
 
 FORMAT = 1
 INFO = "autopart.json"  # written last, by rank 0: a folder without it is an incomplete checkpoint
@@ -319,7 +319,7 @@ def read_info(path: str | Path) -> dict[str, Any]:
         )
         raise AutopartError(
             f"{path} is {what}: it has no {INFO}",
-            hint="point at a folder written by autopart.checkpoint.save",
+            hint="point at a folder written by autopart.runtime.checkpoint.save",
         )
     try:
         info = json.loads(f.read_text())
@@ -386,7 +386,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def folder(root: str | Path, step: int) -> Path:
-    """Where ``autopart.run`` keeps the checkpoint of ``step`` under ``root``."""
+    """Where ``autopart.runtime.run`` keeps the checkpoint of ``step`` under ``root``."""
     return Path(root) / f"step{step:08d}"
 
 

@@ -3,7 +3,7 @@
 Builds a small nanoGPT-style model over bytes (vocabulary 256), compiles it for tp=2 × pp=2 with
 Seq1F1B sequence chunks and sequence parallelism (flags change the layout), saves the per-rank
 programs, trains them with torchrun on this CPU on a real text shipped with autopart
-(``autopart/data/corpus.txt``: its own documentation's prose, public domain), then checks parity
+(``autopart/models/data/corpus.txt``: its own documentation's prose, public domain), then checks parity
 against one device and says where everything was written.
 """
 
@@ -19,7 +19,7 @@ from rich.panel import Panel
 
 from autopart.errors import AutopartError
 
-CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "models" / "data" / "corpus.txt"
 SEQ = 64  # tokens (bytes) per sequence
 
 
@@ -35,9 +35,9 @@ def corpus() -> torch.Tensor:
 
 def main(args: argparse.Namespace) -> int:
     from autopart import Mesh, parallelize
-    from autopart.nanogpt import GPT, GPTConfig
-    from autopart.report import print_costs
-    from autopart.verify import launch, verify
+    from autopart.cli.report import print_costs
+    from autopart.models.nanogpt import GPT, GPTConfig
+    from autopart.parity.verify import launch, verify
 
     con = Console()
     out = Path(args.out)
@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     model, example = factory()
     start = time.perf_counter()
     with con.status("capturing the model with torch.export and compiling the rank programs"):
-        from autopart.capture import capture
+        from autopart.frontend.capture import capture
 
         captured = capture(model, example)
         print_costs(captured, con)
@@ -83,14 +83,14 @@ def main(args: argparse.Namespace) -> int:
     torch.save(text, tokens)
     con.print(
         f"\n[bold]training {args.steps} steps[/] on {mesh.size} ranks "
-        f"(torchrun --nproc-per-node {mesh.size} -m autopart.run {saved} --tokens {tokens})"
+        f"(torchrun --nproc-per-node {mesh.size} -m autopart.runtime.run {saved} --tokens {tokens})"
     )
     trace, picture = out / "trace.json", out / "timeline.png"
     launch(
         mesh.size,
         [
             "-m",
-            "autopart.run",
+            "autopart.runtime.run",
             str(saved),
             "--tokens",
             str(tokens),
@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
             f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
             f"  timeline.png              the same as a picture: one row per rank, blocks by micro-batch\n"
             f"  tokens.pt                 the training text as byte ids ({CORPUS.name}, {text.numel():,} bytes)\n"
-            f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.run {saved} --steps 20",
+            f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.runtime.run {saved} --steps 20",
             title="done",
         )
     )

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, NamedTuple
 
-from autopart.cluster import GIB, Cluster, load_cluster
 from autopart.errors import AutopartError
+from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.schedule.generators import generate
 from autopart.schedule.ir import Action
 
@@ -134,8 +134,8 @@ def shape_from_captured(captured: Any, seq: int | None = None) -> GPTShape:
     """
     import sympy
 
-    from autopart.capture import META_LAYER, B, S
-    from autopart.cost import analyze
+    from autopart.frontend.capture import META_LAYER, B, S
+    from autopart.frontend.cost import analyze
 
     gm = captured.graph
     groups = analyze(captured)
@@ -510,7 +510,7 @@ def _padded_vocab(vocab: int, tp: int) -> int:
 
 @lru_cache(maxsize=4096)
 def _chunks(c1: float, c2: float, seq: int, k: int, split: str, multiple: int) -> tuple[int, ...]:
-    from autopart.chunks import chunk_lengths
+    from autopart.schedule.chunks import chunk_lengths
 
     return tuple(chunk_lengths((c1, c2), seq, k, split, multiple))
 
@@ -1220,8 +1220,8 @@ def resolve_shape(
     if sum(x is not None for x in (model, shape)) + (any(given) or 0) > 1:
         raise AutopartError("give one model: --model SPEC, --shape NAME or the shape flags")
     if model is not None:
-        from autopart.capture import capture
-        from autopart.spec import build
+        from autopart.frontend.capture import capture
+        from autopart.frontend.spec import build
 
         net, batch = build(model)
         return shape_from_captured(capture(net, batch), seq)

@@ -7,13 +7,13 @@ import math
 import sys
 
 from autopart.errors import AutopartError
-from autopart.plan import SCHEDULES
+from autopart.layout import SCHEDULES
 
 EPILOG = """examples:
   autopart demo                                   train a small GPT on 4 CPU ranks (tp × pp), check parity
   autopart verify --model examples/nanogpt.py:make --dp 2 --microbatches 2
   autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
-  torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
+  torchrun --standalone --nproc-per-node 2 -m autopart.runtime.run out/ --steps 10
   autopart run out/ --steps 10                    (launches torchrun itself when not under it)
   autopart timeline trace.json -o timeline.png    draw a --trace file: one row per rank
   autopart simulate --shape gpt3-175b --gpus 1024 --tp 8 --pp 8 --global-batch 1536
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
         "machines would (default 1)",
     )
-    from autopart.verify import PLANS_HELP
+    from autopart.parity.verify import PLANS_HELP
 
     v.add_argument(
         "--plans",
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     z = sub.add_parser(
         "zoo",
         help="verify Hugging Face architectures (random small configs) under the standard plans",
-        description="Build each architecture of autopart.zoo from a small random config "
+        description="Build each architecture of autopart.models.zoo from a small random config "
         "(needs transformers; nothing is downloaded), verify it under dp=2, tp=2, pp=2 1F1B, "
         "pp=2 Seq1F1B k=2 and tp=2×pp=2 Seq1F1B k=2 with forked gloo ranks, print one line per "
         "cell and write the compatibility matrix as Markdown.",
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--models",
         metavar="A,B",
         default=None,
-        help="architectures to check, comma-separated (default: all of autopart.zoo's: "
+        help="architectures to check, comma-separated (default: all of autopart.models.zoo's: "
         "see docs/compatibility.md)",
     )
     z.add_argument(
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the graph after this pass (e.g. capture, data_parallel)",
     )
 
-    from autopart.run import build_parser as run_parser
+    from autopart.runtime.run import build_parser as run_parser
 
     r = sub.add_parser(
         "run",
@@ -274,7 +274,7 @@ def _model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None
 
 
 def _simulate_parsers(sub: argparse._SubParsersAction) -> None:
-    from autopart.simulate import ATTENTION, RECOMPUTE
+    from autopart.planning.simulate import ATTENTION, RECOMPUTE
 
     s = sub.add_parser(
         "simulate",
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from autopart.demo import main as demo
+    from autopart.cli.demo import main as demo
 
     return demo(a)
 
@@ -423,7 +423,7 @@ def _demo(a: argparse.Namespace) -> int:
 def _verify(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from autopart.verify import Check, Report, parse_plans, verify_many
+    from autopart.parity.verify import Check, Report, parse_plans, verify_many
 
     base = {"dp": a.dp, "tp": a.tp, "pp": a.pp, **_plan_kwargs(a)}
     checks = parse_plans(a.plans, a.model, base) if a.plans else [Check(a.model, **base)]
@@ -488,7 +488,7 @@ def _zoo(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from autopart import zoo
+    from autopart.models import zoo
 
     archs = (
         [m.strip() for m in a.models.split(",") if m.strip()]
@@ -498,7 +498,7 @@ def _zoo(a: argparse.Namespace) -> int:
     unknown = [m for m in archs if m not in zoo.ARCHITECTURES]
     if unknown:
         raise AutopartError(
-            f"no architecture {', '.join(unknown)} in autopart.zoo",
+            f"no architecture {', '.join(unknown)} in autopart.models.zoo",
             hint=f"choose from {', '.join(zoo.ARCHITECTURES)}",
         )
     con = Console()
@@ -540,10 +540,16 @@ def _inspect(a: argparse.Namespace) -> int:
     from rich.console import Console
 
     from autopart.api import parallelize
-    from autopart.capture import capture
-    from autopart.plan import Mesh
-    from autopart.report import balance_table, chunk_rich, parallel_table, print_costs, write_dot
-    from autopart.spec import build
+    from autopart.cli.report import (
+        balance_table,
+        chunk_rich,
+        parallel_table,
+        print_costs,
+        write_dot,
+    )
+    from autopart.frontend.capture import capture
+    from autopart.frontend.spec import build
+    from autopart.layout import Mesh
 
     con = Console()
     mesh = Mesh(dp=a.dp, pp=a.pp, tp=a.tp)
@@ -595,25 +601,25 @@ def _rank(text: str, size: int) -> int:
 def _run(a: argparse.Namespace) -> int:
     import os
 
-    from autopart.emit import read_head
-    from autopart.run import run
-    from autopart.verify import launch
+    from autopart.parity.verify import launch
+    from autopart.program.format import read_head
+    from autopart.runtime.run import run
 
     if "RANK" in os.environ:
         return run(a)
     world = read_head(a.dir)["world_size"]
     rest = a.raw_argv[a.raw_argv.index("run") + 1 :]
     print(
-        f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} -m autopart.run {' '.join(rest)}"
+        f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} -m autopart.runtime.run {' '.join(rest)}"
     )
-    launch(world, ["-m", "autopart.run", *rest], stream=True, timeout_s=None)
+    launch(world, ["-m", "autopart.runtime.run", *rest], stream=True, timeout_s=None)
     return 0
 
 
 def _timeline(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from autopart.timeline import busy_fractions, load_trace, plot_timeline
+    from autopart.runtime.timeline import busy_fractions, load_trace, plot_timeline
 
     events = load_trace(a.trace)
     out = plot_timeline(events, a.out or Path(a.trace).with_suffix(".png"), a.title or a.trace)
@@ -624,7 +630,7 @@ def _timeline(a: argparse.Namespace) -> int:
 
 
 def _shape(a: argparse.Namespace):
-    from autopart.simulate import resolve_shape
+    from autopart.planning.simulate import resolve_shape
 
     return resolve_shape(
         a.model,
@@ -645,7 +651,7 @@ def _simulate(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from autopart.simulate import Strategy, print_summary, simulate
+    from autopart.planning.simulate import Strategy, print_summary, simulate
 
     if a.measured is not None:
         return _simulate_measured(a)
@@ -696,8 +702,8 @@ def _simulate(a: argparse.Namespace) -> int:
 
 def _does_not_fit(shape, sim) -> None:
     """Refuse a simulated plan over the cluster's memory: by how much, and what would fit."""
-    from autopart.cluster import GIB
-    from autopart.planner import fitting_alternatives
+    from autopart.planning.cluster import GIB
+    from autopart.planning.planner import fitting_alternatives
 
     mem = sim.summary["memory"]
     over = mem["total"] - mem["usable"]
@@ -752,7 +758,7 @@ def _simulate_measured(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from autopart.calibrate import load, predict, print_prediction
+    from autopart.planning.calibrate import load, predict, print_prediction
 
     given = [f for f in _NOT_MEASURED if any(x == f or x.startswith(f + "=") for x in a.raw_argv)]
     if given:
@@ -787,7 +793,7 @@ def _simulate_measured(a: argparse.Namespace) -> int:
         )
     pred = predict(m, microbatches=mb, schedule=a.schedule, record=bool(a.trace))
     if a.trace:
-        from autopart.simulate import to_chrome_trace
+        from autopart.planning.simulate import to_chrome_trace
 
         with open(a.trace, "w") as f:
             json.dump({"traceEvents": to_chrome_trace(pred.timeline.events)}, f)
@@ -806,7 +812,7 @@ def _plan(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from autopart.planner import print_search, search
+    from autopart.planning.planner import print_search, search
 
     shape = _shape(a)
     con = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table

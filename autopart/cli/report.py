@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import fx
 
-from autopart.capture import META_LAYER, Captured, to_sympy
-from autopart.cost import Group, analyze, evaluate, total
+from autopart.frontend.capture import META_LAYER, Captured, to_sympy
+from autopart.frontend.cost import Group, analyze, evaluate, total
 
 
 def _human(x: float, unit: str = "") -> str:
@@ -145,7 +145,7 @@ def parallel_table(rp, example_shape: tuple[int, int]) -> Table:
 
 
 def _layer_of_fqn(fqn: str) -> int | None:
-    from autopart.capture import layer_of
+    from autopart.frontend.capture import layer_of
 
     return layer_of(fqn)
 
@@ -176,7 +176,7 @@ def balance_table(program) -> Table | None:
 
 def chunk_rich(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> Table:
     """Seq1F1B chunk boundaries and each chunk's forward FLOPs, balanced against uniform."""
-    from autopart.chunks import chunk_table
+    from autopart.schedule.chunks import chunk_table
 
     t = Table(
         title=f"Seq1F1B: {k} chunks of a {seq_len}-token sequence (forward FLOPs per chunk, b=1)"

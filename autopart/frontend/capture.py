@@ -288,7 +288,10 @@ def to_sympy(x: Any, gm: fx.GraphModule) -> sympy.Expr:
     return sympy.Integer(int(x))
 
 
-_SKIP = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_SKIP = (  # torch and autopart frames: the model line is the first frame in neither
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+)
 
 
 def _explain(exc: BaseException) -> AutopartError:

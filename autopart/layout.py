@@ -144,7 +144,7 @@ class Plan:
         self._check_chunks()
 
     def _check_chunks(self) -> None:
-        from autopart.chunks import SPLITS
+        from autopart.schedule.chunks import SPLITS
 
         if self.seq_split not in SPLITS:
             raise AutopartError(

@@ -1,10 +1,10 @@
-"""``python -m autopart.run DIR`` (also ``autopart run DIR``): run saved ranks under torchrun.
+"""``python -m autopart.runtime.run DIR`` (also ``autopart run DIR``): run saved ranks under torchrun.
 
 Each rank loads only its own folder of DIR (graphs, actions, weight shards), checks the world
 size against the plan, and trains for ``--steps`` steps with AdamW on synthetic tokens (seeded,
 the same global batch on every rank) or windows of a token file. Rank 0 prints the loss per step.
 
-    torchrun --standalone --nproc-per-node 2 -m autopart.run out/ --steps 10
+    torchrun --standalone --nproc-per-node 2 -m autopart.runtime.run out/ --steps 10
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 
 from autopart import collectives
-from autopart.emit import load_rank, load_weights, read_head
 from autopart.errors import AutopartError
-from autopart.plan import Plan
-from autopart.runtime.checks import dump
+from autopart.layout import Plan
+from autopart.parity.checks import dump
+from autopart.program.format import load_rank, load_weights, read_head
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(
-        prog="python -m autopart.run",
+        prog="python -m autopart.runtime.run",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -323,7 +323,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
     """Load the latest checkpoint in --checkpoint-dir (rank 0 picks it); returns its step."""
     if args.checkpoint_dir is None:
         return 0
-    from autopart import checkpoint
+    from autopart.runtime import checkpoint
 
     found = checkpoint.latest(args.checkpoint_dir, runner)  # rank 0's pick, on every rank
     if found is None:
@@ -342,7 +342,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
 
 
 def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: dict) -> None:
-    from autopart import checkpoint
+    from autopart.runtime import checkpoint
 
     path = checkpoint.save(
         checkpoint.folder(args.checkpoint_dir, step),
@@ -364,7 +364,7 @@ def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: d
 
 def _finish_checkpoints(runner, optim, args: argparse.Namespace, rank: int, tied: dict) -> None:
     """Save after the last step (unless that step is saved already), then --export."""
-    from autopart import checkpoint
+    from autopart.runtime import checkpoint
 
     final = checkpoint.folder(args.checkpoint_dir, runner.steps)
     if not (final / checkpoint.INFO).is_file():
@@ -451,8 +451,8 @@ def _write_trace(
     step_s: float = 0.0,
 ) -> None:
     """Gather every rank's last step to rank 0: the trace (with the header that
-    ``autopart simulate --measured`` reads, see autopart/calibrate.py) and the picture."""
-    from autopart.calibrate import trace_document
+    ``autopart simulate --measured`` reads, see autopart/planning/calibrate.py) and the picture."""
+    from autopart.planning.calibrate import trace_document
 
     mine = {
         "rank": rank,
@@ -488,7 +488,7 @@ def _write_trace(
         if path is not None:
             print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)", flush=True)
         if png is not None:
-            from autopart.timeline import plot_timeline
+            from autopart.runtime.timeline import plot_timeline
 
             print(f"timeline of the last step: {plot_timeline(events, png, title)}", flush=True)
 

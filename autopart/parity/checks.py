@@ -2,7 +2,7 @@
 
 ``autopart verify`` runs its checks one of two ways, both on real gloo processes:
 
-- **saved** (``python -m autopart.runtime.checks MANIFEST`` under torchrun): the ranks stay up
+- **saved** (``python -m autopart.parity.checks MANIFEST`` under torchrun): the ranks stay up
   and take check after check from a JSON manifest, loading each saved program folder as
   ``autopart run`` does. One launch serves every check of one world size.
 - **forked** (``fork_ranks``): the process that compiled a ``Program`` forks its ranks, which
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from autopart import collectives
-from autopart.emit import Program, RankProgram, load_rank, load_weights, read_head
 from autopart.errors import AutopartError
-from autopart.plan import Plan
+from autopart.layout import Plan
+from autopart.program.format import Program, RankProgram, load_rank, load_weights, read_head
 from autopart.runtime.runner import Runner, local_weights, make_groups
 
 
@@ -84,14 +84,14 @@ def run_check(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m autopart.runtime.checks MANIFEST`` (under torchrun): run every check the
+    """``python -m autopart.parity.checks MANIFEST`` (under torchrun): run every check the
     manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool,
     "checks": [{"name", "program", "batch", "dump"}, ...]}``; every program has this world size."""
-    from autopart.run import _join
+    from autopart.runtime.run import _join
 
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
-        print("usage: python -m autopart.runtime.checks MANIFEST (under torchrun)", file=sys.stderr)
+        print("usage: python -m autopart.parity.checks MANIFEST (under torchrun)", file=sys.stderr)
         return 2
     manifest = json.loads(Path(args[0]).read_text())
     timeout_s = float(manifest["timeout"])
@@ -245,4 +245,4 @@ if __name__ == "__main__":
     collectives.close()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as autopart.run: skip the teardown where gloo's threads may abort
+    os._exit(code)  # as autopart.runtime.run: skip the teardown where gloo's threads may abort

@@ -1,6 +1,6 @@
 """Pipeline timeline pictures: one row per rank, from Chrome/Perfetto trace events.
 
-The events are the dicts that ``Runner.chrome_trace`` writes (and ``python -m autopart.run DIR
+The events are the dicts that ``Runner.chrome_trace`` writes (and ``python -m autopart.runtime.run DIR
 --trace FILE`` gathers from every rank): ``{"name": "F(s0,m1,c2)", "cat": "F", "ph": "X",
 "pid": rank, "tid": 0, "ts": µs, "dur": µs}``. A simulated schedule gives the same dicts.
 

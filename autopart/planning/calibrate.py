@@ -20,7 +20,7 @@ the simulator needs:
 - **overhead**: the step's wall time minus the span of its actions (batch slicing, the loss
   all-reduce, the optimizer step), taken as fixed.
 
-``predict`` then runs ``autopart.simulate.simulate_actions`` over the generators' action lists
+``predict`` then runs ``autopart.planning.simulate.simulate_actions`` over the generators' action lists
 (the runtime's own schedule IR) for the same layout with another number of micro-batches or
 another schedule over the same units, and adds the overhead. ``autopart simulate --measured
 TRACE`` is the command line for it; ``benchmarks/calibration.py`` checks it against real runs.
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.planning.simulate import Timeline, simulate_actions
+from autopart.runtime.timeline import Block, blocks, read_json
 from autopart.schedule import generate
 from autopart.schedule.ir import Action
-from autopart.simulate import Timeline, simulate_actions
-from autopart.timeline import Block, blocks, read_json
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
 VERSION = 1

@@ -1,7 +1,7 @@
 """Computation-balanced sequence chunks for Seq1F1B.
 
 Chunk j of a sequence (tokens ``[a, e)``) attends to every earlier token of the same sequence,
-so under the causal convention of ``autopart.cost`` its forward work is
+so under the causal convention of ``autopart.frontend.cost`` its forward work is
 
     C(a, e) = c1 · (e − a) + c2 · (e² − a²)
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import sympy
 
-from autopart.capture import B, Captured, S
-from autopart.cost import analyze, total
 from autopart.errors import AutopartError
+from autopart.frontend.capture import B, Captured, S
+from autopart.frontend.cost import analyze, total
 
 SPLITS = ("balanced", "uniform")
 

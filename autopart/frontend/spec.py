@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from autopart.capture import check_batch
 from autopart.errors import AutopartError
+from autopart.frontend.capture import check_batch
 
 Factory = Callable[[], tuple[nn.Module, tuple[Any, Any]]]
 

@@ -1,0 +1,185 @@
+"""Lowering: a captured graph and a ``Plan`` become one ``RankProgram`` per rank.
+
+``compile_program`` is a sequence of small named steps, each returning plain values:
+
+1. ``apply_passes``      copy the captured graph and run the passes (``autopart.passes.PIPELINE``)
+2. ``split_stages``      the stage graphs, each with the list of what feeds its placeholders
+3. ``tied_across``       parameters that stages on several pipeline ranks use (``TIE_REDUCE``)
+4. ``chunk_costs``       Seq1F1B only: the chunk-boundary cost polynomial, checked on the example
+5. ``rank_program``      one rank's stages, shards, actions, buckets and groups
+6. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from autopart.frontend.capture import META_INPUT, Captured, InputRef
+from autopart.layout import Plan
+from autopart.lowering.pass_runner import PassRecord, run_passes
+from autopart.passes import PIPELINE
+from autopart.passes.data_parallel import buckets
+from autopart.passes.pipeline_split import stage_graphs
+from autopart.passes.tensor_parallel import META_SHARD
+from autopart.program.format import Program, RankProgram, Shard, StageProgram
+from autopart.schedule import generate, verify
+from autopart.schedule.chunks import chunk_lengths, cost_coefficients
+
+
+def compile_program(captured: Captured, plan: Plan) -> Program:
+    """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
+    gm, history = apply_passes(captured, plan)
+    stages, inputs = split_stages(gm)
+    ties = tied_across(inputs, plan.mesh.pp)
+    chunk_cost = chunk_costs(captured, plan)
+    ranks = [
+        rank_program(r, captured, plan, stages, inputs, ties, chunk_cost)
+        for r in range(plan.mesh.size)
+    ]
+    check_schedules(ranks, plan, len(stages))
+    program = Program(
+        plan,
+        ranks,
+        dict(captured.params),
+        dict(captured.buffers),
+        dict(captured.tied),
+        captured.example_shape,
+        captured.vocab_size,
+        history,
+    )
+    program.split = {
+        k: gm.meta[f"autopart.{k}"] for k in ("unit_costs", "cuts") if f"autopart.{k}" in gm.meta
+    }
+    return program
+
+
+def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """A copy of the captured graph, transformed by every pass (the capture stays untouched)."""
+    gm = copy_graph(captured.graph)
+    gm.meta["autopart.example_shape"] = captured.example_shape
+    return run_passes(gm, plan, PIPELINE)
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and node meta dicts) a pass may change freely."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    return new
+
+
+def split_stages(gm: fx.GraphModule) -> tuple[list[fx.GraphModule], list[list[InputRef]]]:
+    """The stage graphs (one when pp = 1) and, per stage, what feeds each placeholder."""
+    stages = stage_graphs(gm)
+    inputs = [
+        st.meta.get("autopart.inputs")
+        or [n.meta[META_INPUT] for n in st.graph.nodes if n.op == "placeholder"]
+        for st in stages
+    ]
+    for st, refs in zip(stages, inputs, strict=True):
+        st.meta["autopart.passes"] = gm.meta.get("autopart.passes", [])
+        for n, ref in zip((n for n in st.graph.nodes if n.op == "placeholder"), refs, strict=True):
+            n.meta[META_INPUT] = ref
+    return stages, inputs
+
+
+def tied_across(inputs: list[list[InputRef]], pp: int) -> dict[str, list[int]]:
+    """FQN → the pipeline ranks whose stages use it, for parameters used on several."""
+    holders: dict[str, set[int]] = {}
+    for k, refs in enumerate(inputs):
+        for ref in refs:
+            if ref.kind == "param":
+                holders.setdefault(ref.name, set()).add(k % pp)
+    return {f: sorted(pps) for f, pps in holders.items() if len(pps) > 1}
+
+
+def chunk_costs(captured: Captured, plan: Plan) -> tuple[float, float] | None:
+    """Seq1F1B's chunk-boundary cost coefficients, refused now if the example sequence cannot
+    hold the chunks (not at the first step); ``None`` for other schedules."""
+    if not plan.schedule.startswith("seq1f1b"):
+        return None
+    cost = cost_coefficients(captured)
+    seq = captured.example_shape[1]
+    chunk_lengths(cost, seq, plan.seq_chunks, plan.seq_split, plan.chunk_multiple)
+    return cost
+
+
+def _shards(captured: Captured, split: dict, tp_index: int, tp: int) -> dict[str, Shard]:
+    """Each parameter's slice on a rank with this tp index (whole when not split)."""
+    out = {}
+    for fqn, t in captured.params.items():
+        s = split.get(fqn)
+        shape = tuple(t.shape)
+        out[fqn] = Shard(shape) if s is None else Shard(shape, s.dim, tp_index, tp, s.strided)
+    return out
+
+
+def rank_program(
+    r: int,
+    captured: Captured,
+    plan: Plan,
+    stages: list[fx.GraphModule],
+    inputs: list[list[InputRef]],
+    ties: dict[str, list[int]],
+    chunk_cost: tuple[float, float] | None,
+) -> RankProgram:
+    """Rank ``r``'s program: stage ``k`` runs on pipeline rank ``k mod pp``."""
+    mesh = plan.mesh
+    coords = mesh.coords(r)
+    mine = [k for k in range(len(stages)) if k % mesh.pp == coords["pp"]]
+    used = {ref.name for k in mine for ref in inputs[k] if ref.kind == "param"}
+    split = {  # FQN → how tensor parallelism split it (None: replicated)
+        n.meta[META_INPUT].name: n.meta.get(META_SHARD)
+        for st in stages
+        for n in st.graph.nodes
+        if n.op == "placeholder" and n.meta[META_INPUT].kind == "param"
+    }
+    shards = _shards(captured, split, coords["tp"], mesh.tp)
+    return RankProgram(
+        rank=r,
+        coords=coords,
+        groups={d: mesh.group(d, r) for d in ("dp", "pp", "tp")},
+        stages=[StageProgram(k, stages[k], inputs[k]) for k in mine],
+        actions=generate(
+            plan.schedule,
+            coords["pp"],
+            plan.microbatches,
+            mesh.group("pp", r),
+            mesh.dp,
+            plan.virtual_stages,
+            tied=any(f in ties for f in used),
+            k=plan.seq_chunks,
+        ),
+        shards={f: s for f, s in shards.items() if f in used},
+        buckets=_rank_buckets([stages[k] for k in mine]),
+        ties={f: pps for f, pps in ties.items() if f in used},
+        n_stages=len(stages),
+        chunk_cost=chunk_cost,
+        vocab_size=captured.vocab_size,
+    )
+
+
+def _rank_buckets(stages: list[fx.GraphModule]) -> list[list[str]]:
+    """This rank's gradient buckets over all its stages (later stages' gradients come first)."""
+    out, seen = [], set()
+    for st in reversed(stages):
+        for b in buckets(st):
+            b = [f for f in b if f not in seen]
+            seen.update(b)
+            if b:
+                out.append(b)
+    return out
+
+
+def check_schedules(ranks: list[RankProgram], plan: Plan, n_stages: int) -> None:
+    """Every pipeline group's action lists run every (stage, micro-batch, chunk) unit once,
+    in an order that cannot deadlock (``autopart.schedule.verify``)."""
+    units = {
+        (s, mb, c)
+        for s in range(n_stages)
+        for mb in range(plan.microbatches)
+        for c in range(plan.seq_chunks)
+    }
+    for pipeline in plan.mesh.groups("pp"):
+        verify({r: ranks[r].actions for r in pipeline}, units)
