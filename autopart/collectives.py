@@ -178,13 +178,21 @@ def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
     return out
 
 
-def _world(group: str) -> int:
+def _sized(group: str, size: int | None) -> Any:
+    """The process group bound to ``group``, checked to have the ``size`` the graph was
+    compiled for (the op's explicit group size; None: any)."""
     g = _group(group)
-    return 1 if g is None else dist.get_world_size(g)
+    if g is not None and size is not None and dist.get_world_size(g) != size:
+        raise AutopartError(
+            f"the graph's {group} collectives were compiled for {size} ranks, but this "
+            f"process bound {group} to a group of {dist.get_world_size(g)}",
+            hint="run the program on the mesh it was compiled for",
+        )
+    return g
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    g = _group(group)
+def _all_gather(x: torch.Tensor, dim: int, group: str, size: int | None = None) -> torch.Tensor:
+    g = _sized(group, size)
     if g is None:
         return x.clone()
     what = f"all-gather over {group} of {tuple(x.shape)}"
@@ -196,8 +204,8 @@ def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    g = _group(group)
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int | None = None) -> torch.Tensor:
+    g = _sized(group, size)
     if g is None:
         return x.clone()
     n, me = dist.get_world_size(g), dist.get_rank(g)
@@ -236,15 +244,18 @@ def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("autopart::tp_gather", mutates_args=())
-def tp_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """All-gather along ``dim`` forward; reduce-scatter backward (sequence parallelism)."""
-    return _all_gather(x, dim, group)
+def tp_gather(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    """All-gather along ``dim`` over ``group`` of ``size`` ranks forward; reduce-scatter
+    backward (sequence parallelism). The size is part of the op, so shapes propagate at
+    compile time without a process group."""
+    return _all_gather(x, dim, group, size)
 
 
 @torch.library.custom_op("autopart::tp_scatter_reduce", mutates_args=())
-def tp_scatter_reduce(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """Reduce-scatter along ``dim`` forward; all-gather backward (sequence parallelism)."""
-    return _reduce_scatter(x, dim, group)
+def tp_scatter_reduce(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` over ``group`` of ``size`` ranks forward; all-gather
+    backward (sequence parallelism)."""
+    return _reduce_scatter(x, dim, group, size)
 
 
 @torch.library.custom_op("autopart::tp_all_reduce_grad", mutates_args=())
@@ -257,28 +268,16 @@ def _same(x: torch.Tensor, *_: Any) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _gathered(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _gathered(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
     shape = list(x.shape)
-    shape[dim] = shape[dim] * _fake_world(group)
+    shape[dim] = shape[dim] * size
     return x.new_empty(shape)
 
 
-def _scattered(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _scattered(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
     shape = list(x.shape)
-    shape[dim] = shape[dim] // _fake_world(group)
+    shape[dim] = shape[dim] // size
     return x.new_empty(shape)
-
-
-_FAKE_WORLD: dict[str, int] = {}
-
-
-def _fake_world(group: str) -> int:
-    """Group sizes for shape propagation at compile time (``set_fake_world``)."""
-    return _FAKE_WORLD.get(group) or _world(group)
-
-
-def set_fake_world(sizes: dict[str, int]) -> None:
-    _FAKE_WORLD.update(sizes)
 
 
 for _op, _fake in (
@@ -301,10 +300,10 @@ tp_all_reduce_grad.register_autograd(
 )
 tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
 tp_gather.register_autograd(
-    lambda ctx, g: (tp_scatter_reduce(g, *ctx.args), None, None), setup_context=_keep_group
+    lambda ctx, g: (tp_scatter_reduce(g, *ctx.args), None, None, None), setup_context=_keep_group
 )
 tp_scatter_reduce.register_autograd(
-    lambda ctx, g: (tp_gather(g, *ctx.args), None, None), setup_context=_keep_group
+    lambda ctx, g: (tp_gather(g, *ctx.args), None, None, None), setup_context=_keep_group
 )
 
 

@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from nanogpt import GPT, GPTConfig, batch  # noqa: E402
 
+from autopart.meta import META_CUTS, META_UNIT_COSTS
+
 CFG = GPTConfig(n_layer=4, n_embd=256, n_head=8, vocab_size=32, block_size=128, dropout=0.0)
 P, MB, SEQ, MS, WARMUP, STEPS, TARGET = 2, 2, 128, (4, 8), 2, 10, 0.05
 
@@ -71,7 +73,7 @@ def stage_costs(m: int) -> tuple[list[float], list[int]]:
         model, autopart.Mesh(pp=P), example_inputs=(x, y), schedule="1f1b", microbatches=m
     )
     meta = prog.rank(0).stages[0].graph.meta  # the split pass's meta, copied onto each stage
-    return meta["autopart.unit_costs"], meta["autopart.cuts"]
+    return meta[META_UNIT_COSTS], meta[META_CUTS]
 
 
 def unit(name: str) -> tuple[int, int]:

@@ -33,13 +33,11 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, META_MODULE
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
+from autopart.meta import META_ATTENTION, META_BUFFERS, META_INPUT, META_MODULE, META_WINDOW
 
 aten = torch.ops.aten
-META_ATTENTION = "autopart.attention"
-META_WINDOW = "autopart.window"  # on a canonical SDPA: its sliding window in keys (None: none)
 SDPA = aten.scaled_dot_product_attention.default
 _SIZES = (3, 5, 8, 13)
 LONGEST = 8192  # the longest sequence a mask is evaluated at (batch 1 beyond _SIZES)
@@ -331,7 +329,7 @@ def _example(ph: fx.Node, s: int, gm: fx.GraphModule, batch: int = 2) -> torch.T
     if ref.kind == "data":
         return torch.randint(0, 50, (batch, s))
     if ref.kind in ("buffer", "constant"):
-        return gm.meta["autopart.buffers"][ref.name]
+        return gm.meta[META_BUFFERS][ref.name]
     if ref.kind == "rank":
         return torch.tensor(0)
     return torch.tensor(0)

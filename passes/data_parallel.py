@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopart.frontend.capture import META_INPUT
 from autopart.layout import Plan
-
-META_BUCKET = "autopart.dp_bucket"
+from autopart.meta import META_BUCKET, META_INPUT, META_STAGES
 
 
 def data_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    for name in gm.meta.get("autopart.stages", []):  # a pipeline: bucket each stage on its own
+    for name in gm.meta.get(META_STAGES, []):  # a pipeline: bucket each stage on its own
         _bucket(getattr(gm, name), plan)
-    return gm if gm.meta.get("autopart.stages") else _bucket(gm, plan)
+    return gm if gm.meta.get(META_STAGES) else _bucket(gm, plan)
 
 
 def _bucket(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

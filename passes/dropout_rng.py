@@ -15,12 +15,20 @@ import torch
 from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers autopart::dropout
-from autopart.frontend.capture import META_INPUT, InputRef
+from autopart.frontend.capture import InputRef
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
+from autopart.meta import (
+    META_DROPOUT_SPLIT,
+    META_INPUT,
+    META_LAYER,
+    META_MODULE,
+    META_SEQ,
+    META_TP_SPLIT,
+)
 
 aten, ops = torch.ops.aten, torch.ops.autopart
-META_SPLIT = ("autopart.tp_split", "autopart.seq_split")  # set by tensor_/sequence_parallel
+META_SPLIT = (META_TP_SPLIT, META_SEQ)  # set by tensor_/sequence_parallel
 
 
 def dropout_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -36,9 +44,7 @@ def dropout_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     rank = next((n for n in placeholders if n.meta[META_INPUT].kind == "rank"), None)
     with gm.graph.inserting_after(placeholders[-1]):
         seed = gm.graph.placeholder("rng_seed")
-    seed.meta.update(
-        {META_INPUT: InputRef("rng", "seed"), "autopart.module": "", "autopart.layer": None}
-    )
+    seed.meta.update({META_INPUT: InputRef("rng", "seed"), META_MODULE: "", META_LAYER: None})
     with torch._guards.detect_fake_mode([placeholders[-1].meta["val"]]):
         seed.meta["val"] = torch.empty((), dtype=torch.int64)
     for slot, n in enumerate(active):
@@ -49,7 +55,7 @@ def dropout_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 (n.args[0], float(n.args[1]), seed, slot, rank if split else None),
             )
         new.meta.update(n.meta)
-        new.meta["autopart.dropout_split"] = split
+        new.meta[META_DROPOUT_SPLIT] = split
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
     return propagate(gm)

@@ -26,11 +26,20 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, META_LAYER, InputRef
+from autopart.frontend.capture import InputRef
 from autopart.frontend.cost import node_cost
 from autopart.layout import Plan
-
-META_STAGE = "autopart.stage"
+from autopart.meta import (
+    META_CUTS,
+    META_EXAMPLE_SHAPE,
+    META_INPUT,
+    META_INPUTS,
+    META_LAYER,
+    META_PASSES,
+    META_STAGE,
+    META_STAGES,
+    META_UNIT_COSTS,
+)
 
 
 def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -50,8 +59,8 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     inflight = [min(plan.microbatches * plan.virtual_stages, stages - k) for k in range(stages)]
     cuts = balanced_cuts(cost, stages, _unit_memory(gm, units, n_units, plan), limit, inflight)
     stage_of = {n: _stage(units[n], cuts) for n in units}
-    gm.meta["autopart.unit_costs"] = cost
-    gm.meta["autopart.cuts"] = cuts
+    gm.meta[META_UNIT_COSTS] = cost
+    gm.meta[META_CUTS] = cuts
     return _build(gm, stage_of, stages, order)
 
 
@@ -107,7 +116,7 @@ def _unit_costs(
     gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int, plan: Plan
 ) -> list[float]:
     """Forward + backward FLOPs (3 × forward) of each unit at the example shape."""
-    b, s = gm.meta.get("autopart.example_shape", (8, 128))
+    b, s = gm.meta.get(META_EXAMPLE_SHAPE, (8, 128))
     from autopart.frontend.capture import B, S
 
     cost = [0.0] * n_units
@@ -125,7 +134,7 @@ def _unit_memory(
     """(parameter bytes, activation bytes per micro-batch) of each unit at the example shape."""
     from autopart.frontend.capture import B, S
 
-    b, s = gm.meta.get("autopart.example_shape", (8, 128))
+    b, s = gm.meta.get(META_EXAMPLE_SHAPE, (8, 128))
     sizes = {B: max(1, b // plan.microbatches), S: s}
     out = [[0.0, 0.0] for _ in range(n_units)]
     seen: set[fx.Node] = set()
@@ -278,14 +287,10 @@ def _stage_graph(gm, k, stage_of, rec, crossing, output, stages) -> fx.GraphModu
         g.output(tuple(env[v] for v in crossing[k]))
     sub = fx.GraphModule(gm, g)
     sub.meta.update(
-        {
-            kk: vv
-            for kk, vv in gm.meta.items()
-            if kk.startswith("autopart.") and kk != "autopart.passes"
-        }
+        {kk: vv for kk, vv in gm.meta.items() if kk.startswith("autopart.") and kk != META_PASSES}
     )
     sub.meta[META_STAGE] = k
-    sub.meta["autopart.inputs"] = refs
+    sub.meta[META_INPUTS] = refs
     return sub
 
 
@@ -333,7 +338,7 @@ def _parent(
         setattr(root, f"stage{k}", sub)
         args = []
         for ref, ph in zip(
-            sub.meta["autopart.inputs"],
+            sub.meta[META_INPUTS],
             (n for n in sub.graph.nodes if n.op == "placeholder"),
             strict=True,
         ):
@@ -345,7 +350,7 @@ def _parent(
     g.output(out)
     parent = fx.GraphModule(root, g)
     parent.meta.update(gm.meta)
-    parent.meta["autopart.stages"] = [f"stage{k}" for k in range(len(subs))]
+    parent.meta[META_STAGES] = [f"stage{k}" for k in range(len(subs))]
     return parent
 
 
@@ -355,7 +360,7 @@ def _getitem(x, i):
 
 def stage_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """The stage graphs of a split graph, in order (``[gm]`` when not split)."""
-    names = gm.meta.get("autopart.stages")
+    names = gm.meta.get(META_STAGES)
     return [getattr(gm, n) for n in names] if names else [gm]
 
 

@@ -43,22 +43,26 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, META_LAYER, META_MODULE, B, InputRef, S, to_sympy
+from autopart.frontend.capture import B, InputRef, S, to_sympy
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
-from autopart.passes.canonicalize_attention import (
+from autopart.meta import (
     META_ATTENTION,
+    META_INPUT,
+    META_INPUTS,
+    META_KV,
+    META_KV_SHAPES,
+    META_LAYER,
+    META_MODULE,
+    META_RANGES,
+    META_SYMBOLS,
     META_WINDOW,
-    SDPA,
-    lower_right_mask,
-    require_causal,
 )
+from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
 
 aten = torch.ops.aten
 P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas
-META_KV = "autopart.kv_outputs"  # number of K/V outputs appended to a stage's outputs
-META_KV_SHAPES = "autopart.kv_shapes"  # the first chunk's (empty) prefix shapes: "b" = batch
 
 
 def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -74,7 +78,7 @@ def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite one stage graph in place to run one chunk (see the module docstring)."""
     g = gm.graph
-    refs = gm.meta.get("autopart.inputs")  # a pipeline stage's input list (else from meta)
+    refs = gm.meta.get(META_INPUTS)  # a pipeline stage's input list (else from meta)
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     last_ph = placeholders[-1]
     output = next(n for n in g.nodes if n.op == "output")
@@ -151,17 +155,17 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     output.args = (outs + tuple(kv_out),)
     if refs is not None:
-        gm.meta["autopart.inputs"] = [*refs, *new_refs]
+        gm.meta[META_INPUTS] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
     gm.meta[META_KV_SHAPES] = [
         _empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair
     ]
     if prefix_len is not None:
-        rc = dict(gm.meta.get("autopart.range_constraints", {}))
+        rc = dict(gm.meta.get(META_RANGES, {}))
         rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
-        gm.meta["autopart.range_constraints"] = rc
-        gm.meta["autopart.symbols"] = {
-            **gm.meta.get("autopart.symbols", {}),
+        gm.meta[META_RANGES] = rc
+        gm.meta[META_SYMBOLS] = {
+            **gm.meta.get(META_SYMBOLS, {}),
             prefix_len.node.expr: P,
         }
     g.lint()
@@ -328,14 +332,14 @@ def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
     if start != 0 or val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
         return False
     expr = val.shape[0].node.expr
-    return gm.meta.get("autopart.symbols", {}).get(expr) == S
+    return gm.meta.get(META_SYMBOLS, {}).get(expr) == S
 
 
 def _empty_prefix(ph: fx.Node, prefix_len: torch.SymInt, gm: fx.GraphModule) -> list[int | str]:
     """The first chunk's prefix shape: 0 tokens, "b" where the batch goes, other sizes fixed
     (head counts and widths; under tp they may be expressions of s that are constant for the
     chunk lengths allowed, so they are evaluated at the example)."""
-    names = gm.meta.get("autopart.symbols", {})
+    names = gm.meta.get(META_SYMBOLS, {})
     out: list[int | str] = []
     for d in ph.meta["val"].shape:
         if not isinstance(d, torch.SymInt):

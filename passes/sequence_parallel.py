@@ -19,14 +19,14 @@ from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, META_MODULE, S, to_sympy
+from autopart.frontend.capture import S, to_sympy
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
-from autopart.passes.tensor_parallel import META_SHARD, VIEWS
+from autopart.meta import META_INPUT, META_MODULE, META_SEQ, META_SHARD
+from autopart.passes.tensor_parallel import VIEWS
 from autopart.passes.tp_rules import Illegal, out_dim, tensor_val, view_map
 
 aten, ops = torch.ops.aten, torch.ops.autopart
-META_SEQ = "autopart.seq_split"  # on activations: the dim split along the sequence, or absent
 
 
 def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -41,18 +41,17 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             "sequence parallelism needs the vocabulary-parallel embedding",
             hint="run without sequence_parallel for this model",
         )
-    collectives.set_fake_world({"tp": plan.mesh.tp})  # shapes of gathers/scatters at compile time
     seq: dict[fx.Node, int] = {}
     grad_reduce: set[fx.Node] = set()
     for n in list(gm.graph.nodes):
         if n.target == ops.tp_reduce.default:
-            seq[_swap(gm, n, ops.tp_scatter_reduce.default)] = _seq_dim(n.args[0])
+            seq[_swap(gm, n, ops.tp_scatter_reduce.default, plan.mesh.tp)] = _seq_dim(n.args[0])
         elif n.target == ops.tp_copy.default:
             if n.args[0] not in seq:
                 raise AutopartError(
                     f"{n.format_node()} gathers a value that is not split along the sequence"
                 )
-            _swap(gm, n, ops.tp_gather.default, seq[n.args[0]])
+            _swap(gm, n, ops.tp_gather.default, plan.mesh.tp, seq[n.args[0]])
         elif any(a in seq for a in n.all_input_nodes) and n.op == "call_function":
             _follow(gm, n, seq, rank, grad_reduce)
         elif n.op == "output" and any(a in seq for a in n.all_input_nodes):
@@ -84,11 +83,11 @@ def _gm_of(n: fx.Node) -> fx.GraphModule:
     return n.graph.owning_module
 
 
-def _swap(gm: fx.GraphModule, n: fx.Node, op, dim: int | None = None) -> fx.Node:
+def _swap(gm: fx.GraphModule, n: fx.Node, op, tp: int, dim: int | None = None) -> fx.Node:
     x = n.args[0]
     dim = _seq_dim(x) if dim is None else dim
     with gm.graph.inserting_after(n):
-        new = gm.graph.call_function(op, (x, dim, "tp"))
+        new = gm.graph.call_function(op, (x, dim, "tp", tp))
     new.meta.update(n.meta)
     n.replace_all_uses_with(new)
     gm.graph.erase_node(n)

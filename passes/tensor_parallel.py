@@ -31,15 +31,21 @@ from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_MODULE, from_parameters
+from autopart.frontend.capture import from_parameters
 from autopart.frontend.shapes import fake_like, propagate
 from autopart.layout import Plan
+from autopart.meta import (
+    META_GLOBAL_VAL,
+    META_INPUT,
+    META_MODULE,
+    META_ROLE,
+    META_SHARD,
+    META_TP_SPLIT,
+)
 from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
 
 log = logging.getLogger("autopart")
 aten, ops = torch.ops.aten, torch.ops.autopart
-META_SHARD = "autopart.shard"
-META_ROLE = "autopart.tp_role"  # "column" | "row" | "vocab": set on matmuls this pass family split
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         _split_row(gm, matmul_form(n))
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
-        n.meta["autopart.tp_split"] = sp.dims[n]
+        n.meta[META_TP_SPLIT] = sp.dims[n]
     _sum_partial_grads(gm, sp)
     localize(gm, tp)
     return propagate(gm)
@@ -169,7 +175,7 @@ def tp_copy_of(gm: fx.GraphModule, x: fx.Node, user: fx.Node) -> fx.Node:
     if copy is None:
         with gm.graph.inserting_after(x):
             copy = gm.graph.call_function(ops.tp_copy.default, (x, "tp"))
-        copy.meta.update({k: v for k, v in x.meta.items() if not k.startswith("autopart.input")})
+        copy.meta.update({k: v for k, v in x.meta.items() if not k.startswith(META_INPUT)})
     user.replace_input_with(x, copy)
     return copy
 
@@ -224,7 +230,7 @@ def _sum_partial_grads(gm: fx.GraphModule, sp) -> None:
                 with gm.graph.inserting_after(a):
                     reduced[a] = gm.graph.call_function(ops.tp_all_reduce_grad.default, (a, "tp"))
                 reduced[a].meta.update(
-                    {k: v for k, v in a.meta.items() if not k.startswith("autopart.input")}
+                    {k: v for k, v in a.meta.items() if not k.startswith(META_INPUT)}
                 )
             n.replace_input_with(a, reduced[a])
 
@@ -268,8 +274,8 @@ def localize(gm: fx.GraphModule, tp: int) -> None:
                     f"({u.meta.get(META_MODULE) or '<root>'}) reads it whole",
                     hint="this use of a split weight is not supported with tp; please report the model",
                 )
-        full = p.meta.get("autopart.global_val", p.meta["val"])
-        p.meta["autopart.global_val"] = full
+        full = p.meta.get(META_GLOBAL_VAL, p.meta["val"])
+        p.meta[META_GLOBAL_VAL] = full
         shape = list(full.shape)
         shape[shard.dim] //= tp
         p.meta["val"] = fake_like(full, tuple(shape))

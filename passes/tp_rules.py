@@ -16,6 +16,8 @@ import sympy
 import torch
 from torch import fx
 
+from autopart.meta import META_INPUT
+
 aten = torch.ops.aten
 
 
@@ -313,7 +315,7 @@ class Matmul:
 
 
 def is_param(n: object) -> bool:
-    ref = n.meta.get("autopart.input") if isinstance(n, fx.Node) else None
+    ref = n.meta.get(META_INPUT) if isinstance(n, fx.Node) else None
     return ref is not None and ref.kind == "param"
 
 

@@ -18,12 +18,18 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, META_MODULE, InputRef
+from autopart.frontend.capture import InputRef
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
-from autopart.passes.tensor_parallel import (
+from autopart.meta import (
+    META_INPUT,
+    META_LAYER,
+    META_MODULE,
     META_ROLE,
     META_SHARD,
+    META_VOCAB_DIMS,
+)
+from autopart.passes.tensor_parallel import (
     TPShard,
     _rewrite_constants,
     _set_shard,
@@ -88,7 +94,7 @@ def _rank_input(gm: fx.GraphModule) -> fx.Node:
         {
             META_INPUT: InputRef("rank", "tp"),
             META_MODULE: "",
-            "autopart.layer": None,
+            META_LAYER: None,
             META_SHARD: None,
         }
     )
@@ -105,7 +111,7 @@ def _head(gm: fx.GraphModule, ce: fx.Node) -> fx.Node | None:
     sp = spread(gm, lambda f: f.node is n, end=lambda m, dims: m is ce)
     if sp.problems or sp.rows or sp.ends != [ce]:
         return None
-    n.meta["autopart.vocab_dims"] = sp.dims
+    n.meta[META_VOCAB_DIMS] = sp.dims
     return n
 
 
@@ -116,7 +122,7 @@ def _split_head(gm: fx.GraphModule, head: fx.Node, ce: fx.Node, rank: fx.Node, t
         _set_shard(form.bias, TPShard(0))
     head.meta[META_ROLE] = "vocab"
     tp_copy_of(gm, form.x, head)
-    dims = head.meta.pop("autopart.vocab_dims")
+    dims = head.meta.pop(META_VOCAB_DIMS)
     for n in list(dims):
         _rewrite_constants(n, dims, tp)
     with gm.graph.inserting_after(ce):

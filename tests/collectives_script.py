@@ -113,7 +113,9 @@ def failures(n: int, me: int) -> dict:
     if me == 2:  # arrives after rank 0 has failed too: it must still name rank 1, the first
         time.sleep(0.5)
     attempt("full", lambda: collectives._all_reduce(torch.ones(1 << 19), "t"))
-    attempt("uneven", lambda: collectives._reduce_scatter(torch.ones(n + 1, 2), 0, "t"))
+    attempt("uneven", lambda: collectives._reduce_scatter(torch.ones(n + 1, 2), 0, "t", n))
+    # a graph compiled for another group size: its gather is refused before any data moves
+    attempt("resized", lambda: collectives.tp_gather(torch.ones(2), 0, "t", n + 1))
     collectives.set_action("(checks)", timeout_s=60.0)
     shm._map = mapping
     return out

@@ -25,6 +25,7 @@ import hf_gpt2  # noqa: E402
 import nanogpt  # noqa: E402
 
 from autopart.frontend.capture import Captured, capture, logits_of  # noqa: E402
+from autopart.meta import META_INPUT  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -71,7 +72,7 @@ def feed(captured: Captured, batch: Batch, params: dict[str, torch.Tensor] | Non
     data = {"input_ids": batch[0], "labels": batch[1]}
     args = []
     for node in captured.placeholders():
-        ref = node.meta["autopart.input"]
+        ref = node.meta[META_INPUT]
         if ref.kind == "param":
             args.append(params[ref.name])
         elif ref.kind in ("buffer", "constant"):

@@ -11,18 +11,8 @@ from conftest import Case, nanogpt, rel_err, run_graph, run_model
 from torch import nn
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import (
-    META_INPUT,
-    META_LAYER,
-    META_MODULE,
-    B,
-    InputRef,
-    S,
-    capture,
-    layer_of,
-    logits_of,
-    to_sympy,
-)
+from autopart.frontend.capture import B, InputRef, S, capture, layer_of, logits_of, to_sympy
+from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_SYMBOLS
 
 
 def test_every_placeholder_has_an_input_ref(case: Case) -> None:
@@ -87,7 +77,7 @@ def test_layer_of() -> None:
 
 def test_batch_and_sequence_stay_symbolic(case: Case) -> None:
     gm = case.captured.graph
-    assert set(gm.meta["autopart.symbols"].values()) == {B, S}
+    assert set(gm.meta[META_SYMBOLS].values()) == {B, S}
     assert case.captured.symbols == {"b": B, "s": S}
     for node in case.captured.placeholders("data"):
         b, s = node.meta["val"].shape
@@ -130,7 +120,7 @@ def test_capture_meta_model_with_meta_inputs() -> None:
     assert all(t.device.type == "meta" for t in cap.params.values())
     assert cap.tied == {"lm_head.weight": "transformer.wte.weight"}
     assert cap.example_shape == (4, 8) and cap.vocab_size == cfg.vocab_size
-    assert set(cap.graph.meta["autopart.symbols"].values()) == {B, S}
+    assert set(cap.graph.meta[META_SYMBOLS].values()) == {B, S}
 
 
 def test_capture_meta_model_with_cpu_inputs() -> None:

@@ -9,7 +9,8 @@ from conftest import Case
 from torch import fx, nn
 
 from autopart.frontend.capture import B, S, capture
-from autopart.frontend.cost import META_COST, Cost, analyze, evaluate, node_cost, total
+from autopart.frontend.cost import Cost, analyze, evaluate, node_cost, total
+from autopart.meta import META_COST
 
 
 def _op(node: fx.Node) -> str:

@@ -12,8 +12,17 @@ from conftest import Case, nanogpt
 from autopart.api import parallelize
 from autopart.errors import AutopartError
 from autopart.layout import Mesh, Plan
+from autopart.meta import META_BUCKET, META_LAYER, META_MODULE, META_PASSES
 from autopart.passes import PIPELINE
-from autopart.program.format import Program, RankProgram, Shard, load_rank, load_weights, read_head
+from autopart.program.format import (
+    FORMAT,
+    Program,
+    RankProgram,
+    Shard,
+    load_rank,
+    load_weights,
+    read_head,
+)
 from autopart.schedule import Action
 
 PASS_NAMES = [p.__name__ for p in PIPELINE]
@@ -107,7 +116,7 @@ def test_summary_prints_a_row_per_rank(program: Program) -> None:
 def test_saved_files(saved) -> None:
     root, _ = saved
     head = json.loads((root / "plan.json").read_text())
-    assert head["world_size"] == 2 and head["format"] == 1
+    assert head["world_size"] == 2 and head["format"] == FORMAT
     assert head["passes"] == ["capture", *PASS_NAMES]
     for r in range(2):
         folder = root / f"rank{r:05d}"
@@ -135,13 +144,13 @@ def test_load_round_trip(program: Program, saved) -> None:
         for gs, ws in zip(got.stages, want.stages, strict=True):
             assert gs.inputs == ws.inputs
             assert gs.graph.code == ws.graph.code
-            assert gs.graph.meta["autopart.passes"] == PASS_NAMES
+            assert gs.graph.meta[META_PASSES] == PASS_NAMES
             for gn, wn in zip(gs.graph.graph.nodes, ws.graph.graph.nodes, strict=True):
                 assert gn.name == wn.name and gn.op == wn.op
                 if gn.op != "call_function":
                     continue  # placeholders: see test_loaded_placeholders_keep_module_and_layer
-                assert gn.meta.get("autopart.module") == wn.meta.get("autopart.module"), gn.name
-                assert gn.meta.get("autopart.layer") == wn.meta.get("autopart.layer"), gn.name
+                assert gn.meta.get(META_MODULE) == wn.meta.get(META_MODULE), gn.name
+                assert gn.meta.get(META_LAYER) == wn.meta.get(META_LAYER), gn.name
     assert list(loaded.params) == list(program.params)
     for fqn, t in program.params.items():
         assert loaded.params[fqn].shape == t.shape and loaded.params[fqn].dtype == t.dtype
@@ -154,8 +163,8 @@ def test_loaded_placeholders_keep_module_and_layer(program: Program, saved) -> N
     want = program.rank(0).stages[0].graph.graph.nodes
     for gn, wn in zip(got, want, strict=True):
         if gn.op == "placeholder":
-            assert gn.meta.get("autopart.module") == wn.meta.get("autopart.module"), gn.name
-            assert gn.meta.get("autopart.layer") == wn.meta.get("autopart.layer"), gn.name
+            assert gn.meta.get(META_MODULE) == wn.meta.get(META_MODULE), gn.name
+            assert gn.meta.get(META_LAYER) == wn.meta.get(META_LAYER), gn.name
 
 
 def test_loaded_stage_computes_the_same_loss(program: Program, saved, model_batch) -> None:
@@ -206,7 +215,7 @@ def test_parallelize_a_capture_and_manual_buffers(gpt_manual: Case, tmp_path: Pa
     want = _loss(prog.rank(0), prog.params, prog.buffers, batch)
     assert _loss(loaded.rank(0), loaded.params, loaded.buffers, batch).item() == want.item()
     # the shared capture is not changed by compiling it
-    assert all("autopart.dp_bucket" not in n.meta for n in gpt_manual.captured.placeholders())
+    assert all(META_BUCKET not in n.meta for n in gpt_manual.captured.placeholders())
 
 
 def test_parallelize_refusals(gpt_sdpa: Case) -> None:

@@ -20,6 +20,7 @@ import nanogpt  # noqa: E402
 
 import autopart  # noqa: E402
 from autopart import collectives  # noqa: E402
+from autopart.meta import META_DROPOUT_SPLIT
 
 LOG: list | None = None  # (kind, group, shape) of every collective while a list
 
@@ -63,9 +64,9 @@ def main() -> int:
     runner = autopart.parallelize(model.double(), mesh, example_inputs=batch)
     runner.step(*batch)
     split = [
-        n.meta["autopart.dropout_split"]
+        n.meta[META_DROPOUT_SPLIT]
         for n in runner.program.stages[0].graph.graph.nodes
-        if "autopart.dropout_split" in n.meta
+        if META_DROPOUT_SPLIT in n.meta
     ]
     same = []
     for fqn, p in runner.named_parameters():

@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.table import Table
 from torch import fx
 
-from autopart.frontend.capture import META_LAYER, Captured, to_sympy
+from autopart.frontend.capture import Captured, to_sympy
 from autopart.frontend.cost import Group, analyze, evaluate, total
+from autopart.meta import META_LAYER
 
 
 def _human(x: float, unit: str = "") -> str:

@@ -31,8 +31,15 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
 from autopart.errors import AutopartError
+from autopart.meta import (
+    META_BUFFERS,
+    META_INPUT,
+    META_LAYER,
+    META_MODULE,
+    META_RANGES,
+    META_SYMBOLS,
+)
 
-META_MODULE, META_LAYER, META_INPUT = "autopart.module", "autopart.layer", "autopart.input"
 B, S = (
     sympy.Symbol("b", positive=True, integer=True),
     sympy.Symbol("s", positive=True, integer=True),
@@ -226,8 +233,8 @@ def _annotate(
     gm.graph.lint()
     gm.recompile()
     _name_symbols(gm)
-    gm.meta["autopart.range_constraints"] = dict(ep.range_constraints)
-    gm.meta["autopart.buffers"] = buffers  # their values: passes that evaluate masks need them
+    gm.meta[META_RANGES] = dict(ep.range_constraints)
+    gm.meta[META_BUFFERS] = buffers  # their values: passes that evaluate masks need them
     params = {fqn: names[fqn] for fqn in canonical}
     return Captured(
         graph=gm,
@@ -264,7 +271,7 @@ def _name_symbols(gm: fx.GraphModule) -> None:
             for dim, sym in zip(node.meta["val"].shape, (B, S), strict=False):
                 if isinstance(dim, torch.SymInt):
                     subs[dim.node.expr] = sym
-    gm.meta["autopart.symbols"] = subs
+    gm.meta[META_SYMBOLS] = subs
 
 
 def from_parameters(gm: fx.GraphModule) -> set[fx.Node]:
@@ -284,7 +291,7 @@ def from_parameters(gm: fx.GraphModule) -> set[fx.Node]:
 def to_sympy(x: Any, gm: fx.GraphModule) -> sympy.Expr:
     """An int or SymInt of ``gm`` as a sympy expression in b and s."""
     if isinstance(x, torch.SymInt):
-        return sympy.sympify(x.node.expr).xreplace(gm.meta.get("autopart.symbols", {}))
+        return sympy.sympify(x.node.expr).xreplace(gm.meta.get(META_SYMBOLS, {}))
     return sympy.Integer(int(x))
 
 

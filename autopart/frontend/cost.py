@@ -24,9 +24,9 @@ import sympy
 import torch
 from torch import fx
 
-from autopart.frontend.capture import META_LAYER, Captured, to_sympy
+from autopart.frontend.capture import Captured, to_sympy
+from autopart.meta import META_ATTENTION, META_COST, META_INPUT, META_LAYER, META_SYMBOLS
 
-META_COST = "autopart.cost"
 ZERO = sympy.Integer(0)
 
 _VIEWS = {
@@ -99,7 +99,7 @@ def _size(x: object, gm: fx.GraphModule) -> sympy.Expr:
     from autopart.frontend.capture import B, S
 
     expr = to_sympy(x, gm)
-    known = {B, S, *gm.meta.get("autopart.symbols", {}).values()}
+    known = {B, S, *gm.meta.get(META_SYMBOLS, {}).values()}
     extra = expr.free_symbols - known
     return expr.xreplace({u: B * S for u in extra}) if extra else expr
 
@@ -150,7 +150,7 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> Cost:
         )  # flash: (q, k, v, dropout, is_causal)
         causal = bool(
             node.kwargs.get("is_causal", node.args[slot] if len(node.args) > slot else False)
-        ) or "causal" in str(node.meta.get("autopart.attention", ""))  # a windowed or chunked
+        ) or "causal" in str(node.meta.get(META_ATTENTION, ""))  # a windowed or chunked
         # causal SDPA has an explicit mask: counted as causal (the window's saving is not)
         pairs = sq * sk - sq**2 / 2 if causal else sq * sk
         mm = 4 * b_h * d * pairs
@@ -182,7 +182,7 @@ def analyze(captured: Captured) -> list[Group]:
     for name, nodes in per.items():
         for n in nodes:
             for a in n.all_input_nodes:
-                ref = a.meta.get("autopart.input")
+                ref = a.meta.get(META_INPUT)
                 if ref is not None and ref.kind == "param":
                     owner.setdefault(ref.name, name)
     groups = []

@@ -10,7 +10,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_MODULE
+from autopart.meta import META_MODULE
 
 
 class _Prop(FakeTensorProp):

@@ -14,13 +14,21 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopart.frontend.capture import META_INPUT, Captured, InputRef
+from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Plan
 from autopart.lowering.pass_runner import PassRecord, run_passes
+from autopart.meta import (
+    META_CUTS,
+    META_EXAMPLE_SHAPE,
+    META_INPUT,
+    META_INPUTS,
+    META_PASSES,
+    META_SHARD,
+    META_UNIT_COSTS,
+)
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
-from autopart.passes.tensor_parallel import META_SHARD
 from autopart.program.format import Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths, cost_coefficients
@@ -48,7 +56,9 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         history,
     )
     program.split = {
-        k: gm.meta[f"autopart.{k}"] for k in ("unit_costs", "cuts") if f"autopart.{k}" in gm.meta
+        name: gm.meta[key]
+        for name, key in (("unit_costs", META_UNIT_COSTS), ("cuts", META_CUTS))
+        if key in gm.meta
     }
     return program
 
@@ -56,7 +66,7 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
 def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[PassRecord]]:
     """A copy of the captured graph, transformed by every pass (the capture stays untouched)."""
     gm = copy_graph(captured.graph)
-    gm.meta["autopart.example_shape"] = captured.example_shape
+    gm.meta[META_EXAMPLE_SHAPE] = captured.example_shape
     return run_passes(gm, plan, PIPELINE)
 
 
@@ -73,12 +83,12 @@ def split_stages(gm: fx.GraphModule) -> tuple[list[fx.GraphModule], list[list[In
     """The stage graphs (one when pp = 1) and, per stage, what feeds each placeholder."""
     stages = stage_graphs(gm)
     inputs = [
-        st.meta.get("autopart.inputs")
+        st.meta.get(META_INPUTS)
         or [n.meta[META_INPUT] for n in st.graph.nodes if n.op == "placeholder"]
         for st in stages
     ]
     for st, refs in zip(stages, inputs, strict=True):
-        st.meta["autopart.passes"] = gm.meta.get("autopart.passes", [])
+        st.meta[META_PASSES] = gm.meta.get(META_PASSES, [])
         for n, ref in zip((n for n in st.graph.nodes if n.op == "placeholder"), refs, strict=True):
             n.meta[META_INPUT] = ref
     return stages, inputs

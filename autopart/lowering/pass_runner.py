@@ -19,6 +19,7 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.layout import Plan
+from autopart.meta import META_PASSES
 
 log = logging.getLogger("autopart")
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
@@ -58,7 +59,7 @@ def run_passes(
             )
         out.graph.lint()
         out.recompile()
-        out.meta["autopart.passes"] = [*gm.meta.get("autopart.passes", []), name]
+        out.meta[META_PASSES] = [*gm.meta.get(META_PASSES, []), name]
         seconds = time.perf_counter() - start
         log.info("pass %d/%d %s: %.3f s", i, len(passes), name, seconds)
         history.append(PassRecord(name, seconds, out.code))

@@ -48,13 +48,21 @@ from torch.export.graph_signature import (
 )
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, META_LAYER, META_MODULE, InputRef, layer_of
+from autopart.frontend.capture import InputRef, layer_of
 from autopart.layout import Mesh, Plan
 from autopart.lowering.pass_runner import PassRecord
+from autopart.meta import (
+    META_INPUT,
+    META_KV_SHAPES,
+    META_LAYER,
+    META_MODULE,
+    META_PASSES,
+    META_RANGES,
+)
 from autopart.program.archive import check_pt2, check_targets
 from autopart.schedule.ir import Action, table
 
-FORMAT = 1
+FORMAT = 2  # 2: tp_gather / tp_scatter_reduce carry their group size
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -108,7 +116,7 @@ class RankProgram:
             "# groups: " + ", ".join(f"{d}={g}" for d, g in self.groups.items()),
         ]
         for st in self.stages:
-            made_by = " → ".join(["capture", *st.graph.meta.get("autopart.passes", [])])
+            made_by = " → ".join(["capture", *st.graph.meta.get(META_PASSES, [])])
             lines += [f"\n## stage {st.stage}  (made by: {made_by})", st.graph.code.strip()]
         if self.buckets:
             lines.append(
@@ -371,7 +379,7 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
         graph=graph.graph,
         graph_signature=sig,
         state_dict={},
-        range_constraints=graph.meta.get("autopart.range_constraints", {}),
+        range_constraints=graph.meta.get(META_RANGES, {}),
         module_call_graph=[call],
         constants={},
         verifiers=None,
@@ -395,9 +403,9 @@ def _save_rank(
             {
                 "stage": st.stage,
                 "file": f"stage{st.stage}.pt2",
-                "passes": st.graph.meta.get("autopart.passes", []),
+                "passes": st.graph.meta.get(META_PASSES, []),
                 "inputs": [[i.kind, i.name] for i in st.inputs],
-                "kv_shapes": st.graph.meta.get("autopart.kv_shapes", []),
+                "kv_shapes": st.graph.meta.get(META_KV_SHAPES, []),
             }
         )
     doc = {
@@ -448,8 +456,8 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
                 hint="re-save the program with this autopart and torch version",
             ) from exc
         check_targets(graph, pt2)
-        graph.meta["autopart.passes"] = st["passes"]
-        graph.meta["autopart.kv_shapes"] = st.get("kv_shapes", [])
+        graph.meta[META_PASSES] = st["passes"]
+        graph.meta[META_KV_SHAPES] = st.get("kv_shapes", [])
         inputs = [InputRef(k, n) for k, n in st["inputs"]]
         for n in graph.graph.nodes:
             custom = n.meta.get("custom") or {}

@@ -31,6 +31,7 @@ from torch import nn
 from autopart import collectives
 from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
+from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p
 from autopart.schedule.chunks import chunk_lengths
@@ -165,9 +166,7 @@ class Runner:
         self._saved = SavedBytes()
         self._s: _Step | None = None  # the running step's state (None between steps)
         # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
-        self._kv_shapes = {
-            st.stage: st.graph.meta.get("autopart.kv_shapes", []) for st in program.stages
-        }
+        self._kv_shapes = {st.stage: st.graph.meta.get(META_KV_SHAPES, []) for st in program.stages}
         self._n_kv = {stage: len(v) for stage, v in self._kv_shapes.items()}
         # compile=True: each stage graph through torch.compile (Inductor; collectives stay graph
         # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.

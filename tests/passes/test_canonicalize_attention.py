@@ -16,13 +16,8 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
 from autopart.layout import Mesh, Plan
 from autopart.lowering.compile import copy_graph
-from autopart.passes.canonicalize_attention import (
-    META_ATTENTION,
-    META_WINDOW,
-    SDPA,
-    canonicalize_attention,
-    require_causal,
-)
+from autopart.meta import META_ATTENTION, META_WINDOW
+from autopart.passes.canonicalize_attention import SDPA, canonicalize_attention, require_causal
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b")
 

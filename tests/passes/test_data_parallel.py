@@ -6,12 +6,12 @@ import pytest
 from conftest import Case
 from torch import fx
 
-from autopart.frontend.capture import META_INPUT
 from autopart.layout import Mesh, Plan
 from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
+from autopart.meta import META_BUCKET, META_INPUT, META_PASSES
 from autopart.passes import PIPELINE
-from autopart.passes.data_parallel import META_BUCKET, buckets, data_parallel
+from autopart.passes.data_parallel import buckets, data_parallel
 
 PASS_NAMES = [p.__name__ for p in PIPELINE]
 
@@ -114,5 +114,5 @@ def test_pass_runs_in_the_pipeline(gpt_sdpa: Case) -> None:
     assert data_parallel in PIPELINE
     gm, history = run_passes(copy_graph(gpt_sdpa.captured.graph), Plan(Mesh(dp=2)), PIPELINE)
     assert [h.name for h in history] == ["capture", *PASS_NAMES]
-    assert gm.meta["autopart.passes"] == PASS_NAMES
+    assert gm.meta[META_PASSES] == PASS_NAMES
     assert all(isinstance(p.meta[META_BUCKET], int) for p in _params(gm))

@@ -6,10 +6,11 @@ import nanogpt
 import pytest
 import torch
 
-from autopart.frontend.capture import META_INPUT, capture
+from autopart.frontend.capture import capture
 from autopart.layout import Mesh, Plan
 from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
+from autopart.meta import META_DROPOUT_SPLIT, META_INPUT
 from autopart.passes import PIPELINE
 
 aten, ops = torch.ops.aten, torch.ops.autopart
@@ -40,12 +41,12 @@ def test_active_dropouts_get_slots_seed_and_split_flags(tp: int) -> None:
     assert sorted(n.args[3] for n in drops) == list(range(len(drops)))  # one slot each
     seeds = {n.args[2] for n in drops}
     assert len(seeds) == 1 and next(iter(seeds)).meta[META_INPUT].kind == "rng"
-    split = [n.meta["autopart.dropout_split"] for n in drops]
+    split = [n.meta[META_DROPOUT_SPLIT] for n in drops]
     # with tp the per-head attention probabilities are split (own masks), the rest replicated
     assert split.count(True) == (2 if tp == 2 else 0)
     for n in drops:
         rank = n.args[4]
-        assert (rank is not None) == n.meta["autopart.dropout_split"]
+        assert (rank is not None) == n.meta[META_DROPOUT_SPLIT]
 
 
 def test_masks_are_a_function_of_seed_slot_and_rank() -> None:

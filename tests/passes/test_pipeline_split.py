@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, capture
+from autopart.frontend.capture import capture
 from autopart.layout import Mesh, Plan
 from autopart.lowering import compile_program
 from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
+from autopart.meta import META_INPUT, META_INPUTS
 from autopart.passes import PIPELINE
 from autopart.passes.pipeline_split import (
     balanced_cuts,
@@ -115,7 +116,7 @@ def test_every_node_in_exactly_one_stage(deep: Case) -> None:
 def test_neighbours_hand_over_exactly_what_the_next_stage_reads(deep: Case) -> None:
     stages = stage_graphs(_split(deep, 4))
     for k, stage in enumerate(stages):
-        refs = stage.meta["autopart.inputs"]
+        refs = stage.meta[META_INPUTS]
         acts = [r for r in refs if r.kind == "act"]
         assert [int(r.name) for r in acts] == list(range(len(acts)))
         if k == 0:

@@ -15,11 +15,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_INPUT, Captured, capture
+from autopart.frontend.capture import Captured, capture
 from autopart.layout import Plan
 from autopart.lowering.compile import copy_graph
+from autopart.meta import META_INPUT, META_KV, META_KV_SHAPES
 from autopart.passes.canonicalize_attention import canonicalize_attention
-from autopart.passes.sequence_chunk import META_KV, META_KV_SHAPES, lower_right_mask, sequence_chunk
+from autopart.passes.sequence_chunk import lower_right_mask, sequence_chunk
 from autopart.program.format import load_rank
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b", seq_chunks=3)

@@ -26,10 +26,9 @@ from tp_models import (
 )
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_LAYER, B, S
+from autopart.frontend.capture import B, S
 from autopart.layout import Mesh, Plan
-from autopart.passes.sequence_parallel import META_SEQ
-from autopart.passes.tensor_parallel import META_SHARD
+from autopart.meta import META_INPUT, META_LAYER, META_SEQ, META_SHARD
 
 TP = 2
 _GPT = (
@@ -78,7 +77,8 @@ def test_f_and_g_become_gather_and_reduce_scatter(seq) -> None:
     assert per_layer(calls(gm, ops.tp_scatter_reduce.default)) == {**blocks, None: 1}  # + emb
     assert calls(gm, ops.tp_copy.default) == []
     assert calls(gm, ops.tp_reduce.default) == []
-    assert all(n.args[2] == "tp" for n in calls(gm, ops.tp_gather.default))
+    for op in (ops.tp_gather.default, ops.tp_scatter_reduce.default):  # group and its size
+        assert all(n.args[2:] == ("tp", TP) for n in calls(gm, op))
 
 
 def _at(gm: fx.GraphModule, size: object, s: int = 12) -> int:
@@ -94,14 +94,14 @@ def test_collectives_act_on_the_sequence_dim(seq) -> None:
     name, case, gm = seq
     h = hidden_size(case)
     for r in calls(gm, ops.tp_scatter_reduce.default):  # (b, s, h) → (b, s/tp, h)
-        x, dim, _ = r.args
+        x, dim, *_ = r.args
         shape = x.meta["val"].shape
         assert _seq_dims(gm, shape) == [dim] == [1], (r.name, shape)
         assert [_at(gm, d) for d in shape] == [3, 12, h]
         assert [_at(gm, d) for d in r.meta["val"].shape] == [3, 12 // TP, h]
         assert r.meta[META_SEQ] == 1
     for g in calls(gm, ops.tp_gather.default):  # (b, s/tp, h) → (b, s, h)
-        x, dim, _ = g.args
+        x, dim, *_ = g.args
         shape = x.meta["val"].shape
         assert _seq_dims(gm, shape) == [dim] == [1], (g.name, shape)
         assert [_at(gm, d) for d in shape] == [3, 12 // TP, h]
@@ -125,7 +125,7 @@ def test_replicated_params_all_reduce_their_gradient(seq) -> None:
             assert user.target == ops.tp_all_reduce_grad.default and user.args == (p, "tp")
         else:
             assert p not in reduced, fqn
-    names = {p.meta["autopart.input"].name for p in reduced}
+    names = {p.meta[META_INPUT].name for p in reduced}
     layers = range(n_layers(case))
     expected = {f.replace("*", str(i)) for f in GRAD_REDUCED[name] for i in layers}
     assert names == expected

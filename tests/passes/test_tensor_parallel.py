@@ -35,12 +35,12 @@ from tp_models import (
 )
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import META_LAYER
 from autopart.layout import Mesh, Plan
 from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
+from autopart.meta import META_GLOBAL_VAL, META_INPUT, META_LAYER, META_ROLE, META_SHARD
 from autopart.passes import PIPELINE
-from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
+from autopart.passes.tensor_parallel import TPShard
 
 COL, ROW = TPShard(0), TPShard(1)  # nn.Linear stores [out, in]
 NANO = {
@@ -116,12 +116,12 @@ def test_split_placeholders_hold_local_shapes(split) -> None:
         local = list(full)
         if shard is not None:
             local[shard.dim] //= tp
-            assert tuple(p.meta["autopart.global_val"].shape) == full, fqn
+            assert tuple(p.meta[META_GLOBAL_VAL].shape) == full, fqn
         assert tuple(p.meta["val"].shape) == tuple(local), fqn
     # the shared capture is left whole
     for p in case.captured.placeholders("param"):
         assert META_SHARD not in p.meta
-        fqn = p.meta["autopart.input"].name
+        fqn = p.meta[META_INPUT].name
         assert tuple(p.meta["val"].shape) == tuple(case.captured.params[fqn].shape)
 
 
@@ -173,9 +173,7 @@ def test_g_follows_each_row_matmul_on_bsh(split) -> None:
             assert add.target == aten.add.Tensor and add.args[0] is g
             bias = add.args[1]
             assert bias.op == "placeholder" and bias.meta[META_SHARD] is None
-            assert bias in by_name.values() and bias.meta["autopart.input"].name.endswith(
-                "c_proj.bias"
-            )
+            assert bias in by_name.values() and bias.meta[META_INPUT].name.endswith("c_proj.bias")
 
 
 def test_f_feeds_column_matmuls_on_bsh(split) -> None:

@@ -30,8 +30,9 @@ from tp_models import (
 )
 
 from autopart import AutopartError, collectives
-from autopart.frontend.capture import META_INPUT, InputRef
-from autopart.passes.tensor_parallel import META_ROLE, META_SHARD, TPShard
+from autopart.frontend.capture import InputRef
+from autopart.meta import META_INPUT, META_ROLE, META_SHARD
+from autopart.passes.tensor_parallel import TPShard
 
 TP = 2
 TIED = {"gpt_sdpa", "gpt_manual", "hf_gpt"}  # LM head tied to the token embedding

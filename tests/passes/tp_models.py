@@ -19,12 +19,13 @@ from conftest import Case, _case
 from torch import fx
 
 from autopart import collectives
-from autopart.frontend.capture import META_INPUT, META_LAYER, B, S, to_sympy
+from autopart.frontend.capture import B, S, to_sympy
 from autopart.layout import Mesh, Plan
 from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
+from autopart.meta import META_INPUT, META_LAYER, META_SHARD
 from autopart.passes import PIPELINE
-from autopart.passes.tensor_parallel import META_SHARD, TPShard
+from autopart.passes.tensor_parallel import TPShard
 from autopart.program.format import Shard
 
 aten, ops = torch.ops.aten, torch.ops.autopart
