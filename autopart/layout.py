@@ -1,23 +1,30 @@
-"""Mesh and Plan: the parallel layout, validated once, up front.
+"""Mesh and Plan: the parallel layout, one type for the compiler, the simulator and the planner,
+validated once, on construction, with the arithmetic in its messages.
 
 A ``Mesh`` is the offline spec ``(dp, pp, tp)``. Ranks are laid out with tp fastest, then dp,
 then pp (Megatron's order): ``rank = pp_i·(dp·tp) + dp_i·tp + tp_i``, so a tp group is a run
 of neighbouring ranks (one node's fast links) and the pp stages are furthest apart.
-A ``Plan`` adds what the compiler needs: the schedule, micro-batches, virtual stages,
-sequence chunks. Both are plain, JSON-able data.
+A ``Plan`` adds how one step runs: the schedule, micro-batches (and their size), virtual
+stages, sequence chunks and the memory savers. Both are plain, JSON-able data.
+
+The compiler runs every plan the planner can propose except ``recompute`` other than "none"
+(simulated, refused by ``compile_program`` until the recomputation pass exists);
+``distributed_optimizer`` is ZeRO-1, which the runtime applies (``autopart run --zero``).
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.schedule.generators import GENERATORS, check_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "seq1f1b", "seq1f1b-interleaved")
+SCHEDULES = tuple(GENERATORS)
 DIMS = ("dp", "pp", "tp")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything the compiler decides besides the model: validated on construction."""
+    """Everything that decides how a step runs besides the model: validated on construction."""
 
     mesh: Mesh
     schedule: str = "1f1b"
@@ -117,10 +124,11 @@ class Plan:
     seq_chunks: int = 1
     sequence_parallel: bool = False
     bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB
-    max_stage_memory_gb: float | None = (
-        None  # pipeline: parameters + states + activations per stage
-    )
+    max_stage_memory_gb: float | None = None  # pipeline: parameters + states + activations
     seq_split: str = "balanced"  # Seq1F1B chunk boundaries: "balanced" or "uniform"
+    recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
+    distributed_optimizer: bool = False  # optimizer state sharded over dp (ZeRO-1)
+    micro_batch: int | None = None  # sequences per micro-batch (None: what the batch gives)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -130,8 +138,10 @@ class Plan:
                 f"unknown schedule {self.schedule!r}",
                 hint=f"{hint}choose one of: {', '.join(SCHEDULES)}",
             )
-        for name in ("microbatches", "virtual_stages", "seq_chunks"):
+        for name in ("microbatches", "virtual_stages", "seq_chunks", "micro_batch"):
             value = getattr(self, name)
+            if name == "micro_batch" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AutopartError(f"{name}={value!r} must be a positive integer")
         if self.bucket_mb <= 0:
@@ -141,20 +151,80 @@ class Plan:
                 "sequence_parallel=True needs tensor parallelism (tp > 1)",
                 hint="sequence parallelism splits the activations tp leaves replicated; set tp ≥ 2",
             )
-        self._check_chunks()
-
-    def _check_chunks(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise AutopartError(
+                f"unknown recompute {self.recompute!r}", hint=f"use one of {', '.join(RECOMPUTE)}"
+            )
         from autopart.schedule.chunks import SPLITS
 
         if self.seq_split not in SPLITS:
             raise AutopartError(
                 f"unknown seq_split {self.seq_split!r}", hint=f"use one of {', '.join(SPLITS)}"
             )
-        if self.seq_chunks > 1 and not self.schedule.startswith("seq1f1b"):
+        check_schedule(
+            self.schedule, self.mesh.pp, self.microbatches, self.virtual_stages, self.seq_chunks
+        )
+
+    @classmethod
+    def from_batch(
+        cls,
+        global_batch: int,
+        micro_batch: int = 1,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int = 1,
+        **rest: Any,
+    ) -> Plan:
+        """The plan that runs ``global_batch`` sequences a step as dp × micro-batches of
+        ``micro_batch`` sequences (the planner's and the simulator's way to say it)."""
+        for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AutopartError(f"{name}={value!r} must be a positive integer")
+        mesh = Mesh(dp=dp, pp=pp, tp=tp)
+        parts = mesh.dp * micro_batch
+        if global_batch % parts:
             raise AutopartError(
-                f"seq_chunks={self.seq_chunks} needs a Seq1F1B schedule, not {self.schedule}",
-                hint="use schedule='seq1f1b' (or 'seq1f1b-interleaved' with virtual stages)",
+                f"global batch {global_batch} is not divisible by dp({dp}) × "
+                f"micro-batch({micro_batch}) = {parts}",
+                hint=f"use a global batch that is a multiple of {parts}",
             )
+        return cls(mesh, microbatches=global_batch // parts, micro_batch=micro_batch, **rest)
+
+    def changed(self, **changes: Any) -> Plan:
+        """This plan with some fields (or ``tp``/``pp``/``dp``) changed, same global batch."""
+        dims = {d: changes.pop(d) for d in DIMS if d in changes}
+        if dims or "micro_batch" in changes:
+            fields = {k: v for k, v in asdict(self).items() if k not in ("mesh", "microbatches")}
+            fields.update(changes)
+            sizes = {d: getattr(self.mesh, d) for d in DIMS} | dims
+            return Plan.from_batch(
+                self.global_batch, fields.pop("micro_batch") or 1, **sizes, **fields
+            )
+        return replace(self, **changes)
+
+    # -- the mesh's sizes and what follows from them ------------------------------------------
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.pp
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def gpus(self) -> int:
+        return self.mesh.size
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step: dp × micro-batches × micro-batch size (1 when not set)."""
+        return self.mesh.dp * self.microbatches * (self.micro_batch or 1)
 
     @property
     def chunk_multiple(self) -> int:
@@ -170,7 +240,53 @@ class Plan:
                 f"microbatches({self.microbatches}) = {parts}",
                 hint=f"use a batch that is a multiple of {parts}, or change dp / microbatches",
             )
+        if self.micro_batch is not None and batch_size != parts * self.micro_batch:
+            raise AutopartError(
+                f"batch size {batch_size} is not dp({self.mesh.dp}) * microbatches"
+                f"({self.microbatches}) * micro_batch({self.micro_batch}) = "
+                f"{parts * self.micro_batch}",
+                hint="leave micro_batch unset to take it from the batch",
+            )
         return batch_size // parts
+
+    def check_model(self, layers: int, heads: int, kv_heads: int, ffn: int, seq: int) -> None:
+        """Refuse a plan this GPT shape cannot run: tp must divide the heads and the FFN, every
+        stage needs a block, every sequence chunk at least ``chunk_multiple`` tokens."""
+        for what, n in (("heads", heads), ("kv heads", kv_heads), ("ffn", ffn)):
+            if n % self.tp:
+                raise AutopartError(
+                    f"tp={self.tp} does not divide the {what} ({n})",
+                    hint=f"use a tp that divides {n}",
+                )
+        if self.pp * self.virtual_stages > layers:
+            raise AutopartError(
+                f"pp({self.pp}) × virtual stages({self.virtual_stages}) = "
+                f"{self.pp * self.virtual_stages} > {layers} layers",
+                hint="every stage needs at least one transformer block",
+            )
+        if self.seq_chunks * self.chunk_multiple > seq:
+            raise AutopartError(
+                f"a sequence of {seq} tokens cannot be cut into {self.seq_chunks} chunks "
+                f"of at least {self.chunk_multiple}",
+                hint=f"use at most {max(1, seq // self.chunk_multiple)} chunks",
+            )
+
+    def describe(self) -> str:
+        """One line: ``tp=8 pp=4 dp=2 b=1 m=16 1f1b recompute=none SP``."""
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.virtual_stages > 1:
+            parts.append(f"v={self.virtual_stages}")
+        if self.micro_batch is not None:
+            parts.append(f"b={self.micro_batch}")
+        parts += [f"m={self.microbatches}", self.schedule]
+        if self.seq_chunks > 1:
+            parts.append(f"k={self.seq_chunks}")
+        parts.append(f"recompute={self.recompute}")
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.distributed_optimizer:
+            parts.append("dist-opt")
+        return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

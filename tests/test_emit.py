@@ -386,3 +386,12 @@ def test_a_sequence_sequence_parallelism_cannot_split_is_refused_by_parallelize(
             model, Mesh(tp=4), example_inputs=(ids[:, :30], labels[:, :30]), sequence_parallel=True
         )
     assert "sequence length 30 is not divisible by tp=4" in err.value.message
+
+
+def test_the_compiler_refuses_what_it_cannot_run_yet(gpt_sdpa: Case) -> None:
+    """A plan the planner may propose but the compiler has no pass for is refused, not run
+    without it (recomputation: issue 18)."""
+    from autopart.lowering import compile_program
+
+    with pytest.raises(AutopartError, match="no recomputation pass yet"):
+        compile_program(gpt_sdpa.captured, Plan(Mesh(), recompute="full"))

@@ -182,3 +182,41 @@ def test_mesh_from() -> None:
         mesh_from(_FakeDeviceMesh(("cp",), (2,)))
     with pytest.raises(AutopartError, match="expected an autopart.Mesh"):
         mesh_from((2, 1, 1))
+
+
+def test_one_plan_for_the_planner_and_the_compiler() -> None:
+    """The simulator's plans are Plans: from a global batch, with the arithmetic in refusals."""
+    plan = Plan.from_batch(64, 2, tp=2, pp=2, dp=4, schedule="interleaved-1f1b", virtual_stages=2)
+    assert (plan.microbatches, plan.micro_batch, plan.global_batch, plan.gpus) == (8, 2, 64, 16)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.describe().startswith("tp=2 pp=2 dp=4 v=2 b=2 m=8 interleaved-1f1b")
+    with pytest.raises(AutopartError, match=r"global batch 30 is not divisible by dp\(4\) × "):
+        Plan.from_batch(30, 2, dp=4)
+    with pytest.raises(AutopartError, match="divisible by pp: 3 % 2 = 1"):
+        Plan.from_batch(6, 2, pp=2, schedule="interleaved-1f1b", virtual_stages=2)
+    # a change keeps the global batch: half the micro-batch doubles the micro-batches
+    half = plan.changed(micro_batch=1)
+    assert (half.microbatches, half.global_batch) == (16, 64)
+    wider = plan.changed(tp=4, dp=2)
+    assert (wider.mesh, wider.microbatches) == (Mesh(dp=2, pp=2, tp=4), 16)
+    assert plan.changed(recompute="full").recompute == "full"
+    with pytest.raises(AutopartError, match="unknown recompute 'some'"):
+        plan.changed(recompute="some")
+
+
+def test_plan_checks_a_model_shape() -> None:
+    plan = Plan.from_batch(8, tp=4, pp=2, schedule="seq1f1b", seq_chunks=4)
+    plan.check_model(layers=4, heads=8, kv_heads=4, ffn=64, seq=64)
+    with pytest.raises(AutopartError, match=r"tp=4 does not divide the kv heads \(2\)"):
+        plan.check_model(layers=4, heads=8, kv_heads=2, ffn=64, seq=64)
+    with pytest.raises(AutopartError, match=r"pp\(2\) × virtual stages\(1\) = 2 > 1 layers"):
+        plan.check_model(layers=1, heads=8, kv_heads=4, ffn=64, seq=64)
+    with pytest.raises(AutopartError, match="cannot be cut into 4 chunks of at least 8"):
+        plan.check_model(layers=4, heads=8, kv_heads=4, ffn=64, seq=24)
+
+
+def test_a_batch_that_contradicts_the_micro_batch_is_refused() -> None:
+    plan = Plan(Mesh(dp=2), microbatches=2, micro_batch=2)
+    assert plan.check_batch(8) == 2
+    with pytest.raises(AutopartError, match=r"micro_batch\(2\) = 8"):
+        plan.check_batch(4)

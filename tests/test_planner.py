@@ -10,13 +10,13 @@ from rich.console import Console
 
 from autopart.cli import main
 from autopart.errors import AutopartError
+from autopart.layout import Plan
 from autopart.planning.cluster import PRESETS
 from autopart.planning.planner import _activation_peak, _variants, layouts, search
 from autopart.planning.simulate import (
     SHAPES,
     CostModel,
     GPTShape,
-    Strategy,
     _actions,
     fast_lower_bound,
     simulate,
@@ -33,7 +33,7 @@ def test_1t_on_3072_gpus() -> None:
     result = search(SHAPES["megatron-1t"], A100, 3072, 3072, top=5, progress=True, console=con)
     print(
         f"\n1T on 3072 A100s planned in {result.stats['seconds']:.1f} s: "
-        f"{result.ranked[0].strategy.describe()}, "
+        f"{result.ranked[0].plan.describe()}, "
         f"{result.ranked[0].summary['tflops_per_gpu']:.1f} TFLOP/s per GPU"
     )
     assert "simulating" in con.file.getvalue()  # the progress display ran
@@ -42,7 +42,7 @@ def test_1t_on_3072_gpus() -> None:
     assert times == sorted(times)
     for row in result.ranked:
         assert row.summary["fits"] and row.summary["memory_gb_per_gpu"] <= 72.0
-        assert row.strategy.gpus == 3072 and row.reason
+        assert row.plan.gpus == 3072 and row.reason
         assert row.lower_bound <= row.summary["iteration_s"] * (1 + 1e-9)
     st = result.stats
     assert st["layouts"] > 1000 and st["simulated"] >= 5
@@ -59,7 +59,7 @@ def test_lower_bound_never_exceeds_the_simulation() -> None:
         ("seq1f1b-interleaved", 3, 2),
     ):
         for rc in ("none", "full"):
-            st = Strategy(
+            st = Plan.from_batch(
                 tp=4,
                 pp=4,
                 dp=4,
@@ -86,7 +86,7 @@ def test_search_finds_the_brute_force_top() -> None:
     result = search(SMALL, A100, 32, 64, top=3, **kw)
     brute: dict[int, float] = {}
     for i, layout in enumerate(layouts(SMALL, A100, 32, 64, **kw)):
-        for st in _variants(layout, ("none", "selective", "full"), "flash"):
+        for st in _variants(layout, ("none", "selective", "full"), A100):
             s = simulate(SMALL, A100, st, record=False).summary
             if s["fits"]:
                 brute[i] = min(brute.get(i, float("inf")), s["iteration_s"])
@@ -104,7 +104,7 @@ def test_truncated_activation_peak_is_exact() -> None:
         ("seq1f1b-interleaved", 2, 2),
         ("gpipe", 1, 1),
     ):
-        st = Strategy(
+        st = Plan.from_batch(
             tp=2,
             pp=4,
             dp=2,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopart.errors import AutopartError
-from autopart.schedule import GENERATORS, Action, generate, table, verify
+from autopart.schedule import GENERATORS, Action, check_schedule, generate, table, verify
 
 Schedule = dict[int, list[Action]]
 FLAT = sorted(n for n in GENERATORS if "interleaved" not in n)  # one stage per pipeline rank
@@ -232,12 +232,13 @@ def test_interleaved_schedules_verify(p: int, groups: int, v: int, dp: int) -> N
 
 
 def test_interleaved_needs_virtual_stages_and_divisible_microbatches() -> None:
-    with pytest.raises(AutopartError, match="divisible by pp"):
-        generate("interleaved-1f1b", 0, 3, [0, 1], v=2)
+    with pytest.raises(AutopartError, match="divisible by pp: 3 % 2 = 1"):
+        check_schedule("interleaved-1f1b", 2, 3, v=2)
     with pytest.raises(AutopartError, match="virtual stages"):
-        generate("interleaved-1f1b", 0, 4, [0, 1], v=1)
+        check_schedule("interleaved-1f1b", 2, 4, v=1)
     with pytest.raises(AutopartError, match="virtual stages"):
-        generate("1f1b", 0, 4, [0, 1], v=2)
+        check_schedule("1f1b", 2, 4, v=2)
+    check_schedule("interleaved-1f1b", 2, 4, v=2)  # and a valid one passes
 
 
 def test_tied_ranks_end_with_tie_reduce() -> None:
@@ -278,5 +279,5 @@ def test_seq1f1b_interleaved_schedules_verify(p: int, groups: int, v: int, k: in
 
 
 def test_sequence_chunks_need_seq1f1b() -> None:
-    with pytest.raises(AutopartError, match="sequence chunks need seq1f1b"):
-        generate("1f1b", 0, 2, [0, 1], k=2)
+    with pytest.raises(AutopartError, match="needs a Seq1F1B schedule, not 1f1b"):
+        check_schedule("1f1b", 2, 2, k=2)

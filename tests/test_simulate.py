@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from autopart.cli import main
 from autopart.errors import AutopartError
+from autopart.layout import Plan
 from autopart.planning.cluster import GIB, PRESETS, Cluster, load_cluster
 from autopart.planning.simulate import (
     SHAPES,
     CostModel,
     GPTShape,
-    Strategy,
     shape_from_captured,
     simulate,
     simulate_actions,
@@ -23,6 +24,7 @@ from autopart.planning.simulate import (
 from autopart.schedule import Action, generate
 
 A100 = PRESETS["dgx-a100-80gb"]
+UNFUSED = replace(A100, attention="unfused")  # Megatron's 2021 attention kernels
 
 
 def pipeline(name: str, p: int, m: int, v: int = 1, k: int = 1, **kw) -> dict[int, list[Action]]:
@@ -163,7 +165,10 @@ def test_cluster_files(tmp_path) -> None:
 
 def test_tp_inside_a_node_uses_nvlink_across_nodes_infiniband() -> None:
     shape = SHAPES["gpt3-175b"]
-    costs = {t: CostModel(shape, A100, Strategy(tp=t, pp=8, dp=1, global_batch=8)) for t in (8, 16)}
+    costs = {
+        t: CostModel(shape, A100, Plan.from_batch(tp=t, pp=8, dp=1, global_batch=8))
+        for t in (8, 16)
+    }
     assert A100.link(8)[0] == "nvlink" and A100.link(16)[0] == "ib"
     tp8, tp16 = costs[8].units[1][0].f_tp, costs[16].units[1][0].f_tp
     # same bytes per ring step nearly; NVLink 240 GB/s effective vs 21 GB/s per GPU over IB
@@ -171,7 +176,7 @@ def test_tp_inside_a_node_uses_nvlink_across_nodes_infiniband() -> None:
 
 
 def test_pipeline_hops_between_nodes_use_infiniband() -> None:
-    costs = CostModel(SHAPES["gpt3-175b"], A100, Strategy(tp=2, pp=8, dp=1, global_batch=8))
+    costs = CostModel(SHAPES["gpt3-175b"], A100, Plan.from_batch(tp=2, pp=8, dp=1, global_batch=8))
     assert costs.p2p_link(0, 1)[0] == "nvlink"  # ranks 0-1 and 2-3: one node
     assert costs.p2p_link(3, 4)[0] == "ib"  # ranks 6-7 and 8-9: two nodes
 
@@ -182,18 +187,20 @@ def test_pipeline_hops_between_nodes_use_infiniband() -> None:
 def test_distributed_optimizer_divides_the_optimizer_state_by_dp() -> None:
     shape = SHAPES["gpt3-175b"]
     base = dict(tp=8, pp=8, dp=16, global_batch=128)
-    plain = CostModel(shape, A100, Strategy(**base)).static_bytes(0)
-    dist = CostModel(shape, A100, Strategy(**base, distributed_optimizer=True)).static_bytes(0)
+    plain = CostModel(shape, A100, Plan.from_batch(**base)).static_bytes(0)
+    dist = CostModel(shape, A100, Plan.from_batch(**base, distributed_optimizer=True)).static_bytes(
+        0
+    )
     assert dist["optimizer"] == pytest.approx(plain["optimizer"] / 16)
     assert dist["parameters"] == plain["parameters"] and dist["gradients"] == plain["gradients"]
     # 18 bytes per parameter, Megatron's mixed-precision Adam (bf16 weights, fp32 gradients)
-    params = CostModel(shape, A100, Strategy(**base)).params[0]
+    params = CostModel(shape, A100, Plan.from_batch(**base)).params[0]
     assert sum(plain.values()) == pytest.approx(18 * params)
 
 
 def test_parameters_add_up_to_the_model() -> None:
     shape = SHAPES["megatron-1t"]
-    costs = CostModel(shape, A100, Strategy(tp=1, pp=4, dp=1, global_batch=4))
+    costs = CostModel(shape, A100, Plan.from_batch(tp=1, pp=4, dp=1, global_batch=4))
     tied_copy = shape.vocab * shape.hidden  # the last stage's copy of the embedding
     assert sum(costs.params) == pytest.approx(shape.params + tied_copy)
     assert shape.params == pytest.approx(1.008e12, rel=1e-3)  # as benchmarks/capture_1t.py counts
@@ -204,29 +211,30 @@ def test_activation_savers_save_memory() -> None:
     mem = {}
     for rc in ("none", "selective", "full"):
         for sp in (False, True):
-            st = Strategy(
+            st = Plan.from_batch(
                 tp=8,
                 pp=8,
                 dp=1,
                 global_batch=16,
                 recompute=rc,
                 sequence_parallel=sp,
-                attention="unfused",
             )
-            mem[rc, sp] = simulate(shape, A100, st).summary["memory"]["activations"]
+            mem[rc, sp] = simulate(shape, UNFUSED, st).summary["memory"]["activations"]
     assert mem["none", False] > mem["selective", False] > mem["full", False]
     assert mem["selective", True] < mem["selective", False]
     # a flash kernel stores no scores: no recompute keeps what selective keeps
     flash = {
-        rc: simulate(shape, A100, Strategy(tp=8, pp=8, global_batch=16, recompute=rc)).summary[
-            "memory"
-        ]["activations"]
+        rc: simulate(
+            shape, A100, Plan.from_batch(tp=8, pp=8, global_batch=16, recompute=rc)
+        ).summary["memory"]["activations"]
         for rc in ("none", "selective")
     }
     assert flash["none"] == flash["selective"] == mem["selective", False]
     # Korthikanti et al. 2022: 34·s·b·h + 5·a·s²·b bytes per layer without parallelism → with tp = 8
     # and SP everything / 8, so "selective + SP" keeps 34/8·s·b·h per layer
-    st = Strategy(tp=8, pp=8, dp=1, global_batch=16, recompute="selective", sequence_parallel=True)
+    st = Plan.from_batch(
+        tp=8, pp=8, dp=1, global_batch=16, recompute="selective", sequence_parallel=True
+    )
     unit = CostModel(shape, A100, st).units[1][0]  # a middle stage: 12 layers, no embedding/head
     assert unit.act == pytest.approx(12 * 34 * 2048 * shape.hidden / 8)
 
@@ -234,7 +242,7 @@ def test_activation_savers_save_memory() -> None:
 def test_1f1b_holds_fewer_micro_batches_than_gpipe() -> None:
     shape = SHAPES["gpt-7b"]
     act = {
-        s: simulate(shape, A100, Strategy(pp=4, dp=2, global_batch=32, schedule=s)).summary[
+        s: simulate(shape, A100, Plan.from_batch(pp=4, dp=2, global_batch=32, schedule=s)).summary[
             "memory"
         ]["activations"]
         for s in ("gpipe", "1f1b")
@@ -248,7 +256,9 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe() -> None:
 def test_flops_follow_megatrons_formula() -> None:
     shape = SHAPES["megatron-1t"]
     B, s, n, h, V = 3072, 2048, 128, 25600, 51200  # n: layers (l in the paper)
-    full = CostModel(shape, A100, Strategy(tp=8, pp=64, dp=6, global_batch=B, recompute="full"))
+    full = CostModel(
+        shape, A100, Plan.from_batch(tp=8, pp=64, dp=6, global_batch=B, recompute="full")
+    )
     with_recompute = 96 * B * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h))
     without = 72 * B * s * n * h * h * (1 + s / (6 * h) + V / (12 * n * h))
     assert full.hardware_flops() == pytest.approx(with_recompute)
@@ -259,7 +269,7 @@ def test_megatron_1t_reference_point() -> None:
     """Narayanan et al. 2021: 1T GPT (128 layers, hidden 25600, 160 heads) on 3072 A100s, tp=8,
     pp=64, dp=6, global batch 3072, interleaved schedule, full recompute: 163 TFLOP/s per GPU
     (52 % of peak). Unfused attention, as in 2021."""
-    st = Strategy(
+    st = Plan.from_batch(
         tp=8,
         pp=64,
         dp=6,
@@ -268,9 +278,8 @@ def test_megatron_1t_reference_point() -> None:
         global_batch=3072,
         schedule="interleaved-1f1b",
         recompute="full",
-        attention="unfused",
     )
-    s = simulate(SHAPES["megatron-1t"], "dgx-a100-80gb", st, record=False).summary
+    s = simulate(SHAPES["megatron-1t"], UNFUSED, st, record=False).summary
     print(
         f"\nMegatron 1T: predicted {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
         f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), paper 163 (52 %); "
@@ -292,7 +301,7 @@ def test_extrapolation_matches_the_full_simulation() -> None:
         ("seq1f1b", 1, 4),
         ("seq1f1b-interleaved", 2, 2),
     ):
-        st = Strategy(
+        st = Plan.from_batch(
             tp=8,
             pp=4,
             dp=8,
@@ -319,7 +328,9 @@ def test_seq1f1b_chunks_are_balanced_by_work() -> None:
     shape = GPTShape(32, 4096, 32, 50304, 32768)
     ratio = {}
     for split in ("balanced", "uniform"):
-        st = Strategy(pp=4, global_batch=4, schedule="seq1f1b", seq_chunks=4, seq_split=split)
+        st = Plan.from_batch(
+            pp=4, global_batch=4, schedule="seq1f1b", seq_chunks=4, seq_split=split
+        )
         costs = CostModel(shape, A100, st)
         assert sum(costs.chunk_lengths) == 32768
         times = [u.f + u.b for u in costs.units[1]]
@@ -332,13 +343,13 @@ def test_seq1f1b_chunks_are_balanced_by_work() -> None:
 def test_refusals() -> None:
     shape = SHAPES["gpt3-175b"]
     with pytest.raises(AutopartError, match="divisible by dp"):
-        simulate(shape, A100, Strategy(dp=3, global_batch=16))
+        simulate(shape, A100, Plan.from_batch(dp=3, global_batch=16))
     with pytest.raises(AutopartError, match="did you mean 'interleaved-1f1b'"):
-        simulate(shape, A100, Strategy(pp=2, schedule="interleaved-1fb", global_batch=4))
+        simulate(shape, A100, Plan.from_batch(pp=2, schedule="interleaved-1fb", global_batch=4))
     with pytest.raises(AutopartError, match="does not divide the heads"):
-        simulate(shape, A100, Strategy(tp=5, global_batch=4))
+        simulate(shape, A100, Plan.from_batch(tp=5, global_batch=4))
     with pytest.raises(AutopartError, match="unknown cluster"):
-        simulate(shape, "dgx-b200", Strategy(global_batch=4))
+        simulate(shape, "dgx-b200", Plan.from_batch(global_batch=4))
 
 
 # -- shapes from a captured model and the command line ------------------------------------------
@@ -417,12 +428,12 @@ def test_cli_simulate_json(capsys, tmp_path) -> None:
 
 
 def test_memory_units_are_gib() -> None:
-    s = simulate(SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).summary
+    s = simulate(SHAPES["gpt-7b"], A100, Plan.from_batch(tp=8, global_batch=8)).summary
     assert s["memory"]["capacity"] == 80 and s["memory"]["usable"] == pytest.approx(72)
     total = sum(s["memory"][k] for k in ("parameters", "gradients", "optimizer", "activations"))
     assert s["memory_gb_per_gpu"] == pytest.approx(total)
     assert s["memory"]["parameters"] * GIB == pytest.approx(
-        2 * CostModel(SHAPES["gpt-7b"], A100, Strategy(tp=8, global_batch=8)).params[0]
+        2 * CostModel(SHAPES["gpt-7b"], A100, Plan.from_batch(tp=8, global_batch=8)).params[0]
     )
 
 
@@ -467,7 +478,7 @@ def test_cli_refuses_a_plan_that_does_not_fit(capsys) -> None:
 def test_fitting_alternatives_fit() -> None:
     from autopart.planning.planner import fitting_alternatives, memory_need
 
-    st = Strategy(tp=8, pp=16, dp=8, global_batch=512, micro_batch=4)
+    st = Plan.from_batch(tp=8, pp=16, dp=8, global_batch=512, micro_batch=4)
     shape = SHAPES["gpt3-175b"]
     assert memory_need(shape, A100, st) > A100.usable_bytes
     alts = fitting_alternatives(shape, A100, st, limit=10)

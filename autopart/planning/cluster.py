@@ -29,6 +29,9 @@ from autopart.errors import AutopartError
 GIB = 2**30
 
 
+ATTENTION = ("flash", "unfused")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """One kind of node, repeated; every GPU has the same links.
@@ -55,10 +58,20 @@ class Cluster:
     nvlink_latency_us: float = 3.0  # per ring step (alpha)
     ib_latency_us: float = 8.0  # per ring step (alpha)
     usable_memory_fraction: float = 0.90  # the rest: CUDA context, NCCL buffers, fragmentation
+    # the software: the attention kernel it runs, "flash" (fused, causal blocks skipped) or
+    # "unfused" (scores materialized, softmax fused: Megatron as it ran in 2021)
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise AutopartError(
+                f"cluster {self.name!r}: unknown attention {self.attention!r}",
+                hint=f"use one of {', '.join(ATTENTION)}",
+            )
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "attention":
+                continue
             if f.name == "name":
                 if not isinstance(value, str) or not value:
                     raise AutopartError("a cluster needs a non-empty name")
@@ -200,4 +213,4 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     return cluster_from_dict(data, str(path))
 
 
-__all__ = ["GIB", "PRESETS", "Cluster", "cluster_from_dict", "load_cluster", "preset"]
+__all__ = ["ATTENTION", "GIB", "PRESETS", "Cluster", "cluster_from_dict", "load_cluster", "preset"]

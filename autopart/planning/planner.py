@@ -4,7 +4,7 @@ batch; keep the plans that fit in memory; rank them by simulated throughput.
 
     result = search(SHAPES["megatron-1t"], "dgx-a100-80gb", gpus=3072, global_batch=3072)
     for row in result.ranked:
-        print(row.strategy.describe(), row.summary["tflops_per_gpu"], row.reason)
+        print(row.plan.describe(), row.summary["tflops_per_gpu"], row.reason)
 
 How it stays fast (docs/simulate.md, "The planner"):
 
@@ -35,14 +35,11 @@ from functools import cache
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.layout import RECOMPUTE, SCHEDULES, Mesh, Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.planning.simulate import (
-    ATTENTION,
-    RECOMPUTE,
-    SCHEDULES,
     CostModel,
     GPTShape,
-    Strategy,
     fast_lower_bound,
     simulate_costs,
     stage_params,
@@ -56,9 +53,9 @@ VIRTUAL = (2, 3, 4, 6, 8)
 
 @dataclass
 class Ranked:
-    """One plan of the result: its strategy, its simulated summary and why it ranks here."""
+    """One plan of the result: the plan, its simulated summary and why it ranks here."""
 
-    strategy: Strategy
+    plan: Plan
     summary: dict[str, Any]
     lower_bound: float
     reason: str = ""
@@ -66,7 +63,7 @@ class Ranked:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "plan": self.strategy.describe(),
+            "plan": self.plan.describe(),
             "reason": self.reason,
             "notes": self.notes,
             "lower_bound_s": self.lower_bound,
@@ -156,18 +153,17 @@ def layouts(
     return out
 
 
-def _variants(layout: dict[str, Any], recompute: Iterable[str], attention: str) -> list[Strategy]:
+def _variants(layout: dict[str, Any], recompute: Iterable[str], cluster: Cluster) -> list[Plan]:
     sps = (False, True) if layout["tp"] > 1 else (False,)
     dos = (False, True) if layout["dp"] > 1 else (False,)
-    if attention == "flash":  # selective recompute is what the flash kernel's backward does
+    if cluster.attention == "flash":  # selective recompute is what the flash kernel's backward does
         recompute = [rc for rc in recompute if rc != "selective"] or ["none"]
     return [
-        Strategy(
+        Plan.from_batch(
             **layout,
             recompute=rc,
             sequence_parallel=sp,
             distributed_optimizer=do,
-            attention=attention,
         )
         for rc in recompute
         for sp in sps
@@ -219,7 +215,7 @@ def search(
     micro_batches: Iterable[int] = MICRO_BATCHES,
     seq_chunks: Iterable[int] = SEQ_CHUNKS,
     recompute: Iterable[str] = RECOMPUTE,
-    attention: str = "flash",
+    attention: str | None = None,
     max_tp: int | None = None,
     progress: bool = False,
     console: Any = None,
@@ -227,20 +223,20 @@ def search(
     """Plan ``shape`` on ``gpus`` GPUs of ``cluster`` for ``global_batch`` sequences a step.
 
     Returns the ``top`` fastest plans that fit in memory (``Search.ranked``, best first),
-    each simulated. ``progress`` shows a rich progress display (on ``console``, default stderr).
+    each simulated. ``attention`` overrides the cluster's attention kernel. ``progress`` shows a
+    rich progress display (on ``console``, default stderr).
     """
     t0 = time.perf_counter()
     cl = load_cluster(cluster)
+    if attention is not None:
+        cl = replace(cl, attention=attention)  # the Cluster checks the name
     if gpus < 1 or global_batch < 1 or top < 1:
         raise AutopartError(
             f"gpus ({gpus}), the global batch ({global_batch}) and top ({top}) must be positive"
         )
     recompute = list(recompute)
-    for rc in recompute:
-        if rc not in RECOMPUTE:
-            raise AutopartError(f"unknown recompute {rc!r}", hint=f"use {', '.join(RECOMPUTE)}")
-    if attention not in ATTENTION:
-        raise AutopartError(f"unknown attention {attention!r}", hint=f"use {', '.join(ATTENTION)}")
+    for rc in recompute:  # refused now, not only when a layout reaches it
+        Plan(Mesh(), recompute=rc)
     found = layouts(
         shape,
         cl,
@@ -275,7 +271,7 @@ def search(
         for index, layout in enumerate(found):
             too_big: list[tuple[float, str]] = []
             fitting = []
-            for st in _variants(layout, recompute, attention):
+            for st in _variants(layout, recompute, cl):
                 stats["variants"] += 1
                 static = _static_peak(shape, st)
                 if static > usable:
@@ -335,7 +331,7 @@ def search(
             if held is None or sim.summary["iteration_s"] < held.summary["iteration_s"]:
                 if held is not None:
                     others.setdefault(index, []).append(
-                        (held.summary["iteration_s"], _knobs(held.strategy))
+                        (held.summary["iteration_s"], _knobs(held.plan))
                     )
                 best[index] = Ranked(costs.st, sim.summary, bound, notes=list(notes[index]))
             else:
@@ -361,7 +357,7 @@ def search(
     return Search(ranked, stats, [text for _, text in rejected[:3]])
 
 
-def memory_need(shape: GPTShape, cluster: Cluster | str, st: Strategy) -> float:
+def memory_need(shape: GPTShape, cluster: Cluster | str, st: Plan) -> float:
     """Bytes the fullest pipeline rank of ``st`` needs (static state + activation peak)."""
     costs = CostModel(shape, load_cluster(cluster), st)
     return max(
@@ -370,8 +366,8 @@ def memory_need(shape: GPTShape, cluster: Cluster | str, st: Strategy) -> float:
 
 
 def fitting_alternatives(
-    shape: GPTShape, cluster: Cluster | str, st: Strategy, limit: int = 3
-) -> list[tuple[Strategy, float]]:
+    shape: GPTShape, cluster: Cluster | str, st: Plan, limit: int = 3
+) -> list[tuple[Plan, float]]:
     """Plans one change away from ``st`` on the same GPUs that fit the cluster's memory, with
     their need in bytes, fewest bytes first: a memory saver turned on (recompute, sequence
     parallelism, the distributed optimizer), half the micro-batch, or twice the pp or tp (from
@@ -386,15 +382,14 @@ def fitting_alternatives(
         changes.append({"sequence_parallel": True})
     if st.dp > 1 and not st.distributed_optimizer:
         changes.append({"distributed_optimizer": True})
-    if st.micro_batch > 1:
-        changes.append({"micro_batch": st.micro_batch // 2})
+    if (st.micro_batch or 1) > 1:
+        changes.append({"micro_batch": (st.micro_batch or 1) // 2})
     if st.dp % 2 == 0:
         changes += [{"pp": st.pp * 2, "dp": st.dp // 2}, {"tp": st.tp * 2, "dp": st.dp // 2}]
     found = []
     for change in changes:
-        alt = replace(st, **change)
         try:
-            alt.check(shape)
+            alt = st.changed(**change)
             if alt.tp > cl.gpus_per_node:
                 continue
             need = memory_need(shape, cl, alt)
@@ -405,14 +400,14 @@ def fitting_alternatives(
     return sorted(found, key=lambda x: x[1])[:limit]
 
 
-def _static_peak(shape: GPTShape, st: Strategy) -> float:
+def _static_peak(shape: GPTShape, st: Plan) -> float:
     """Parameters + gradients + optimizer state of the rank holding the most parameters."""
     _, ranks = stage_params(shape, st)
     per = 6 + 12 / (st.dp if st.distributed_optimizer else 1)
     return per * max(ranks)
 
 
-def _knobs(st: Strategy) -> str:
+def _knobs(st: Plan) -> str:
     bits = [f"recompute={st.recompute}"]
     if st.tp > 1:
         bits.append("SP" if st.sequence_parallel else "no SP")
@@ -531,7 +526,7 @@ def print_search(result: Search, console: Any) -> None:
         s = row.summary
         table.add_row(
             str(i),
-            row.strategy.describe(),
+            row.plan.describe(),
             _secs(s["iteration_s"]),
             f"{s['tokens_per_s']:,.0f}",
             f"{s['tflops_per_gpu']:.1f}",

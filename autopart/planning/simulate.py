@@ -9,8 +9,8 @@ Two layers:
   waits for the rank's gradient reductions, which start when each stage's last backward
   starts and run one after another on one stream; ``TIE_REDUCE`` is an all-reduce of every
   rank that has one. Returns a ``Timeline`` (events, span, per-rank busy and waiting times).
-- ``simulate(shape, cluster, strategy)``: a GPT shape (``GPTShape``), a ``Cluster`` and a
-  ``Strategy`` (tp, pp, dp, schedule, micro-batches, recompute, ...) → per-action costs from the
+- ``simulate(shape, cluster, plan)``: a GPT shape (``GPTShape``), a ``Cluster`` (hardware and
+  attention kernel) and an ``autopart.Plan`` (mesh, schedule, micro-batches, recompute, ...) → per-action costs from the
   performance model (``CostModel``) → ``simulate_actions`` over the actions ``generate`` gives
   (the same generators the runtime uses) → a ``Simulation`` with iteration time, tokens/s,
   TFLOP/s per GPU, MFU, bubble fraction, memory per GPU and a time breakdown.
@@ -28,13 +28,11 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from autopart.errors import AutopartError
+from autopart.layout import Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.schedule.generators import generate
 from autopart.schedule.ir import Action
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "seq1f1b", "seq1f1b-interleaved")
-RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("flash", "unfused")
 VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 · tp
 
 # --------------------------------------------------------------------------------------------
@@ -222,130 +220,6 @@ def _projection(node: Any, depth: int = 12) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# the strategy
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How one iteration runs: the parallel layout, the schedule and the memory savers.
-
-    ``global_batch`` sequences per iteration are cut into ``dp`` replicas × ``microbatches``
-    micro-batches of ``micro_batch`` sequences.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    virtual_stages: int = 1
-    micro_batch: int = 1
-    global_batch: int = 1
-    schedule: str = "1f1b"
-    seq_chunks: int = 1
-    seq_split: str = "balanced"
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    attention: str = "flash"  # "flash" (fused causal kernel) or "unfused" (Megatron 2021)
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    def check(self, shape: GPTShape) -> None:
-        """Refuse what the generators, the compiler or the shape cannot run (with a hint)."""
-        import difflib
-
-        for f in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "global_batch", "seq_chunks"):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AutopartError(f"{f}={value!r} must be a positive integer")
-        if self.schedule not in SCHEDULES:
-            close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1)
-            raise AutopartError(
-                f"unknown schedule {self.schedule!r}",
-                hint=(f"did you mean {close[0]!r}? " if close else "")
-                + f"choose one of: {', '.join(SCHEDULES)}",
-            )
-        if self.attention not in ATTENTION:
-            raise AutopartError(
-                f"unknown attention {self.attention!r}", hint=f"use one of {', '.join(ATTENTION)}"
-            )
-        if self.recompute not in RECOMPUTE:
-            raise AutopartError(
-                f"unknown recompute {self.recompute!r}", hint=f"use one of {', '.join(RECOMPUTE)}"
-            )
-        parts = self.dp * self.micro_batch
-        if self.global_batch % parts:
-            raise AutopartError(
-                f"global batch {self.global_batch} is not divisible by dp({self.dp}) × "
-                f"micro-batch({self.micro_batch}) = {parts}",
-                hint=f"use a global batch that is a multiple of {parts}",
-            )
-        if self.sequence_parallel and self.tp == 1:
-            raise AutopartError("sequence parallelism needs tp > 1")
-        for what, n in (("heads", shape.heads), ("kv heads", shape.kv), ("ffn", shape.ffn_width)):
-            if n % self.tp:
-                raise AutopartError(
-                    f"tp={self.tp} does not divide the {what} ({n})",
-                    hint=f"use a tp that divides {n}",
-                )
-        if self.pp * self.virtual_stages > shape.layers:
-            raise AutopartError(
-                f"pp({self.pp}) × virtual stages({self.virtual_stages}) > {shape.layers} layers",
-                hint="every stage needs at least one transformer block",
-            )
-        interleaved = "interleaved" in self.schedule
-        if (self.virtual_stages > 1) != interleaved:
-            raise AutopartError(
-                f"schedule {self.schedule} with virtual_stages={self.virtual_stages}",
-                hint="virtual stages > 1 need an interleaved schedule, and it needs them",
-            )
-        if interleaved and self.microbatches % self.pp:
-            raise AutopartError(
-                f"{self.schedule} needs micro-batches ({self.microbatches}) divisible by pp ({self.pp})",
-                hint="change the global batch or the micro-batch size, or use 1f1b",
-            )
-        if self.seq_chunks > 1 and not self.schedule.startswith("seq1f1b"):
-            raise AutopartError(
-                f"seq_chunks={self.seq_chunks} needs a Seq1F1B schedule",
-                hint="use schedule seq1f1b or seq1f1b-interleaved",
-            )
-        if self.seq_chunks * self.chunk_multiple > shape.seq:
-            raise AutopartError(
-                f"a sequence of {shape.seq} tokens cannot be cut into {self.seq_chunks} chunks "
-                f"of at least {self.chunk_multiple}",
-                hint=f"use at most {max(1, shape.seq // self.chunk_multiple)} chunks",
-            )
-
-    @property
-    def chunk_multiple(self) -> int:
-        return math.lcm(8, self.tp) if self.sequence_parallel else 8
-
-    def describe(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        if self.virtual_stages > 1:
-            parts.append(f"v={self.virtual_stages}")
-        parts += [f"b={self.micro_batch}", f"m={self.microbatches}", self.schedule]
-        if self.seq_chunks > 1:
-            parts.append(f"k={self.seq_chunks}")
-        parts.append(f"recompute={self.recompute}")
-        if self.sequence_parallel:
-            parts.append("SP")
-        if self.distributed_optimizer:
-            parts.append("dist-opt")
-        if self.attention != "flash":
-            parts.append(f"{self.attention} attention")
-        return " ".join(parts)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "microbatches": self.microbatches, "gpus": self.gpus}
-
-
-# --------------------------------------------------------------------------------------------
 # the performance model
 
 _TILE = 128  # output tile of a tensor-core GEMM (wave quantization)
@@ -526,7 +400,7 @@ def stage_layers(layers: int, stages: int) -> list[int]:
     return counts
 
 
-def stage_params(shape: GPTShape, st: Strategy) -> tuple[list[float], list[float]]:
+def stage_params(shape: GPTShape, st: Plan) -> tuple[list[float], list[float]]:
     """(parameters of each stage, parameters of each pipeline rank) on one GPU: matmul
     weights and column-parallel biases split over tp, LayerNorms and row-parallel biases
     whole; the vocab-parallel embedding on stage 0, the final norm (and, when the head is
@@ -550,13 +424,13 @@ def stage_params(shape: GPTShape, st: Strategy) -> tuple[list[float], list[float
 
 
 class CostModel:
-    """Per-action seconds and bytes for one (shape, cluster, strategy), for every rank of one
+    """Per-action seconds and bytes for one (shape, cluster, plan), for every rank of one
     pipeline (pipeline position r holds stages r, r + pp, …)."""
 
-    def __init__(self, shape: GPTShape, cluster: Cluster, strategy: Strategy) -> None:
-        strategy.check(shape)
-        self.shape, self.cluster, self.st = shape, cluster, strategy
-        st, cl = strategy, cluster
+    def __init__(self, shape: GPTShape, cluster: Cluster, plan: Plan) -> None:
+        plan.check_model(shape.layers, shape.heads, shape.kv, shape.ffn_width, shape.seq)
+        self.shape, self.cluster, self.st = shape, cluster, plan
+        st, cl = plan, cluster
         p, v, k, t = st.pp, st.virtual_stages, st.seq_chunks, st.tp
         self.n_stages = p * v
         self.layers = stage_layers(shape.layers, self.n_stages)
@@ -569,9 +443,9 @@ class CostModel:
             float(c1), float(c2), shape.seq, k, st.seq_split, st.chunk_multiple
         )
         starts = [sum(self.chunk_lengths[:j]) for j in range(k)]
-        b = st.micro_batch
+        b = st.micro_batch or 1
         layer = [
-            _layer(shape, cl, t, st.sequence_parallel, st.recompute, st.attention, b, a, L)
+            _layer(shape, cl, t, st.sequence_parallel, st.recompute, cl.attention, b, a, L)
             for a, L in zip(starts, self.chunk_lengths, strict=True)
         ]
         ends = [_embed_head(shape, cl, t, st.sequence_parallel, b, L) for L in self.chunk_lengths]
@@ -705,7 +579,7 @@ class CostModel:
         extra = 0.0
         if self.st.recompute == "full":
             extra = self._forward_flops(layers=True, logits=False)
-        elif self.st.recompute == "selective" and self.st.attention == "unfused":
+        elif self.st.recompute == "selective" and self.cluster.attention == "unfused":
             sh = self.shape
             extra = 4 * self.st.global_batch * sh.seq**2 * sh.hidden * sh.layers
         return self.model_flops() + extra
@@ -986,7 +860,7 @@ class Simulation:
 
     shape: GPTShape
     cluster: Cluster
-    strategy: Strategy
+    plan: Plan
     costs: CostModel
     timeline: Timeline
     summary: dict[str, Any]
@@ -1023,19 +897,19 @@ def _compiled(schedule: str, p: int, m: int, v: int, k: int, dp: bool, tied: boo
 def simulate(
     shape: GPTShape,
     cluster: Cluster | str,
-    strategy: Strategy,
+    plan: Plan,
     *,
     record: bool = True,
     extrapolate: bool | None = None,
 ) -> Simulation:
-    """Simulate one iteration of ``strategy`` for ``shape`` on ``cluster``.
+    """Simulate one iteration of ``plan`` for ``shape`` on ``cluster``.
 
     ``extrapolate``: simulate 2·pp and 3·pp micro-batches and extend linearly to the real
     number (the steady state repeats every pp micro-batches); ``None`` does so only when the
     pipeline has more than ``EXACT_LIMIT`` F and B actions. Extrapolated runs have no events.
     """
     return simulate_costs(
-        CostModel(shape, load_cluster(cluster), strategy), record=record, extrapolate=extrapolate
+        CostModel(shape, load_cluster(cluster), plan), record=record, extrapolate=extrapolate
     )
 
 
@@ -1148,7 +1022,8 @@ def _summary(
         "stage_layers": costs.layers,
         "chunk_lengths": list(costs.chunk_lengths),
         "extrapolated": extrapolated,
-        "strategy": st.to_json(),
+        "plan": st.to_json(),
+        "global_batch": st.global_batch,
         "model": {**asdict(sh), "params": sh.params, "padded_vocab": costs.vocab},
         "cluster": cl.name,
     }
@@ -1258,8 +1133,7 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
     """A simulation's summary as rich tables."""
     from rich.table import Table
 
-    st = summary["strategy"]
-    plan = Strategy(**{k: v for k, v in st.items() if k not in ("microbatches", "gpus")})
+    plan = Plan.from_json(summary["plan"])
     mem = summary["memory"]
     head = Table(
         title=f"{plan.describe()} on {summary['gpus']} × {summary['cluster']}", show_header=False
@@ -1299,16 +1173,12 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
 
 
 __all__ = [
-    "ATTENTION",
-    "RECOMPUTE",
-    "SCHEDULES",
     "SHAPES",
     "CostModel",
     "Event",
     "GPTShape",
     "RankTimes",
     "Simulation",
-    "Strategy",
     "Timeline",
     "breakdown_table",
     "print_summary",

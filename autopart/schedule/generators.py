@@ -109,6 +109,32 @@ GENERATORS: dict[str, Callable[[int, int, list[int], int], list[Action]]] = {
 }
 
 
+def check_schedule(name: str, pp: int, m: int, v: int = 1, k: int = 1) -> None:
+    """The schedule rules, in one place (``Plan`` calls this on construction): a known
+    schedule; virtual stages exactly with an interleaved one, whose micro-batches are a
+    multiple of pp; sequence chunks only with Seq1F1B."""
+    if name not in GENERATORS:
+        raise AutopartError(
+            f"schedule {name!r} has no generator in this version",
+            hint=f"available: {', '.join(GENERATORS)}",
+        )
+    if k > 1 and not name.startswith("seq1f1b"):
+        raise AutopartError(
+            f"seq_chunks={k} needs a Seq1F1B schedule, not {name}",
+            hint="use schedule='seq1f1b' (or 'seq1f1b-interleaved' with virtual stages)",
+        )
+    if (v > 1) != ("interleaved" in name):
+        raise AutopartError(
+            f"schedule {name} with virtual_stages={v}",
+            hint="virtual stages > 1 need an interleaved schedule, and it needs them",
+        )
+    if "interleaved" in name and m % pp:
+        raise AutopartError(
+            f"{name} needs micro-batches divisible by pp: {m} % {pp} = {m % pp}",
+            hint=f"use {m + pp - m % pp} micro-batches, or 1f1b",
+        )
+
+
 def generate(
     name: str,
     r: int,
@@ -119,26 +145,10 @@ def generate(
     tied: bool = False,
     k: int = 1,
 ) -> list[Action]:
-    """The action list of pipeline rank ``r`` for schedule ``name``."""
+    """The action list of pipeline rank ``r`` for schedule ``name``, for arguments that pass
+    ``check_schedule`` (as a ``Plan``'s always do)."""
     if name not in GENERATORS:
-        raise AutopartError(
-            f"schedule {name!r} has no generator in this version",
-            hint=f"available: {', '.join(GENERATORS)}",
-        )
-    if (v > 1) != ("interleaved" in name):
-        raise AutopartError(
-            f"schedule {name} with virtual_stages={v}",
-            hint="virtual stages > 1 need an interleaved schedule, and it needs them",
-        )
-    if "interleaved" in name and m % len(peers):
-        raise AutopartError(
-            f"{name} needs micro-batches ({m}) divisible by pp ({len(peers)})",
-            hint=f"use {m + len(peers) - m % len(peers)} micro-batches, or 1f1b",
-        )
-    if (k > 1) != name.startswith("seq1f1b") and k > 1:
-        raise AutopartError(
-            f"schedule {name} with seq_chunks={k}", hint="sequence chunks need seq1f1b"
-        )
+        check_schedule(name, len(peers), m, v, k)  # says which schedules there are
     out = GENERATORS[name](r, m, peers, v, k)
     out += [Action("DP_REDUCE", r)] if dp > 1 else []
     return out + ([Action("TIE_REDUCE", r)] if tied else [])
