@@ -11,7 +11,7 @@ import pytest
 
 from autopart import AutopartError
 from autopart.cli import main
-from autopart.planning.calibrate import load, measure, predict, trace_document
+from autopart.planning.calibrate import VERSION, load, measure, predict, trace_document
 from autopart.planning.simulate import simulate_actions, to_chrome_trace
 from autopart.schedule import generate
 
@@ -129,10 +129,10 @@ def test_refusals(tmp_path: Path) -> None:
     m = measure(doc["traceEvents"], doc["autopart"])
     with pytest.raises(AutopartError, match="cannot predict seq1f1b"):
         predict(m, schedule="seq1f1b")
-    with pytest.raises(AutopartError, match="version"):
+    with pytest.raises(AutopartError, match="version 99, .* re-measure the run"):
         measure(doc["traceEvents"], {**doc["autopart"], "version": 99})
     with pytest.raises(AutopartError, match="malformed"):
-        measure(doc["traceEvents"], {"version": 1, "plan": {}})
+        measure(doc["traceEvents"], {"version": VERSION, "plan": {}})
     for field in ("schedule", "virtual_stages", "dp"):
         plan = {k: v for k, v in doc["autopart"]["plan"].items() if k != field}
         with pytest.raises(AutopartError, match=f"malformed.*{field}"):
@@ -146,6 +146,25 @@ def test_refusals(tmp_path: Path) -> None:
     bare.write_text(json.dumps({"traceEvents": doc["traceEvents"]}))
     with pytest.raises(AutopartError, match="not the trace of an autopart run"):
         load(bare)
+
+
+def test_events_without_args_are_refused(tmp_path: Path) -> None:
+    """Only the events' ``args`` say which action each is; names are never parsed back."""
+    doc, _ = _fake_trace("1f1b", 4)
+    assert all(e["args"]["kind"] == e["cat"] for e in doc["traceEvents"])
+    named = [{k: v for k, v in e.items() if k != "args"} for e in doc["traceEvents"]]
+    with pytest.raises(AutopartError, match="records no autopart action in its 'args'") as err:
+        measure(named, doc["autopart"])
+    assert "re-measure" in err.value.hint
+    # a version-1 trace (actions only in the names) is refused by its version first
+    old = tmp_path / "old.json"
+    old.write_text(
+        json.dumps({**doc, "traceEvents": named, "autopart": {**doc["autopart"], "version": 1}})
+    )
+    with pytest.raises(
+        AutopartError, match="version 1, this autopart reads version 2 only: re-measure"
+    ):
+        load(old)
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -127,7 +127,8 @@ def test_chrome_trace_format() -> None:
     trace = to_chrome_trace(tl.events)
     assert len(trace) == sum(len(a) for a in acts.values())  # one event per action
     ev = next(e for e in trace if e["name"] == "F(s0,m1,c1)")
-    assert set(ev) == {"name", "cat", "ph", "pid", "tid", "ts", "dur"}
+    assert set(ev) == {"name", "cat", "ph", "pid", "tid", "ts", "dur", "args"}
+    assert ev["args"] == {"kind": "F", "stage": 0, "mb": 1, "chunk": 1, "peer": None}
     assert ev["cat"] == "F" and ev["ph"] == "X" and ev["pid"] == 0 and ev["tid"] == 0
     assert ev["dur"] == pytest.approx(1e3)  # µs
 

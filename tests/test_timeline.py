@@ -10,23 +10,23 @@ import pytest
 
 from autopart.cli import main
 from autopart.errors import AutopartError
-from autopart.runtime.timeline import blocks, busy_fractions, load_trace, parse_name, plot_timeline
+from autopart.runtime.timeline import (
+    blocks,
+    busy_fractions,
+    chrome_event,
+    event_action,
+    load_trace,
+    plot_timeline,
+)
 from autopart.schedule.ir import Action
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1.7e15  # µs since the epoch, as time.time() × 1e6 gives
 
 
-def _event(name: str, kind: str, rank: int, start: float, dur: float) -> dict[str, Any]:
-    return {
-        "name": name,
-        "cat": kind,
-        "ph": "X",
-        "pid": rank,
-        "tid": 0,
-        "ts": T0 + start,
-        "dur": dur,
-    }
+def _event(action: Action, rank: int, start: float, dur: float) -> dict[str, Any]:
+    """``chrome_event``'s event of ``action``, with times given exactly in µs."""
+    return {**chrome_event(action, 0.0, 0.0, rank), "ts": T0 + start, "dur": dur}
 
 
 def synthetic() -> list[dict[str, Any]]:
@@ -40,42 +40,91 @@ def synthetic() -> list[dict[str, Any]]:
     t = 0.0
     for mb in range(2):
         for c in range(2):
-            a = Action("F", 0, mb, c)
-            ev.append(_event(str(a), "F", 0, t, 10))
+            ev.append(_event(Action("F", 0, mb, c), 0, t, 10))
             t += 10
-    ev.append(_event(str(Action("SEND_F", 0, 1, 1, peer=1)), "SEND_F", 0, 40, 5))
+    ev.append(_event(Action("SEND_F", 0, 1, 1, peer=1), 0, 40, 5))
     t = 120.0
     for mb in range(2):
         for c in reversed(range(2)):
-            ev.append(_event(str(Action("B", 0, mb, c)), "B", 0, t, 10))
+            ev.append(_event(Action("B", 0, mb, c), 0, t, 10))
             t += 10
     t = 40.0
     for mb in range(2):
         for c in range(2):
-            ev.append(_event(str(Action("F", 1, mb, c)), "F", 1, t, 15))
+            ev.append(_event(Action("F", 1, mb, c), 1, t, 15))
             t += 15
     t = 95.0  # overlaps the last forward (95..100): counted once
     for mb in range(2):
         for c in reversed(range(2)):
-            ev.append(_event(str(Action("B", 1, mb, c)), "B", 1, t, 15))
+            ev.append(_event(Action("B", 1, mb, c), 1, t, 15))
             t += 15
-    ev.append(_event("DP_REDUCE", "DP_REDUCE", 1, 190, 10))
+    ev.append(_event(Action("DP_REDUCE", 1), 1, 190, 10))
     return ev
 
 
-def test_parse_name_reads_back_action_str() -> None:
-    for a in [
-        Action("F", 0, 1, 2),
-        Action("B", 1, 0),
-        Action("SEND_F", 0, 1, peer=1),
-        Action("RECV_B", 2, 3, 1, peer=0),
-        Action("DP_REDUCE"),
-        Action("TIE_REDUCE"),
+ACTIONS = [
+    Action("F", 0, 1, 2),
+    Action("B", 1, 0),
+    Action("SEND_F", 0, 1, peer=1),
+    Action("RECV_B", 2, 3, 1, peer=0),
+    Action("DP_REDUCE", 3),  # the stage it reduces: not in the name, kept in args
+    Action("TIE_REDUCE"),
+]
+
+
+def test_event_round_trip() -> None:
+    """event → Action → event gives the same event, through JSON too."""
+    for a in ACTIONS:
+        e = chrome_event(a, 1.5, 1.75, pid=3)
+        back = event_action(json.loads(json.dumps(e)))
+        assert back == a
+        assert chrome_event(back, 1.5, 1.75, pid=3) == e
+    e = chrome_event(Action("F", 0, 1, 2), 1.5, 1.75, pid=3)
+    assert e == {
+        "name": "F(s0,m1,c2)",
+        "cat": "F",
+        "ph": "X",
+        "pid": 3,
+        "tid": 0,
+        "ts": 1.5e6,
+        "dur": 0.25e6,
+        "args": {"kind": "F", "stage": 0, "mb": 1, "chunk": 2, "peer": None},
+    }
+    assert json.loads(json.dumps(e))["args"]["peer"] is None  # null in the file
+
+
+def test_event_without_autopart_args_has_no_action() -> None:
+    """The name is never parsed: only ``args`` say which action an event is."""
+    named = {"name": "F(s0,m1)", "cat": "F", "ph": "X", "pid": 0, "ts": 0, "dur": 1}
+    assert event_action(named) is None
+    good = chrome_event(Action("B", 1, 2), 0.0, 1.0, 0)
+    for args in [
+        None,
+        {},
+        {"External id": 7},  # another tool's args
+        {**good["args"], "kind": "OPTIMIZER"},
+        {**good["args"], "stage": -1},
+        {**good["args"], "mb": "2"},
+        {**good["args"], "chunk": 0.5},
+        {**good["args"], "peer": True},
     ]:
-        assert parse_name(str(a)) == a
-    assert parse_name("F(s0,m1,c2)") == Action("F", 0, 1, 2)
-    assert parse_name("B(s1,m0)").chunk == 0
-    assert parse_name("optimizer") is None and parse_name("F") is None
+        assert event_action({**good, "args": args}) is None, args
+
+
+def test_foreign_events_are_plain_blocks_of_their_cat(tmp_path: Path) -> None:
+    foreign = [
+        {"name": "F(s0,m0)", "cat": "F", "ph": "X", "pid": 0, "ts": T0, "dur": 10},
+        {"name": "aten::mm", "cat": "cpu_op", "ph": "X", "pid": 0, "ts": T0 + 10, "dur": 5},
+        {"name": "step", "ph": "X", "pid": 1, "ts": T0, "dur": 20, "args": {"External id": 3}},
+    ]
+    bs = blocks(foreign)
+    assert [(b.rank, b.kind, b.action) for b in bs] == [
+        (0, "F", None),
+        (0, "cpu_op", None),
+        (1, "?", None),
+    ]
+    assert busy_fractions(foreign) == {0: 0.5, 1: 0.0}
+    assert plot_timeline(foreign, tmp_path / "f.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_busy_fractions_exact() -> None:
@@ -90,7 +139,8 @@ def test_blocks_kinds_and_chunks() -> None:
     assert len(bs) == 18  # the metadata event is skipped
     assert {b.rank for b in bs} == {0, 1}
     assert {b.action.chunk for b in bs if b.kind in ("F", "B")} == {0, 1}
-    assert sum(b.kind == "SEND_F" for b in bs) == 1
+    assert [b.action for b in bs if b.kind == "SEND_F"] == [Action("SEND_F", 0, 1, 1, peer=1)]
+    assert [b.action for b in bs if b.kind == "DP_REDUCE"] == [Action("DP_REDUCE", 1)]
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """Calibrated simulation: a measured run's per-action costs, replayed on the schedule IR.
 
 Data enters as the trace of a real run (``autopart run DIR --trace FILE``): every rank's actions
-of the last step as Chrome trace events, plus an ``"autopart"`` header the runtime writes (the
-plan, each rank's mesh coordinates, the step's wall time). ``measure`` reduces it to the costs
-the simulator needs:
+of the last step as Chrome trace events, each with its action's fields in ``args``
+(``autopart.runtime.timeline.chrome_event``), plus an ``"autopart"`` header the runtime writes
+(the format version, the plan, each rank's mesh coordinates, the step's wall time). ``measure``
+reduces it to the costs the simulator needs:
 
 - **compute**: the median duration of each ``F`` and ``B`` per (kind, stage, chunk), over every
   micro-batch and every rank holding that stage (tp and dp ranks of a stage run in lockstep);
@@ -40,7 +41,7 @@ from autopart.schedule import generate
 from autopart.schedule.ir import Action
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
-VERSION = 1
+VERSION = 2  # 2: each event's action in its "args" (1: only in its name)
 
 
 def trace_document(events: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
@@ -88,9 +89,9 @@ def measure(
     """Reduce one measured step (its events and header) to per-action costs (module docstring)."""
     if header.get("version") != VERSION:
         raise AutopartError(
-            f"{source}: trace header version {header.get('version')!r}, this "
-            f"autopart reads {VERSION}",
-            hint="re-measure with this version",
+            f"{source}: trace format version {header.get('version')!r}, this autopart reads "
+            f"version {VERSION} only: re-measure the run",
+            hint="with this autopart: autopart run DIR --steps 3 --trace FILE",
         )
     try:
         plan, coords = header["plan"], {int(r): c for r, c in header["ranks"].items()}
@@ -107,7 +108,14 @@ def measure(
             f"{source}: malformed {HEADER!r} header ({exc!r} missing or wrong)",
             hint="re-measure with: autopart run DIR --trace FILE",
         ) from None
-    bs = [b for b in blocks(events) if b.action is not None]
+    bs = blocks(events)
+    bare = next((b for b in bs if b.action is None), None)
+    if bare is not None:
+        raise AutopartError(
+            f"{source}: a {bare.kind!r} event of rank {bare.rank} records no autopart action in "
+            "its 'args', so its costs cannot be told apart",
+            hint="re-measure the run with this autopart: autopart run DIR --steps 3 --trace FILE",
+        )
     if not any(b.kind in ("F", "B") for b in bs):
         raise AutopartError(f"{source} holds no F or B actions to take costs from")
     compute: dict[tuple[str, int, int], list[float]] = {}

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
+from autopart.runtime.timeline import chrome_event
 from autopart.schedule.generators import generate
 from autopart.schedule.ir import Action
 
@@ -607,10 +608,17 @@ class Event(NamedTuple):
     """One action's span on one rank (seconds from the iteration's start)."""
 
     rank: int
-    name: str
-    kind: str
+    action: Action
     start: float
     end: float
+
+    @property
+    def name(self) -> str:
+        return str(self.action)  # as Action.__str__ prints: F(s0,m1,c2), SEND_F(s0,m0)→r1
+
+    @property
+    def kind(self) -> str:
+        return self.action.kind
 
 
 @dataclass
@@ -822,8 +830,7 @@ def _run(comp: _Compiled, cost: list[float], actions: dict[int, list[Action]] | 
     if rec:
         for i, p, s, e in raw:
             r = comp.ranks[i]
-            a = actions[r][p]
-            events.append(Event(r, str(a), a.kind, s, e))
+            events.append(Event(r, actions[r][p], s, e))
         events.sort(key=lambda ev: (ev.rank, ev.start))
     return Timeline(span, {comp.ranks[i]: times[i] for i in range(n)}, events)
 
@@ -833,19 +840,9 @@ def _index_of(ops: list[tuple[int, int, int]], code: int) -> int:
 
 
 def to_chrome_trace(events: list[Event]) -> list[dict[str, Any]]:
-    """Events as Chrome/Perfetto trace events, in ``Runner.chrome_trace``'s format."""
-    return [
-        {
-            "name": ev.name,
-            "cat": ev.kind,
-            "ph": "X",
-            "pid": ev.rank,
-            "tid": 0,
-            "ts": ev.start * 1e6,
-            "dur": (ev.end - ev.start) * 1e6,
-        }
-        for ev in events
-    ]
+    """Events as Chrome/Perfetto trace events, in ``Runner.chrome_trace``'s format
+    (``autopart.runtime.timeline.chrome_event``: the action's fields in ``args``)."""
+    return [chrome_event(ev.action, ev.start, ev.end, ev.rank) for ev in events]
 
 
 # --------------------------------------------------------------------------------------------

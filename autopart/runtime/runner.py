@@ -34,6 +34,7 @@ from autopart.layout import Plan
 from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p
+from autopart.runtime.timeline import TraceEvent, chrome_event
 from autopart.schedule.chunks import chunk_lengths
 from autopart.schedule.ir import Action
 
@@ -161,8 +162,8 @@ class Runner:
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
         self.n_stages = program.n_stages
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
-        # set to [] to record each step's (action, kind, start, end); keeps the last step
-        self.timeline: list[tuple[str, str, float, float]] | None = None
+        # set to [] to record each step's actions as TraceEvents; keeps the last step
+        self.timeline: list[TraceEvent] | None = None
         self._saved = SavedBytes()
         self._s: _Step | None = None  # the running step's state (None between steps)
         # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
@@ -215,25 +216,14 @@ class Runner:
     def chrome_trace(self, pid: int | None = None) -> list[dict[str, Any]]:
         """The recorded ``timeline`` as Chrome/Perfetto trace events (one row per rank)."""
         pid = self.rank if pid is None else pid
-        return [
-            {
-                "name": name,
-                "cat": kind,
-                "ph": "X",
-                "pid": pid,
-                "tid": 0,
-                "ts": s * 1e6,
-                "dur": (e - s) * 1e6,
-            }
-            for name, kind, s, e in self.timeline or []
-        ]
+        return [chrome_event(ev.action, ev.start, ev.end, pid) for ev in self.timeline or []]
 
     def busy_fraction(self) -> float:
         """Share of the last recorded step this rank spent in forward and backward compute."""
         if not self.timeline:
             return 0.0
-        span = max(e for *_, e in self.timeline) - min(s for _, _, s, _ in self.timeline)
-        busy = sum(e - s for _, kind, s, e in self.timeline if kind in ("F", "B"))
+        span = max(ev.end for ev in self.timeline) - min(ev.start for ev in self.timeline)
+        busy = sum(ev.dur for ev in self.timeline if ev.action.kind in ("F", "B"))
         return busy / span if span > 0 else 0.0
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -458,7 +448,7 @@ class Runner:
             if start:
                 self._t0 = time.time()
             else:
-                self.timeline.append((str(action), action.kind, self._t0, time.time()))
+                self.timeline.append(TraceEvent(action, self._t0, time.time()))
 
     # -- internals -------------------------------------------------------------------------
 

@@ -1,8 +1,15 @@
 """Pipeline timeline pictures: one row per rank, from Chrome/Perfetto trace events.
 
-The events are the dicts that ``Runner.chrome_trace`` writes (and ``python -m autopart.runtime.run DIR
---trace FILE`` gathers from every rank): ``{"name": "F(s0,m1,c2)", "cat": "F", "ph": "X",
-"pid": rank, "tid": 0, "ts": µs, "dur": µs}``. A simulated schedule gives the same dicts.
+The runtime records a ``TraceEvent`` (action, start, end) per executed action; ``chrome_event``
+turns an action and its times into the trace event that ``Runner.chrome_trace``, the
+simulator's ``to_chrome_trace`` and ``python -m autopart.runtime.run DIR --trace FILE`` write::
+
+    {"name": "F(s0,m1,c2)", "cat": "F", "ph": "X", "pid": rank, "tid": 0, "ts": µs, "dur": µs,
+     "args": {"kind": "F", "stage": 0, "mb": 1, "chunk": 2, "peer": null}}
+
+``name`` is for reading (Perfetto shows it); ``args`` holds the action's fields, which
+``event_action`` reads back. An event without them (another tool's trace) is drawn as a plain
+block of its ``cat``.
 
     events = load_trace("trace.json")
     plot_timeline(events, "timeline.png", title="seq1f1b, pp=2")
@@ -16,7 +23,6 @@ time stays white, and each row ends with that rank's busy fraction.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,36 +31,64 @@ from autopart.errors import AutopartError
 from autopart.schedule.ir import KINDS, Action
 
 COMPUTE = ("F", "B")
-_NAME = re.compile(
-    r"^(?P<kind>[A-Z_]+)"
-    r"(?:\(s(?P<stage>\d+),m(?P<mb>\d+)(?:,c(?P<chunk>\d+))?\))?"
-    r"(?:[→←]r(?P<peer>\d+))?$"
-)
 _SEND_RECV = "#a0a0a0"  # SEND_F/RECV_F/SEND_B/RECV_B
 _REDUCE = "#505050"  # DP_REDUCE/TIE_REDUCE
 _OTHER = "#c8c8c8"  # anything else a trace holds
 
 
-def parse_name(name: str) -> Action | None:
-    """The action an event name stands for (``Action.__str__`` read back), or None.
+@dataclass(frozen=True)
+class TraceEvent:
+    """One action as a rank ran it: start and end in seconds (``time.time()`` in a run)."""
 
-    ``"F(s0,m1,c2)"`` → ``Action("F", 0, 1, 2)``; the chunk is 0 when the name has no ``,cN``;
-    ``"SEND_F(s0,m1)→r1"`` keeps the peer; ``"DP_REDUCE"`` → ``Action("DP_REDUCE")``.
-    """
-    m = _NAME.match(name.strip())
-    if m is None or m["kind"] not in KINDS:
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def dur(self) -> float:
+        return self.end - self.start
+
+
+def chrome_event(
+    action: Action, start: float, end: float, pid: int, tid: int = 0
+) -> dict[str, Any]:
+    """The Chrome/Perfetto complete ("X") event of ``action`` run from ``start`` to ``end``
+    (seconds) on rank ``pid``: ``ts``/``dur`` in µs, ``name`` the readable ``str(action)``,
+    ``args`` the action's fields (``event_action`` reads them back)."""
+    return {
+        "name": str(action),
+        "cat": action.kind,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": start * 1e6,
+        "dur": (end - start) * 1e6,
+        "args": {
+            "kind": action.kind,
+            "stage": action.stage,
+            "mb": action.mb,
+            "chunk": action.chunk,
+            "peer": action.peer,
+        },
+    }
+
+
+def _index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def event_action(event: dict[str, Any]) -> Action | None:
+    """The action a trace event records in its ``args`` (as ``chrome_event`` writes them), or
+    None when it records none: no ``args``, or ``args`` that are not an autopart action's (an
+    unknown kind, a stage, micro-batch, chunk or peer that is not a whole number ≥ 0)."""
+    args = event.get("args")
+    if not isinstance(args, dict) or args.get("kind") not in KINDS:
         return None
-    if m["kind"] in ("DP_REDUCE", "TIE_REDUCE") and m["stage"] is None:
-        return Action(m["kind"])  # type: ignore[arg-type]
-    if m["stage"] is None:
+    fields = {k: args.get(k, 0) for k in ("stage", "mb", "chunk")}
+    peer = args.get("peer")
+    if not all(_index(v) for v in fields.values()) or not (peer is None or _index(peer)):
         return None
-    return Action(
-        m["kind"],  # type: ignore[arg-type]
-        stage=int(m["stage"]),
-        mb=int(m["mb"]),
-        chunk=int(m["chunk"] or 0),
-        peer=None if m["peer"] is None else int(m["peer"]),
-    )
+    return Action(args["kind"], **fields, peer=peer)
 
 
 @dataclass(frozen=True)
@@ -65,7 +99,7 @@ class Block:
     kind: str
     start: float
     dur: float
-    action: Action | None  # None when the name is not an autopart action
+    action: Action | None  # None when the event's args record no autopart action
 
     @property
     def end(self) -> float:
@@ -75,8 +109,8 @@ class Block:
 def blocks(events: list[dict[str, Any]]) -> list[Block]:
     """The complete ("X") events with a start and a duration, as ``Block``s.
 
-    The kind is the event's ``cat`` when that is an action kind, else the kind parsed from its
-    name, else the ``cat`` (or ``"?"``) as it stands.
+    The action is ``event_action``'s (None for an event without autopart ``args``); the kind is
+    that action's, else the event's ``cat`` (or ``"?"``) as it stands.
     """
     out = []
     for e in events:
@@ -89,9 +123,8 @@ def blocks(events: list[dict[str, Any]]) -> list[Block]:
             rank = int(e.get("pid", 0))
         except (TypeError, ValueError):
             continue
-        action = parse_name(str(e.get("name", "")))
-        cat = e.get("cat")
-        kind = cat if cat in KINDS else action.kind if action is not None else str(cat or "?")
+        action = event_action(e)
+        kind = action.kind if action is not None else str(e.get("cat") or "?")
         out.append(Block(rank, kind, float(ts), max(float(dur), 0.0), action))
     return out
 
