@@ -1,5 +1,73 @@
-"""The command line: ``autopart SUBCOMMAND``, one module per subcommand."""
+"""The command line: ``autopart SUBCOMMAND``, one module per subcommand.
 
-from autopart.cli.app import main
+Each of ``demo``, ``verify``, ``zoo``, ``inspect``, ``run``, ``timeline``, ``simulate`` and
+``plan`` is a module here with ``add_parser(sub)`` (its flags and help) and ``main(args) -> int``;
+``common`` holds the flag groups several take, ``report`` the rich tables ``inspect`` and
+``demo`` print. ``main`` parses, dispatches, and turns an ``AutopartError`` into
+``autopart CMD: error: ...`` on stderr and exit code 2.
+"""
 
-__all__ = ["main"]
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopart.cli import demo, inspect, plan, run, simulate, timeline, verify, zoo
+from autopart.errors import AutopartError
+
+EPILOG = """examples:
+  autopart demo                                   train a small GPT on 4 CPU ranks (tp × pp), check parity
+  autopart verify --model examples/nanogpt.py:make --dp 2 --microbatches 2
+  autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
+  torchrun --standalone --nproc-per-node 2 -m autopart.runtime.run out/ --steps 10
+  autopart run out/ --steps 10                    (launches torchrun itself when not under it)
+  autopart timeline trace.json -o timeline.png    draw a --trace file: one row per rank
+  autopart simulate --shape gpt3-175b --gpus 1024 --tp 8 --pp 8 --global-batch 1536
+                                                  predict one iteration on a GPU cluster
+  autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
+                                                  search for the fastest plan that fits
+
+a model SPEC is path/to/file.py:make or package.module:make, where make() returns
+(model, (input_ids, labels)) with int64 (batch, seq) token tensors.
+"""
+
+# the subcommands, in the order --help lists them
+COMMANDS = {
+    "demo": demo,
+    "verify": verify,
+    "zoo": zoo,
+    "inspect": inspect,
+    "run": run,
+    "timeline": timeline,
+    "simulate": simulate,
+    "plan": plan,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="autopart",
+        description="Compile an unmodified PyTorch GPT into one parallel program per rank.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return COMMANDS[args.command].main(args)
+    except AutopartError as exc:
+        print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["build_parser", "main"]

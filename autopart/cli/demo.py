@@ -33,6 +33,35 @@ def corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
 
 
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from autopart.layout import SCHEDULES
+
+    d = sub.add_parser(
+        "demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)"
+    )
+    d.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    d.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    d.add_argument(
+        "--schedule", default="seq1f1b", help=f"one of {', '.join(SCHEDULES)} (default seq1f1b)"
+    )
+    d.add_argument(
+        "--seq-chunks",
+        type=int,
+        default=2,
+        help="Seq1F1B sequence chunks per micro-batch (default 2)",
+    )
+    d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    d.add_argument(
+        "--no-sequence-parallel",
+        dest="sequence_parallel",
+        action="store_false",
+        help="keep activations between tp regions whole (default: split along the sequence)",
+    )
+    d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
+    d.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
+
+
 def main(args: argparse.Namespace) -> int:
     from autopart import Mesh, parallelize
     from autopart.cli.report import print_costs

@@ -1,0 +1,107 @@
+"""``autopart plan``: search for the fastest plan of a model that fits a cluster's memory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopart.cli.common import MODEL_DEFAULTS, fill_defaults, model_flags, model_shape
+
+EPILOG = """examples:
+  autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
+  autopart plan --shape gpt3-175b --gpus 1024 --global-batch 1536 --cluster dgx-h100 --top 10
+  autopart plan --model examples/gpt7b.py:make --seq 4096 --gpus 64 --global-batch 256 --json
+"""
+
+
+def _listed(values) -> str:
+    return " ".join(str(v) for v in values)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from autopart.layout import RECOMPUTE, SCHEDULES
+    from autopart.planning.cluster import ATTENTION
+    from autopart.planning.planner import MICRO_BATCHES, SEQ_CHUNKS
+
+    pl = sub.add_parser(
+        "plan",
+        help="search for the fastest plan that fits in memory",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model_flags(pl)
+    pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
+    pl.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    pl.add_argument(
+        "--schedules",
+        nargs="+",
+        default=list(SCHEDULES),
+        metavar="NAME",
+        help=f"schedules to try (default: all: {_listed(SCHEDULES)})",
+    )
+    pl.add_argument(
+        "--micro-batches",
+        nargs="+",
+        type=int,
+        default=list(MICRO_BATCHES),
+        metavar="B",
+        help=f"micro-batch sizes to try (default {_listed(MICRO_BATCHES)})",
+    )
+    pl.add_argument(
+        "--seq-chunks",
+        nargs="+",
+        type=int,
+        default=list(SEQ_CHUNKS),
+        metavar="K",
+        help=f"Seq1F1B chunk counts to try (default {_listed(SEQ_CHUNKS)})",
+    )
+    pl.add_argument(
+        "--recompute",
+        nargs="+",
+        choices=RECOMPUTE,
+        default=list(RECOMPUTE),
+        help="recompute modes to try (default: all)",
+    )
+    pl.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default=None,
+        help="attention kernel of every plan (default: the cluster's, flash on the presets)",
+    )
+    pl.add_argument("--max-tp", type=int, default=None, help="largest tp (default: GPUs per node)")
+    pl.add_argument("--no-progress", action="store_true", help="no progress display")
+
+
+def main(a: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from autopart.planning.planner import print_search, search
+
+    fill_defaults(a, MODEL_DEFAULTS)
+    shape = model_shape(a)
+    con = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table
+    if not a.json:
+        con.print(
+            f"planning {shape.describe()} on {a.gpus} × {a.cluster}, global batch {a.global_batch}"
+        )
+    result = search(
+        shape,
+        a.cluster,
+        a.gpus,
+        a.global_batch,
+        top=a.top,
+        schedules=a.schedules,
+        micro_batches=a.micro_batches,
+        seq_chunks=a.seq_chunks,
+        recompute=a.recompute,
+        attention=a.attention,
+        max_tp=a.max_tp,
+        progress=not a.no_progress,
+    )
+    if a.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print_search(result, con)
+    return 0

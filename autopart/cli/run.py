@@ -1,0 +1,74 @@
+"""``autopart run DIR [OPTION ...]``: run saved ranks. Under torchrun (``RANK`` set) it runs this
+rank; otherwise it starts torchrun itself on the program's world size, passing DIR and the
+options on unchanged. The options are ``python -m autopart.runtime.run``'s: its own parser
+reads them (here first, so a wrong flag fails before any rank starts)."""
+
+from __future__ import annotations
+
+import argparse
+
+EXAMPLES = """examples:
+  autopart run out/ --steps 10 --json
+  autopart run out/ --steps 5 --trace trace.json   (then: autopart timeline trace.json)
+  autopart run out/ --help                         the options alone
+"""
+
+
+def runtime_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """``autopart.runtime.run``'s parser, named ``autopart run``."""
+    from autopart.runtime.run import build_parser
+
+    return build_parser(
+        argparse.ArgumentParser(
+            prog="autopart run",
+            add_help=add_help,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+
+
+def _options_help() -> str:
+    """The runtime's options, as its parser prints them (to list under ``autopart run -h``)."""
+    text = runtime_parser(add_help=False).format_help()
+    _, sep, options = text.partition("options:\n")
+    return f"run options (given to every rank):\n{options}" if sep else ""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser(
+        "run",
+        help="run saved ranks (under torchrun, or launching it)",
+        usage="autopart run [-h] DIR [OPTION ...]",
+        description="Run the saved ranks of DIR: this rank under torchrun (RANK set), else start\n"
+        "torchrun on the program's world size with DIR and the options unchanged.",
+        epilog=f"{_options_help()}\n{EXAMPLES}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("dir", metavar="DIR", help="folder written by Program.save() (holds plan.json)")
+    options = r.add_argument(
+        "options",
+        nargs=argparse.REMAINDER,
+        metavar="OPTION",
+        help="the run options below, after DIR",
+    )
+    options.required = False  # no options is fine (argparse marks a REMAINDER required)
+
+
+def main(a: argparse.Namespace) -> int:
+    import os
+
+    from autopart.parity.verify import launch
+    from autopart.program.format import read_head
+    from autopart.runtime.run import run
+
+    argv = [a.dir, *a.options]
+    args = runtime_parser().parse_args(argv)
+    if "RANK" in os.environ:
+        return run(args)
+    world = read_head(args.dir)["world_size"]
+    print(
+        f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} "
+        f"-m autopart.runtime.run {' '.join(argv)}"
+    )
+    launch(world, ["-m", "autopart.runtime.run", *argv], stream=True, timeout_s=None)
+    return 0
