@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -76,15 +75,14 @@ def stage_costs(m: int) -> tuple[list[float], list[int]]:
     return meta[META_UNIT_COSTS], meta[META_CUTS]
 
 
-def unit(name: str) -> tuple[int, int]:
-    """(stage, micro-batch) of a recorded action name such as ``RECV_F(s1,m3)←r0``."""
-    s, mb = re.search(r"\(s(\d+),m(\d+)\)", name).groups()
-    return int(s), int(mb)
+def rows(timeline: list) -> list[tuple[str, int, int, float, float]]:
+    """(kind, stage, micro-batch, start, end) of each recorded ``TraceEvent``, JSON-ready."""
+    return [(e.action.kind, e.action.stage, e.action.mb, e.start, e.end) for e in timeline]
 
 
 def replay(timelines: list[list]) -> list[float]:
     """Busy fraction per rank of one step's F/B durations with free communication."""
-    ops = [[(k, *unit(n), t1 - t0) for n, k, t0, t1 in tl if k in ("F", "B")] for tl in timelines]
+    ops = [[(k, s, mb, t1 - t0) for k, s, mb, t0, t1 in tl if k in ("F", "B")] for tl in timelines]
     done, clock, nxt = {}, [0.0] * P, [0] * P
     while any(nxt[r] < len(ops[r]) for r in range(P)):
         progress = False
@@ -104,12 +102,11 @@ def recv_wait(timelines: list[list]) -> list[float]:
     """Per rank, seconds its receives went on after the peer had begun the matching send."""
     posted = {}
     for tl in timelines:
-        for n, k, t0, _ in tl:
-            if k.startswith("SEND"):
-                s, mb = unit(n)  # the receiving stage is the next one (F) or the previous (B)
+        for k, s, mb, t0, _ in tl:
+            if k.startswith("SEND"):  # the receiving stage is the next one (F) or the previous (B)
                 posted[(k[-1], s + 1 if k == "SEND_F" else s - 1, mb)] = t0
     return [
-        sum(t1 - max(t0, posted[(k[-1], *unit(n))]) for n, k, t0, t1 in tl if k.startswith("RECV"))
+        sum(t1 - max(t0, posted[(k[-1], s, mb)]) for k, s, mb, t0, t1 in tl if k.startswith("RECV"))
         for tl in timelines
     ]
 
@@ -139,7 +136,7 @@ def worker(out: str) -> None:
             elapsed = time.perf_counter() - start
             if i >= WARMUP:
                 busy.append(runner.busy_fraction())
-                timelines.append(runner.timeline)
+                timelines.append(rows(runner.timeline))
                 step_s.append(elapsed)
         t = torch.tensor(step_s, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slower rank counts
@@ -195,7 +192,7 @@ def main() -> int:
         for r, rk in enumerate(res["ranks"]):
             busy = statistics.median(rk["busy"])
             fb = statistics.median(
-                sum(e - s for _, k, s, e in tl if k in ("F", "B")) for tl in rk["timelines"]
+                sum(t1 - t0 for k, _, _, t0, t1 in tl if k in ("F", "B")) for tl in rk["timelines"]
             )
             diff = busy - ideal(m)
             ok &= abs(diff) <= TARGET
