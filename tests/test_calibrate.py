@@ -129,6 +129,8 @@ def test_refusals(tmp_path: Path) -> None:
     m = measure(doc["traceEvents"], doc["autopart"])
     with pytest.raises(AutopartError, match="cannot predict seq1f1b"):
         predict(m, schedule="seq1f1b")
+    with pytest.raises(AutopartError, match="'zb-h9' has no generator"):
+        predict(m, schedule="zb-h9")
     with pytest.raises(AutopartError, match="version 99, .* re-measure the run"):
         measure(doc["traceEvents"], {**doc["autopart"], "version": 99})
     with pytest.raises(AutopartError, match="malformed"):

@@ -37,7 +37,7 @@ from typing import Any
 from autopart.errors import AutopartError
 from autopart.planning.simulate import Timeline, simulate_actions
 from autopart.runtime.timeline import Block, blocks, read_json
-from autopart.schedule import generate
+from autopart.schedule import check_schedule, generate
 from autopart.schedule.ir import Action
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
@@ -188,6 +188,7 @@ def predict(
     name = schedule or m.schedule
     if mb < 1:
         raise AutopartError(f"{mb} micro-batches: need at least 1")
+    check_schedule(name, m.pp, mb, v=m.virtual_stages, k=m.seq_chunks)
     if name.startswith("seq1f1b") != m.schedule.startswith("seq1f1b") or (
         ("interleaved" in name) != ("interleaved" in m.schedule)
     ):
