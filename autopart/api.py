@@ -29,6 +29,7 @@ def parallelize(
     seq_chunks: int = 1,
     seq_split: str = "balanced",
     sequence_parallel: bool = False,
+    recompute: str = "none",
     bucket_mb: float = 25.0,
     max_stage_memory_gb: float | None = None,
     timeout_s: float = 300.0,
@@ -38,7 +39,8 @@ def parallelize(
 
     ``example_inputs`` is ``(input_ids, labels)``, int64 ``(batch, seq)``; not needed when
     ``model`` is already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
-    through ``torch.compile`` (Inductor), as ``autopart run --compile`` does.
+    through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
+    ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).
     """
     offline, live = mesh_from(mesh)
     plan = Plan(
@@ -51,6 +53,7 @@ def parallelize(
         bucket_mb,
         max_stage_memory_gb,
         seq_split,
+        recompute=recompute,
     )
     if isinstance(model, Captured):
         captured = model

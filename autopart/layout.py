@@ -7,9 +7,9 @@ of neighbouring ranks (one node's fast links) and the pp stages are furthest apa
 A ``Plan`` adds how one step runs: the schedule, micro-batches (and their size), virtual
 stages, sequence chunks and the memory savers. Both are plain, JSON-able data.
 
-The compiler runs every plan the planner can propose except ``recompute`` other than "none"
-(simulated, refused by ``compile_program`` until the recomputation pass exists);
-``distributed_optimizer`` is ZeRO-1, which the runtime applies (``autopart run --zero``).
+The compiler runs every plan the planner can propose: ``recompute`` is the recompute pass
+(``passes/recompute.py``, checkpointed by the runtime); ``distributed_optimizer`` is ZeRO-1,
+which the runtime applies (``autopart run --zero``).
 """
 
 from __future__ import annotations

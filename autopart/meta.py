@@ -29,6 +29,8 @@ META_GLOBAL_VAL = "autopart.global_val"  # FakeTensor: a split placeholder's uns
 META_SEQ = "autopart.seq_split"  # int | None: the dim split along the sequence, or absent
 # dropout_rng
 META_DROPOUT_SPLIT = "autopart.dropout_split"  # bool: the dropout mask differs per tp rank
+# recompute
+META_RECOMPUTE = "autopart.recompute"  # int: the recomputation region the node belongs to
 # pipeline_split
 META_STAGE = "autopart.stage"  # int: the pipeline stage a node runs in
 # data_parallel

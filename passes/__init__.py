@@ -7,6 +7,7 @@ from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.data_parallel import data_parallel
 from autopart.passes.dropout_rng import dropout_rng
 from autopart.passes.pipeline_split import pipeline_split
+from autopart.passes.recompute import recompute
 from autopart.passes.sequence_chunk import sequence_chunk
 from autopart.passes.sequence_parallel import sequence_parallel
 from autopart.passes.tensor_parallel import tensor_parallel
@@ -18,6 +19,7 @@ PIPELINE = (
     tensor_parallel,
     sequence_parallel,
     dropout_rng,
+    recompute,
     pipeline_split,
     sequence_chunk,
     data_parallel,
@@ -29,6 +31,7 @@ __all__ = [
     "data_parallel",
     "dropout_rng",
     "pipeline_split",
+    "recompute",
     "sequence_chunk",
     "sequence_parallel",
     "tensor_parallel",

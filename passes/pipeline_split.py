@@ -46,7 +46,7 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     stages = plan.mesh.pp * plan.virtual_stages
     if stages == 1:
         return gm
-    units, order = _units(gm)
+    units, order = block_units(gm)
     n_units = max(units.values()) + 1
     if stages > n_units - 2:
         raise AutopartError(
@@ -92,7 +92,7 @@ def recomputable(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def _units(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], list[fx.Node]]:
+def block_units(gm: fx.GraphModule) -> tuple[dict[fx.Node, int], list[fx.Node]]:
     """Unit of each non-recomputable call node: 0 = embedding, 1 + i = block i, last = head."""
     rec = recomputable(gm)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n not in rec]
@@ -367,6 +367,7 @@ def stage_graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
 __all__ = [
     "META_STAGE",
     "balanced_cuts",
+    "block_units",
     "equal_block_cuts",
     "imbalance",
     "pipeline_split",

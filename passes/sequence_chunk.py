@@ -55,6 +55,7 @@ from autopart.meta import (
     META_LAYER,
     META_MODULE,
     META_RANGES,
+    META_RECOMPUTE,
     META_SYMBOLS,
     META_WINDOW,
 )
@@ -398,6 +399,8 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
         )
     new.meta[META_ATTENTION] = "causal, chunked"
     new.meta[META_WINDOW] = sdpa.meta.get(META_WINDOW)
+    if META_RECOMPUTE in sdpa.meta:  # the attention core it replaces is recomputed
+        new.meta[META_RECOMPUTE] = sdpa.meta[META_RECOMPUTE]
     old_mask = sdpa.args[3] if len(sdpa.args) > 3 else None
     sdpa.replace_all_uses_with(new)
     g.erase_node(sdpa)

@@ -121,3 +121,25 @@ SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix:
         {**SEQ, "dp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2},
     ),
 }
+
+
+TP2XPP2_SEQ = {
+    **SEQ,
+    "tp": 2,
+    "pp": 2,
+    "seq_chunks": 2,
+    "microbatches": 2,
+    "sequence_parallel": True,
+}
+RECOMPUTE_CASES = {  # issue 18's matrix: every model x recompute mode under tp2 x pp2 Seq1F1B
+    f"{model}-{rc}": (LONG[model], {**TP2XPP2_SEQ, "recompute": rc})
+    for model in ("nanogpt", "hf_gpt2", "hf_llama")
+    for rc in ("none", "selective", "full")
+}
+RECOMPUTE_CASES |= {  # materialized attention scores (1F1B keeps the manual softmax path)
+    f"nanogpt_manual-1f1b-{rc}": (
+        MANUAL_LONG,
+        {"tp": 2, "pp": 2, "microbatches": 2, "sequence_parallel": True, "recompute": rc},
+    )
+    for rc in ("none", "selective")
+}

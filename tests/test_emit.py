@@ -388,10 +388,14 @@ def test_a_sequence_sequence_parallelism_cannot_split_is_refused_by_parallelize(
     assert "sequence length 30 is not divisible by tp=4" in err.value.message
 
 
-def test_the_compiler_refuses_what_it_cannot_run_yet(gpt_sdpa: Case) -> None:
-    """A plan the planner may propose but the compiler has no pass for is refused, not run
-    without it (recomputation: issue 18)."""
+def test_every_recompute_mode_compiles(gpt_sdpa: Case) -> None:
+    """Every plan the planner may propose compiles: recomputation is the recompute pass, whose
+    regions the program carries (one per block for full, one per attention for selective)."""
     from autopart.lowering import compile_program
+    from autopart.runtime.recompute import regions
 
-    with pytest.raises(AutopartError, match="no recomputation pass yet"):
-        compile_program(gpt_sdpa.captured, Plan(Mesh(), recompute="full"))
+    blocks = gpt_sdpa.captured.n_layers
+    for rc, count in (("none", 0), ("selective", blocks), ("full", blocks)):
+        program = compile_program(gpt_sdpa.captured, Plan(Mesh(), recompute=rc))
+        assert "recompute" in [h.name for h in program.history]
+        assert len(regions(program.rank(0).stages[0].graph)) == count, rc

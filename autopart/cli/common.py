@@ -26,7 +26,7 @@ def spec_flag(p: argparse.ArgumentParser) -> None:
 
 
 def plan_flags(p: argparse.ArgumentParser) -> None:
-    from autopart.layout import SCHEDULES
+    from autopart.layout import RECOMPUTE, SCHEDULES
     from autopart.schedule.chunks import SPLITS
 
     g = p.add_argument_group("plan")
@@ -66,6 +66,13 @@ def plan_flags(p: argparse.ArgumentParser) -> None:
         help="pipeline cuts keep each stage's weights, gradients, Adam states and "
         "in-flight activations under this many GiB",
     )
+    g.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="none",
+        help="activation recomputation: none (default), selective (attention cores) or full "
+        "(every transformer block keeps only its input)",
+    )
 
 
 def plan_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +85,7 @@ def plan_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         seq_split=a.seq_split,
         sequence_parallel=a.sequence_parallel,
         max_stage_memory_gb=a.max_stage_memory_gb,
+        recompute=a.recompute,
     )
 
 

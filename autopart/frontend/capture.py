@@ -219,6 +219,7 @@ def _annotate(
         ref = node.meta[META_INPUT]
         if ref.kind == "param" and canonical[ref.name] is not node:
             gm.graph.erase_node(node)
+    inline_grad_modes(gm)
     for node in gm.graph.nodes:
         path = _module_path(node)
         node.meta[META_MODULE] = path
@@ -245,6 +246,46 @@ def _annotate(
         dtype=next(iter(params.values())).dtype if params else torch.float32,
         vocab_size=vocab,
     )
+
+
+_GRAD_MODE = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def inline_grad_modes(gm: fx.GraphModule) -> None:
+    """Inline each ``wrap_with_set_grad_enabled(enabled, body, *args)`` (a ``torch.no_grad``
+    region in the model, such as Llama's rotary tables): the body's nodes take its place, and
+    with ``enabled=False`` each of its outputs is detached, which computes the same values and
+    passes no gradient back, as the region did. The graph is then plain ATen: the passes see
+    every node, and a saved stage graph holds no subgraphs."""
+    for n in [n for n in gm.graph.nodes if n.target is _GRAD_MODE]:
+        enabled, body_ref, *operands = n.args
+        body = getattr(gm, body_ref.target)
+        env = dict(
+            zip([p for p in body.graph.nodes if p.op == "placeholder"], operands, strict=True)
+        )
+        outs: list[fx.Node] = []
+        with gm.graph.inserting_before(n):
+            for b in body.graph.nodes:
+                if b.op == "placeholder":
+                    continue
+                if b.op == "output":
+                    outs = [env[o] for o in b.args[0]]
+                    break
+                env[b] = gm.graph.node_copy(b, env.__getitem__)
+            if not enabled:
+                detached = []
+                for o in outs:
+                    d = gm.graph.call_function(torch.ops.aten.detach.default, (o,))
+                    d.meta.update(o.meta)
+                    detached.append(d)
+                outs = detached
+        for u in list(n.users):  # getitem(wrap, i) → the i-th output
+            u.replace_all_uses_with(outs[u.args[1]])
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        if not body_ref.users:
+            gm.graph.erase_node(body_ref)
+            delattr(gm, body_ref.target)
 
 
 def _module_path(node: fx.Node) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Plan
 from autopart.lowering.pass_runner import PassRecord, run_passes
@@ -37,12 +36,6 @@ from autopart.schedule.chunks import chunk_lengths, cost_coefficients
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
-    if plan.recompute != "none":
-        raise AutopartError(
-            f"recompute={plan.recompute!r} is simulated and planned, but the compiler has no "
-            "recomputation pass yet",
-            hint='compile with recompute="none"',
-        )
     gm, history = apply_passes(captured, plan)
     stages, inputs = split_stages(gm)
     ties = tied_across(inputs, plan.mesh.pp)

@@ -52,6 +52,7 @@ def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
             "grads": grads,
             "shards": shards,
             "coords": runner.program.coords,
+            "saved": runner.peak_saved_bytes,
         },
         folder / f"rank{runner.rank:05d}.pt",
     )

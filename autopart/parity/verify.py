@@ -52,6 +52,7 @@ class Report:
     zero: list[str] = field(default_factory=list)  # gradients zero by construction (round-off)
     islands: list[str] = field(default_factory=list)  # "module (dtype)" computed at lower precision
     precision: str = ""  # the lowest of the islands' dtypes ("float32"), when there are islands
+    saved: list[int] = field(default_factory=list)  # per rank: peak bytes saved for backward
 
     @property
     def ok(self) -> bool:
@@ -216,6 +217,7 @@ class Check:
     seq_split: str = "balanced"
     sequence_parallel: bool = False
     max_stage_memory_gb: float | None = None
+    recompute: str = "none"
 
     def plan_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``parallelize`` this check sets (all but the mesh)."""
@@ -233,6 +235,8 @@ class Check:
             parts.append("sp")
         if self.max_stage_memory_gb is not None:
             parts.append(f"mem={self.max_stage_memory_gb:g}")
+        if self.recompute != "none":
+            parts.append(f"recompute={self.recompute}")
         return ",".join(parts)
 
 
@@ -244,6 +248,7 @@ PLAN_KEYS = (
     "seq_split",
     "sequence_parallel",
     "max_stage_memory_gb",
+    "recompute",
 )
 _PLAN_WORDS = {
     "dp": "dp",
@@ -257,7 +262,7 @@ _PLAN_WORDS = {
 PLANS_HELP = (
     "plans separated by ';', each a comma-separated list of dp=N, tp=N, pp=N, m=N "
     "(micro-batches), v=N (virtual stages), k=N (sequence chunks), mem=GIB, a schedule "
-    "name, sp (sequence parallel), uniform or balanced (chunk split)"
+    "name, sp (sequence parallel), uniform or balanced (chunk split), recompute=selective|full"
 )
 
 
@@ -279,6 +284,8 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
                     raise AutopartError(
                         f"plan {plan!r}: {word!r} needs a number", hint=PLANS_HELP
                     ) from None
+            elif key == "recompute" and eq:
+                fields["recompute"] = value
             elif word in SCHEDULES:
                 fields["schedule"] = word
             elif word == "sp":
@@ -535,6 +542,7 @@ def _report(
         zero,
         model.islands,
         _name(model.lowest) if model.islands else "",
+        [int(d.get("saved", 0)) for d in dumps],
     )
 
 
@@ -551,6 +559,7 @@ def verify(
     seq_split: str = "balanced",
     sequence_parallel: bool = False,
     max_stage_memory_gb: float | None = None,
+    recompute: str = "none",
     dtype: str = "float64",
     timeout_s: float = 300.0,
     workdir: str | Path | None = None,
@@ -572,6 +581,7 @@ def verify(
         seq_split,
         sequence_parallel,
         max_stage_memory_gb,
+        recompute,
     )
     (result,) = verify_many(
         [check],

@@ -58,6 +58,7 @@ from autopart.meta import (
     META_MODULE,
     META_PASSES,
     META_RANGES,
+    META_RECOMPUTE,
 )
 from autopart.program.archive import check_pt2, check_targets
 from autopart.schedule.ir import Action, table
@@ -374,6 +375,8 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
             n.meta.get(META_MODULE, ""),
             n.meta.get(META_LAYER),
         )
+        if META_RECOMPUTE in n.meta:
+            custom[META_RECOMPUTE] = n.meta[META_RECOMPUTE]
     ep = ExportedProgram(
         root=graph,
         graph=graph.graph,
@@ -465,6 +468,8 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
                 custom.get(META_MODULE, ""),
                 custom.get(META_LAYER),
             )
+            if custom.get(META_RECOMPUTE) is not None:
+                n.meta[META_RECOMPUTE] = int(custom[META_RECOMPUTE])
         for n, ref in zip(
             (n for n in graph.graph.nodes if n.op == "placeholder"), inputs, strict=True
         ):

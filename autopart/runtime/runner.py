@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +34,7 @@ from autopart.layout import Plan
 from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p
+from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
 from autopart.schedule.chunks import chunk_lengths
 from autopart.schedule.ir import Action
@@ -44,28 +45,50 @@ COMPILE_CACHE = (
 
 
 class SavedBytes:
-    """Bytes of tensors autograd saves for backward, per live (stage, micro-batch), counted with
-    ``saved_tensors_hooks`` (parameters excluded); ``peak`` is the most held at once."""
+    """Bytes of tensors autograd saves for backward, per live (stage, micro-batch, chunk), counted
+    with ``saved_tensors_hooks``, plus the inputs a recomputation region keeps instead
+    (``hold``); parameters and buffers (and views starting where they do) are not activations
+    and are left out. ``peak`` is the most held at once."""
 
     def __init__(self) -> None:
-        self.live: dict[tuple[int, int], int] = {}
+        self.live: dict[tuple[int, int, int], int] = {}
         self.peak = 0
         self._params: set[int] = set()
+        self._unit: tuple[int, int, int] | None = None  # the forward being watched
+        self._held: set[tuple] = set()
 
-    def watch(self, unit: tuple[int, int]):
+    def watch(self, unit: tuple[int, int, int]):
+        self._unit = unit
+
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, torch.nn.Parameter) and t.data_ptr() not in self._params:
-                self.live[unit] = self.live.get(unit, 0) + t.numel() * t.element_size()
-                self.peak = max(self.peak, sum(self.live.values()))
+            self._count(unit, t)
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def release(self, unit: tuple[int, int]) -> None:
-        self.live.pop(unit, None)
+    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
+        """A checkpointed region's inputs: what it keeps for backward instead of its values
+        (a tensor several regions of one forward keep, such as a mask, counts once)."""
+        if self._unit is None:
+            return
+        for t in tensors:
+            key = (self._unit, t.data_ptr(), t.shape, t.dtype)
+            if key not in self._held:
+                self._held.add(key)
+                self._count(self._unit, t)
 
-    def reset(self, params) -> None:
-        self.live, self.peak = {}, 0
+    def _count(self, unit: tuple[int, int, int], t: torch.Tensor) -> None:
+        if not isinstance(t, torch.nn.Parameter) and t.data_ptr() not in self._params:
+            self.live[unit] = self.live.get(unit, 0) + t.numel() * t.element_size()
+            self.peak = max(self.peak, sum(self.live.values()))
+
+    def release(self, unit: tuple[int, int, int]) -> None:
+        self.live.pop(unit, None)
+        self._held = {k for k in self._held if k[0] != unit}
+
+    def reset(self, params: Sequence[torch.Tensor]) -> None:
+        """A new step; ``params``: the parameters and buffers, never counted."""
+        self.live, self.peak, self._held = {}, 0, set()
         self._params = {p.data_ptr() for p in params}
 
 
@@ -173,11 +196,11 @@ class Runner:
         # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.
         if compile:  # a persistent cache: a second run reuses the first one's kernels
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
+        # recompute: each region the recompute pass marked runs checkpointed
+        runs = {st.stage: checkpointed(st.graph, self._saved.hold) for st in program.stages}
         self._run = {
-            st.stage: torch.compile(st.graph, dynamic=plan.seq_chunks > 1 or None)
-            if compile
-            else st.graph
-            for st in program.stages
+            k: torch.compile(g, dynamic=plan.seq_chunks > 1 or None) if compile else g
+            for k, g in runs.items()
         }
         self._p2p = p2p.Channel(self.rank, timeout_s)
         collectives.bind("tp", groups.get("tp"))
@@ -245,7 +268,7 @@ class Runner:
         for p in self.params.values():
             p.grad = None
         self.steps += 1
-        self._saved.reset(self.params.values())
+        self._saved.reset([*self.params.values(), *self.buffers.values()])
         if self.timeline is not None:
             self.timeline = []  # keep the last step's only
         self._p2p.reset()
