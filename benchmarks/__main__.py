@@ -29,6 +29,7 @@ BENCHMARKS = {
     "compile_cache": lambda mod: mod.main(),
     "plan_1t": lambda mod: mod.main(),
     "calibration": lambda mod: mod.main(),
+    "recompute": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(
         argparse.Namespace(split="balanced", seq=1024, microbatches=8, manual=False)
     ),
