@@ -167,6 +167,8 @@ def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
     g = _group(group)
+    if x.device.type == "meta":  # the dry run: shapes only, nothing to move
+        return x.clone()
     what = f"all-reduce over {group} of {tuple(x.shape)}"
     if g is not None and op is None and transport(g) != "c10d":
         x = x.contiguous()
@@ -195,6 +197,8 @@ def _all_gather(x: torch.Tensor, dim: int, group: str, size: int | None = None) 
     g = _sized(group, size)
     if g is None:
         return x.clone()
+    if x.device.type == "meta":
+        return torch.cat([x] * dist.get_world_size(g), dim)
     what = f"all-gather over {group} of {tuple(x.shape)}"
     x = x.contiguous()
     if transport(g) != "c10d":
@@ -217,6 +221,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int | None = No
             hint="shard only dims divisible by the group size",
         )
     parts = [p.contiguous() for p in x.chunk(n, dim)]
+    if x.device.type == "meta":
+        return parts[me].clone()
     if transport(g) != "c10d":  # each rank gets only the slices of its own part
         return _exchange(parts, g, what, _sum_in_rank_order)
     if dist.get_backend(g) != "gloo":
@@ -319,7 +325,7 @@ def vocab_parallel_ce(
     Returns (loss_sum, row max [N], row sum of exp [N]); the last two are for the backward.
     """
     n_local = logits.shape[-1]
-    local = labels - int(tp_rank) * n_local
+    local = labels - tp_rank * n_local  # a tensor: no host sync
     mine = (local >= 0) & (local < n_local)
     my_max = logits.detach().max(-1).values  # [N]
     # a slice of only -inf (a masked block) has no finite max to shift by: it adds exp = 0
@@ -359,7 +365,7 @@ def _ce_backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
     logits, labels, tp_rank, row_max, sum_exp = ctx.saved_tensors
     n_local = logits.shape[-1]
     probs = (logits - row_max[:, None]).exp() / sum_exp[:, None]  # softmax, our vocab slice
-    local = labels - int(tp_rank) * n_local
+    local = labels - tp_rank * n_local  # a tensor: no host sync
     mine = (local >= 0) & (local < n_local)
     onehot = torch.zeros_like(probs).scatter_(
         1, local.clamp(0, n_local - 1)[:, None], mine[:, None].to(probs.dtype)
@@ -382,7 +388,10 @@ def _dropout_mask(
     rank: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Keep-mask (scaled by 1/(1-p)) from (seed, slot[, rank]): the same inputs give the same mask."""
+    """Keep-mask (scaled by 1/(1-p)) from (seed, slot[, rank]): the same inputs give the same mask.
+    Drawn on the CPU, so every device draws the same mask (the dry run on meta: shape only)."""
+    if seed.device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
     mix = (
         int(seed) * 1_000_003 + slot * 7_919 + (0 if rank is None else (int(rank) + 1) * 104_729)
     ) % 2**62

@@ -9,8 +9,7 @@ program in memory, meeting over gloo; nothing is mocked. Every case is its own t
 from __future__ import annotations
 
 import pytest
-import torch
-from parity_cases import PP_CASES, RECOMPUTE_CASES, SEQ1F1B_CASES, assert_passes, batch
+from parity_cases import PP_CASES, SEQ1F1B_CASES, assert_passes, batch
 
 from autopart import AutopartError
 from autopart.parity.verify import Check, Report
@@ -36,71 +35,3 @@ def seq1f1b_reports() -> dict[str, Report | AutopartError]:
 @pytest.mark.parametrize("case", list(SEQ1F1B_CASES))
 def test_seq1f1b_float64_parity(case: str, seq1f1b_reports: dict) -> None:
     assert_passes(seq1f1b_reports[case])
-
-
-@pytest.fixture(scope="module")
-def recompute_reports() -> dict[str, Report | AutopartError]:
-    return batch({name: Check(spec, **kw) for name, (spec, kw) in RECOMPUTE_CASES.items()})
-
-
-@pytest.mark.parametrize("case", list(RECOMPUTE_CASES))
-def test_recompute_float64_parity(case: str, recompute_reports: dict) -> None:
-    assert_passes(recompute_reports[case])
-
-
-@pytest.mark.parametrize("model", ["nanogpt", "hf_gpt2", "hf_llama"])
-def test_recompute_saves_less(model: str, recompute_reports: dict) -> None:
-    """Full recomputation keeps each block's input only: every rank saves under a third of what
-    it saves without. Selective drops nothing s²-sized where attention is one fused kernel
-    (Seq1F1B's SDPA saves q, k, v, output and log-sum-exp), so it keeps about as much (the
-    region's inputs instead of the kernel's saved tensors: within 2 %)."""
-    none, sel, full = (recompute_reports[f"{model}-{rc}"] for rc in ("none", "selective", "full"))
-    print(
-        model, "saved bytes per rank: none", none.saved, "selective", sel.saved, "full", full.saved
-    )
-    assert all(n > 0 for n in none.saved)
-    assert all(f < n / 3 for f, n in zip(full.saved, none.saved, strict=True))
-    assert all(s <= 1.02 * n for s, n in zip(sel.saved, none.saved, strict=True))
-
-
-def test_selective_recompute_drops_materialized_scores(recompute_reports: dict) -> None:
-    """With the manual masked-softmax attention (scores, softmax and dropout materialized, as
-    Megatron ran in 2021) selective recomputation keeps under half of what none keeps."""
-    none, sel = (recompute_reports[f"nanogpt_manual-1f1b-{rc}"] for rc in ("none", "selective"))
-    print("nanogpt manual attention saved bytes per rank: none", none.saved, "selective", sel.saved)
-    assert all(s < n / 2 for s, n in zip(sel.saved, none.saved, strict=True))
-
-
-@pytest.mark.parametrize(
-    "attention,plan",
-    [
-        ("manual", {"tp": 2, "pp": 2, "microbatches": 2, "sequence_parallel": True}),
-        ("sdpa", {"pp": 2, "schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2}),
-    ],
-)
-def test_recompute_is_exact_under_dropout(attention: str, plan: dict, tmp_path) -> None:
-    """With dropout (p = 0.2) the recomputed forward draws the masks the first forward drew:
-    loss and every gradient of selective and full recomputation equal those without."""
-    import nanogpt
-
-    from autopart import parallelize
-    from autopart.frontend.capture import capture
-    from autopart.layout import Mesh
-    from autopart.parity.checks import fork_ranks
-    from autopart.parity.verify import gather
-
-    model, batch_ = nanogpt.make(attention=attention, dropout=0.2)
-    captured = capture(model.double(), batch_)
-    mesh = Mesh(tp=plan.pop("tp", 1), pp=plan.pop("pp"))
-    runs = {}
-    for rc in ("none", "selective", "full"):
-        program = parallelize(captured, mesh, recompute=rc, **plan)
-        fork_ranks(program, batch_, tmp_path / rc, timeout_s=120)
-        dumps = [torch.load(tmp_path / rc / f"rank{r:05d}.pt") for r in range(mesh.size)]
-        runs[rc] = (float(dumps[0]["loss"]), gather(dumps))
-    loss, grads = runs["none"]
-    for rc in ("selective", "full"):
-        assert runs[rc][0] == pytest.approx(loss, rel=1e-12)
-        for fqn, copies in grads.items():
-            for got, ref in zip(runs[rc][1][fqn], copies, strict=True):
-                assert torch.allclose(got, ref, rtol=1e-10, atol=1e-14), (rc, fqn)

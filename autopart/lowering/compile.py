@@ -8,12 +8,17 @@
 4. ``chunk_costs``       Seq1F1B only: the chunk-boundary cost polynomial, checked on the example
 5. ``rank_program``      one rank's stages, shards, actions, buckets and groups
 6. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
+
+``split_stages`` also makes each stage graph name no device (``device_free``): the runtime
+places a program on its rank's device (``autopart/runtime/placement.py``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
+from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Plan
 from autopart.lowering.pass_runner import PassRecord, run_passes
@@ -22,6 +27,7 @@ from autopart.meta import (
     META_EXAMPLE_SHAPE,
     META_INPUT,
     META_INPUTS,
+    META_MODULE,
     META_PASSES,
     META_SHARD,
     META_UNIT_COSTS,
@@ -88,10 +94,47 @@ def split_stages(gm: fx.GraphModule) -> tuple[list[fx.GraphModule], list[list[In
         for st in stages
     ]
     for st, refs in zip(stages, inputs, strict=True):
+        device_free(st)
         st.meta[META_PASSES] = gm.meta.get(META_PASSES, [])
         for n, ref in zip((n for n in st.graph.nodes if n.op == "placeholder"), refs, strict=True):
             n.meta[META_INPUT] = ref
     return stages, inputs
+
+
+def device_free(gm: fx.GraphModule) -> None:
+    """Make ``gm`` name no device: capture bakes the capture device into factory calls
+    (``arange(..., device=cpu)``) and casts (``to.device(x, cpu, dtype)``, Llama's rotary
+    tables). Factory calls lose their ``device`` keyword (the runtime gives them the rank's
+    device), a ``to.device`` becomes ``to.dtype`` (every tensor of a rank lives on one device),
+    and metadata assertions are dropped. A device left anywhere else is refused, naming the node.
+    Every ``view`` becomes ``reshape``: whether a view is possible depends on the strides a
+    device's kernels give their outputs (SDPA's differ between the CPU, CUDA and meta); in a
+    functional graph ``reshape`` computes the same values, copying only where a view is not
+    possible."""
+    aten = torch.ops.aten
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
+            continue
+        if n.target is aten.view.default:
+            n.target = aten.reshape.default
+        if isinstance(n.kwargs.get("device"), torch.device):
+            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "device"}
+        if n.target is aten.to.device:  # (x, device, dtype, non_blocking, copy, memory_format)
+            n.target = aten.to.dtype
+            n.args = (n.args[0], *n.args[2:])
+        flat = [*n.args, *n.kwargs.values()]
+        flat = [x for a in flat for x in (a if isinstance(a, (list, tuple)) else [a])]
+        if any(isinstance(a, torch.device) for a in flat):
+            raise AutopartError(
+                f"node {n.name} ({n.target}) of module {n.meta.get(META_MODULE, '') or 'the root'} "
+                "names a device, so its program could run on that device only",
+                hint="please report the model; meanwhile compute that value without a device",
+            )
+    gm.graph.lint()
+    gm.recompile()
 
 
 def tied_across(inputs: list[list[InputRef]], pp: int) -> dict[str, list[int]]:

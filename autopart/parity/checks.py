@@ -35,6 +35,7 @@ from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.program.format import Program, RankProgram, load_rank, load_weights, read_head
+from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.runner import Runner, local_weights, make_groups
 
 
@@ -42,13 +43,12 @@ def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
     """Write this rank's loss, local gradients and shard map to ``folder/rankNNNNN.pt``."""
     folder.mkdir(parents=True, exist_ok=True)
     grads = {
-        f: (p.grad.detach().clone() if p.grad is not None else None)
-        for f, p in runner.named_parameters()
+        f: (_host(p.grad) if p.grad is not None else None) for f, p in runner.named_parameters()
     }
     shards = {f: asdict(s) for f, s in runner.program.shards.items()}
     torch.save(
         {
-            "loss": loss.detach().clone(),
+            "loss": _host(loss),
             "grads": grads,
             "shards": shards,
             "coords": runner.program.coords,
@@ -56,6 +56,11 @@ def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
         },
         folder / f"rank{runner.rank:05d}.pt",
     )
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A copy to dump: on the CPU (a GPU rank's), or as it is (the dry run's meta tensors)."""
+    return t.detach().clone() if t.device.type in ("cpu", "meta") else t.detach().cpu()
 
 
 def run_check(
@@ -68,13 +73,17 @@ def run_check(
     timeout_s: float,
     seed: int = 0,
     compile: bool = False,
+    device: str = "cpu",
 ) -> None:
     """One step of this rank's program on ``batch``, dumped to ``folder``; the check's process
-    groups are destroyed afterwards, so that the next check starts from a bare world."""
+    groups are destroyed afterwards, so that the next check starts from a bare world.
+    ``device="meta"`` is the dry run (``autopart/runtime/placement.py``)."""
     # the seed autopart run uses (attention dropout inside SDPA draws from torch's generator)
     torch.manual_seed((seed * 1_000_003 + rp.rank) % 2**63)
     groups = make_groups(plan, rp.rank, rp.ties)
-    runner = Runner(rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile)
+    runner = Runner(
+        rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile, device=device
+    )
     dump(runner, runner.step(*batch), folder)
     collectives.set_action("the end of the check")
     dist.barrier()  # every rank done with every collective before its groups go away
@@ -86,8 +95,9 @@ def run_check(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m autopart.parity.checks MANIFEST`` (under torchrun): run every check the
-    manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool,
+    manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool, "device",
     "checks": [{"name", "program", "batch", "dump"}, ...]}``; every program has this world size."""
+    from autopart.runtime.placement import backend_for, pick_device
     from autopart.runtime.run import _join
 
     args = argv if argv is not None else sys.argv[1:]
@@ -96,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     manifest = json.loads(Path(args[0]).read_text())
     timeout_s = float(manifest["timeout"])
-    rank, world = _join(timeout_s)
+    device = str(pick_device(manifest.get("device", "cpu")))
+    rank, world = _join(timeout_s, backend_for(pick_device(device)))
     current = "(setup)"
     try:
         for check in manifest["checks"]:
@@ -113,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(check["dump"]),
                 timeout_s=timeout_s,
                 compile=manifest["compile"],
+                device=device,
             )
     except AutopartError as exc:
         print(f"autopart run: error: check {current}: {exc}", file=sys.stderr, flush=True)
@@ -126,10 +138,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fork_ranks(
-    program: Program, batch: tuple[torch.Tensor, torch.Tensor], folder: Path, *, timeout_s: float
+    program: Program,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    folder: Path,
+    *,
+    timeout_s: float,
+    device: str = "cpu",
 ) -> None:
     """Run one step of ``program`` on ``program.mesh.size`` ranks forked from this process
-    (real processes, gloo over TCP on this host) and dump each rank into ``folder``.
+    (real processes, gloo over TCP on this host) and dump each rank into ``folder``; on
+    ``device`` ("meta": the dry run, every tensor shape-only).
 
     The ranks inherit the compiled program. A rank that fails writes why to
     ``folder/rankNNNNN.err`` and exits; the others are stopped then, and the error names the
@@ -149,7 +167,7 @@ def fork_ranks(
     procs = [
         ctx.Process(
             target=_forked_rank,
-            args=(program, r, world, store, batch, folder, timeout_s),
+            args=(program, r, world, store, batch, folder, timeout_s, device),
             daemon=True,
         )
         for r in range(world)
@@ -216,19 +234,21 @@ def _forked_rank(
     batch: tuple[torch.Tensor, torch.Tensor],
     folder: Path,
     timeout_s: float,
+    device: str,
 ) -> None:
     code = 1
     try:
         as_rank(rank, world)
         dist.init_process_group(
-            "gloo",
+            backend_for(pick_device(device)),
             store=dist.FileStore(str(store), world),
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
         rp = program.rank(rank)
-        run_check(rp, program.plan, local_weights(program, rp), batch, folder, timeout_s=timeout_s)
+        weights = local_weights(program, rp)
+        run_check(rp, program.plan, weights, batch, folder, timeout_s=timeout_s, device=device)
         dist.destroy_process_group()
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises

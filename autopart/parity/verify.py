@@ -345,6 +345,7 @@ def verify_many(
     compile: bool = False,
     via: str = "torchrun",
     on_result: Callable[[str, Report | AutopartError], None] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Report | AutopartError]:
     """Check many plans (and models) against one device; name → ``Report``, or the
     ``AutopartError`` that stopped that check (a refused plan, a failing rank).
@@ -354,7 +355,8 @@ def verify_many(
     torchrun launch, each rank loading program after program (the path of ``autopart run``);
     ``via="fork"`` forks each check's ranks from this process with the program in memory
     (nothing saved or loaded; no ``nnodes`` or ``compile``). ``on_result`` hears each outcome
-    as it comes.
+    as it comes. ``device`` is where the ranks compute ("cuda": each on ``cuda:LOCAL_RANK``,
+    with NCCL); the reference runs on the CPU.
     """
     from autopart.api import parallelize
     from autopart.layout import Mesh
@@ -404,7 +406,13 @@ def verify_many(
             for name, (program, model, seconds) in ready.items():
                 start = time.perf_counter()
                 try:
-                    fork_ranks(program, model.batch, folders[name] / "dump", timeout_s=timeout_s)
+                    fork_ranks(
+                        program,
+                        model.batch,
+                        folders[name] / "dump",
+                        timeout_s=timeout_s,
+                        device=device,
+                    )
                 except AutopartError as exc:
                     done(name, exc)
                     continue
@@ -417,7 +425,9 @@ def verify_many(
                 torch.save(model.batch, folders[name] / "batch.pt")
                 by_size.setdefault(program.mesh.size, []).append(name)
             for size, names in by_size.items():
-                _launch_checks(size, names, folders, ready, dtype, timeout_s, nnodes, compile, done)
+                _launch_checks(
+                    size, names, folders, ready, dtype, timeout_s, nnodes, compile, done, device
+                )
     return {name: results[name] for name in named}
 
 
@@ -441,6 +451,7 @@ def _launch_checks(
     nnodes: int,
     compile: bool,
     done: Callable,
+    device: str = "cpu",
 ) -> None:
     """All checks of one world size in one torchrun launch; when a check fails, the ranks
     stop, that check is reported failed, and the checks after it go on in a new launch."""
@@ -453,6 +464,7 @@ def _launch_checks(
                 {
                     "timeout": timeout_s,
                     "compile": compile,
+                    "device": device,
                     "checks": [
                         {
                             "name": n,

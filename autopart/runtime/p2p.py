@@ -44,8 +44,13 @@ def _tag(stage: int, mb: int, chunk: int, backward: bool, index: int, part: int)
 class Channel:
     """One rank's pipeline sends and receives for one step at a time (``reset`` per step)."""
 
-    def __init__(self, rank: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, timeout_s: float, device: torch.device | None = None) -> None:
         self.rank, self.timeout_s = rank, timeout_s
+        self.device = device or torch.device("cpu")
+        # headers travel on the device (NCCL sends device tensors); in the dry run (meta: no
+        # data) they go over gloo on the CPU, and payloads are not sent at all
+        self.dry = self.device.type == "meta"
+        self.head_device = torch.device("cpu") if self.dry else self.device
         self.reset()
 
     def reset(self) -> None:
@@ -74,10 +79,13 @@ class Channel:
                 head = torch.zeros(_HEADER, dtype=torch.int64)
                 head[0], head[1] = _DTYPES.index(t.dtype), t.dim()
                 head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+                head = head.to(self.head_device)
                 self.sends.append(
                     (dist.isend(head, peer, tag=_tag(stage, mb, chunk, backward, i, 0)), head)
                 )
-            self.sends.append((dist.isend(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1)), t))
+            if not self.dry:
+                work = dist.isend(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1))
+                self.sends.append((work, t))
 
     def prefetch(self, peer: int, stage: int, mb: int, chunk: int, backward: bool) -> None:
         """Post the receives of a later hand-over now, if its shapes are known."""
@@ -85,10 +93,11 @@ class Channel:
         spec = self.shapes.get((backward, stage, chunk))
         if spec is None or key in self.posted or mb == 0:
             return
-        bufs = [torch.empty(shape, dtype=dtype) for dtype, shape in spec]
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
         works = [
             dist.irecv(b, peer, tag=_tag(stage, mb, chunk, backward, i, 1))
             for i, b in enumerate(bufs)
+            if not self.dry
         ]
         self.posted[key] = (works, bufs)
 
@@ -106,7 +115,7 @@ class Channel:
             return bufs
         out, spec = [], []
         for i in range(count):
-            head = torch.zeros(_HEADER, dtype=torch.int64)
+            head = torch.zeros(_HEADER, dtype=torch.int64, device=self.head_device)
             _wait(
                 dist.irecv(head, peer, tag=_tag(stage, mb, chunk, backward, i, 0)),
                 self.rank,
@@ -114,16 +123,18 @@ class Channel:
                 peer,
                 self.timeout_s,
             )
+            head = head.cpu()
             dtype, ndim = _DTYPES[int(head[0])], int(head[1])
             shape = [int(x) for x in head[2 : 2 + ndim]]
-            t = torch.empty(shape, dtype=dtype)
-            _wait(
-                dist.irecv(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1)),
-                self.rank,
-                what,
-                peer,
-                self.timeout_s,
-            )
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if not self.dry:
+                _wait(
+                    dist.irecv(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1)),
+                    self.rank,
+                    what,
+                    peer,
+                    self.timeout_s,
+                )
             out.append(t)
             spec.append((dtype, shape))
         self.shapes[(backward, stage, chunk)] = spec

@@ -126,6 +126,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="keep only the K latest checkpoints in --checkpoint-dir (default 0: all)",
     )
     p.add_argument(
+        "--device",
+        default=None,
+        metavar="DEV",
+        help="where each rank computes: cpu, cuda (cuda:LOCAL_RANK), or meta (a dry run: "
+        "shapes only, no data); default cuda:LOCAL_RANK with NCCL when CUDA is available, "
+        "else cpu with gloo",
+    )
+    p.add_argument(
         "--export",
         type=Path,
         default=None,
@@ -192,12 +200,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from autopart.runtime.placement import backend_for, pick_device
     from autopart.runtime.runner import Runner, make_groups
 
     _check_checkpoint_args(args)
     head = read_head(args.dir)
     plan = Plan.from_json(head["plan"])
-    rank, world = _join(args.timeout)
+    device = pick_device(args.device)
+    rank, world = _join(args.timeout, backend_for(device))
     # torch seeds its generator at random in each process; autopart's dropout takes explicit
     # seeds, but attention dropout inside SDPA draws from this generator
     torch.manual_seed((args.seed * 1_000_003 + rank) % 2**63)
@@ -212,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             seed=args.seed,
             compile=args.compile,
+            device=device,
         )
         batches = Batches(args, head)
         optim = None if args.no_optim else make_optimizer(runner, args.lr, args.zero)
@@ -252,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _join(timeout_s: float) -> tuple[int, int]:
+def _join(timeout_s: float, backend: str = "gloo") -> tuple[int, int]:
     """``init_distributed``, but a job torchrun restarted (``--max-restarts``) keeps its keys
     apart from the failed attempt's: torchrun's workers share the agent's store across attempts,
     where gloo could find a dead rank's address (pytorch/pytorch#135712)."""
@@ -273,13 +284,13 @@ def _join(timeout_s: float) -> tuple[int, int]:
             timeout=timedelta(seconds=timeout_s),
         )
         dist.init_process_group(
-            "gloo",
+            backend,
             store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
             rank=int(env["RANK"]),
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
-    return init_distributed(timeout_s)
+    return init_distributed(timeout_s, backend)
 
 
 def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimizer:

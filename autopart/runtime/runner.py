@@ -34,6 +34,7 @@ from autopart.layout import Plan
 from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p
+from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
 from autopart.schedule.chunks import chunk_lengths
@@ -92,16 +93,16 @@ class SavedBytes:
         self._params = {p.data_ptr() for p in params}
 
 
-def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the torchrun job (gloo: the runtime keeps tensors on the CPU); returns (rank, world size)."""
+def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> tuple[int, int]:
+    """Join the torchrun job (``backend``: NCCL for CUDA ranks, gloo otherwise, see
+    ``placement.backend_for``); returns (rank, world size)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise AutopartError(
                 "no distributed job found (RANK is not set)",
                 hint="launch with torchrun --nproc-per-node N ..., or use autopart verify",
             )
-        # the runtime keeps tensors on the CPU for now (gloo); NCCL comes with device placement
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -164,8 +165,12 @@ class Runner:
         timeout_s: float = 300.0,
         seed: int = 0,
         compile: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
+        # where this rank computes (placement.pick_device); "meta" is the dry run: no data
+        self.device = device if isinstance(device, torch.device) else pick_device(device)
+        self.dry = self.device.type == "meta"
         self.rank = program.rank
         self.seed, self.steps = (
             seed,
@@ -180,8 +185,9 @@ class Runner:
         self.params: dict[str, nn.Parameter] = {}
         for fqn in program.shards:
             t = weights[fqn]
-            self.params[fqn] = t if isinstance(t, nn.Parameter) else nn.Parameter(t)
-        self.buffers = {k: v for k, v in weights.items() if k not in program.shards}
+            on = isinstance(t, nn.Parameter) and t.device == self.device
+            self.params[fqn] = t if on else nn.Parameter(t.detach().to(self.device))
+        self.buffers = {k: v.to(self.device) for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
         self.n_stages = program.n_stages
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
@@ -197,12 +203,17 @@ class Runner:
         if compile:  # a persistent cache: a second run reuses the first one's kernels
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
         # recompute: each region the recompute pass marked runs checkpointed
-        runs = {st.stage: checkpointed(st.graph, self._saved.hold) for st in program.stages}
+        runs = {
+            st.stage: checkpointed(place(st.graph, self.device), self._saved.hold)
+            for st in program.stages
+        }
+        if self.dry:  # the dry run refuses any value a node computes on another device
+            runs = {k: device_checked(g, self.device) for k, g in runs.items()}
         self._run = {
             k: torch.compile(g, dynamic=plan.seq_chunks > 1 or None) if compile else g
             for k, g in runs.items()
         }
-        self._p2p = p2p.Channel(self.rank, timeout_s)
+        self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
         collectives.bind("tp", groups.get("tp"))
         collectives.set_action("(setup)", timeout_s)
         # a step whose global loss is NaN or ±inf raises instead of returning it (all ranks
@@ -213,10 +224,17 @@ class Runner:
 
     @classmethod
     def from_program(
-        cls, program: Program, mesh: Any = None, *, timeout_s: float = 300.0, compile: bool = False
+        cls,
+        program: Program,
+        mesh: Any = None,
+        *,
+        timeout_s: float = 300.0,
+        compile: bool = False,
+        device: torch.device | str | None = None,
     ) -> Runner:
         """The local rank's runner of a compiled program (joins the distributed job)."""
-        rank, world = init_distributed(timeout_s)
+        device = pick_device(device) if not isinstance(device, torch.device) else device
+        rank, world = init_distributed(timeout_s, backend_for(device))
         program.mesh.check_world(world)
         rp = program.rank(rank)
         groups = _groups_of(program.plan, rank, mesh, rp.ties)
@@ -227,6 +245,7 @@ class Runner:
             groups,
             timeout_s=timeout_s,
             compile=compile,
+            device=device,
         )
 
     # -- what users call -------------------------------------------------------------------
@@ -263,7 +282,7 @@ class Runner:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One forward + backward over the global batch; returns the global mean loss."""
-        mbs = self._microbatches(input_ids, labels)
+        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
@@ -297,10 +316,10 @@ class Runner:
         loss = (
             torch.stack(list(losses.values())).sum()
             if losses
-            else torch.zeros((), dtype=self._dtype)
+            else torch.zeros((), dtype=self._dtype, device=self.device)
         )
         loss = self._reduce_loss(loss)  # the global mean: the same on every rank
-        if self.stop_on_nonfinite and not bool(torch.isfinite(loss)):
+        if self.stop_on_nonfinite and not self.dry and not bool(torch.isfinite(loss)):
             for f, p in self.params.items():  # the gradients as they were before this step
                 p.grad = kept[f]
             raise AutopartError(
@@ -402,7 +421,9 @@ class Runner:
             if before is None:
                 b = mb[0].shape[0]
                 before = [
-                    torch.zeros([b if d == "b" else d for d in shape], dtype=self._dtype)
+                    torch.zeros(
+                        [b if d == "b" else d for d in shape], dtype=self._dtype, device=self.device
+                    )
                     for shape in self._kv_shapes[action.stage]
                 ]
             prefix = [t.detach().requires_grad_() for t in before]
@@ -462,6 +483,9 @@ class Runner:
         for fqn, group in self._ties:
             p = self.params[fqn]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if self.dry:
+                p.grad = grad
+                continue
             work = dist.all_reduce(grad, group=group, async_op=True)
             self._wait(work, f"{action} (gradient of tied {fqn})")
             p.grad = grad
@@ -479,7 +503,7 @@ class Runner:
         """Dropout seed of this step, micro-batch, chunk and dp rank (tp ranks share it)."""
         dp_i = self.program.coords["dp"]
         base = ((self.seed * 1_000_003 + self.steps) * 10_007 + mb) * 4_099 + dp_i
-        return torch.tensor(base + chunk * 1_000_000_007)
+        return torch.tensor(base + chunk * 1_000_000_007, device=self.device)
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -503,7 +527,8 @@ class Runner:
             )
         dp_i, m = self.program.coords["dp"], self.plan.microbatches
         start = dp_i * m * mb
-        self._check_tokens(input_ids, labels)
+        if not self.dry:  # no values to look at in the dry run
+            self._check_tokens(input_ids, labels)
         return [
             (
                 input_ids[start + j * mb : start + (j + 1) * mb],
@@ -556,7 +581,7 @@ class Runner:
             elif ref.kind == "param":
                 out.append(self.params[ref.name])
             elif ref.kind == "rank":
-                out.append(torch.tensor(self.program.coords[ref.name]))
+                out.append(torch.tensor(self.program.coords[ref.name], device=self.device))
             elif ref.kind == "rng":
                 out.append(self._s.seed)
             elif ref.kind == "data":
@@ -564,7 +589,7 @@ class Runner:
             elif ref.kind == "kv":
                 out.append(prefix[int(ref.name)])
             elif ref.kind == "offset":
-                out.append(torch.tensor(offset))
+                out.append(torch.tensor(offset, device=self.device))
             else:
                 out.append(self.buffers[ref.name])
         return out
@@ -609,7 +634,7 @@ class Runner:
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
-        work = dist.all_reduce(flat, group=self.groups["dp"], async_op=True)
+        work = None if self.dry else dist.all_reduce(flat, group=self.groups["dp"], async_op=True)
         self._s.pending.append((i, flat, work))
 
     def _finish_buckets(self, action: Action) -> None:
@@ -617,10 +642,12 @@ class Runner:
             self._launch(i)  # buckets whose parameters got no gradient this step
         self._s.next_bucket = len(self._buckets)
         for i, flat, work in self._s.pending:
-            self._wait(
-                work,
-                f"{action} (all-reduce of gradient bucket {i} over dp ranks {self.program.groups['dp']})",
-            )
+            if work is not None:
+                self._wait(
+                    work,
+                    f"{action} (all-reduce of gradient bucket {i} over dp ranks "
+                    f"{self.program.groups['dp']})",
+                )
             offset = 0
             for p in self._buckets[i]:
                 n = p.numel()
@@ -632,6 +659,8 @@ class Runner:
         wait(work, self.rank, what, self.timeout_s)
 
     def _reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.dry:
+            return loss
         if self.groups.get("pp") is not None:  # only the last stage holds the loss
             work = dist.all_reduce(loss, group=self.groups["pp"], async_op=True)
             self._wait(work, f"loss all-reduce over pp ranks {self.program.groups['pp']}")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import hf_gpt2
 import hf_llama
 import nanogpt
@@ -31,11 +33,15 @@ MODELS = {
 }
 
 
-def _graph(name: str, recompute: str) -> fx.GraphModule:
+@functools.cache
+def _captured(name: str):
     model, batch = MODELS[name]()
-    gm, _ = run_passes(
-        copy_graph(capture(model, batch).graph), Plan(Mesh(), recompute=recompute), PIPELINE
-    )
+    return capture(model, batch)
+
+
+def _graph(name: str, recompute: str) -> fx.GraphModule:
+    plan = Plan(Mesh(), recompute=recompute)
+    gm, _ = run_passes(copy_graph(_captured(name).graph), plan, PIPELINE)
     return gm
 
 
