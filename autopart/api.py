@@ -34,6 +34,7 @@ def parallelize(
     max_stage_memory_gb: float | None = None,
     timeout_s: float = 300.0,
     compile: bool = False,
+    plan: Any = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``: a ``Program`` offline, the local ``Runner`` if live.
 
@@ -41,20 +42,27 @@ def parallelize(
     ``model`` is already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
     through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
     ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).
+
+    ``plan=`` takes a whole ``Plan`` (or a planner result, ``planner.search(...).ranked[0]``)
+    instead of the plan keywords; ``mesh`` may then be ``None`` (the plan's) or must match it.
     """
-    offline, live = mesh_from(mesh)
-    plan = Plan(
-        offline,
-        schedule,
-        microbatches,
-        virtual_stages,
-        seq_chunks,
-        sequence_parallel,
-        bucket_mb,
-        max_stage_memory_gb,
-        seq_split,
-        recompute=recompute,
-    )
+    if plan is not None:
+        plan = _given_plan(plan, mesh)
+        live = None if mesh is None else mesh_from(mesh)[1]
+    else:
+        offline, live = mesh_from(mesh)
+        plan = Plan(
+            offline,
+            schedule,
+            microbatches,
+            virtual_stages,
+            seq_chunks,
+            sequence_parallel,
+            bucket_mb,
+            max_stage_memory_gb,
+            seq_split,
+            recompute=recompute,
+        )
     if isinstance(model, Captured):
         captured = model
     elif example_inputs is None:
@@ -77,3 +85,22 @@ def parallelize(
     from autopart.runtime.runner import Runner
 
     return Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
+
+
+def _given_plan(plan: Any, mesh: Any) -> Plan:
+    """The ``Plan`` of ``plan=`` (a planner's ``Ranked`` holds one), checked against ``mesh``."""
+    plan = getattr(plan, "plan", plan)
+    if not isinstance(plan, Plan):
+        raise AutopartError(
+            f"plan= takes an autopart Plan or a planner result, not {type(plan).__name__}",
+            hint="autopart.Plan(autopart.Mesh(tp=2, pp=2), schedule='1f1b', ...), or "
+            "autopart.planning.planner.search(...).ranked[0]",
+        )
+    if mesh is not None:
+        offline, _ = mesh_from(mesh)
+        if offline != plan.mesh:
+            raise AutopartError(
+                f"the mesh {offline} is not the plan's {plan.mesh}",
+                hint="pass mesh=None to use the plan's mesh, or a mesh of the plan's shape",
+            )
+    return plan

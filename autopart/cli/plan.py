@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from autopart.cli.common import MODEL_DEFAULTS, fill_defaults, model_flags, model_shape
+from autopart.errors import AutopartError
 
 EPILOG = """examples:
   autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
   autopart plan --shape gpt3-175b --gpus 1024 --global-batch 1536 --cluster dgx-h100 --top 10
   autopart plan --model examples/gpt7b.py:make --seq 4096 --gpus 64 --global-batch 256 --json
+  autopart plan --model examples/nanogpt.py:make --gpus 4 --global-batch 8 --emit out/
+      (then: autopart run out/ --steps 20; autopart verify --model ... --program out/)
 """
 
 
@@ -70,6 +74,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     pl.add_argument("--max-tp", type=int, default=None, help="largest tp (default: GPUs per node)")
     pl.add_argument("--no-progress", action="store_true", help="no progress display")
+    pl.add_argument(
+        "--emit",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="compile the best plan for the --model and save its program in DIR, ready for "
+        "autopart run DIR (the global batch must be the model's example batch)",
+    )
 
 
 def main(a: argparse.Namespace) -> int:
@@ -80,6 +92,11 @@ def main(a: argparse.Namespace) -> int:
     from autopart.planning.planner import print_search, search
 
     fill_defaults(a, MODEL_DEFAULTS)
+    if a.emit is not None and a.model is None:
+        raise AutopartError(
+            "--emit compiles the best plan for a real model: give it as --model SPEC",
+            hint="a named --shape or the shape flags have no weights to compile",
+        )
     shape = model_shape(a)
     con = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table
     if not a.json:
@@ -104,4 +121,29 @@ def main(a: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
     else:
         print_search(result, con)
+    if a.emit is not None:
+        _emit(a, result.ranked[0].plan, con)
     return 0
+
+
+def _emit(a: argparse.Namespace, plan, con) -> None:
+    """Compile ``plan`` (the planner's best) for the --model and save it in ``a.emit``."""
+    from autopart.api import parallelize
+    from autopart.frontend.capture import capture
+    from autopart.frontend.spec import build
+
+    model, batch = build(a.model)
+    if batch[0].shape[0] != a.global_batch:
+        raise AutopartError(
+            f"the model's example batch has {batch[0].shape[0]} sequences, but the plan is "
+            f"for a global batch of {a.global_batch}",
+            hint=f"plan with --global-batch {batch[0].shape[0]}, or make the example batch "
+            f"{a.global_batch} sequences",
+        )
+    program = parallelize(capture(model, batch), None, plan=plan)
+    program.save(a.emit)
+    (con.print if not a.json else lambda *x, **k: None)(
+        f"wrote the program of {plan.describe()} to {a.emit}; run it with: "
+        f"autopart run {a.emit} --steps 20",
+        highlight=False,
+    )

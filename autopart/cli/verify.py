@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from autopart.cli.common import plan_flags, plan_kwargs, spec_flag
 from autopart.errors import AutopartError
@@ -42,6 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "torchrun launch",
     )
     v.add_argument(
+        "--program",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="check the plan of the program saved in DIR (its plan.json, e.g. what "
+        "autopart plan --emit wrote) instead of the plan flags",
+    )
+    v.add_argument(
         "--in-memory",
         action="store_true",
         help="fork the ranks from this process with the compiled program in memory "
@@ -50,12 +59,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _saved_plan(folder: Path) -> dict:
+    """The ``Check`` fields of the plan a saved program was compiled for."""
+    from autopart.layout import Plan
+    from autopart.parity.verify import PLAN_KEYS
+    from autopart.program.format import read_head
+
+    plan = Plan.from_json(read_head(folder)["plan"])
+    return {
+        "dp": plan.dp,
+        "tp": plan.tp,
+        "pp": plan.pp,
+        **{k: getattr(plan, k) for k in PLAN_KEYS},
+    }
+
+
 def main(a: argparse.Namespace) -> int:
     from rich.console import Console
 
     from autopart.parity.verify import Check, Report, parse_plans, verify_many
 
     base = {"dp": a.dp, "tp": a.tp, "pp": a.pp, **plan_kwargs(a)}
+    if a.program is not None:
+        base = _saved_plan(a.program)
     checks = parse_plans(a.plans, a.model, base) if a.plans else [Check(a.model, **base)]
     con = Console()
     outcome = {"fail": 0, "error": 0}

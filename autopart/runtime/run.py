@@ -225,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             device=device,
         )
         batches = Batches(args, head)
-        optim = None if args.no_optim else make_optimizer(runner, args.lr, args.zero)
+        zero = args.zero or plan.distributed_optimizer  # the planner may have chosen it
+        optim = None if args.no_optim else make_optimizer(runner, args.lr, zero)
         if args.trace is not None or args.timeline is not None:
             runner.timeline = []
         start = _resume(runner, optim, args, rank)
