@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import Captured, capture
+from autopart.frontend.capture import Captured, capture, capture_mixed
 from autopart.layout import Plan, mesh_from
 from autopart.lowering import compile_program
 
@@ -30,6 +30,7 @@ def parallelize(
     seq_split: str = "balanced",
     sequence_parallel: bool = False,
     recompute: str = "none",
+    precision: str | None = None,
     bucket_mb: float = 25.0,
     max_stage_memory_gb: float | None = None,
     timeout_s: float = 300.0,
@@ -42,6 +43,8 @@ def parallelize(
     ``model`` is already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
     through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
     ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).
+    ``precision="bf16"``: bf16 compute, the model's (float32) parameters as master weights,
+    float32 gradients and loss (``capture_mixed``; docs/precision.md).
 
     ``plan=`` takes a whole ``Plan`` (or a planner result, ``planner.search(...).ranked[0]``)
     instead of the plan keywords; ``mesh`` may then be ``None`` (the plan's) or must match it.
@@ -62,13 +65,22 @@ def parallelize(
             max_stage_memory_gb,
             seq_split,
             recompute=recompute,
+            precision=precision,
         )
     if isinstance(model, Captured):
         captured = model
+        if plan.precision == "bf16" and captured.dtype != torch.bfloat16:
+            raise AutopartError(
+                f"precision='bf16' with a model captured in {captured.dtype}",
+                hint="pass the model itself, or capture it with "
+                "autopart.frontend.capture.capture_mixed(model, example_inputs)",
+            )
     elif example_inputs is None:
         raise AutopartError(
             "parallelize needs example_inputs=(input_ids, labels) to capture the model"
         )
+    elif plan.precision == "bf16":
+        captured = capture_mixed(model, example_inputs, torch.bfloat16)
     else:
         captured = capture(model, example_inputs)
     # refused now, not at the first step: the example batch is taken for the training batch

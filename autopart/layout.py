@@ -25,6 +25,7 @@ from autopart.schedule.generators import GENERATORS, check_schedule
 SCHEDULES = tuple(GENERATORS)
 DIMS = ("dp", "pp", "tp")
 RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = (None, "bf16")  # None: compute in the model's own dtype
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class Plan:
     recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
     distributed_optimizer: bool = False  # optimizer state sharded over dp (ZeRO-1)
     micro_batch: int | None = None  # sequences per micro-batch (None: what the batch gives)
+    precision: str | None = None  # "bf16": bf16 compute, fp32 master weights and gradients
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -150,6 +152,11 @@ class Plan:
             raise AutopartError(
                 "sequence_parallel=True needs tensor parallelism (tp > 1)",
                 hint="sequence parallelism splits the activations tp leaves replicated; set tp ≥ 2",
+            )
+        if self.precision not in PRECISIONS:
+            raise AutopartError(
+                f"unknown precision {self.precision!r}",
+                hint='use "bf16" (bf16 compute, fp32 masters) or leave it unset (the model\'s dtype)',
             )
         if self.recompute not in RECOMPUTE:
             raise AutopartError(
@@ -286,6 +293,8 @@ class Plan:
             parts.append("SP")
         if self.distributed_optimizer:
             parts.append("dist-opt")
+        if self.precision:
+            parts.append(self.precision)
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:

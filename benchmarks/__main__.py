@@ -30,6 +30,7 @@ BENCHMARKS = {
     "plan_1t": lambda mod: mod.main(),
     "calibration": lambda mod: mod.main(),
     "recompute": lambda mod: mod.main(),
+    "precision": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(
         argparse.Namespace(split="balanced", seq=1024, microbatches=8, manual=False)
     ),

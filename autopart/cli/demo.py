@@ -59,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
     d.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    d.add_argument(
+        "--precision",
+        choices=("bf16",),
+        default=None,
+        help="bf16: bf16 compute, float32 master weights, gradients and loss (default: float32)",
+    )
     d.add_argument("--out", default="autopart-demo", help="output folder (default ./autopart-demo)")
 
 
@@ -92,9 +98,10 @@ def main(args: argparse.Namespace) -> int:
     model, example = factory()
     start = time.perf_counter()
     with con.status("capturing the model with torch.export and compiling the rank programs"):
-        from autopart.frontend.capture import capture
+        from autopart.frontend.capture import capture, capture_mixed
 
-        captured = capture(model, example)
+        bf16 = args.precision == "bf16"
+        captured = capture_mixed(model, example) if bf16 else capture(model, example)
         print_costs(captured, con)
         program = parallelize(
             captured,
@@ -104,6 +111,7 @@ def main(args: argparse.Namespace) -> int:
             virtual_stages=2 if "interleaved" in args.schedule else 1,
             seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
             sequence_parallel=args.sequence_parallel,
+            precision=args.precision,
         )
     con.print(f"compiled in {time.perf_counter() - start:.1f} s")
     program.summary(con)
@@ -136,8 +144,8 @@ def main(args: argparse.Namespace) -> int:
     )
     con.print(f"last step: trace {trace} (https://ui.perfetto.dev), timeline picture {picture}")
     con.print(
-        "\n[bold]parity check[/] (float64, one step, every gradient vs one device; "
-        "ranks forked with the program in memory)"
+        f"\n[bold]parity check[/] ({'bf16 compute, float32 masters' if bf16 else 'float64'}, "
+        "one step, every gradient vs one device; ranks forked with the program in memory)"
     )
     report = verify(
         factory,
@@ -150,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
         via="fork",  # the program already ran from its files under torchrun above
+        dtype="bfloat16" if bf16 else "float64",
     )
     con.print(("[green]" if report.ok else "[red]") + str(report))
     con.print(

@@ -15,6 +15,7 @@ Every node carries, besides torch.export's ``meta["val"]`` (a FakeTensor with Sy
 
 from __future__ import annotations
 
+import copy
 import linecache
 import os
 import re
@@ -105,7 +106,29 @@ class _LossSum(nn.Module):
         logits = logits_of(self.model(input_ids))  # (b, s, V)
         self.vocab_size = int(logits.shape[-1])
         flat = logits.reshape(-1, logits.shape[-1])  # (b·s, V)
+        if flat.dtype in LOW_PRECISION:  # the loss in float32 (and its softmax statistics)
+            flat = flat.float()
         return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def capture_mixed(
+    model: nn.Module,
+    example_inputs: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+) -> Captured:
+    """Capture ``model`` computing in ``dtype`` with its own (float32) parameters as masters:
+    the graph is a ``dtype`` copy's (every cast the model makes, such as Llama's float32 rotary
+    tables, as it makes them in ``dtype``; the loss in float32), and ``Captured.params`` are
+    ``model``'s parameters, which the runtime casts to ``dtype`` on the way in, so gradients
+    flow back into, and accumulate in, the masters' dtype."""
+    low = copy.deepcopy(model).to(dtype)
+    captured = capture(low, example_inputs)
+    masters = dict(model.named_parameters())
+    captured.params = {f: masters[f] for f in captured.params}
+    return captured
 
 
 def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:

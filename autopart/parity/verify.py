@@ -12,6 +12,7 @@ norms in a float64 model) is held to that precision's tolerance, and the report 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -33,7 +34,8 @@ from autopart.parity.checks import as_rank, fork_ranks, wait_ranks
 from autopart.program.format import Shard
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# "bfloat16" is the mixed-precision policy: bf16 compute, float32 masters and loss (both runs)
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -153,12 +155,22 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float
 
 
 def reference(
-    model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    model: torch.nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    compute: torch.dtype | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-device loss and gradients by the model's global parameter names."""
+    """Single-device loss and gradients by the model's global parameter names. ``compute``
+    (bf16): the mixed-precision policy the runtime follows — a ``compute`` copy of the model
+    runs on the parameters cast inside autograd, so gradients land in the (float32) masters;
+    the loss is computed in float32."""
     input_ids, labels = batch
     model.zero_grad(set_to_none=True)
-    logits = logits_of(model(input_ids))
+    if compute is None:
+        logits = logits_of(model(input_ids))
+    else:
+        low = copy.deepcopy(model).to(compute)
+        cast = {f: p.to(compute) for f, p in model.named_parameters()}
+        logits = logits_of(torch.func.functional_call(low, cast, (input_ids,))).float()
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )
@@ -310,15 +322,17 @@ class _Model:
     captured: Any
     islands: list[str] = field(default_factory=list)
     lowest: torch.dtype = torch.float64  # the lowest precision it computes in (dtype or island)
+    tolerance: float | None = None  # mixed precision: BF16_MARGIN × the model's own bf16 error
 
 
 def _prepare(spec: str | Factory, dtype: str) -> _Model:
-    from autopart.frontend.capture import capture
+    from autopart.frontend.capture import LOW_PRECISION, capture, capture_mixed
 
     model, batch = build(spec)
-    model = model.to(DTYPES[dtype])
+    mixed = DTYPES[dtype] in LOW_PRECISION  # float32 masters, low-precision compute
+    model = model.to(torch.float32 if mixed else DTYPES[dtype])
     try:
-        ref_loss, ref_grads = reference(model, batch)
+        ref_loss, ref_grads = reference(model, batch, DTYPES[dtype] if mixed else None)
     except (RuntimeError, NotImplementedError, TypeError) as exc:  # a kernel without this dtype
         other = "float32" if dtype == "float64" else "float64"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -328,11 +342,30 @@ def _prepare(spec: str | Factory, dtype: str) -> _Model:
             f"{TOLERANCE[DTYPES[other]]:.0e}); some kernels (e.g. grouped matmuls of mixtures "
             "of experts) have no float64 version",
         ) from exc
-    captured = capture(model, batch)
+    captured = capture_mixed(model, batch, DTYPES[dtype]) if mixed else capture(model, batch)
+    tolerance = BF16_MARGIN * own_error(model, batch, ref_loss, ref_grads) if mixed else None
     found = island_dtypes(captured.graph, captured.dtype)
     lowest = max([captured.dtype, *(d for _, d in found)], key=lambda d: torch.finfo(d).eps)
     names = [f"{module} ({_name(d)})" for module, d in found]
-    return _Model(batch, ref_loss, ref_grads, captured, names, lowest)
+    return _Model(batch, ref_loss, ref_grads, captured, names, lowest, tolerance)
+
+
+BF16_MARGIN = 2.0
+
+
+def own_error(
+    model: torch.nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss: float,
+    grads: dict[str, torch.Tensor],
+) -> float:
+    """How far the one-device mixed-precision run (``loss``, ``grads``) is from the same model
+    in float32, by the verifier's metric: the rounding the precision itself brings. A plan
+    passes if it moves the result by at most ``BF16_MARGIN`` times that (docs/precision.md)."""
+    loss32, grads32 = reference(model, batch)
+    largest = max((g.abs().max().item() for g in grads32.values() if g.numel()), default=0.0)
+    worst = max(rel_error(grads[f], g, FLOOR * largest) for f, g in grads32.items())
+    return max(worst, abs(loss - loss32) / abs(loss32))
 
 
 def verify_many(
@@ -362,7 +395,10 @@ def verify_many(
     from autopart.layout import Mesh
 
     if dtype not in DTYPES:
-        raise AutopartError(f"unknown dtype {dtype!r}", hint="use float64 or float32")
+        raise AutopartError(
+            f"unknown dtype {dtype!r}",
+            hint="use float64, float32 or bfloat16 (bf16 compute, float32 masters)",
+        )
     if via not in ("torchrun", "fork"):
         raise AutopartError(f"unknown via={via!r}", hint="use 'torchrun' or 'fork'")
     if via == "fork" and (nnodes > 1 or compile):
@@ -393,7 +429,8 @@ def verify_many(
             continue
         try:
             mesh = Mesh(dp=check.dp, pp=check.pp, tp=check.tp)
-            program = parallelize(model.captured, mesh, **check.plan_kwargs())
+            mixed = "bf16" if DTYPES[dtype] == torch.bfloat16 else None
+            program = parallelize(model.captured, mesh, precision=mixed, **check.plan_kwargs())
             program.plan.check_batch(model.batch[0].shape[0])
         except AutopartError as exc:
             done(name, exc)
@@ -547,7 +584,7 @@ def _report(
         loss_error,
         errors[worst],
         worst,
-        TOLERANCE[model.lowest],
+        model.tolerance or TOLERANCE[model.lowest],
         errors,
         seconds,
         output,

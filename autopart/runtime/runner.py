@@ -187,6 +187,9 @@ class Runner:
             t = weights[fqn]
             on = isinstance(t, nn.Parameter) and t.device == self.device
             self.params[fqn] = t if on else nn.Parameter(t.detach().to(self.device))
+        # precision="bf16": parameters (masters) enter the graph cast, inside autograd, so their
+        # gradients come back, and add up over micro-batches, in the masters' dtype
+        self._compute = {"bf16": torch.bfloat16}.get(plan.precision)
         self.buffers = {k: v.to(self.device) for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
         self.n_stages = program.n_stages
@@ -422,7 +425,9 @@ class Runner:
                 b = mb[0].shape[0]
                 before = [
                     torch.zeros(
-                        [b if d == "b" else d for d in shape], dtype=self._dtype, device=self.device
+                        [b if d == "b" else d for d in shape],
+                        dtype=self._compute or self._dtype,
+                        device=self.device,
                     )
                     for shape in self._kv_shapes[action.stage]
                 ]
@@ -579,7 +584,9 @@ class Runner:
             if ref.kind == "act":
                 out.append(acts[int(ref.name)])
             elif ref.kind == "param":
-                out.append(self.params[ref.name])
+                p = self.params[ref.name]
+                cast = self._compute is not None and p.is_floating_point()
+                out.append(p.to(self._compute) if cast else p)
             elif ref.kind == "rank":
                 out.append(torch.tensor(self.program.coords[ref.name], device=self.device))
             elif ref.kind == "rng":
