@@ -415,3 +415,29 @@ def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
     assert "resumed from step 4" in out and "resharded" in out and sorted(back) == [4, 5], out
     for s in (4, 5):  # plain AdamW's moments, now held by their ZeRO owners
         assert abs(back[s] - ref[s]) <= RTOL * abs(ref[s]), (s, back[s], ref[s])
+
+
+def test_bf16_zero1_checkpoint_keeps_float32_masters_and_resumes(tmp_path: Path) -> None:
+    """A bf16 program (dp=2, ZeRO-1) saves float32 masters and AdamW state; a run resumed from
+    step 1 repeats the uninterrupted run's steps 1 and 2 exactly."""
+    import nanogpt
+
+    from autopart import parallelize
+
+    model, batch = nanogpt.make()
+    program = parallelize(
+        model, Mesh(dp=2), example_inputs=batch, microbatches=2, precision="bf16"
+    ).save(tmp_path / "p")
+    assert all(t.dtype == torch.float32 for t in load_weights(program, 0).values() if t.dim() > 1)
+
+    def run(ck: Path) -> tuple[dict, str]:
+        argv = ["-m", "autopart.runtime.run", str(program), "--steps", "3", "--json", "--zero"]
+        out = launch_forked(2, [*argv, "--checkpoint-dir", str(ck), "--checkpoint-every", "1"])
+        return {d["step"]: d["loss"] for d in _json_lines(out)}, out
+
+    whole, _ = run(tmp_path / "ck")
+    assert sorted(whole) == [0, 1, 2]
+    shutil.copytree(checkpoint.folder(tmp_path / "ck", 1), checkpoint.folder(tmp_path / "ck2", 1))
+    resumed, out = run(tmp_path / "ck2")
+    assert "resumed from step 1" in out, out
+    assert resumed == {s: whole[s] for s in (1, 2)}, (resumed, whole)

@@ -1,4 +1,4 @@
-"""GPU ranks: float64 parity on CUDA with NCCL (dp, tp, pp 1F1B, Seq1F1B, tp×pp, recompute) and
+"""GPU ranks: float64 parity on CUDA with NCCL (dp, tp, pp 1F1B, Seq1F1B, recompute), bf16, and
 a stage graph compiled by Inductor (Triton kernels). Each rank runs on ``cuda:LOCAL_RANK``, so
 these need two GPUs; they skip on machines without them (this project's CI has none: see
 docs/runtime.md for what ran where)."""
@@ -34,6 +34,16 @@ def reports():
 @pytest.mark.parametrize("case", list(CASES))
 def test_nccl_float64_parity(case: str, reports: dict) -> None:
     assert_passes(reports[case])
+
+
+def test_nccl_bf16_parity() -> None:
+    """bf16 compute with float32 masters on GPUs, within twice the model's own bf16 error."""
+    checks = {
+        "gpt2-tp2": Check(GPT2, tp=2),
+        "llama-pp2-seq1f1b": Check(LONG["hf_llama"], pp=2, **SEQ),
+    }
+    for name, r in verify_many(checks, dtype="bfloat16", timeout_s=300, device="cuda").items():
+        assert not isinstance(r, Exception) and r.ok, (name, str(r))
 
 
 @pytest.mark.slow
