@@ -90,7 +90,7 @@ def main() -> int:
         f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 4 ranks "
         "(tp=2 x pp=2), 1 thread/rank (ranks share the cores: expect noise)"
     )
-    print("models: examples/*.py:make_long (4 blocks, 256 tokens, batch 4), float32")
+    print("models: examples/*.py:make_long (4 blocks, 256 tokens, batch 4), float32 masters")
     ok = True
     for name, res in results.items():
         ms = {rc: 1e3 * statistics.median(t) for rc, t in zip(MODES, res["times"], strict=True)}
