@@ -98,14 +98,8 @@ SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix:
         LONG["hf_llama"],
         {**SEQ, "pp": 2, "seq_chunks": 4, "microbatches": 4},
     ),
-    "llama-tp2xpp2-sp-k2": (
-        LONG["hf_llama"],
-        {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2, "sequence_parallel": True},
-    ),
-    "gpt2-tp2xpp2-sp-k2": (  # HF GPT-2 under SP: head counts are expressions of s in the graph
-        LONG["hf_gpt2"],
-        {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2, "sequence_parallel": True},
-    ),
+    # tp2 x pp2 with SP (HF GPT-2: head counts are expressions of s in the graph) on GPT-2 and
+    # Llama: RECOMPUTE_CASES' "-none" rows, which run exactly these plans
     "gpt2-pp2-v2-k2-interleaved": (
         LONG["hf_gpt2"],
         {

@@ -275,6 +275,15 @@ def test_compiled_ranks_match_one_device_in_float32() -> None:
     assert report.ok, str(report)
 
 
+@pytest.mark.slow
+def test_compiled_checkpointed_ranks_match_one_device_in_float32() -> None:
+    """compile=True with full recomputation: torch.compile traces each checkpointed region
+    (torch.utils.checkpoint as a higher-order op); pp=2 Seq1F1B on nanoGPT, float32 parity."""
+    kwargs = {**SEQ, "pp": 2, "seq_chunks": 2, "microbatches": 2, "recompute": "full"}
+    report = verify(LONG["nanogpt"], dtype="float32", compile=True, timeout_s=600, **kwargs)
+    assert report.ok, str(report)
+
+
 def test_a_failing_forked_rank_stops_the_others_and_says_why(tmp_path: Path) -> None:
     """launch_forked: rank 1 fails while rank 0 waits for it in a barrier; rank 0 is stopped
     (not left to its 100 s timeout) and the error quotes rank 1's message."""

@@ -51,7 +51,6 @@ def test_selective_recompute_drops_materialized_scores(recompute_reports: dict) 
     "attention,plan",
     [
         ("manual", {"tp": 2, "pp": 2, "microbatches": 2, "sequence_parallel": True}),
-        ("sdpa", {"pp": 2, "schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2}),
     ],
 )
 def test_recompute_is_exact_under_dropout(attention: str, plan: dict, tmp_path) -> None:
