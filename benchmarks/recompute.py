@@ -9,7 +9,10 @@ recomputation is for). Memory: each rank's peak bytes held for backward
 (``runner.peak_saved_bytes``: autograd's saved tensors plus the inputs a checkpointed region
 keeps). Time: median of 5 steps after 2 warm-up, modes alternating, each after a barrier, the
 slower rank per step. The peer is the same plan with ``recompute="none"``; the losses of the
-three modes must agree to 1e-6 (relative) or the script exits 1.
+three modes must agree to 1e-6 (relative) or the script exits 1. Beside each measured peak: the
+simulator's prediction for the same plan (``autopart simulate --model``: each unit's bytes read
+off the compiled graphs, added up over the rank's schedule), and its error; the script exits 1
+when a prediction is more than 10 % off.
 
     python benchmarks/recompute.py
 """
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from autopart.layout import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,6 +89,26 @@ def worker(out: str) -> None:
     dist.destroy_process_group()
 
 
+def predicted(spec: str, plan: dict, rc: str) -> list[float]:
+    """The simulator's peak saved bytes per pipeline rank for this case (as the workers run it)."""
+    from autopart.frontend.capture import capture
+    from autopart.frontend.spec import build
+    from autopart.layout import Plan
+    from autopart.planning.memory import graph_memory
+    from autopart.planning.simulate import shape_from_captured, simulate
+
+    model, (x, y) = build(spec)
+    captured = capture(model, (x, y))
+    kw = {k: v for k, v in plan.items() if k != "microbatches"}
+    p = Plan.from_batch(
+        x.shape[0], x.shape[0] // plan["microbatches"], tp=2, pp=2, dp=1, recompute=rc, **kw
+    )
+    sim = simulate(
+        shape_from_captured(captured), "dgx-a100-80gb", p, memory=graph_memory(captured, p)
+    )
+    return [g * 2**30 for g in sim.summary["memory"]["per_rank_saved_activations"]]
+
+
 def main() -> int:
     results = run_workers(__file__, 4)
     if results is None:
@@ -101,6 +126,7 @@ def main() -> int:
         ok &= agree
         print(f"\n{name}: step-0 losses agree: {'yes' if agree else 'NO'} ({base:.6f})")
         print(f"  {'mode':<10}{'step ms':>9}{'vs none':>9}   peak saved KiB per rank (vs none)")
+        spec, plan = CASES[name]
         for rc in MODES:
             per_rank = [s[rc] for s in res["saved"]]
             ratios = [s[rc] / s["none"] for s in res["saved"]]
@@ -109,6 +135,15 @@ def main() -> int:
                 + "  ".join(
                     f"{b / 1024:>8.0f} ({r:.2f})" for b, r in zip(per_rank, ratios, strict=True)
                 )
+            )
+            want = predicted(spec, plan, rc)
+            pp_of = [Mesh(pp=2, tp=2).coords(r)["pp"] for r in range(len(per_rank))]
+            errors = [abs(want[pp_of[r]] - b) / b for r, b in enumerate(per_rank)]
+            ok &= max(errors) <= 0.10
+            print(
+                f"  {'':<10}{'':>18}   simulator predicts "
+                + "  ".join(f"{want[pp_of[r]] / 1024:>8.0f}      " for r in range(len(per_rank)))
+                + f"  (worst error {max(errors):.1%})"
             )
             if rc != "none":
                 record(

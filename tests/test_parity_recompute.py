@@ -28,15 +28,15 @@ def test_recompute_float64_parity(case: str, recompute_reports: dict) -> None:
 def test_recompute_saves_less(model: str, recompute_reports: dict) -> None:
     """Full recomputation keeps each block's input only: every rank saves under a third of what
     it saves without. Selective drops nothing s²-sized where attention is one fused kernel
-    (Seq1F1B's SDPA saves q, k, v, output and log-sum-exp), so it keeps about as much (the
-    region's inputs instead of the kernel's saved tensors: within 2 %)."""
+    (Seq1F1B's SDPA saves q, k, v, output and log-sum-exp), but it keeps the region's inputs
+    instead of the kernel's saves: never more than none (measured: 8-21 % less)."""
     none, sel, full = (recompute_reports[f"{model}-{rc}"] for rc in ("none", "selective", "full"))
     print(
         model, "saved bytes per rank: none", none.saved, "selective", sel.saved, "full", full.saved
     )
     assert all(n > 0 for n in none.saved)
     assert all(f < n / 3 for f, n in zip(full.saved, none.saved, strict=True))
-    assert all(s <= 1.02 * n for s, n in zip(sel.saved, none.saved, strict=True))
+    assert all(s < n for s, n in zip(sel.saved, none.saved, strict=True))
 
 
 def test_selective_recompute_drops_materialized_scores(recompute_reports: dict) -> None:
@@ -79,3 +79,34 @@ def test_recompute_is_exact_under_dropout(attention: str, plan: dict, tmp_path) 
         for fqn, copies in grads.items():
             for got, ref in zip(runs[rc][1][fqn], copies, strict=True):
                 assert torch.allclose(got, ref, rtol=1e-10, atol=1e-14), (rc, fqn)
+
+
+@pytest.mark.parametrize(
+    "case", ["nanogpt-none", "hf_gpt2-selective", "hf_llama-full", "nanogpt_manual-1f1b-selective"]
+)
+def test_simulator_predicts_saved_bytes(case: str, recompute_reports: dict) -> None:
+    """The simulator's activation-memory prediction for a captured model (each unit's bytes read
+    off the compiled graphs on fake tensors, added up over each rank's schedule) is within 10 %
+    of the peak bytes every rank measured in the parity run (float64, the same plan). Each mode
+    and model once here (suite time); benchmarks/recompute.py prints all twelve, float32."""
+    from autopart.frontend.capture import capture
+    from autopart.frontend.spec import build
+    from autopart.layout import Plan
+    from autopart.planning.memory import graph_memory
+    from autopart.planning.simulate import shape_from_captured, simulate
+
+    spec, kw = RECOMPUTE_CASES[case]
+    model, (x, y) = build(spec)
+    captured = capture(model.to(torch.float64), (x, y))
+    kw = dict(kw)
+    m = kw.pop("microbatches")
+    plan = Plan.from_batch(x.shape[0], x.shape[0] // m, dp=1, **kw)
+    sim = simulate(
+        shape_from_captured(captured), "dgx-a100-80gb", plan, memory=graph_memory(captured, plan)
+    )
+    predicted = sim.summary["memory"]["per_rank_saved_activations"]  # GiB, per pipeline rank
+    measured = recompute_reports[case].saved
+    print(case, "predicted KiB", [round(p * 2**20) for p in predicted], "measured", measured)
+    for r, got in enumerate(measured):
+        want = predicted[plan.mesh.coords(r)["pp"]] * 2**30
+        assert abs(want - got) <= 0.10 * got, (r, want, got)

@@ -130,11 +130,12 @@ def fill_defaults(a: argparse.Namespace, defaults: dict[str, Any]) -> None:
             setattr(a, name, value)
 
 
-def model_shape(a: argparse.Namespace):
-    """The ``GPTShape`` of the ``model_flags`` (``resolve_shape`` checks the combination)."""
-    from autopart.planning.simulate import resolve_shape
+def model_shape(a: argparse.Namespace, captured: bool = False):
+    """The ``GPTShape`` of the ``model_flags`` (``resolve_model`` checks the combination);
+    ``captured=True``: (shape, the captured model or None)."""
+    from autopart.planning.simulate import resolve_model
 
-    return resolve_shape(
+    out = resolve_model(
         a.model,
         a.shape,
         layers=a.layers,
@@ -146,3 +147,4 @@ def model_shape(a: argparse.Namespace):
         ffn=a.ffn,
         tied=not a.untied,
     )
+    return out if captured else out[0]

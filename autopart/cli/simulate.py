@@ -166,9 +166,19 @@ def main(a: argparse.Namespace) -> int:
     cluster = load_cluster(a.cluster)
     if a.attention is not None:
         cluster = replace(cluster, attention=a.attention)
-    shape = model_shape(a)
+    shape, captured = model_shape(a, captured=True)
+    memory = None
+    if captured is not None:  # a captured model: its activations read off the compiled graphs
+        from autopart.planning.memory import graph_memory
+
+        memory = graph_memory(captured, plan, shape.seq)
     sim = simulate(
-        shape, cluster, plan, record=bool(a.trace), extrapolate=False if a.trace else None
+        shape,
+        cluster,
+        plan,
+        record=bool(a.trace),
+        extrapolate=False if a.trace else None,
+        memory=memory,
     )
     if not sim.summary["fits"] and not a.ignore_memory:
         _does_not_fit(shape, sim)

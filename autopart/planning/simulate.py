@@ -428,9 +428,18 @@ class CostModel:
     """Per-action seconds and bytes for one (shape, cluster, plan), for every rank of one
     pipeline (pipeline position r holds stages r, r + pp, …)."""
 
-    def __init__(self, shape: GPTShape, cluster: Cluster, plan: Plan) -> None:
+    def __init__(
+        self,
+        shape: GPTShape,
+        cluster: Cluster,
+        plan: Plan,
+        memory: dict[tuple[int, int], tuple[int, int]] | None = None,
+    ) -> None:
         plan.check_model(shape.layers, shape.heads, shape.kv, shape.ffn_width, shape.seq)
         self.shape, self.cluster, self.st = shape, cluster, plan
+        # (stage, chunk) → (held, transient) activation bytes read off a compiled program's
+        # graphs (planning/memory.py); None: the analytic formula of ``_layer``
+        self.memory = memory
         st, cl = plan, cluster
         p, v, k, t = st.pp, st.virtual_stages, st.seq_chunks, st.tp
         self.n_stages = p * v
@@ -549,18 +558,24 @@ class CostModel:
         opt = 12 * n / (self.st.dp if self.st.distributed_optimizer else 1)
         return {"parameters": 2 * n, "gradients": 4 * n, "optimizer": opt}
 
-    def activation_peak(self, actions: list[Action]) -> float:
+    def activation_peak(self, actions: list[Action], transient: bool = True) -> float:
         """Most activation bytes a rank holds: a unit's from its F until its B ends; during a B
-        the unit's transient bytes (full recompute: one layer's activations) are live too."""
+        the unit's transient bytes (full recompute: one layer's activations) are live too
+        (``transient=False``: only the held bytes, what ``Runner.peak_saved_bytes`` counts)."""
         held = peak = 0.0
         for a in actions:
+            if a.kind in ("F", "B"):
+                if self.memory is not None:
+                    act, extra = self.memory[(a.stage, a.chunk)]
+                else:
+                    u = self.units[a.stage][a.chunk]
+                    act, extra = u.act, u.transient
             if a.kind == "F":
-                held += self.units[a.stage][a.chunk].act
+                held += act
                 peak = max(peak, held)
             elif a.kind == "B":
-                u = self.units[a.stage][a.chunk]
-                peak = max(peak, held + u.transient)
-                held -= u.act
+                peak = max(peak, held + (extra if transient else 0))
+                held -= act
         return peak
 
     # -- FLOPs ------------------------------------------------------------------------------
@@ -898,15 +913,21 @@ def simulate(
     *,
     record: bool = True,
     extrapolate: bool | None = None,
+    memory: dict[tuple[int, int], tuple[int, int]] | None = None,
 ) -> Simulation:
     """Simulate one iteration of ``plan`` for ``shape`` on ``cluster``.
+
+    ``memory``: per-unit activation bytes of the compiled program
+    (``planning.memory.graph_memory``) instead of the analytic formula.
 
     ``extrapolate``: simulate 2·pp and 3·pp micro-batches and extend linearly to the real
     number (the steady state repeats every pp micro-batches); ``None`` does so only when the
     pipeline has more than ``EXACT_LIMIT`` F and B actions. Extrapolated runs have no events.
     """
     return simulate_costs(
-        CostModel(shape, load_cluster(cluster), plan), record=record, extrapolate=extrapolate
+        CostModel(shape, load_cluster(cluster), plan, memory),
+        record=record,
+        extrapolate=extrapolate,
     )
 
 
@@ -989,6 +1010,7 @@ def _summary(
             {
                 **{k: v / GIB for k, v in static.items()},
                 "activations": act / GIB,
+                "saved_activations": costs.activation_peak(acts[r], transient=False) / GIB,
                 "total": (sum(static.values()) + act) / GIB,
             }
         )
@@ -1009,6 +1031,8 @@ def _summary(
             "usable": cl.usable_bytes / GIB,
             "capacity": cl.hbm_gib,
             "per_rank_total": [x["total"] for x in mem],
+            "per_rank_saved_activations": [x["saved_activations"] for x in mem],
+            "activations_from": "formula" if costs.memory is None else "graph",
         },
         "breakdown": cats,
         "recompute_s": recompute,
@@ -1074,7 +1098,13 @@ def breakdown_table(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
 # command-line helpers (autopart simulate / autopart plan)
 
 
-def resolve_shape(
+def resolve_shape(model: str | None = None, shape: str | None = None, **flags: Any) -> GPTShape:
+    """The model of a command line: a SPEC to capture, a named shape, or the shape flags
+    (``resolve_model``'s keywords)."""
+    return resolve_model(model, shape, **flags)[0]
+
+
+def resolve_model(
     model: str | None = None,
     shape: str | None = None,
     *,
@@ -1086,8 +1116,8 @@ def resolve_shape(
     kv_heads: int | None = None,
     ffn: int | None = None,
     tied: bool = True,
-) -> GPTShape:
-    """The model of a command line: a SPEC to capture, a named shape, or the shape flags."""
+) -> tuple[GPTShape, Any]:
+    """``resolve_shape``, and the captured model when ``model`` (a SPEC) names one, else None."""
     given = [x is not None for x in (layers, hidden, heads, vocab)]
     if sum(x is not None for x in (model, shape)) + (any(given) or 0) > 1:
         raise AutopartError("give one model: --model SPEC, --shape NAME or the shape flags")
@@ -1096,7 +1126,8 @@ def resolve_shape(
         from autopart.frontend.spec import build
 
         net, batch = build(model)
-        return shape_from_captured(capture(net, batch), seq)
+        captured = capture(net, batch)
+        return shape_from_captured(captured, seq), captured
     if shape is not None:
         if shape not in SHAPES:
             import difflib
@@ -1108,7 +1139,7 @@ def resolve_shape(
                 + f"shapes: {', '.join(SHAPES)}",
             )
         base = SHAPES[shape]
-        return base if seq is None else GPTShape(**{**asdict(base), "seq": seq})
+        return (base if seq is None else GPTShape(**{**asdict(base), "seq": seq})), None
     if not all(given) or seq is None:
         missing = [
             f"--{n}"
@@ -1123,7 +1154,15 @@ def resolve_shape(
             f"the model shape needs {', '.join(missing)}",
             hint="or --model SPEC (captured) or --shape megatron-1t",
         )
-    return GPTShape(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, ffn=ffn, tied=tied)
+    return GPTShape(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, ffn=ffn, tied=tied), None
+
+
+def _gib(x: float) -> str:
+    """GiB with a tenth, or MiB/KiB for a small model's activations (which would read 0.0)."""
+    for unit, scale in (("GiB", 1), ("MiB", 2**10), ("KiB", 2**20)):
+        if x * scale >= 0.95 or unit == "KiB":
+            return f"{x * scale:.1f} {unit}"
+    return ""
 
 
 def print_summary(summary: dict[str, Any], console: Any) -> None:
@@ -1156,7 +1195,11 @@ def print_summary(summary: dict[str, Any], console: Any) -> None:
             "  parameters / gradients / optimizer",
             f"{mem['parameters']:.1f} / {mem['gradients']:.1f} / {mem['optimizer']:.1f} GiB",
         ),
-        ("  activations", f"{mem['activations']:.1f} GiB"),
+        (
+            "  activations"
+            + (" (read off the compiled graphs)" if mem["activations_from"] == "graph" else ""),
+            _gib(mem["activations"]),
+        ),
     ]
     for k, v in rows:
         head.add_row(k, v)

@@ -1,18 +1,17 @@
 """Activation recomputation at run time: the regions the ``recompute`` pass marked, checkpointed.
 
-``checkpointed(graph, hold)`` returns a module that computes what ``graph`` computes, with each
+``checkpointed(graph)`` returns a module that computes what ``graph`` computes, with each
 recomputation region (the nodes from the first to the last one marked with region R, in graph
 order) run under ``torch.utils.checkpoint`` (non-reentrant): its forward saves nothing for
-backward but the region's inputs, and backward reruns it. Regions are contiguous runs of the
+backward but the region's inputs, and backward reruns it. Checkpointing saves those inputs
+through an autograd function, so ``saved_tensors_hooks`` (the runtime's saved-bytes count)
+see them like any other saved tensor, once per region. Regions are contiguous runs of the
 graph's node order, so cutting there (``torch.fx`` ``split_module``) never makes a cycle;
 a node another pass inserted between two marked nodes (a K/V prefix concatenation, a
-collective) is recomputed with them. ``hold(tensors)`` hears each region's tensor inputs at
-every forward (the runtime counts them as saved activations: checkpointing keeps them).
+collective) is recomputed with them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -43,9 +42,7 @@ def regions(graph: fx.GraphModule) -> list[tuple[int, int]]:
     return out
 
 
-def checkpointed(
-    graph: fx.GraphModule, hold: Callable[[Sequence[torch.Tensor]], None]
-) -> nn.Module:
+def checkpointed(graph: fx.GraphModule) -> nn.Module:
     """``graph`` with every recomputation region checkpointed (``graph`` itself if it has none)."""
     spans = regions(graph)
     if not spans:
@@ -65,19 +62,18 @@ def checkpointed(
     split = split_module(graph, None, part.__getitem__, keep_original_order=True)
     for p in recomputed:
         name = f"submod_{p}"
-        setattr(split, name, _Checkpoint(getattr(split, name), hold))
+        setattr(split, name, _Checkpoint(getattr(split, name)))
     return split
 
 
 class _Checkpoint(nn.Module):
     """Runs ``body`` under non-reentrant activation checkpointing."""
 
-    def __init__(self, body: nn.Module, hold: Callable[[Sequence[torch.Tensor]], None]) -> None:
+    def __init__(self, body: nn.Module) -> None:
         super().__init__()
-        self.body, self.hold = body, hold
+        self.body = body
 
     def forward(self, *args: object) -> object:
         if not torch.is_grad_enabled():
             return self.body(*args)
-        self.hold([a for a in args if isinstance(a, torch.Tensor)])
         return checkpoint(self.body, *args, use_reentrant=False)

@@ -47,36 +47,22 @@ COMPILE_CACHE = (
 
 class SavedBytes:
     """Bytes of tensors autograd saves for backward, per live (stage, micro-batch, chunk), counted
-    with ``saved_tensors_hooks``, plus the inputs a recomputation region keeps instead
-    (``hold``); parameters and buffers (and views starting where they do) are not activations
-    and are left out. ``peak`` is the most held at once."""
+    with ``saved_tensors_hooks`` (a checkpointed recomputation region's inputs are among them:
+    checkpointing saves them through an autograd function); parameters and buffers (and views
+    starting where they do) are not activations and are left out. ``peak`` is the most held
+    at once."""
 
     def __init__(self) -> None:
         self.live: dict[tuple[int, int, int], int] = {}
         self.peak = 0
         self._params: set[int] = set()
-        self._unit: tuple[int, int, int] | None = None  # the forward being watched
-        self._held: set[tuple] = set()
 
     def watch(self, unit: tuple[int, int, int]):
-        self._unit = unit
-
         def pack(t: torch.Tensor) -> torch.Tensor:
             self._count(unit, t)
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def hold(self, tensors: Sequence[torch.Tensor]) -> None:
-        """A checkpointed region's inputs: what it keeps for backward instead of its values
-        (a tensor several regions of one forward keep, such as a mask, counts once)."""
-        if self._unit is None:
-            return
-        for t in tensors:
-            key = (self._unit, t.data_ptr(), t.shape, t.dtype)
-            if key not in self._held:
-                self._held.add(key)
-                self._count(self._unit, t)
 
     def _count(self, unit: tuple[int, int, int], t: torch.Tensor) -> None:
         if not isinstance(t, torch.nn.Parameter) and t.data_ptr() not in self._params:
@@ -85,11 +71,10 @@ class SavedBytes:
 
     def release(self, unit: tuple[int, int, int]) -> None:
         self.live.pop(unit, None)
-        self._held = {k for k in self._held if k[0] != unit}
 
     def reset(self, params: Sequence[torch.Tensor]) -> None:
         """A new step; ``params``: the parameters and buffers, never counted."""
-        self.live, self.peak, self._held = {}, 0, set()
+        self.live, self.peak = {}, 0
         self._params = {p.data_ptr() for p in params}
 
 
@@ -206,10 +191,7 @@ class Runner:
         if compile:  # a persistent cache: a second run reuses the first one's kernels
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
         # recompute: each region the recompute pass marked runs checkpointed
-        runs = {
-            st.stage: checkpointed(place(st.graph, self.device), self._saved.hold)
-            for st in program.stages
-        }
+        runs = {st.stage: checkpointed(place(st.graph, self.device)) for st in program.stages}
         if self.dry:  # the dry run refuses any value a node computes on another device
             runs = {k: device_checked(g, self.device) for k, g in runs.items()}
         self._run = {

@@ -113,9 +113,8 @@ def test_checkpointed_graph_computes_the_same_loss_and_gradients(recompute: str)
             ref = n.meta[META_INPUT]
             args.append({"input_ids": x, "labels": y}.get(ref.name, values.get(ref.name)))
     assert len(regions(gm)) == 3
-    held: list[int] = []
-    run = checkpointed(gm, lambda ts: held.append(len(ts)))
-    assert run is not gm and len(held) == 0
+    run = checkpointed(gm)
+    assert run is not gm
 
     def loss_and_grads(fn):
         leaves = [a.detach().requires_grad_() if a.is_floating_point() else a for a in args]
@@ -125,7 +124,6 @@ def test_checkpointed_graph_computes_the_same_loss_and_gradients(recompute: str)
 
     ref_loss, ref_grads = loss_and_grads(gm)
     loss, grads = loss_and_grads(run)
-    assert len(held) == 3  # each region's inputs were handed to the saved-bytes count
     assert torch.equal(loss, ref_loss)
     for g, r in zip(grads, ref_grads, strict=True):
         assert (g is None and r is None) or torch.allclose(g, r, rtol=1e-6, atol=1e-7)
