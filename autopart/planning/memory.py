@@ -21,7 +21,7 @@ running. Stage ``s`` takes stage ``s - 1``'s outputs of the same chunk; chunk ``
 starting where they start) are not activations; a tensor saved by two ops counts twice — both
 as ``runtime.runner.SavedBytes`` counts them, so predicted and measured bytes mean the same.
 
-The simulator (``planning/simulate.py``) adds these per-unit bytes up over a rank's schedule:
+The simulator (``planning/simulate/``) adds these per-unit bytes up over a rank's schedule:
 that is its activation-memory prediction for a captured model (the analytic formula is for
 named shapes, which have no graph). The graphs of one tp rank of each pipeline position stand
 for all (the other tp and dp ranks run the same shapes).

@@ -1,0 +1,253 @@
+"""The event simulator: per-rank action lists timed by per-action costs (``simulate_actions``),
+a ``Timeline`` of events and per-rank busy and waiting times, and its Chrome trace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from autopart.errors import AutopartError
+from autopart.runtime.timeline import chrome_event
+from autopart.schedule.ir import Action
+
+
+class Event(NamedTuple):
+    """One action's span on one rank (seconds from the iteration's start)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def name(self) -> str:
+        return str(self.action)  # as Action.__str__ prints: F(s0,m1,c2), SEND_F(s0,m0)→r1
+
+    @property
+    def kind(self) -> str:
+        return self.action.kind
+
+
+@dataclass
+class RankTimes:
+    """What a rank's time went to (seconds)."""
+
+    end: float = 0.0  # when its last action ended
+    busy: float = 0.0  # F and B
+    recv_wait: float = 0.0  # RECV waits, all of them
+    recv_exposed: float = 0.0  # the part of each RECV wait no longer than its transfer
+    dp_wait: float = 0.0  # DP_REDUCE waits
+    tie_wait: float = 0.0  # TIE_REDUCE (start to end)
+
+    def scaled(self, other: RankTimes, x: float) -> RankTimes:
+        """self + x · (other − self), field by field (linear extrapolation)."""
+        return RankTimes(
+            *(a + x * (b - a) for a, b in zip(_astuple(self), _astuple(other), strict=True))
+        )
+
+
+def _astuple(rt: RankTimes) -> tuple[float, ...]:
+    return (rt.end, rt.busy, rt.recv_wait, rt.recv_exposed, rt.dp_wait, rt.tie_wait)
+
+
+@dataclass
+class Timeline:
+    """The result of ``simulate_actions``."""
+
+    span: float  # from 0 to the last action's end, over all ranks
+    ranks: dict[int, RankTimes]
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over ranks of (span − the rank's F and B time) / span."""
+        if self.span <= 0:
+            return 0.0
+        return sum(self.span - rt.busy for rt in self.ranks.values()) / (
+            len(self.ranks) * self.span
+        )
+
+
+_FB, _SEND, _RECV, _DP, _TIE = range(5)
+_MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
+
+
+class _Compiled(NamedTuple):
+    ranks: list[int]
+    ops: list[list[tuple[int, int, int]]]  # per rank index: (code, cost key, message)
+    keys: list[Action]  # a representative action per cost key
+    is_send_key: list[bool]
+    key_stage: list[int]
+    n_msgs: int
+    dp_keys: list[dict[int, int]]  # per rank index: stage → cost key of its DP reduction
+
+
+def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
+    ranks = sorted(actions_by_rank)
+    keys: dict[tuple, int] = {}
+    reps: list[Action] = []
+    is_send: list[bool] = []
+
+    def key(k: tuple, a: Action, send: bool) -> int:
+        if k not in keys:
+            keys[k] = len(reps)
+            reps.append(a)
+            is_send.append(send)
+        return keys[k]
+
+    msgs: dict[tuple, int] = {}
+
+    def msg(k: tuple) -> int:
+        return msgs.setdefault(k, len(msgs))
+
+    ops, dp_keys = [], []
+    for r in ranks:
+        row, stages = [], []
+        for a in actions_by_rank[r]:
+            kind = a.kind
+            if kind in ("F", "B"):
+                row.append((_FB, key((kind, a.stage, a.chunk), a, False), -1))
+                if kind == "B" and a.stage not in stages:
+                    stages.append(a.stage)
+            elif kind in ("SEND_F", "SEND_B"):
+                kk = key((kind, a.stage, a.chunk, r, a.peer), a, True)
+                row.append((_SEND, kk, msg((kind, r, a.peer, a.stage, a.mb, a.chunk))))
+            elif kind in _MATCH:
+                stage = a.stage - 1 if kind == "RECV_F" else a.stage + 1
+                row.append((_RECV, -1, msg((_MATCH[kind], a.peer, r, stage, a.mb, a.chunk))))
+            elif kind == "DP_REDUCE":
+                row.append((_DP, -1, -1))
+            elif kind == "TIE_REDUCE":
+                row.append((_TIE, key(("TIE",), a, False), -1))
+            else:
+                raise AutopartError(f"rank {r}: cannot simulate action {a}")
+        ops.append(row)
+        dp_keys.append({s: key(("DP", s), Action("DP_REDUCE", s), False) for s in stages})
+    return _Compiled(ranks, ops, reps, is_send, [a.stage for a in reps], len(msgs), dp_keys)
+
+
+def simulate_actions(
+    actions_by_rank: dict[int, list[Action]],
+    cost_fn: Callable[[Action], float],
+    comm_fn: Callable[[Action], float] | None = None,
+    record: bool = True,
+) -> Timeline:
+    """Time every rank's action list (see the module docstring for the rules).
+
+    ``cost_fn(action)`` gives the seconds of an ``F`` or ``B``, of ``TIE_REDUCE``, and of the
+    gradient reduction of one stage for ``Action("DP_REDUCE", stage)``; it is called once per
+    distinct (kind, stage, chunk), so it may depend on nothing else. ``comm_fn(action)`` gives a
+    ``SEND``'s transfer seconds (once per distinct kind, stage, chunk and peer); ``None`` means
+    free communication. ``record=False`` skips the events (faster).
+    """
+    comp = _compile(actions_by_rank)
+    comm_fn = comm_fn or (lambda a: 0.0)
+    cost = [
+        comm_fn(a) if s else cost_fn(a) for a, s in zip(comp.keys, comp.is_send_key, strict=True)
+    ]
+    return _run(comp, cost, actions_by_rank if record else None)
+
+
+def _run(comp: _Compiled, cost: list[float], actions: dict[int, list[Action]] | None) -> Timeline:
+    n = len(comp.ranks)
+    now = [0.0] * n
+    pc = [0] * n
+    arrival: list[float | None] = [None] * comp.n_msgs
+    xfer = [0.0] * comp.n_msgs
+    waiter = [-1] * comp.n_msgs
+    times = [RankTimes() for _ in range(n)]
+    last_b: list[dict[int, tuple[float, float]]] = [{} for _ in range(n)]
+    tie_at: dict[int, float] = {}
+    tie_n = sum(1 for row in comp.ops if any(op[0] == _TIE for op in row))
+    raw: list[tuple[int, int, float, float]] = []
+    rec = actions is not None
+    stage_of = comp.key_stage
+    stack = list(range(n - 1, -1, -1))
+    while stack:
+        i = stack.pop()
+        ops, t, p, rt = comp.ops[i], now[i], pc[i], times[i]
+        end = len(ops)
+        while p < end:
+            code, key, m = ops[p]
+            if code == _FB:
+                d = cost[key]
+                if rec:
+                    raw.append((i, p, t, t + d))
+                lb = last_b[i]
+                lb[stage_of[key]] = (t, t + d)  # F entries are overwritten by later B's
+                t += d
+                rt.busy += d
+            elif code == _SEND:
+                arrival[m] = t + cost[key]
+                xfer[m] = cost[key]
+                if rec:
+                    raw.append((i, p, t, t))
+                w = waiter[m]
+                if w >= 0:
+                    waiter[m] = -1
+                    stack.append(w)
+            elif code == _RECV:
+                at = arrival[m]
+                if at is None:
+                    waiter[m] = i
+                    break
+                start = t
+                if at > t:
+                    rt.recv_wait += at - t
+                    rt.recv_exposed += min(at - t, xfer[m])
+                    t = at
+                if rec:
+                    raw.append((i, p, start, t))
+            elif code == _DP:
+                comm = 0.0
+                for s, (b0, b1) in sorted(last_b[i].items(), key=lambda kv: kv[1][0]):
+                    comm = max(max(comm, b0) + cost[comp.dp_keys[i][s]], b1)
+                done = max(t, comm)
+                rt.dp_wait += done - t
+                if rec:
+                    raw.append((i, p, t, done))
+                t = done
+            else:  # _TIE: every rank that has one meets
+                tie_at[i] = t
+                if len(tie_at) < tie_n:
+                    now[i], pc[i] = t, p
+                    break
+                done = max(tie_at.values()) + cost[key]
+                for j, arrived in tie_at.items():
+                    times[j].tie_wait += done - arrived
+                    if rec:
+                        raw.append((j, _index_of(comp.ops[j], _TIE), arrived, done))
+                    if j != i:
+                        now[j], pc[j] = done, _index_of(comp.ops[j], _TIE) + 1
+                        stack.append(j)
+                t = done
+            p += 1
+        now[i], pc[i] = t, p
+    stuck = [(comp.ranks[i], pc[i]) for i in range(n) if pc[i] < len(comp.ops[i])]
+    if stuck:
+        raise AutopartError(
+            "simulated schedule deadlocks: "
+            + ", ".join(f"rank {r} waits at step {p}" for r, p in stuck[:4]),
+            hint="check it with autopart.schedule.verify",
+        )
+    for i in range(n):
+        times[i].end = now[i]
+    span = max(now, default=0.0)
+    events = []
+    if rec:
+        for i, p, s, e in raw:
+            r = comp.ranks[i]
+            events.append(Event(r, actions[r][p], s, e))
+        events.sort(key=lambda ev: (ev.rank, ev.start))
+    return Timeline(span, {comp.ranks[i]: times[i] for i in range(n)}, events)
+
+
+def _index_of(ops: list[tuple[int, int, int]], code: int) -> int:
+    return next(i for i, op in enumerate(ops) if op[0] == code)
+
+
+def to_chrome_trace(events: list[Event]) -> list[dict[str, Any]]:
+    """Events as Chrome/Perfetto trace events, in ``Runner.chrome_trace``'s format
+    (``autopart.runtime.timeline.chrome_event``: the action's fields in ``args``)."""
+    return [chrome_event(ev.action, ev.start, ev.end, ev.rank) for ev in events]

@@ -1,0 +1,408 @@
+"""The performance model: seconds and bytes of each action of one (shape, cluster, plan), for
+every rank of one pipeline (``CostModel``), from GEMM, memory-bound, collective and point-to-point
+costs of the cluster profile (docs/simulate.md, "The performance model")."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import NamedTuple
+
+from autopart.layout import Plan
+from autopart.planning.cluster import Cluster
+from autopart.planning.simulate.shape import GPTShape
+from autopart.schedule.ir import Action
+
+VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 · tp
+
+
+_TILE = 128  # output tile of a tensor-core GEMM (wave quantization)
+
+
+def _gemm(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> float:
+    """Seconds of a (batched) bf16 GEMM (m × k) · (k × n): the slower of its math at
+    ``mm_efficiency`` of peak, scaled by the share of the last wave of tiles the SMs fill, and
+    its HBM traffic; plus one kernel launch."""
+    tiles = batch * math.ceil(m / _TILE) * math.ceil(n / _TILE)
+    waves = math.ceil(tiles / cl.sms)
+    eff = cl.mm_efficiency * tiles / (waves * cl.sms)
+    t_math = 2 * batch * m * k * n / (cl.peak_tflops * 1e12 * eff)
+    t_mem = 2 * batch * (m * k + k * n + m * n) / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency)
+    return max(t_math, t_mem) + cl.kernel_launch_us * 1e-6
+
+
+def _gemm_fb(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> tuple[float, float]:
+    """(forward, backward) of C = A·B: backward is dA = dC·Bᵀ and dB = Aᵀ·dC."""
+    return _gemm(cl, m, k, n, batch), _gemm(cl, m, n, k, batch) + _gemm(cl, k, m, n, batch)
+
+
+def _mem(cl: Cluster, nbytes: float, kernels: int) -> float:
+    """Seconds of memory-bound kernels moving ``nbytes`` through HBM."""
+    return nbytes / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency) + kernels * cl.kernel_launch_us * 1e-6
+
+
+def _allreduce(n: int, nbytes: float, link: tuple[str, float, float]) -> float:
+    """Ring all-reduce: 2(n−1)/n of the bytes over the link, 2(n−1) latency steps."""
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / link[1] + 2 * (n - 1) * link[2]
+
+
+def _gather(n: int, nbytes: float, link: tuple[str, float, float]) -> float:
+    """Ring all-gather or reduce-scatter of ``nbytes`` (the whole tensor): half an all-reduce."""
+    return 0.0 if n == 1 else (n - 1) / n * nbytes / link[1] + (n - 1) * link[2]
+
+
+class UnitCost(NamedTuple):
+    """Seconds and bytes of one (layer or embedding or head) × one micro-batch chunk."""
+
+    f: float  # forward compute
+    f_tp: float  # forward tensor-parallel collectives (on the critical path)
+    b: float  # backward compute, recompute included
+    b_tp: float
+    act: float  # activation bytes held from the forward until the backward
+    transient: float  # extra bytes live during the backward (full recompute: one layer's)
+    recompute: float  # the part of ``b`` that is recomputation
+
+
+@lru_cache(maxsize=65536)
+def _layer(
+    shape: GPTShape,
+    cl: Cluster,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    attention: str,
+    b: int,
+    a: int,
+    L: int,
+) -> UnitCost:
+    """One transformer layer on ``b`` sequences' tokens [a, a + L) (a > 0: a Seq1F1B chunk
+    attending to a prefix of a tokens)."""
+    h, f, kvd, d = shape.hidden, shape.ffn_width, shape.kv_dim, shape.head_dim
+    T, t, heads = b * L, tp, shape.heads // tp
+    r = 1 / t if sp else 1.0  # share of the replicated activations this GPU holds
+    gemms = [
+        _gemm_fb(cl, T, h, (h + 2 * kvd) / t),
+        _gemm_fb(cl, T, h / t, h),
+        _gemm_fb(cl, T, h, f / t),
+        _gemm_fb(cl, T, f / t, h),
+    ]
+    if attention == "flash":
+        # one fused causal kernel (FlashAttention-2, bottom-right causal for a chunk): the
+        # 4·d FLOPs per (query, key) pair below the diagonal at attn_efficiency of peak; its
+        # backward recomputes the scores (5 matmuls against 2): 2.5 × the forward
+        scores = 0  # nothing of size L × (a + L) is stored
+        flops = 4 * b * heads * d * (L * a + L * L / 2)
+        attn_f = flops / (cl.peak_tflops * 1e12 * cl.attn_efficiency) + cl.kernel_launch_us * 1e-6
+        attn_b = 2.5 * attn_f
+    else:
+        # unfused (Megatron 2021): scores Q·Kᵀ over the whole [L, a + L] block, masked, a fused
+        # scale-mask-softmax (read + write bf16), dropout (read + write + a 1-byte mask)
+        scores = b * heads * L * (a + L)
+        attn_mm = [_gemm_fb(cl, L, d, a + L, b * heads), _gemm_fb(cl, L, a + L, d, b * heads)]
+        attn_f = sum(x[0] for x in attn_mm) + _mem(cl, 9 * scores, 2)
+        attn_b = sum(x[1] for x in attn_mm) + _mem(cl, 18 * scores, 2)
+    # LayerNorms, bias + dropout + residual (7 bytes/element), bias + GeLU on the MLP width
+    elem = T * (22 * h * r + 4 * f / t)
+    fwd = sum(x[0] for x in gemms) + attn_f + _mem(cl, elem, 6)
+    bwd = sum(x[1] for x in gemms) + attn_b + _mem(cl, 2 * elem, 8)
+    if t > 1:
+        link = cl.link(t)
+        if sp:
+            comm = 2 * (_gather(t, 2 * T * h, link) + _gather(t, 2 * T * h, link))
+        else:
+            comm = 2 * _allreduce(t, 2 * T * h, link)
+    else:
+        comm = 0.0
+    f_tp = b_tp = comm
+    # activations (Korthikanti et al. 2022, §4), bytes per token per layer, generalized to the
+    # kv width and the ffn: 14h + 4·kvd + 4·ffn (= 34h for a standard GPT), of which LayerNorm
+    # inputs, the QKV and fc1 inputs and two dropout masks (10h) stay whole without SP
+    split = 4 * h + 4 * kvd + 4 * f
+    per_token = (14 * h + 4 * kvd + 4 * f) / t if sp else 10 * h + split / t
+    act_all = T * per_token + 5 * scores  # softmax output, its dropout mask and output: 5 B each
+    prefix_copy = 4 * b * a * kvd / t  # autopart's chunk saves [prefix; chunk] K and V again
+    rec = 0.0
+    transient = 0.0
+    if recompute == "none":
+        act = act_all + prefix_copy
+    elif recompute == "selective":  # recompute the attention core in the backward
+        act = act_all - 5 * scores + prefix_copy
+        rec = attn_f if attention == "unfused" else 0.0  # flash recomputes inside its backward
+    else:  # full: keep the layer input (and a chunk's K/V for the later chunks), redo forward
+        act = T * 2 * h * r + (4 * T * kvd / t + prefix_copy if a or shape.seq > L else 0)
+        rec = fwd
+        b_tp += comm
+        transient = act_all + prefix_copy
+    return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec)
+
+
+@lru_cache(maxsize=65536)
+def _embed_head(
+    shape: GPTShape, cl: Cluster, tp: int, sp: bool, b: int, L: int
+) -> tuple[UnitCost, UnitCost]:
+    """(embedding, final norm + LM head + cross entropy) on ``b × L`` tokens."""
+    h, t, T = shape.hidden, tp, b * L
+    V = _padded_vocab(shape.vocab, tp)
+    r = 1 / t if sp else 1.0
+    link = cl.link(t)
+    # embedding: vocab-parallel lookup + position add + dropout; its output is all-reduced
+    # (reduce-scattered under SP) over tp; the backward scatters the gradient into the table
+    emb_tp_f = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
+    emb_tp_b = _gather(t, 2 * T * h, link) if sp else 0.0
+    embed = UnitCost(
+        _mem(cl, 6 * T * h, 2), emb_tp_f, _mem(cl, 6 * T * h, 2), emb_tp_b, T * h * r, 0.0, 0.0
+    )
+    # head: final LayerNorm, logits (T × V/t), vocab-parallel cross entropy in fp32 (one
+    # all-gather of each rank's 3 × T statistics); SP all-gathers the head's input, without SP
+    # its gradient is all-reduced in the backward
+    mm_f, mm_b = _gemm_fb(cl, T, h, V / t)
+    ce = 10 * T * V / t
+    tp_f = (_gather(t, 2 * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
+    tp_b = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
+    head = UnitCost(
+        mm_f + _mem(cl, ce + 4 * T * h * r, 4),
+        tp_f,
+        mm_b + _mem(cl, ce + 8 * T * h * r, 4),
+        tp_b,
+        T * (4 * h * r + 6 * V / t),
+        0.0,
+        0.0,
+    )
+    return embed, head
+
+
+def _padded_vocab(vocab: int, tp: int) -> int:
+    step = VOCAB_MULTIPLE * tp
+    return -(-vocab // step) * step
+
+
+@lru_cache(maxsize=4096)
+def _chunks(c1: float, c2: float, seq: int, k: int, split: str, multiple: int) -> tuple[int, ...]:
+    from autopart.schedule.chunks import chunk_lengths
+
+    return tuple(chunk_lengths((c1, c2), seq, k, split, multiple))
+
+
+def stage_layers(layers: int, stages: int) -> list[int]:
+    """Blocks per pipeline stage: equal shares, any remainder to the inner stages first (the
+    first stage also embeds, the last also runs the LM head)."""
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    order = [*range(1, stages - 1), stages - 1, 0] if stages > 2 else list(range(stages))
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def stage_params(shape: GPTShape, st: Plan) -> tuple[list[float], list[float]]:
+    """(parameters of each stage, parameters of each pipeline rank) on one GPU: matmul
+    weights and column-parallel biases split over tp, LayerNorms and row-parallel biases
+    whole; the vocab-parallel embedding on stage 0, the final norm (and, when the head is
+    on another rank or untied, its copy of the table) on the last stage."""
+    p, t, h = st.pp, st.tp, shape.hidden
+    n_stages = p * st.virtual_stages
+    vocab = _padded_vocab(shape.vocab, t)
+    col_bias = (h + 2 * shape.kv_dim) + shape.ffn_width
+    split = shape.layer_matmul_params + col_bias
+    per_layer = split / t + (shape.layer_params - split)
+    stages, ranks = [], [0.0] * p
+    for s, n_layers in enumerate(stage_layers(shape.layers, n_stages)):
+        n = n_layers * per_layer
+        if s == 0:
+            n += vocab * h / t + shape.seq * h
+        if s == n_stages - 1:
+            n += 2 * h + (vocab * h / t if (not shape.tied or p > 1) else 0)
+        stages.append(n)
+        ranks[s % p] += n
+    return stages, ranks
+
+
+class CostModel:
+    """Per-action seconds and bytes for one (shape, cluster, plan), for every rank of one
+    pipeline (pipeline position r holds stages r, r + pp, …)."""
+
+    def __init__(
+        self,
+        shape: GPTShape,
+        cluster: Cluster,
+        plan: Plan,
+        memory: dict[tuple[int, int], tuple[int, int]] | None = None,
+    ) -> None:
+        plan.check_model(shape.layers, shape.heads, shape.kv, shape.ffn_width, shape.seq)
+        self.shape, self.cluster, self.st = shape, cluster, plan
+        # (stage, chunk) → (held, transient) activation bytes read off a compiled program's
+        # graphs (planning/memory.py); None: the analytic formula of ``_layer``
+        self.memory = memory
+        st, cl = plan, cluster
+        p, v, k, t = st.pp, st.virtual_stages, st.seq_chunks, st.tp
+        self.n_stages = p * v
+        self.layers = stage_layers(shape.layers, self.n_stages)
+        self.vocab = _padded_vocab(shape.vocab, t)
+        h = shape.hidden
+        # chunk boundaries as autopart cuts them: forward FLOPs per sequence c1·s + c2·s²
+        c1 = shape.layers * 2 * shape.layer_matmul_params + 2 * h * self.vocab
+        c2 = shape.layers * 2 * h
+        self.chunk_lengths = _chunks(
+            float(c1), float(c2), shape.seq, k, st.seq_split, st.chunk_multiple
+        )
+        starts = [sum(self.chunk_lengths[:j]) for j in range(k)]
+        b = st.micro_batch or 1
+        layer = [
+            _layer(shape, cl, t, st.sequence_parallel, st.recompute, cl.attention, b, a, L)
+            for a, L in zip(starts, self.chunk_lengths, strict=True)
+        ]
+        ends = [_embed_head(shape, cl, t, st.sequence_parallel, b, L) for L in self.chunk_lengths]
+        self.units: list[list[UnitCost]] = []  # [stage][chunk]
+        rows: dict[tuple[int, bool, bool], list[UnitCost]] = {}
+        for s in range(self.n_stages):
+            kind = (self.layers[s], s == 0, s == self.n_stages - 1)
+            if kind not in rows:
+                row = []
+                for j in range(k):
+                    parts = [
+                        UnitCost(*(kind[0] * x for x in layer[j]))._replace(
+                            transient=layer[j].transient
+                        )
+                    ]
+                    if kind[1]:
+                        parts.append(ends[j][0])
+                    if kind[2]:
+                        parts.append(ends[j][1])
+                    row.append(_sum_units(parts))
+                rows[kind] = row
+            self.units.append(rows[kind])
+        # pipeline hand-over: the activation (each tp rank its sequence slice under SP)
+        r = 1 / t if st.sequence_parallel else 1.0
+        self.send_bytes = [2 * b * L * h * r for L in self.chunk_lengths]
+        self._stride = st.dp * t  # global rank distance between pipeline neighbours
+        self._stage_params, self.params = stage_params(shape, st)
+        self.tied_ranks = shape.tied and p > 1
+
+    # -- per-action costs (simulate_actions callbacks) ----------------------------------------
+
+    def action_cost(self, a: Action) -> float:
+        """Seconds of an F/B (tp collectives included), a stage's DP reduction, or TIE_REDUCE."""
+        if a.kind == "F":
+            u = self.units[a.stage][a.chunk]
+            return u.f + u.f_tp
+        if a.kind == "B":
+            u = self.units[a.stage][a.chunk]
+            return u.b + u.b_tp
+        if a.kind == "DP_REDUCE":
+            return self.dp_reduce_time(a.stage)
+        if a.kind == "TIE_REDUCE":
+            return self.tie_time()
+        return 0.0
+
+    def transfer(self, a: Action) -> float:
+        """Seconds from a SEND's start until its message has arrived."""
+        src = a.stage % self.st.pp
+        dst = (a.stage + (1 if a.kind == "SEND_F" else -1)) % self.st.pp
+        link = self.p2p_link(src, dst)
+        return self.send_bytes[a.chunk] / link[1] + link[2]
+
+    def p2p_link(self, i: int, j: int) -> tuple[str, float, float]:
+        """The link between pipeline positions i and j, for the worst of the dp × tp
+        pipelines: InfiniBand if any of their pairs sits on two nodes."""
+        lo, hi = min(i, j), max(i, j)
+        g = self.cluster.gpus_per_node
+        first, last = lo * self._stride, (hi + 1) * self._stride - 1
+        span = g + 1 if first // g != last // g else 1
+        return self.cluster.link(span)
+
+    def dp_reduce_time(self, stage: int) -> float:
+        """Gradient reduction of one stage over dp: fp32 gradients (Megatron's main grads),
+        all-reduced, or reduce-scattered with the distributed optimizer."""
+        dp = self.st.dp
+        if dp == 1:
+            return 0.0
+        nbytes = 4 * self._stage_params[stage]
+        link = self.cluster.link(dp * self.st.tp)
+        if self.st.distributed_optimizer:
+            return _gather(dp, nbytes, link)
+        return _allreduce(dp, nbytes, link)
+
+    def tie_time(self) -> float:
+        """All-reduce of the tied embedding's fp32 gradient between the first and last rank."""
+        nbytes = 4 * self.vocab * self.shape.hidden / self.st.tp
+        return _allreduce(2, nbytes, self.p2p_link(0, self.st.pp - 1))
+
+    def optimizer_time(self, rank: int) -> float:
+        """Adam step, memory-bound: read fp32 grad, master, m, v; write master, m, v and the
+        bf16 parameter; the gradient norm reads the gradient again (34 bytes per parameter);
+        with the distributed optimizer each dp rank updates 1/dp of them."""
+        n = self.params[rank] / (self.st.dp if self.st.distributed_optimizer else 1)
+        return _mem(self.cluster, 34 * n, 4)
+
+    def param_gather_time(self, rank: int) -> float:
+        """Distributed optimizer: all-gather of the updated bf16 parameters over dp."""
+        if not self.st.distributed_optimizer or self.st.dp == 1:
+            return 0.0
+        return _gather(
+            self.st.dp, 2 * self.params[rank], self.cluster.link(self.st.dp * self.st.tp)
+        )
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def static_bytes(self, rank: int) -> dict[str, float]:
+        """Parameters (bf16), gradients (fp32) and Adam states (fp32 master, m, v) of a rank;
+        Megatron's 18 bytes per parameter, or 6 + 12/dp with the distributed optimizer."""
+        n = self.params[rank]
+        opt = 12 * n / (self.st.dp if self.st.distributed_optimizer else 1)
+        return {"parameters": 2 * n, "gradients": 4 * n, "optimizer": opt}
+
+    def activation_peak(self, actions: list[Action], transient: bool = True) -> float:
+        """Most activation bytes a rank holds: a unit's from its F until its B ends; during a B
+        the unit's transient bytes (full recompute: one layer's activations) are live too
+        (``transient=False``: only the held bytes, what ``Runner.peak_saved_bytes`` counts)."""
+        held = peak = 0.0
+        for a in actions:
+            if a.kind in ("F", "B"):
+                if self.memory is not None:
+                    act, extra = self.memory[(a.stage, a.chunk)]
+                else:
+                    u = self.units[a.stage][a.chunk]
+                    act, extra = u.act, u.transient
+            if a.kind == "F":
+                held += act
+                peak = max(peak, held)
+            elif a.kind == "B":
+                peak = max(peak, held + (extra if transient else 0))
+                held -= act
+        return peak
+
+    # -- FLOPs ------------------------------------------------------------------------------
+
+    def model_flops(self) -> float:
+        """Model FLOPs of one iteration, Megatron's count generalized to the kv width and ffn:
+        3 × forward, forward = 2·(matmul weights)·tokens + 4·B·s²·h per layer (attention
+        scores and their product with V over the whole s × s square) + 2·B·s·h·V (logits).
+        A standard GPT gives 72·B·s·l·h²·(1 + s/6h + V/12lh)."""
+        return 3 * self._forward_flops(layers=True, logits=True)
+
+    def hardware_flops(self) -> float:
+        """``model_flops`` plus what the recompute runs again: full, one more forward of every
+        layer (96·B·s·l·h²·(1 + s/6h + V/16lh) for a standard GPT); selective with unfused
+        attention, the attention core's 4·B·s²·h per layer (with flash attention the kernel's
+        own backward recomputes the scores, which no count here includes)."""
+        extra = 0.0
+        if self.st.recompute == "full":
+            extra = self._forward_flops(layers=True, logits=False)
+        elif self.st.recompute == "selective" and self.cluster.attention == "unfused":
+            sh = self.shape
+            extra = 4 * self.st.global_batch * sh.seq**2 * sh.hidden * sh.layers
+        return self.model_flops() + extra
+
+    def _forward_flops(self, layers: bool, logits: bool) -> float:
+        sh, B, s = self.shape, self.st.global_batch, self.shape.seq
+        out = 0.0
+        if layers:
+            out += sh.layers * (2 * sh.layer_matmul_params * B * s + 4 * B * s * s * sh.hidden)
+        if logits:
+            out += 2 * B * s * sh.hidden * self.vocab
+        return out
+
+
+def _sum_units(parts: list[UnitCost]) -> UnitCost:
+    total = UnitCost(*(sum(x) for x in zip(*parts, strict=True)))
+    return total._replace(transient=max(p.transient for p in parts))
