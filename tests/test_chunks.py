@@ -52,3 +52,33 @@ def test_refusals(gpt_sdpa: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(AutopartError) as err:  # attention-bound: boundaries ~14 and ~20 → 16, 16
         chunks.sequence_chunks(gpt_sdpa.captured, 24, 3)
     assert "leaves an empty chunk" in err.value.message and "fewer chunks" in err.value.hint
+
+
+def test_attention_counted_as_the_causal_kernel() -> None:
+    """HF GPT-2 holds its attention as an SDPA with an explicit mask, nanoGPT as
+    ``is_causal=True``; Seq1F1B runs both as the causal kernel, so the same shapes give the same
+    attention coefficient (the full square would be twice as much)."""
+    import hf_gpt2
+    import nanogpt
+    import sympy
+
+    from autopart.frontend.capture import B, S
+    from autopart.frontend.cost import analyze, total
+
+    captured = capture(*hf_gpt2.make())
+    hf = chunks.cost_coefficients(captured)
+    nano = chunks.cost_coefficients(capture(*nanogpt.make()))
+    assert hf[1] == pytest.approx(nano[1], rel=0.01)
+    as_captured = sympy.expand(total(g.cost for g in analyze(captured)).flops.subs(B, 1))
+    assert float(sympy.Poly(as_captured, S).coeff_monomial(S**2)) > 1.9 * hf[1]
+
+
+def test_fit_coefficients_recovers_a_cost_and_refuses_too_little() -> None:
+    c1, c2 = 3.0, 0.01
+    samples = [(a, e, chunks.chunk_cost(c1, c2, a, e)) for a, e in [(0, 96), (96, 160), (160, 256)]]
+    got = chunks.fit_coefficients(samples)
+    assert got == pytest.approx((c1, c2), rel=1e-9)
+    assert chunks.fit_coefficients(samples[:1]) is None  # one chunk cannot separate two terms
+    # a later chunk timed faster than an earlier, equally long one (noise): no negative cost
+    c1_only = chunks.fit_coefficients([(0, 128, 10.0), (128, 256, 9.0)])
+    assert c1_only is not None and c1_only[1] == 0.0 and c1_only[0] > 0

@@ -58,3 +58,22 @@ def test_too_many_chunks_for_the_example_are_refused_at_compile_time() -> None:
         parallelize(model, Mesh(pp=2), example_inputs=batch, schedule="seq1f1b", seq_chunks=5)
     assert "32 tokens cannot be cut into 5 chunks" in err.value.message
     assert "at most 4 chunks" in err.value.hint
+
+
+def test_measured_split_refits_the_boundaries_and_stays_exact() -> None:
+    """seq_split="measured": the first steps time each chunk's forward and refit the cost
+    coefficients the boundaries balance; any boundaries compute the same loss and gradients."""
+    runner, (model, batch) = _runner(4, "measured")
+    flops = runner.chunk_cost
+    want_loss, want = run_model(model, batch)
+    count = (batch[1] != -100).sum()
+    for _ in range(4):
+        for p in runner.parameters():
+            p.grad = None
+        loss = runner.step(*batch)
+        assert rel_err(loss, want_loss / count) <= 1e-12
+        for fqn, p in runner.named_parameters():
+            assert rel_err(p.grad, want[fqn] / count) <= 1e-12, fqn
+    assert runner.chunk_cost != flops  # fitted to this machine's times
+    lengths = [e - a for a, e in runner._chunk_bounds(batch[0].shape[1])]
+    assert sum(lengths) == 256 and len(lengths) == 4 and all(n % 8 == 0 for n in lengths)

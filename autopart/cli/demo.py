@@ -35,6 +35,7 @@ def corpus() -> torch.Tensor:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from autopart.layout import SCHEDULES
+    from autopart.schedule.chunks import SPLITS
 
     d = sub.add_parser(
         "demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)"
@@ -49,6 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=2,
         help="Seq1F1B sequence chunks per micro-batch (default 2)",
+    )
+    d.add_argument(
+        "--seq-split",
+        choices=SPLITS,
+        default="measured",
+        help="Seq1F1B chunk boundaries: measured (balanced by the chunk times the first "
+        "steps measure, the default), balanced (by FLOPs) or uniform",
     )
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
     d.add_argument(
@@ -110,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
             microbatches=args.microbatches,
             virtual_stages=2 if "interleaved" in args.schedule else 1,
             seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
+            seq_split=args.seq_split,
             sequence_parallel=args.sequence_parallel,
             precision=args.precision,
         )

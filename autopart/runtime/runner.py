@@ -37,7 +37,7 @@ from autopart.runtime import p2p
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
-from autopart.schedule.chunks import chunk_lengths
+from autopart.schedule.chunks import chunk_lengths, fit_coefficients
 from autopart.schedule.ir import Action
 
 COMPILE_CACHE = (
@@ -118,6 +118,9 @@ def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None)
     return mine
 
 
+MEASURE_STEPS = 3  # seq_split="measured": steps whose chunk times refit the boundaries
+
+
 @dataclass
 class _Step:
     """What one ``Runner.step`` works on, made fresh for each step (nothing of it outlives it)."""
@@ -135,6 +138,8 @@ class _Step:
     pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)  # all-reduces
     next_bucket: int = 0  # the first bucket not yet launched
     seed: torch.Tensor | None = None  # the running forward's dropout seed
+    # seq_split="measured": this rank's forward + backward seconds per chunk (None: not measuring)
+    chunk_time: list[float] | None = None
 
 
 class Runner:
@@ -185,6 +190,8 @@ class Runner:
         self._s: _Step | None = None  # the running step's state (None between steps)
         # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
         self._kv_shapes = {st.stage: st.graph.meta.get(META_KV_SHAPES, []) for st in program.stages}
+        # seq_split="measured": chunk-cost coefficients fitted to measured forward times
+        self.chunk_cost = program.chunk_cost
         self._n_kv = {stage: len(v) for stage, v in self._kv_shapes.items()}
         # compile=True: each stage graph through torch.compile (Inductor; collectives stay graph
         # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.
@@ -285,6 +292,7 @@ class Runner:
             arm_at=self._final_backwards(),
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")],
             ready=[set() for _ in self._buckets],
+            chunk_time=[0.0] * self.plan.seq_chunks if self._measuring() else None,
         )
         try:
             for i, action in enumerate(actions):
@@ -295,6 +303,8 @@ class Runner:
                 )
                 self._record(action, start=False)
             self._p2p.wait_sends()
+            if s.chunk_time is not None:
+                self._refit_chunks(s)
             losses = s.losses
         finally:
             self._s = None  # the step's activations, prefixes and buckets go with it
@@ -328,14 +338,20 @@ class Runner:
 
     def _on_forward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
+        start = time.perf_counter()
         with self._saved.watch(unit):
             self._forward(action, self._s.live.setdefault(unit, {}), self._s.mbs[action.mb])
+        if self._s.chunk_time is not None:
+            self._s.chunk_time[action.chunk] += time.perf_counter() - start
 
     def _on_backward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
         live = self._s.live
         hooks = self._arm_buckets(self._s.arm_at.get(i, []))
+        start = time.perf_counter()
         self._backward(action, live[unit])
+        if self._s.chunk_time is not None:
+            self._s.chunk_time[action.chunk] += time.perf_counter() - start
         self._saved.release(unit)
         for h in hooks:
             h.remove()
@@ -379,12 +395,31 @@ class Runner:
         "TIE_REDUCE": _on_tie_reduce,
     }
 
+    def _measuring(self) -> bool:
+        """seq_split="measured": this step's chunk times refit the boundaries."""
+        p = self.plan
+        return (
+            p.seq_split == "measured" and p.seq_chunks > 1 and not self.dry
+        ) and self.steps <= MEASURE_STEPS
+
+    def _refit_chunks(self, s: _Step) -> None:
+        """seq_split="measured": every rank adds up its forward + backward seconds per chunk (all
+        of its stages and micro-batches); the sums over all ranks, one per chunk, fit the coefficients
+        the next steps balance with (the same on every rank: the same sums)."""
+        t = torch.tensor(s.chunk_time, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            work = dist.all_reduce(t, async_op=True)
+            self._wait(work, f"step {self.steps}: adding up the chunks' measured forward times")
+        fit = fit_coefficients([(a, e, float(x)) for (a, e), x in zip(s.bounds, t, strict=True)])
+        if fit is not None:
+            self.chunk_cost = fit
+
     def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
         k = self.plan.seq_chunks
         if k == 1:
             return [(0, seq_len)]
-        coeffs = self.program.chunk_cost or (1.0, 0.0)
+        coeffs = self.chunk_cost or (1.0, 0.0)
         try:
             lengths = chunk_lengths(
                 coeffs, seq_len, k, self.plan.seq_split, self.plan.chunk_multiple

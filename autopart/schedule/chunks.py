@@ -10,25 +10,46 @@ polynomial in the sequence length ``s`` (``c1``: per-token work — projections,
 LM head; ``c2``: attention, whose s² term telescopes exactly over chunks). Backward is 2× the
 forward for every term, so balancing the forward balances forward + backward.
 
+Attention is counted as the kernel that runs it. Under Seq1F1B every attention runs as the
+canonical causal SDPA (``passes/canonicalize_attention.py``), whose kernels skip the masked
+upper triangle; the captured graph may still hold it as an SDPA with an explicit mask (Hugging
+Face models), which the cost convention counts as the full square. So the coefficients come from
+a canonicalized copy of the graph: for a 7B-shaped HF GPT-2 at 32k tokens, k = 4, that moves the
+balanced chunks from [12568, 8128, 6496, 5576] (the full square) to [11064, 8416, 7072, 6216].
+
 ``balanced`` solves C(e_{j−1}, e_j) = C(0, s)/k for each boundary in turn (a quadratic in e_j,
 solved with sympy), then rounds boundaries to a multiple of ``multiple`` (8, or lcm(8, tp)
-under sequence parallelism). ``uniform`` cuts equal lengths. Both return chunk lengths.
+under sequence parallelism). ``uniform`` cuts equal lengths. ``measured`` balances like
+``balanced`` with coefficients the runtime fits to the chunk times it measures
+(``fit_coefficients``; until it has them, the FLOP coefficients): FLOPs are not time on a
+machine whose attention kernel runs at another speed than its matmuls. All return lengths.
 """
 
 from __future__ import annotations
 
 import sympy
+import torch
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import B, Captured, S
 from autopart.frontend.cost import analyze, total
 
-SPLITS = ("balanced", "uniform")
+SPLITS = ("balanced", "uniform", "measured")
 
 
 def cost_coefficients(captured: Captured) -> tuple[float, float]:
-    """(c1, c2): the model's forward FLOPs per sequence are c1·s + c2·s² (+ constants)."""
-    flops = sympy.expand(total(g.cost for g in analyze(captured)).flops.subs(B, 1))
+    """(c1, c2): the model's forward FLOPs per sequence are c1·s + c2·s² (+ constants), attention
+    counted as the canonical causal kernel Seq1F1B runs (see the module docstring)."""
+    from dataclasses import replace
+
+    from autopart.layout import Mesh, Plan
+    from autopart.lowering.compile import copy_graph
+    from autopart.passes.canonicalize_attention import canonicalize_attention
+
+    gm = canonicalize_attention(copy_graph(captured.graph), Plan(Mesh(), schedule="seq1f1b"))
+    flops = sympy.expand(
+        total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
+    )
     poly = sympy.Poly(flops, S)
     if poly.degree() > 2:
         raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
@@ -40,11 +61,28 @@ def chunk_cost(c1: float, c2: float, a: int, e: int) -> float:
     return c1 * (e - a) + c2 * (e * e - a * a)
 
 
+def fit_coefficients(samples: list[tuple[int, int, float]]) -> tuple[float, float] | None:
+    """(c1, c2) with t ≈ c1·(e − a) + c2·(e² − a²) over measured chunks ``(a, e, t)`` (least
+    squares; k = 2 chunks solve it exactly). A chunk's fixed cost (launches, the interpreter) is
+    the same for every chunk, so it does not move the balance, and the linear term absorbs it
+    near the boundaries measured. A negative coefficient (noise) becomes 0; None when the
+    samples cannot say (fewer than 2 distinct chunks, or both coefficients ≤ 0)."""
+    rows = {(a, e): t for a, e, t in samples}
+    if len(rows) < 2:
+        return None
+    x = torch.tensor([[e - a, e * e - a * a] for a, e in rows], dtype=torch.float64)
+    t = torch.tensor(list(rows.values()), dtype=torch.float64)
+    scale = x.abs().amax(0).clamp(min=1)  # columns of similar size for the solver
+    c = torch.linalg.lstsq(x / scale, t[:, None]).solution[:, 0] / scale
+    c1, c2 = (max(float(v), 0.0) for v in c)
+    return (c1, c2) if c1 > 0 or c2 > 0 else None
+
+
 def sequence_chunks(
     captured: Captured, seq_len: int, k: int, split: str = "balanced", multiple: int = 8
 ) -> list[int]:
     """Lengths of the k chunks of a ``seq_len``-token sequence, in order (they sum to seq_len)."""
-    coeffs = cost_coefficients(captured) if split == "balanced" else (1.0, 0.0)
+    coeffs = cost_coefficients(captured) if split != "uniform" else (1.0, 0.0)
     return chunk_lengths(coeffs, seq_len, k, split, multiple)
 
 
@@ -116,4 +154,11 @@ def chunk_table(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> 
     return rows
 
 
-__all__ = ["chunk_cost", "chunk_lengths", "chunk_table", "cost_coefficients", "sequence_chunks"]
+__all__ = [
+    "chunk_cost",
+    "chunk_lengths",
+    "chunk_table",
+    "cost_coefficients",
+    "fit_coefficients",
+    "sequence_chunks",
+]
