@@ -320,6 +320,9 @@ def _cut(gm: fx.GraphModule, out: fx.Node):
     for n in gm.graph.nodes:
         if n in need:
             env[n] = g.node_copy(n, lambda a: env[a])
+            if "device" in n.kwargs:  # evaluated on the CPU: a mask's values name no device, and
+                # a model on meta (no memory) builds its mask there, where no value can be read
+                env[n].kwargs = {**n.kwargs, "device": torch.device("cpu")}
     g.output(env[out])
     return fx.GraphModule(gm, g), placeholders
 

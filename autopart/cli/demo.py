@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--seq-split",
         choices=SPLITS,
         default="measured",
-        help="Seq1F1B chunk boundaries: measured (balanced by the chunk times the first "
+        help="Seq1F1B chunk boundaries: measured (balanced by the chunk forward times the first "
         "steps measure, the default), balanced (by FLOPs) or uniform",
     )
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")

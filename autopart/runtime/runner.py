@@ -138,7 +138,7 @@ class _Step:
     pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)  # all-reduces
     next_bucket: int = 0  # the first bucket not yet launched
     seed: torch.Tensor | None = None  # the running forward's dropout seed
-    # seq_split="measured": this rank's forward + backward seconds per chunk (None: not measuring)
+    # seq_split="measured": this rank's forward seconds per chunk (None: not measuring)
     chunk_time: list[float] | None = None
 
 
@@ -348,10 +348,7 @@ class Runner:
         self._prefetch_after(i)
         live = self._s.live
         hooks = self._arm_buckets(self._s.arm_at.get(i, []))
-        start = time.perf_counter()
         self._backward(action, live[unit])
-        if self._s.chunk_time is not None:
-            self._s.chunk_time[action.chunk] += time.perf_counter() - start
         self._saved.release(unit)
         for h in hooks:
             h.remove()
@@ -403,8 +400,8 @@ class Runner:
         ) and self.steps <= MEASURE_STEPS
 
     def _refit_chunks(self, s: _Step) -> None:
-        """seq_split="measured": every rank adds up its forward + backward seconds per chunk (all
-        of its stages and micro-batches); the sums over all ranks, one per chunk, fit the coefficients
+        """seq_split="measured": every rank adds up its forward seconds per chunk (all of its
+        stages and micro-batches; backward has the same two terms, about twice as large); the sums over all ranks, one per chunk, fit the coefficients
         the next steps balance with (the same on every rank: the same sums)."""
         t = torch.tensor(s.chunk_time, dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
