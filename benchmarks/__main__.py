@@ -32,7 +32,7 @@ BENCHMARKS = {
     "recompute": lambda mod: mod.main(),
     "precision": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(
-        argparse.Namespace(split="balanced", seq=1024, microbatches=8, manual=False)
+        argparse.Namespace(seq=1024, microbatches=8, manual=False)
     ),
 }
 
