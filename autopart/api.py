@@ -69,7 +69,7 @@ def parallelize(
         )
     if isinstance(model, Captured):
         captured = model
-        if plan.precision == "bf16" and captured.dtype != torch.bfloat16:
+        if plan.compute_dtype not in (None, captured.dtype):
             raise AutopartError(
                 f"precision='bf16' with a model captured in {captured.dtype}",
                 hint="pass the model itself, or capture it with "
@@ -79,8 +79,8 @@ def parallelize(
         raise AutopartError(
             "parallelize needs example_inputs=(input_ids, labels) to capture the model"
         )
-    elif plan.precision == "bf16":
-        captured = capture_mixed(model, example_inputs, torch.bfloat16)
+    elif plan.compute_dtype is not None:
+        captured = capture_mixed(model, example_inputs, plan.compute_dtype)
     else:
         captured = capture(model, example_inputs)
     # refused now, not at the first step: the example batch is taken for the training batch

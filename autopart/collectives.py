@@ -167,8 +167,6 @@ def _sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
     g = _group(group)
-    if x.device.type == "meta":  # the dry run: shapes only, nothing to move
-        return x.clone()
     what = f"all-reduce over {group} of {tuple(x.shape)}"
     if g is not None and op is None and transport(g) != "c10d":
         x = x.contiguous()
@@ -197,8 +195,6 @@ def _all_gather(x: torch.Tensor, dim: int, group: str, size: int | None = None) 
     g = _sized(group, size)
     if g is None:
         return x.clone()
-    if x.device.type == "meta":
-        return torch.cat([x] * dist.get_world_size(g), dim)
     what = f"all-gather over {group} of {tuple(x.shape)}"
     x = x.contiguous()
     if transport(g) != "c10d":
@@ -221,8 +217,6 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int | None = No
             hint="shard only dims divisible by the group size",
         )
     parts = [p.contiguous() for p in x.chunk(n, dim)]
-    if x.device.type == "meta":
-        return parts[me].clone()
     if transport(g) != "c10d":  # each rank gets only the slices of its own part
         return _exchange(parts, g, what, _sum_in_rank_order)
     if dist.get_backend(g) != "gloo":

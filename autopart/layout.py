@@ -172,6 +172,14 @@ class Plan:
             self.schedule, self.mesh.pp, self.microbatches, self.virtual_stages, self.seq_chunks
         )
 
+    @property
+    def compute_dtype(self) -> Any:
+        """The ``torch.dtype`` the program computes in under ``precision`` (None: the model's
+        own dtype)."""
+        import torch
+
+        return {"bf16": torch.bfloat16}.get(self.precision)
+
     @classmethod
     def from_batch(
         cls,

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ from autopart.layout import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import record, run_workers  # noqa: E402
+from _launch import print_modes, run_workers, time_modes  # noqa: E402
 
 MODES = ("none", "selective", "full")
 SEQ = {"schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2, "sequence_parallel": True}
@@ -64,25 +62,7 @@ def worker(out: str) -> None:
         model, (x, y) = build(spec)
         captured = capture(model, (x, y))
         runners = {rc: autopart.parallelize(captured, mesh, recompute=rc, **plan) for rc in MODES}
-        times: dict[str, list[float]] = {rc: [] for rc in MODES}
-        loss0, saved = {}, {}
-        for i in range(WARMUP + ITERS):
-            for rc, runner in runners.items():
-                for p in runner.parameters():
-                    p.grad = None
-                dist.barrier()
-                start = time.perf_counter()
-                loss = runner.step(x, y)
-                elapsed = time.perf_counter() - start
-                if i == 0:
-                    loss0[rc], saved[rc] = float(loss), runner.peak_saved_bytes
-                if i >= WARMUP:
-                    times[rc].append(elapsed)
-        t = torch.tensor([times[rc] for rc in MODES], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slower rank counts
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, saved)
-        results[name] = {"loss0": loss0, "times": t.tolist(), "saved": every}
+        results[name] = time_modes(runners, x, y, WARMUP, ITERS)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
@@ -119,49 +99,21 @@ def main() -> int:
     )
     print("models: examples/*.py:make_long (4 blocks, 256 tokens, batch 4), float32")
     ok = True
+    pp_of = [Mesh(pp=2, tp=2).coords(r)["pp"] for r in range(4)]
     for name, res in results.items():
-        ms = {rc: 1e3 * statistics.median(t) for rc, t in zip(MODES, res["times"], strict=True)}
-        base = res["loss0"]["none"]
-        agree = all(abs(res["loss0"][rc] - base) <= RTOL * abs(base) for rc in MODES)
-        ok &= agree
-        print(f"\n{name}: step-0 losses agree: {'yes' if agree else 'NO'} ({base:.6f})")
-        print(f"  {'mode':<10}{'step ms':>9}{'vs none':>9}   peak saved KiB per rank (vs none)")
         spec, plan = CASES[name]
-        for rc in MODES:
-            per_rank = [s[rc] for s in res["saved"]]
-            ratios = [s[rc] / s["none"] for s in res["saved"]]
-            print(
-                f"  {rc:<10}{ms[rc]:>9.1f}{ms[rc] / ms['none']:>8.2f}x   "
-                + "  ".join(
-                    f"{b / 1024:>8.0f} ({r:.2f})" for b, r in zip(per_rank, ratios, strict=True)
-                )
-            )
+
+        def prediction(rc: str, per_rank: list[int], spec=spec, plan=plan) -> bool:
             want = predicted(spec, plan, rc)
-            pp_of = [Mesh(pp=2, tp=2).coords(r)["pp"] for r in range(len(per_rank))]
             errors = [abs(want[pp_of[r]] - b) / b for r, b in enumerate(per_rank)]
-            ok &= max(errors) <= 0.10
             print(
                 f"  {'':<10}{'':>18}   simulator predicts "
                 + "  ".join(f"{want[pp_of[r]] / 1024:>8.0f}      " for r in range(len(per_rank)))
                 + f"  (worst error {max(errors):.1%})"
             )
-            if rc != "none":
-                record(
-                    "recompute",
-                    f"{name}: {rc} peak saved bytes (worst rank)",
-                    max(s[rc] for s in res["saved"]) / 2**20,
-                    max(s["none"] for s in res["saved"]) / 2**20,
-                    'recompute="none"',
-                    unit="MiB",
-                )
-                record(
-                    "recompute",
-                    f"{name}: {rc} step time",
-                    ms[rc],
-                    ms["none"],
-                    'recompute="none"',
-                    unit="ms",
-                )
+            return max(errors) <= 0.10
+
+        ok &= print_modes("recompute", name, res, "none", 'recompute="none"', RTOL, prediction)
     return 0 if ok else 1
 
 

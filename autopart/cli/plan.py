@@ -97,7 +97,9 @@ def main(a: argparse.Namespace) -> int:
             "--emit compiles the best plan for a real model: give it as --model SPEC",
             hint="a named --shape or the shape flags have no weights to compile",
         )
-    shape = model_shape(a)
+    shape, captured = model_shape(a, captured=True)
+    if a.emit is not None:
+        _check_batch(captured, a.global_batch)  # before the search, not after it
     con = Console() if sys.stdout.isatty() else Console(width=150)  # a log file: room for the table
     if not a.json:
         con.print(
@@ -122,25 +124,27 @@ def main(a: argparse.Namespace) -> int:
     else:
         print_search(result, con)
     if a.emit is not None:
-        _emit(a, result.ranked[0].plan, con)
+        _emit(a, captured, result.ranked[0].plan, con)
     return 0
 
 
-def _emit(a: argparse.Namespace, plan, con) -> None:
-    """Compile ``plan`` (the planner's best) for the --model and save it in ``a.emit``."""
-    from autopart.api import parallelize
-    from autopart.frontend.capture import capture
-    from autopart.frontend.spec import build
-
-    model, batch = build(a.model)
-    if batch[0].shape[0] != a.global_batch:
+def _check_batch(captured, global_batch: int) -> None:
+    """--emit compiles for the model's example batch: it must be the planned global batch."""
+    n = captured.example_shape[0]
+    if n != global_batch:
         raise AutopartError(
-            f"the model's example batch has {batch[0].shape[0]} sequences, but the plan is "
-            f"for a global batch of {a.global_batch}",
-            hint=f"plan with --global-batch {batch[0].shape[0]}, or make the example batch "
-            f"{a.global_batch} sequences",
+            f"the model's example batch has {n} sequences, but the plan is "
+            f"for a global batch of {global_batch}",
+            hint=f"plan with --global-batch {n}, or make the example batch "
+            f"{global_batch} sequences",
         )
-    program = parallelize(capture(model, batch), None, plan=plan)
+
+
+def _emit(a: argparse.Namespace, captured, plan, con) -> None:
+    """Compile ``plan`` (the planner's best) for the captured --model and save it in ``a.emit``."""
+    from autopart.api import parallelize
+
+    program = parallelize(captured, None, plan=plan)
     program.save(a.emit)
     (con.print if not a.json else lambda *x, **k: None)(
         f"wrote the program of {plan.describe()} to {a.emit}; run it with: "

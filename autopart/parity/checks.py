@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m autopart.parity.checks MANIFEST`` (under torchrun): run every check the
     manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool, "device",
     "checks": [{"name", "program", "batch", "dump"}, ...]}``; every program has this world size."""
-    from autopart.runtime.placement import backend_for, pick_device
     from autopart.runtime.run import _join
 
     args = argv if argv is not None else sys.argv[1:]
@@ -106,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     manifest = json.loads(Path(args[0]).read_text())
     timeout_s = float(manifest["timeout"])
-    device = str(pick_device(manifest.get("device", "cpu")))
-    rank, world = _join(timeout_s, backend_for(pick_device(device)))
+    dev = pick_device(manifest.get("device", "cpu"))
+    device = str(dev)
+    rank, world = _join(timeout_s, backend_for(dev))
     current = "(setup)"
     try:
         for check in manifest["checks"]:

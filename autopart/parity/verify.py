@@ -363,9 +363,14 @@ def own_error(
     in float32, by the verifier's metric: the rounding the precision itself brings. A plan
     passes if it moves the result by at most ``BF16_MARGIN`` times that (docs/precision.md)."""
     loss32, grads32 = reference(model, batch)
-    largest = max((g.abs().max().item() for g in grads32.values() if g.numel()), default=0.0)
+    largest = _largest(grads32)
     worst = max(rel_error(grads[f], g, FLOOR * largest) for f, g in grads32.items())
     return max(worst, abs(loss - loss32) / abs(loss32))
+
+
+def _largest(grads: dict[str, torch.Tensor]) -> float:
+    """The largest gradient entry: the scale of the error floor (``FLOOR``) of every tensor."""
+    return max((g.abs().max().item() for g in grads.values() if g.numel()), default=0.0)
 
 
 def verify_many(
@@ -414,6 +419,7 @@ def verify_many(
         if on_result is not None:
             on_result(name, result)
 
+    mixed = "bf16" if DTYPES[dtype] == torch.bfloat16 else None  # the precision policy
     models: dict[Any, _Model | AutopartError] = {}
     ready: dict[str, tuple[Any, _Model, float]] = {}  # name → (program, model, seconds so far)
     for name, check in named.items():
@@ -429,7 +435,6 @@ def verify_many(
             continue
         try:
             mesh = Mesh(dp=check.dp, pp=check.pp, tp=check.tp)
-            mixed = "bf16" if DTYPES[dtype] == torch.bfloat16 else None
             program = parallelize(model.captured, mesh, precision=mixed, **check.plan_kwargs())
             program.plan.check_batch(model.batch[0].shape[0])
         except AutopartError as exc:
@@ -562,7 +567,7 @@ def _report(
     losses = [float(d["loss"]) for d in dumps]
     loss_error = max(abs(v - model.ref_loss) / abs(model.ref_loss) for v in losses)
     errors: dict[str, float] = {}
-    largest = max((g.abs().max().item() for g in model.ref_grads.values() if g.numel()), default=0)
+    largest = _largest(model.ref_grads)
     eps = torch.finfo(model.lowest).eps
     zero = sorted(
         f

@@ -40,9 +40,8 @@ from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime.placement import place
 from autopart.runtime.recompute import regions
-from autopart.schedule.chunks import chunk_lengths
-
-_LOW = {"bf16": torch.bfloat16}
+from autopart.runtime.runner import stage_inputs
+from autopart.schedule.chunks import chunk_bounds
 
 
 def unit_bytes(
@@ -59,15 +58,9 @@ def _unit_bytes(
 ) -> dict[tuple[int, int], tuple[int, int]]:
     plan = program.plan
     ranks = {rp.coords["pp"]: rp for rp in program.ranks if rp.coords["tp"] == rp.coords["dp"] == 0}
-    k = plan.seq_chunks
-    if k == 1:
-        bounds = [(0, seq)]
-    else:
-        cost = next(iter(ranks.values())).chunk_cost or (1.0, 0.0)
-        lengths = chunk_lengths(cost, seq, k, plan.seq_split, plan.chunk_multiple)
-        ends = [sum(lengths[: j + 1]) for j in range(k)]
-        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-    compute = _LOW.get(plan.precision)
+    cost = next(iter(ranks.values())).chunk_cost or (1.0, 0.0)
+    bounds = chunk_bounds(cost, seq, plan.seq_chunks, plan.seq_split, plan.chunk_multiple)
+    compute = plan.compute_dtype
     n_stages = next(iter(ranks.values())).n_stages
     graphs, feeds = {}, {}
     for s in range(n_stages):
@@ -76,6 +69,7 @@ def _unit_bytes(
         graphs[s] = (place(st.graph, device), st.inputs, st.graph.meta.get(META_KV_SHAPES, []))
         feeds[s] = _weights(program, rp, device, mode)
     ids = torch.empty(micro_batch, seq, dtype=torch.int64, device=device)
+    seed = torch.tensor(0, device=device)  # dropout masks are drawn, their values not read
     out: dict[tuple[int, int], tuple[int, int]] = {}
     kv: dict[int, list[torch.Tensor]] = {}
     for j, (a, e) in enumerate(bounds):
@@ -92,24 +86,19 @@ def _unit_bytes(
                 for shape in kv_shapes
             ]
             prefix = [t.detach().requires_grad_() for t in prefix]
-            args = []
-            for ref in refs:
-                if ref.kind == "act":
-                    args.append(acts[int(ref.name)])
-                elif ref.kind == "param":
-                    p = params[ref.name]
-                    cast = compute is not None and p.is_floating_point()
-                    args.append(p.to(compute) if cast else p)
-                elif ref.kind == "rank":
-                    args.append(torch.tensor(coords[ref.name], device=device))
-                elif ref.kind in ("rng", "offset"):
-                    args.append(torch.tensor(a, dtype=torch.int64, device=device))
-                elif ref.kind == "data":
-                    args.append(ids[:, a:e])
-                elif ref.kind == "kv":
-                    args.append(prefix[int(ref.name)])
-                else:
-                    args.append(buffers[ref.name])
+            args = stage_inputs(
+                refs,
+                params=params,
+                buffers=buffers,
+                data={"input_ids": ids[:, a:e], "labels": ids[:, a:e]},
+                coords=coords,
+                acts=acts,
+                prefix=prefix,
+                offset=a,
+                seed=seed,
+                compute=compute,
+                device=device,
+            )
             probe = _Probe(gm, [*params.values(), *buffers.values()])
             with torch.enable_grad():
                 res = list(probe.run(*args))
@@ -156,7 +145,6 @@ class _Probe(fx.Interpreter):
             for n in nodes[first : last + 1]:
                 if n.op not in ("placeholder", "output"):
                     self._region[n] = r
-        self._now: fx.Node | None = None
         self.saved: dict[fx.Node, int] = {}
 
     def _activation(self, t: torch.Tensor) -> bool:
@@ -164,8 +152,6 @@ class _Probe(fx.Interpreter):
         return not isinstance(t, torch.nn.Parameter) and key not in self._weights
 
     def run_node(self, n: fx.Node) -> Any:
-        self._now = n
-
         def pack(t: torch.Tensor) -> torch.Tensor:
             if self._activation(t):
                 self.saved[n] = self.saved.get(n, 0) + t.numel() * t.element_size()

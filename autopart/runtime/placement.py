@@ -25,7 +25,7 @@ from autopart.errors import AutopartError
 from autopart.meta import META_MODULE
 
 
-def pick_device(requested: str | None = None) -> torch.device:
+def pick_device(requested: str | torch.device | None = None) -> torch.device:
     """The device this rank runs on (see the module docstring)."""
     if requested:
         try:
@@ -59,11 +59,15 @@ def _makes_tensors(target: Any) -> bool:
 
 
 def place(graph: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """``graph`` with its factory calls on ``device`` (unchanged on the CPU: the default). A
+    """A copy of ``graph`` with its factory calls on ``device`` (``graph`` itself on the CPU, the
+    default, where nothing changes). A
     call that already names a device keeps it: compiled programs name none, so one that does
     is a bug the dry run shows."""
     if device.type == "cpu":
         return graph
+    from autopart.lowering.compile import copy_graph
+
+    graph = copy_graph(graph)  # the program's own graph stays device-free (it may be saved)
     for n in graph.graph.nodes:
         if n.op == "call_function" and _makes_tensors(n.target) and "device" not in n.kwargs:
             n.kwargs = {**n.kwargs, "device": device}

@@ -37,7 +37,7 @@ from autopart.runtime import p2p
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
-from autopart.schedule.chunks import chunk_lengths, fit_coefficients
+from autopart.schedule.chunks import chunk_bounds, fit_coefficients
 from autopart.schedule.ir import Action
 
 COMPILE_CACHE = (
@@ -159,7 +159,7 @@ class Runner:
     ) -> None:
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
         # where this rank computes (placement.pick_device); "meta" is the dry run: no data
-        self.device = device if isinstance(device, torch.device) else pick_device(device)
+        self.device = pick_device(device)
         self.dry = self.device.type == "meta"
         self.rank = program.rank
         self.seed, self.steps = (
@@ -179,7 +179,7 @@ class Runner:
             self.params[fqn] = t if on else nn.Parameter(t.detach().to(self.device))
         # precision="bf16": parameters (masters) enter the graph cast, inside autograd, so their
         # gradients come back, and add up over micro-batches, in the masters' dtype
-        self._compute = {"bf16": torch.bfloat16}.get(plan.precision)
+        self._compute = plan.compute_dtype
         self.buffers = {k: v.to(self.device) for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
         self.n_stages = program.n_stages
@@ -192,6 +192,7 @@ class Runner:
         self._kv_shapes = {st.stage: st.graph.meta.get(META_KV_SHAPES, []) for st in program.stages}
         # seq_split="measured": chunk-cost coefficients fitted to measured forward times
         self.chunk_cost = program.chunk_cost
+        self._bounds: dict[int, list[tuple[int, int]]] = {}  # sequence length → chunk bounds
         self._n_kv = {stage: len(v) for stage, v in self._kv_shapes.items()}
         # compile=True: each stage graph through torch.compile (Inductor; collectives stay graph
         # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.
@@ -225,7 +226,7 @@ class Runner:
         device: torch.device | str | None = None,
     ) -> Runner:
         """The local rank's runner of a compiled program (joins the distributed job)."""
-        device = pick_device(device) if not isinstance(device, torch.device) else device
+        device = pick_device(device)
         rank, world = init_distributed(timeout_s, backend_for(device))
         program.mesh.check_world(world)
         rp = program.rank(rank)
@@ -338,11 +339,12 @@ class Runner:
 
     def _on_forward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
-        start = time.perf_counter()
+        timed = self._s.chunk_time is not None
+        start = self._clock() if timed else 0.0
         with self._saved.watch(unit):
             self._forward(action, self._s.live.setdefault(unit, {}), self._s.mbs[action.mb])
-        if self._s.chunk_time is not None:
-            self._s.chunk_time[action.chunk] += time.perf_counter() - start
+        if timed:
+            self._s.chunk_time[action.chunk] += self._clock() - start
 
     def _on_backward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
@@ -392,6 +394,12 @@ class Runner:
         "TIE_REDUCE": _on_tie_reduce,
     }
 
+    def _clock(self) -> float:
+        """Seconds, after the device's queued kernels have run (CUDA launches asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _measuring(self) -> bool:
         """seq_split="measured": this step's chunk times refit the boundaries."""
         p = self.plan
@@ -401,30 +409,32 @@ class Runner:
 
     def _refit_chunks(self, s: _Step) -> None:
         """seq_split="measured": every rank adds up its forward seconds per chunk (all of its
-        stages and micro-batches; backward has the same two terms, about twice as large); the sums over all ranks, one per chunk, fit the coefficients
-        the next steps balance with (the same on every rank: the same sums)."""
+        stages and micro-batches; backward has the same two terms, about twice as large); the
+        sums over all ranks, one per chunk, fit the coefficients the next steps balance with
+        (the same on every rank: the same sums)."""
         t = torch.tensor(s.chunk_time, dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             work = dist.all_reduce(t, async_op=True)
             self._wait(work, f"step {self.steps}: adding up the chunks' measured forward times")
         fit = fit_coefficients([(a, e, float(x)) for (a, e), x in zip(s.bounds, t, strict=True)])
         if fit is not None:
-            self.chunk_cost = fit
+            self.chunk_cost, self._bounds = fit, {}
 
     def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
-        k = self.plan.seq_chunks
-        if k == 1:
-            return [(0, seq_len)]
-        coeffs = self.chunk_cost or (1.0, 0.0)
-        try:
-            lengths = chunk_lengths(
-                coeffs, seq_len, k, self.plan.seq_split, self.plan.chunk_multiple
-            )
-        except AutopartError as exc:
-            raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
-        ends = [sum(lengths[: j + 1]) for j in range(k)]
-        return list(zip([0, *ends[:-1]], ends, strict=True))
+        if seq_len not in self._bounds:  # solved once per length (sympy), not at every step
+            p = self.plan
+            try:
+                self._bounds[seq_len] = chunk_bounds(
+                    self.chunk_cost or (1.0, 0.0),
+                    seq_len,
+                    p.seq_chunks,
+                    p.seq_split,
+                    p.chunk_multiple,
+                )
+            except AutopartError as exc:
+                raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
+        return self._bounds[seq_len]
 
     def _forward(self, action: Action, unit: dict[str, Any], mb: tuple) -> None:
         count, losses = self._s.count, self._s.losses
@@ -591,29 +601,19 @@ class Runner:
         offset: int = 0,
         prefix: list[torch.Tensor] = (),
     ) -> list[torch.Tensor]:
-        st = self._stage(stage)
-        data = {"input_ids": input_ids, "labels": labels}
-        out = []
-        for ref in st.inputs:
-            if ref.kind == "act":
-                out.append(acts[int(ref.name)])
-            elif ref.kind == "param":
-                p = self.params[ref.name]
-                cast = self._compute is not None and p.is_floating_point()
-                out.append(p.to(self._compute) if cast else p)
-            elif ref.kind == "rank":
-                out.append(torch.tensor(self.program.coords[ref.name], device=self.device))
-            elif ref.kind == "rng":
-                out.append(self._s.seed)
-            elif ref.kind == "data":
-                out.append(data[ref.name])
-            elif ref.kind == "kv":
-                out.append(prefix[int(ref.name)])
-            elif ref.kind == "offset":
-                out.append(torch.tensor(offset, device=self.device))
-            else:
-                out.append(self.buffers[ref.name])
-        return out
+        return stage_inputs(
+            self._stage(stage).inputs,
+            params=self.params,
+            buffers=self.buffers,
+            data={"input_ids": input_ids, "labels": labels},
+            coords=self.program.coords,
+            acts=acts,
+            prefix=prefix,
+            offset=offset,
+            seed=self._s.seed,
+            compute=self._compute,
+            device=self.device,
+        )
 
     def _final_backwards(self) -> dict[int, list[tuple[int, nn.Parameter]]]:
         """(bucket, parameter) pairs to watch at each B action: the last backward, in this rank's
@@ -689,6 +689,47 @@ class Runner:
             work = dist.all_reduce(loss, group=self.groups["dp"], async_op=True)
             self._wait(work, f"loss all-reduce over dp ranks {self.program.groups['dp']}")
         return loss
+
+
+def stage_inputs(
+    refs: Sequence[Any],
+    *,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    data: dict[str, torch.Tensor],
+    coords: dict[str, int],
+    acts: Sequence[torch.Tensor],
+    prefix: Sequence[torch.Tensor],
+    offset: int,
+    seed: torch.Tensor | None,
+    compute: torch.dtype | None,
+    device: torch.device,
+) -> list[Any]:
+    """A stage graph's arguments, one per placeholder (``refs``: its ``InputRef``s): parameters
+    (cast to ``compute`` inside autograd under mixed precision), buffers, the batch, this rank's
+    coordinates, the previous stage's activations, the K/V prefix, the chunk offset and the
+    dropout seed."""
+    out: list[Any] = []
+    for ref in refs:
+        if ref.kind == "act":
+            out.append(acts[int(ref.name)])
+        elif ref.kind == "param":
+            p = params[ref.name]
+            cast = compute is not None and p.is_floating_point()
+            out.append(p.to(compute) if cast else p)
+        elif ref.kind == "rank":
+            out.append(torch.tensor(coords[ref.name], device=device))
+        elif ref.kind == "rng":
+            out.append(seed)
+        elif ref.kind == "data":
+            out.append(data[ref.name])
+        elif ref.kind == "kv":
+            out.append(prefix[int(ref.name)])
+        elif ref.kind == "offset":
+            out.append(torch.tensor(offset, device=device))
+        else:
+            out.append(buffers[ref.name])
+    return out
 
 
 def _sender(recv: Action) -> tuple[int, int, int]:

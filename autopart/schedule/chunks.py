@@ -117,6 +117,15 @@ def chunk_lengths(
     return lengths
 
 
+def chunk_bounds(
+    coeffs: tuple[float, float], seq_len: int, k: int, split: str = "balanced", multiple: int = 8
+) -> list[tuple[int, int]]:
+    """``chunk_lengths`` as the [start, end) token range of each chunk."""
+    lengths = chunk_lengths(coeffs, seq_len, k, split, multiple)
+    ends = [sum(lengths[: j + 1]) for j in range(len(lengths))]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def _balanced(c1: float, c2: float, seq_len: int, k: int) -> list[float]:
     target = chunk_cost(c1, c2, 0, seq_len) / k
     e = sympy.Symbol("e", positive=True)
@@ -155,6 +164,7 @@ def chunk_table(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> 
 
 
 __all__ = [
+    "chunk_bounds",
     "chunk_cost",
     "chunk_lengths",
     "chunk_table",
