@@ -172,8 +172,11 @@ def test_tp_inside_a_node_uses_nvlink_across_nodes_infiniband() -> None:
     }
     assert A100.link(8)[0] == "nvlink" and A100.link(16)[0] == "ib"
     tp8, tp16 = costs[8].units[1][0].f_tp, costs[16].units[1][0].f_tp
-    # same bytes per ring step nearly; NVLink 240 GB/s effective vs 21 GB/s per GPU over IB
-    assert tp16 / tp8 > 8
+    # same bytes per ring step nearly; NVLink 240 GB/s effective, against the 8 NICs a node's
+    # 8 members pool over InfiniBand (8 × 21 GB/s) plus the longer latency
+    assert tp16 / tp8 > 1.4
+    # a group with one member per node (a dp group across tp=8 nodes) has one NIC: 8× slower
+    assert A100.link(16, 8)[1] * 8 == pytest.approx(A100.link(16, 1)[1])
 
 
 def test_pipeline_hops_between_nodes_use_infiniband() -> None:
@@ -267,28 +270,24 @@ def test_flops_follow_megatrons_formula() -> None:
 
 
 def test_megatron_1t_reference_point() -> None:
-    """Narayanan et al. 2021: 1T GPT (128 layers, hidden 25600, 160 heads) on 3072 A100s, tp=8,
-    pp=64, dp=6, global batch 3072, interleaved schedule, full recompute: 163 TFLOP/s per GPU
-    (52 % of peak). Unfused attention, as in 2021."""
+    """Narayanan et al. 2021 (SC21) Table 1: 1T GPT (128 layers, hidden 25600, 160 heads) on
+    3072 A100s, tp=8, pp=64, dp=6, global batch 3072, micro-batch 1, 1F1B (the authors'
+    run_table_1.sh), full recompute, Megatron-LM 2021's software: 163 TFLOP/s per GPU. The
+    tolerance, 5 %, is about twice the simulator's mean error over the published runs
+    (tests/test_published.py)."""
+    from autopart.planning.published import software
+
     st = Plan.from_batch(
-        tp=8,
-        pp=64,
-        dp=6,
-        virtual_stages=2,
-        micro_batch=1,
-        global_batch=3072,
-        schedule="interleaved-1f1b",
-        recompute="full",
+        tp=8, pp=64, dp=6, micro_batch=1, global_batch=3072, schedule="1f1b", recompute="full"
     )
-    s = simulate(SHAPES["megatron-1t"], UNFUSED, st, record=False).summary
+    s = simulate(SHAPES["megatron-1t"], software("megatron-2021"), st, record=False).summary
     print(
         f"\nMegatron 1T: predicted {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
         f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), paper 163 (52 %); "
         f"iteration {s['iteration_s']:.1f} s, bubble {s['bubble_fraction']:.1%}, "
         f"{s['memory_gb_per_gpu']:.1f} GiB per GPU"
     )
-    assert 0.30 <= s["hfu"] <= 0.70
-    assert 0.30 <= s["mfu"] <= 0.70
+    assert s["tflops_per_gpu"] == pytest.approx(163, rel=0.05)
     assert s["fits"]
     parts = sum(s["breakdown"].values())
     assert parts == pytest.approx(s["iteration_s"])

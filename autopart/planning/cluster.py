@@ -50,6 +50,7 @@ class Cluster:
     ib_gbit_per_nic: float  # Gb/s per NIC per direction
     sms: int  # streaming multiprocessors (wave quantization of matmuls)
     mm_efficiency: float = 0.75  # share of peak a large bf16 matmul reaches (one full wave)
+    mm_k_overhead: float = 64.0  # a tile's fixed cost, in steps of its inner dimension
     attn_efficiency: float = 0.55  # share of peak a fused (flash) attention forward reaches
     hbm_efficiency: float = 0.85  # share of HBM bandwidth a memory-bound kernel reaches
     kernel_launch_us: float = 3.0  # fixed cost per kernel
@@ -61,6 +62,22 @@ class Cluster:
     # the software: the attention kernel it runs, "flash" (fused, causal blocks skipped) or
     # "unfused" (scores materialized, softmax fused: Megatron as it ran in 2021)
     attention: str = "flash"
+    act_bytes: float = 2.0  # bytes per activation element the software computes in (bf16: 2)
+    # the gradient reduction over dp: its bytes per parameter (4: fp32 main grads, 2: bf16),
+    # and whether it overlaps the backward (buckets launched as they fill) or waits for the
+    # whole backward to end (Megatron-LM 2021)
+    grad_bytes: float = 4.0
+    grad_overlap: bool = True
+    # pipeline hand-over without sequence parallelism: every tp rank sends the whole activation
+    # (autopart's runtime), or 1/tp of it followed by an all-gather over NVLink (Megatron's
+    # scatter-gather optimization)
+    p2p_scatter_gather: bool = False
+    # tensor-parallel backward collectives overlapped with the GEMMs that do not need them
+    # (Megatron-LM's asynchronous all-reduce, 2022 on); autopart's runtime does not
+    tp_overlap: bool = False
+    # a pipeline send returns at once (autopart's isend) or blocks its rank until delivered
+    # (Megatron-LM 2021-2022's send/receive pairs on the critical path)
+    p2p_overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -71,6 +88,10 @@ class Cluster:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "attention":
+                continue
+            if isinstance(f.default, bool):
+                if not isinstance(value, bool):
+                    raise AutopartError(f"cluster {self.name!r}: {f.name} must be true or false")
                 continue
             if f.name == "name":
                 if not isinstance(value, str) or not value:
@@ -100,16 +121,18 @@ class Cluster:
     def usable_bytes(self) -> float:
         return self.hbm_gib * GIB * self.usable_memory_fraction
 
-    def link(self, span: int) -> tuple[str, float, float]:
-        """(name, bytes/s, alpha seconds) of a group of ranks ``span`` consecutive ranks wide:
-        NVLink when it fits in one node, InfiniBand (each GPU's share of the NICs) otherwise."""
+    def link(self, span: int, stride: int = 1) -> tuple[str, float, float]:
+        """(name, bytes/s, alpha seconds) of a ring over a group of ranks ``stride`` apart that
+        spans ``span`` consecutive ranks: NVLink when it fits in one node; otherwise InfiniBand,
+        where a ring's data crosses each node boundary once per channel, so the group's
+        members in a node (``gpus_per_node // stride``) pool their NICs (NCCL runs one channel
+        per NIC), up to the NVLink bandwidth."""
+        nv = self.nvlink_gbps * 1e9 * self.nvlink_efficiency
         if span <= self.gpus_per_node:
-            return (
-                "nvlink",
-                self.nvlink_gbps * 1e9 * self.nvlink_efficiency,
-                self.nvlink_latency_us * 1e-6,
-            )
-        return ("ib", self.ib_gbps_per_gpu * 1e9 * self.ib_efficiency, self.ib_latency_us * 1e-6)
+            return ("nvlink", nv, self.nvlink_latency_us * 1e-6)
+        members = max(1, self.gpus_per_node // stride)
+        ib = self.ib_gbps_per_gpu * 1e9 * self.ib_efficiency * members
+        return ("ib", min(ib, nv), self.ib_latency_us * 1e-6)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -126,7 +149,9 @@ PRESETS: dict[str, Cluster] = {
         ib_nics_per_node=8,
         ib_gbit_per_nic=200.0,
         sms=108,
-        mm_efficiency=0.75,
+        # fitted on Korthikanti et al. 2022's iteration times (autopart/planning/published.py)
+        mm_efficiency=0.76,
+        hbm_efficiency=0.67,
     ),
     "dgx-h100": Cluster(
         name="dgx-h100",

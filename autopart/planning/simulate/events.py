@@ -132,6 +132,8 @@ def simulate_actions(
     cost_fn: Callable[[Action], float],
     comm_fn: Callable[[Action], float] | None = None,
     record: bool = True,
+    grad_overlap: bool = True,
+    p2p_overlap: bool = True,
 ) -> Timeline:
     """Time every rank's action list (see the module docstring for the rules).
 
@@ -139,17 +141,26 @@ def simulate_actions(
     gradient reduction of one stage for ``Action("DP_REDUCE", stage)``; it is called once per
     distinct (kind, stage, chunk), so it may depend on nothing else. ``comm_fn(action)`` gives a
     ``SEND``'s transfer seconds (once per distinct kind, stage, chunk and peer); ``None`` means
-    free communication. ``record=False`` skips the events (faster).
+    free communication. ``record=False`` skips the events (faster). ``grad_overlap=False``
+    starts the gradient reductions only at ``DP_REDUCE``, after the rank's last backward
+    (Megatron-LM 2021), instead of at the start of each stage's last backward.
+    ``p2p_overlap=False`` makes a ``SEND`` block its rank until the message has arrived.
     """
     comp = _compile(actions_by_rank)
     comm_fn = comm_fn or (lambda a: 0.0)
     cost = [
         comm_fn(a) if s else cost_fn(a) for a, s in zip(comp.keys, comp.is_send_key, strict=True)
     ]
-    return _run(comp, cost, actions_by_rank if record else None)
+    return _run(comp, cost, actions_by_rank if record else None, grad_overlap, p2p_overlap)
 
 
-def _run(comp: _Compiled, cost: list[float], actions: dict[int, list[Action]] | None) -> Timeline:
+def _run(
+    comp: _Compiled,
+    cost: list[float],
+    actions: dict[int, list[Action]] | None,
+    grad_overlap: bool = True,
+    p2p_overlap: bool = True,
+) -> Timeline:
     n = len(comp.ranks)
     now = [0.0] * n
     pc = [0] * n
@@ -182,7 +193,11 @@ def _run(comp: _Compiled, cost: list[float], actions: dict[int, list[Action]] | 
                 arrival[m] = t + cost[key]
                 xfer[m] = cost[key]
                 if rec:
-                    raw.append((i, p, t, t))
+                    raw.append((i, p, t, t if p2p_overlap else arrival[m]))
+                if not p2p_overlap:  # a blocking send: the sender waits for the delivery
+                    rt.recv_wait += cost[key]
+                    rt.recv_exposed += cost[key]
+                    t = arrival[m]
                 w = waiter[m]
                 if w >= 0:
                     waiter[m] = -1
@@ -202,7 +217,8 @@ def _run(comp: _Compiled, cost: list[float], actions: dict[int, list[Action]] | 
             elif code == _DP:
                 comm = 0.0
                 for s, (b0, b1) in sorted(last_b[i].items(), key=lambda kv: kv[1][0]):
-                    comm = max(max(comm, b0) + cost[comp.dp_keys[i][s]], b1)
+                    start = b0 if grad_overlap else t  # overlapped, or after the last backward
+                    comm = max(max(comm, start) + cost[comp.dp_keys[i][s]], b1)
                 done = max(t, comm)
                 rt.dp_wait += done - t
                 if rec:

@@ -119,7 +119,7 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
         costs.transfer(a) if s else costs.action_cost(a)
         for a, s in zip(comp.keys, comp.is_send_key, strict=True)
     ]
-    return _run(comp, cost, acts)
+    return _run(comp, cost, acts, costs.cluster.grad_overlap, costs.cluster.p2p_overlap)
 
 
 def _summary(

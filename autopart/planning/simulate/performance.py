@@ -20,14 +20,18 @@ _TILE = 128  # output tile of a tensor-core GEMM (wave quantization)
 
 
 def _gemm(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> float:
-    """Seconds of a (batched) bf16 GEMM (m × k) · (k × n): the slower of its math at
-    ``mm_efficiency`` of peak, scaled by the share of the last wave of tiles the SMs fill, and
-    its HBM traffic; plus one kernel launch."""
+    """Seconds of a (batched) bf16 GEMM (m × k) · (k × n): the slower of its math and its HBM
+    traffic, plus one kernel launch. The math runs at ``mm_efficiency`` of peak, scaled by the
+    share of the last wave of output tiles the SMs fill and by k / (k + ``mm_k_overhead``): each
+    tile's fixed prologue and epilogue cost as much as ``mm_k_overhead`` more steps of its inner
+    loop, which a short inner dimension (a tp-split projection, an attention head) cannot hide."""
     tiles = batch * math.ceil(m / _TILE) * math.ceil(n / _TILE)
     waves = math.ceil(tiles / cl.sms)
-    eff = cl.mm_efficiency * tiles / (waves * cl.sms)
+    eff = cl.mm_efficiency * tiles / (waves * cl.sms) * k / (k + cl.mm_k_overhead)
     t_math = 2 * batch * m * k * n / (cl.peak_tflops * 1e12 * eff)
-    t_mem = 2 * batch * (m * k + k * n + m * n) / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency)
+    t_mem = (
+        cl.act_bytes * batch * (m * k + k * n + m * n) / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency)
+    )
     return max(t_math, t_mem) + cl.kernel_launch_us * 1e-6
 
 
@@ -37,8 +41,12 @@ def _gemm_fb(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> tup
 
 
 def _mem(cl: Cluster, nbytes: float, kernels: int) -> float:
-    """Seconds of memory-bound kernels moving ``nbytes`` through HBM."""
-    return nbytes / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency) + kernels * cl.kernel_launch_us * 1e-6
+    """Seconds of memory-bound kernels moving ``nbytes`` (counted for 2-byte activations, scaled
+    to the cluster's ``act_bytes``) through HBM."""
+    return (
+        nbytes * cl.act_bytes / 2 / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency)
+        + kernels * cl.kernel_launch_us * 1e-6
+    )
 
 
 def _allreduce(n: int, nbytes: float, link: tuple[str, float, float]) -> float:
@@ -105,15 +113,27 @@ def _layer(
     elem = T * (22 * h * r + 4 * f / t)
     fwd = sum(x[0] for x in gemms) + attn_f + _mem(cl, elem, 6)
     bwd = sum(x[1] for x in gemms) + attn_b + _mem(cl, 2 * elem, 8)
+    comm = b_tp = 0.0
     if t > 1:
         link = cl.link(t)
-        if sp:
-            comm = 2 * (_gather(t, 2 * T * h, link) + _gather(t, 2 * T * h, link))
-        else:
-            comm = 2 * _allreduce(t, 2 * T * h, link)
-    else:
-        comm = 0.0
-    f_tp = b_tp = comm
+        one = _gather(t, cl.act_bytes * T * h, link)  # one all-gather or reduce-scatter
+        # per layer each way: two all-reduces without SP, two all-gathers and two
+        # reduce-scatters with it
+        comm = 4 * one if sp else 2 * _allreduce(t, cl.act_bytes * T * h, link)
+        b_tp = comm
+        if cl.tp_overlap:
+            # the column-parallel layers' (QKV, fc1) input-gradient collective overlaps their
+            # weight-gradient GEMM; under SP their input's all-gather also overlaps the
+            # input-gradient GEMM; the row-parallel layers' all-gathers (SP) stay exposed
+            dw = [_gemm(cl, h, T, (h + 2 * kvd) / t), _gemm(cl, h, T, f / t)]
+            if sp:
+                dx = [_gemm(cl, T, (h + 2 * kvd) / t, h), _gemm(cl, T, f / t, h)]
+                hidden = zip(dx, dw, strict=True)
+                b_tp = 2 * one + sum(max(0.0, one - x) + max(0.0, one - w) for x, w in hidden)
+            else:
+                ar = comm / 2
+                b_tp = sum(max(0.0, ar - w) for w in dw)
+    f_tp = comm
     # activations (Korthikanti et al. 2022, §4), bytes per token per layer, generalized to the
     # kv width and the ffn: 14h + 4·kvd + 4·ffn (= 34h for a standard GPT), of which LayerNorm
     # inputs, the QKV and fc1 inputs and two dropout masks (10h) stay whole without SP
@@ -147,8 +167,10 @@ def _embed_head(
     link = cl.link(t)
     # embedding: vocab-parallel lookup + position add + dropout; its output is all-reduced
     # (reduce-scattered under SP) over tp; the backward scatters the gradient into the table
-    emb_tp_f = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
-    emb_tp_b = _gather(t, 2 * T * h, link) if sp else 0.0
+    emb_tp_f = (
+        _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
+    )
+    emb_tp_b = _gather(t, cl.act_bytes * T * h, link) if sp else 0.0
     embed = UnitCost(
         _mem(cl, 6 * T * h, 2), emb_tp_f, _mem(cl, 6 * T * h, 2), emb_tp_b, T * h * r, 0.0, 0.0
     )
@@ -157,8 +179,10 @@ def _embed_head(
     # its gradient is all-reduced in the backward
     mm_f, mm_b = _gemm_fb(cl, T, h, V / t)
     ce = 10 * T * V / t
-    tp_f = (_gather(t, 2 * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
-    tp_b = _gather(t, 2 * T * h, link) if sp else _allreduce(t, 2 * T * h, link)
+    tp_f = (_gather(t, cl.act_bytes * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
+    tp_b = (
+        _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
+    )
     head = UnitCost(
         mm_f + _mem(cl, ce + 4 * T * h * r, 4),
         tp_f,
@@ -272,8 +296,15 @@ class CostModel:
                 rows[kind] = row
             self.units.append(rows[kind])
         # pipeline hand-over: the activation (each tp rank its sequence slice under SP)
-        r = 1 / t if st.sequence_parallel else 1.0
-        self.send_bytes = [2 * b * L * h * r for L in self.chunk_lengths]
+        r = 1 / t if st.sequence_parallel or cl.p2p_scatter_gather else 1.0
+        self.send_bytes = [cl.act_bytes * b * L * h * r for L in self.chunk_lengths]
+        # scatter-gather without SP: the receiver all-gathers the tp slices over NVLink
+        self.p2p_gather = [
+            _gather(t, cl.act_bytes * b * L * h, cl.link(t))
+            if cl.p2p_scatter_gather and not st.sequence_parallel
+            else 0.0
+            for L in self.chunk_lengths
+        ]
         self._stride = st.dp * t  # global rank distance between pipeline neighbours
         self._stage_params, self.params = stage_params(shape, st)
         self.tied_ranks = shape.tied and p > 1
@@ -299,7 +330,7 @@ class CostModel:
         src = a.stage % self.st.pp
         dst = (a.stage + (1 if a.kind == "SEND_F" else -1)) % self.st.pp
         link = self.p2p_link(src, dst)
-        return self.send_bytes[a.chunk] / link[1] + link[2]
+        return self.send_bytes[a.chunk] / link[1] + link[2] + self.p2p_gather[a.chunk]
 
     def p2p_link(self, i: int, j: int) -> tuple[str, float, float]:
         """The link between pipeline positions i and j, for the worst of the dp × tp
@@ -311,20 +342,20 @@ class CostModel:
         return self.cluster.link(span)
 
     def dp_reduce_time(self, stage: int) -> float:
-        """Gradient reduction of one stage over dp: fp32 gradients (Megatron's main grads),
-        all-reduced, or reduce-scattered with the distributed optimizer."""
+        """Gradient reduction of one stage over dp: ``grad_bytes`` per parameter (4: Megatron's
+        fp32 main grads), all-reduced, or reduced-scattered with the distributed optimizer."""
         dp = self.st.dp
         if dp == 1:
             return 0.0
-        nbytes = 4 * self._stage_params[stage]
-        link = self.cluster.link(dp * self.st.tp)
+        nbytes = self.cluster.grad_bytes * self._stage_params[stage]
+        link = self.cluster.link(dp * self.st.tp, self.st.tp)
         if self.st.distributed_optimizer:
             return _gather(dp, nbytes, link)
         return _allreduce(dp, nbytes, link)
 
     def tie_time(self) -> float:
-        """All-reduce of the tied embedding's fp32 gradient between the first and last rank."""
-        nbytes = 4 * self.vocab * self.shape.hidden / self.st.tp
+        """All-reduce of the tied embedding's gradient between the first and last rank."""
+        nbytes = self.cluster.grad_bytes * self.vocab * self.shape.hidden / self.st.tp
         return _allreduce(2, nbytes, self.p2p_link(0, self.st.pp - 1))
 
     def optimizer_time(self, rank: int) -> float:
@@ -332,14 +363,16 @@ class CostModel:
         bf16 parameter; the gradient norm reads the gradient again (34 bytes per parameter);
         with the distributed optimizer each dp rank updates 1/dp of them."""
         n = self.params[rank] / (self.st.dp if self.st.distributed_optimizer else 1)
-        return _mem(self.cluster, 34 * n, 4)
+        return _mem(self.cluster, 34 * n * 2 / self.cluster.act_bytes, 4)
 
     def param_gather_time(self, rank: int) -> float:
         """Distributed optimizer: all-gather of the updated bf16 parameters over dp."""
         if not self.st.distributed_optimizer or self.st.dp == 1:
             return 0.0
         return _gather(
-            self.st.dp, 2 * self.params[rank], self.cluster.link(self.st.dp * self.st.tp)
+            self.st.dp,
+            2 * self.params[rank],
+            self.cluster.link(self.st.dp * self.st.tp, self.st.tp),
         )
 
     # -- memory -------------------------------------------------------------------------------
