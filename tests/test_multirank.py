@@ -46,6 +46,14 @@ def test_live_device_mesh_api() -> None:
     assert sorted(verdicts) == [("0", "OK"), ("1", "OK")], out
 
 
+def test_live_pipeline_mesh_with_a_tied_embedding_on_four_ranks() -> None:
+    """pp=4 on a live DeviceMesh: the middle stages hold no tied parameter but must create the
+    tie's process group with the others (they used to skip it, and every rank hung)."""
+    out = launch_forked(4, [str(ROOT / "tests" / "live_script.py"), "pp"], timeout_s=120)
+    verdicts = re.findall(r"rank (\d): .*?, (OK|MISMATCH)", out)
+    assert sorted(verdicts) == [(str(r), "OK") for r in range(4)], out
+
+
 def test_cli_run_launches_ranks_and_trains(tmp_path: Path) -> None:
     import nanogpt
 

@@ -230,7 +230,13 @@ class Runner:
         rank, world = init_distributed(timeout_s, backend_for(device))
         program.mesh.check_world(world)
         rp = program.rank(rank)
-        groups = _groups_of(program.plan, rank, mesh, rp.ties)
+        # every rank creates the same groups in the same order, so the tie groups are those of
+        # the whole pipeline, not only this rank's (a middle stage holds no tied parameter)
+        m = program.plan.mesh
+        ties = {
+            f: pps for j in range(m.pp) for f, pps in program.rank(m.rank_of(pp=j)).ties.items()
+        }
+        groups = _groups_of(program.plan, rank, mesh, ties)
         return cls(
             rp,
             program.plan,
