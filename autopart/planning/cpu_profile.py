@@ -1,0 +1,226 @@
+"""A cluster profile of this machine's CPU, measured: the simulator's ``Cluster`` for ranks that
+run here as gloo processes, so ``autopart plan --cluster cpu.toml`` ranks plans for CPU ranks.
+
+``measure(ranks)`` starts ``ranks`` processes (one thread each, as ``autopart run`` starts them)
+that measure at the same time, so every figure is what one rank gets while the others work too:
+
+- ``peak_tflops``: float32 matmul throughput at the shapes of the model's layer GEMMs (the
+  median over the shapes), and ``mm_k_overhead`` from the same matmul with a quarter of the inner
+  dimension (the model's k / (k + k0) law, solved for k0);
+- ``hbm_tbps``: the bytes an elementwise add moves per second on tensors far larger than cache;
+- ``kernel_launch_us``: the time of one operator of a traced (``torch.fx``) graph on a tiny
+  tensor — what the runtime pays per node beyond its arithmetic — times the graph's nodes per
+  kernel the cost model counts (``NODES_PER_KERNEL``);
+- the link (``nvlink_*``, one "node" of ``ranks`` ranks): a gloo all-reduce of a large and of a
+  small tensor over all ranks, solved for the ring's bandwidth and per-step latency.
+
+``calibrate(cluster, shape, runs)`` then refits the compute rate, the per-kernel floor and the
+per-message latency to measured step times of real plans. ``docs/simulate.md`` ("A closed loop
+on this machine") gives the figures measured here and how well (today: not well enough) the
+planner ranks real runs with them.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from autopart.planning.cluster import Cluster
+
+# The runtime's graphs hold about this many fx nodes (views, reshapes, adds, the autograd
+# engine's own nodes in the backward) per kernel the cost model counts in a layer (4 GEMMs +
+# attention + 6 memory-bound kernels forward). Read off nanoGPT's captured block: 37 forward
+# nodes for 11 counted kernels.
+NODES_PER_KERNEL = 37 / 11
+
+
+def _timeit(fn: Any, window: float = 0.4) -> float:
+    """Mean seconds of ``fn`` over a ``window`` of wall time (every rank starts its window after
+    a barrier and runs for the same time, so each sees the others busy throughout)."""
+    import torch.distributed as dist
+
+    fn()
+    dist.barrier()
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < window:
+        fn()
+        n += 1
+    return elapsed / n
+
+
+def _worker(rank: int, ranks: int, hidden: int, tokens: int, path: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.fx
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    h, T = hidden, tokens
+    out: dict[str, float] = {}
+
+    dist.barrier()
+    rates = []
+    for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
+        a, b = torch.randn(T, k), torch.randn(k, n)
+        rates.append(2 * T * k * n / _timeit(lambda a=a, b=b: a @ b))
+    out["gemm"] = statistics.median(rates)
+    a, b = torch.randn(T, h // 4), torch.randn(h // 4, 4 * h)
+    out["gemm_short_k"] = 2 * T * (h // 4) * 4 * h / _timeit(lambda: a @ b)
+
+    dist.barrier()
+    x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
+    out["mem"] = 12 * (4 << 20) / _timeit(lambda: torch.add(x, y, out=z))
+
+    dist.barrier()
+
+    class Tiny(torch.nn.Module):
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            for _ in range(50):
+                v = v + 1
+            return v
+
+    gm = torch.fx.symbolic_trace(Tiny())
+    v = torch.zeros(8)
+    out["op"] = _timeit(lambda: gm(v)) / 50
+
+    dist.barrier()
+    for name, numel in (("ar_big", 4 << 20), ("ar_small", 16)):
+        t = torch.zeros(numel)
+        dist.barrier()
+        reps = 5 if numel > 16 else 50  # a fixed count: every rank must join every call
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t)
+        out[name] = (time.perf_counter() - start) / reps
+
+    every: list[Any] = [None] * ranks
+    dist.all_gather_object(every, out)
+    if rank == 0:
+        import json
+
+        Path(path).write_text(json.dumps(every))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def raw(ranks: int = 4, hidden: int = 256, tokens: int = 512) -> list[dict[str, float]]:
+    """Every rank's raw figures (``_worker``), measured by ``ranks`` processes at once."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "raw.json")
+        mp.start_processes(
+            _worker,
+            args=(ranks, hidden, tokens, path, port),
+            nprocs=ranks,
+            join=True,
+            start_method="spawn",
+        )
+        return json.loads(Path(path).read_text())
+
+
+def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "cpu") -> Cluster:
+    """The profile of this machine for ``ranks`` CPU ranks (one thread each), measured at GEMMs
+    of width ``hidden`` over ``tokens`` rows (the model's sizes give the best figures)."""
+    rows = raw(ranks, hidden, tokens)
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    peak = med("gemm")
+    # k / (k + k0) = short-k rate / rate at k = h … 4h (taken at k = h)
+    ratio = min(med("gemm_short_k") / peak, 0.999)
+    k = hidden // 4
+    k0 = max(k * (1 / ratio - 1) - 0.0 * hidden, 1e-3)
+    n = ranks
+    big, small = 4 * (4 << 20), 4 * 16
+    alpha = med("ar_small") / (2 * (n - 1)) if n > 1 else 1e-6
+    bw = 2 * (n - 1) / n * big / max(med("ar_big") - 2 * (n - 1) * alpha, 1e-9) if n > 1 else 1e12
+    del small
+    return Cluster(
+        name=name,
+        gpus_per_node=ranks,
+        peak_tflops=peak / 1e12,
+        hbm_gib=64.0,
+        hbm_tbps=med("mem") / 1e12,
+        nvlink_gbps=bw / 1e9,
+        ib_nics_per_node=1,
+        ib_gbit_per_nic=8 * bw / 1e9,
+        sms=1,
+        mm_efficiency=1.0,
+        mm_k_overhead=k0,
+        attn_efficiency=1.0,
+        hbm_efficiency=1.0,
+        kernel_launch_us=med("op") * 1e6 * NODES_PER_KERNEL,
+        nvlink_efficiency=1.0,
+        ib_efficiency=1.0,
+        nvlink_latency_us=alpha * 1e6,
+        ib_latency_us=alpha * 1e6,
+        usable_memory_fraction=0.9,
+        attention="flash",
+        act_bytes=4.0,
+        grad_bytes=4.0,
+        grad_overlap=True,
+        p2p_scatter_gather=False,
+    )
+
+
+def to_toml(cluster: Cluster) -> str:
+    """The cluster as a TOML file ``load_cluster`` reads back."""
+    lines = []
+    for key, value in cluster.to_json().items():
+        if isinstance(value, bool):
+            lines.append(f"{key} = {'true' if value else 'false'}")
+        elif isinstance(value, str):
+            lines.append(f'{key} = "{value}"')
+        else:
+            lines.append(f"{key} = {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+CALIBRATED = ("peak_tflops", "kernel_launch_us", "nvlink_latency_us")
+
+
+def calibrate(cluster: Cluster, shape: Any, runs: list[tuple[Any, float]]) -> Cluster:
+    """``cluster`` with ``CALIBRATED`` refitted (least squares of the log errors) so the
+    simulator reproduces measured step times ``runs`` = [(plan, seconds)] of ``shape``: what
+    the micro-benchmarks miss (the runtime's own work per graph node and per message, the
+    sharing of two cores by four ranks) is folded into the compute rate, the per-kernel floor
+    and the per-message latency."""
+    import dataclasses
+    import math
+
+    from scipy.optimize import least_squares
+
+    from autopart.planning.simulate import simulate
+
+    def at(x: Any) -> Cluster:
+        return dataclasses.replace(
+            cluster,
+            **{n: getattr(cluster, n) * math.exp(v) for n, v in zip(CALIBRATED, x, strict=True)},
+        )
+
+    def residuals(x: Any) -> list[float]:
+        cl = at(x)
+        return [
+            math.log(simulate(shape, cl, plan, record=False).summary["iteration_s"] / t)
+            for plan, t in runs
+        ]
+
+    sol = least_squares(residuals, [0.0] * len(CALIBRATED), bounds=(-3.0, 3.0), diff_step=1e-3)
+    return at(sol.x)
+
+
+__all__ = ["CALIBRATED", "calibrate", "measure", "raw", "to_toml"]
