@@ -65,6 +65,7 @@ def test_tp_overlap_hides_the_backward_all_reduce() -> None:
     assert 1e3 * (on.b + on.b_tp) == pytest.approx(11.9, rel=0.10)
 
 
+@pytest.mark.slow  # a least-squares fit: about 8 s
 def test_the_preset_is_the_fit() -> None:
     fitted = P.fit()
     base = preset("dgx-a100-80gb")
