@@ -3,9 +3,10 @@
 1. **profile** — ``autopart.planning.cpu_profile.measure(4)``: 4 gloo processes (one thread each)
    measure float32 matmul throughput, memory bandwidth, the cost of one graph node and a gloo
    all-reduce at the same time; the result is a ``Cluster``.
-2. **calibrate** — four fixed plans (``CALIBRATION``: dp=4, tp=4, pp=4 1F1B, tp=2 × pp=2) run,
-   and ``cpu_profile.calibrate`` refits the compute rate, the per-kernel floor and the
-   per-message latency so the simulator reproduces their step times. The profile is printed as
+2. **calibrate** — six fixed plans (``CALIBRATION``: dp=4 with and without the distributed
+   optimizer, tp=4, pp=4 1F1B and Seq1F1B k=4, tp=2 × pp=2) run,
+   and ``cpu_profile.calibrate`` refits the compute rate, the per-kernel floor, the
+   per-message latency and the per-action cost so the simulator reproduces their step times. The profile is printed as
    TOML (what ``autopart plan --cluster cpu.toml`` reads).
 3. **plan** — ``planner.search`` ranks every plan of the model for 4 ranks on that profile
    (dp/tp/pp, GPipe/1F1B/interleaved/Seq1F1B, micro-batch sizes, chunk counts; no
@@ -102,6 +103,8 @@ CALIBRATION = [
     dict(micro_batch=2, tp=4, sequence_parallel=True),
     dict(micro_batch=1, pp=4, schedule="1f1b"),
     dict(micro_batch=2, tp=2, pp=2, schedule="1f1b"),
+    dict(micro_batch=1, dp=4, distributed_optimizer=True),
+    dict(micro_batch=2, pp=4, schedule="seq1f1b", seq_chunks=4),
 ]
 
 

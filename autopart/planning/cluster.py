@@ -54,6 +54,9 @@ class Cluster:
     attn_efficiency: float = 0.55  # share of peak a fused (flash) attention forward reaches
     hbm_efficiency: float = 0.85  # share of HBM bandwidth a memory-bound kernel reaches
     kernel_launch_us: float = 3.0  # fixed cost per kernel
+    # fixed cost of each forward or backward action of the runtime (its scheduling and autograd
+    # call), beyond its kernels; 0 on GPUs (hidden behind queued kernels), measured on CPUs
+    action_overhead_us: float = 0.0
     nvlink_efficiency: float = 0.80  # NCCL bus bandwidth / NVLink bandwidth
     ib_efficiency: float = 0.85  # NCCL bus bandwidth / InfiniBand line rate
     nvlink_latency_us: float = 3.0  # per ring step (alpha)
@@ -97,7 +100,12 @@ class Cluster:
                 if not isinstance(value, str) or not value:
                     raise AutopartError("a cluster needs a non-empty name")
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            low_ok = f.name == "action_overhead_us" and value == 0
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or (value <= 0 and not low_ok)
+            ):
                 raise AutopartError(
                     f"cluster {self.name!r}: {f.name}={value!r} must be a positive number"
                 )

@@ -164,6 +164,7 @@ def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "c
         attn_efficiency=1.0,
         hbm_efficiency=1.0,
         kernel_launch_us=med("op") * 1e6 * NODES_PER_KERNEL,
+        action_overhead_us=100.0,  # a starting point for ``calibrate``
         nvlink_efficiency=1.0,
         ib_efficiency=1.0,
         nvlink_latency_us=alpha * 1e6,
@@ -190,15 +191,15 @@ def to_toml(cluster: Cluster) -> str:
     return "\n".join(lines) + "\n"
 
 
-CALIBRATED = ("peak_tflops", "kernel_launch_us", "nvlink_latency_us")
+CALIBRATED = ("peak_tflops", "kernel_launch_us", "nvlink_latency_us", "action_overhead_us")
 
 
 def calibrate(cluster: Cluster, shape: Any, runs: list[tuple[Any, float]]) -> Cluster:
     """``cluster`` with ``CALIBRATED`` refitted (least squares of the log errors) so the
     simulator reproduces measured step times ``runs`` = [(plan, seconds)] of ``shape``: what
     the micro-benchmarks miss (the runtime's own work per graph node and per message, the
-    sharing of two cores by four ranks) is folded into the compute rate, the per-kernel floor
-    and the per-message latency."""
+    sharing of two cores by four ranks) is folded into the compute rate, the per-kernel floor,
+    the per-message latency and the per-action cost."""
     import dataclasses
     import math
 

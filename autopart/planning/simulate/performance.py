@@ -313,12 +313,13 @@ class CostModel:
 
     def action_cost(self, a: Action) -> float:
         """Seconds of an F/B (tp collectives included), a stage's DP reduction, or TIE_REDUCE."""
+        fixed = self.cluster.action_overhead_us * 1e-6
         if a.kind == "F":
             u = self.units[a.stage][a.chunk]
-            return u.f + u.f_tp
+            return u.f + u.f_tp + fixed
         if a.kind == "B":
             u = self.units[a.stage][a.chunk]
-            return u.b + u.b_tp
+            return u.b + u.b_tp + fixed
         if a.kind == "DP_REDUCE":
             return self.dp_reduce_time(a.stage)
         if a.kind == "TIE_REDUCE":
