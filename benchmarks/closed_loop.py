@@ -12,8 +12,8 @@
    (dp/tp/pp, GPipe/1F1B/interleaved/Seq1F1B, micro-batch sizes, chunk counts; no
    recomputation: memory is no constraint here).
 4. **run** — the planner's top plans and others spread over its ranking (never a calibration
-   plan) run on 4 gloo ranks (torchrun, one thread each): median of 3 steps after 2 warm-up,
-   the slower rank per step.
+   plan) run on 4 gloo ranks (torchrun, one thread each), round robin (each plan steps once per
+   round): median of 5 steps after 2 warm-up rounds, the slowest rank per step.
 
 The model: nanoGPT, 4 blocks of width 256 (8 heads), vocabulary 512, float32, a global batch of
 8 sequences of 256 tokens. Goals (issue 19): Spearman rank correlation of predicted and measured
@@ -39,7 +39,7 @@ from _launch import record, run_workers  # noqa: E402
 
 RANKS, BATCH, SEQ = 4, 8, 256
 CONFIG = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=512, block_size=512, dropout=0.0)
-WARMUP, ITERS = 2, 3
+WARMUP, ITERS = 2, 5
 
 
 def make():
@@ -66,7 +66,7 @@ def worker(out: str, plans_file: str) -> None:
     dist.init_process_group("gloo")
     model, (x, y) = make()
     captured = capture(model, (x, y))
-    times = []
+    runners = []
     for data in json.loads(Path(plans_file).read_text()):
         plan = Plan.from_json(data)
         dims = [(d, getattr(plan, d)) for d in ("pp", "dp", "tp") if getattr(plan, d) > 1]
@@ -77,20 +77,22 @@ def worker(out: str, plans_file: str) -> None:
             if dims
             else None
         )
-        runner = autopart.parallelize(captured, mesh, plan=plan)
-        steps = []
-        for i in range(WARMUP + ITERS):
+        runners.append(autopart.parallelize(captured, mesh, plan=plan))
+    # round robin: every plan steps once per round, so the machine's drift (other jobs, clock)
+    # falls on all of them alike
+    steps: list[list[float]] = [[] for _ in runners]
+    for i in range(WARMUP + ITERS):
+        for j, runner in enumerate(runners):
             for p in runner.parameters():
                 p.grad = None
             dist.barrier()
             start = time.perf_counter()
             runner.step(x, y)
             if i >= WARMUP:
-                steps.append(time.perf_counter() - start)
-        t = torch.tensor(steps, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(statistics.median(t.tolist()))
-        del runner
+                steps[j].append(time.perf_counter() - start)
+    t = torch.tensor(steps, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slowest rank
+    times = [statistics.median(row) for row in t.tolist()]
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(times))
     dist.barrier()

@@ -4,7 +4,8 @@ Every rank compiles the model for the live mesh, runs one step on the global bat
 compares its gradients and loss with the single-device run computed in the same process.
 Exits 0 only on parity; prints one line per rank. ``pp`` as the argument: a pipeline mesh over
 every rank, with the 8-block nanoGPT whose tied embedding lives on the first and last stage only
-(a middle stage holds no tied parameter, yet creates the same process groups).
+(a middle stage holds no tied parameter, yet creates the same process groups), and beside it a
+tp runner of the same model in the same process (each runner binds its own groups).
 """
 
 import os
@@ -31,6 +32,9 @@ def main() -> int:
     model, batch = nanogpt.make_deep() if pp else nanogpt.make()
     model = model.double()
     ref_loss, ref_grads = reference(model, batch)
+    if pp:  # a second runner of another mesh in the same process, built first
+        tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        tp_runner = autopart.parallelize(model, tp_mesh, example_inputs=batch)
     runner = autopart.parallelize(model, mesh, example_inputs=batch, microbatches=4, bucket_mb=0.01)
     loss = runner.step(*batch)
     errs = {f: rel_error(p.grad, ref_grads[f]) for f, p in runner.named_parameters()}
@@ -38,6 +42,10 @@ def main() -> int:
     loss_err = abs(float(loss) - ref_loss) / abs(ref_loss)
     stats = runner.stats  # 0.01 MiB buckets: several, each launched as backward produced it
     if pp:  # each stage holds its own parameters; together, all of them
+        # the tp runner steps after the pp runner bound the process's collective groups: it
+        # must still use its own (it used to run on the pp runner's, and fail)
+        tp_loss = float(tp_runner.step(*batch))
+        loss_err = max(loss_err, abs(tp_loss - ref_loss) / abs(ref_loss))
         got: list = [None] * world
         dist.all_gather_object(got, sorted(errs))
         complete = {f for names in got for f in names} == set(ref_grads)

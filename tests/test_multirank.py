@@ -48,7 +48,9 @@ def test_live_device_mesh_api() -> None:
 
 def test_live_pipeline_mesh_with_a_tied_embedding_on_four_ranks() -> None:
     """pp=4 on a live DeviceMesh: the middle stages hold no tied parameter but must create the
-    tie's process group with the others (they used to skip it, and every rank hung)."""
+    tie's process group with the others (they used to skip it, and every rank hung). A tp=4
+    runner of the same model, built first in the same processes, still matches after it (the
+    graphs' tp group was bound by name process-wide, so the last runner built won)."""
     out = launch_forked(4, [str(ROOT / "tests" / "live_script.py"), "pp"], timeout_s=120)
     verdicts = re.findall(r"rank (\d): .*?, (OK|MISMATCH)", out)
     assert sorted(verdicts) == [(str(r), "OK") for r in range(4)], out

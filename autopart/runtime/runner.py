@@ -207,7 +207,8 @@ class Runner:
             for k, g in runs.items()
         }
         self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
-        collectives.bind("tp", groups.get("tp"))
+        self._tp_group = groups.get("tp")
+        collectives.bind("tp", self._tp_group)
         collectives.set_action("(setup)", timeout_s)
         # a step whose global loss is NaN or ±inf raises instead of returning it (all ranks
         # alike: the loss is reduced first), so no optimizer steps on its gradients
@@ -281,6 +282,9 @@ class Runner:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One forward + backward over the global batch; returns the global mean loss."""
+        # the graphs' collectives find their group by name, process-wide: bind ours again, in
+        # case another runner in this process (another plan) bound the name since
+        collectives.bind("tp", self._tp_group)
         mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
