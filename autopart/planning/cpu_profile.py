@@ -143,12 +143,11 @@ def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "c
     # k / (k + k0) = short-k rate / rate at k = h … 4h (taken at k = h)
     ratio = min(med("gemm_short_k") / peak, 0.999)
     k = hidden // 4
-    k0 = max(k * (1 / ratio - 1) - 0.0 * hidden, 1e-3)
+    k0 = max(k * (1 / ratio - 1), 1e-3)
     n = ranks
-    big, small = 4 * (4 << 20), 4 * 16
+    big = 4 * (4 << 20)  # bytes of the large all-reduce
     alpha = med("ar_small") / (2 * (n - 1)) if n > 1 else 1e-6
     bw = 2 * (n - 1) / n * big / max(med("ar_big") - 2 * (n - 1) * alpha, 1e-9) if n > 1 else 1e12
-    del small
     return Cluster(
         name=name,
         gpus_per_node=ranks,
