@@ -123,8 +123,8 @@ def worker(out: str, seq: int, m: int, manual: bool) -> None:
                 times[name].append(elapsed)
                 if split in seqs:
                     for ev in seqs[split].timeline:
-                        if ev.action.kind == "F":
-                            key = f"{ev.action.stage} {ev.action.chunk}"
+                        if ev.action.kind in ("F", "B"):
+                            key = f"{ev.action.kind} {ev.action.stage} {ev.action.chunk}"
                             chunk_ms[split].setdefault(key, []).append(1e3 * (ev.end - ev.start))
                     seqs[split].timeline = None
     saved = LiveSaved(tparams.values())
@@ -187,13 +187,15 @@ def main(a: argparse.Namespace) -> int:
         for r in ranks:
             per = r["chunk_ms"][split]
             stage = r["rank"]  # pp = 2, one stage per rank
-            row = [per[f"{stage} {c}"] for c in range(K)]
+            row = [per[f"F {stage} {c}"] for c in range(K)]
+            back = [per[f"B {stage} {c}"] for c in range(K)]
             spread = max(row) / min(row)
             worst = max(worst, spread)
             print(
                 f"    stage {stage}: "
                 + "  ".join(f"{t:7.1f}" for t in row)
-                + f"   max/min {spread:.3f}"
+                + f"   max/min {spread:.3f}   backward "
+                + "  ".join(f"{t:7.1f}" for t in back)
             )
         balance[split] = worst
     ok = balance["measured"] <= 1.10

@@ -486,3 +486,56 @@ def test_fitting_alternatives_fit() -> None:
     for alt, need in alts:
         assert need <= A100.usable_bytes
         assert simulate(SHAPES["gpt3-175b"], A100, alt, record=False).summary["fits"]
+
+
+# -- shared cores (CPU ranks): processor sharing ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,p,m,v,k,kw",
+    [
+        ("1f1b", 4, 6, 1, 1, dict(dp=2)),
+        ("gpipe", 3, 4, 1, 1, {}),
+        ("interleaved-1f1b", 2, 4, 2, 1, {}),
+        ("seq1f1b", 4, 4, 1, 3, {}),
+    ],
+)
+def test_shared_cores_enough_for_all_equal_the_plain_simulation(name, p, m, v, k, kw) -> None:
+    acts = {
+        r: generate(name, r, m, list(range(p)), v=v, k=k, tied=r in (0, p - 1), **kw)
+        for r in range(p)
+    }
+
+    def cost(a: Action) -> float:  # unequal per stage and chunk, so timing matters
+        base = {"F": 1.0, "B": 2.1, "DP_REDUCE": 1.7, "TIE_REDUCE": 0.3}.get(a.kind, 0.0)
+        return base * (1 + 0.1 * a.stage + 0.05 * a.chunk)
+
+    plain = simulate_actions(acts, cost, lambda a: 0.2)
+    shared = simulate_actions(acts, cost, lambda a: 0.2, shared_cores=p)
+    assert shared.span == pytest.approx(plain.span, rel=1e-12)
+    assert [(e.rank, e.action, e.start, e.end) for e in shared.events] == [
+        (e.rank, e.action, pytest.approx(e.start), pytest.approx(e.end)) for e in plain.events
+    ]
+
+
+@pytest.mark.parametrize("name,k", [("1f1b", 1), ("gpipe", 1), ("seq1f1b", 2)])
+def test_one_shared_core_is_never_idle_while_work_is_left(name: str, k: int) -> None:
+    """With free transfers a waiting rank leaves the core to the others: one core runs all the
+    ranks' work back to back, so the iteration lasts exactly the sum of it."""
+    acts = pipeline(name, 3, 4, k=k)
+    tl = simulate_actions(acts, equal_costs(1.0, 2.0), shared_cores=1)
+    assert tl.span == pytest.approx(3 * 4 * k * 3.0)
+    # two cores for three ranks: between the one-core sum / 2 and the unshared pipeline
+    two = simulate_actions(acts, equal_costs(1.0, 2.0), shared_cores=2).span
+    alone = simulate_actions(acts, equal_costs(1.0, 2.0)).span
+    assert 3 * 4 * k * 3.0 / 2 <= two <= alone * 3 / 2 and two > alone
+
+
+def test_shared_cores_slow_data_parallel_ranks_by_ranks_over_cores() -> None:
+    shape = GPTShape(layers=4, hidden=256, heads=8, seq=256, vocab=512)
+    cpu = replace(A100, gpus_per_node=4)
+    plan = Plan.from_batch(8, micro_batch=1, dp=4)
+    alone = simulate(shape, cpu, plan).timeline
+    shared = simulate(shape, replace(cpu, shared_cores=2), plan).timeline
+    busy = alone.ranks[0].busy
+    assert shared.ranks[0].busy == pytest.approx(2 * busy)

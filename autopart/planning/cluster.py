@@ -81,6 +81,14 @@ class Cluster:
     # a pipeline send returns at once (autopart's isend) or blocks its rank until delivered
     # (Megatron-LM 2021-2022's send/receive pairs on the critical path)
     p2p_overlap: bool = True
+    # with the distributed optimizer, gradients are reduce-scattered (Megatron-LM) or
+    # all-reduced and then each dp rank steps its shard (autopart: torch's
+    # ZeroRedundancyOptimizer over the runner's all-reduced gradients)
+    grad_reduce_scatter: bool = False
+    # the cores a node's ranks share (a CPU profile: ranks are processes); 0: every rank has its
+    # own device. While more ranks compute than there are cores, each runs at cores / ranks of
+    # its speed alone (the rates above are one rank's alone on a core)
+    shared_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -100,7 +108,7 @@ class Cluster:
                 if not isinstance(value, str) or not value:
                     raise AutopartError("a cluster needs a non-empty name")
                 continue
-            low_ok = f.name == "action_overhead_us" and value == 0
+            low_ok = f.name in ("action_overhead_us", "shared_cores") and value == 0
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)

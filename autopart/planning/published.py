@@ -26,7 +26,13 @@ from autopart.planning.simulate.shape import GPTShape
 VOCAB, SEQ = 51200, 2048  # both papers' GPTs
 
 
-_MEGATRON = dict(attention="unfused", grad_bytes=2.0, p2p_scatter_gather=True, p2p_overlap=False)
+_MEGATRON = dict(
+    attention="unfused",
+    grad_bytes=2.0,
+    p2p_scatter_gather=True,
+    p2p_overlap=False,
+    grad_reduce_scatter=True,
+)
 
 # The software of each paper's runs, as changes to the hardware preset (``dgx-a100-80gb``):
 SOFTWARE: dict[str, dict[str, Any]] = {

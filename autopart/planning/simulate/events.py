@@ -134,6 +134,7 @@ def simulate_actions(
     record: bool = True,
     grad_overlap: bool = True,
     p2p_overlap: bool = True,
+    shared_cores: float = 0.0,
 ) -> Timeline:
     """Time every rank's action list (see the module docstring for the rules).
 
@@ -145,13 +146,20 @@ def simulate_actions(
     starts the gradient reductions only at ``DP_REDUCE``, after the rank's last backward
     (Megatron-LM 2021), instead of at the start of each stage's last backward.
     ``p2p_overlap=False`` makes a ``SEND`` block its rank until the message has arrived.
+    ``shared_cores`` > 0: the ranks are processes sharing that many cores (``_run_shared``).
     """
     comp = _compile(actions_by_rank)
     comm_fn = comm_fn or (lambda a: 0.0)
     cost = [
         comm_fn(a) if s else cost_fn(a) for a, s in zip(comp.keys, comp.is_send_key, strict=True)
     ]
-    return _run(comp, cost, actions_by_rank if record else None, grad_overlap, p2p_overlap)
+    acts = actions_by_rank if record else None
+    if shared_cores:
+        n = len(comp.ranks)
+        return _run_shared(
+            comp, cost, acts, grad_overlap, p2p_overlap, [1.0] * n, [0] * n, shared_cores
+        )
+    return _run(comp, cost, acts, grad_overlap, p2p_overlap)
 
 
 def _run(
@@ -240,6 +248,139 @@ def _run(
                 t = done
             p += 1
         now[i], pc[i] = t, p
+    return _finish(comp, now, pc, times, raw, actions)
+
+
+def _run_shared(
+    comp: _Compiled,
+    cost: list[float],
+    actions: dict[int, list[Action]] | None,
+    grad_overlap: bool,
+    p2p_overlap: bool,
+    weight: list[float],
+    node: list[int],
+    cores: float,
+) -> Timeline:
+    """``_run`` for ranks that share ``cores`` cores per node (CPU ranks, more than cores):
+    processor sharing in global time order. Rank index i stands for ``weight[i]`` processes on
+    node ``node[i]``; while the processes computing F or B on a node outnumber its cores, each
+    runs at cores / their number of its full speed (``cost``, seconds alone on a core). A rank
+    waiting (receive, gradient reduction, tied-weight meeting) leaves its core to the others,
+    which is how a pipeline's bubble speeds up the other stages on a shared CPU. Transfers and
+    reductions are not slowed."""
+    n = len(comp.ranks)
+    now = [0.0] * n  # when the rank reached its current op
+    pc = [0] * n
+    left = [0.0] * n  # full-speed seconds of the current F/B still to run (0: not computing)
+    began = [0.0] * n
+    ready = [0.0] * n  # blocked until then (a receive's arrival, a reduction, a blocking send)
+    arrival: list[float | None] = [None] * comp.n_msgs
+    xfer = [0.0] * comp.n_msgs
+    times = [RankTimes() for _ in range(n)]
+    last_b: list[dict[int, tuple[float, float]]] = [{} for _ in range(n)]
+    tie_ranks = {i for i, row in enumerate(comp.ops) if any(op[0] == _TIE for op in row)}
+    tie_at: dict[int, float] = {}
+    raw: list[tuple[int, int, float, float]] = []
+    rec = actions is not None
+    T = 0.0
+
+    def advance(i: int) -> bool:
+        """Run rank i's ops that take no core, from time T; True if it moved."""
+        moved = False
+        ops, rt = comp.ops[i], times[i]
+        while pc[i] < len(ops) and left[i] == 0.0 and ready[i] <= T and i not in tie_at:
+            code, key, m = ops[pc[i]]
+            t, p = max(now[i], ready[i]), pc[i]
+            if code == _FB:
+                if cost[key] > 0:
+                    left[i], began[i] = cost[key], t
+                    return True
+                if rec:
+                    raw.append((i, p, t, t))
+            elif code == _SEND:
+                arrival[m], xfer[m] = t + cost[key], cost[key]
+                if not p2p_overlap:
+                    rt.recv_wait += cost[key]
+                    rt.recv_exposed += cost[key]
+                    ready[i] = arrival[m]
+                if rec:
+                    raw.append((i, p, t, t if p2p_overlap else arrival[m]))
+            elif code == _RECV:
+                at = arrival[m]
+                if at is None:
+                    return moved
+                end = max(t, at)
+                rt.recv_wait += end - t
+                rt.recv_exposed += min(end - t, xfer[m])
+                ready[i] = end
+                if rec:
+                    raw.append((i, p, t, end))
+            elif code == _DP:
+                comm = 0.0
+                for s, (b0, b1) in sorted(last_b[i].items(), key=lambda kv: kv[1][0]):
+                    start = b0 if grad_overlap else t
+                    comm = max(max(comm, start) + cost[comp.dp_keys[i][s]], b1)
+                done = max(t, comm)
+                rt.dp_wait += done - t
+                ready[i] = done
+                if rec:
+                    raw.append((i, p, t, done))
+            else:  # _TIE: wait for every rank that has one
+                tie_at[i] = t
+                if len(tie_at) < len(tie_ranks):
+                    return True
+                done = max(tie_at.values()) + cost[key]
+                for j, arrived in tie_at.items():
+                    times[j].tie_wait += done - arrived
+                    if rec:
+                        raw.append((j, pc[j], arrived, done))
+                    ready[j], now[j] = done, done
+                    pc[j] += 1
+                tie_at.clear()
+                moved = True
+                continue
+            now[i] = max(t, ready[i])
+            pc[i] += 1
+            moved = True
+        return moved
+
+    while True:
+        while any([advance(i) for i in range(n)]):
+            pass
+        busy = [i for i in range(n) if left[i] > 0.0]
+        load: dict[int, float] = {}
+        for i in busy:
+            load[node[i]] = load.get(node[i], 0.0) + weight[i]
+        rate = {i: min(1.0, cores / load[node[i]]) for i in busy}
+        nxt = [T + left[i] / rate[i] for i in busy]
+        nxt += [ready[i] for i in range(n) if ready[i] > T and pc[i] < len(comp.ops[i])]
+        if not nxt:
+            break
+        t1 = min(nxt)
+        for i in busy:
+            left[i] -= (t1 - T) * rate[i]
+            if left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][pc[i]][1]]):
+                key = comp.ops[i][pc[i]][1]
+                if rec:
+                    raw.append((i, pc[i], began[i], t1))
+                last_b[i][comp.key_stage[key]] = (began[i], t1)
+                times[i].busy += t1 - began[i]
+                left[i], now[i] = 0.0, t1
+                pc[i] += 1
+        T = t1
+    return _finish(comp, now, pc, times, raw, actions)
+
+
+def _finish(
+    comp: _Compiled,
+    now: list[float],
+    pc: list[int],
+    times: list[RankTimes],
+    raw: list[tuple[int, int, float, float]],
+    actions: dict[int, list[Action]] | None,
+) -> Timeline:
+    """The timeline of a finished run (or the deadlock error of a stuck one)."""
+    n = len(comp.ranks)
     stuck = [(comp.ranks[i], pc[i]) for i in range(n) if pc[i] < len(comp.ops[i])]
     if stuck:
         raise AutopartError(
@@ -251,7 +392,7 @@ def _run(
         times[i].end = now[i]
     span = max(now, default=0.0)
     events = []
-    if rec:
+    if actions is not None:
         for i, p, s, e in raw:
             r = comp.ranks[i]
             events.append(Event(r, actions[r][p], s, e))

@@ -15,6 +15,7 @@ from autopart.planning.simulate.events import (
     _compile,
     _Compiled,
     _run,
+    _run_shared,
     to_chrome_trace,
 )
 from autopart.planning.simulate.performance import CostModel
@@ -119,7 +120,15 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
         costs.transfer(a) if s else costs.action_cost(a)
         for a, s in zip(comp.keys, comp.is_send_key, strict=True)
     ]
-    return _run(comp, cost, acts, costs.cluster.grad_overlap, costs.cluster.p2p_overlap)
+    cl, st = costs.cluster, costs.st
+    if not cl.shared_cores:
+        return _run(comp, cost, acts, cl.grad_overlap, cl.p2p_overlap)
+    per = st.dp * st.tp  # processes per pipeline rank, placed pipeline-outermost
+    weight = [min(per, cl.gpus_per_node)] * len(comp.ranks)
+    node = [r * per // cl.gpus_per_node for r in comp.ranks]
+    return _run_shared(
+        comp, cost, acts, cl.grad_overlap, cl.p2p_overlap, weight, node, cl.shared_cores
+    )
 
 
 def _summary(

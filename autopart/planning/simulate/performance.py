@@ -350,7 +350,7 @@ class CostModel:
             return 0.0
         nbytes = self.cluster.grad_bytes * self._stage_params[stage]
         link = self.cluster.link(dp * self.st.tp, self.st.tp)
-        if self.st.distributed_optimizer:
+        if self.st.distributed_optimizer and self.cluster.grad_reduce_scatter:
             return _gather(dp, nbytes, link)
         return _allreduce(dp, nbytes, link)
 
@@ -363,16 +363,24 @@ class CostModel:
         """Adam step, memory-bound: read fp32 grad, master, m, v; write master, m, v and the
         bf16 parameter; the gradient norm reads the gradient again (34 bytes per parameter);
         with the distributed optimizer each dp rank updates 1/dp of them."""
+        cl = self.cluster
         n = self.params[rank] / (self.st.dp if self.st.distributed_optimizer else 1)
-        return _mem(self.cluster, 34 * n * 2 / self.cluster.act_bytes, 4)
+        # every rank steps at once: on shared cores, each at cores / ranks of its speed
+        crowd = (
+            max(1.0, min(self.st.gpus, cl.gpus_per_node) / cl.shared_cores)
+            if cl.shared_cores
+            else 1.0
+        )
+        return crowd * _mem(cl, 34 * n * 2 / cl.act_bytes, 4)
 
     def param_gather_time(self, rank: int) -> float:
-        """Distributed optimizer: all-gather of the updated bf16 parameters over dp."""
+        """Distributed optimizer: all-gather of the updated parameters (``act_bytes`` each,
+        the compute dtype) over dp."""
         if not self.st.distributed_optimizer or self.st.dp == 1:
             return 0.0
         return _gather(
             self.st.dp,
-            2 * self.params[rank],
+            self.cluster.act_bytes * self.params[rank],
             self.cluster.link(self.st.dp * self.st.tp, self.st.tp),
         )
 
