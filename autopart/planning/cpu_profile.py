@@ -131,17 +131,28 @@ def raw(ranks: int = 4, hidden: int = 256, tokens: int = 512) -> list[dict[str, 
         return json.loads(Path(path).read_text())
 
 
-def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "cpu") -> Cluster:
-    """The profile of this machine for ``ranks`` CPU ranks (one thread each), measured at GEMMs
-    of width ``hidden`` over ``tokens`` rows (the model's sizes give the best figures)."""
+def measure(
+    ranks: int = 4,
+    hidden: int = 256,
+    tokens: int = 512,
+    name: str = "cpu",
+    cores: int | None = None,
+) -> Cluster:
+    """The profile of this machine for ``ranks`` CPU ranks (one thread each) on ``cores`` cores
+    (default: this machine's), measured at GEMMs of width ``hidden`` over ``tokens`` rows (the
+    model's sizes give the best figures). The ranks measure at once, each getting cores / ranks
+    of a core; the profile holds one rank's rates alone on a core (``Cluster.shared_cores``:
+    the simulator shares the cores among the ranks that compute at each moment)."""
+    cores = cores or os.cpu_count() or 1
     rows = raw(ranks, hidden, tokens)
+    crowd = max(1.0, ranks / cores)  # measured rate × crowd = a rank's rate alone on a core
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
-    peak = med("gemm")
+    peak = med("gemm") * crowd
     # k / (k + k0) = short-k rate / rate at k = h … 4h (taken at k = h)
-    ratio = min(med("gemm_short_k") / peak, 0.999)
+    ratio = min(med("gemm_short_k") * crowd / peak, 0.999)
     k = hidden // 4
     k0 = max(k * (1 / ratio - 1), 1e-3)
     n = ranks
@@ -153,7 +164,7 @@ def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "c
         gpus_per_node=ranks,
         peak_tflops=peak / 1e12,
         hbm_gib=64.0,
-        hbm_tbps=med("mem") / 1e12,
+        hbm_tbps=med("mem") * crowd / 1e12,
         nvlink_gbps=bw / 1e9,
         ib_nics_per_node=1,
         ib_gbit_per_nic=8 * bw / 1e9,
@@ -162,7 +173,7 @@ def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "c
         mm_k_overhead=k0,
         attn_efficiency=1.0,
         hbm_efficiency=1.0,
-        kernel_launch_us=med("op") * 1e6 * NODES_PER_KERNEL,
+        kernel_launch_us=med("op") / crowd * 1e6 * NODES_PER_KERNEL,
         action_overhead_us=100.0,  # a starting point for ``calibrate``
         nvlink_efficiency=1.0,
         ib_efficiency=1.0,
@@ -174,6 +185,7 @@ def measure(ranks: int = 4, hidden: int = 256, tokens: int = 512, name: str = "c
         grad_bytes=4.0,
         grad_overlap=True,
         p2p_scatter_gather=False,
+        shared_cores=float(min(cores, ranks)),
     )
 
 
