@@ -88,7 +88,9 @@ def worker(out: str, plans_file: str) -> None:
     # falls on all of them alike
     steps: list[list[float]] = [[] for _ in runners]
     for i in range(WARMUP + ITERS):
-        for j, (runner, optim) in enumerate(runners):
+        for jj in range(len(runners)):
+            j = (i + jj) % len(runners)  # each round starts one plan later: no plan always first
+            runner, optim = runners[j]
             optim.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
@@ -122,6 +124,29 @@ def _run(plans: list) -> list[float] | None:
         plans_file = str(Path(tmp) / "plans.json")
         Path(plans_file).write_text(json.dumps([p.to_json() for p in plans]))
         return run_workers(__file__, RANKS, plans_file)
+
+
+def _rank(shape, cluster) -> list:
+    from autopart.planning.planner import search
+
+    return search(
+        shape,
+        cluster,
+        RANKS,
+        BATCH,
+        top=1000,
+        recompute=["none"],
+        micro_batches=[1, 2, 4],
+        seq_chunks=[2, 4],
+        max_tp=RANKS,
+    ).ranked
+
+
+def show_calibration(calib: list, times: list[float]) -> None:
+    print(
+        "calibrated on "
+        + ", ".join(f"{p.describe()} ({1e3 * t:.0f} ms)" for p, t in zip(calib, times, strict=True))
+    )
 
 
 def choose(ranked: list, n: int) -> list:
@@ -162,8 +187,7 @@ def main() -> int:
     from autopart.layout import Plan
     from autopart.planning.cluster import cluster_from_dict
     from autopart.planning.cpu_profile import calibrate, measure, to_toml
-    from autopart.planning.planner import search
-    from autopart.planning.simulate import shape_from_captured
+    from autopart.planning.simulate import shape_from_captured, simulate
 
     model, (x, y) = make()
     shape = shape_from_captured(capture(model, (x, y)))
@@ -182,50 +206,39 @@ def main() -> int:
         if cal_times is None:
             return 1
     cluster = calibrate(profile, shape, list(zip(calib, cal_times, strict=True)))
-    print(
-        "calibrated on "
-        + ", ".join(
-            f"{p.describe()} ({1e3 * t:.0f} ms)" for p, t in zip(calib, cal_times, strict=True)
-        )
-    )
+    show_calibration(calib, cal_times)
     print(to_toml(cluster))
-    result = search(
-        shape,
-        cluster,
-        RANKS,
-        BATCH,
-        top=1000,
-        recompute=["none"],
-        micro_batches=[1, 2, 4],
-        seq_chunks=[2, 4],
-        max_tp=RANKS,
-    )
-    ranked = result.ranked
+    ranked = _rank(shape, cluster)
     print(f"the planner ranked {len(ranked)} plans for {shape.describe()}")
-    rank_of = {r.plan.describe(): i + 1 for i, r in enumerate(ranked)}
     if a.replay:
-        from autopart.planning.simulate import simulate
-
         plans = [Plan.from_json(pl) for pl, _ in saved["runs"]]
         measured = [t for _, t in saved["runs"]]
-        predicted = [
-            simulate(shape, cluster, pl, record=False).summary["iteration_s"] for pl in plans
-        ]
-        # the planner's first plan is the best ranked among those measured
-        order = sorted(range(len(plans)), key=lambda i: rank_of.get(plans[i].describe(), 10**9))
-        plans, measured, predicted = (
-            [plans[i] for i in order],
-            [measured[i] for i in order],
-            [predicted[i] for i in order],
-        )
+        again = [t for _, t in saved["calibration_again"]]
     else:
         taken = {p.describe() for p in calib}
-        chosen = choose([r for r in ranked if r.plan.describe() not in taken], a.plans)
-        plans = [r.plan for r in chosen]
-        measured = _run(plans)
-        if measured is None:
+        plans = [
+            r.plan for r in choose([r for r in ranked if r.plan.describe() not in taken], a.plans)
+        ]
+        # the chosen plans and the calibration plans again, in one launch (round robin): step
+        # times move by up to 30 % between launches here, and alike for all plans of a launch
+        both = _run(plans + calib)
+        if both is None:
             return 1
-        predicted = [r.summary["iteration_s"] for r in chosen]
+        measured, again = both[: len(plans)], both[len(plans) :]
+    # recalibrated on this launch's calibration plans (never on the plans compared)
+    cluster = calibrate(profile, shape, list(zip(calib, again, strict=True)))
+    print("\nrecalibrated in the launch of the compared plans:")
+    show_calibration(calib, again)
+    ranked = _rank(shape, cluster)
+    rank_of = {r.plan.describe(): i + 1 for i, r in enumerate(ranked)}
+    predicted = [simulate(shape, cluster, pl, record=False).summary["iteration_s"] for pl in plans]
+    # the planner's first plan: the best ranked of those measured
+    order = sorted(range(len(plans)), key=lambda i: rank_of.get(plans[i].describe(), 10**9))
+    plans, measured, predicted = (
+        [plans[i] for i in order],
+        [measured[i] for i in order],
+        [predicted[i] for i in order],
+    )
     if a.save:
         Path(a.save).write_text(
             json.dumps(
