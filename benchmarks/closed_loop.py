@@ -270,6 +270,9 @@ def main() -> int:
                     "calibration": [
                         [p.to_json(), t] for p, t in zip(calib, cal_times, strict=True)
                     ],
+                    "calibration_again": [
+                        [p.to_json(), t] for p, t in zip(calib, again, strict=True)
+                    ],
                     "runs": [[p.to_json(), t] for p, t in zip(plans, measured, strict=True)],
                 },
                 indent=1,

@@ -73,12 +73,17 @@ def test_gpipe_all_forwards_then_all_backwards(p: int) -> None:
 
 
 def test_single_stage_schedules_are_the_accumulation_loop() -> None:
+    from autopart.schedule.generators import SPLIT_BACKWARD
+
     for name in FLAT:
+        w = (lambda mb: [f"W(s0,m{mb})"]) if name in SPLIT_BACKWARD else (lambda mb: [])
         assert [str(a) for a in generate(name, 0, 2, [0], dp=2)] == [
             "F(s0,m0)",
             "B(s0,m0)",
+            *w(0),
             "F(s0,m1)",
             "B(s0,m1)",
+            *w(1),
             "DP_REDUCE",
         ]
 
@@ -281,3 +286,66 @@ def test_seq1f1b_interleaved_schedules_verify(p: int, groups: int, v: int, k: in
 def test_sequence_chunks_need_seq1f1b() -> None:
     with pytest.raises(AutopartError, match="needs a Seq1F1B schedule, not 1f1b"):
         check_schedule("1f1b", 2, 2, k=2)
+
+
+# --- zero-bubble schedules: every backward split into B and W --------------------------------
+
+
+@pytest.mark.parametrize("name,k", [("zb-h1", 1), ("seq1f1b-zb", 1), ("seq1f1b-zb", 3)])
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 1), (2, 4), (4, 4), (4, 9)])
+def test_zero_bubble_schedules_run_one_w_per_unit_after_its_b(name, k, p, m) -> None:
+    peers = list(range(p))
+    actions = {r: generate(name, r, m, peers, k=k) for r in peers}
+    units = {(s, mb, c) for s in range(p) for mb in range(m) for c in range(k)}
+    verify(actions, units)
+    for acts in actions.values():
+        done_b = set()
+        for a in acts:
+            unit = (a.stage, a.mb, a.chunk)
+            if a.kind == "B":
+                done_b.add(unit)
+            elif a.kind == "W":
+                assert unit in done_b
+        assert sorted((a.mb, a.chunk) for a in acts if a.kind == "W") == sorted(
+            (mb, c) for mb in range(m) for c in range(k)
+        )
+        # rank r holds back at most r weight gradients in its steady phase: p units at most
+        held = peak = 0
+        for a in acts:
+            held += {"F": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        assert peak <= p + k - 1
+
+
+def test_verify_rejects_a_missing_or_early_w() -> None:
+    peers = [0, 1]
+    actions = {r: generate("zb-h1", r, 2, peers) for r in peers}
+    units = {(s, mb, 0) for s in range(2) for mb in range(2)}
+    dropped = {0: [a for a in actions[0] if a != Action("W", 0, 1)], 1: actions[1]}
+    _reject(dropped, units, "W(s0,m1,c0) runs 0 times")
+    early = list(actions[1])
+    w = early.pop(early.index(Action("W", 1, 0)))
+    early.insert(early.index(Action("B", 1, 0)), w)
+    _reject({0: actions[0], 1: early}, units, "rank 1", "before its B")
+
+
+@pytest.mark.parametrize("name,k", [("zb-h1", 1), ("seq1f1b-zb", 2)])
+def test_zero_bubble_schedules_are_refused_by_the_runtime_and_left_out_of_plans(
+    gpt_sdpa, name, k
+) -> None:
+    from autopart.layout import RUNNABLE, Mesh, Plan
+    from autopart.lowering import compile_program
+    from autopart.planning.planner import search
+    from autopart.planning.simulate import shape_from_captured
+
+    plan = Plan(Mesh(pp=2), schedule=name, microbatches=2, seq_chunks=k)
+    with pytest.raises(AutopartError, match=f"schedule {name} splits every backward") as err:
+        compile_program(gpt_sdpa.captured, plan)
+    assert "autopart simulate --schedule" in err.value.hint
+    shape = shape_from_captured(gpt_sdpa.captured)
+    assert name not in RUNNABLE
+    assert all(
+        r.plan.schedule in RUNNABLE for r in search(shape, "dgx-a100-80gb", 2, 4, top=50).ranked
+    )
+    asked = search(shape, "dgx-a100-80gb", 2, 4, top=50, schedules=[name], seq_chunks=[2])
+    assert asked.ranked and {r.plan.schedule for r in asked.ranked} <= {name, "1f1b"}

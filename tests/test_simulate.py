@@ -539,3 +539,45 @@ def test_shared_cores_slow_data_parallel_ranks_by_ranks_over_cores() -> None:
     shared = simulate(shape, replace(cpu, shared_cores=2), plan).timeline
     busy = alone.ranks[0].busy
     assert shared.ranks[0].busy == pytest.approx(2 * busy)
+
+
+# -- zero-bubble schedules: the bubble of a split backward ------------------------------------
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.2, 0.8)])
+def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p, m, f, b, w) -> None:
+    """ZB-H1's closed form (Qi et al. 2024): idle (p − 1)(F + B − W) per rank, against
+    1F1B's (p − 1)(F + B + W) with the same work unsplit; a third when all three are equal."""
+    costs = {"F": f, "B": b, "W": w}
+    zb = simulate_actions(pipeline("zb-h1", p, m), lambda a: costs.get(a.kind, 0.0))
+    assert zb.span - m * (f + b + w) == pytest.approx((p - 1) * (f + b - w))
+    one = simulate_actions(pipeline("1f1b", p, m), equal_costs(f, b + w))
+    assert one.span - m * (f + b + w) == pytest.approx((p - 1) * (f + b + w))
+    if f == b == w:  # idle a third; as a fraction of the (shorter) span ≤ 0.4 once m ≥ 3(p − 1)
+        assert (zb.bubble_fraction <= 0.4 * one.bubble_fraction) == (m >= 3 * (p - 1))
+
+
+@pytest.mark.parametrize("p,m,k", [(2, 4, 2), (4, 8, 2), (4, 8, 4)])
+def test_seq1f1b_zb_bubble_is_a_third_of_seq1f1b(p, m, k) -> None:
+    zb = simulate_actions(
+        pipeline("seq1f1b-zb", p, m, k=k), lambda a: {"F": 1.0, "B": 1.0, "W": 1.0}.get(a.kind, 0.0)
+    )
+    seq = simulate_actions(pipeline("seq1f1b", p, m, k=k), equal_costs(1.0, 2.0))
+    assert zb.span - 3 * m * k == pytest.approx(p - 1)
+    assert seq.span - 3 * m * k == pytest.approx(3 * (p - 1))
+
+
+def test_simulated_zb_h1_splits_the_backward_and_beats_1f1b() -> None:
+    shape = GPTShape(layers=8, hidden=1024, heads=16, seq=2048, vocab=51200)
+    base = dict(micro_batch=1, pp=4)
+    one = simulate(shape, A100, Plan.from_batch(32, schedule="1f1b", **base))
+    zb = simulate(shape, A100, Plan.from_batch(32, schedule="zb-h1", **base))
+    w = sum(e.end - e.start for e in zb.events if e.kind == "W" and e.rank == 0)
+    b_zb = sum(e.end - e.start for e in zb.events if e.kind in ("B", "W") and e.rank == 0)
+    b_one = sum(e.end - e.start for e in one.events if e.kind == "B" and e.rank == 0)
+    assert 0.2 * b_one < w < 0.6 * b_one  # the weight GEMMs: about half the backward
+    assert b_zb == pytest.approx(b_one)  # split, not more work
+    assert zb.summary["iteration_s"] < one.summary["iteration_s"]
+    # a split backward frees a unit at its W: held longer, never less than 1F1B's
+    assert zb.summary["memory"]["activations"] >= one.summary["memory"]["activations"]

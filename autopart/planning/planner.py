@@ -35,7 +35,7 @@ from functools import cache
 from typing import Any
 
 from autopart.errors import AutopartError
-from autopart.layout import RECOMPUTE, SCHEDULES, Mesh, Plan
+from autopart.layout import RECOMPUTE, RUNNABLE, SCHEDULES, Mesh, Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.planning.simulate import (
     CostModel,
@@ -44,7 +44,7 @@ from autopart.planning.simulate import (
     simulate_costs,
     stage_params,
 )
-from autopart.schedule.generators import generate
+from autopart.schedule.generators import SPLIT_BACKWARD, generate
 
 MICRO_BATCHES = (1, 2, 4, 8)
 SEQ_CHUNKS = (2, 4, 8)
@@ -97,7 +97,7 @@ def layouts(
     gpus: int,
     global_batch: int,
     *,
-    schedules: Iterable[str] = SCHEDULES,
+    schedules: Iterable[str] = RUNNABLE,
     micro_batches: Iterable[int] = MICRO_BATCHES,
     seq_chunks: Iterable[int] = SEQ_CHUNKS,
     virtual: Iterable[int] = VIRTUAL,
@@ -172,10 +172,18 @@ def _variants(layout: dict[str, Any], recompute: Iterable[str], cluster: Cluster
 
 
 @cache
-def _fb(schedule: str, p: int, m: int, v: int, k: int, r: int) -> tuple[tuple[bool, int, int], ...]:
-    """Rank r's F and B units in schedule order (``generate``'s own order)."""
+def _fb(
+    schedule: str, p: int, m: int, v: int, k: int, r: int
+) -> tuple[tuple[bool, int, int, bool], ...]:
+    """Rank r's F, B and W units in schedule order (``generate``'s own order): (is a forward,
+    stage, chunk, frees the unit's activations)."""
     acts = generate(schedule, r, m, list(range(p)), v=v, k=k)
-    return tuple((a.kind == "F", a.stage, a.chunk) for a in acts if a.kind in ("F", "B"))
+    frees = "W" if schedule in SPLIT_BACKWARD else "B"  # where a unit's activations go
+    return tuple(
+        (a.kind == "F", a.stage, a.chunk, a.kind == frees)
+        for a in acts
+        if a.kind in ("F", "B", "W")
+    )
 
 
 def _activation_peak(costs: CostModel, r: int) -> float:
@@ -189,13 +197,16 @@ def _activation_peak(costs: CostModel, r: int) -> float:
         mine = [u for s in range(r, costs.n_stages, p) for u in units[s]]
         return m * sum(u.act for u in mine) + max(u.transient for u in mine)
     held = peak = 0.0
-    for is_f, s, c in _fb(st.schedule, p, min(m, 3 * p), st.virtual_stages, st.seq_chunks, r):
+    for is_f, s, c, frees in _fb(
+        st.schedule, p, min(m, 3 * p), st.virtual_stages, st.seq_chunks, r
+    ):
         u = units[s][c]
         if is_f:
             held += u.act
             peak = max(peak, held)
-        else:
-            peak = max(peak, held + u.transient)
+            continue
+        peak = max(peak, held + u.transient)
+        if frees:
             held -= u.act
     return peak
 
@@ -211,7 +222,7 @@ def search(
     global_batch: int,
     *,
     top: int = 5,
-    schedules: Iterable[str] = SCHEDULES,
+    schedules: Iterable[str] = RUNNABLE,
     micro_batches: Iterable[int] = MICRO_BATCHES,
     seq_chunks: Iterable[int] = SEQ_CHUNKS,
     recompute: Iterable[str] = RECOMPUTE,

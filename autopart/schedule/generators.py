@@ -9,6 +9,15 @@ orders this rank's forward units and backward units and interleaves them after a
 - ``interleaved-1f1b`` (v ≥ 2, m % p == 0): micro-batches in groups of p, forwards through the
   chunks in order and backwards in reverse, warmup = min(2(p − r − 1) + (v − 1)·p, m·v).
 
+- ``zb-h1`` (zero bubble, Qi et al. 2024, the schedule of 1F1B's memory): 1F1B with each
+  backward split into ``B`` (input gradient, on the critical path) and ``W`` (weight gradient),
+  ``W`` deferred on rank r by r backwards: the later ranks, which start their backwards first,
+  hold weight gradients back to fill their drain, so the input gradients run down the pipeline
+  without waiting for them. Every rank then holds at most p units (1F1B's peak, on rank 0), and
+  with F, B and W of equal cost the bubble is (p − 1)(F + B − W) against 1F1B's
+  (p − 1)(F + B + W), a third;
+- ``seq1f1b-zb``: Seq1F1B's (micro-batch, chunk) units, deferred the same way.
+
 With p = 1 every schedule is gradient accumulation ``F(m0) B(m0) F(m1) B(m1) …``. Data-parallel
 ranks end with ``DP_REDUCE``; ranks holding a parameter another pipeline rank also holds (tied
 embedding / LM head) end with ``TIE_REDUCE``.
@@ -49,6 +58,39 @@ def _weave(
     for i in range(steady):
         out += _fwd(*fwd[warmup + i], peers, n_stages) + _bwd(*bwd[i], peers, n_stages)
     return out + [a for u in bwd[steady:] for a in _bwd(*u, peers, n_stages)]
+
+
+def _weave_zb(
+    fwd: list[Unit], bwd: list[Unit], warmup: int, lag: int, peers: list[int], n_stages: int
+) -> list[Action]:
+    """``_weave`` with split backwards: a unit's ``W`` runs once ``lag`` later ``B``s have run;
+    in the drain one ``W`` follows each ``B`` (it fills the wait for the next gradient), and
+    the remaining ones end the list."""
+    out = [a for u in fwd[:warmup] for a in _fwd(*u, peers, n_stages)]
+    pending: list[Unit] = []
+    steady = len(fwd) - warmup
+    for i, u in enumerate(bwd):
+        if i < steady:
+            out += _fwd(*fwd[warmup + i], peers, n_stages)
+        out += _bwd(*u, peers, n_stages)
+        pending.append(u)
+        if len(pending) > lag or (i >= steady and pending):
+            out.append(Action("W", *pending.pop(0)))
+    return out + [Action("W", *u) for u in pending]
+
+
+def zb_h1(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
+    p = len(peers)
+    units = [(r, mb, 0) for mb in range(m)]
+    warmup = min(p - r - 1, m)
+    return _weave_zb(units, units, warmup, r, peers, p)
+
+
+def seq1f1b_zb(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
+    p = len(peers)
+    fwd = [(r, mb, c) for mb in range(m) for c in range(k)]
+    bwd = [(r, mb, c) for mb in range(m) for c in reversed(range(k))]
+    return _weave_zb(fwd, bwd, min(p - r - 1 + k - 1, m * k), r, peers, p)
 
 
 def gpipe(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
@@ -106,7 +148,12 @@ GENERATORS: dict[str, Callable[[int, int, list[int], int], list[Action]]] = {
     "interleaved-1f1b": interleaved,
     "seq1f1b": seq1f1b,
     "seq1f1b-interleaved": seq1f1b_interleaved,
+    "zb-h1": zb_h1,
+    "seq1f1b-zb": seq1f1b_zb,
 }
+# schedules whose backward is split into B and W (the runtime runs them once the backward-split
+# pass exists: issue 20; today they are for the simulator and the planner's what-ifs)
+SPLIT_BACKWARD = ("zb-h1", "seq1f1b-zb")
 
 
 def check_schedule(name: str, pp: int, m: int, v: int = 1, k: int = 1) -> None:

@@ -1,6 +1,8 @@
 """Schedule IR: a per-rank list of actions. The runtime only interprets it.
 
-Kinds: ``F``/``B`` run the forward/backward of (stage, micro-batch, chunk); ``SEND_F``/``RECV_F``
+Kinds: ``F``/``B`` run the forward/backward of (stage, micro-batch, chunk); in a zero-bubble
+schedule (``zb-h1``, ``seq1f1b-zb``) ``B`` computes only the input gradients and ``W`` the same
+unit's weight gradients, later; ``SEND_F``/``RECV_F``
 move a stage's output activation to the next stage, ``SEND_B``/``RECV_B`` move the gradient
 back; ``DP_REDUCE`` waits for this rank's data-parallel gradient all-reduces (launched bucket by
 bucket during the last backward). Actions print as ``F(s0,m1)`` and serialize to JSON.
@@ -11,10 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-Kind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "DP_REDUCE", "TIE_REDUCE"]
+Kind = Literal["F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "DP_REDUCE", "TIE_REDUCE"]
 KINDS: tuple[str, ...] = (
     "F",
     "B",
+    "W",
     "SEND_F",
     "RECV_F",
     "SEND_B",

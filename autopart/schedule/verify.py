@@ -2,7 +2,8 @@
 
 Checks, by simulating every rank's list in lockstep (sends never block, receives wait for
 their matching send): every (stage, micro-batch, chunk) runs its forward exactly once and its
-backward exactly once, after the forward; every send meets exactly one matching receive on
+backward exactly once, after the forward (in a zero-bubble schedule, where any unit has a ``W``,
+every unit runs exactly one ``W``, after its ``B``); every send meets exactly one matching receive on
 its peer; and the ranks never all wait at once (no deadlock). Violations raise
 ``AutopartError`` naming the rank and the action.
 """
@@ -19,17 +20,22 @@ _MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
 
 def verify(actions: dict[int, list[Action]], units: set[tuple[int, int, int]]) -> None:
     """``actions``: rank → list; ``units``: every (stage, mb, chunk) that must run once each."""
-    ran: dict[str, Counter] = {"F": Counter(), "B": Counter()}
+    ran: dict[str, Counter] = {"F": Counter(), "B": Counter(), "W": Counter()}
     for rank, acts in actions.items():
         for a in acts:
-            if a.kind in ("F", "B"):
+            if a.kind in ran:
                 unit = (a.stage, a.mb, a.chunk)
                 if unit not in units:
                     raise AutopartError(f"rank {rank}: {a} runs a unit outside the plan")
-                if a.kind == "B" and ran["F"][unit] == 0:
-                    raise AutopartError(f"rank {rank}: {a} runs before its forward")
+                before = {"B": "F", "W": "B"}.get(a.kind)
+                if before and ran[before][unit] == 0:
+                    raise AutopartError(
+                        f"rank {rank}: {a} runs before its {'forward' if before == 'F' else 'B'}"
+                    )
                 ran[a.kind][unit] += 1
-    for kind in ("F", "B"):
+    # a zero-bubble schedule splits every backward (B, then W), any other none
+    kinds = ("F", "B", "W") if ran["W"] else ("F", "B")
+    for kind in kinds:
         for unit in sorted(units):
             if ran[kind][unit] != 1:
                 where = sorted(
@@ -43,7 +49,8 @@ def verify(actions: dict[int, list[Action]], units: set[tuple[int, int, int]]) -
                 who = f"rank {where[0]}" if where else "no rank"
                 raise AutopartError(
                     f"{who}: {kind}(s{unit[0]},m{unit[1]},c{unit[2]}) runs {ran[kind][unit]} times, "
-                    "not once (every stage, micro-batch and chunk needs one forward and one backward)"
+                    "not once (every stage, micro-batch and chunk needs one forward and one "
+                    "backward, and in a zero-bubble schedule one W)"
                 )
     _simulate(actions)
 

@@ -106,9 +106,9 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
         row, stages = [], []
         for a in actions_by_rank[r]:
             kind = a.kind
-            if kind in ("F", "B"):
+            if kind in ("F", "B", "W"):
                 row.append((_FB, key((kind, a.stage, a.chunk), a, False), -1))
-                if kind == "B" and a.stage not in stages:
+                if kind != "F" and a.stage not in stages:
                     stages.append(a.stage)
             elif kind in ("SEND_F", "SEND_B"):
                 kk = key((kind, a.stage, a.chunk, r, a.peer), a, True)

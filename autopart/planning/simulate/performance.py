@@ -11,6 +11,7 @@ from typing import NamedTuple
 from autopart.layout import Plan
 from autopart.planning.cluster import Cluster
 from autopart.planning.simulate.shape import GPTShape
+from autopart.schedule.generators import SPLIT_BACKWARD
 from autopart.schedule.ir import Action
 
 VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 · tp
@@ -69,6 +70,7 @@ class UnitCost(NamedTuple):
     act: float  # activation bytes held from the forward until the backward
     transient: float  # extra bytes live during the backward (full recompute: one layer's)
     recompute: float  # the part of ``b`` that is recomputation
+    w: float = 0.0  # the part of ``b`` that is weight gradients (a zero-bubble schedule's W)
 
 
 @lru_cache(maxsize=65536)
@@ -153,7 +155,14 @@ def _layer(
         rec = fwd
         b_tp += comm
         transient = act_all + prefix_copy
-    return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec)
+    # weight gradients: dB = Aᵀ·dC of each layer GEMM (the other half of ``_gemm_fb``'s backward)
+    w = (
+        _gemm(cl, h, T, (h + 2 * kvd) / t)
+        + _gemm(cl, h / t, T, h)
+        + _gemm(cl, h, T, f / t)
+        + _gemm(cl, f / t, T, h)
+    )
+    return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec, w)
 
 
 @lru_cache(maxsize=65536)
@@ -171,8 +180,10 @@ def _embed_head(
         _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
     )
     emb_tp_b = _gather(t, cl.act_bytes * T * h, link) if sp else 0.0
+    # its backward is the table's gradient: all weight gradient
+    embed_b = _mem(cl, 6 * T * h, 2)
     embed = UnitCost(
-        _mem(cl, 6 * T * h, 2), emb_tp_f, _mem(cl, 6 * T * h, 2), emb_tp_b, T * h * r, 0.0, 0.0
+        _mem(cl, 6 * T * h, 2), emb_tp_f, embed_b, emb_tp_b, T * h * r, 0.0, 0.0, embed_b
     )
     # head: final LayerNorm, logits (T × V/t), vocab-parallel cross entropy in fp32 (one
     # all-gather of each rank's 3 × T statistics); SP all-gathers the head's input, without SP
@@ -191,6 +202,7 @@ def _embed_head(
         T * (4 * h * r + 6 * V / t),
         0.0,
         0.0,
+        _gemm(cl, h, T, V / t),
     )
     return embed, head
 
@@ -308,6 +320,7 @@ class CostModel:
         self._stride = st.dp * t  # global rank distance between pipeline neighbours
         self._stage_params, self.params = stage_params(shape, st)
         self.tied_ranks = shape.tied and p > 1
+        self.split_backward = st.schedule in SPLIT_BACKWARD
 
     # -- per-action costs (simulate_actions callbacks) ----------------------------------------
 
@@ -317,9 +330,11 @@ class CostModel:
         if a.kind == "F":
             u = self.units[a.stage][a.chunk]
             return u.f + u.f_tp + fixed
-        if a.kind == "B":
+        if a.kind == "B":  # split (zero bubble): the input gradients only
             u = self.units[a.stage][a.chunk]
-            return u.b + u.b_tp + fixed
+            return u.b + u.b_tp - (u.w if self.split_backward else 0.0) + fixed
+        if a.kind == "W":
+            return self.units[a.stage][a.chunk].w + fixed
         if a.kind == "DP_REDUCE":
             return self.dp_reduce_time(a.stage)
         if a.kind == "TIE_REDUCE":
@@ -394,12 +409,13 @@ class CostModel:
         return {"parameters": 2 * n, "gradients": 4 * n, "optimizer": opt}
 
     def activation_peak(self, actions: list[Action], transient: bool = True) -> float:
-        """Most activation bytes a rank holds: a unit's from its F until its B ends; during a B
+        """Most activation bytes a rank holds: a unit's from its F until its B ends (its W in a
+        zero-bubble schedule); during a B
         the unit's transient bytes (full recompute: one layer's activations) are live too
         (``transient=False``: only the held bytes, what ``Runner.peak_saved_bytes`` counts)."""
         held = peak = 0.0
         for a in actions:
-            if a.kind in ("F", "B"):
+            if a.kind in ("F", "B", "W"):
                 if self.memory is not None:
                     act, extra = self.memory[(a.stage, a.chunk)]
                 else:
@@ -410,7 +426,10 @@ class CostModel:
                 peak = max(peak, held)
             elif a.kind == "B":
                 peak = max(peak, held + (extra if transient else 0))
-                held -= act
+                if not self.split_backward:
+                    held -= act
+            elif a.kind == "W":  # a split backward frees the unit at its W (an upper bound:
+                held -= act  # the inputs of the weight GEMMs are only part of it)
         return peak
 
     # -- FLOPs ------------------------------------------------------------------------------
