@@ -20,11 +20,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autopart.errors import AutopartError
-from autopart.schedule.generators import GENERATORS, SPLIT_BACKWARD, check_schedule
+from autopart.schedule.generators import GENERATORS, check_schedule
 
 SCHEDULES = tuple(GENERATORS)
-# what the runtime runs today: the zero-bubble schedules wait for the backward-split pass
-RUNNABLE = tuple(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
 DIMS = ("dp", "pp", "tp")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = (None, "bf16")  # None: compute in the model's own dtype

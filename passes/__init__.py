@@ -12,6 +12,7 @@ from autopart.passes.sequence_chunk import sequence_chunk
 from autopart.passes.sequence_parallel import sequence_parallel
 from autopart.passes.tensor_parallel import tensor_parallel
 from autopart.passes.vocab_parallel import vocab_parallel
+from autopart.passes.weight_grad_split import weight_grad_split
 
 PIPELINE = (
     canonicalize_attention,
@@ -23,6 +24,7 @@ PIPELINE = (
     pipeline_split,
     sequence_chunk,
     data_parallel,
+    weight_grad_split,
 )
 
 __all__ = [
@@ -36,4 +38,5 @@ __all__ = [
     "sequence_parallel",
     "tensor_parallel",
     "vocab_parallel",
+    "weight_grad_split",
 ]

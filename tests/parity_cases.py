@@ -137,3 +137,32 @@ RECOMPUTE_CASES |= {  # materialized attention scores (1F1B keeps the manual sof
     )
     for rc in ("none", "selective")
 }
+
+
+# zero-bubble schedules (issue 20): every model × every mesh of pp = 2 and 4 on ≤ 4 ranks ×
+# both split schedules; ZB_DEFAULT is the cross-section the default suite runs
+ZB_MODELS = {"nanogpt": NANO_DEEP, "hf-gpt2": GPT2_DEEP, "hf-llama": LLAMA}
+ZB_LONG = {"nanogpt": LONG["nanogpt"], "hf-gpt2": LONG["hf_gpt2"], "hf-llama": LONG["hf_llama"]}
+ZB_MESHES = {
+    "pp2": {"pp": 2, "microbatches": 4},
+    "pp4": {"pp": 4, "microbatches": 8},
+    "dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2},
+    "tp2xpp2": {"tp": 2, "pp": 2, "microbatches": 4, "sequence_parallel": True},
+}
+ZB_CASES = {
+    f"{model}-{mesh}-{sched}": (
+        (ZB_LONG if sched == "seq1f1b-zb" else ZB_MODELS)[model],
+        {**kw, "schedule": sched, **({"seq_chunks": 2} if sched == "seq1f1b-zb" else {})},
+    )
+    for model in ZB_MODELS
+    for mesh, kw in ZB_MESHES.items()
+    for sched in ("zb-h1", "seq1f1b-zb")
+}
+ZB_DEFAULT = [
+    "nanogpt-pp4-zb-h1",
+    "nanogpt-dp2xpp2-seq1f1b-zb",
+    "hf-gpt2-tp2xpp2-zb-h1",
+    "hf-gpt2-pp4-seq1f1b-zb",
+    "hf-llama-tp2xpp2-seq1f1b-zb",
+    "hf-llama-dp2xpp2-zb-h1",
+]

@@ -9,7 +9,7 @@ program in memory, meeting over gloo; nothing is mocked. Every case is its own t
 from __future__ import annotations
 
 import pytest
-from parity_cases import PP_CASES, SEQ1F1B_CASES, assert_passes, batch
+from parity_cases import PP_CASES, SEQ1F1B_CASES, ZB_CASES, ZB_DEFAULT, assert_passes, batch
 
 from autopart import AutopartError
 from autopart.parity.verify import Check, Report
@@ -35,3 +35,25 @@ def seq1f1b_reports() -> dict[str, Report | AutopartError]:
 @pytest.mark.parametrize("case", list(SEQ1F1B_CASES))
 def test_seq1f1b_float64_parity(case: str, seq1f1b_reports: dict) -> None:
     assert_passes(seq1f1b_reports[case])
+
+
+@pytest.fixture(scope="module")
+def zb_reports() -> dict[str, Report | AutopartError]:
+    return batch({name: Check(*ZB_CASES[name][:1], **ZB_CASES[name][1]) for name in ZB_DEFAULT})
+
+
+@pytest.mark.parametrize("case", ZB_DEFAULT)
+def test_zero_bubble_float64_parity(case: str, zb_reports: dict) -> None:
+    assert_passes(zb_reports[case])
+
+
+@pytest.mark.slow
+def test_zero_bubble_float64_parity_whole_matrix() -> None:
+    """All 24 cases of ZB_CASES (3 models × pp2, pp4, dp2×pp2, tp2×pp2 with SP × ZB-H1 and
+    Seq1F1B-ZB k = 2), in one batch."""
+    reports = batch({name: Check(spec, **kw) for name, (spec, kw) in ZB_CASES.items()})
+    for name, report in reports.items():
+        try:
+            assert_passes(report)
+        except (AssertionError, AutopartError) as exc:
+            raise AssertionError(f"{name}: {exc}") from exc

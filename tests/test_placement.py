@@ -25,6 +25,8 @@ PLANS = {  # every schedule, on tp2 x pp2 (Seq1F1B with sequence parallelism, th
     "interleaved-1f1b": {"microbatches": 2, "virtual_stages": 2},
     "seq1f1b": {"microbatches": 2, "seq_chunks": 2, "sequence_parallel": True},
     "seq1f1b-interleaved": {"microbatches": 2, "virtual_stages": 2, "seq_chunks": 2},
+    "zb-h1": {"microbatches": 2},
+    "seq1f1b-zb": {"microbatches": 2, "seq_chunks": 2, "sequence_parallel": True},
 }
 
 

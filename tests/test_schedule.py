@@ -329,23 +329,11 @@ def test_verify_rejects_a_missing_or_early_w() -> None:
     _reject({0: actions[0], 1: early}, units, "rank 1", "before its B")
 
 
-@pytest.mark.parametrize("name,k", [("zb-h1", 1), ("seq1f1b-zb", 2)])
-def test_zero_bubble_schedules_are_refused_by_the_runtime_and_left_out_of_plans(
-    gpt_sdpa, name, k
-) -> None:
-    from autopart.layout import RUNNABLE, Mesh, Plan
-    from autopart.lowering import compile_program
+def test_the_planner_tries_zero_bubble_schedules(gpt_sdpa) -> None:
     from autopart.planning.planner import search
     from autopart.planning.simulate import shape_from_captured
 
-    plan = Plan(Mesh(pp=2), schedule=name, microbatches=2, seq_chunks=k)
-    with pytest.raises(AutopartError, match=f"schedule {name} splits every backward") as err:
-        compile_program(gpt_sdpa.captured, plan)
-    assert "autopart simulate --schedule" in err.value.hint
     shape = shape_from_captured(gpt_sdpa.captured)
-    assert name not in RUNNABLE
-    assert all(
-        r.plan.schedule in RUNNABLE for r in search(shape, "dgx-a100-80gb", 2, 4, top=50).ranked
-    )
-    asked = search(shape, "dgx-a100-80gb", 2, 4, top=50, schedules=[name], seq_chunks=[2])
-    assert asked.ranked and {r.plan.schedule for r in asked.ranked} <= {name, "1f1b"}
+    ranked = search(shape, "dgx-a100-80gb", 2, 8, top=200, seq_chunks=[2]).ranked
+    tried = {r.plan.schedule for r in ranked}
+    assert {"zb-h1", "seq1f1b-zb"} <= tried

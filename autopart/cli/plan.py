@@ -23,7 +23,7 @@ def _listed(values) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from autopart.layout import RECOMPUTE, RUNNABLE, SCHEDULES
+    from autopart.layout import RECOMPUTE, SCHEDULES
     from autopart.planning.cluster import ATTENTION
     from autopart.planning.planner import MICRO_BATCHES, SEQ_CHUNKS
 
@@ -39,10 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pl.add_argument(
         "--schedules",
         nargs="+",
-        default=list(RUNNABLE),
+        default=list(SCHEDULES),
         metavar="NAME",
-        help=f"schedules to try (default: all the runtime runs: {_listed(RUNNABLE)}; also "
-        f"{_listed([s for s in SCHEDULES if s not in RUNNABLE])}, simulated only)",
+        help=f"schedules to try (default: all: {_listed(SCHEDULES)})",
     )
     pl.add_argument(
         "--micro-batches",

@@ -43,12 +43,11 @@ from autopart.schedule.generators import SPLIT_BACKWARD
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
-    if plan.schedule in SPLIT_BACKWARD:
+    if plan.schedule in SPLIT_BACKWARD and plan.precision is not None:
         raise AutopartError(
-            f"schedule {plan.schedule} splits every backward into B (input gradients) and W "
-            "(weight gradients), which this runtime cannot run yet",
-            hint="simulate it (autopart simulate --schedule "
-            f"{plan.schedule}); to run, use "
+            f"schedule {plan.schedule} defers weight gradients to the parameters themselves, "
+            f"which precision={plan.precision!r} casts inside autograd",
+            hint="run zero-bubble schedules without precision=, or use "
             + ("seq1f1b" if plan.schedule.startswith("seq1f1b") else "1f1b"),
         )
     gm, history = apply_passes(captured, plan)

@@ -35,7 +35,7 @@ from functools import cache
 from typing import Any
 
 from autopart.errors import AutopartError
-from autopart.layout import RECOMPUTE, RUNNABLE, SCHEDULES, Mesh, Plan
+from autopart.layout import RECOMPUTE, SCHEDULES, Mesh, Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.planning.simulate import (
     CostModel,
@@ -97,7 +97,7 @@ def layouts(
     gpus: int,
     global_batch: int,
     *,
-    schedules: Iterable[str] = RUNNABLE,
+    schedules: Iterable[str] = SCHEDULES,
     micro_batches: Iterable[int] = MICRO_BATCHES,
     seq_chunks: Iterable[int] = SEQ_CHUNKS,
     virtual: Iterable[int] = VIRTUAL,
@@ -222,7 +222,7 @@ def search(
     global_batch: int,
     *,
     top: int = 5,
-    schedules: Iterable[str] = RUNNABLE,
+    schedules: Iterable[str] = SCHEDULES,
     micro_batches: Iterable[int] = MICRO_BATCHES,
     seq_chunks: Iterable[int] = SEQ_CHUNKS,
     recompute: Iterable[str] = RECOMPUTE,

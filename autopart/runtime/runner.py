@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopart import collectives
+from autopart import collectives, deferred
 from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
 from autopart.meta import META_KV_SHAPES
@@ -158,6 +158,8 @@ class Runner:
         device: torch.device | str | None = None,
     ) -> None:
         self.program, self.plan, self.groups, self.timeout_s = program, plan, groups, timeout_s
+        # a zero-bubble schedule: B defers the weight gradients to the unit's W
+        self._split = any(a.kind == "W" for a in program.actions)
         # where this rank computes (placement.pick_device); "meta" is the dry run: no data
         self.device = pick_device(device)
         self.dry = self.device.type == "meta"
@@ -214,7 +216,11 @@ class Runner:
         # alike: the loss is reduced first), so no optimizer steps on its gradients
         self.stop_on_nonfinite = True
         # per step: buckets reduced, and how many of them were launched while backward ran
-        self.stats = {"buckets": len(self._buckets), "launched_during_backward": 0}
+        self.stats = {
+            "buckets": len(self._buckets),
+            "launched_during_backward": 0,
+            "deferred_gemms": 0,
+        }
 
     @classmethod
     def from_program(
@@ -295,6 +301,7 @@ class Runner:
             self.timeline = []  # keep the last step's only
         self._p2p.reset()
         self.stats["launched_during_backward"] = 0
+        self.stats["deferred_gemms"] = 0  # weight-gradient GEMMs the W actions ran
         actions = self.program.actions
         s = self._s = _Step(
             mbs=mbs,
@@ -319,6 +326,8 @@ class Runner:
             losses = s.losses
         finally:
             self._s = None  # the step's activations, prefixes and buckets go with it
+            if self._split:
+                deferred.STORE.clear()  # a failed step's deferred gradients go with it
         loss = (
             torch.stack(list(losses.values())).sum()
             if losses
@@ -360,12 +369,23 @@ class Runner:
         self._prefetch_after(i)
         live = self._s.live
         hooks = self._arm_buckets(self._s.arm_at.get(i, []))
-        self._backward(action, live[unit])
+        if self._split:  # the weight gradients wait for this unit's W
+            deferred.STORE.collecting = unit
+        try:
+            self._backward(action, live[unit])
+        finally:
+            deferred.STORE.collecting = None
         self._saved.release(unit)
         for h in hooks:
             h.remove()
         if "grads_out" not in live[unit]:
             del live[unit]  # this unit's activations are freed
+
+    def _on_weight(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
+        """A split backward's second half: the unit's deferred weight gradients."""
+        self.stats["deferred_gemms"] += deferred.STORE.run(unit)
+        for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
+            self._bucket_ready(b, p)
 
     def _on_send_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._p2p.send(self._s.live[unit]["outputs"], action.peer, *unit, backward=False)
@@ -396,6 +416,7 @@ class Runner:
     _HANDLERS: dict[str, Callable[..., None]] = {
         "F": _on_forward,
         "B": _on_backward,
+        "W": _on_weight,
         "SEND_F": _on_send_f,
         "RECV_F": _on_recv_f,
         "SEND_B": _on_send_b,
@@ -628,7 +649,8 @@ class Runner:
     def _final_backwards(self) -> dict[int, list[tuple[int, nn.Parameter]]]:
         """(bucket, parameter) pairs to watch at each B action: the last backward, in this rank's
         action list, of any stage that uses the parameter (its gradient is final after it)."""
-        last_b = {a.stage: i for i, a in enumerate(self.program.actions) if a.kind == "B"}
+        last = "W" if self._split else "B"  # a split backward finishes the weights at W
+        last_b = {a.stage: i for i, a in enumerate(self.program.actions) if a.kind == last}
         users: dict[str, list[int]] = {}
         for st in self.program.stages:
             for ref in st.inputs:
@@ -645,20 +667,21 @@ class Runner:
     def _arm_buckets(self, watch: list[tuple[int, nn.Parameter]]) -> list[Any]:
         """Hooks that launch each bucket's all-reduce, in bucket order, once all its gradients
         are final; armed only for the backward that finishes each parameter's gradient."""
-        hooks = []
-        for b, p in watch:
+        return [
+            p.register_post_accumulate_grad_hook(lambda p, b=b: self._bucket_ready(b, p))
+            for b, p in watch
+        ]
 
-            def hook(p: nn.Parameter, b: int = b) -> None:
-                self._s.ready[b].add(id(p))
-                while self._s.next_bucket < len(self._buckets) and len(
-                    self._s.ready[self._s.next_bucket]
-                ) == len(self._buckets[self._s.next_bucket]):
-                    self._launch(self._s.next_bucket)
-                    self.stats["launched_during_backward"] += 1
-                    self._s.next_bucket += 1
-
-            hooks.append(p.register_post_accumulate_grad_hook(hook))
-        return hooks
+    def _bucket_ready(self, b: int, p: nn.Parameter) -> None:
+        """Parameter ``p`` of bucket ``b`` has its final gradient: launch every bucket, in
+        order, whose gradients are all final."""
+        self._s.ready[b].add(id(p))
+        while self._s.next_bucket < len(self._buckets) and len(
+            self._s.ready[self._s.next_bucket]
+        ) == len(self._buckets[self._s.next_bucket]):
+            self._launch(self._s.next_bucket)
+            self.stats["launched_during_backward"] += 1
+            self._s.next_bucket += 1
 
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]

@@ -151,8 +151,8 @@ GENERATORS: dict[str, Callable[[int, int, list[int], int], list[Action]]] = {
     "zb-h1": zb_h1,
     "seq1f1b-zb": seq1f1b_zb,
 }
-# schedules whose backward is split into B and W (the runtime runs them once the backward-split
-# pass exists: issue 20; today they are for the simulator and the planner's what-ifs)
+# schedules whose backward is split into B and W (passes/weight_grad_split.py defers the weight
+# gradients of the parameter GEMMs to W)
 SPLIT_BACKWARD = ("zb-h1", "seq1f1b-zb")
 
 

@@ -1,0 +1,121 @@
+"""Deferred weight gradients: the runtime half of a split backward (zero-bubble schedules).
+
+``autopart::weight_gemm(x, w, b, form)`` is a parameter GEMM (``form``: ``"linear"`` =
+x·wᵀ + b, ``"addmm"`` = b + x·w with 2-D x, ``"matmul"`` = x·w) whose backward computes the
+input gradient at once and, while a ``WeightStore`` collects for a unit, *defers* the weight and
+bias gradients: it stores (x, dy) and returns no gradient for w and b. ``WeightStore.run(unit)``
+later computes them (dW = dyᵀ·x or xᵀ·dy, db = Σ dy) and adds them to the parameters'
+``.grad`` — the ``W`` action of the schedule. Outside a collecting unit (a plain backward, the
+dry run) the backward returns all three gradients as autograd would.
+
+The passes put the op in place of ``aten.linear``/``addmm``/``mm``/``matmul`` on a parameter
+(``autopart.passes.weight_grad_split``); the forward is the same aten op, so the forward is
+unchanged bit for bit, and the gradients are the same products autograd forms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from autopart.errors import AutopartError
+
+aten = torch.ops.aten
+FORMS = ("linear", "addmm", "matmul")
+
+
+@torch.library.custom_op("autopart::weight_gemm", mutates_args=())
+def weight_gemm(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str
+) -> torch.Tensor:
+    if form == "linear":
+        return aten.linear.default(x, w, b)
+    if form == "addmm":
+        return aten.addmm.default(b, x, w) if b is not None else aten.mm.default(x, w)
+    return aten.matmul.default(x, w)
+
+
+@weight_gemm.register_fake
+def _(x, w, b, form):
+    if form == "linear":
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+    return x.new_empty((*x.shape[:-1], w.shape[-1]))
+
+
+class WeightStore:
+    """The deferred weight gradients of each unit, from its ``B`` until its ``W``."""
+
+    def __init__(self) -> None:
+        self.collecting: Hashable | None = None  # the unit whose backward is running
+        self.pending: dict[Hashable, list[Callable[[], None]]] = {}
+
+    def defer(self, work: Callable[[], None]) -> bool:
+        """Keep ``work`` for the collecting unit's W; False when no unit collects."""
+        if self.collecting is None:
+            return False
+        self.pending.setdefault(self.collecting, []).append(work)
+        return True
+
+    def run(self, unit: Hashable) -> int:
+        """Compute and accumulate ``unit``'s deferred weight gradients; how many GEMMs ran."""
+        works = self.pending.pop(unit, [])
+        for work in works:
+            work()
+        return len(works)
+
+    def clear(self) -> None:
+        self.collecting = None
+        self.pending.clear()
+
+
+STORE = WeightStore()  # one per process: the runner of the step sets ``collecting``
+
+
+def _weight_grads(
+    x: torch.Tensor, dy: torch.Tensor, form: str, has_b: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dw = dy2.t().mm(x2) if form == "linear" else x2.t().mm(dy2)
+    return dw, (dy2.sum(0) if has_b else None)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if not p.is_leaf:
+        raise AutopartError(
+            "a deferred weight gradient belongs to a tensor computed from a parameter, not to "
+            "the parameter itself",
+            hint="zero-bubble schedules run in the parameters' own precision (no precision=)",
+        )
+    p.grad = g if p.grad is None else p.grad + g
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, w, b, form = inputs
+    ctx.save_for_backward(x, w)
+    ctx.form, ctx.params = form, (w, b)
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    x, w = ctx.saved_tensors
+    form, (pw, pb) = ctx.form, ctx.params
+    dx = dy.matmul(w) if form == "linear" else dy.matmul(w.t())
+    if not (pw.requires_grad or (pb is not None and pb.requires_grad)):
+        return dx, None, None, None
+
+    def work() -> None:
+        dw, db = _weight_grads(x, dy, form, pb is not None)
+        _accumulate(pw, dw)
+        if pb is not None:
+            _accumulate(pb, db)
+
+    if STORE.defer(work):
+        return dx, None, None, None
+    dw, db = _weight_grads(x, dy, form, pb is not None)
+    return dx, dw, db, None
+
+
+weight_gemm.register_autograd(_backward, setup_context=_setup)
+
+__all__ = ["FORMS", "STORE", "WeightStore", "weight_gemm"]
