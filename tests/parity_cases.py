@@ -145,7 +145,7 @@ ZB_MODELS = {"nanogpt": NANO_DEEP, "hf-gpt2": GPT2_DEEP, "hf-llama": LLAMA}
 ZB_LONG = {"nanogpt": LONG["nanogpt"], "hf-gpt2": LONG["hf_gpt2"], "hf-llama": LONG["hf_llama"]}
 ZB_MESHES = {
     "pp2": {"pp": 2, "microbatches": 4},
-    "pp4": {"pp": 4, "microbatches": 8},
+    "pp4": {"pp": 4, "microbatches": 4},
     "dp2xpp2": {"dp": 2, "pp": 2, "microbatches": 2},
     "tp2xpp2": {"tp": 2, "pp": 2, "microbatches": 4, "sequence_parallel": True},
 }
@@ -158,11 +158,4 @@ ZB_CASES = {
     for mesh, kw in ZB_MESHES.items()
     for sched in ("zb-h1", "seq1f1b-zb")
 }
-ZB_DEFAULT = [
-    "nanogpt-pp4-zb-h1",
-    "nanogpt-dp2xpp2-seq1f1b-zb",
-    "hf-gpt2-tp2xpp2-zb-h1",
-    "hf-gpt2-pp4-seq1f1b-zb",
-    "hf-llama-tp2xpp2-seq1f1b-zb",
-    "hf-llama-dp2xpp2-zb-h1",
-]
+ZB_DEFAULT = ["nanogpt-pp4-zb-h1", "hf-gpt2-tp2xpp2-seq1f1b-zb", "hf-llama-dp2xpp2-zb-h1"]

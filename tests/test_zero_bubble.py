@@ -92,3 +92,21 @@ def test_b_leaves_the_weight_gradients_to_w_and_the_step_is_1f1bs(gpt_sdpa, sche
     for (name, p), (name2, q) in zip(zb.named_parameters(), one.named_parameters(), strict=True):
         assert name == name2
         assert (p.grad - q.grad).abs().max() <= 1e-12 * q.grad.abs().max(), name
+
+
+def test_trace_and_timeline_show_w(gpt_sdpa, tmp_path) -> None:
+    from autopart.runtime.timeline import busy_fractions, plot_timeline
+
+    runner = _runner(gpt_sdpa.model, gpt_sdpa.batch, schedule="zb-h1")
+    runner.timeline = []
+    runner.step(*gpt_sdpa.batch)
+    events = runner.chrome_trace()
+    ws = [e for e in events if e["args"]["kind"] == "W"]
+    assert len(ws) == 2 and {e["args"]["mb"] for e in ws} == {0, 1}
+    w_time = sum(e["dur"] for e in ws)
+    compute = sum(e["dur"] for e in events if e["args"]["kind"] in ("F", "B", "W"))
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    assert 0 < w_time < compute
+    assert busy_fractions(events)[0] == pytest.approx(compute / span, rel=1e-4)  # W counts
+    png = plot_timeline(events, tmp_path / "zb.png", "zb-h1")
+    assert png.exists() and png.stat().st_size > 0

@@ -38,6 +38,7 @@ from autopart.errors import AutopartError
 from autopart.planning.simulate import Timeline, simulate_actions
 from autopart.runtime.timeline import Block, blocks, read_json
 from autopart.schedule import check_schedule, generate
+from autopart.schedule.generators import SPLIT_BACKWARD
 from autopart.schedule.ir import Action
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
@@ -131,9 +132,9 @@ def measure(
                 f"{source}: an event of rank {b.rank}, which the header's ranks do not list",
                 hint="re-measure with: autopart run DIR --trace FILE",
             )
-        if b.kind in ("F", "B"):
+        if b.kind in ("F", "B", "W"):
             compute.setdefault((b.kind, a.stage, a.chunk), []).append(dur)
-            if b.kind == "B":
+            if b.kind != "F":  # the stage's gradients are final after its last B (or W)
                 last_b[b.rank] = b
         elif b.kind == "DP_REDUCE":  # reproduces the simulator's rule (module docstring)
             last = last_b.get(b.rank)
@@ -189,12 +190,14 @@ def predict(
     if mb < 1:
         raise AutopartError(f"{mb} micro-batches: need at least 1")
     check_schedule(name, m.pp, mb, v=m.virtual_stages, k=m.seq_chunks)
-    if name.startswith("seq1f1b") != m.schedule.startswith("seq1f1b") or (
-        ("interleaved" in name) != ("interleaved" in m.schedule)
+    if (
+        name.startswith("seq1f1b") != m.schedule.startswith("seq1f1b")
+        or (("interleaved" in name) != ("interleaved" in m.schedule))
+        or ((name in SPLIT_BACKWARD) != (m.schedule in SPLIT_BACKWARD))
     ):
         raise AutopartError(
             f"the trace measured {m.schedule}; its costs cannot predict {name}",
-            hint="sequence chunks and virtual stages change every action's cost: "
+            hint="sequence chunks, virtual stages and a split backward change every action's cost: "
             f"measure a run of {name} (autopart run DIR --trace FILE)",
         )
     actions = {
@@ -215,7 +218,7 @@ def predict(
             (a.kind, a.stage, a.chunk)
             for acts in actions.values()
             for a in acts
-            if a.kind in ("F", "B")
+            if a.kind in ("F", "B", "W")
         }
         - set(m.compute)
     )

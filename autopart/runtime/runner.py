@@ -267,11 +267,12 @@ class Runner:
         return [chrome_event(ev.action, ev.start, ev.end, pid) for ev in self.timeline or []]
 
     def busy_fraction(self) -> float:
-        """Share of the last recorded step this rank spent in forward and backward compute."""
+        """Share of the last recorded step this rank spent in forward and backward compute
+        (F, B and a zero-bubble schedule's W)."""
         if not self.timeline:
             return 0.0
         span = max(ev.end for ev in self.timeline) - min(ev.start for ev in self.timeline)
-        busy = sum(ev.dur for ev in self.timeline if ev.action.kind in ("F", "B"))
+        busy = sum(ev.dur for ev in self.timeline if ev.action.kind in ("F", "B", "W"))
         return busy / span if span > 0 else 0.0
 
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -30,7 +30,7 @@ from typing import Any
 from autopart.errors import AutopartError
 from autopart.schedule.ir import KINDS, Action
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")  # W: a zero-bubble schedule's deferred weight gradients
 _SEND_RECV = "#a0a0a0"  # SEND_F/RECV_F/SEND_B/RECV_B
 _REDUCE = "#505050"  # DP_REDUCE/TIE_REDUCE
 _OTHER = "#c8c8c8"  # anything else a trace holds
@@ -130,7 +130,7 @@ def blocks(events: list[dict[str, Any]]) -> list[Block]:
 
 
 def busy_fractions(events: list[dict[str, Any]]) -> dict[int, float]:
-    """Per rank: the time in ``F`` and ``B`` divided by the step's span.
+    """Per rank: the time in ``F``, ``B`` and ``W`` divided by the step's span.
 
     The span runs from the earliest start to the latest end over every rank's events (ranks
     record ``time.time()``, so their clocks agree on one machine), so a rank waiting in the
@@ -225,8 +225,8 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
 
     def colour(b: Block) -> tuple[float, float, float]:
         c = base[b.action.mb] if b.action is not None else (0.6, 0.6, 0.6)
-        if b.kind == "B":
-            c = _mix(c, 0.0, 0.3)
+        if b.kind in ("B", "W"):
+            c = _mix(c, 0.0, 0.3 if b.kind == "B" else 0.5)
         if n_chunks > 1 and b.action is not None:
             c = _mix(c, 1.0, 0.55 * b.action.chunk / (n_chunks - 1))
         return c[:3]
@@ -236,7 +236,7 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     h = 0.7
-    for kind, hatch in (("F", None), ("B", "//")):
+    for kind, hatch in (("F", None), ("B", "//"), ("W", "..")):
         mine = [b for b in compute if b.kind == kind]
         if mine:
             ax.barh(
@@ -281,7 +281,9 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
             continue
         label = f"{b.kind}{b.action.mb}" + (f".{b.action.chunk}" if n_chunks > 1 else "")
         if b.dur / 1e3 / span_ms * axes_px > 6.5 * len(label) + 4:
-            dark = b.kind == "B" and not (n_chunks > 1 and b.action.chunk == n_chunks - 1)
+            dark = b.kind == "W" or (
+                b.kind == "B" and not (n_chunks > 1 and b.action.chunk == n_chunks - 1)
+            )
             ax.text(
                 (b.start - t0 + b.dur / 2) / 1e3,
                 row[b.rank],
@@ -303,6 +305,10 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
             Patch(facecolor=grey, edgecolor="white", label="F"),
             Patch(facecolor=_mix(grey, 0.0, 0.3), edgecolor="white", hatch="//", label="B"),
         ]
+        if any(b.kind == "W" for b in compute):
+            handles.append(
+                Patch(facecolor=_mix(grey, 0.0, 0.5), edgecolor="white", hatch="..", label="W")
+            )
     handles += (
         [
             Patch(color=_mix(grey, 1.0, 0.55 * c / (n_chunks - 1)), label=f"chunk {c}")
