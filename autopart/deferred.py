@@ -50,17 +50,27 @@ class WeightStore:
     def __init__(self) -> None:
         self.collecting: Hashable | None = None  # the unit whose backward is running
         self.pending: dict[Hashable, list[Callable[[], None]]] = {}
+        self._kept: dict[Hashable, dict[int, int]] = {}  # unit → id(tensor) → its bytes
 
-    def defer(self, work: Callable[[], None]) -> bool:
-        """Keep ``work`` for the collecting unit's W; False when no unit collects."""
+    def defer(self, work: Callable[[], None], holds: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Keep ``work`` for the collecting unit's W (it holds the tensors ``holds`` until
+        then); False when no unit collects."""
         if self.collecting is None:
             return False
         self.pending.setdefault(self.collecting, []).append(work)
+        kept = self._kept.setdefault(self.collecting, {})
+        for t in holds:  # a tensor several GEMMs read (Llama's q/k/v input) counts once
+            kept[id(t)] = t.numel() * t.element_size()
         return True
+
+    def held_bytes(self, unit: Hashable) -> int:
+        """Bytes of the inputs and output gradients ``unit``'s deferred GEMMs keep until W."""
+        return sum(self._kept.get(unit, {}).values())
 
     def run(self, unit: Hashable) -> int:
         """Compute and accumulate ``unit``'s deferred weight gradients; how many GEMMs ran."""
         works = self.pending.pop(unit, [])
+        self._kept.pop(unit, None)
         for work in works:
             work()
         return len(works)
@@ -68,6 +78,7 @@ class WeightStore:
     def clear(self) -> None:
         self.collecting = None
         self.pending.clear()
+        self._kept.clear()
 
 
 STORE = WeightStore()  # one per process: the runner of the step sets ``collecting``
@@ -110,7 +121,7 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         if pb is not None:
             _accumulate(pb, db)
 
-    if STORE.defer(work):
+    if STORE.defer(work, (x, dy)):
         return dx, None, None, None
     dw, db = _weight_grads(x, dy, form, pb is not None)
     return dx, dw, db, None

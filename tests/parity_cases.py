@@ -141,7 +141,7 @@ RECOMPUTE_CASES |= {  # materialized attention scores (1F1B keeps the manual sof
 
 # zero-bubble schedules (issue 20): every model × every mesh of pp = 2 and 4 on ≤ 4 ranks ×
 # both split schedules; ZB_DEFAULT is the cross-section the default suite runs
-ZB_MODELS = {"nanogpt": NANO_DEEP, "hf-gpt2": GPT2_DEEP, "hf-llama": LLAMA}
+ZB_MODELS = {"nanogpt": NANO_DEEP, "hf-gpt2": GPT2_DEEP, "hf-llama": LONG["hf_llama"]}
 ZB_LONG = {"nanogpt": LONG["nanogpt"], "hf-gpt2": LONG["hf_gpt2"], "hf-llama": LONG["hf_llama"]}
 ZB_MESHES = {
     "pp2": {"pp": 2, "microbatches": 4},

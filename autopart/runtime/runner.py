@@ -69,8 +69,14 @@ class SavedBytes:
             self.live[unit] = self.live.get(unit, 0) + t.numel() * t.element_size()
             self.peak = max(self.peak, sum(self.live.values()))
 
-    def release(self, unit: tuple[int, int, int]) -> None:
+    def release(self, unit: Any) -> None:
         self.live.pop(unit, None)
+
+    def hold(self, key: Any, nbytes: int) -> None:
+        """``nbytes`` more held under ``key`` until ``release(key)`` (a split backward's
+        deferred weight-gradient inputs, from B to W)."""
+        self.live[key] = self.live.get(key, 0) + nbytes
+        self.peak = max(self.peak, sum(self.live.values()))
 
     def reset(self, params: Sequence[torch.Tensor]) -> None:
         """A new step; ``params``: the parameters and buffers, never counted."""
@@ -376,6 +382,8 @@ class Runner:
             self._backward(action, live[unit])
         finally:
             deferred.STORE.collecting = None
+        if self._split:  # what the deferred GEMMs keep (inputs, output gradients) until W
+            self._saved.hold(("W", *unit), deferred.STORE.held_bytes(unit))
         self._saved.release(unit)
         for h in hooks:
             h.remove()
@@ -385,6 +393,7 @@ class Runner:
     def _on_weight(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         """A split backward's second half: the unit's deferred weight gradients."""
         self.stats["deferred_gemms"] += deferred.STORE.run(unit)
+        self._saved.release(("W", *unit))
         for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
             self._bucket_ready(b, p)
 
