@@ -11,8 +11,9 @@ optimizer) on 2 gloo ranks (torchrun, launched here, OMP_NUM_THREADS=1). The pro
    0 and 2, rank 1 stages 1 and 3; the embeddings ride with block 0, the final norm and head with
    block 3; the manual ``PipelineStage`` API), the tied gradient all-reduced as autopart does.
 
-Reported: the bubble (1 − busy fraction, the mean over ranks, from autopart's trace of the last
-step: F, B and W count as busy; torch records none); the median step time of 5 after 2 warm-up,
+Reported: the bubble (1 − busy fraction: the share of each rank's step outside F, B and W,
+from autopart's trace of each timed step, the median over the steps, the mean over the ranks;
+torch records none); the median step time of 5 after 2 warm-up,
 programs alternating, the slower rank; the peak bytes held for backward on each rank
 (autopart's ``peak_saved_bytes``, the deferred GEMMs' inputs and gradients included from B to
 W; torch's with ``LiveSaved`` in one extra step). Goals (issue 20): ZB-H1's bubble ≤ 0.4 ×
@@ -124,7 +125,6 @@ def worker(out: str, seq: int, m: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopart
-    from autopart.runtime.timeline import busy_fractions
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("pp",))
@@ -148,12 +148,12 @@ def worker(out: str, seq: int, m: int) -> None:
         how = "ScheduleInterleavedZeroBubble, 4 one-block stages, 2 per rank"
     except Exception as exc:  # noqa: BLE001 - report torch's failure, run the rest
         step, tparams, how = None, {}, f"torch failed: {type(exc).__name__}: {exc}"[:300]
-    loss0, times, busy = {}, {k: [] for k in runs}, {}
+    loss0, times, fractions = {}, {k: [] for k in runs}, {}
     for i in range(WARMUP + ITERS):
         for name, (fn, params) in runs.items():
             for p in params:
                 p.grad = None
-            if name in runners and i == WARMUP + ITERS - 1:
+            if name in runners and i >= WARMUP:
                 runners[name].timeline = []
             dist.barrier()
             start = time.perf_counter()
@@ -163,10 +163,15 @@ def worker(out: str, seq: int, m: int) -> None:
                 loss0[name] = loss.item()
             if i >= WARMUP:
                 times[name].append(elapsed)
+                if name in runners:
+                    fractions.setdefault(name, []).append(runners[name].busy_fraction())
+    traces = {}
     for s, r in runners.items():
         every: list = [None] * P
         dist.all_gather_object(every, r.chrome_trace())
-        busy[s] = busy_fractions([e for ev in every for e in ev])
+        traces[s] = [e for ev in every for e in ev]
+    if rank == 0 and os.environ.get("AUTOPART_BENCH_TRACES"):  # the last step of each program
+        Path(os.environ["AUTOPART_BENCH_TRACES"]).write_text(json.dumps(traces))
     saved_torch = 0
     if step is not None:
         saved = LiveSaved(tparams.values())
@@ -180,9 +185,17 @@ def worker(out: str, seq: int, m: int) -> None:
         "how": how,
         "loss0": loss0,
         "times": t.tolist(),
-        "busy": {s: b for s, b in busy.items()},
+        "busy": {s: statistics.median(f) for s, f in fractions.items()},
         "saved": {**{s: r.peak_saved_bytes for s, r in runners.items()}, "torch": saved_torch},
         "deferred": {s: r.stats["deferred_gemms"] for s, r in runners.items()},
+        "unit_ms": {  # mean F, B, W of this rank's last step
+            s: {
+                k: statistics.mean(e["dur"] / 1e3 for e in r.chrome_trace() if e["cat"] == k)
+                for k in ("F", "B", "W")
+                if any(e["cat"] == k for e in r.chrome_trace())
+            }
+            for s, r in runners.items()
+        },
     }
     every = [None] * P
     dist.all_gather_object(every, mine)
@@ -207,9 +220,7 @@ def main(a: argparse.Namespace) -> int:
         f"float32; batch {BATCH} x {a.seq} in {a.microbatches} micro-batches, pp={P}, Seq1F1B k={K}"
     )
     print(f"torch: {ranks[0]['how']}")
-    bubble = {
-        s: 1 - statistics.mean(ranks[0]["busy"][s][str(r)] for r in range(P)) for s in SCHEDULES
-    }
+    bubble = {s: 1 - statistics.mean(r["busy"][s] for r in ranks) for s in SCHEDULES}
     print(f"\n{'program':<38}{'step ms':>9}{'vs 1F1B':>9}{'bubble':>8}  saved MiB (rank 0 / 1)")
     for n in names:
         key = n if n in SCHEDULES else "torch"
@@ -217,6 +228,12 @@ def main(a: argparse.Namespace) -> int:
         saved = " / ".join(f"{r['saved'][key] / 2**20:.2f}" for r in ranks)
         print(f"{n:<38}{ms[n]:9.1f}{ms['1f1b'] / ms[n]:8.3f}x{b}  {saved}")
     print(f"deferred weight GEMMs per step (rank 0): {ranks[0]['deferred']}")
+    u = ranks[0]["unit_ms"]["zb-h1"]
+    theory = (u["F"] + u["B"] - u["W"]) / (u["F"] + u["B"] + u["W"])
+    print(
+        f"ZB-H1 on rank 0: F {u['F']:.1f}, B {u['B']:.1f}, W {u['W']:.1f} ms per unit; its idle "
+        f"against 1F1B's in closed form (F + B - W) / (F + B + W) = {theory:.3f}"
+    )
     ratio = bubble["zb-h1"] / bubble["1f1b"]
     fastest = min(ms, key=ms.get)
     print(
