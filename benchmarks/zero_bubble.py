@@ -205,6 +205,27 @@ def worker(out: str, seq: int, m: int) -> None:
     dist.destroy_process_group()
 
 
+def _simulated(seq: int, m: int) -> dict[str, float]:
+    """Bubble fractions the simulator predicts for the same model and plans on an A100 node
+    (where the weight-gradient GEMMs are about a third of a layer's backward time)."""
+    from autopart.layout import Plan
+    from autopart.planning.simulate import GPTShape, simulate
+
+    shape = GPTShape(
+        layers=GPT2["n_layer"],
+        hidden=GPT2["n_embd"],
+        heads=GPT2["n_head"],
+        seq=seq,
+        vocab=GPT2["vocab_size"],
+    )
+    out = {}
+    for s in SCHEDULES:
+        k = K if s.startswith("seq1f1b") else 1
+        plan = Plan.from_batch(BATCH, micro_batch=BATCH // m, pp=P, schedule=s, seq_chunks=k)
+        out[s] = simulate(shape, "dgx-a100-80gb", plan, record=False).timeline.bubble_fraction
+    return out
+
+
 def main(a: argparse.Namespace) -> int:
     ranks = run_workers(__file__, P, "--seq", str(a.seq), "--microbatches", str(a.microbatches))
     if ranks is None:
@@ -233,6 +254,12 @@ def main(a: argparse.Namespace) -> int:
     print(
         f"ZB-H1 on rank 0: F {u['F']:.1f}, B {u['B']:.1f}, W {u['W']:.1f} ms per unit; its idle "
         f"against 1F1B's in closed form (F + B - W) / (F + B + W) = {theory:.3f}"
+    )
+    sim = _simulated(a.seq, a.microbatches)
+    print(
+        "the simulator, same shape and plans on dgx-a100-80gb: bubble "
+        + ", ".join(f"{s} {b:.3f}" for s, b in sim.items())
+        + f"; ZB-H1 / 1F1B = {sim['zb-h1'] / sim['1f1b']:.3f}"
     )
     ratio = bubble["zb-h1"] / bubble["1f1b"]
     fastest = min(ms, key=ms.get)
