@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-from autopart.errors import AutopartError
-
 aten = torch.ops.aten
 FORMS = ("linear", "addmm", "matmul")
 
@@ -93,13 +91,12 @@ def _weight_grads(
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    if not p.is_leaf:
-        raise AutopartError(
-            "a deferred weight gradient belongs to a tensor computed from a parameter, not to "
-            "the parameter itself",
-            hint="zero-bubble schedules run in the parameters' own precision (no precision=)",
-        )
-    p.grad = g if p.grad is None else p.grad + g
+    """Add ``g`` to parameter ``p``'s gradient; ``p`` computed from a parameter (the bf16 cast
+    of a float32 master under ``precision="bf16"``) sends it back through that computation."""
+    if p.is_leaf:
+        p.grad = g if p.grad is None else p.grad + g
+    else:
+        torch.autograd.backward(p, g)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

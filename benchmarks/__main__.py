@@ -33,7 +33,7 @@ BENCHMARKS = {
     "precision": lambda mod: mod.main(),
     "published": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(argparse.Namespace(seq=1024, microbatches=8, manual=False)),
-    "zero_bubble": lambda mod: mod.main(argparse.Namespace(seq=512, microbatches=8)),
+    "zero_bubble": lambda mod: mod.main(argparse.Namespace(seq=512, microbatches=8, width=256)),
 }
 
 

@@ -19,7 +19,7 @@ programs alternating, the slower rank; the peak bytes held for backward on each 
 W; torch's with ``LiveSaved`` in one extra step). Goals (issue 20): ZB-H1's bubble ≤ 0.4 ×
 1F1B's; Seq1F1B-ZB the fastest. Step-0 losses must agree to 1e-4 (relative) or it exits 1.
 
-    python benchmarks/zero_bubble.py [--seq 512] [--microbatches 8]
+    python benchmarks/zero_bubble.py [--seq 512] [--microbatches 8] [--width 256]
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ BATCH, P, K, WARMUP, ITERS, RTOL = 8, 2, 2, 2, 5, 1e-4
 SCHEDULES = ("1f1b", "zb-h1", "seq1f1b", "seq1f1b-zb")
 
 
-def build(seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+def build(seq: int, width: int = 256) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **GPT2))
+    cfg = {**GPT2, "n_embd": width, "n_head": width // 32}  # heads of 32
+    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **cfg))
     tokens = torch.randint(
         0, GPT2["vocab_size"], (BATCH, seq + 1), generator=torch.Generator().manual_seed(0)
     )
@@ -120,7 +121,7 @@ def torch_zb(model: nn.Module, rank: int, m: int, x: torch.Tensor, y: torch.Tens
     return step, params
 
 
-def worker(out: str, seq: int, m: int) -> None:
+def worker(out: str, seq: int, m: int, width: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -129,7 +130,7 @@ def worker(out: str, seq: int, m: int) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (P,), mesh_dim_names=("pp",))
     rank = dist.get_rank()
-    model, (x, y) = build(seq)
+    model, (x, y) = build(seq, width)
     runners = {
         s: autopart.parallelize(
             model,
@@ -143,7 +144,7 @@ def worker(out: str, seq: int, m: int) -> None:
     }
     runs = {s: (r.step, list(r.parameters())) for s, r in runners.items()}
     try:
-        step, tparams = torch_zb(build(seq)[0], rank, m, x, y, mesh.get_group("pp"))
+        step, tparams = torch_zb(build(seq, width)[0], rank, m, x, y, mesh.get_group("pp"))
         runs["torch ScheduleInterleavedZeroBubble"] = (lambda x, y: step(), list(tparams.values()))
         how = "ScheduleInterleavedZeroBubble, 4 one-block stages, 2 per rank"
     except Exception as exc:  # noqa: BLE001 - report torch's failure, run the rest
@@ -205,7 +206,7 @@ def worker(out: str, seq: int, m: int) -> None:
     dist.destroy_process_group()
 
 
-def _simulated(seq: int, m: int) -> dict[str, float]:
+def _simulated(seq: int, m: int, width: int) -> dict[str, float]:
     """Bubble fractions the simulator predicts for the same model and plans on an A100 node
     (where the weight-gradient GEMMs are about a third of a layer's backward time)."""
     from autopart.layout import Plan
@@ -213,8 +214,8 @@ def _simulated(seq: int, m: int) -> dict[str, float]:
 
     shape = GPTShape(
         layers=GPT2["n_layer"],
-        hidden=GPT2["n_embd"],
-        heads=GPT2["n_head"],
+        hidden=width,
+        heads=width // 32,
         seq=seq,
         vocab=GPT2["vocab_size"],
     )
@@ -227,7 +228,16 @@ def _simulated(seq: int, m: int) -> dict[str, float]:
 
 
 def main(a: argparse.Namespace) -> int:
-    ranks = run_workers(__file__, P, "--seq", str(a.seq), "--microbatches", str(a.microbatches))
+    ranks = run_workers(
+        __file__,
+        P,
+        "--seq",
+        str(a.seq),
+        "--microbatches",
+        str(a.microbatches),
+        "--width",
+        str(a.width),
+    )
     if ranks is None:
         return 2
     names = list(ranks[0]["loss0"])
@@ -237,7 +247,7 @@ def main(a: argparse.Namespace) -> int:
         "(the cores may be shared with other processes: expect noise)"
     )
     print(
-        f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {GPT2['n_embd']}, V={GPT2['vocab_size']}, "
+        f"model: HF GPT2LMHeadModel {GPT2['n_layer']} x {a.width}, V={GPT2['vocab_size']}, "
         f"float32; batch {BATCH} x {a.seq} in {a.microbatches} micro-batches, pp={P}, Seq1F1B k={K}"
     )
     print(f"torch: {ranks[0]['how']}")
@@ -255,7 +265,7 @@ def main(a: argparse.Namespace) -> int:
         f"ZB-H1 on rank 0: F {u['F']:.1f}, B {u['B']:.1f}, W {u['W']:.1f} ms per unit; its idle "
         f"against 1F1B's in closed form (F + B - W) / (F + B + W) = {theory:.3f}"
     )
-    sim = _simulated(a.seq, a.microbatches)
+    sim = _simulated(a.seq, a.microbatches, a.width)
     print(
         "the simulator, same shape and plans on dgx-a100-80gb: bubble "
         + ", ".join(f"{s} {b:.3f}" for s, b in sim.items())
@@ -293,9 +303,10 @@ if __name__ == "__main__":
     ap.add_argument("--worker", metavar="RESULT_JSON", help="internal: run as a torchrun rank")
     ap.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches (default 8)")
+    ap.add_argument("--width", type=int, default=256, help="hidden size, heads of 32 (default 256)")
     a = ap.parse_args()
     if a.worker:
-        worker(a.worker, a.seq, a.microbatches)
+        worker(a.worker, a.seq, a.microbatches, a.width)
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown, where gloo threads can abort
     sys.exit(main(a))

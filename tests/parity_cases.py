@@ -158,4 +158,19 @@ ZB_CASES = {
     for mesh, kw in ZB_MESHES.items()
     for sched in ("zb-h1", "seq1f1b-zb")
 }
+# with activation recomputation: the deferred GEMMs' inputs come from the rerun forward in B
+ZB_CASES["nanogpt-pp2-zb-h1-recompute-full"] = (
+    NANO_DEEP,
+    {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "recompute": "full"},
+)
+ZB_CASES["hf-gpt2-pp2-seq1f1b-zb-recompute-selective"] = (
+    LONG["hf_gpt2"],
+    {
+        "pp": 2,
+        "microbatches": 4,
+        "schedule": "seq1f1b-zb",
+        "seq_chunks": 2,
+        "recompute": "selective",
+    },
+)
 ZB_DEFAULT = ["nanogpt-pp4-zb-h1", "hf-gpt2-tp2xpp2-seq1f1b-zb", "hf-llama-dp2xpp2-zb-h1"]

@@ -49,8 +49,8 @@ def test_zero_bubble_float64_parity(case: str, zb_reports: dict) -> None:
 
 @pytest.mark.slow
 def test_zero_bubble_float64_parity_whole_matrix() -> None:
-    """All 24 cases of ZB_CASES (3 models × pp2, pp4, dp2×pp2, tp2×pp2 with SP × ZB-H1 and
-    Seq1F1B-ZB k = 2), in one batch."""
+    """All 26 cases of ZB_CASES (3 models × pp2, pp4, dp2×pp2, tp2×pp2 with SP × ZB-H1 and
+    Seq1F1B-ZB k = 2, and two with recomputation), in one batch."""
     reports = batch({name: Check(spec, **kw) for name, (spec, kw) in ZB_CASES.items()})
     failed = []
     for name, report in reports.items():

@@ -38,18 +38,10 @@ from autopart.passes.pipeline_split import stage_graphs
 from autopart.program.format import Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths, cost_coefficients
-from autopart.schedule.generators import SPLIT_BACKWARD
 
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
-    if plan.schedule in SPLIT_BACKWARD and plan.precision is not None:
-        raise AutopartError(
-            f"schedule {plan.schedule} defers weight gradients to the parameters themselves, "
-            f"which precision={plan.precision!r} casts inside autograd",
-            hint="run zero-bubble schedules without precision=, or use "
-            + ("seq1f1b" if plan.schedule.startswith("seq1f1b") else "1f1b"),
-        )
     gm, history = apply_passes(captured, plan)
     stages, inputs = split_stages(gm)
     ties = tied_across(inputs, plan.mesh.pp)
