@@ -29,6 +29,17 @@ def batch(cases: dict[str, Check]) -> dict[str, Report | AutopartError]:
     return verify_many(cases, dtype="float64", timeout_s=120, via="fork")
 
 
+def assert_all_pass(reports: dict[str, Report | AutopartError]) -> None:
+    """Every case of a whole matrix passes; the failures are named together."""
+    failed = []
+    for name, report in reports.items():
+        try:
+            assert_passes(report)
+        except (AssertionError, AutopartError) as exc:
+            failed.append(f"{name}: {str(exc).splitlines()[0]}")
+    assert not failed, "\n".join(failed)
+
+
 def assert_passes(result: Report | AutopartError) -> None:
     if isinstance(result, AutopartError):
         raise result
@@ -42,7 +53,7 @@ TP_MODELS = {"nanogpt-sdpa": NANO, "nanogpt-manual": MANUAL, "hf-gpt2": GPT2, "h
 TP_MESHES = {"tp2": {"tp": 2}, "tp4": {"tp": 4}, "dp2xtp2": {"dp": 2, "tp": 2, "microbatches": 2}}
 
 
-TP_CASES = {
+TP_CASES = {  # the whole matrix runs with -m slow; TP_DEFAULT is the default suite's cross-section
     f"{model}-{mesh}-sp-{'on' if sp else 'off'}": Check(
         TP_MODELS[model], sequence_parallel=sp, **TP_MESHES[mesh]
     )
@@ -50,6 +61,19 @@ TP_CASES = {
     for mesh in TP_MESHES
     for sp in (False, True)
 }
+
+
+# every model, every mesh and SP on and off at least once
+TP_DEFAULT = [
+    "nanogpt-sdpa-tp2-sp-off",
+    "nanogpt-sdpa-dp2xtp2-sp-on",
+    "nanogpt-manual-tp4-sp-on",
+    "hf-gpt2-tp2-sp-on",
+    "hf-gpt2-dp2xtp2-sp-off",
+    "hf-llama-gqa-tp4-sp-off",
+    "hf-llama-gqa-tp2-sp-on",
+    "hf-llama-gqa-dp2xtp2-sp-on",
+]
 
 
 NANO_DEEP, GPT2_DEEP = (
@@ -81,6 +105,7 @@ LONG = {m: f"{ROOT}/examples/{m}.py:make_long" for m in ("nanogpt", "hf_gpt2", "
 MANUAL_LONG = f"{ROOT}/examples/nanogpt.py:make_long_manual"
 SEQ = {"schedule": "seq1f1b"}
 SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs/seq1f1b.md)
+    # SEQ1F1B_DEFAULT in the default suite, all of them with -m slow
     "nanogpt-pp2-k2-balanced": (
         LONG["nanogpt"],
         {**SEQ, "pp": 2, "seq_chunks": 2, "microbatches": 4},
@@ -139,6 +164,14 @@ RECOMPUTE_CASES |= {  # materialized attention scores (1F1B keeps the manual sof
 }
 
 
+SEQ1F1B_DEFAULT = [
+    "nanogpt-pp2-k2-balanced",
+    "gpt2-pp4-k2-uniform",
+    "llama-pp2-k4-balanced",
+    "gpt2-pp2-v2-k2-interleaved",
+]
+
+
 # zero-bubble schedules (issue 20): every model × every mesh of pp = 2 and 4 on ≤ 4 ranks ×
 # both split schedules; ZB_DEFAULT is the cross-section the default suite runs
 ZB_MODELS = {"nanogpt": NANO_DEEP, "hf-gpt2": GPT2_DEEP, "hf-llama": LONG["hf_llama"]}
@@ -173,4 +206,4 @@ ZB_CASES["hf-gpt2-pp2-seq1f1b-zb-recompute-selective"] = (
         "recompute": "selective",
     },
 )
-ZB_DEFAULT = ["nanogpt-pp4-zb-h1", "hf-gpt2-tp2xpp2-seq1f1b-zb", "hf-llama-dp2xpp2-zb-h1"]
+ZB_DEFAULT = ["hf-gpt2-tp2xpp2-seq1f1b-zb"]
