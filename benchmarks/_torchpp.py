@@ -92,15 +92,38 @@ def torch_stage(
 TIED = ("transformer.wte.weight", "lm_head.weight")  # the tied weight in stage 0 / stage 1
 
 
-def torch_1f1b(stage, m: int, rank: int, x: torch.Tensor, y: torch.Tensor):
-    """``Schedule1F1B`` over ``stage`` as a step function returning the global mean loss (the
-    tied ``wte``/``lm_head`` gradient and the loss all-reduced, as autopart's runtime does),
-    and the stage's parameters by name."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B
+GPT2 = dict(  # the benchmarks' HF GPT-2 (random weights, no dropout, tied wte / lm_head)
+    vocab_size=1024,
+    n_embd=256,
+    n_layer=4,
+    n_head=8,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
-    sched = Schedule1F1B(stage, m, loss_fn=ce)
-    params = dict(stage.submod.named_parameters())
+
+def gpt2(seq: int, batch: int, width: int = 256) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """``GPT2`` at ``width`` (heads of 32) and one seeded batch of ``batch`` × ``seq`` tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = {**GPT2, "n_embd": width, "n_head": width // 32}
+    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **cfg))
+    tokens = torch.randint(
+        0, GPT2["vocab_size"], (batch, seq + 1), generator=torch.Generator().manual_seed(0)
+    )
+    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def stepper(sched, rank: int, x: torch.Tensor, y: torch.Tensor, tied: list[torch.Tensor]):
+    """A torch pipelining schedule as a step function returning the global mean loss: the
+    first rank feeds the inputs, the last the targets; the tied ``wte``/``lm_head`` gradient
+    shares in ``tied`` and the loss are all-reduced, as autopart's runtime does."""
+    import torch.distributed as dist
 
     def step() -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -108,9 +131,19 @@ def torch_1f1b(stage, m: int, rank: int, x: torch.Tensor, y: torch.Tensor):
             sched.step(x, return_outputs=False)
         else:
             sched.step(target=y, losses=losses, return_outputs=False)
-        dist.all_reduce(params[TIED[rank]].grad)  # wte's and lm_head's shares of the tied grad
+        for p in tied:
+            dist.all_reduce(p.grad)
         loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
         dist.all_reduce(loss)
         return loss
 
-    return step, params
+    return step
+
+
+def torch_1f1b(stage, m: int, rank: int, x: torch.Tensor, y: torch.Tensor):
+    """``Schedule1F1B`` over ``stage`` (``stepper``), and the stage's parameters by name."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    params = dict(stage.submod.named_parameters())
+    sched = Schedule1F1B(stage, m, loss_fn=ce)
+    return stepper(sched, rank, x, y, [params[TIED[rank]]]), params

@@ -40,33 +40,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record, run_workers  # noqa: E402
-from _torchpp import LiveSaved, torch_1f1b, torch_stage  # noqa: E402
+from _torchpp import GPT2, LiveSaved, gpt2, torch_1f1b, torch_stage  # noqa: E402
 
-GPT2 = dict(
-    vocab_size=1024,
-    n_embd=256,
-    n_layer=4,
-    n_head=8,
-    resid_pdrop=0.0,
-    embd_pdrop=0.0,
-    attn_pdrop=0.0,
-    use_cache=False,
-    bos_token_id=0,
-    eos_token_id=0,
-)
 BATCH, P, K, WARMUP, ITERS, RTOL = 8, 2, 4, 2, 5, 1e-4
 SPLIT = "transformer.h.2"
 
 
 def build(seq: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **GPT2))
-    tokens = torch.randint(
-        0, GPT2["vocab_size"], (BATCH, seq + 1), generator=torch.Generator().manual_seed(0)
-    )
-    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return gpt2(seq, BATCH)
 
 
 SPLITS = ("balanced", "measured", "uniform")

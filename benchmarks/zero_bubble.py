@@ -37,34 +37,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record, run_workers  # noqa: E402
-from _torchpp import TIED, LiveSaved, ce  # noqa: E402
+from _torchpp import GPT2, TIED, LiveSaved, ce, gpt2, stepper  # noqa: E402
 
-GPT2 = dict(
-    vocab_size=1024,
-    n_embd=256,
-    n_layer=4,
-    n_head=8,
-    resid_pdrop=0.0,
-    embd_pdrop=0.0,
-    attn_pdrop=0.0,
-    use_cache=False,
-    bos_token_id=0,
-    eos_token_id=0,
-)
 BATCH, P, K, WARMUP, ITERS, RTOL = 8, 2, 2, 2, 5, 1e-4
 SCHEDULES = ("1f1b", "zb-h1", "seq1f1b", "seq1f1b-zb")
 
 
 def build(seq: int, width: int = 256) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = {**GPT2, "n_embd": width, "n_head": width // 32}  # heads of 32
-    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **cfg))
-    tokens = torch.randint(
-        0, GPT2["vocab_size"], (BATCH, seq + 1), generator=torch.Generator().manual_seed(0)
-    )
-    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return gpt2(seq, BATCH, width)
 
 
 class Part(nn.Module):
@@ -92,7 +72,6 @@ class Part(nn.Module):
 def torch_zb(model: nn.Module, rank: int, m: int, x: torch.Tensor, y: torch.Tensor, group):
     """``ScheduleInterleavedZeroBubble`` over this rank's two one-block stages: a step function
     returning the global mean loss, and the rank's parameters."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
 
     n = len(model.transformer.h)
@@ -106,19 +85,7 @@ def torch_zb(model: nn.Module, rank: int, m: int, x: torch.Tensor, y: torch.Tens
     }
     tied = [p for k, p in params.items() if k.endswith(TIED[0]) or k.endswith(TIED[1])]
 
-    def step() -> torch.Tensor:
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(x, return_outputs=False)
-        else:
-            sched.step(target=y, losses=losses, return_outputs=False)
-        for p in tied:  # wte's (rank 0) and lm_head's (rank 1) shares of the tied gradient
-            dist.all_reduce(p.grad)
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        dist.all_reduce(loss)
-        return loss
-
-    return step, params
+    return stepper(sched, rank, x, y, tied), params
 
 
 def worker(out: str, seq: int, m: int, width: int) -> None:
