@@ -106,13 +106,16 @@ GPT2 = dict(  # the benchmarks' HF GPT-2 (random weights, no dropout, tied wte /
 )
 
 
-def gpt2(seq: int, batch: int, width: int = 256) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """``GPT2`` at ``width`` (heads of 32) and one seeded batch of ``batch`` × ``seq`` tokens."""
+def gpt2(
+    seq: int, batch: int, width: int = 256, positions: int | None = None
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """``GPT2`` at ``width`` (heads of 32) with ``positions`` positions (default ``seq``), and
+    one seeded batch of ``batch`` × ``seq`` tokens."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = {**GPT2, "n_embd": width, "n_head": width // 32}
-    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, **cfg))
+    model = GPT2LMHeadModel(GPT2Config(n_positions=positions or seq, **cfg))
     tokens = torch.randint(
         0, GPT2["vocab_size"], (batch, seq + 1), generator=torch.Generator().manual_seed(0)
     )

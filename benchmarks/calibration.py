@@ -30,32 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record  # noqa: E402
+from _torchpp import GPT2, gpt2  # noqa: E402
 
-GPT2 = dict(
-    vocab_size=1024,
-    n_positions=512,
-    n_embd=256,
-    n_layer=4,
-    n_head=8,
-    resid_pdrop=0.0,
-    embd_pdrop=0.0,
-    attn_pdrop=0.0,
-    use_cache=False,
-    bos_token_id=0,
-    eos_token_id=0,
-)
 P, SEQ, PROFILE_M, RUN_M, K = 2, 512, 4, 8, 2
 PLANS = {"1f1b": dict(schedule="1f1b"), "seq1f1b": dict(schedule="seq1f1b", seq_chunks=K)}
 
 
 def build(m: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**GPT2))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, GPT2["vocab_size"], (m, SEQ + 1), generator=g)
-    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return gpt2(SEQ, m)
 
 
 def save(name: str, m: int, folder: Path) -> Path:

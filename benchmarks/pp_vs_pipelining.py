@@ -41,34 +41,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _launch import record, run_workers  # noqa: E402
-from _torchpp import TIED, LiveSaved, torch_1f1b, torch_stage  # noqa: E402
+from _torchpp import GPT2, TIED, LiveSaved, gpt2, torch_1f1b, torch_stage  # noqa: E402
 
-GPT2 = dict(
-    vocab_size=1024,
-    n_positions=256,
-    n_embd=256,
-    n_layer=4,
-    n_head=8,
-    resid_pdrop=0.0,
-    embd_pdrop=0.0,
-    attn_pdrop=0.0,
-    use_cache=False,
-    bos_token_id=0,
-    eos_token_id=0,
-)
 BATCH, SEQ, M, P, WARMUP, ITERS, RTOL = 8, 128, 4, 2, 3, 10, 1e-4
 SPLIT = "transformer.h.2"
 
 
 def build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**GPT2))
-    tokens = torch.randint(
-        0, GPT2["vocab_size"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0)
-    )
-    return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return gpt2(SEQ, BATCH, positions=256)
 
 
 def worker(out: str, manual: bool) -> None:
