@@ -296,14 +296,23 @@ def _join(timeout_s: float, backend: str = "gloo") -> tuple[int, int]:
 
 def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimizer:
     """AdamW over this rank's shards; with ``zero``, its state sharded over the dp group (ZeRO-1:
-    each dp rank keeps and updates 1/dp of the parameters, then broadcasts them)."""
+    each dp rank keeps and updates 1/dp of the parameters, then broadcasts them). The parameters
+    live in one flat bucket per dp rank (``parameters_as_bucket_view``), so the broadcast is one
+    message per dp rank, not one per parameter (at 4 ranks on 2 cores that was 20 ms of a 375 ms
+    step, ``docs/simulate.md``); a rank whose parameters mix dtypes keeps them apart."""
     dp = runner.groups.get("dp")
+    params = list(runner.parameters())
     if not zero or dp is None:
-        return torch.optim.AdamW(runner.parameters(), lr=lr)
+        return torch.optim.AdamW(params, lr=lr)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    one_dtype = len({p.dtype for p in params}) == 1
     return ZeroRedundancyOptimizer(
-        list(runner.parameters()), optimizer_class=torch.optim.AdamW, process_group=dp, lr=lr
+        params,
+        optimizer_class=torch.optim.AdamW,
+        process_group=dp,
+        lr=lr,
+        parameters_as_bucket_view=one_dtype,
     )
 
 
