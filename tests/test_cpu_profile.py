@@ -1,5 +1,7 @@
 """The CPU cluster profile (autopart/planning/cpu_profile.py): its TOML round-trips through
-load_cluster, and calibrate() recovers a profile from step times it generated."""
+load_cluster, calibrate() recovers a profile from step times it generated (the compute figures
+from one rank's plans, then what sharing the cores and talking cost from the ranks' plans), and
+step_times_alone times real single-rank steps."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from autopart.layout import Plan
 from autopart.planning.cluster import Cluster, load_cluster
-from autopart.planning.cpu_profile import CALIBRATED, calibrate, to_toml
+from autopart.planning.cpu_profile import CALIBRATED, calibrate, step_times_alone, to_toml
 from autopart.planning.simulate import GPTShape, simulate
 
 CPU = Cluster(
@@ -41,16 +43,47 @@ def test_toml_round_trip(tmp_path: Path) -> None:
 
 
 def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
-    plans = [
+    """From one rank's plans (micro-batches, chunks) and 4 ranks' plans on 2 cores together,
+    every calibrated figure comes back."""
+    true = dataclasses.replace(CPU, action_overhead_us=500.0, shared_cores=2.0, shared_slowdown=0.2)
+    alone = [
+        Plan.from_batch(8, 8),
+        Plan.from_batch(8, 1),
+        Plan.from_batch(8, 1, schedule="seq1f1b", seq_chunks=4),
+    ]
+    ranks = [
         Plan.from_batch(8, 1, dp=4),
         Plan.from_batch(8, 2, tp=4, sequence_parallel=True),
         Plan.from_batch(8, 1, pp=4, schedule="1f1b"),
         Plan.from_batch(8, 2, tp=2, pp=2, schedule="1f1b"),
     ]
-    times = [simulate(SHAPE, CPU, p, record=False).summary["iteration_s"] for p in plans]
+
+    def times(plans):
+        return [(p, simulate(SHAPE, true, p, record=False).summary["iteration_s"]) for p in plans]
+
     start = dataclasses.replace(
-        CPU, peak_tflops=0.06, kernel_launch_us=10.0, nvlink_latency_us=300.0
+        true,
+        peak_tflops=0.06,
+        kernel_launch_us=10.0,
+        action_overhead_us=100.0,
+        nvlink_latency_us=300.0,
+        shared_slowdown=0.0,
     )
-    got = calibrate(start, SHAPE, list(zip(plans, times, strict=True)))
+    got = calibrate(start, SHAPE, times(alone) + times(ranks))
     for name in CALIBRATED:
-        assert getattr(got, name) == pytest.approx(getattr(CPU, name), rel=0.02)
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.02), name
+
+
+def test_step_times_alone_times_real_single_rank_steps() -> None:
+    from autopart.errors import AutopartError
+    from autopart.frontend.capture import capture
+    from autopart.models.nanogpt import GPT, GPTConfig, batch
+
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=32, dropout=0.0)
+    x, y = batch(cfg, batch_size=4, seq_len=32)
+    captured = capture(GPT(cfg), (x, y))
+    plans = [Plan.from_batch(4, 4), Plan.from_batch(4, 1, schedule="seq1f1b", seq_chunks=2)]
+    got = step_times_alone(captured, (x, y), plans, steps=2, warmup=1)
+    assert len(got) == 2 and all(0 < t < 10 for t in got)
+    with pytest.raises(AutopartError, match="one rank"):
+        step_times_alone(captured, (x, y), [Plan.from_batch(4, 1, dp=2)], steps=1)

@@ -539,6 +539,11 @@ def test_shared_cores_slow_data_parallel_ranks_by_ranks_over_cores() -> None:
     shared = simulate(shape, replace(cpu, shared_cores=2), plan).timeline
     busy = alone.ranks[0].busy
     assert shared.ranks[0].busy == pytest.approx(2 * busy)
+    # taking turns costs shared_slowdown more, only while the ranks outnumber the cores
+    slow = simulate(shape, replace(cpu, shared_cores=2, shared_slowdown=0.25), plan).timeline
+    assert slow.ranks[0].busy == pytest.approx(2 * 1.25 * busy)
+    enough = simulate(shape, replace(cpu, shared_cores=4, shared_slowdown=0.25), plan).timeline
+    assert enough.ranks[0].busy == pytest.approx(busy)
 
 
 # -- zero-bubble schedules: the bubble of a split backward ------------------------------------

@@ -32,6 +32,10 @@ GIB = 2**30
 ATTENTION = ("flash", "unfused")
 
 
+# fields that may be 0 (every other number must be positive)
+LOW_OK = ("action_overhead_us", "shared_cores", "shared_slowdown")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """One kind of node, repeated; every GPU has the same links.
@@ -89,6 +93,10 @@ class Cluster:
     # own device. While more ranks compute than there are cores, each runs at cores / ranks of
     # its speed alone (the rates above are one rank's alone on a core)
     shared_cores: float = 0.0
+    # while more processes compute on a node than it has cores, each runs this much slower again
+    # than its share of the cores (context switches, caches refilled after each switch, memory
+    # bandwidth shared by every core): a CPU profile measures it; 0 on devices
+    shared_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -108,7 +116,7 @@ class Cluster:
                 if not isinstance(value, str) or not value:
                     raise AutopartError("a cluster needs a non-empty name")
                 continue
-            low_ok = f.name in ("action_overhead_us", "shared_cores") and value == 0
+            low_ok = f.name in LOW_OK and value == 0
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autopart.errors import AutopartError
 from autopart.planning.cluster import Cluster
 
 # The runtime's graphs hold about this many fx nodes (views, reshapes, adds, the autograd
@@ -38,13 +39,14 @@ from autopart.planning.cluster import Cluster
 NODES_PER_KERNEL = 37 / 11
 
 
-def _timeit(fn: Any, window: float = 0.4) -> float:
+def _timeit(fn: Any, window: float = 0.4, barrier: bool = True) -> float:
     """Mean seconds of ``fn`` over a ``window`` of wall time (every rank starts its window after
     a barrier and runs for the same time, so each sees the others busy throughout)."""
     import torch.distributed as dist
 
     fn()
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     n, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < window:
         fn()
@@ -63,7 +65,15 @@ def _worker(rank: int, ranks: int, hidden: int, tokens: int, path: str, port: in
     h, T = hidden, tokens
     out: dict[str, float] = {}
 
+    # rank 0 alone (the others wait at the barrier, asleep): the rates of one rank on a core
+    if rank == 0:
+        a, b = torch.randn(T, h), torch.randn(h, 4 * h)
+        out["gemm_alone"] = 2 * T * h * 4 * h / _timeit(lambda: a @ b, barrier=False)
+        x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
+        out["mem_alone"] = 12 * (4 << 20) / _timeit(lambda: torch.add(x, y, out=z), barrier=False)
     dist.barrier()
+    a, b = torch.randn(T, h), torch.randn(h, 4 * h)
+    out["gemm_crowd"] = 2 * T * h * 4 * h / _timeit(lambda: a @ b)
     rates = []
     for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
         a, b = torch.randn(T, k), torch.randn(k, n)
@@ -150,9 +160,13 @@ def measure(
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
-    peak = med("gemm") * crowd
+    # taking turns costs more than the share of the cores: one rank's matmul rate alone against
+    # its rate among ``ranks`` (the same matmul), beyond cores / ranks
+    alone = rows[0]["gemm_alone"]
+    slowdown = max(0.0, alone / crowd / med("gemm_crowd") - 1) if ranks > cores else 0.0
+    peak = med("gemm") * crowd * (1 + slowdown)
     # k / (k + k0) = short-k rate / rate at k = h … 4h (taken at k = h)
-    ratio = min(med("gemm_short_k") * crowd / peak, 0.999)
+    ratio = min(med("gemm_short_k") / med("gemm"), 0.999)
     k = hidden // 4
     k0 = max(k * (1 / ratio - 1), 1e-3)
     n = ranks
@@ -164,7 +178,7 @@ def measure(
         gpus_per_node=ranks,
         peak_tflops=peak / 1e12,
         hbm_gib=64.0,
-        hbm_tbps=med("mem") * crowd / 1e12,
+        hbm_tbps=rows[0]["mem_alone"] / 1e12,
         nvlink_gbps=bw / 1e9,
         ib_nics_per_node=1,
         ib_gbit_per_nic=8 * bw / 1e9,
@@ -173,7 +187,7 @@ def measure(
         mm_k_overhead=k0,
         attn_efficiency=1.0,
         hbm_efficiency=1.0,
-        kernel_launch_us=med("op") / crowd * 1e6 * NODES_PER_KERNEL,
+        kernel_launch_us=med("op") / crowd / (1 + slowdown) * 1e6 * NODES_PER_KERNEL,
         action_overhead_us=100.0,  # a starting point for ``calibrate``
         nvlink_efficiency=1.0,
         ib_efficiency=1.0,
@@ -186,6 +200,7 @@ def measure(
         grad_overlap=True,
         p2p_scatter_gather=False,
         shared_cores=float(min(cores, ranks)),
+        shared_slowdown=slowdown,
     )
 
 
@@ -202,15 +217,30 @@ def to_toml(cluster: Cluster) -> str:
     return "\n".join(lines) + "\n"
 
 
-CALIBRATED = ("peak_tflops", "kernel_launch_us", "nvlink_latency_us", "action_overhead_us")
+# what a rank computes (the GEMM rate, the per-kernel floor, the runtime's cost per action),
+# and what taking turns on the cores and talking cost: fitted together to single-rank runs
+# alone on a core (``step_times_alone``: they pin the compute, with no other rank and no
+# message) and to runs of plans on all the ranks (they split the per-action cost from the
+# floor, since a pipeline stage holds fewer kernels per action, and set the rest)
+CALIBRATED = (
+    "peak_tflops",
+    "kernel_launch_us",
+    "action_overhead_us",
+    "shared_slowdown",
+    "nvlink_latency_us",
+)
 
 
-def calibrate(cluster: Cluster, shape: Any, runs: list[tuple[Any, float]]) -> Cluster:
-    """``cluster`` with ``CALIBRATED`` refitted (least squares of the log errors) so the
-    simulator reproduces measured step times ``runs`` = [(plan, seconds)] of ``shape``: what
-    the micro-benchmarks miss (the runtime's own work per graph node and per message, the
-    sharing of two cores by four ranks) is folded into the compute rate, the per-kernel floor,
-    the per-message latency and the per-action cost."""
+def calibrate(
+    cluster: Cluster,
+    shape: Any,
+    runs: list[tuple[Any, float]],
+    names: tuple[str, ...] = CALIBRATED,
+) -> Cluster:
+    """``cluster`` with the fields ``names`` refitted (least squares of the log errors, each
+    field scaled by a factor within e^±5) so the simulator reproduces measured step times
+    ``runs`` = [(plan, seconds)] of ``shape`` (the closed loop: one rank's runs alone and the
+    ranks' runs together)."""
     import dataclasses
     import math
 
@@ -218,10 +248,11 @@ def calibrate(cluster: Cluster, shape: Any, runs: list[tuple[Any, float]]) -> Cl
 
     from autopart.planning.simulate import simulate
 
+    start = {n: getattr(cluster, n) or 0.05 for n in names}  # a factor needs a start above 0
+
     def at(x: Any) -> Cluster:
         return dataclasses.replace(
-            cluster,
-            **{n: getattr(cluster, n) * math.exp(v) for n, v in zip(CALIBRATED, x, strict=True)},
+            cluster, **{n: start[n] * math.exp(v) for n, v in zip(names, x, strict=True)}
         )
 
     def residuals(x: Any) -> list[float]:
@@ -231,8 +262,69 @@ def calibrate(cluster: Cluster, shape: Any, runs: list[tuple[Any, float]]) -> Cl
             for plan, t in runs
         ]
 
-    sol = least_squares(residuals, [0.0] * len(CALIBRATED), bounds=(-3.0, 3.0), diff_step=1e-3)
+    sol = least_squares(
+        residuals, [0.0] * len(names), bounds=(-5.0, 5.0), diff_step=1e-4, xtol=1e-10, ftol=1e-10
+    )
     return at(sol.x)
 
 
-__all__ = ["CALIBRATED", "calibrate", "measure", "raw", "to_toml"]
+def step_times_alone(
+    captured: Any, batch: tuple[Any, Any], plans: list[Any], steps: int = 8, warmup: int = 2
+) -> list[float]:
+    """Seconds of one training step (forward, backward, AdamW) of each single-rank ``plan``
+    (dp = tp = pp = 1: micro-batches and Seq1F1B chunks only) of ``captured``, in this process
+    on one thread: the lower quartile of ``steps``. One runner is alive at a time, as in the
+    closed loop's ranks; two passes (the second in reverse order) of ``warmup`` + steps / 2."""
+    import gc
+
+    import torch
+
+    from autopart.api import parallelize
+    from autopart.runtime.run import make_optimizer
+    from autopart.runtime.runner import Runner
+
+    for plan in plans:
+        if plan.gpus != 1:
+            raise AutopartError(
+                f"step_times_alone runs one rank, not {plan.describe()}",
+                hint="pass plans with dp = tp = pp = 1 (micro-batches and Seq1F1B chunks)",
+            )
+
+    def timed(plan: Any, n: int) -> list[float]:
+        rp = (prog := parallelize(captured, None, plan=plan)).rank(0)
+        weights = {f: rp.shards[f].local(t.detach().clone()) for f, t in prog.params.items()}
+        runner = Runner(rp, prog.plan, {**weights, **prog.buffers}, {})
+        optim = make_optimizer(runner, 1e-4)
+        out = []
+        for i in range(warmup + n):
+            optim.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            runner.step(*batch)
+            optim.step()
+            if i >= warmup:
+                out.append(time.perf_counter() - start)
+        del runner, optim
+        gc.collect()
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times: list[list[float]] = [[] for _ in plans]
+        order = list(range(len(plans)))
+        for pass_order in (order, order[::-1]):
+            for j in pass_order:
+                times[j] += timed(plans[j], max(1, steps // 2))
+        return [statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for t in times]
+    finally:
+        torch.set_num_threads(threads)
+
+
+__all__ = [
+    "CALIBRATED",
+    "calibrate",
+    "measure",
+    "raw",
+    "step_times_alone",
+    "to_toml",
+]

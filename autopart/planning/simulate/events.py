@@ -260,11 +260,13 @@ def _run_shared(
     weight: list[float],
     node: list[int],
     cores: float,
+    slowdown: float = 0.0,
 ) -> Timeline:
     """``_run`` for ranks that share ``cores`` cores per node (CPU ranks, more than cores):
     processor sharing in global time order. Rank index i stands for ``weight[i]`` processes on
     node ``node[i]``; while the processes computing F or B on a node outnumber its cores, each
-    runs at cores / their number of its full speed (``cost``, seconds alone on a core). A rank
+    runs at cores / their number of its full speed (``cost``, seconds alone on a core), divided
+    by 1 + ``slowdown`` (what taking turns costs beyond the share). A rank
     waiting (receive, gradient reduction, tied-weight meeting) leaves its core to the others,
     which is how a pipeline's bubble speeds up the other stages on a shared CPU. Transfers and
     reductions are not slowed."""
@@ -351,7 +353,10 @@ def _run_shared(
         load: dict[int, float] = {}
         for i in busy:
             load[node[i]] = load.get(node[i], 0.0) + weight[i]
-        rate = {i: min(1.0, cores / load[node[i]]) for i in busy}
+        rate = {
+            i: 1.0 if load[node[i]] <= cores else cores / load[node[i]] / (1 + slowdown)
+            for i in busy
+        }
         nxt = [T + left[i] / rate[i] for i in busy]
         nxt += [ready[i] for i in range(n) if ready[i] > T and pc[i] < len(comp.ops[i])]
         if not nxt:

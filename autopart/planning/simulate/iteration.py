@@ -127,7 +127,15 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
     weight = [min(per, cl.gpus_per_node)] * len(comp.ranks)
     node = [r * per // cl.gpus_per_node for r in comp.ranks]
     return _run_shared(
-        comp, cost, acts, cl.grad_overlap, cl.p2p_overlap, weight, node, cl.shared_cores
+        comp,
+        cost,
+        acts,
+        cl.grad_overlap,
+        cl.p2p_overlap,
+        weight,
+        node,
+        cl.shared_cores,
+        cl.shared_slowdown,
     )
 
 

@@ -381,9 +381,10 @@ class CostModel:
         cl = self.cluster
         n = self.params[rank] / (self.st.dp if self.st.distributed_optimizer else 1)
         # every rank steps at once: on shared cores, each at cores / ranks of its speed
+        ranks = min(self.st.gpus, cl.gpus_per_node)
         crowd = (
-            max(1.0, min(self.st.gpus, cl.gpus_per_node) / cl.shared_cores)
-            if cl.shared_cores
+            ranks / cl.shared_cores * (1 + cl.shared_slowdown)
+            if cl.shared_cores and ranks > cl.shared_cores
             else 1.0
         )
         return crowd * _mem(cl, 34 * n * 2 / cl.act_bytes, 4)
