@@ -217,9 +217,9 @@ def to_toml(cluster: Cluster) -> str:
     return "\n".join(lines) + "\n"
 
 
-# what a rank computes (the GEMM rate, the per-kernel floor, the runtime's cost per action),
-# and what taking turns on the cores and talking cost: fitted together to single-rank runs
-# alone on a core (``step_times_alone``: they pin the compute, with no other rank and no
+# what a rank computes (the GEMM rate, the per-kernel floor, the runtime's cost per action)
+# and what taking turns on the cores and talking cost: fitted together to single-rank
+# runs alone on a core (``step_times_alone``: they pin the compute, with no other rank and no
 # message) and to runs of plans on all the ranks (they split the per-action cost from the
 # floor, since a pipeline stage holds fewer kernels per action, and set the rest)
 CALIBRATED = (
