@@ -27,8 +27,10 @@ step times ≥ 0.8 over at least 8 plans; the planner's first plan within 10 % o
 measured; every prediction within 15 %. Exits 1 when a goal is missed (today the last one is:
 docs/simulate.md, "A closed loop on this machine").
 
-    python benchmarks/closed_loop.py [--plans 10] [--save run.json]
+    python benchmarks/closed_loop.py [--plans 10] [--save run.json] [--profile-out cpu.toml]
     python benchmarks/closed_loop.py --replay run.json   # re-predict a saved run
+    autopart plan --model benchmarks/closed_loop.py:make --cluster cpu.toml --gpus 4 \
+        --global-batch 8                                 # the planner on the fitted profile
 """
 
 from __future__ import annotations
@@ -219,6 +221,11 @@ def main() -> int:
         metavar="JSON",
         help="measure nothing: calibrate and predict again from a file --save wrote",
     )
+    ap.add_argument(
+        "--profile-out",
+        metavar="TOML",
+        help="write the profile fitted in the compared plans' launch (for autopart plan --cluster)",
+    )
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -288,6 +295,9 @@ def main() -> int:
     cluster = calibrate(profile, shape, single + list(zip(calib, again, strict=True)))
     print("\nrecalibrated in the launch of the compared plans:")
     show_calibration(calib, again)
+    if a.profile_out:
+        Path(a.profile_out).write_text(to_toml(cluster))
+        print(f"wrote the profile to {a.profile_out}: autopart plan --cluster {a.profile_out}")
     ranked = _rank(shape, cluster)
     rank_of = {r.plan.describe(): i + 1 for i, r in enumerate(ranked)}
     predicted = [simulate(shape, cluster, pl, record=False).summary["iteration_s"] for pl in plans]
