@@ -295,9 +295,32 @@ def _keep_group(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
 
 
 tp_copy.register_autograd(lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group)
-tp_all_reduce_grad.register_autograd(
-    lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group
-)
+# While a runner's step defers them (``defer_grad_reduce``), tp_all_reduce_grad's backward
+# leaves this rank's partial gradient, and the runner all-reduces the step's sum of them once
+# (``reduce_grads``): one message per step instead of one per parameter and unit (sums over
+# the micro-batches and over the tp ranks commute).
+_DEFER_GRAD_REDUCE = [False]
+
+
+def defer_grad_reduce(on: bool) -> None:
+    """Make tp_all_reduce_grad's backward the identity (True) or an all-reduce (False)."""
+    _DEFER_GRAD_REDUCE[0] = on
+
+
+def _grad_reduce_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return (g if _DEFER_GRAD_REDUCE[0] else tp_reduce(g, *ctx.args), None)
+
+
+def reduce_grads(grads: list[torch.Tensor], group: str) -> None:
+    """All-reduce ``grads`` over ``group`` in place, as one flat message."""
+    if not grads:
+        return
+    flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
+
+
+tp_all_reduce_grad.register_autograd(_grad_reduce_backward, setup_context=_keep_group)
 tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
 tp_gather.register_autograd(
     lambda ctx, g: (tp_scatter_reduce(g, *ctx.args), None, None, None), setup_context=_keep_group

@@ -151,6 +151,9 @@ def test_tensor_parallel_collectives_as_run() -> None:
     assert sp.count(("reduce_scatter", bsh)) == 5 + 5  # forward g's, backward of the gathers
     assert sp.count(("all_gather", (8, 16, 32))) == 5 + 5  # forward f's, backward of the scatters
     assert ("all_reduce", bsh) not in sp
+    # the partial gradients of the norms and the position table (tp_all_reduce_grad): summed
+    # over the step's backwards, then all-reduced once, as one message
+    assert [k for k, _ in sp].count("all_reduce") == 1, sp
     assert sp.count(("all_gather", (1, 3, *bs))) == 1
     drop = next(d for d in lines if "dropout_split" in d)
     # per block: attention probabilities split over heads; embedding/residual dropouts replicated

@@ -31,7 +31,7 @@ from torch import nn
 from autopart import collectives, deferred
 from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
-from autopart.meta import META_KV_SHAPES
+from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
@@ -148,6 +148,34 @@ class _Step:
     chunk_time: list[float] | None = None
 
 
+_CASTS = (
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.to.dtype,
+    torch.ops.prims.convert_element_type.default,
+)
+
+
+def _tp_partial_params(program: RankProgram) -> list[str]:
+    """FQNs of the parameters that reach a ``tp_all_reduce_grad`` (directly or through a dtype
+    cast) in this rank's stage graphs, sorted (every tp rank the same). Empty, so nothing is
+    deferred, if any ``tp_all_reduce_grad`` reads something else: its gradient must be reduced
+    where it is."""
+    op = torch.ops.autopart.tp_all_reduce_grad.default
+    out: set[str] = set()
+    for st in program.stages:
+        for n in st.graph.graph.nodes:
+            if n.op != "call_function" or n.target != op:
+                continue
+            src = n.args[0]
+            while src.op == "call_function" and src.target in _CASTS:
+                src = src.args[0]
+            ref = src.meta.get(META_INPUT) if src.op == "placeholder" else None
+            if ref is None or ref.kind != "param":
+                return []
+            out.add(ref.name)
+    return sorted(out)
+
+
 class Runner:
     """Executes one rank's program; holds its parameter shards and gradient buckets."""
 
@@ -190,6 +218,9 @@ class Runner:
         self._compute = plan.compute_dtype
         self.buffers = {k: v.to(self.device) for k, v in weights.items() if k not in program.shards}
         self._buckets = [[self.params[f] for f in b] for b in program.buckets]
+        # parameters whose gradient is a tp rank's partial (sequence-parallel norms, position
+        # tables: tp_all_reduce_grad): all-reduced once per step, after the backwards
+        self._tp_partial = _tp_partial_params(program) if groups.get("tp") is not None else []
         self.n_stages = program.n_stages
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
         # set to [] to record each step's actions as TraceEvents; keeps the last step
@@ -310,6 +341,7 @@ class Runner:
         self.stats["launched_during_backward"] = 0
         self.stats["deferred_gemms"] = 0  # weight-gradient GEMMs the W actions ran
         actions = self.program.actions
+        collectives.defer_grad_reduce(bool(self._tp_partial))
         s = self._s = _Step(
             mbs=mbs,
             count=(labels != -100).sum().clamp(min=1).to(self._dtype),
@@ -328,10 +360,16 @@ class Runner:
                 )
                 self._record(action, start=False)
             self._p2p.wait_sends()
+            if self._tp_partial:
+                collectives.defer_grad_reduce(False)
+                grads = [g for f in self._tp_partial if (g := self.params[f].grad) is not None]
+                collectives.set_action(f"the sequence-parallel gradients on rank {self.rank}")
+                collectives.reduce_grads(grads, "tp")
             if s.chunk_time is not None:
                 self._refit_chunks(s)
             losses = s.losses
         finally:
+            collectives.defer_grad_reduce(False)
             self._s = None  # the step's activations, prefixes and buckets go with it
             if self._split:
                 deferred.STORE.clear()  # a failed step's deferred gradients go with it
