@@ -33,7 +33,7 @@ ATTENTION = ("flash", "unfused")
 
 
 # fields that may be 0 (every other number must be positive)
-LOW_OK = ("action_overhead_us", "shared_cores", "shared_slowdown", "tp_collective_us")
+LOW_OK = ("action_overhead_us", "shared_cores", "shared_slowdown")
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,6 @@ class Cluster:
     # than its share of the cores (context switches, caches refilled after each switch, memory
     # bandwidth shared by every core): a CPU profile measures it; 0 on devices
     shared_slowdown: float = 0.0
-    # a fixed cost per tensor-parallel collective, whatever the group size: on CPU ranks
-    # autopart exchanges through shared memory in one round, where every rank waits for the
-    # last to arrive and wakes up (not a ring of steps); 0 on GPUs (NCCL's per-step latency)
-    tp_collective_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:

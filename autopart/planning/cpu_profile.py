@@ -188,8 +188,7 @@ def measure(
         attn_efficiency=1.0,
         hbm_efficiency=1.0,
         kernel_launch_us=med("op") / crowd / (1 + slowdown) * 1e6 * NODES_PER_KERNEL,
-        action_overhead_us=100.0,  # starting points for ``calibrate``
-        tp_collective_us=300.0,
+        action_overhead_us=100.0,  # a starting point for ``calibrate``
         nvlink_efficiency=1.0,
         ib_efficiency=1.0,
         nvlink_latency_us=alpha * 1e6,
@@ -232,7 +231,6 @@ CALIBRATED = (
     "action_overhead_us",
     "shared_slowdown",
     "nvlink_latency_us",
-    "tp_collective_us",
 )
 
 

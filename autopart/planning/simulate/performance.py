@@ -118,11 +118,10 @@ def _layer(
     comm = b_tp = 0.0
     if t > 1:
         link = cl.link(t)
-        fixed = cl.tp_collective_us * 1e-6
-        one = _gather(t, cl.act_bytes * T * h, link) + fixed  # an all-gather or reduce-scatter
+        one = _gather(t, cl.act_bytes * T * h, link)  # one all-gather or reduce-scatter
         # per layer each way: two all-reduces without SP, two all-gathers and two
         # reduce-scatters with it
-        comm = 4 * one if sp else 2 * (_allreduce(t, cl.act_bytes * T * h, link) + fixed)
+        comm = 4 * one if sp else 2 * _allreduce(t, cl.act_bytes * T * h, link)
         b_tp = comm
         if cl.tp_overlap:
             # the column-parallel layers' (QKV, fc1) input-gradient collective overlaps their
@@ -175,13 +174,12 @@ def _embed_head(
     V = _padded_vocab(shape.vocab, tp)
     r = 1 / t if sp else 1.0
     link = cl.link(t)
-    fixed = cl.tp_collective_us * 1e-6 if t > 1 else 0.0  # per tp collective
     # embedding: vocab-parallel lookup + position add + dropout; its output is all-reduced
     # (reduce-scattered under SP) over tp; the backward scatters the gradient into the table
     emb_tp_f = (
         _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
-    ) + fixed
-    emb_tp_b = _gather(t, cl.act_bytes * T * h, link) + fixed if sp else 0.0
+    )
+    emb_tp_b = _gather(t, cl.act_bytes * T * h, link) if sp else 0.0
     # its backward is the table's gradient: all weight gradient
     embed_b = _mem(cl, 6 * T * h, 2)
     embed = UnitCost(
@@ -193,10 +191,9 @@ def _embed_head(
     mm_f, mm_b = _gemm_fb(cl, T, h, V / t)
     ce = 10 * T * V / t
     tp_f = (_gather(t, cl.act_bytes * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
-    tp_f += (2 if sp else 1) * fixed
     tp_b = (
         _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
-    ) + fixed
+    )
     head = UnitCost(
         mm_f + _mem(cl, ce + 4 * T * h * r, 4),
         tp_f,
