@@ -36,7 +36,6 @@ docs/simulate.md, "A closed loop on this machine").
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -71,6 +70,7 @@ def worker(out: str, plans_file: str) -> None:
     import autopart
     from autopart.frontend.capture import capture
     from autopart.layout import Plan
+    from autopart.planning.cpu_profile import training_steps, two_passes
     from autopart.runtime.run import make_optimizer
 
     torch.set_num_threads(1)
@@ -80,7 +80,8 @@ def worker(out: str, plans_file: str) -> None:
     plans = [Plan.from_json(data) for data in json.loads(Path(plans_file).read_text())]
     meshes: dict[tuple, object] = {}  # one device mesh per shape, shared by the runners
 
-    def timed(plan: Plan, n: int) -> list[float]:
+    def timed(j: int, n: int) -> list[float]:
+        plan = plans[j]
         dims = tuple((d, getattr(plan, d)) for d in ("pp", "dp", "tp") if getattr(plan, d) > 1)
         if dims and dims not in meshes:
             meshes[dims] = init_device_mesh(
@@ -90,27 +91,12 @@ def worker(out: str, plans_file: str) -> None:
         # a training step, as the simulator predicts it: AdamW, sharded over dp (ZeRO-1) when
         # the plan has the distributed optimizer
         optim = make_optimizer(runner, 1e-4, plan.distributed_optimizer)
-        out = []
-        for i in range(WARMUP + n):
-            optim.zero_grad(set_to_none=True)
-            dist.barrier()
-            start = time.perf_counter()
-            runner.step(x, y)
-            optim.step()
-            if i >= WARMUP:
-                out.append(time.perf_counter() - start)
-        del runner, optim
-        gc.collect()
-        return out
+        return training_steps(runner, optim, (x, y), n, WARMUP, sync=dist.barrier)
 
     # one runner alive at a time: with 16 runners in a process every step was 10-19 % slower
     # than with 2, and the more for the faster plans (docs/simulate.md); two passes, the second
     # in reverse order, so the machine's drift falls on every plan alike
-    steps: list[list[float]] = [[] for _ in plans]
-    order = list(range(len(plans)))
-    for pass_order in (order, order[::-1]):
-        for j in pass_order:
-            steps[j] += timed(plans[j], ITERS // 2)
+    steps = two_passes(len(plans), timed, ITERS)
     t = torch.tensor(steps, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # per step, the slowest rank
     # the lower quartile: on 2 cores shared by 4 ranks, other work only ever adds time, and the

@@ -271,6 +271,39 @@ def calibrate(
     return at(sol.x)
 
 
+def training_steps(
+    runner: Any, optim: Any, batch: tuple[Any, Any], n: int, warmup: int, sync: Any = None
+) -> list[float]:
+    """Seconds of ``n`` training steps (forward, backward, ``optim``) after ``warmup``;
+    ``sync()`` (a barrier, for ranks) runs before each step, outside the time."""
+    out = []
+    for i in range(warmup + n):
+        optim.zero_grad(set_to_none=True)
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        runner.step(*batch)
+        optim.step()
+        if i >= warmup:
+            out.append(time.perf_counter() - start)
+    return out
+
+
+def two_passes(count: int, timed: Any, steps: int) -> list[list[float]]:
+    """``timed(j, n)``'s step times for plans 0 … count − 1: two passes of ``steps`` / 2 steps,
+    the second in reverse order, so the machine's drift falls on every plan alike. Whatever
+    ``timed`` built is collected before the next call: one runner alive at a time."""
+    import gc
+
+    times: list[list[float]] = [[] for _ in range(count)]
+    order = list(range(count))
+    for pass_order in (order, order[::-1]):
+        for j in pass_order:
+            times[j] += timed(j, max(1, steps // 2))
+            gc.collect()
+    return times
+
+
 def step_times_alone(
     captured: Any, batch: tuple[Any, Any], plans: list[Any], steps: int = 8, warmup: int = 2
 ) -> list[float]:
@@ -278,8 +311,6 @@ def step_times_alone(
     (dp = tp = pp = 1: micro-batches and Seq1F1B chunks only) of ``captured``, in this process
     on one thread: the lower quartile of ``steps``. One runner is alive at a time, as in the
     closed loop's ranks; two passes (the second in reverse order) of ``warmup`` + steps / 2."""
-    import gc
-
     import torch
 
     from autopart.api import parallelize
@@ -293,31 +324,16 @@ def step_times_alone(
                 hint="pass plans with dp = tp = pp = 1 (micro-batches and Seq1F1B chunks)",
             )
 
-    def timed(plan: Any, n: int) -> list[float]:
-        rp = (prog := parallelize(captured, None, plan=plan)).rank(0)
+    def timed(j: int, n: int) -> list[float]:
+        rp = (prog := parallelize(captured, None, plan=plans[j])).rank(0)
         weights = {f: rp.shards[f].local(t.detach().clone()) for f, t in prog.params.items()}
         runner = Runner(rp, prog.plan, {**weights, **prog.buffers}, {})
-        optim = make_optimizer(runner, 1e-4)
-        out = []
-        for i in range(warmup + n):
-            optim.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            runner.step(*batch)
-            optim.step()
-            if i >= warmup:
-                out.append(time.perf_counter() - start)
-        del runner, optim
-        gc.collect()
-        return out
+        return training_steps(runner, make_optimizer(runner, 1e-4), batch, n, warmup)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        times: list[list[float]] = [[] for _ in plans]
-        order = list(range(len(plans)))
-        for pass_order in (order, order[::-1]):
-            for j in pass_order:
-                times[j] += timed(plans[j], max(1, steps // 2))
+        times = two_passes(len(plans), timed, steps)
         return [statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for t in times]
     finally:
         torch.set_num_threads(threads)
@@ -329,5 +345,7 @@ __all__ = [
     "measure",
     "raw",
     "step_times_alone",
+    "training_steps",
+    "two_passes",
     "to_toml",
 ]
