@@ -36,6 +36,7 @@ docs/simulate.md, "A closed loop on this machine").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -234,6 +235,8 @@ def main() -> int:
     if a.replay:
         saved = json.loads(Path(a.replay).read_text())
         profile = cluster_from_dict(saved["profile"])
+        if "tp_exchange" not in saved["profile"]:  # saved before the field: the runtime's
+            profile = dataclasses.replace(profile, tp_exchange=True)  # tp groups exchanged then too
         cal_times = [t for _, t in saved["calibration"]]
         calib = [Plan.from_json(pl) for pl, _ in saved["calibration"]]
         alone = [Plan.from_json(pl) for pl, _ in saved["alone"]]

@@ -179,6 +179,35 @@ def test_tp_inside_a_node_uses_nvlink_across_nodes_infiniband() -> None:
     assert A100.link(16, 8)[1] * 8 == pytest.approx(A100.link(16, 1)[1])
 
 
+def test_tp_exchange_counts_one_latency_step_per_collective() -> None:
+    """autopart's gloo groups exchange directly (``tp_exchange``): one latency step per
+    collective, so a layer's four SP collectives pay twice the latency of its two all-reduces
+    without SP; a ring pays the same for both (2(t − 1) steps per all-reduce)."""
+    shape = SHAPES["gpt3-175b"]
+    # latency-bound: 1 ms a step, bytes at next to no cost
+    slow = replace(A100, nvlink_latency_us=1000.0, nvlink_gbps=1e9)
+
+    def f_tp(cl: Cluster, sp: bool, t: int = 2) -> float:
+        plan = Plan.from_batch(tp=t, pp=8, dp=1, global_batch=8, sequence_parallel=sp)
+        return CostModel(shape, cl, plan).units[1][0].f_tp
+
+    layers = CostModel(shape, A100, Plan.from_batch(tp=2, pp=8, global_batch=8)).layers[1]
+    ring, exchange = slow, replace(slow, tp_exchange=True)
+    # t = 2: a ring's all-reduce is 2 steps, its all-gather / reduce-scatter 1; 4 per layer both
+    assert f_tp(ring, True) == pytest.approx(f_tp(ring, False), rel=0.01)
+    assert f_tp(ring, False) == pytest.approx(layers * 4e-3, rel=0.01)
+    assert f_tp(exchange, True) == pytest.approx(layers * 4e-3, rel=0.01)
+    assert f_tp(exchange, False) == pytest.approx(layers * 2e-3, rel=0.01)
+    # t = 4: a ring all-reduce takes 6 steps, the exchange 1
+    assert f_tp(ring, False, 4) == pytest.approx(layers * 12e-3, rel=0.01)
+    assert f_tp(exchange, False, 4) == pytest.approx(layers * 2e-3, rel=0.01)
+    # the bytes: an exchange all-reduce moves (t − 1) × the tensor, a ring 2(t − 1)/t ×
+    fast = replace(A100, nvlink_latency_us=1e-6)
+    assert f_tp(replace(fast, tp_exchange=True), False, 4) == pytest.approx(
+        2 * f_tp(fast, False, 4), rel=0.01
+    )
+
+
 def test_pipeline_hops_between_nodes_use_infiniband() -> None:
     costs = CostModel(SHAPES["gpt3-175b"], A100, Plan.from_batch(tp=2, pp=8, dp=1, global_batch=8))
     assert costs.p2p_link(0, 1)[0] == "nvlink"  # ranks 0-1 and 2-3: one node

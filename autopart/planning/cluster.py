@@ -82,6 +82,10 @@ class Cluster:
     # tensor-parallel backward collectives overlapped with the GEMMs that do not need them
     # (Megatron-LM's asynchronous all-reduce, 2022 on); autopart's runtime does not
     tp_overlap: bool = False
+    # tensor-parallel collectives as a ring (NCCL: 2(n − 1) steps an all-reduce, n − 1 an
+    # all-gather or reduce-scatter) or as one direct exchange, every rank reading every other's
+    # piece (autopart's gloo groups of up to 4 ranks: ``autopart.collectives``): one step each
+    tp_exchange: bool = False
     # a pipeline send returns at once (autopart's isend) or blocks its rank until delivered
     # (Megatron-LM 2021-2022's send/receive pairs on the critical path)
     p2p_overlap: bool = True

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autopart.collectives import EXCHANGE_MAX
 from autopart.errors import AutopartError
 from autopart.planning.cluster import Cluster
 
@@ -202,6 +203,10 @@ def measure(
         # to 17-26 % over runs 12-14 replayed, docs/simulate.md)
         grad_overlap=False,
         p2p_scatter_gather=False,
+        # the runtime's tp collectives on gloo groups of up to 4 ranks (shared memory or
+        # isend/irecv): one exchange each, so sequence parallelism's four per layer cost twice
+        # the latency of the two all-reduces without it
+        tp_exchange=ranks <= EXCHANGE_MAX,
         shared_cores=float(min(cores, ranks)),
         shared_slowdown=slowdown,
     )

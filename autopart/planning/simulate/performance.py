@@ -50,14 +50,25 @@ def _mem(cl: Cluster, nbytes: float, kernels: int) -> float:
     )
 
 
-def _allreduce(n: int, nbytes: float, link: tuple[str, float, float]) -> float:
-    """Ring all-reduce: 2(n−1)/n of the bytes over the link, 2(n−1) latency steps."""
-    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / link[1] + 2 * (n - 1) * link[2]
+def _allreduce(
+    n: int, nbytes: float, link: tuple[str, float, float], exchange: bool = False
+) -> float:
+    """Ring all-reduce: 2(n−1)/n of the bytes over the link, 2(n−1) latency steps. A direct
+    ``exchange`` (every rank reads every other's whole tensor, then sums): n−1 times the bytes,
+    one latency step."""
+    if n == 1:
+        return 0.0
+    if exchange:
+        return (n - 1) * nbytes / link[1] + link[2]
+    return 2 * (n - 1) / n * nbytes / link[1] + 2 * (n - 1) * link[2]
 
 
-def _gather(n: int, nbytes: float, link: tuple[str, float, float]) -> float:
-    """Ring all-gather or reduce-scatter of ``nbytes`` (the whole tensor): half an all-reduce."""
-    return 0.0 if n == 1 else (n - 1) / n * nbytes / link[1] + (n - 1) * link[2]
+def _gather(n: int, nbytes: float, link: tuple[str, float, float], exchange: bool = False) -> float:
+    """Ring all-gather or reduce-scatter of ``nbytes`` (the whole tensor): half an all-reduce.
+    A direct ``exchange`` moves the same bytes in one latency step."""
+    if n == 1:
+        return 0.0
+    return (n - 1) / n * nbytes / link[1] + (1 if exchange else n - 1) * link[2]
 
 
 class UnitCost(NamedTuple):
@@ -118,10 +129,11 @@ def _layer(
     comm = b_tp = 0.0
     if t > 1:
         link = cl.link(t)
-        one = _gather(t, cl.act_bytes * T * h, link)  # one all-gather or reduce-scatter
+        x = cl.tp_exchange
+        one = _gather(t, cl.act_bytes * T * h, link, x)  # one all-gather or reduce-scatter
         # per layer each way: two all-reduces without SP, two all-gathers and two
         # reduce-scatters with it
-        comm = 4 * one if sp else 2 * _allreduce(t, cl.act_bytes * T * h, link)
+        comm = 4 * one if sp else 2 * _allreduce(t, cl.act_bytes * T * h, link, x)
         b_tp = comm
         if cl.tp_overlap:
             # the column-parallel layers' (QKV, fc1) input-gradient collective overlaps their
@@ -173,13 +185,12 @@ def _embed_head(
     h, t, T = shape.hidden, tp, b * L
     V = _padded_vocab(shape.vocab, tp)
     r = 1 / t if sp else 1.0
-    link = cl.link(t)
+    link, x = cl.link(t), cl.tp_exchange
+    act = cl.act_bytes * T * h
     # embedding: vocab-parallel lookup + position add + dropout; its output is all-reduced
     # (reduce-scattered under SP) over tp; the backward scatters the gradient into the table
-    emb_tp_f = (
-        _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
-    )
-    emb_tp_b = _gather(t, cl.act_bytes * T * h, link) if sp else 0.0
+    emb_tp_f = _gather(t, act, link, x) if sp else _allreduce(t, act, link, x)
+    emb_tp_b = _gather(t, act, link, x) if sp else 0.0
     # its backward is the table's gradient: all weight gradient
     embed_b = _mem(cl, 6 * T * h, 2)
     embed = UnitCost(
@@ -190,10 +201,8 @@ def _embed_head(
     # its gradient is all-reduced in the backward
     mm_f, mm_b = _gemm_fb(cl, T, h, V / t)
     ce = 10 * T * V / t
-    tp_f = (_gather(t, cl.act_bytes * T * h, link) if sp else 0.0) + _gather(t, 12 * T * t, link)
-    tp_b = (
-        _gather(t, cl.act_bytes * T * h, link) if sp else _allreduce(t, cl.act_bytes * T * h, link)
-    )
+    tp_f = (_gather(t, act, link, x) if sp else 0.0) + _gather(t, 12 * T * t, link, x)
+    tp_b = _gather(t, act, link, x) if sp else _allreduce(t, act, link, x)
     head = UnitCost(
         mm_f + _mem(cl, ce + 4 * T * h * r, 4),
         tp_f,
