@@ -568,11 +568,17 @@ def test_shared_cores_slow_data_parallel_ranks_by_ranks_over_cores() -> None:
     shared = simulate(shape, replace(cpu, shared_cores=2), plan).timeline
     busy = alone.ranks[0].busy
     assert shared.ranks[0].busy == pytest.approx(2 * busy)
-    # taking turns costs shared_slowdown more, only while the ranks outnumber the cores
+    # sharing the node costs shared_slowdown more, with cores enough for all ranks too (memory
+    # bandwidth, caches), on top of the share while they outnumber the cores
     slow = simulate(shape, replace(cpu, shared_cores=2, shared_slowdown=0.25), plan).timeline
     assert slow.ranks[0].busy == pytest.approx(2 * 1.25 * busy)
     enough = simulate(shape, replace(cpu, shared_cores=4, shared_slowdown=0.25), plan).timeline
-    assert enough.ranks[0].busy == pytest.approx(busy)
+    assert enough.ranks[0].busy == pytest.approx(1.25 * busy)
+    one = replace(cpu, gpus_per_node=1, shared_cores=1, shared_slowdown=0.25)
+    single = Plan.from_batch(8, micro_batch=1)  # one process alone on its node: never slowed
+    assert simulate(shape, one, single).timeline.ranks[0].busy == pytest.approx(
+        simulate(shape, replace(one, shared_slowdown=0.0), single).timeline.ranks[0].busy
+    )
 
 
 # -- zero-bubble schedules: the bubble of a split backward ------------------------------------

@@ -97,9 +97,9 @@ class Cluster:
     # own device. While more ranks compute than there are cores, each runs at cores / ranks of
     # its speed alone (the rates above are one rank's alone on a core)
     shared_cores: float = 0.0
-    # while more processes compute on a node than it has cores, each runs this much slower again
-    # than its share of the cores (context switches, caches refilled after each switch, memory
-    # bandwidth shared by every core): a CPU profile measures it; 0 on devices
+    # while more than one process computes on a node, each runs this much slower again than its
+    # share of the cores (memory bandwidth and caches shared by every core, and, while they
+    # outnumber the cores, context switches): a CPU profile measures it; 0 on devices
     shared_slowdown: float = 0.0
 
     def __post_init__(self) -> None:

@@ -161,10 +161,10 @@ def measure(
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
-    # taking turns costs more than the share of the cores: one rank's matmul rate alone against
-    # its rate among ``ranks`` (the same matmul), beyond cores / ranks
+    # sharing the node costs more than the share of the cores: one rank's matmul rate alone
+    # against its rate among ``ranks`` (the same matmul), beyond cores / ranks
     alone = rows[0]["gemm_alone"]
-    slowdown = max(0.0, alone / crowd / med("gemm_crowd") - 1) if ranks > cores else 0.0
+    slowdown = max(0.0, alone / crowd / med("gemm_crowd") - 1) if ranks > 1 else 0.0
     peak = med("gemm") * crowd * (1 + slowdown)
     # k / (k + k0) = short-k rate / rate at k = h … 4h (taken at k = h)
     ratio = min(med("gemm_short_k") / med("gemm"), 0.999)

@@ -265,8 +265,10 @@ def _run_shared(
     """``_run`` for ranks that share ``cores`` cores per node (CPU ranks, more than cores):
     processor sharing in global time order. Rank index i stands for ``weight[i]`` processes on
     node ``node[i]``; while the processes computing F or B on a node outnumber its cores, each
-    runs at cores / their number of its full speed (``cost``, seconds alone on a core), divided
-    by 1 + ``slowdown`` (what taking turns costs beyond the share). A rank
+    runs at cores / their number of its full speed (``cost``, seconds alone on a core); while
+    more than one computes, each is slowed by 1 + ``slowdown`` again (what sharing the node
+    costs beyond the cores: memory bandwidth, caches, and taking turns when they outnumber the
+    cores). A rank
     waiting (receive, gradient reduction, tied-weight meeting) leaves its core to the others,
     which is how a pipeline's bubble speeds up the other stages on a shared CPU. Transfers and
     reductions are not slowed."""
@@ -354,7 +356,7 @@ def _run_shared(
         for i in busy:
             load[node[i]] = load.get(node[i], 0.0) + weight[i]
         rate = {
-            i: 1.0 if load[node[i]] <= cores else cores / load[node[i]] / (1 + slowdown)
+            i: min(1.0, cores / load[node[i]]) / (1 + slowdown if load[node[i]] > 1 else 1.0)
             for i in busy
         }
         nxt = [T + left[i] / rate[i] for i in busy]
