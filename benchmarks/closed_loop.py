@@ -24,8 +24,8 @@
 The model: nanoGPT, 4 blocks of width 256 (8 heads), vocabulary 512, float32, a global batch of
 8 sequences of 256 tokens. Goals (issue 19): Spearman rank correlation of predicted and measured
 step times ≥ 0.8 over at least 8 plans; the planner's first plan within 10 % of the fastest
-measured; every prediction within 15 %. Exits 1 when a goal is missed (today the last one is:
-docs/simulate.md, "A closed loop on this machine").
+measured; every prediction within 15 %. Exits 1 when a goal is missed (docs/simulate.md, "A
+closed loop on this machine", has every run's figures).
 
     python benchmarks/closed_loop.py [--plans 10] [--save run.json] [--profile-out cpu.toml]
     python benchmarks/closed_loop.py --replay run.json   # re-predict a saved run

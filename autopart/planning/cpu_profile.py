@@ -14,10 +14,10 @@ that measure at the same time, so every figure is what one rank gets while the o
 - the link (``nvlink_*``, one "node" of ``ranks`` ranks): a gloo all-reduce of a large and of a
   small tensor over all ranks, solved for the ring's bandwidth and per-step latency.
 
-``calibrate(cluster, shape, runs)`` then refits the compute rate, the per-kernel floor and the
-per-message latency to measured step times of real plans. ``docs/simulate.md`` ("A closed loop
-on this machine") gives the figures measured here and how well (today: not well enough) the
-planner ranks real runs with them.
+``calibrate(cluster, shape, runs)`` then refits the compute rate, the per-kernel floor, the
+per-action cost, ``shared_slowdown`` and the per-message latency to measured step times of real
+plans. ``docs/simulate.md`` ("A closed loop on this machine") gives the figures measured here
+and how well the planner ranks real runs with them.
 """
 
 from __future__ import annotations
