@@ -92,8 +92,8 @@ def _weight_grads(
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     """Add ``g`` to parameter ``p``'s gradient, in place as autograd's ``AccumulateGrad`` does
-    (an out-of-place sum allocated a new gradient per unit: at width 1536 on CPU that made ``W``
-    40 % slower than the same products inside 1F1B's backward, docs/zero_bubble.md); ``p``
+    (an out-of-place sum allocated a new gradient per GEMM and unit: at width 1536 on CPU, B + W
+    took 24 % longer than 1F1B's backward, docs/zero_bubble.md); ``p``
     computed from a parameter (the bf16 cast of a float32 master under ``precision="bf16"``)
     sends it back through that computation."""
     if p.is_leaf:
