@@ -16,8 +16,8 @@
    recomputation: memory is no constraint here).
 4. **run** — the planner's top plans and others spread over its ranking (one plan per
    program, never a calibration plan's program) run on 4 gloo ranks (torchrun, one thread
-   each) with the calibration plans again, one runner alive at a time, in two passes (the
-   second in reverse order): the lower quartile of 8 training steps (forward, backward, AdamW;
+   each) with the calibration plans again (spread evenly among them), one runner alive at a
+   time, in two passes (the second in reverse order): the lower quartile of 8 training steps (forward, backward, AdamW;
    ZeRO-1 with the distributed optimizer), the slowest rank per step. That repeats in
    ``--launches`` launches (default 2), and each plan keeps its fastest. The profile is refitted
    to the calibration plans' times from the same launches (never to the plans compared).
@@ -137,6 +137,18 @@ def _run(plans: list) -> list[float] | None:
         plans_file = str(Path(tmp) / "plans.json")
         Path(plans_file).write_text(json.dumps([p.to_json() for p in plans]))
         return run_workers(__file__, RANKS, plans_file)
+
+
+def _interleave(n: int, c: int) -> list[int]:
+    """Indices 0 … n + c − 1 in run order: the c calibration plans (n … n + c − 1) spread evenly
+    among the n compared plans (0 … n − 1)."""
+    before = [int((i + 0.5) * n / c) for i in range(c)]  # the compared plan each goes before
+    out = []
+    for j in range(n + 1):
+        out += [n + i for i in range(c) if before[i] == j]
+        if j < n:
+            out.append(j)
+    return out
 
 
 def _rank(shape, cluster) -> list:
@@ -291,9 +303,16 @@ def main() -> int:
         launches = []
         for i in range(a.launches):
             print(f"launch {i + 1} of {a.launches}: {len(plans)} plans and {len(calib)} again")
-            both = _run(plans + calib)
-            if both is None:
+            # the calibration plans spread among the compared ones, so that the machine's drift
+            # within a launch falls on both alike (run 23: the calibration plans, measured
+            # together mid-launch, ran 0-12 % slower in one launch and set the refit)
+            order = _interleave(len(plans), len(calib))
+            got = _run([(plans + calib)[j] for j in order])
+            if got is None:
                 return 1
+            both = [0.0] * len(order)
+            for j, t in zip(order, got, strict=True):
+                both[j] = t
             launches.append(both)
         best = [min(col) for col in zip(*launches, strict=True)]
         measured, again = best[: len(plans)], best[len(plans) :]
