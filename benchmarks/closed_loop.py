@@ -5,11 +5,11 @@
    share of the cores), memory bandwidth, the cost of one graph node and a gloo all-reduce;
    the result is a ``Cluster``.
 2. **calibrate** — four single-rank plans (``ALONE``: micro-batches and Seq1F1B chunks) run in
-   this process, alone on a core (``cpu_profile.step_times_alone``), and six fixed plans
+   this process, alone on a core (``cpu_profile.step_times_alone``), and seven fixed plans
    (``CALIBRATION``: dp=4 with and without the distributed optimizer, tp=4, pp=4 1F1B and
-   Seq1F1B k=4, tp=2 × pp=2) on 4 gloo ranks; ``cpu_profile.calibrate`` fits the compute rate,
-   the per-kernel floor, the per-action cost, the cost of taking turns and the per-message
-   latency to all ten together. The profile is printed as TOML (what ``autopart plan
+   Seq1F1B k=4, tp=2 × pp=2 1F1B and Seq1F1B k=4 with SP) on 4 gloo ranks;
+   ``cpu_profile.calibrate`` fits the compute rate, the per-kernel floor, the per-action cost,
+   the cost of taking turns and the per-message latency to all eleven together. The profile is printed as TOML (what ``autopart plan
    --cluster cpu.toml`` reads).
 3. **plan** — ``planner.search`` ranks every plan of the model for 4 ranks on that profile
    (dp/tp/pp, GPipe/1F1B/interleaved/Seq1F1B/zero-bubble, micro-batch sizes, chunk counts; no
@@ -118,6 +118,9 @@ CALIBRATION = [
     dict(micro_batch=2, tp=2, pp=2, schedule="1f1b"),
     dict(micro_batch=1, dp=4, distributed_optimizer=True),
     dict(micro_batch=2, pp=4, schedule="seq1f1b", seq_chunks=4),
+    # many small tp collectives (64-token chunks, SP): without a plan like it the fit traded the
+    # per-message latency for other terms, from 284 down to 6 µs (runs 24-27)
+    dict(micro_batch=1, tp=2, pp=2, schedule="seq1f1b", seq_chunks=4, sequence_parallel=True),
 ]
 
 
