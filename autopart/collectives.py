@@ -47,7 +47,12 @@ from autopart.errors import AutopartError, wait
 from autopart.runtime import shm
 
 _GROUPS: dict[str, Any] = {}
-_STATE: dict[str, Any] = {"action": "(no action)", "timeout_s": 300.0, "rank": None}
+_STATE: dict[str, Any] = {
+    "action": "(no action)",
+    "timeout_s": 300.0,
+    "rank": None,
+    "defer_grad_reduce": False,  # ``defer_grad_reduce``
+}
 _SHM: dict[Any, shm.ShmGroup | None] = {}  # group -> its shared-memory exchange, when it has one
 _TRANSPORT: dict[Any, str] = {}  # group -> transport(group), decided on first use
 
@@ -295,20 +300,19 @@ def _keep_group(ctx: Any, inputs: Sequence[Any], output: Any) -> None:
 
 
 tp_copy.register_autograd(lambda ctx, g: (tp_reduce(g, *ctx.args), None), setup_context=_keep_group)
+
+
 # While a runner's step defers them (``defer_grad_reduce``), tp_all_reduce_grad's backward
 # leaves this rank's partial gradient, and the runner all-reduces the step's sum of them once
 # (``reduce_grads``): one message per step instead of one per parameter and unit (sums over
 # the micro-batches and over the tp ranks commute).
-_DEFER_GRAD_REDUCE = [False]
-
-
 def defer_grad_reduce(on: bool) -> None:
     """Make tp_all_reduce_grad's backward the identity (True) or an all-reduce (False)."""
-    _DEFER_GRAD_REDUCE[0] = on
+    _STATE["defer_grad_reduce"] = on
 
 
 def _grad_reduce_backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return (g if _DEFER_GRAD_REDUCE[0] else tp_reduce(g, *ctx.args), None)
+    return (g if _STATE["defer_grad_reduce"] else tp_reduce(g, *ctx.args), None)
 
 
 def reduce_grads(grads: list[torch.Tensor], group: str) -> None:

@@ -9,16 +9,17 @@
    (``CALIBRATION``: dp=4 with and without the distributed optimizer, tp=4, pp=4 1F1B and
    Seq1F1B k=4, tp=2 × pp=2 1F1B and Seq1F1B k=4 with SP) on 4 gloo ranks;
    ``cpu_profile.calibrate`` fits the compute rate, the per-kernel floor, the per-action cost,
-   the cost of taking turns and the per-message latency to all eleven together. The profile is printed as TOML (what ``autopart plan
-   --cluster cpu.toml`` reads).
+   the cost of sharing the cores and the per-message latency to all eleven together. The
+   profile is printed as TOML (what ``autopart plan --cluster cpu.toml`` reads).
 3. **plan** — ``planner.search`` ranks every plan of the model for 4 ranks on that profile
    (dp/tp/pp, GPipe/1F1B/interleaved/Seq1F1B/zero-bubble, micro-batch sizes, chunk counts; no
    recomputation: memory is no constraint here).
 4. **run** — the planner's top plans and others spread over its ranking (one plan per
    program, never a calibration plan's program) run on 4 gloo ranks (torchrun, one thread
    each) with the calibration plans again (spread evenly among them), one runner alive at a
-   time, in two passes (the second in reverse order): the lower quartile of 8 training steps (forward, backward, AdamW;
-   ZeRO-1 with the distributed optimizer), the slowest rank per step. That repeats in
+   time, in two passes (the second in reverse order): the lower quartile of 8 training steps
+   (forward, backward, AdamW; ZeRO-1 with the distributed optimizer), the slowest rank per
+   step. That repeats in
    ``--launches`` launches (default 2), and each plan keeps its fastest. The profile is refitted
    to the calibration plans' times from the same launches (never to the plans compared).
 

@@ -32,6 +32,16 @@ GIB = 2**30
 ATTENTION = ("flash", "unfused")
 
 
+def crowding(processes: float, cores: float, slowdown: float) -> float:
+    """How many times slower each of ``processes`` computing at once on a node of ``cores``
+    shared cores runs than alone on a core: their share of the cores while they outnumber them,
+    and 1 + ``slowdown`` again while more than one computes (memory bandwidth, caches, taking
+    turns); 1 when the cores are not shared (``cores`` = 0)."""
+    if not cores or processes <= 1:
+        return 1.0
+    return max(1.0, processes / cores) * (1 + slowdown)
+
+
 # fields that may be 0 (every other number must be positive)
 LOW_OK = ("action_overhead_us", "shared_cores", "shared_slowdown")
 
@@ -139,6 +149,10 @@ class Cluster:
         ):
             if getattr(self, f) > 1:
                 raise AutopartError(f"cluster {self.name!r}: {f}={getattr(self, f)} is above 1")
+
+    def crowding(self, processes: float) -> float:
+        """``crowding`` on this cluster's shared cores (1 without ``shared_cores``)."""
+        return crowding(processes, self.shared_cores, self.shared_slowdown)
 
     @property
     def ib_gbps_per_gpu(self) -> float:

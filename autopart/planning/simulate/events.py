@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from autopart.errors import AutopartError
+from autopart.planning.cluster import crowding
 from autopart.runtime.timeline import chrome_event
 from autopart.schedule.ir import Action
 
@@ -355,10 +356,7 @@ def _run_shared(
         load: dict[int, float] = {}
         for i in busy:
             load[node[i]] = load.get(node[i], 0.0) + weight[i]
-        rate = {
-            i: min(1.0, cores / load[node[i]]) / (1 + slowdown if load[node[i]] > 1 else 1.0)
-            for i in busy
-        }
+        rate = {i: 1.0 / crowding(load[node[i]], cores, slowdown) for i in busy}
         nxt = [T + left[i] / rate[i] for i in busy]
         nxt += [ready[i] for i in range(n) if ready[i] > T and pc[i] < len(comp.ops[i])]
         if not nxt:

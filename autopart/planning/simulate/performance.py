@@ -389,15 +389,10 @@ class CostModel:
         with the distributed optimizer each dp rank updates 1/dp of them."""
         cl = self.cluster
         n = self.params[rank] / (self.st.dp if self.st.distributed_optimizer else 1)
-        # every rank steps at once: on shared cores, each at cores / ranks of its speed, and
-        # slowed by sharing the node (``_run_shared``'s rule)
-        ranks = min(self.st.gpus, cl.gpus_per_node)
-        crowd = (
-            max(1.0, ranks / cl.shared_cores) * (1 + cl.shared_slowdown)
-            if cl.shared_cores and ranks > 1
-            else 1.0
+        # every rank steps at once: on shared cores, each slowed by sharing the node
+        return cl.crowding(min(self.st.gpus, cl.gpus_per_node)) * _mem(
+            cl, 34 * n * 2 / cl.act_bytes, 4
         )
-        return crowd * _mem(cl, 34 * n * 2 / cl.act_bytes, 4)
 
     def param_gather_time(self, rank: int) -> float:
         """Distributed optimizer: all-gather of the updated parameters (``act_bytes`` each,
