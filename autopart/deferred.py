@@ -73,6 +73,20 @@ class WeightStore:
             work()
         return len(works)
 
+    def run_one(self) -> Hashable | None:
+        """Run the oldest deferred GEMM of the unit whose ``B`` ran first (never the collecting
+        unit's); that unit, or None when nothing waits. Oldest first, so each parameter's
+        gradient adds up in the order the schedule's ``W`` actions would add it."""
+        for unit, works in self.pending.items():
+            if unit != self.collecting and works:
+                works.pop(0)()
+                return unit
+        return None
+
+    def done(self, unit: Hashable) -> bool:
+        """True when none of ``unit``'s deferred GEMMs is left."""
+        return not self.pending.get(unit)
+
     def clear(self) -> None:
         self.collecting = None
         self.pending.clear()

@@ -86,3 +86,25 @@ def test_bf16_sends_the_deferred_gradients_through_the_cast_to_the_masters(gpt_s
     for (name, p), (_, q) in zip(zb.named_parameters(), one.named_parameters(), strict=True):
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
         assert (p.grad - q.grad).abs().max() <= 2e-2 * q.grad.abs().max(), name
+
+
+@pytest.mark.multirank
+def test_a_waiting_rank_runs_deferred_w_and_the_gradients_are_the_same_bits() -> None:
+    """Work while waiting (p2p.Channel.filler): a rank whose receive has not arrived runs
+    deferred weight-gradient GEMMs, each gradient adds up in the schedule's order, and the
+    receive's trace event starts after them."""
+    import json
+    from pathlib import Path
+
+    from autopart.parity.verify import launch_forked
+
+    script = Path(__file__).resolve().parent / "fill_script.py"
+    out = launch_forked(2, [str(script)], timeout_s=120)
+    res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
+    for schedule, r in res.items():
+        # rank 1 waits for 3 of 4 micro-batches' activations (k chunks each), holding the
+        # previous unit's deferred GEMMs every time
+        assert r["filled"] > 0 and r["filled_without"] == 0, (schedule, r)
+        assert r["deferred"][0] == r["deferred"][1], (schedule, r)  # the same GEMMs, all run
+        assert r["w_events"] > r["units"], (schedule, r)  # W pieces besides the units' W
+        assert r["no_overlap"] and r["bitwise"], (schedule, r)

@@ -6,8 +6,10 @@ of the last step as Chrome trace events, each with its action's fields in ``args
 (the format version, the plan, each rank's mesh coordinates, the step's wall time). ``measure``
 reduces it to the costs the simulator needs:
 
-- **compute**: the median duration of each ``F`` and ``B`` per (kind, stage, chunk), over every
-  micro-batch and every rank holding that stage (tp and dp ranks of a stage run in lockstep);
+- **compute**: the median duration of each ``F``, ``B`` and ``W`` per (kind, stage, chunk), over
+  every micro-batch and every rank holding that stage (tp and dp ranks of a stage run in
+  lockstep); a ``W`` that ran in pieces (some while a receive waited, ``p2p.Channel.filler``)
+  counts as the sum of its pieces;
 - **reductions**: the shortest ``TIE_REDUCE`` over the ranks (every rank waits in it until the
   last one arrives, so the shortest wait is the collective itself); for ``DP_REDUCE``, the time
   from the start of the rank's last ``B`` to the end of its wait, the shortest over the ranks of
@@ -125,6 +127,7 @@ def measure(
     sends: dict[tuple, float] = {}
     recvs: list[tuple[tuple, float, float]] = []
     last_b: dict[int, Block] = {}  # rank → its last B
+    pieces: dict[tuple[int, int, int, int], float] = {}  # W seconds per (rank, unit)
     for b in sorted(bs, key=lambda b: b.start):
         a, dur = b.action, b.dur * 1e-6
         if b.rank not in pp_of:
@@ -132,9 +135,13 @@ def measure(
                 f"{source}: an event of rank {b.rank}, which the header's ranks do not list",
                 hint="re-measure with: autopart run DIR --trace FILE",
             )
-        if b.kind in ("F", "B", "W"):
+        if b.kind == "W":  # a unit's W may come in pieces (run while a receive waited)
+            unit = (b.rank, a.stage, a.mb, a.chunk)
+            pieces[unit] = pieces.get(unit, 0.0) + dur
+            last_b[b.rank] = b  # the stage's gradients are final after its last B (or W)
+        elif b.kind in ("F", "B"):
             compute.setdefault((b.kind, a.stage, a.chunk), []).append(dur)
-            if b.kind != "F":  # the stage's gradients are final after its last B (or W)
+            if b.kind == "B":
                 last_b[b.rank] = b
         elif b.kind == "DP_REDUCE":  # reproduces the simulator's rule (module docstring)
             last = last_b.get(b.rank)
@@ -149,6 +156,8 @@ def measure(
             stage = a.stage - 1 if b.kind == "RECV_F" else a.stage + 1
             kind = "SEND_" + b.kind[-1]
             recvs.append(((kind, a.peer, b.rank, stage, a.mb, a.chunk), b.start, b.end))
+    for (_, stage, _, chunk), dur in pieces.items():
+        compute.setdefault(("W", stage, chunk), []).append(dur)
     transfer: dict[tuple[str, int], list[float]] = {}
     for key, start, end in recvs:
         sent = sends.get(key)

@@ -7,10 +7,21 @@ ones send payloads only, and the receiver can post their ``irecv`` early (``Chan
 to overlap the transfer with compute.
 Sends are asynchronous and awaited at the end of the step; receives wait with a timeout whose
 error names the rank, the action and the peer.
+
+**Work while waiting** (``Channel.filler``, zero-bubble schedules): a receive that was posted
+early is watched by a helper thread blocked in ``Work.wait`` (gloo cannot be polled: its
+``is_completed`` stays False until waited on, and a wait that times out closes the
+connection); while that thread has not seen the data arrive, ``recv`` calls the filler (one
+deferred weight-gradient GEMM) instead of blocking, until the data is there or the filler has
+nothing left. ``Work.wait`` releases the GIL, so the thread costs no compute.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,12 +62,15 @@ class Channel:
         # data) they go over gloo on the CPU, and payloads are not sent at all
         self.dry = self.device.type == "meta"
         self.head_device = torch.device("cpu") if self.dry else self.device
+        # work to do while a posted receive has not arrived: returns False when it has none
+        self.filler: Callable[[], bool] | None = None
         self.reset()
 
     def reset(self) -> None:
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.shapes: dict[tuple[bool, int, int], list[tuple[torch.dtype, list[int]]]] = {}
         self.posted: dict[tuple[bool, int, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
+        self.arrived: dict[tuple[bool, int, int, int], _Watch] = {}
 
     def send(
         self,
@@ -100,6 +114,8 @@ class Channel:
             if not self.dry
         ]
         self.posted[key] = (works, bufs)
+        if self.filler is not None and works and self.device.type == "cpu":
+            self.arrived[key] = _Watch(works, 2 * self.timeout_s)
 
     def recv(
         self, count: int, peer: int, stage: int, mb: int, chunk: int, backward: bool, what: str
@@ -110,6 +126,12 @@ class Channel:
             self.prefetch(peer, stage, mb, chunk, backward)
         if key in self.posted:
             works, bufs = self.posted.pop(key)
+            watch = self.arrived.pop(key, None)
+            if watch is not None:  # work while waiting, then wait out what is left
+                while not watch.done.is_set() and self.filler is not None and self.filler():
+                    pass
+                watch.result(self.rank, f"{what} (peer rank {peer})", self.timeout_s)
+                return bufs
             for w in works:
                 _wait(w, self.rank, what, peer, self.timeout_s)
             return bufs
@@ -144,6 +166,38 @@ class Channel:
         for work, _ in self.sends:
             _wait(work, self.rank, "a pending send", None, self.timeout_s)
         self.sends = []
+
+
+class _Watch:
+    """A helper thread that waits for a posted receive's works; ``done`` is set when they
+    completed or failed."""
+
+    def __init__(self, works: list[Any], timeout_s: float) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._works, self._timeout = works, timeout_s
+        threading.Thread(target=self._run, daemon=True, name="autopart-recv").start()
+
+    def _run(self) -> None:
+        try:
+            for w in self._works:
+                if w.wait(timeout=timedelta(seconds=self._timeout)) is False:
+                    raise TimeoutError(f"no data after {self._timeout:.0f} s")
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting rank
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def result(self, rank: int, what: str, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` more; a failure or timeout names the rank and action."""
+        start = time.monotonic()
+        if not self.done.wait(timeout_s):
+            self.error = TimeoutError(f"waited {time.monotonic() - start:.0f} s")
+        if self.error is not None:
+            raise AutopartError(
+                f"rank {rank}: {what} failed or timed out after {timeout_s:.0f} s: {self.error}",
+                hint="the peer probably died or runs a different schedule",
+            ) from self.error
 
 
 def _wait(work: Any, rank: int, what: str, peer: int | None, timeout_s: float) -> None:

@@ -246,6 +246,8 @@ class Runner:
             for k, g in runs.items()
         }
         self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
+        if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
+            self._p2p.filler = self._fill
         self._tp_group = groups.get("tp")
         collectives.bind("tp", self._tp_group)
         collectives.set_action("(setup)", timeout_s)
@@ -257,6 +259,7 @@ class Runner:
             "buckets": len(self._buckets),
             "launched_during_backward": 0,
             "deferred_gemms": 0,
+            "filled_gemms": 0,  # of those, run while a receive had not arrived
         }
 
     @classmethod
@@ -340,6 +343,7 @@ class Runner:
         self._p2p.reset()
         self.stats["launched_during_backward"] = 0
         self.stats["deferred_gemms"] = 0  # weight-gradient GEMMs the W actions ran
+        self.stats["filled_gemms"] = 0
         actions = self.program.actions
         collectives.defer_grad_reduce(bool(self._tp_partial))
         s = self._s = _Step(
@@ -434,6 +438,24 @@ class Runner:
         self._saved.release(("W", *unit))
         for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
             self._bucket_ready(b, p)
+
+    def _fill(self) -> bool:
+        """Work while waiting (zero-bubble schedules, ``p2p.Channel.filler``): one deferred
+        weight-gradient GEMM of the oldest unit whose ``B`` has run, so the wait for a
+        neighbour that runs late is spent on work the schedule's ``W`` would do later; recorded
+        as a piece of that unit's ``W``. False when no such GEMM is left."""
+        start = time.time()
+        unit = deferred.STORE.run_one()
+        if unit is None:
+            return False
+        self.stats["deferred_gemms"] += 1
+        self.stats["filled_gemms"] += 1
+        if deferred.STORE.done(unit):
+            self._saved.release(("W", *unit))
+        if self.timeline is not None:  # the receive's own event starts after its last piece
+            self._t0 = time.time()
+            self.timeline.append(TraceEvent(Action("W", *unit), start, self._t0))
+        return True
 
     def _on_send_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._p2p.send(self._s.live[unit]["outputs"], action.peer, *unit, backward=False)
