@@ -159,14 +159,8 @@ def worker(out: str, seq: int, m: int, width: int) -> None:
         "busy": {s: statistics.median(f) for s, f in fractions.items()},
         "saved": {**{s: r.peak_saved_bytes for s, r in runners.items()}, "torch": saved_torch},
         "deferred": {s: r.stats["deferred_gemms"] for s, r in runners.items()},
-        "unit_ms": {  # mean F, B, W of this rank's last step
-            s: {
-                k: statistics.mean(e["dur"] / 1e3 for e in r.chrome_trace() if e["cat"] == k)
-                for k in ("F", "B", "W")
-                if any(e["cat"] == k for e in r.chrome_trace())
-            }
-            for s, r in runners.items()
-        },
+        "filled": {s: r.stats["filled_gemms"] for s, r in runners.items()},
+        "unit_ms": {s: _unit_ms(r.chrome_trace()) for s, r in runners.items()},
     }
     every = [None] * P
     dist.all_gather_object(every, mine)
@@ -174,6 +168,18 @@ def worker(out: str, seq: int, m: int, width: int) -> None:
         Path(out).write_text(json.dumps(every))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _unit_ms(trace: list[dict]) -> dict[str, float]:
+    """Mean F, B and W milliseconds per unit in one rank's trace of a step (a W that ran in
+    pieces, some while a receive waited, counts as their sum)."""
+    out = {}
+    for k in ("F", "B", "W"):
+        events = [e for e in trace if e["cat"] == k]
+        units = {(e["args"]["stage"], e["args"]["mb"], e["args"]["chunk"]) for e in events}
+        if units:
+            out[k] = sum(e["dur"] for e in events) / 1e3 / len(units)
+    return out
 
 
 def _simulated(seq: int, m: int, width: int) -> dict[str, float]:
@@ -229,6 +235,10 @@ def main(a: argparse.Namespace) -> int:
         saved = " / ".join(f"{r['saved'][key] / 2**20:.2f}" for r in ranks)
         print(f"{n:<38}{ms[n]:9.1f}{ms['1f1b'] / ms[n]:8.3f}x{b}  {saved}")
     print(f"deferred weight GEMMs per step (rank 0): {ranks[0]['deferred']}")
+    print(
+        "of those, run while a receive waited (rank 0 / 1): "
+        + ", ".join(f"{s} {' / '.join(str(r['filled'][s]) for r in ranks)}" for s in SCHEDULES)
+    )
     u = ranks[0]["unit_ms"]["zb-h1"]
     theory = (u["F"] + u["B"] - u["W"]) / (u["F"] + u["B"] + u["W"])
     print(
