@@ -93,6 +93,23 @@ def test_measure_recovers_the_costs_and_predict_the_step(schedule: str, k: int, 
     assert more.summary["bubble_fraction"] < same.summary["bubble_fraction"]  # the bubble amortizes
 
 
+def test_a_w_run_in_pieces_costs_their_sum() -> None:
+    """The runtime may run a unit's W in pieces (some while a receive waited): measure() adds
+    a unit's pieces up, so the W cost is the whole unit's."""
+    doc, span = _fake_trace("zb-h1", 6)
+    events = []
+    for e in doc["traceEvents"]:
+        if e.get("cat") == "W":  # the first third moves earlier, as a separate piece
+            third = e["dur"] / 3
+            events.append({**e, "ts": e["ts"] - 5e3, "dur": third})
+            e = {**e, "ts": e["ts"] + third, "dur": e["dur"] - third}
+        events.append(e)
+    m = measure(events, doc["autopart"])
+    assert {key for key in m.compute if key[0] == "W"} == {("W", s, 0) for s in range(P)}
+    for key, seconds in m.compute.items():
+        assert seconds == pytest.approx(_costs(*key), abs=1e-6), key
+
+
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
 @pytest.mark.parametrize("dp_cost", [0.003, 0.05, 0.2])  # hidden behind the last B, or not
 def test_dp_reduce_wait_is_reproduced(schedule: str, v: int, dp_cost: float) -> None:
