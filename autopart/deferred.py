@@ -16,7 +16,6 @@ unchanged bit for bit, and the gradients are the same products autograd forms.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,29 +43,21 @@ def _(x, w, b, form):
 
 
 class WeightStore:
-    """The deferred weight gradients of each unit, from its ``B`` until its ``W``.
-
-    Units of one group (``group_of``: the runner's micro-batch, over its sequence chunks) are
-    computed together: a weight's deferred GEMMs of every pending unit of the group become one
-    GEMM over all their tokens, in the order their ``B``s ran (the same tokens, summed in one
-    product instead of one per chunk: at width 2048 on this CPU two 128-token GEMMs and their
-    two additions to ``.grad`` cost 1.3× one 256-token GEMM and its one addition)."""
+    """The deferred weight gradients of each unit, from its ``B`` until its ``W``."""
 
     def __init__(self) -> None:
         self.collecting: Hashable | None = None  # the unit whose backward is running
-        self.pending: dict[Hashable, list[_Gemm]] = {}
+        self.pending: dict[Hashable, list[Callable[[], None]]] = {}
         self._kept: dict[Hashable, dict[int, int]] = {}  # unit → id(tensor) → its bytes
-        self.group_of: Callable[[Hashable], Hashable] = lambda unit: unit
-        self.complete: set[Hashable] = set()  # groups whose every unit's B has run
 
-    def defer(self, gemm: _Gemm) -> bool:
-        """Keep ``gemm`` for the collecting unit's W (it holds its input and output gradient
-        until then); False when no unit collects."""
+    def defer(self, work: Callable[[], None], holds: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Keep ``work`` for the collecting unit's W (it holds the tensors ``holds`` until
+        then); False when no unit collects."""
         if self.collecting is None:
             return False
-        self.pending.setdefault(self.collecting, []).append(gemm)
+        self.pending.setdefault(self.collecting, []).append(work)
         kept = self._kept.setdefault(self.collecting, {})
-        for t in (gemm.x, gemm.dy):  # a tensor several GEMMs read (Llama's q/k/v input) once
+        for t in holds:  # a tensor several GEMMs read (Llama's q/k/v input) counts once
             kept[id(t)] = t.numel() * t.element_size()
         return True
 
@@ -75,23 +66,21 @@ class WeightStore:
         return sum(self._kept.get(unit, {}).values())
 
     def run(self, unit: Hashable) -> int:
-        """Compute and accumulate ``unit``'s deferred weight gradients, each merged with the same
-        weight's pending GEMMs of ``unit``'s group; how many deferred GEMMs that consumed."""
-        n = 0
-        while self.pending.get(unit):
-            n += self._run_weight(unit, self.pending[unit][0])
-        self._forget(unit)
-        return n
+        """Compute and accumulate ``unit``'s deferred weight gradients; how many GEMMs ran."""
+        works = self.pending.pop(unit, [])
+        self._kept.pop(unit, None)
+        for work in works:
+            work()
+        return len(works)
 
-    def run_one(self) -> tuple[Hashable, int] | None:
-        """Compute one weight's deferred gradient of the oldest unit whose group is complete
-        (never the collecting unit's), merged over the group as ``run`` merges it; that unit
-        and how many deferred GEMMs it consumed, or None when nothing is ready. Oldest first,
-        so each parameter's gradient adds up in the order the schedule's ``W`` actions add it,
-        bit for bit."""
-        for unit, gemms in self.pending.items():
-            if gemms and unit != self.collecting and self.group_of(unit) in self.complete:
-                return unit, self._run_weight(unit, gemms[0])
+    def run_one(self) -> Hashable | None:
+        """Run the oldest deferred GEMM of the unit whose ``B`` ran first (never the collecting
+        unit's); that unit, or None when nothing waits. Oldest first, so each parameter's
+        gradient adds up in the order the schedule's ``W`` actions would add it."""
+        for unit, works in self.pending.items():
+            if unit != self.collecting and works:
+                works.pop(0)()
+                return unit
         return None
 
     def done(self, unit: Hashable) -> bool:
@@ -102,60 +91,17 @@ class WeightStore:
         self.collecting = None
         self.pending.clear()
         self._kept.clear()
-        self.complete.clear()
-
-    def _run_weight(self, unit: Hashable, first: _Gemm) -> int:
-        """Every pending GEMM of ``first``'s weight (and bias and form) in ``unit``'s group, as
-        one GEMM over their tokens, in the order the units' ``B``s ran; how many."""
-        group = self.group_of(unit)
-        same: list[_Gemm] = []
-        for u in list(self.pending):
-            if u == self.collecting or self.group_of(u) != group:
-                continue
-            keep = [g for g in self.pending[u] if not first.merges_with(g)]
-            same += [g for g in self.pending[u] if first.merges_with(g)]
-            self.pending[u] = keep
-            if not keep and u != unit:
-                self._forget(u)
-        dw, db = _weight_grads(same)
-        _accumulate(first.w, dw)
-        if first.b is not None:
-            _accumulate(first.b, db)
-        return len(same)
-
-    def _forget(self, unit: Hashable) -> None:
-        self.pending.pop(unit, None)
-        self._kept.pop(unit, None)
 
 
 STORE = WeightStore()  # one per process: the runner of the step sets ``collecting``
 
 
-@dataclass(eq=False)
-class _Gemm:
-    """One deferred weight-gradient GEMM: its input, its output's gradient, the weight (and
-    bias) it adds to, and the form of the product."""
-
-    x: torch.Tensor
-    dy: torch.Tensor
-    form: str
-    w: torch.Tensor
-    b: torch.Tensor | None
-
-    def merges_with(self, other: _Gemm) -> bool:
-        """The same weight, bias and form: the two add up as one GEMM over both's tokens."""
-        return other.w is self.w and other.b is self.b and other.form == self.form
-
-
-def _weight_grads(gemms: list[_Gemm]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dW (and db) of GEMMs of one weight, over all their tokens in one product."""
-    xs = [g.x.reshape(-1, g.x.shape[-1]) for g in gemms]
-    dys = [g.dy.reshape(-1, g.dy.shape[-1]) for g in gemms]
-    x2 = xs[0] if len(xs) == 1 else torch.cat(xs)
-    dy2 = dys[0] if len(dys) == 1 else torch.cat(dys)
-    head = gemms[0]
-    dw = dy2.t().mm(x2) if head.form == "linear" else x2.t().mm(dy2)
-    return dw, (dy2.sum(0) if head.b is not None else None)
+def _weight_grads(
+    x: torch.Tensor, dy: torch.Tensor, form: str, has_b: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dw = dy2.t().mm(x2) if form == "linear" else x2.t().mm(dy2)
+    return dw, (dy2.sum(0) if has_b else None)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -185,10 +131,16 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     dx = dy.matmul(w) if form == "linear" else dy.matmul(w.t())
     if not (pw.requires_grad or (pb is not None and pb.requires_grad)):
         return dx, None, None, None
-    gemm = _Gemm(x, dy, form, pw, pb)
-    if STORE.defer(gemm):
+
+    def work() -> None:
+        dw, db = _weight_grads(x, dy, form, pb is not None)
+        _accumulate(pw, dw)
+        if pb is not None:
+            _accumulate(pb, db)
+
+    if STORE.defer(work, (x, dy)):
         return dx, None, None, None
-    dw, db = _weight_grads([gemm])
+    dw, db = _weight_grads(x, dy, form, pb is not None)
     return dx, dw, db, None
 
 

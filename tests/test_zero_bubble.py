@@ -30,20 +30,15 @@ def test_b_leaves_the_weight_gradients_to_w_and_the_step_is_1f1bs(gpt_sdpa, sche
     model, batch = gpt_sdpa.model, gpt_sdpa.batch
     one = _runner(model, batch, schedule="1f1b")
     zb = _runner(model, batch, schedule=schedule, seq_chunks=k)
-    # at each W: the units of its micro-batch with deferred GEMMs (whose B left the weights'
-    # gradients), whether each one's bytes are counted as held, and how many GEMMs the W ran
-    seen: list[tuple[list, bool, int]] = []
+    seen: list[bool] = []  # at each W: did the B before it leave the deferred weights' grads?
     real_run = deferred.STORE.run
 
     def spy(unit):
-        waiting = [u for u, g in deferred.STORE.pending.items() if g and u[:2] == unit[:2]]
+        works = deferred.STORE.pending.get(unit, [])
         # the deferred GEMMs' inputs and output gradients count as held until this W
-        held = all(
-            zb._saved.live.get(("W", *u), 0) == deferred.STORE.held_bytes(u) > 0 for u in waiting
-        )
-        n = real_run(unit)
-        seen.append((waiting, held, n))
-        return n
+        held = zb._saved.live.get(("W", *unit), 0)
+        seen.append(bool(works) and held == deferred.STORE.held_bytes(unit) > 0)
+        return real_run(unit)
 
     deferred.STORE.run = spy
     try:
@@ -51,15 +46,9 @@ def test_b_leaves_the_weight_gradients_to_w_and_the_step_is_1f1bs(gpt_sdpa, sche
     finally:
         deferred.STORE.run = real_run
     loss_one = one.step(*batch)
+    assert seen and all(seen)
     assert len(seen) == 2 * k  # one W per unit
-    per_unit = zb.stats["deferred_gemms"] // (2 * k)
-    assert per_unit > 0 and zb.stats["deferred_gemms"] == 2 * k * per_unit
-    firsts = [s for s in seen if s[0]]  # one W per micro-batch finds GEMMs waiting ...
-    assert len(firsts) == 2, seen
-    for mb, (waiting, held, n) in enumerate(firsts):  # ... of all its chunks, and runs them
-        assert sorted(waiting) == [(0, mb, c) for c in range(k)] and held, firsts
-        assert n == k * per_unit
-    assert all(n == 0 for waiting, _, n in seen if not waiting)  # the other chunks' Ws: none
+    assert zb.stats["deferred_gemms"] > 0 and zb.stats["deferred_gemms"] % (2 * k) == 0
     assert not deferred.STORE.pending and deferred.STORE.collecting is None
     assert abs(loss_zb - loss_one) <= 1e-12 * abs(loss_one)
     for (name, p), (name2, q) in zip(zb.named_parameters(), one.named_parameters(), strict=True):

@@ -155,11 +155,6 @@ _CASTS = (
 )
 
 
-def _micro_batch(unit: tuple[int, int, int]) -> tuple[int, int]:
-    """(stage, micro-batch) of a (stage, micro-batch, chunk) unit."""
-    return unit[0], unit[1]
-
-
 def _tp_partial_params(program: RankProgram) -> list[str]:
     """FQNs of the parameters that reach a ``tp_all_reduce_grad`` (directly or through a dtype
     cast) in this rank's stage graphs, sorted (every tp rank the same). Empty, so nothing is
@@ -253,8 +248,6 @@ class Runner:
         self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
         if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
             self._p2p.filler = self._fill
-        if self._split:  # a micro-batch's chunks' weight gradients are computed together
-            deferred.STORE.group_of = _micro_batch
         self._tp_group = groups.get("tp")
         collectives.bind("tp", self._tp_group)
         collectives.set_action("(setup)", timeout_s)
@@ -433,8 +426,6 @@ class Runner:
             deferred.STORE.collecting = None
         if self._split:  # what the deferred GEMMs keep (inputs, output gradients) until W
             self._saved.hold(("W", *unit), deferred.STORE.held_bytes(unit))
-            if action.chunk == 0:  # the micro-batch's last B: its weight gradients are ready
-                deferred.STORE.complete.add(_micro_batch(unit))
         self._saved.release(unit)
         for h in hooks:
             h.remove()
@@ -444,34 +435,27 @@ class Runner:
     def _on_weight(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         """A split backward's second half: the unit's deferred weight gradients."""
         self.stats["deferred_gemms"] += deferred.STORE.run(unit)
-        self._release_done()
+        self._saved.release(("W", *unit))
         for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
             self._bucket_ready(b, p)
 
     def _fill(self) -> bool:
-        """Work while waiting (zero-bubble schedules, ``p2p.Channel.filler``): one weight's
-        deferred gradient of the oldest micro-batch whose ``B``s have all run, so the wait for a
+        """Work while waiting (zero-bubble schedules, ``p2p.Channel.filler``): one deferred
+        weight-gradient GEMM of the oldest unit whose ``B`` has run, so the wait for a
         neighbour that runs late is spent on work the schedule's ``W`` would do later; recorded
-        as a piece of that unit's ``W``. False when no such work is left."""
+        as a piece of that unit's ``W``. False when no such GEMM is left."""
         start = time.time()
-        ran = deferred.STORE.run_one()
-        if ran is None:
+        unit = deferred.STORE.run_one()
+        if unit is None:
             return False
-        unit, n = ran
-        self.stats["deferred_gemms"] += n
-        self.stats["filled_gemms"] += n
-        self._release_done()
+        self.stats["deferred_gemms"] += 1
+        self.stats["filled_gemms"] += 1
+        if deferred.STORE.done(unit):
+            self._saved.release(("W", *unit))
         if self.timeline is not None:  # the receive's own event starts after its last piece
             self._t0 = time.time()
             self.timeline.append(TraceEvent(Action("W", *unit), start, self._t0))
         return True
-
-    def _release_done(self) -> None:
-        """Stop counting the deferred bytes of every unit whose weight gradients have all run
-        (a micro-batch's chunks run together)."""
-        for key in [k for k in self._saved.live if k[0] == "W"]:
-            if deferred.STORE.done(key[1:]):
-                self._saved.release(key)
 
     def _on_send_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._p2p.send(self._s.live[unit]["outputs"], action.peer, *unit, backward=False)

@@ -87,15 +87,10 @@ def zb_h1(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
 
 
 def seq1f1b_zb(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
-    """Seq1F1B's order with split backwards. Rank r holds back r + k − 1 weight gradients (not
-    r): a micro-batch's first ``W`` is then due after the ``B`` of its last chunk (chunk 0), so
-    the runtime computes each weight's gradient over all of the micro-batch's chunks in one GEMM
-    (``deferred.WeightStore.run``), as large as ZB-H1's; the later chunks' ``W``s find nothing
-    left. The bubble is the same, (p − 1) chunk-units at equal costs."""
     p = len(peers)
     fwd = [(r, mb, c) for mb in range(m) for c in range(k)]
     bwd = [(r, mb, c) for mb in range(m) for c in reversed(range(k))]
-    return _weave_zb(fwd, bwd, min(p - r - 1 + k - 1, m * k), r + k - 1, peers, p)
+    return _weave_zb(fwd, bwd, min(p - r - 1 + k - 1, m * k), r, peers, p)
 
 
 def gpipe(r: int, m: int, peers: list[int], v: int, k: int = 1) -> list[Action]:
