@@ -19,7 +19,6 @@ nothing left. ``Work.wait`` releases the GIL, so the thread costs no compute.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -69,8 +68,8 @@ class Channel:
     def reset(self) -> None:
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.shapes: dict[tuple[bool, int, int], list[tuple[torch.dtype, list[int]]]] = {}
-        self.posted: dict[tuple[bool, int, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
-        self.arrived: dict[tuple[bool, int, int, int], _Watch] = {}
+        # (works, buffers, the watch of a receive the filler may work beside, or None)
+        self.posted: dict[tuple[bool, int, int, int], tuple[list[Any], list[Any], Any]] = {}
 
     def send(
         self,
@@ -113,9 +112,8 @@ class Channel:
             for i, b in enumerate(bufs)
             if not self.dry
         ]
-        self.posted[key] = (works, bufs)
-        if self.filler is not None and works and self.device.type == "cpu":
-            self.arrived[key] = _Watch(works, 2 * self.timeout_s)
+        watched = self.filler is not None and bool(works) and self.device.type == "cpu"
+        self.posted[key] = (works, bufs, _Watch(works, 2 * self.timeout_s) if watched else None)
 
     def recv(
         self, count: int, peer: int, stage: int, mb: int, chunk: int, backward: bool, what: str
@@ -125,15 +123,14 @@ class Channel:
         if key not in self.posted:
             self.prefetch(peer, stage, mb, chunk, backward)
         if key in self.posted:
-            works, bufs = self.posted.pop(key)
-            watch = self.arrived.pop(key, None)
-            if watch is not None:  # work while waiting, then wait out what is left
-                while not watch.done.is_set() and self.filler is not None and self.filler():
-                    pass
-                watch.result(self.rank, f"{what} (peer rank {peer})", self.timeout_s)
+            works, bufs, watch = self.posted.pop(key)
+            if watch is None:
+                for w in works:
+                    _wait(w, self.rank, what, peer, self.timeout_s)
                 return bufs
-            for w in works:
-                _wait(w, self.rank, what, peer, self.timeout_s)
+            while not watch.done.is_set() and self.filler is not None and self.filler():
+                pass  # work while waiting, then wait out what is left
+            watch.result(self.rank, f"{what} (peer rank {peer})", self.timeout_s)
             return bufs
         out, spec = [], []
         for i in range(count):
@@ -190,9 +187,8 @@ class _Watch:
 
     def result(self, rank: int, what: str, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` more; a failure or timeout names the rank and action."""
-        start = time.monotonic()
         if not self.done.wait(timeout_s):
-            self.error = TimeoutError(f"waited {time.monotonic() - start:.0f} s")
+            self.error = TimeoutError("no data")
         if self.error is not None:
             raise AutopartError(
                 f"rank {rank}: {what} failed or timed out after {timeout_s:.0f} s: {self.error}",
