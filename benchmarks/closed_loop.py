@@ -52,6 +52,9 @@ from _launch import record, run_workers  # noqa: E402
 RANKS, BATCH, SEQ = 4, 8, 256
 CONFIG = dict(n_layer=4, n_embd=256, n_head=8, vocab_size=512, block_size=512, dropout=0.0)
 WARMUP, ITERS = 2, 8
+# the cold-weight GEMM rate ``cpu_profile.measure`` gave on this machine (2026-11-25): where a
+# saved run's profile predates the field, ``--replay`` starts the fit from it
+COLD_GBPS = 9.6
 
 
 def make():
@@ -263,6 +266,8 @@ def main() -> int:
         profile = cluster_from_dict(saved["profile"])
         if "tp_exchange" not in saved["profile"]:  # saved before the field: the runtime's
             profile = dataclasses.replace(profile, tp_exchange=True)  # tp groups exchanged then too
+        if "mm_weight_gbps" not in saved["profile"]:  # saved before the field: the fit's start
+            profile = dataclasses.replace(profile, mm_weight_gbps=COLD_GBPS)
         cal_times = [t for _, t in saved["calibration"]]
         calib = [Plan.from_json(pl) for pl, _ in saved["calibration"]]
         alone = [Plan.from_json(pl) for pl, _ in saved["alone"]]

@@ -45,11 +45,14 @@ def test_toml_round_trip(tmp_path: Path) -> None:
 def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
     """From one rank's plans (micro-batches, chunks) and 4 ranks' plans on 2 cores together,
     every calibrated figure comes back."""
-    true = dataclasses.replace(CPU, action_overhead_us=500.0, shared_cores=2.0, shared_slowdown=0.2)
+    true = dataclasses.replace(
+        CPU, mm_weight_gbps=8.0, action_overhead_us=500.0, shared_cores=2.0, shared_slowdown=0.2
+    )
     alone = [
         Plan.from_batch(8, 8),
         Plan.from_batch(8, 1),
         Plan.from_batch(8, 1, schedule="seq1f1b", seq_chunks=4),
+        Plan.from_batch(8, 4, schedule="seq1f1b", seq_chunks=2),
     ]
     ranks = [
         Plan.from_batch(8, 1, dp=4),
@@ -64,6 +67,7 @@ def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
     start = dataclasses.replace(
         true,
         peak_tflops=0.06,
+        mm_weight_gbps=3.0,
         kernel_launch_us=10.0,
         action_overhead_us=100.0,
         nvlink_latency_us=300.0,

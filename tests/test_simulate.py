@@ -621,3 +621,28 @@ def test_simulated_zb_h1_splits_the_backward_and_beats_1f1b() -> None:
     assert zb.summary["iteration_s"] < one.summary["iteration_s"]
     # a split backward frees a unit at its W: held longer, never less than 1F1B's
     assert zb.summary["memory"]["activations"] >= one.summary["memory"]["activations"]
+
+
+def test_a_cpu_gemm_reads_its_weight_each_call_and_a_deferred_w_its_operands() -> None:
+    """With ``mm_weight_gbps`` (a CPU profile) each forward and input-gradient GEMM reads its
+    weight once more (the weight-gradient GEMM writes it), and a deferred W reads each GEMM's
+    input and output gradient back; without it (GPUs) neither costs anything."""
+    from autopart.planning.simulate.performance import CostModel, _layer
+
+    shape = GPTShape(layers=2, hidden=256, heads=8, seq=256, vocab=512)
+    h, f, tp, tokens, gbps = 256, 1024, 2, 2 * 64, 10.0
+    cold = replace(A100, mm_weight_gbps=gbps)
+    args = (shape, tp, False, "none", "flash", 2, 64, 64)
+    base, got = _layer(shape, A100, *args[1:]), _layer(shape, cold, *args[1:])
+    weights = (h * 3 * h + h * h + h * f + f * h) / tp  # QKV, projection, fc1, fc2 per rank
+    per_call = A100.act_bytes * weights / (gbps * 1e9)
+    assert got.f - base.f == pytest.approx(per_call)
+    assert got.b - base.b == pytest.approx(per_call)
+    assert got.w == pytest.approx(base.w) and base.w_cold == 0.0
+    read_back = tokens * (h + 3 * h / tp + h / tp + h + h + f / tp + f / tp + h)
+    assert got.w_cold == pytest.approx(A100.act_bytes * read_back / (gbps * 1e9))
+    plan = Plan.from_batch(8, micro_batch=2, pp=2, schedule="zb-h1")
+    costs = CostModel(shape, cold, plan)
+    u = costs.units[1][0]
+    assert costs.action_cost(Action("W", 1, 0)) == pytest.approx(u.w + u.w_cold)
+    assert costs.action_cost(Action("B", 1, 0)) == pytest.approx(u.b + u.b_tp - u.w)

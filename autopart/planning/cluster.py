@@ -43,7 +43,7 @@ def crowding(processes: float, cores: float, slowdown: float) -> float:
 
 
 # fields that may be 0 (every other number must be positive)
-LOW_OK = ("action_overhead_us", "shared_cores", "shared_slowdown")
+LOW_OK = ("action_overhead_us", "mm_weight_gbps", "shared_cores", "shared_slowdown")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,10 @@ class Cluster:
     sms: int  # streaming multiprocessors (wave quantization of matmuls)
     mm_efficiency: float = 0.75  # share of peak a large bf16 matmul reaches (one full wave)
     mm_k_overhead: float = 64.0  # a tile's fixed cost, in steps of its inner dimension
+    # the rate (GB/s) at which a GEMM reads its weight operand on top of its math, once per call
+    # (a CPU GEMM packs the weight from memory each call: a Seq1F1B chunk's GEMMs pay it once
+    # per chunk); 0: hidden behind the math, as on GPUs
+    mm_weight_gbps: float = 0.0
     attn_efficiency: float = 0.55  # share of peak a fused (flash) attention forward reaches
     hbm_efficiency: float = 0.85  # share of HBM bandwidth a memory-bound kernel reaches
     kernel_launch_us: float = 3.0  # fixed cost per kernel

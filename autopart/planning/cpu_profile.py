@@ -8,15 +8,18 @@ that measure at the same time, so every figure is what one rank gets while the o
   median over the shapes), and ``mm_k_overhead`` from the same matmul with a quarter of the inner
   dimension (the model's k / (k + k0) law, solved for k0);
 - ``hbm_tbps``: the bytes an elementwise add moves per second on tensors far larger than cache;
+- ``mm_weight_gbps``: how fast a GEMM of few rows (a Seq1F1B chunk's) reads a weight that is not
+  in cache, beyond its math: a CPU GEMM packs its weight from memory on every call, which the
+  GPU model's max(math, memory) hides;
 - ``kernel_launch_us``: the time of one operator of a traced (``torch.fx``) graph on a tiny
   tensor — what the runtime pays per node beyond its arithmetic — times the graph's nodes per
   kernel the cost model counts (``NODES_PER_KERNEL``);
 - the link (``nvlink_*``, one "node" of ``ranks`` ranks): a gloo all-reduce of a large and of a
   small tensor over all ranks, solved for the ring's bandwidth and per-step latency.
 
-``calibrate(cluster, shape, runs)`` then refits the compute rate, the per-kernel floor, the
-per-action cost, ``shared_slowdown`` and the per-message latency to measured step times of real
-plans. ``docs/simulate.md`` ("A closed loop on this machine") gives the figures measured here
+``calibrate(cluster, shape, runs)`` then refits the compute rate, the cold weight's rate, the
+per-kernel floor, the per-action cost, ``shared_slowdown`` and the per-message latency to
+measured step times of real plans. ``docs/simulate.md`` ("A closed loop on this machine") gives the figures measured here
 and how well the planner ranks real runs with them.
 """
 
@@ -32,6 +35,9 @@ from typing import Any
 from autopart.collectives import EXCHANGE_MAX
 from autopart.errors import AutopartError
 from autopart.planning.cluster import Cluster
+
+# rows of the GEMM that measures how fast a weight not in cache is read (``mm_weight_gbps``)
+COLD_ROWS = 64
 
 # The runtime's graphs hold about this many fx nodes (views, reshapes, adds, the autograd
 # engine's own nodes in the backward) per kernel the cost model counts in a layer (4 GEMMs +
@@ -72,6 +78,14 @@ def _worker(rank: int, ranks: int, hidden: int, tokens: int, path: str, port: in
         out["gemm_alone"] = 2 * T * h * 4 * h / _timeit(lambda: a @ b, barrier=False)
         x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
         out["mem_alone"] = 12 * (4 << 20) / _timeit(lambda: torch.add(x, y, out=z), barrier=False)
+        # a Seq1F1B chunk's GEMM: few rows against a weight not in cache (one of 24 in turn)
+        rows, ws, turn = torch.randn(COLD_ROWS, h), [torch.randn(h, 4 * h) for _ in range(24)], [0]
+
+        def cold() -> None:
+            turn[0] = (turn[0] + 1) % len(ws)
+            rows @ ws[turn[0]]
+
+        out["gemm_cold_s"] = _timeit(cold, barrier=False)
     dist.barrier()
     a, b = torch.randn(T, h), torch.randn(h, 4 * h)
     out["gemm_crowd"] = 2 * T * h * 4 * h / _timeit(lambda: a @ b)
@@ -170,6 +184,10 @@ def measure(
     ratio = min(med("gemm_short_k") / med("gemm"), 0.999)
     k = hidden // 4
     k0 = max(k * (1 / ratio - 1), 1e-3)
+    # the cold GEMM's time beyond its math at the rate alone: its weight read from memory
+    h = hidden
+    beyond = rows[0]["gemm_cold_s"] - 2 * COLD_ROWS * h * 4 * h / alone
+    weight_gbps = 4 * h * 4 * h / max(beyond, 1e-7) / 1e9
     n = ranks
     big = 4 * (4 << 20)  # bytes of the large all-reduce
     alpha = med("ar_small") / (2 * (n - 1)) if n > 1 else 1e-6
@@ -186,6 +204,7 @@ def measure(
         sms=1,
         mm_efficiency=1.0,
         mm_k_overhead=k0,
+        mm_weight_gbps=weight_gbps,
         attn_efficiency=1.0,
         hbm_efficiency=1.0,
         kernel_launch_us=med("op") / crowd / (1 + slowdown) * 1e6 * NODES_PER_KERNEL,
@@ -225,13 +244,15 @@ def to_toml(cluster: Cluster) -> str:
     return "\n".join(lines) + "\n"
 
 
-# what a rank computes (the GEMM rate, the per-kernel floor, the runtime's cost per action)
+# what a rank computes (the GEMM rate, the rate a cold weight is read at, the per-kernel floor,
+# the runtime's cost per action)
 # and what taking turns on the cores and talking cost: fitted together to single-rank
 # runs alone on a core (``step_times_alone``: they pin the compute, with no other rank and no
 # message) and to runs of plans on all the ranks (they split the per-action cost from the
 # floor, since a pipeline stage holds fewer kernels per action, and set the rest)
 CALIBRATED = (
     "peak_tflops",
+    "mm_weight_gbps",
     "kernel_launch_us",
     "action_overhead_us",
     "shared_slowdown",

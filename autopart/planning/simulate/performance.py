@@ -20,12 +20,16 @@ VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 · tp
 _TILE = 128  # output tile of a tensor-core GEMM (wave quantization)
 
 
-def _gemm(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> float:
+def _gemm(
+    cl: Cluster, m: float, k: float, n: float, batch: float = 1, weight: bool = False
+) -> float:
     """Seconds of a (batched) bf16 GEMM (m × k) · (k × n): the slower of its math and its HBM
     traffic, plus one kernel launch. The math runs at ``mm_efficiency`` of peak, scaled by the
     share of the last wave of output tiles the SMs fill and by k / (k + ``mm_k_overhead``): each
     tile's fixed prologue and epilogue cost as much as ``mm_k_overhead`` more steps of its inner
-    loop, which a short inner dimension (a tp-split projection, an attention head) cannot hide."""
+    loop, which a short inner dimension (a tp-split projection, an attention head) cannot hide.
+    ``weight``: the (k × n) operand is a weight, which a cluster with ``mm_weight_gbps`` reads
+    at that rate on top of the rest (a CPU GEMM packs it from memory every call)."""
     tiles = batch * math.ceil(m / _TILE) * math.ceil(n / _TILE)
     waves = math.ceil(tiles / cl.sms)
     eff = cl.mm_efficiency * tiles / (waves * cl.sms) * k / (k + cl.mm_k_overhead)
@@ -33,12 +37,23 @@ def _gemm(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> float:
     t_mem = (
         cl.act_bytes * batch * (m * k + k * n + m * n) / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency)
     )
-    return max(t_math, t_mem) + cl.kernel_launch_us * 1e-6
+    packed = (
+        cl.act_bytes * batch * k * n / (cl.mm_weight_gbps * 1e9)
+        if weight and cl.mm_weight_gbps
+        else 0.0
+    )
+    return max(t_math, t_mem) + packed + cl.kernel_launch_us * 1e-6
 
 
-def _gemm_fb(cl: Cluster, m: float, k: float, n: float, batch: float = 1) -> tuple[float, float]:
-    """(forward, backward) of C = A·B: backward is dA = dC·Bᵀ and dB = Aᵀ·dC."""
-    return _gemm(cl, m, k, n, batch), _gemm(cl, m, n, k, batch) + _gemm(cl, k, m, n, batch)
+def _gemm_fb(
+    cl: Cluster, m: float, k: float, n: float, batch: float = 1, weight: bool = True
+) -> tuple[float, float]:
+    """(forward, backward) of C = A·B (B a ``weight``, or an activation): backward is
+    dA = dC·Bᵀ (reads B again) and dB = Aᵀ·dC."""
+    return (
+        _gemm(cl, m, k, n, batch, weight),
+        _gemm(cl, m, n, k, batch, weight) + _gemm(cl, k, m, n, batch),
+    )
 
 
 def _mem(cl: Cluster, nbytes: float, kernels: int) -> float:
@@ -82,6 +97,9 @@ class UnitCost(NamedTuple):
     transient: float  # extra bytes live during the backward (full recompute: one layer's)
     recompute: float  # the part of ``b`` that is recomputation
     w: float = 0.0  # the part of ``b`` that is weight gradients (a zero-bubble schedule's W)
+    # what that W costs on top when deferred: its GEMMs read their inputs and output gradients
+    # back from memory (``mm_weight_gbps``; 0 on GPUs, where they come from HBM either way)
+    w_cold: float = 0.0
 
 
 @lru_cache(maxsize=65536)
@@ -119,7 +137,10 @@ def _layer(
         # unfused (Megatron 2021): scores Q·Kᵀ over the whole [L, a + L] block, masked, a fused
         # scale-mask-softmax (read + write bf16), dropout (read + write + a 1-byte mask)
         scores = b * heads * L * (a + L)
-        attn_mm = [_gemm_fb(cl, L, d, a + L, b * heads), _gemm_fb(cl, L, a + L, d, b * heads)]
+        attn_mm = [
+            _gemm_fb(cl, L, d, a + L, b * heads, weight=False),
+            _gemm_fb(cl, L, a + L, d, b * heads, weight=False),
+        ]
         attn_f = sum(x[0] for x in attn_mm) + _mem(cl, 9 * scores, 2)
         attn_b = sum(x[1] for x in attn_mm) + _mem(cl, 18 * scores, 2)
     # LayerNorms, bias + dropout + residual (7 bytes/element), bias + GeLU on the MLP width
@@ -141,7 +162,10 @@ def _layer(
             # input-gradient GEMM; the row-parallel layers' all-gathers (SP) stay exposed
             dw = [_gemm(cl, h, T, (h + 2 * kvd) / t), _gemm(cl, h, T, f / t)]
             if sp:
-                dx = [_gemm(cl, T, (h + 2 * kvd) / t, h), _gemm(cl, T, f / t, h)]
+                dx = [
+                    _gemm(cl, T, (h + 2 * kvd) / t, h, weight=True),
+                    _gemm(cl, T, f / t, h, weight=True),
+                ]
                 hidden = zip(dx, dw, strict=True)
                 b_tp = 2 * one + sum(max(0.0, one - x) + max(0.0, one - w) for x, w in hidden)
             else:
@@ -174,7 +198,15 @@ def _layer(
         + _gemm(cl, h, T, f / t)
         + _gemm(cl, f / t, T, h)
     )
-    return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec, w)
+    # a deferred W reads back each GEMM's input (T × k) and output gradient (T × n)
+    cold = _reread(cl, T * (h + (h + 2 * kvd) / t + h / t + h + h + f / t + f / t + h))
+    return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec, w, cold)
+
+
+def _reread(cl: Cluster, elements: float) -> float:
+    """Seconds to read ``elements`` activations back from memory at ``mm_weight_gbps`` (0
+    without it: a GPU's GEMMs read HBM at their own pace)."""
+    return cl.act_bytes * elements / (cl.mm_weight_gbps * 1e9) if cl.mm_weight_gbps else 0.0
 
 
 @lru_cache(maxsize=65536)
@@ -212,6 +244,7 @@ def _embed_head(
         0.0,
         0.0,
         _gemm(cl, h, T, V / t),
+        _reread(cl, T * (h + V / t)),
     )
     return embed, head
 
@@ -343,7 +376,8 @@ class CostModel:
             u = self.units[a.stage][a.chunk]
             return u.b + u.b_tp - (u.w if self.split_backward else 0.0) + fixed
         if a.kind == "W":
-            return self.units[a.stage][a.chunk].w + fixed
+            u = self.units[a.stage][a.chunk]
+            return u.w + u.w_cold
         if a.kind == "DP_REDUCE":
             return self.dp_reduce_time(a.stage)
         if a.kind == "TIE_REDUCE":
