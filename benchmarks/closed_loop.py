@@ -268,6 +268,8 @@ def main() -> int:
             profile = dataclasses.replace(profile, tp_exchange=True)  # tp groups exchanged then too
         if "mm_weight_gbps" not in saved["profile"]:  # saved before the field: the fit's start
             profile = dataclasses.replace(profile, mm_weight_gbps=COLD_GBPS)
+        if "fill_waits" not in saved["profile"]:  # saved before the field: the runtime filled
+            profile = dataclasses.replace(profile, fill_waits=True)  # its waits from run 31 on
         cal_times = [t for _, t in saved["calibration"]]
         calib = [Plan.from_json(pl) for pl, _ in saved["calibration"]]
         alone = [Plan.from_json(pl) for pl, _ in saved["alone"]]

@@ -646,3 +646,47 @@ def test_a_cpu_gemm_reads_its_weight_each_call_and_a_deferred_w_its_operands() -
     u = costs.units[1][0]
     assert costs.action_cost(Action("W", 1, 0)) == pytest.approx(u.w + u.w_cold)
     assert costs.action_cost(Action("B", 1, 0)) == pytest.approx(u.b + u.b_tp - u.w)
+
+
+@pytest.mark.parametrize("name,k", [("zb-h1", 1), ("seq1f1b-zb", 2)])
+@pytest.mark.parametrize("cores", [0.0, 2.0, 1.5])
+def test_a_waiting_rank_fills_its_wait_with_deferred_w(name: str, k: int, cores: float) -> None:
+    """``fill_waits``: a rank waiting for a receive runs pieces of the W's whose B has run:
+    they come after that B, nothing on a rank overlaps, and some W's run in pieces. On devices
+    of their own (no shared cores) each W's pieces add up to its cost, the work is the same,
+    the iteration no longer, and the last rank, which waits for the slower stage 0, ends
+    sooner; on shared cores a filling rank takes a core the others could have used."""
+    p, m = 3, 6
+    acts = pipeline(name, p, m, k=k)
+
+    def cost(a: Action) -> float:
+        return {"F": 1.0, "B": 1.0, "W": 0.8}.get(a.kind, 0.0) * (1.6 if a.stage == 0 else 1.0)
+
+    plain = simulate_actions(acts, cost, lambda a: 0.1, shared_cores=cores)
+    filled = simulate_actions(acts, cost, lambda a: 0.1, shared_cores=cores, fill_waits=True)
+    if not cores:
+        assert filled.span <= plain.span + 1e-9
+        assert filled.ranks[p - 1].end < plain.ranks[p - 1].end
+    for r in range(p):
+        if not cores:  # on shared cores busy is wall time, which sharing stretches
+            assert filled.ranks[r].busy == pytest.approx(plain.ranks[r].busy)
+        events = [e for e in filled.events if e.rank == r]
+        for a, b in zip(events, events[1:], strict=False):
+            assert a.end <= b.start + 1e-9, (a, b)
+        pieces: dict[Action, float] = {}
+        for e in events:
+            if e.kind == "W":
+                pieces[e.action] = pieces.get(e.action, 0.0) + e.end - e.start
+        if not cores:  # unshared: an event's span is its cost
+            assert all(t == pytest.approx(cost(a)) for a, t in pieces.items())
+        # a W's pieces come after its B (the unit's weight gradients are ready then)
+        b_end = {
+            (e.action.stage, e.action.mb, e.action.chunk): e.end for e in events if e.kind == "B"
+        }
+        assert all(
+            e.start >= b_end[(e.action.stage, e.action.mb, e.action.chunk)] - 1e-9
+            for e in events
+            if e.kind == "W"
+        )
+    last = [e for e in filled.events if e.rank == p - 1]
+    assert sum(e.kind == "W" for e in last) > m * k  # some W ran in pieces while waiting

@@ -107,6 +107,10 @@ class Cluster:
     # all-reduced and then each dp rank steps its shard (autopart: torch's
     # ZeroRedundancyOptimizer over the runner's all-reduced gradients)
     grad_reduce_scatter: bool = False
+    # a rank whose pipeline receive has not arrived runs deferred weight-gradient work (a
+    # zero-bubble schedule's W) meanwhile: autopart's runtime on CPU ranks; on GPUs a receive
+    # is ordered on the stream and the schedule's order stands
+    fill_waits: bool = False
     # the cores a node's ranks share (a CPU profile: ranks are processes); 0: every rank has its
     # own device. While more ranks compute than there are cores, each runs at cores / ranks of
     # its speed alone (the rates above are one rank's alone on a core)

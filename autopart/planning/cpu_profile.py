@@ -226,6 +226,7 @@ def measure(
         # isend/irecv): one exchange each, so sequence parallelism's four per layer cost twice
         # the latency of the two all-reduces without it
         tp_exchange=ranks <= EXCHANGE_MAX,
+        fill_waits=True,  # the runtime's work while waiting (CPU ranks, zero-bubble schedules)
         shared_cores=float(min(cores, ranks)),
         shared_slowdown=slowdown,
     )

@@ -82,6 +82,8 @@ class _Compiled(NamedTuple):
     key_stage: list[int]
     n_msgs: int
     dp_keys: list[dict[int, int]]  # per rank index: stage → cost key of its DP reduction
+    # per rank index: (position of a unit's B, position of its W), in the order of the B's
+    deferred: list[list[tuple[int, int]]]
 
 
 def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
@@ -102,12 +104,16 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
     def msg(k: tuple) -> int:
         return msgs.setdefault(k, len(msgs))
 
-    ops, dp_keys = [], []
+    ops, dp_keys, deferred = [], [], []
     for r in ranks:
-        row, stages = [], []
+        row, stages, b_at, pairs = [], [], {}, []
         for a in actions_by_rank[r]:
             kind = a.kind
             if kind in ("F", "B", "W"):
+                if kind == "B":
+                    b_at[(a.stage, a.mb, a.chunk)] = len(row)
+                elif kind == "W":
+                    pairs.append((b_at[(a.stage, a.mb, a.chunk)], len(row)))
                 row.append((_FB, key((kind, a.stage, a.chunk), a, False), -1))
                 if kind != "F" and a.stage not in stages:
                     stages.append(a.stage)
@@ -125,7 +131,32 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
                 raise AutopartError(f"rank {r}: cannot simulate action {a}")
         ops.append(row)
         dp_keys.append({s: key(("DP", s), Action("DP_REDUCE", s), False) for s in stages})
-    return _Compiled(ranks, ops, reps, is_send, [a.stage for a in reps], len(msgs), dp_keys)
+        deferred.append(sorted(pairs))
+    return _Compiled(
+        ranks, ops, reps, is_send, [a.stage for a in reps], len(msgs), dp_keys, deferred
+    )
+
+
+def _w_left(comp: _Compiled, cost: list[float], fill_waits: bool) -> list[dict[int, float]]:
+    """Per rank index: the seconds left of each deferred W (by position), which a rank filling
+    its waits runs down before the schedule reaches it; empty without ``fill_waits``."""
+    if not fill_waits:
+        return [{} for _ in comp.ops]
+    return [
+        {w: cost[ops[w][1]] for _, w in pairs}
+        for ops, pairs in zip(comp.ops, comp.deferred, strict=True)
+    ]
+
+
+def _pending(comp: _Compiled, i: int, p: int, left: dict[int, float]) -> int:
+    """Position of the oldest W of rank index i whose B ran before position p and whose work
+    is not done (-1: none)."""
+    for b, w in comp.deferred[i]:
+        if b >= p:
+            return -1
+        if w > p and left[w] > 0.0:
+            return w
+    return -1
 
 
 def simulate_actions(
@@ -136,6 +167,7 @@ def simulate_actions(
     grad_overlap: bool = True,
     p2p_overlap: bool = True,
     shared_cores: float = 0.0,
+    fill_waits: bool = False,
 ) -> Timeline:
     """Time every rank's action list (see the module docstring for the rules).
 
@@ -148,6 +180,7 @@ def simulate_actions(
     (Megatron-LM 2021), instead of at the start of each stage's last backward.
     ``p2p_overlap=False`` makes a ``SEND`` block its rank until the message has arrived.
     ``shared_cores`` > 0: the ranks are processes sharing that many cores (``_run_shared``).
+    ``fill_waits``: a rank waiting for a receive runs its deferred ``W`` work meanwhile.
     """
     comp = _compile(actions_by_rank)
     comm_fn = comm_fn or (lambda a: 0.0)
@@ -158,9 +191,17 @@ def simulate_actions(
     if shared_cores:
         n = len(comp.ranks)
         return _run_shared(
-            comp, cost, acts, grad_overlap, p2p_overlap, [1.0] * n, [0] * n, shared_cores
+            comp,
+            cost,
+            acts,
+            grad_overlap,
+            p2p_overlap,
+            [1.0] * n,
+            [0] * n,
+            shared_cores,
+            fill_waits=fill_waits,
         )
-    return _run(comp, cost, acts, grad_overlap, p2p_overlap)
+    return _run(comp, cost, acts, grad_overlap, p2p_overlap, fill_waits)
 
 
 def _run(
@@ -169,8 +210,13 @@ def _run(
     actions: dict[int, list[Action]] | None,
     grad_overlap: bool = True,
     p2p_overlap: bool = True,
+    fill_waits: bool = False,
 ) -> Timeline:
+    """Every rank on its own device. ``fill_waits``: a rank whose receive has not arrived runs
+    its deferred W work meanwhile, oldest first (``_pending``), and the W itself later runs
+    what is left of it (the runtime's work while waiting on CPU ranks)."""
     n = len(comp.ranks)
+    w_left = _w_left(comp, cost, fill_waits)
     now = [0.0] * n
     pc = [0] * n
     arrival: list[float | None] = [None] * comp.n_msgs
@@ -188,10 +234,13 @@ def _run(
         i = stack.pop()
         ops, t, p, rt = comp.ops[i], now[i], pc[i], times[i]
         end = len(ops)
+        wl = w_left[i]
         while p < end:
             code, key, m = ops[p]
             if code == _FB:
                 d = cost[key]
+                if wl and p in wl:
+                    d, wl[p] = wl[p], 0.0
                 if rec:
                     raw.append((i, p, t, t + d))
                 lb = last_b[i]
@@ -216,6 +265,13 @@ def _run(
                 if at is None:
                     waiter[m] = i
                     break
+                while wl and at > t and (w := _pending(comp, i, p, wl)) >= 0:
+                    d = min(wl[w], at - t)  # a piece of that W, until the data is there
+                    wl[w] -= d
+                    if rec:
+                        raw.append((i, w, t, t + d))
+                    t += d
+                    rt.busy += d
                 start = t
                 if at > t:
                     rt.recv_wait += at - t
@@ -262,6 +318,7 @@ def _run_shared(
     node: list[int],
     cores: float,
     slowdown: float = 0.0,
+    fill_waits: bool = False,
 ) -> Timeline:
     """``_run`` for ranks that share ``cores`` cores per node (CPU ranks, more than cores):
     processor sharing in global time order. Rank index i stands for ``weight[i]`` processes on
@@ -271,9 +328,12 @@ def _run_shared(
     costs beyond the cores: memory bandwidth, caches, and taking turns when they outnumber the
     cores). A rank
     waiting (receive, gradient reduction, tied-weight meeting) leaves its core to the others,
-    which is how a pipeline's bubble speeds up the other stages on a shared CPU. Transfers and
-    reductions are not slowed."""
+    which is how a pipeline's bubble speeds up the other stages on a shared CPU, unless
+    ``fill_waits`` gives it deferred W work to run until its receive arrives (as ``_run``).
+    Transfers and reductions are not slowed."""
     n = len(comp.ranks)
+    w_left = _w_left(comp, cost, fill_waits)
+    filling = [-1] * n  # the position of the W a rank runs a piece of while it waits
     now = [0.0] * n  # when the rank reached its current op
     pc = [0] * n
     left = [0.0] * n  # full-speed seconds of the current F/B still to run (0: not computing)
@@ -297,8 +357,11 @@ def _run_shared(
             code, key, m = ops[pc[i]]
             t, p = max(now[i], ready[i]), pc[i]
             if code == _FB:
-                if cost[key] > 0:
-                    left[i], began[i] = cost[key], t
+                d = w_left[i].get(p, cost[key])
+                if d > 0:
+                    left[i], began[i] = d, t
+                    if p in w_left[i]:
+                        w_left[i][p] = 0.0
                     return True
                 if rec:
                     raw.append((i, p, t, t))
@@ -312,6 +375,13 @@ def _run_shared(
                     raw.append((i, p, t, t if p2p_overlap else arrival[m]))
             elif code == _RECV:
                 at = arrival[m]
+                if (
+                    w_left[i]
+                    and (at is None or at > t)
+                    and (w := _pending(comp, i, p, w_left[i])) >= 0
+                ):
+                    left[i], began[i], filling[i] = w_left[i][w], t, w
+                    return True
                 if at is None:
                     return moved
                 end = max(t, at)
@@ -359,11 +429,23 @@ def _run_shared(
         rate = {i: 1.0 / crowding(load[node[i]], cores, slowdown) for i in busy}
         nxt = [T + left[i] / rate[i] for i in busy]
         nxt += [ready[i] for i in range(n) if ready[i] > T and pc[i] < len(comp.ops[i])]
+        nxt += [at for i in busy if filling[i] >= 0 and (at := _awaited(comp, i, pc, arrival))]
         if not nxt:
             break
         t1 = min(nxt)
         for i in busy:
             left[i] -= (t1 - T) * rate[i]
+            if filling[i] >= 0:  # a piece of a deferred W ends: its work done, or the data came
+                w = filling[i]
+                done = left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][w][1]])
+                at = arrival[comp.ops[i][pc[i]][2]]
+                if done or (at is not None and at <= t1):
+                    w_left[i][w] = 0.0 if done else left[i]
+                    if rec:
+                        raw.append((i, w, began[i], t1))
+                    times[i].busy += t1 - began[i]
+                    left[i], now[i], filling[i] = 0.0, t1, -1
+                continue
             if left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][pc[i]][1]]):
                 key = comp.ops[i][pc[i]][1]
                 if rec:
@@ -374,6 +456,11 @@ def _run_shared(
                 pc[i] += 1
         T = t1
     return _finish(comp, now, pc, times, raw, actions)
+
+
+def _awaited(comp: _Compiled, i: int, pc: list[int], arrival: list[float | None]) -> float:
+    """When the message rank index i waits for at its current receive arrives (0: not sent)."""
+    return arrival[comp.ops[i][pc[i]][2]] or 0.0
 
 
 def _finish(

@@ -122,7 +122,7 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
     ]
     cl, st = costs.cluster, costs.st
     if not cl.shared_cores:
-        return _run(comp, cost, acts, cl.grad_overlap, cl.p2p_overlap)
+        return _run(comp, cost, acts, cl.grad_overlap, cl.p2p_overlap, cl.fill_waits)
     per = st.dp * st.tp  # processes per pipeline rank, placed pipeline-outermost
     weight = [min(per, cl.gpus_per_node)] * len(comp.ranks)
     node = [r * per // cl.gpus_per_node for r in comp.ranks]
@@ -136,6 +136,7 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
         node,
         cl.shared_cores,
         cl.shared_slowdown,
+        cl.fill_waits,
     )
 
 
