@@ -113,7 +113,8 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
                 if kind == "B":
                     b_at[(a.stage, a.mb, a.chunk)] = len(row)
                 elif kind == "W":
-                    pairs.append((b_at[(a.stage, a.mb, a.chunk)], len(row)))
+                    # (a W without its B first: never run early)
+                    pairs.append((b_at.get((a.stage, a.mb, a.chunk), len(row)), len(row)))
                 row.append((_FB, key((kind, a.stage, a.chunk), a, False), -1))
                 if kind != "F" and a.stage not in stages:
                     stages.append(a.stage)
