@@ -19,8 +19,8 @@ that measure at the same time, so every figure is what one rank gets while the o
 
 ``calibrate(cluster, shape, runs)`` then refits the compute rate, the cold weight's rate, the
 per-kernel floor, the per-action cost, ``shared_slowdown`` and the per-message latency to
-measured step times of real plans. ``docs/simulate.md`` ("A closed loop on this machine") gives the figures measured here
-and how well the planner ranks real runs with them.
+measured step times of real plans. ``docs/simulate.md`` ("A closed loop on this machine")
+gives the figures measured here and how well the planner ranks real runs with them.
 """
 
 from __future__ import annotations

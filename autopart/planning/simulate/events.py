@@ -140,7 +140,8 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
 
 def _w_left(comp: _Compiled, cost: list[float], fill_waits: bool) -> list[dict[int, float]]:
     """Per rank index: the seconds left of each deferred W (by position), which a rank filling
-    its waits runs down before the schedule reaches it; empty without ``fill_waits``."""
+    its waits runs down before the schedule reaches it (a W pops its entry when it runs);
+    empty without ``fill_waits``."""
     if not fill_waits:
         return [{} for _ in comp.ops]
     return [
@@ -240,8 +241,8 @@ def _run(
             code, key, m = ops[p]
             if code == _FB:
                 d = cost[key]
-                if wl and p in wl:
-                    d, wl[p] = wl[p], 0.0
+                if wl:
+                    d = wl.pop(p, d)  # what filling left of a W
                 if rec:
                     raw.append((i, p, t, t + d))
                 lb = last_b[i]
@@ -358,11 +359,9 @@ def _run_shared(
             code, key, m = ops[pc[i]]
             t, p = max(now[i], ready[i]), pc[i]
             if code == _FB:
-                d = w_left[i].get(p, cost[key])
+                d = w_left[i].pop(p, cost[key])  # what filling left of a W
                 if d > 0:
                     left[i], began[i] = d, t
-                    if p in w_left[i]:
-                        w_left[i][p] = 0.0
                     return True
                 if rec:
                     raw.append((i, p, t, t))
@@ -430,7 +429,11 @@ def _run_shared(
         rate = {i: 1.0 / crowding(load[node[i]], cores, slowdown) for i in busy}
         nxt = [T + left[i] / rate[i] for i in busy]
         nxt += [ready[i] for i in range(n) if ready[i] > T and pc[i] < len(comp.ops[i])]
-        nxt += [at for i in busy if filling[i] >= 0 and (at := _awaited(comp, i, pc, arrival))]
+        nxt += [
+            at
+            for i in busy
+            if filling[i] >= 0 and (at := _awaited(comp, i, pc, arrival)) is not None
+        ]
         if not nxt:
             break
         t1 = min(nxt)
@@ -439,7 +442,7 @@ def _run_shared(
             if filling[i] >= 0:  # a piece of a deferred W ends: its work done, or the data came
                 w = filling[i]
                 done = left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][w][1]])
-                at = arrival[comp.ops[i][pc[i]][2]]
+                at = _awaited(comp, i, pc, arrival)
                 if done or (at is not None and at <= t1):
                     w_left[i][w] = 0.0 if done else left[i]
                     if rec:
@@ -459,9 +462,10 @@ def _run_shared(
     return _finish(comp, now, pc, times, raw, actions)
 
 
-def _awaited(comp: _Compiled, i: int, pc: list[int], arrival: list[float | None]) -> float:
-    """When the message rank index i waits for at its current receive arrives (0: not sent)."""
-    return arrival[comp.ops[i][pc[i]][2]] or 0.0
+def _awaited(comp: _Compiled, i: int, pc: list[int], arrival: list[float | None]) -> float | None:
+    """When the message rank index i waits for at its current receive arrives (None: not
+    sent yet)."""
+    return arrival[comp.ops[i][pc[i]][2]]
 
 
 def _finish(

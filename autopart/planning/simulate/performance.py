@@ -37,12 +37,14 @@ def _gemm(
     t_mem = (
         cl.act_bytes * batch * (m * k + k * n + m * n) / (cl.hbm_tbps * 1e12 * cl.hbm_efficiency)
     )
-    packed = (
-        cl.act_bytes * batch * k * n / (cl.mm_weight_gbps * 1e9)
-        if weight and cl.mm_weight_gbps
-        else 0.0
-    )
+    packed = _cold_read(cl, batch * k * n) if weight else 0.0
     return max(t_math, t_mem) + packed + cl.kernel_launch_us * 1e-6
+
+
+def _cold_read(cl: Cluster, elements: float) -> float:
+    """Seconds to read ``elements`` values from memory at ``mm_weight_gbps``, on top of the
+    math (a CPU GEMM's weight, a deferred W's operands); 0 without it (GPUs)."""
+    return cl.act_bytes * elements / (cl.mm_weight_gbps * 1e9) if cl.mm_weight_gbps else 0.0
 
 
 def _gemm_fb(
@@ -199,14 +201,8 @@ def _layer(
         + _gemm(cl, f / t, T, h)
     )
     # a deferred W reads back each GEMM's input (T × k) and output gradient (T × n)
-    cold = _reread(cl, T * (h + (h + 2 * kvd) / t + h / t + h + h + f / t + f / t + h))
+    cold = _cold_read(cl, T * (h + (h + 2 * kvd) / t + h / t + h + h + f / t + f / t + h))
     return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec, w, cold)
-
-
-def _reread(cl: Cluster, elements: float) -> float:
-    """Seconds to read ``elements`` activations back from memory at ``mm_weight_gbps`` (0
-    without it: a GPU's GEMMs read HBM at their own pace)."""
-    return cl.act_bytes * elements / (cl.mm_weight_gbps * 1e9) if cl.mm_weight_gbps else 0.0
 
 
 @lru_cache(maxsize=65536)
@@ -244,7 +240,7 @@ def _embed_head(
         0.0,
         0.0,
         _gemm(cl, h, T, V / t),
-        _reread(cl, T * (h + V / t)),
+        _cold_read(cl, T * (h + V / t)),
     )
     return embed, head
 
