@@ -12,7 +12,16 @@ from autopart.cli import main
 from autopart.errors import AutopartError
 from autopart.layout import SCHEDULES, Plan
 from autopart.planning.cluster import PRESETS
-from autopart.planning.planner import _activation_peak, _variants, layouts, search
+from autopart.planning.planner import (
+    NEAR_TIE,
+    Ranked,
+    _activation_peak,
+    _explain,
+    _ties_by_memory,
+    _variants,
+    layouts,
+    search,
+)
 from autopart.planning.simulate import (
     SHAPES,
     CostModel,
@@ -51,8 +60,7 @@ def test_1t_on_3072_gpus() -> None:
     )
     assert "simulating" in con.file.getvalue()  # the progress display ran
     assert len(result.ranked) == 5
-    times = [r.summary["iteration_s"] for r in result.ranked]
-    assert times == sorted(times)
+    assert_ranked_order(result.ranked)
     for row in result.ranked:
         assert row.summary["fits"] and row.summary["memory_gb_per_gpu"] <= 72.0
         assert row.plan.gpus == 3072 and row.reason
@@ -60,6 +68,52 @@ def test_1t_on_3072_gpus() -> None:
     st = result.stats
     assert st["layouts"] > 1000 and st["simulated"] >= 5
     assert st["too_big"] > 0 and result.rejected
+
+
+def assert_ranked_order(ranked: list[Ranked]) -> None:
+    """Every plan ranks above the slower ones, except a slower one within NEAR_TIE that needs
+    less memory."""
+    for i, a in enumerate(ranked):
+        for b in ranked[i + 1 :]:
+            ta, tb = a.summary["iteration_s"], b.summary["iteration_s"]
+            if ta > tb:
+                assert ta <= tb * (1 + NEAR_TIE)
+                assert a.summary["memory_gb_per_gpu"] <= b.summary["memory_gb_per_gpu"]
+
+
+def _row(name: str, seconds: float, gib: float) -> Ranked:
+    cats = dict.fromkeys(
+        ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "optimizer_s", "bubble_s"), 0.0
+    )
+    plan = Plan.from_batch(8, 1, dp=8)
+    return Ranked(
+        plan, {"iteration_s": seconds, "memory_gb_per_gpu": gib, "breakdown": cats, "name": name}, 0
+    )
+
+
+def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
+    """Plans within NEAR_TIE of the fastest of their group go least memory first; a plan just
+    beyond it starts a new group, and groups keep their order."""
+    rows = [
+        _row("a", 1.000, 5.0),
+        _row("b", 1.005, 3.0),
+        _row("c", 1.0099, 4.0),
+        _row("d", 1.0101, 1.0),  # beyond 1 % of a: the next group, though b and c are near it
+        _row("e", 1.030, 0.5),
+    ]
+    assert NEAR_TIE == 0.01
+    got = _ties_by_memory(rows)
+    assert [r.summary["name"] for r in got] == ["b", "c", "a", "d", "e"]
+    assert_ranked_order(got)
+    _explain(got)
+    assert got[0].reason.startswith("a near tie (0.5% behind #3, within 1%): needs 3.00 GiB")
+    assert got[2].reason.startswith("0.5% faster than #1 (a near tie), but needs 5.00 GiB")
+    assert got[3].reason.startswith("0.5% slower than #1")
+    # no tie: the order is the time order, and #1 is "fastest"
+    far = [_row("x", 1.0, 9.0), _row("y", 1.02, 1.0)]
+    assert _ties_by_memory(far) == far
+    _explain(far)
+    assert far[0].reason.startswith("fastest; 2.0% ahead of #2")
 
 
 def test_lower_bound_never_exceeds_the_simulation() -> None:
@@ -104,8 +158,9 @@ def test_search_finds_the_brute_force_top() -> None:
             if s["fits"]:
                 brute[i] = min(brute.get(i, float("inf")), s["iteration_s"])
     want = sorted(brute.values())[:3]
-    got = [r.summary["iteration_s"] for r in result.ranked]
+    got = sorted(r.summary["iteration_s"] for r in result.ranked)
     assert got == pytest.approx(want, rel=1e-9)
+    assert_ranked_order(result.ranked)
     assert result.stats["simulated"] < result.stats["fitting_variants"] / 4
 
 
