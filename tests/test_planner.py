@@ -16,8 +16,8 @@ from autopart.planning.planner import (
     NEAR_TIE,
     Ranked,
     _activation_peak,
+    _break_near_ties,
     _explain,
-    _ties_by_memory,
     _variants,
     layouts,
     search,
@@ -81,11 +81,11 @@ def assert_ranked_order(ranked: list[Ranked]) -> None:
                 assert a.summary["memory_gb_per_gpu"] <= b.summary["memory_gb_per_gpu"]
 
 
-def _row(name: str, seconds: float, gib: float) -> Ranked:
+def _row(name: str, seconds: float, gib: float, plan: Plan | None = None) -> Ranked:
     cats = dict.fromkeys(
         ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "optimizer_s", "bubble_s"), 0.0
     )
-    plan = Plan.from_batch(8, 1, dp=8)
+    plan = plan or Plan.from_batch(8, 1, dp=8)
     return Ranked(
         plan, {"iteration_s": seconds, "memory_gb_per_gpu": gib, "breakdown": cats, "name": name}, 0
     )
@@ -102,7 +102,7 @@ def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
         _row("e", 1.030, 0.5),
     ]
     assert NEAR_TIE == 0.01
-    got = _ties_by_memory(rows)
+    got = _break_near_ties(rows)
     assert [r.summary["name"] for r in got] == ["b", "c", "a", "d", "e"]
     assert_ranked_order(got)
     _explain(got)
@@ -111,9 +111,17 @@ def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
     assert got[3].reason.startswith("0.5% slower than #1")
     # no tie: the order is the time order, and #1 is "fastest"
     far = [_row("x", 1.0, 9.0), _row("y", 1.02, 1.0)]
-    assert _ties_by_memory(far) == far
+    assert _break_near_ties(far) == far
     _explain(far)
     assert far[0].reason.startswith("fastest; 2.0% ahead of #2")
+    # equal memory: the schedule with fewer actions a rank (GPipe has no W) first
+    zb = Plan.from_batch(8, 4, pp=2, dp=2, schedule="zb-h1")
+    gpipe = Plan.from_batch(8, 4, pp=2, dp=2, schedule="gpipe")
+    same = _break_near_ties([_row("zb", 0.369, 0.05, zb), _row("gpipe", 0.371, 0.05, gpipe)])
+    assert [r.summary["name"] for r in same] == ["gpipe", "zb"]
+    _explain(same)
+    # rank 0: F, SEND_F, RECV_B, B, DP_REDUCE; ZB-H1 adds the W
+    assert "as much memory, 5 actions a rank against 6" in same[0].reason
 
 
 def test_lower_bound_never_exceeds_the_simulation() -> None:

@@ -24,8 +24,9 @@ How it stays fast (docs/simulate.md, "The planner"):
    pipeline is in its steady state), keeping each layout's fastest; the search stops when the
    next bound exceeds the N-th best layout's simulated time. The bound is never above the
    simulation, so the top N are the model's true top N layouts.
-4. **Near ties.** Plans within ``NEAR_TIE`` (1 %) of a faster one are ordered by memory, least
-   first: the model cannot tell them apart, and the headroom is real.
+4. **Near ties.** Plans within ``NEAR_TIE`` (1 %) of a faster one are ordered by memory, then
+   by the actions a rank runs, least first: the model cannot tell them apart, the headroom is
+   real, and every action is a launch and a hand-over the model prices least surely.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.planning.simulate import (
     CostModel,
     GPTShape,
+    _actions,
     fast_lower_bound,
     simulate_costs,
     stage_params,
@@ -51,7 +53,7 @@ from autopart.schedule.generators import SPLIT_BACKWARD, generate
 MICRO_BATCHES = (1, 2, 4, 8)
 # plans predicted this close (relative to the faster) are a tie: the model cannot order them (its
 # error is 2.6 % on average against published runs, up to 15 % on this machine's CPU ranks),
-# so the one that needs less memory ranks first
+# so the one that needs less memory ranks first, and at equal memory the simpler schedule
 NEAR_TIE = 0.01
 SEQ_CHUNKS = (2, 4, 8)
 VIRTUAL = (2, 3, 4, 6, 8)
@@ -358,7 +360,7 @@ def search(
         if others.get(index):
             t, knobs = min(others[index])
             row.notes.append(f"next variant of this layout: {knobs}, {_secs(t)}")
-    ranked = _ties_by_memory(sorted(best.values(), key=lambda r: r.summary["iteration_s"])[:top])
+    ranked = _break_near_ties(sorted(best.values(), key=lambda r: r.summary["iteration_s"])[:top])
     if not ranked:
         smallest = min(rejected, default=(0.0, "nothing"))[1]
         raise AutopartError(
@@ -443,9 +445,25 @@ _CATS = {
 }
 
 
-def _ties_by_memory(ranked: list[Ranked]) -> list[Ranked]:
-    """``ranked`` (fastest first) with each near tie least memory first: a group is a plan and
-    the slower ones within ``NEAR_TIE`` of it; groups keep their order."""
+def _actions_per_rank(plan: Plan) -> int:
+    """The most schedule actions (compute, sends, receives, reductions) any rank of ``plan``
+    runs in a step."""
+    acts = _actions(
+        plan.schedule,
+        plan.pp,
+        plan.microbatches,
+        plan.virtual_stages,
+        plan.seq_chunks,
+        plan.dp > 1,
+        False,
+    )
+    return max(len(a) for a in acts.values())
+
+
+def _break_near_ties(ranked: list[Ranked]) -> list[Ranked]:
+    """``ranked`` (fastest first) with each near tie ordered by memory, then by actions per
+    rank, least first: a group is a plan and the slower ones within ``NEAR_TIE`` of it; groups
+    keep their order."""
     out: list[Ranked] = []
     i = 0
     while i < len(ranked):
@@ -454,9 +472,15 @@ def _ties_by_memory(ranked: list[Ranked]) -> list[Ranked]:
         while j < len(ranked) and ranked[j].summary["iteration_s"] <= limit:
             j += 1
         group = ranked[i:j]
-        out += sorted(
-            group, key=lambda r: (r.summary["memory_gb_per_gpu"], r.summary["iteration_s"])
-        )
+        if len(group) > 1:
+            group.sort(
+                key=lambda r: (
+                    r.summary["memory_gb_per_gpu"],
+                    _actions_per_rank(r.plan),
+                    r.summary["iteration_s"],
+                )
+            )
+        out += group
         i = j
     return out
 
@@ -483,9 +507,16 @@ def _explain(ranked: list[Ranked]) -> None:
     fastest = min(ranked, key=lambda r: r.summary["iteration_s"])
     if fastest is not best:
         behind = best.summary["iteration_s"] / fastest.summary["iteration_s"] - 1
+        if gib(best) != gib(fastest):
+            why = f"needs {gib(best)} against {gib(fastest)}"
+        else:
+            why = (
+                f"as much memory, {_actions_per_rank(best.plan)} actions a rank against "
+                f"{_actions_per_rank(fastest.plan)}"
+            )
         best.reason = (
             f"a near tie ({behind:.1%} behind #{ranked.index(fastest) + 1}, within "
-            f"{NEAR_TIE:.0%}): needs {gib(best)} against {gib(fastest)}"
+            f"{NEAR_TIE:.0%}): {why}"
         )
     elif len(ranked) > 1:
         more = [f"{name} +{_secs(d)}" for d, name in deltas(ranked[1], best)[:2] if d > eps]
