@@ -23,8 +23,9 @@ W; torch's with ``LiveSaved`` in one extra step). Goals (issue 20): ZB-H1's bubb
 
     python benchmarks/zero_bubble.py [--seq 512] [--microbatches 8] [--width 256]
 
-At ``--width 2048 --seq 256`` (a step of 16-19 s, 12 minutes in all) a unit's F, B and W are
-about equal on this CPU, the regime zero-bubble schedules are for (docs/zero_bubble.md).
+At ``--width 2048 --seq 256`` (a step of 16-22 s, 11-13 minutes in all) a unit's F, B and W are
+about equal on this CPU, the regime zero-bubble schedules are for; with ``--microbatches 2``
+both goals held in both runs (docs/zero_bubble.md).
 """
 
 from __future__ import annotations
