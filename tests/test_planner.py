@@ -107,7 +107,7 @@ def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
     assert_ranked_order(got)
     _explain(got)
     assert got[0].reason.startswith("a near tie (0.5% behind #3, within 1%): needs 3.00 GiB")
-    assert got[2].reason.startswith("0.5% faster than #1 (a near tie), but needs 5.00 GiB")
+    assert got[2].reason == "0.5% faster than #1 (a near tie), but needs 5.00 GiB against 3.00 GiB"
     assert got[3].reason.startswith("0.5% slower than #1")
     # no tie: the order is the time order, and #1 is "fastest"
     far = [_row("x", 1.0, 9.0), _row("y", 1.02, 1.0)]
@@ -122,6 +122,7 @@ def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
     _explain(same)
     # rank 0: F, SEND_F, RECV_B, B, DP_REDUCE; ZB-H1 adds the W
     assert "as much memory, 5 actions a rank against 6" in same[0].reason
+    assert same[1].reason.endswith("but as much memory, 6 actions a rank against 5")
 
 
 def test_lower_bound_never_exceeds_the_simulation() -> None:

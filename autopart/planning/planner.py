@@ -504,19 +504,21 @@ def _explain(ranked: list[Ranked]) -> None:
     def gib(r: Ranked) -> str:
         return f"{r.summary['memory_gb_per_gpu']:.2f} GiB"
 
+    def tie_break(a: Ranked, b: Ranked) -> str:
+        """What sets ``a`` apart from ``b`` in a near tie, as the reasons print it."""
+        if gib(a) != gib(b):
+            return f"needs {gib(a)} against {gib(b)}"
+        return (
+            f"as much memory, {_actions_per_rank(a.plan)} actions a rank against "
+            f"{_actions_per_rank(b.plan)}"
+        )
+
     fastest = min(ranked, key=lambda r: r.summary["iteration_s"])
     if fastest is not best:
         behind = best.summary["iteration_s"] / fastest.summary["iteration_s"] - 1
-        if gib(best) != gib(fastest):
-            why = f"needs {gib(best)} against {gib(fastest)}"
-        else:
-            why = (
-                f"as much memory, {_actions_per_rank(best.plan)} actions a rank against "
-                f"{_actions_per_rank(fastest.plan)}"
-            )
         best.reason = (
             f"a near tie ({behind:.1%} behind #{ranked.index(fastest) + 1}, within "
-            f"{NEAR_TIE:.0%}): {why}"
+            f"{NEAR_TIE:.0%}): {tie_break(best, fastest)}"
         )
     elif len(ranked) > 1:
         more = [f"{name} +{_secs(d)}" for d, name in deltas(ranked[1], best)[:2] if d > eps]
@@ -529,8 +531,8 @@ def _explain(ranked: list[Ranked]) -> None:
         best.reason = "fastest"
     for row in ranked[1:]:
         slower = row.summary["iteration_s"] / best.summary["iteration_s"] - 1
-        if slower < 0:  # in #1's near tie: faster, but needs more memory
-            row.reason = f"{-slower:.1%} faster than #1 (a near tie), but needs {gib(row)}"
+        if slower < 0:  # in #1's near tie: faster, but more memory or more actions
+            row.reason = f"{-slower:.1%} faster than #1 (a near tie), but {tie_break(row, best)}"
             continue
         loss = deltas(row, best)
         more = [f"{name} +{_secs(d)}" for d, name in loss[:2] if d > eps]
