@@ -448,16 +448,14 @@ _CATS = {
 def _actions_per_rank(plan: Plan) -> int:
     """The most schedule actions (compute, sends, receives, reductions) any rank of ``plan``
     runs in a step."""
-    acts = _actions(
-        plan.schedule,
-        plan.pp,
-        plan.microbatches,
-        plan.virtual_stages,
-        plan.seq_chunks,
-        plan.dp > 1,
-        False,
+    return _action_count(
+        plan.schedule, plan.pp, plan.microbatches, plan.virtual_stages, plan.seq_chunks, plan.dp > 1
     )
-    return max(len(a) for a in acts.values())
+
+
+@cache  # the near-tie sort and the reasons ask again for the same schedules
+def _action_count(schedule: str, pp: int, m: int, v: int, k: int, dp: bool) -> int:
+    return max(len(a) for a in _actions(schedule, pp, m, v, k, dp, False).values())
 
 
 def _break_near_ties(ranked: list[Ranked]) -> list[Ranked]:

@@ -439,9 +439,9 @@ def _run_shared(
         t1 = min(nxt)
         for i in busy:
             left[i] -= (t1 - T) * rate[i]
-            if filling[i] >= 0:  # a piece of a deferred W ends: its work done, or the data came
-                w = filling[i]
-                done = left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][w][1]])
+            w = filling[i]  # the W a piece of runs while the rank waits, or -1
+            done = left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][w if w >= 0 else pc[i]][1]])
+            if w >= 0:  # a piece of a deferred W ends: its work done, or the data came
                 at = _awaited(comp, i, pc, arrival)
                 if done or (at is not None and at <= t1):
                     w_left[i][w] = 0.0 if done else left[i]
@@ -450,7 +450,7 @@ def _run_shared(
                     times[i].busy += t1 - began[i]
                     left[i], now[i], filling[i] = 0.0, t1, -1
                 continue
-            if left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][pc[i]][1]]):
+            if done:
                 key = comp.ops[i][pc[i]][1]
                 if rec:
                     raw.append((i, pc[i], began[i], t1))

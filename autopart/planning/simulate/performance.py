@@ -193,15 +193,12 @@ def _layer(
         rec = fwd
         b_tp += comm
         transient = act_all + prefix_copy
-    # weight gradients: dB = Aᵀ·dC of each layer GEMM (the other half of ``_gemm_fb``'s backward)
-    w = (
-        _gemm(cl, h, T, (h + 2 * kvd) / t)
-        + _gemm(cl, h / t, T, h)
-        + _gemm(cl, h, T, f / t)
-        + _gemm(cl, f / t, T, h)
-    )
-    # a deferred W reads back each GEMM's input (T × k) and output gradient (T × n)
-    cold = _cold_read(cl, T * (h + (h + 2 * kvd) / t + h / t + h + h + f / t + f / t + h))
+    # weight gradients: dB = Aᵀ·dC of each layer GEMM (the other half of ``_gemm_fb``'s
+    # backward), whose weights are k × n: QKV, the attention output, fc1, fc2; deferred, a W
+    # reads back each GEMM's input (T × k) and output gradient (T × n)
+    weights = ((h, (h + 2 * kvd) / t), (h / t, h), (h, f / t), (f / t, h))
+    w = sum(_gemm(cl, k, T, n) for k, n in weights)
+    cold = _cold_read(cl, T * sum(k + n for k, n in weights))
     return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec, w, cold)
 
 
