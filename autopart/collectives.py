@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError, wait
-from autopart.runtime import shm
+from autopart.runtime import shm, staging
 
 _GROUPS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {
@@ -117,7 +117,11 @@ def _exchange(
 ) -> Any:
     """Send ``outgoing[i]`` to group rank i and receive one tensor of the same shape from each;
     returns ``combine`` of what each rank sent us, in rank order (our own entry:
-    ``outgoing[me]``). ``combine`` must return fresh tensors."""
+    ``outgoing[me]``). ``combine`` must return fresh tensors. CUDA tensors on a gloo group
+    (ranks sharing a GPU) are exchanged as host copies and combined on the host, then copied
+    back (``runtime/staging.py``): the same sums, bit for bit, as the CPU ranks'."""
+    if staging.staged(outgoing[0], g) and outgoing[0].device.type != "cpu":
+        return _exchange([t.cpu() for t in outgoing], g, what, combine).to(outgoing[0].device)
     ring = _shm(g) if outgoing[0].device.type == "cpu" else None
     if ring is not None:
         return ring.exchange(
@@ -177,9 +181,10 @@ def _all_reduce(x: torch.Tensor, group: str, op: Any = None) -> torch.Tensor:
         x = x.contiguous()
         return _exchange([x] * dist.get_world_size(g), g, what, _sum_in_rank_order)
     out = x.contiguous().clone()
-    if g is not None:
-        work = dist.all_reduce(out, op=op or dist.ReduceOp.SUM, group=g, async_op=True)
-        _wait(work, what)
+    if g is not None and (op is None or op == dist.ReduceOp.SUM):
+        _wait(staging.all_reduce(out, g), what)
+    elif g is not None:
+        _wait(dist.all_reduce(out, op=op, group=g, async_op=True), what)
     return out
 
 
@@ -204,9 +209,10 @@ def _all_gather(x: torch.Tensor, dim: int, group: str, size: int | None = None) 
     x = x.contiguous()
     if transport(g) != "c10d":
         return _exchange([x] * dist.get_world_size(g), g, what, lambda got: torch.cat(got, dim))
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(g))]
-    _wait(dist.all_gather(parts, x, group=g, async_op=True), what)
-    return torch.cat(parts, dim)
+    host = x.cpu() if staging.staged(x, g) else x
+    parts = [torch.empty_like(host) for _ in range(dist.get_world_size(g))]
+    _wait(dist.all_gather(parts, host, group=g, async_op=True), what)
+    return torch.cat(parts, dim).to(x.device)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int | None = None) -> torch.Tensor:
@@ -229,7 +235,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int | None = No
         _wait(dist.reduce_scatter(mine, parts, group=g, async_op=True), what)
         return mine
     out = x.contiguous().clone()  # gloo has no reduce_scatter: all-reduce, keep our slice
-    _wait(dist.all_reduce(out, group=g, async_op=True), what)
+    _wait(staging.all_reduce(out, g), what)
     return out.chunk(n, dim)[me].contiguous()
 
 

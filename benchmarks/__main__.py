@@ -4,6 +4,8 @@ Each benchmark runs as it does alone (``python benchmarks/NAME.py``: its own tor
 full printout), then the rows it recorded are gathered into one table: what was measured,
 autopart's figure, the peer's (named in the row), their ratio and whether the goal was met.
 ``--only NAME ...`` runs a subset. Exit status 1 if any goal was missed or a benchmark failed.
+``python -m benchmarks gpu`` is the one-GPU run instead (``benchmarks/gpu.py``: the GPU checks,
+then autopart against ``torch.compile`` and eager on a 1B Llama).
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    if sys.argv[1:2] == ["gpu"]:  # the one-GPU check and throughput run (benchmarks/gpu.py)
+        return importlib.import_module("gpu").main(sys.argv[2:])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.splitlines()[0],
+        epilog="python -m benchmarks gpu [--help]: the one-GPU checks and throughput run",
+    )
     ap.add_argument("--only", nargs="+", choices=list(BENCHMARKS), help="run only these")
     args = ap.parse_args()
     con = Console()

@@ -20,9 +20,14 @@ random token ids, and just past every length the construction names (a sliding w
 the mask is not proven); only if it equals the lower-triangular causal mask every time, or that
 mask within the window of W keys it shows at the longest length tried, is it replaced. A
 padding or bidirectional mask fails that test and stays; so does a softmax over scores the
-forms above do not cover (soft-capping, ALiBi biases). The pass runs only for the Seq1F1B
-schedules (which need one attention form); ``require_causal`` refuses a graph
+forms above do not cover (soft-capping, ALiBi biases). ``require_causal`` refuses a graph
 with attention it could not prove causal.
+
+Which plans: the Seq1F1B schedules (which need one attention form) get all of the above. Every
+other plan gets form 2 only, without windows: an SDPA whose mask is proven plainly causal drops
+the mask for ``is_causal=True`` — the same operation, minus an [S, S] mask in memory, and on a
+GPU the flash kernels, which take no mask. The manual path is left alone there (its dropout is
+autopart's explicit, reproducible one; SDPA's would draw from torch's generator).
 """
 
 from __future__ import annotations
@@ -44,14 +49,13 @@ LONGEST = 8192  # the longest sequence a mask is evaluated at (batch 1 beyond _S
 
 
 def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    if not plan.schedule.startswith("seq1f1b"):
-        return gm
+    every_form = plan.schedule.startswith("seq1f1b")  # else: masked SDPA only (docstring)
     changed = False
     proofs: dict = {}  # mask → its proof: the layers of a Hugging Face model share one mask
     for n in list(gm.graph.nodes):
         if n.target == SDPA:
-            changed |= _sdpa(gm, n, proofs)
-        elif n.target in (aten.softmax.int, aten._softmax.default):
+            changed |= _sdpa(gm, n, proofs, windows=every_form)
+        elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
             changed |= _manual(gm, n, proofs)
     if changed:
         remove_dead(gm)
@@ -84,7 +88,7 @@ def require_causal(gm: fx.GraphModule) -> None:
             )
 
 
-def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict) -> bool:
+def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) -> bool:
     mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
     causal = n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
     if mask is None:
@@ -94,7 +98,7 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict) -> bool:
         gm, proofs, mask, keep_is_true=mask.meta["val"].dtype == torch.bool
     )
     n.meta[META_ATTENTION] = why or "causal"
-    if why:
+    if why or (window is not None and not windows):
         return False
     q, k, v = n.args[:3]
     dropout = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)

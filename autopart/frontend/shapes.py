@@ -4,8 +4,11 @@ fails here, as an ``AutopartError`` that names the node — never later as silen
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
+from torch._decomp import decompositions as _decomp
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -26,6 +29,26 @@ class _Prop(FakeTensorProp):
                 hint="a pass rewrote a shape it could not prove; please report this with the model",
             ) from exc
 
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # torch 2.11's C++ matmul reads plain sizes, and its fake ``aten.size`` casts each to
+        # int: either pins a symbolic batch or sequence to its example value. These compute
+        # the same values with the sizes kept symbolic.
+        if target in _SYMBOLIC:
+            return _SYMBOLIC[target](*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    out = _decomp.matmul(x, w.t())
+    return out if b is None else out + b
+
+
+_SYMBOLIC = {
+    torch.ops.aten.size.default: lambda x: tuple(x.shape),
+    torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
+    torch.ops.aten.linear.default: _linear,
+}
+
 
 def fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A FakeTensor of ``shape`` in the same fake mode (and dtype) as ``val``."""
@@ -38,5 +61,11 @@ def propagate(gm: fx.GraphModule) -> fx.GraphModule:
     """Re-run fake propagation from the placeholders' ``meta["val"]``; updates every node."""
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(inputs)
+    # floating inputs as autograd sees them in training: torch 2.11's matmul, asked to fold a
+    # batched input against a weight that needs no gradient, reads a symbolic numel and fails
+    inputs = [
+        x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        for x in inputs
+    ]
     _Prop(gm, mode).propagate_dont_convert_inputs(*inputs)
     return gm

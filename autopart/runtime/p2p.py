@@ -24,9 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from autopart.errors import AutopartError, wait
+from autopart.runtime import staging
 
 _DTYPES = [
     torch.float64,
@@ -57,8 +57,9 @@ class Channel:
     def __init__(self, rank: int, timeout_s: float, device: torch.device | None = None) -> None:
         self.rank, self.timeout_s = rank, timeout_s
         self.device = device or torch.device("cpu")
-        # headers travel on the device (NCCL sends device tensors); in the dry run (meta: no
-        # data) they go over gloo on the CPU, and payloads are not sent at all
+        # headers travel on the device (NCCL sends device tensors; ranks sharing a GPU send
+        # through host copies, runtime/staging.py); in the dry run (meta: no data) they go over
+        # gloo on the CPU, and payloads are not sent at all
         self.dry = self.device.type == "meta"
         self.head_device = torch.device("cpu") if self.dry else self.device
         # work to do while a posted receive has not arrived: returns False when it has none
@@ -94,10 +95,10 @@ class Channel:
                 head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
                 head = head.to(self.head_device)
                 self.sends.append(
-                    (dist.isend(head, peer, tag=_tag(stage, mb, chunk, backward, i, 0)), head)
+                    (staging.isend(head, peer, _tag(stage, mb, chunk, backward, i, 0)), head)
                 )
             if not self.dry:
-                work = dist.isend(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1))
+                work = staging.isend(t, peer, _tag(stage, mb, chunk, backward, i, 1))
                 self.sends.append((work, t))
 
     def prefetch(self, peer: int, stage: int, mb: int, chunk: int, backward: bool) -> None:
@@ -108,7 +109,7 @@ class Channel:
             return
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
         works = [
-            dist.irecv(b, peer, tag=_tag(stage, mb, chunk, backward, i, 1))
+            staging.irecv(b, peer, _tag(stage, mb, chunk, backward, i, 1))
             for i, b in enumerate(bufs)
             if not self.dry
         ]
@@ -136,7 +137,7 @@ class Channel:
         for i in range(count):
             head = torch.zeros(_HEADER, dtype=torch.int64, device=self.head_device)
             _wait(
-                dist.irecv(head, peer, tag=_tag(stage, mb, chunk, backward, i, 0)),
+                staging.irecv(head, peer, _tag(stage, mb, chunk, backward, i, 0)),
                 self.rank,
                 what,
                 peer,
@@ -148,7 +149,7 @@ class Channel:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             if not self.dry:
                 _wait(
-                    dist.irecv(t, peer, tag=_tag(stage, mb, chunk, backward, i, 1)),
+                    staging.irecv(t, peer, _tag(stage, mb, chunk, backward, i, 1)),
                     self.rank,
                     what,
                     peer,

@@ -2,7 +2,11 @@
 
 A compiled program names no device (``lowering.compile.device_free``). At run time each rank
 picks one (``pick_device``): ``--device`` / ``device=`` when given, else ``cuda:LOCAL_RANK``
-when CUDA is available, else the CPU; the backend follows (NCCL for CUDA, gloo otherwise).
+when CUDA is available, else the CPU. When a node runs more ranks than it has GPUs
+(``shares_gpu``), rank ``LOCAL_RANK`` takes GPU ``LOCAL_RANK mod count``. The backend follows
+(``backend_for``): NCCL for CUDA ranks with a GPU each; gloo for the CPU, the dry run and ranks
+sharing a GPU (NCCL refuses two ranks on one device), whose messages then go through host copies
+(``runtime/staging.py``).
 ``place(graph, device)`` gives the graph's factory calls (``arange``, ``full``, ``zeros`` …)
 that device; on the CPU they are left as they are (the default device).
 
@@ -40,16 +44,33 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
                 hint="leave --device out to run on the CPU",
             )
         if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            dev = _local_gpu()
+        elif dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+            raise AutopartError(
+                f"device {requested!r} asked for, but this machine has "
+                f"{torch.cuda.device_count()} GPU(s)",
+                hint="use --device cuda: each rank takes the GPU of its local rank",
+            )
         return dev
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return _local_gpu()
     return torch.device("cpu")
 
 
+def _local_gpu() -> torch.device:
+    """GPU ``LOCAL_RANK``, or ``LOCAL_RANK mod count`` where ranks share the node's GPUs."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def shares_gpu() -> bool:
+    """More ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``) than GPUs."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count()
+
+
 def backend_for(device: torch.device) -> str:
-    """The process-group backend of a device: NCCL for CUDA, gloo for the CPU and the dry run."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The process-group backend of a device: NCCL for CUDA ranks with a GPU each; gloo for the
+    CPU, the dry run and ranks sharing a GPU (their messages go through host copies)."""
+    return "nccl" if device.type == "cuda" and not shares_gpu() else "gloo"
 
 
 def _makes_tensors(target: Any) -> bool:

@@ -33,7 +33,7 @@ from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
-from autopart.runtime import p2p
+from autopart.runtime import p2p, staging
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
@@ -515,7 +515,7 @@ class Runner:
         (the same on every rank: the same sums)."""
         t = torch.tensor(s.chunk_time, dtype=torch.float64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            work = dist.all_reduce(t, async_op=True)
+            work = staging.all_reduce(t)
             self._wait(work, f"step {self.steps}: adding up the chunks' measured forward times")
         fit = fit_coefficients([(a, e, float(x)) for (a, e), x in zip(s.bounds, t, strict=True)])
         if fit is not None:
@@ -616,7 +616,7 @@ class Runner:
             if self.dry:
                 p.grad = grad
                 continue
-            work = dist.all_reduce(grad, group=group, async_op=True)
+            work = staging.all_reduce(grad, group)
             self._wait(work, f"{action} (gradient of tied {fqn})")
             p.grad = grad
 
@@ -758,7 +758,7 @@ class Runner:
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
-        work = None if self.dry else dist.all_reduce(flat, group=self.groups["dp"], async_op=True)
+        work = None if self.dry else staging.all_reduce(flat, self.groups["dp"])
         self._s.pending.append((i, flat, work))
 
     def _finish_buckets(self, action: Action) -> None:
@@ -786,10 +786,10 @@ class Runner:
         if self.dry:
             return loss
         if self.groups.get("pp") is not None:  # only the last stage holds the loss
-            work = dist.all_reduce(loss, group=self.groups["pp"], async_op=True)
+            work = staging.all_reduce(loss, self.groups["pp"])
             self._wait(work, f"loss all-reduce over pp ranks {self.program.groups['pp']}")
         if self.groups.get("dp") is not None:
-            work = dist.all_reduce(loss, group=self.groups["dp"], async_op=True)
+            work = staging.all_reduce(loss, self.groups["dp"])
             self._wait(work, f"loss all-reduce over dp ranks {self.program.groups['dp']}")
         return loss
 
