@@ -178,6 +178,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
         sync()
         times.append(time.perf_counter() - t)
         losses.append(float(loss))
+    profile = _profile(lambda: (step(), opt.step(), opt.zero_grad(set_to_none=True), sync()))
     timed = sorted(times[a.warmup :])
     step_s = timed[len(timed) // 2]  # the median step
     tokens = a.batch * a.seq
@@ -197,7 +198,29 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
         "tflops": flops / step_s / 1e12,
         "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else None,
         "losses": losses,
+        **(profile if cuda else {}),
     }
+
+
+def _profile(one_step: Any) -> dict[str, Any]:
+    """One more step under torch.profiler: the GPU's busy seconds (the sum of kernel times)
+    and the table of the kernels that took the most, to say where a step's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one_step()
+        events = prof.key_averages()
+        busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+        table = events.table(
+            sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
+        )
+        return {"gpu_busy_s": busy, "profile": table}
+    except Exception as exc:  # noqa: BLE001 - the figures stand without it
+        return {"profile": f"profiler failed: {type(exc).__name__}: {exc}"}
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -344,6 +367,9 @@ def _summary(res: dict[str, Any]) -> list[str]:
                 continue
             mfu = f"{r['tflops'] * 1e12 / peak:.1%}" if peak else "?"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
+            busy = r.get("gpu_busy_s")
+            if busy:
+                lines.append(f"  ({r['mode']}: GPU busy {busy:.4f} s of a profiled step)")
             lines.append(
                 f"  {r['mode']:14} {r['step_s']:8.4f} {r['tokens_per_s']:10.0f} "
                 f"{r['tflops']:8.1f} {mfu:>6} {mem:>9} {r['prepare_s']:7.1f} "
