@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--chunks", type=int, default=4, help="Seq1F1B chunks for --long")
     ap.add_argument("--no-checks", action="store_true", help="skip tests/test_gpu.py")
+    ap.add_argument("--no-main", action="store_true", help="skip the --seq run (with --long)")
     ap.add_argument("--no-compile", action="store_true", help="autopart without compile=True")
     ap.add_argument("--device", default="cuda", help="where to run (default cuda)")
     ap.add_argument("--checks-timeout", type=float, default=300, help="seconds for the checks")
@@ -438,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         res["checks"] = _checks(a)
         save()
     res["throughput"] = {}
-    runs: list[tuple[str, int, int, int, tuple[str, ...]]] = [
-        (f"seq {a.seq} x batch {a.batch}", a.seq, a.batch, 1, tuple(a.modes))
-    ]
+    runs: list[tuple[str, int, int, int, tuple[str, ...]]] = []
+    if not a.no_main:
+        runs.append((f"seq {a.seq} x batch {a.batch}", a.seq, a.batch, 1, tuple(a.modes)))
     if a.long:
         runs.append(
             (

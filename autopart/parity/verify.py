@@ -158,11 +158,22 @@ def reference(
     model: torch.nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
     compute: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-device loss and gradients by the model's global parameter names. ``compute``
     (bf16): the mixed-precision policy the runtime follows — a ``compute`` copy of the model
     runs on the parameters cast inside autograd, so gradients land in the (float32) masters;
-    the loss is computed in float32."""
+    the loss is computed in float32. ``device`` (a GPU): run there, the model moved there and
+    back, the gradients returned on the CPU."""
+    if device is not None and device.type != "cpu":
+        home = next(model.parameters()).device
+        try:
+            loss, grads = reference(
+                model.to(device), (batch[0].to(device), batch[1].to(device)), compute
+            )
+        finally:
+            model.to(home)
+        return loss, {f: g.cpu() for f, g in grads.items()}
     input_ids, labels = batch
     model.zero_grad(set_to_none=True)
     if compute is None:
@@ -325,14 +336,18 @@ class _Model:
     tolerance: float | None = None  # mixed precision: BF16_MARGIN × the model's own bf16 error
 
 
-def _prepare(spec: str | Factory, dtype: str) -> _Model:
+def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
+    """Build, reference and capture one model. The reference runs on the ranks' kind of device
+    (a GPU's kernels round float32 parts of a model, such as Llama's rotary tables, otherwise
+    than the CPU's: about 3e-7 apart, which is not the plan's doing); the capture on the CPU."""
     from autopart.frontend.capture import LOW_PRECISION, capture, capture_mixed
 
     model, batch = build(spec)
     mixed = DTYPES[dtype] in LOW_PRECISION  # float32 masters, low-precision compute
     model = model.to(torch.float32 if mixed else DTYPES[dtype])
+    on = torch.device(device) if device.startswith("cuda") else torch.device("cpu")
     try:
-        ref_loss, ref_grads = reference(model, batch, DTYPES[dtype] if mixed else None)
+        ref_loss, ref_grads = reference(model, batch, DTYPES[dtype] if mixed else None, on)
     except (RuntimeError, NotImplementedError, TypeError) as exc:  # a kernel without this dtype
         other = "float32" if dtype == "float64" else "float64"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -343,7 +358,7 @@ def _prepare(spec: str | Factory, dtype: str) -> _Model:
             "of experts) have no float64 version",
         ) from exc
     captured = capture_mixed(model, batch, DTYPES[dtype]) if mixed else capture(model, batch)
-    tolerance = BF16_MARGIN * own_error(model, batch, ref_loss, ref_grads) if mixed else None
+    tolerance = BF16_MARGIN * own_error(model, batch, ref_loss, ref_grads, on) if mixed else None
     found = island_dtypes(captured.graph, captured.dtype)
     lowest = max([captured.dtype, *(d for _, d in found)], key=lambda d: torch.finfo(d).eps)
     names = [f"{module} ({_name(d)})" for module, d in found]
@@ -358,11 +373,12 @@ def own_error(
     batch: tuple[torch.Tensor, torch.Tensor],
     loss: float,
     grads: dict[str, torch.Tensor],
+    device: torch.device | None = None,
 ) -> float:
     """How far the one-device mixed-precision run (``loss``, ``grads``) is from the same model
     in float32, by the verifier's metric: the rounding the precision itself brings. A plan
     passes if it moves the result by at most ``BF16_MARGIN`` times that (docs/precision.md)."""
-    loss32, grads32 = reference(model, batch)
+    loss32, grads32 = reference(model, batch, device=device)
     largest = _largest(grads32)
     worst = max(rel_error(grads[f], g, FLOOR * largest) for f, g in grads32.items())
     return max(worst, abs(loss - loss32) / abs(loss32))
@@ -393,8 +409,9 @@ def verify_many(
     torchrun launch, each rank loading program after program (the path of ``autopart run``);
     ``via="fork"`` forks each check's ranks from this process with the program in memory
     (nothing saved or loaded; no ``nnodes`` or ``compile``). ``on_result`` hears each outcome
-    as it comes. ``device`` is where the ranks compute ("cuda": each on ``cuda:LOCAL_RANK``,
-    with NCCL); the reference runs on the CPU.
+    as it comes. ``device`` is where the ranks compute ("cuda": each on ``cuda:LOCAL_RANK``
+    with NCCL, or all on one GPU over gloo with host staging when they outnumber the GPUs);
+    the reference runs on the same kind of device (GPU 0), the capture on the CPU.
     """
     from autopart.api import parallelize
     from autopart.layout import Mesh
@@ -406,10 +423,11 @@ def verify_many(
         )
     if via not in ("torchrun", "fork"):
         raise AutopartError(f"unknown via={via!r}", hint="use 'torchrun' or 'fork'")
-    if via == "fork" and (nnodes > 1 or compile):
+    if via == "fork" and (nnodes > 1 or compile or device.startswith("cuda")):
         raise AutopartError(
-            "forked ranks run one node, uncompiled",
-            hint="use via='torchrun' for nnodes > 1 or compile=True",
+            "forked ranks run one node, uncompiled, on the CPU",
+            hint="use via='torchrun' for nnodes > 1, compile=True or CUDA (a process that "
+            "has used CUDA cannot fork ranks that use it)",
         )
     named = dict(checks) if isinstance(checks, Mapping) else _names(checks)
     results: dict[str, Report | AutopartError] = {}
@@ -426,7 +444,7 @@ def verify_many(
         start = time.perf_counter()
         if check.spec not in models:
             try:
-                models[check.spec] = _prepare(check.spec, dtype)
+                models[check.spec] = _prepare(check.spec, dtype, device)
             except AutopartError as exc:
                 models[check.spec] = exc
         model = models[check.spec]
