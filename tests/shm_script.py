@@ -27,7 +27,7 @@ def main() -> int:
     if me == 1:  # the probe's data file cannot be reserved: a tiny /dev/shm
 
         def small(path: str, size: int, create: bool):
-            if create and size > 64:
+            if create and size > shm._CTL_BYTES:
                 raise OSError(28, "No space left on device")
             return mapping(path, size, create)
 

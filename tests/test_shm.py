@@ -95,3 +95,76 @@ def test_a_small_dev_shm_falls_back_and_a_dead_peer_is_named_before_the_timeout(
     shm.sweep()  # what the next job's setup does: the dead ranks' files go
     left = [f for f in glob.glob(f"{shm.SHM_DIR}/autopart-*") if not shm.alive(shm._pid_of(f))]
     assert not left, left
+
+
+def _can_unshare_pids() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not _can_unshare_pids(), reason="needs unshare --pid (root)")
+def test_peers_in_another_pid_namespace_are_live_until_their_heartbeat_stops() -> None:
+    """Ranks sharing /dev/shm but not PIDs (containers sharing IPC): a live peer used to be
+    reported dead 0.25 s into a wait (its PID means nothing in this namespace); now PIDs are
+    checked only within a namespace, and a dead peer elsewhere is named by its heartbeat."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = str(Path(__file__).resolve().parent / "pidns_script.py")
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [*pre, sys.executable, script],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r, pre in ((0, []), (1, ["unshare", "--pid", "--fork"]))
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    res = next(json.loads(x) for x in outs[1].splitlines() if x.startswith("{"))
+    assert res["namespace"] != shm.pid_namespace()  # rank 1 really ran elsewhere
+    assert res["transport"] == "shm" and res["sum"] == res["sum2"] == [2.0] * 4, (res, outs)
+    assert "rank 1: rank 0 (no heartbeat for" in res["dead"] and "died" in res["dead"], res
+    assert res["dead_seconds"] < 30, res
+
+
+def test_sweep_leaves_the_files_of_other_pid_namespaces() -> None:
+    """A file whose PID is dead here but was made in another PID namespace is not swept (its
+    process may live there); the same name from this namespace is."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    here, other = shm.pid_namespace(), shm.pid_namespace() + 1
+    theirs = f"{shm.SHM_DIR}/autopart-{child.pid}-n{other}-0123456789ab-1-00"
+    ours = f"{shm.SHM_DIR}/autopart-{child.pid}-n{here}-0123456789ab-1-00"
+    for path in (theirs, ours):
+        open(path, "w").close()
+    try:
+        removed = shm.sweep()
+        assert ours in removed and theirs not in removed and os.path.exists(theirs)
+    finally:
+        for path in (theirs, ours):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -57,18 +57,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(a: argparse.Namespace) -> int:
     import os
 
-    from autopart.parity.verify import launch
+    from autopart.layout import Plan
     from autopart.program.format import read_head
-    from autopart.runtime.run import run
+    from autopart.runtime.launch import launch
+    from autopart.runtime.run import check_args, run
 
     argv = [a.dir, *a.options]
     args = runtime_parser().parse_args(argv)
     if "RANK" in os.environ:
         return run(args)
-    world = read_head(args.dir)["world_size"]
+    head = read_head(args.dir)
+    world = _world_before_launch(args.dir, head)
+    check_args(args, head, Plan.from_json(head["plan"]))  # refused here once, not per rank
     print(
         f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} "
         f"-m autopart.runtime.run {' '.join(argv)}"
     )
     launch(world, ["-m", "autopart.runtime.run", *argv], stream=True, timeout_s=None)
     return 0
+
+
+def _world_before_launch(folder: str, head: dict) -> int:
+    """The world size to launch, checked against the plan's mesh and the rank folders the
+    program lists before any rank is spawned."""
+    from autopart.errors import AutopartError
+    from autopart.layout import Plan
+
+    world, mesh = head["world_size"], Plan.from_json(head["plan"]).mesh
+    if world != mesh.size:
+        raise AutopartError(
+            f"{folder}/plan.json: world_size {world} but the plan's mesh {mesh} has "
+            f"{mesh.size} ranks",
+            hint="the program folder was edited or mixed up; re-save it with Program.save()",
+        )
+    missing = [r for r in range(world) if f"rank{r:05d}/program.json" not in head["files"]]
+    if missing:
+        raise AutopartError(
+            f"{folder}: no program for rank {missing[0]} of {world} in plan.json",
+            hint="re-save the program, or copy the whole folder",
+        )
+    return world

@@ -20,11 +20,9 @@ import json
 import multiprocessing
 import os
 import sys
-import time
 import traceback
 from dataclasses import asdict
 from datetime import timedelta
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.program.format import Program, RankProgram, load_rank, load_weights, read_head
+from autopart.runtime.launch import as_rank, rank_setup, wait_ranks
 from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.runner import Runner, local_weights, make_groups
 
@@ -103,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m autopart.parity.checks MANIFEST (under torchrun)", file=sys.stderr)
         return 2
+    rank_setup(collectives.close)  # stopped with its launcher, shared memory cleaned up
     manifest = json.loads(Path(args[0]).read_text())
     timeout_s = float(manifest["timeout"])
     dev = pick_device(manifest.get("device", "cpu"))
@@ -179,51 +179,6 @@ def fork_ranks(
         err = folder / f"rank{first:05d}.err"
         why = err.read_text().strip() if err.exists() else f"exit code {procs[first].exitcode}"
         raise AutopartError(f"rank {first} of {world} forked ranks failed: {why}")
-
-
-def wait_ranks(procs: list[Any], limit_s: float) -> int | None:
-    """Wait for forked ranks; returns the rank that failed first (None: all exited 0). When
-    one fails, the others get 2 s to notice and say why, then are stopped (as torchrun stops
-    them); past ``limit_s`` every rank is stopped and this raises. Always joins them."""
-    deadline = time.monotonic() + limit_s
-    first: int | None = None
-    failed_at = 0.0
-    try:
-        while any(p.exitcode is None for p in procs):
-            now = time.monotonic()
-            if now > deadline:
-                raise AutopartError(
-                    f"the {len(procs)} forked ranks did not finish within {limit_s:.0f} s",
-                    hint="a rank hangs",
-                )
-            if first is None:
-                first = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
-                failed_at = now
-            if first is not None and now - failed_at > 2.0:
-                break
-            wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join()
-    if first is None:
-        first = next((r for r, p in enumerate(procs) if p.exitcode != 0), None)
-    return first
-
-
-def as_rank(rank: int, world: int, **env: str) -> None:
-    """Make a forked process rank ``rank`` of ``world``: torchrun's variables (and ``env``),
-    and one core's worth of threads (torchrun's OMP_NUM_THREADS=1)."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-        **env,
-    )
 
 
 def _forked_rank(

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,8 +27,9 @@ import torch.nn.functional as F
 from autopart.errors import AutopartError
 from autopart.frontend.capture import logits_of
 from autopart.frontend.spec import Factory, build
-from autopart.parity.checks import as_rank, fork_ranks, wait_ranks
+from autopart.parity.checks import fork_ranks
 from autopart.program.format import Shard
+from autopart.runtime.launch import launch, launch_forked  # noqa: F401 - verify's API
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 # "bfloat16" is the mixed-precision policy: bf16 compute, float32 masters and loss (both runs)
@@ -667,160 +665,3 @@ def verify(
     if isinstance(result, AutopartError):
         raise result
     return result
-
-
-def launch(
-    nproc: int,
-    argv: list[str],
-    *,
-    timeout_s: float | None = 300.0,
-    stream: bool = False,
-    nnodes: int = 1,
-) -> str:
-    """Run ``argv`` on ``nproc`` ranks with torchrun on this machine; returns rank output.
-
-    ``timeout_s`` bounds each distributed wait; the whole launch gets 60 s more (None: no bound).
-    ``nnodes > 1`` starts that many torchrun agents (``nproc / nnodes`` ranks each) that meet by
-    c10d rendezvous on 127.0.0.1, as separate machines would.
-    """
-    if nproc % nnodes:
-        raise AutopartError(
-            f"{nproc} ranks do not split over {nnodes} nodes",
-            hint="use a node count that divides the world size",
-        )
-    if nnodes == 1:
-        where = [["--standalone", f"--nproc-per-node={nproc}"]]
-    else:
-        port = _free_port()
-        where = [
-            [
-                f"--nnodes={nnodes}",
-                f"--nproc-per-node={nproc // nnodes}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id=autopart-{port}",
-            ]
-        ] * nnodes
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    limit = None if timeout_s is None else timeout_s + 60
-    out = None if stream else subprocess.PIPE
-    err = None if stream else subprocess.STDOUT
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *w, *argv],
-            env=env,
-            text=True,
-            stdout=out,
-            stderr=err,
-        )
-        for w in where
-    ]
-    try:
-        outputs = [p.communicate(timeout=limit)[0] or "" for p in procs]
-    except subprocess.TimeoutExpired as exc:
-        for p in procs:
-            p.kill()
-        raise AutopartError(
-            f"the {nproc} ranks did not finish within {exc.timeout:.0f} s",
-            hint="a rank hangs; rerun with a smaller --timeout to see which",
-        ) from exc
-    code = max((p.returncode for p in procs), key=abs)
-    output = "".join(outputs)
-    if code != 0:
-        raise _failed(f"torchrun with {nproc} ranks", code, output)
-    return output
-
-
-def _failed(what: str, code: int, output: str) -> AutopartError:
-    """The error of ranks that exited with ``code``: their error and hint lines (else the last
-    25 lines), and where the whole output is kept."""
-    lines = output.strip().splitlines()
-    said = list(
-        dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
-    )
-    tail = "\n".join(said or lines[-25:]) or "(the ranks' output is above)"
-    log = None
-    if output:
-        fd, log = tempfile.mkstemp(prefix="autopart-ranks-", suffix=".log")
-        with os.fdopen(fd, "w") as f:
-            f.write(output)
-    where = f"\n(full output of every rank: {log})" if log else ""
-    return AutopartError(f"{what} failed (exit {code}):\n{tail}{where}")
-
-
-def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> str:
-    """``launch``'s counterpart without torchrun: ``nproc`` ranks forked from this process run
-    ``argv`` (``["-m", module, ...]`` or ``[script.py, ...]``) as ``__main__``, with the
-    environment torchrun would give them (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...). Real
-    processes and real gloo groups, minus the start-up: no interpreter, torch or autopart import
-    per rank. Returns the ranks' output (rank order); a failing rank stops the others, and the
-    error quotes it as ``launch`` does. For what torchrun itself does (restarts, several
-    agents), use ``launch``."""
-    import multiprocessing
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise AutopartError("cannot fork ranks from a process that has joined a process group")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="autopart-forked-") as tmp:
-        logs = [Path(tmp) / f"rank{r:05d}.log" for r in range(nproc)]
-        ctx = multiprocessing.get_context("fork")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        procs = [
-            ctx.Process(target=_forked_main, args=(r, nproc, port, argv, logs[r]), daemon=True)
-            for r in range(nproc)
-        ]
-        for p in procs:
-            p.start()
-        first = wait_ranks(procs, timeout_s + 60)
-        output = "".join(f.read_text(errors="replace") for f in logs if f.exists())
-    if first is not None:  # the exit code of the rank that failed first
-        raise _failed(f"{nproc} forked ranks", procs[first].exitcode, output)
-    return output
-
-
-def _forked_main(rank: int, nproc: int, port: int, argv: list[str], log: Path) -> None:
-    """One forked rank: output to ``log``, torchrun's environment, ``argv`` run as __main__."""
-    import runpy
-    import traceback
-    import warnings
-
-    code = 1
-    out = open(log, "w", buffering=1)  # noqa: SIM115 - kept open until os._exit
-    os.dup2(out.fileno(), 1)
-    os.dup2(out.fileno(), 2)
-    sys.stdout = sys.stderr = out
-    try:
-        as_rank(
-            rank,
-            nproc,
-            GROUP_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_RESTART_COUNT="0",
-        )
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed, as a rank's traceback would be
-        traceback.print_exc()
-    finally:
-        out.flush()
-        os._exit(code)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

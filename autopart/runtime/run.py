@@ -25,6 +25,7 @@ from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.parity.checks import dump
 from autopart.program.format import load_rank, load_weights, read_head
+from autopart.runtime.launch import rank_setup
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -203,9 +204,12 @@ def run(args: argparse.Namespace) -> int:
     from autopart.runtime.placement import backend_for, pick_device
     from autopart.runtime.runner import Runner, make_groups
 
-    _check_checkpoint_args(args)
+    if "RANK" in os.environ:  # a rank: stopped with its launcher, shared memory cleaned up
+        rank_setup(collectives.close)
+    _check_checkpoint_args(args)  # before reading anything
     head = read_head(args.dir)
     plan = Plan.from_json(head["plan"])
+    batches = check_args(args, head, plan)
     device = pick_device(args.device)
     rank, world = _join(args.timeout, backend_for(device))
     # torch seeds its generator at random in each process; autopart's dropout takes explicit
@@ -224,7 +228,6 @@ def run(args: argparse.Namespace) -> int:
             compile=args.compile,
             device=device,
         )
-        batches = Batches(args, head)
         zero = args.zero or plan.distributed_optimizer  # the planner may have chosen it
         optim = None if args.no_optim else make_optimizer(runner, args.lr, zero)
         if args.trace is not None or args.timeline is not None:
@@ -314,6 +317,33 @@ def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimiz
         lr=lr,
         parameters_as_bucket_view=one_dtype,
     )
+
+
+def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
+    """Every check the options allow before a rank starts (``autopart run`` calls it before it
+    launches torchrun, so a bad flag is refused once, not once per rank); the batches."""
+    from autopart.runtime.placement import pick_device
+
+    _check_checkpoint_args(args)
+    for flag, value in (("--steps", args.steps), ("--timeout", args.timeout)):
+        if value <= 0:
+            raise AutopartError(f"{flag} {value} must be positive")
+    pick_device(args.device)
+    batches = Batches(args, head)
+    if args.batch is None:
+        plan.check_batch(batches.b)
+        if plan.sequence_parallel and batches.s % plan.mesh.tp:
+            raise AutopartError(
+                f"--seq-len {batches.s} is not divisible by tp={plan.mesh.tp}, which sequence "
+                "parallelism needs",
+                hint=f"use a multiple of {plan.mesh.tp}",
+            )
+    if (args.zero or args.lr != 1e-3) and args.no_optim:
+        raise AutopartError(
+            "--no-optim never steps, so --zero and --lr mean nothing with it",
+            hint="drop --no-optim to train, or drop --zero / --lr",
+        )
+    return batches
 
 
 def _check_checkpoint_args(args: argparse.Namespace) -> None:

@@ -34,6 +34,7 @@ from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import p2p, staging
+from autopart.runtime.copies import check_copies
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
@@ -254,6 +255,15 @@ class Runner:
         # a step whose global loss is NaN or ±inf raises instead of returning it (all ranks
         # alike: the loss is reduced first), so no optimizer steps on its gradients
         self.stop_on_nonfinite = True
+        if not self.dry and dist.is_initialized():  # every copy of a parameter starts equal
+            check_copies(
+                self.params,
+                {f for f, sh in program.shards.items() if sh.dim is None},
+                groups,
+                self._ties,
+                program.groups,
+                timeout_s,
+            )
         # per step: buckets reduced, and how many of them were launched while backward ran
         self.stats = {
             "buckets": len(self._buckets),

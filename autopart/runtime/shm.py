@@ -29,12 +29,20 @@ if one exists anyway the error says so. Files are named ``autopart-PID-*``: a ra
 it could unlink its files (torchrun's SIGTERM when another rank failed) leaves them, and the
 next setup on the host (``sweep``) unlinks this user's files whose process is gone.
 
+Files are named ``autopart-PID-nNS-*``, NS the inode of the creator's PID namespace: process
+ids mean something only inside one namespace, and containers that share ``/dev/shm`` (IPC)
+need not share PIDs. ``sweep`` touches only files of its own namespace; files of others are
+never its to judge.
+
 A waiting rank spins (yielding the core) for ``SPIN_S``, then sleeps in growing steps up to
 0.5 ms; it spins only when the host has a core per local rank. Every wait ends at the
-caller's timeout with an ``AutopartError`` naming the rank and the action; every
-``ALIVE_EVERY_S`` (0.25 s) of waiting it also checks that the peers it waits for still run
-(their process ids are in their file names), so a peer that died outside an exchange, which set
-no flag, is named within a second instead of at the timeout. A rank that fails
+caller's timeout with an ``AutopartError`` naming the rank and the action. Every
+``ALIVE_EVERY_S`` (0.25 s) of waiting it also checks that the peers it waits for still run,
+so a peer that died outside an exchange, which set no flag, is named long before the timeout.
+A peer in this rank's PID namespace is checked by its process id (from its file names): named
+within a second. Any peer is also checked by its heartbeat: each rank's ``BEAT`` field is
+advanced every ``BEAT_S`` by a small daemon thread of its group, and a peer whose beat has not
+moved for ``STALE_S`` is dead wherever it ran. A rank that fails
 inside an exchange (a timeout, a full ``/dev/shm``, a size mismatch) sets ``ERR``, so its peers
 fail at once instead of waiting out their timeouts; a peer stopped that way passes the first
 failing rank on in its own ``ERR``, so every rank names that one. A failed group refuses further
@@ -59,12 +67,14 @@ import torch.distributed as dist
 from autopart.errors import AutopartError
 
 SHM_DIR = "/dev/shm"
-SEQ, DONE, GEN, TOKEN, ERR, SIZE, _SIZE1, NAME = range(8)  # SIZE, SIZE + 1: one per half
-_CTL_BYTES = 64
+SEQ, DONE, GEN, TOKEN, ERR, SIZE, _SIZE1, NAME, BEAT = range(9)  # SIZE, SIZE + 1: per half
+_CTL_BYTES = 128
 _ALIGN = 64
 _MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
 SPIN_S = 1e-3  # spin this long before sleeping (when every local rank has a core)
 ALIVE_EVERY_S = 0.25  # while waiting, check this often that the peers' processes still live
+BEAT_S = 0.1  # each rank advances its heartbeat this often
+STALE_S = 10.0  # a peer whose heartbeat has not moved for this long is dead
 NAP_S = (20e-6, 5e-4)  # then sleep, doubling from the first to at most the second
 
 
@@ -107,9 +117,25 @@ def _data_path(prefix: str, gen: int, name: int) -> str:
 
 
 def _pid_of(prefix: str) -> int | None:
-    """The process id in ``.../autopart-PID-HEX`` (None if the name has another form)."""
+    """The process id in ``.../autopart-PID-...`` (None if the name has another form)."""
     parts = os.path.basename(prefix).split("-")
     return int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+
+
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _namespace_of(prefix: str) -> int | None:
+    """The PID namespace in ``.../autopart-PID-nNS-...``; None for a name without one (a file
+    of an older autopart, or another form)."""
+    parts = os.path.basename(prefix).split("-")
+    tag = parts[2] if len(parts) >= 4 else ""
+    return int(tag[1:]) if tag.startswith("n") and tag[1:].isdigit() else None
 
 
 def alive(pid: int) -> bool:
@@ -128,16 +154,20 @@ def alive(pid: int) -> bool:
 
 
 def sweep() -> list[str]:
-    """Unlink this user's ``autopart-PID-*`` files whose process is gone (a rank killed before
-    it could clean up); returns what was removed."""
+    """Unlink this user's ``autopart-PID-*`` files, made in this PID namespace, whose process is
+    gone (a rank killed before it could clean up); returns what was removed. Files made in
+    another namespace are left alone: their PIDs mean nothing here."""
     removed = []
     try:
         entries = list(os.scandir(SHM_DIR))
     except OSError:
         return removed
+    here = pid_namespace()
     for e in entries:
         pid = _pid_of(e.path) if e.name.startswith("autopart-") else None
-        if pid is None or pid == os.getpid() or alive(pid):
+        if pid is None or pid == os.getpid() or _namespace_of(e.path) not in (None, here):
+            continue
+        if alive(pid):
             continue
         try:
             if e.stat(follow_symlinks=False).st_uid == os.getuid():
@@ -158,6 +188,7 @@ class ShmGroup:
         self.ranks = dist.get_process_group_ranks(group)  # group rank -> global rank
         self.timeout_s = 300.0  # set by each exchange
         self.failed = ""  # why an exchange on this group failed, once one has
+        self._beat_stop: Any = None  # set to stop the heartbeat thread (``_start_heartbeat``)
         self.k = 0  # exchanges done
         self.ctl_map = _map(prefix + "-ctl", _CTL_BYTES, create=True)
         self.ctl = memoryview(self.ctl_map).cast("q")
@@ -177,7 +208,7 @@ class ShmGroup:
         """Set up the exchange on ``group`` (collective: every member calls it, also those that
         do not want it), or None when some member does not want it or cannot map the others'
         memory (another host, no shared ``/dev/shm``)."""
-        prefix = f"{SHM_DIR}/autopart-{os.getpid()}-{secrets.token_hex(6)}"
+        prefix = f"{SHM_DIR}/autopart-{os.getpid()}-n{pid_namespace()}-{secrets.token_hex(6)}"
         me: ShmGroup | None = None
         info = None
         if wanted:
@@ -226,8 +257,28 @@ class ShmGroup:
             return None
         assert me is not None
         me.prefixes = [path for path, _ in infos]
-        me.pids = {peer: _pid_of(path) for peer, (path, _) in enumerate(infos) if peer != me.me}
+        here = pid_namespace()
+        me.pids = {  # a process id is only checked in the namespace it belongs to
+            peer: _pid_of(path) if _namespace_of(path) == here else None
+            for peer, (path, _) in enumerate(infos)
+            if peer != me.me
+        }
+        me._start_heartbeat()
         return me
+
+    def _start_heartbeat(self) -> None:
+        """Advance ``BEAT`` every ``BEAT_S`` until ``close``: the liveness peers in other PID
+        namespaces can see."""
+        import threading
+
+        stop = self._beat_stop = threading.Event()
+        ctl = self.ctl
+
+        def beat() -> None:
+            while not stop.wait(BEAT_S):
+                ctl[BEAT] += 1
+
+        threading.Thread(target=beat, daemon=True, name="autopart-shm-beat").start()
 
     # -- the exchange ----------------------------------------------------------------------
 
@@ -362,6 +413,7 @@ class ShmGroup:
         start = time.monotonic()
         nap, longest = NAP_S
         checked = start
+        beats = {peer: (c[BEAT], start) for peer, c in peers}  # the last beat seen, and when
         while any(c[field] < target for _, c in peers):
             for _, c in peers:
                 if c[ERR]:
@@ -370,10 +422,21 @@ class ShmGroup:
             if now - checked > ALIVE_EVERY_S:  # a peer killed outside an exchange sets no ERR
                 checked = now
                 for peer, c in peers:
+                    if c[field] >= target:
+                        continue
                     pid = self.pids.get(peer)
-                    if c[field] < target and pid is not None and not alive(pid):
+                    beat, since = beats[peer]
+                    if c[BEAT] != beat:
+                        beats[peer] = (c[BEAT], now)
+                    stale = c[BEAT] == beat and now - since > STALE_S
+                    if (pid is not None and not alive(pid)) or stale:
+                        how = (
+                            f"process {pid}"
+                            if pid is not None
+                            else f"no heartbeat for {now - since:.0f} s"
+                        )
                         raise AutopartError(
-                            f"rank {self.rank}: rank {self.ranks[peer]} (process {pid}) died; "
+                            f"rank {self.rank}: rank {self.ranks[peer]} ({how}) died; "
                             f"noticed {now - start:.2f} s into {what}",
                             hint=f"rank {self.ranks[peer]}'s log says why it ended",
                         )
@@ -394,6 +457,8 @@ class ShmGroup:
         process that made them (not in a forked child)."""
         if os.getpid() != self.pid:
             return
+        if self._beat_stop is not None:
+            self._beat_stop.set()
         for _, path in self.pending_unlink:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -1,0 +1,205 @@
+"""Starting and stopping ranks (``autopart/runtime/launch.py``), checks before any rank is
+spawned (``autopart run``), and copies of a parameter that must agree
+(``autopart/runtime/copies.py``). Real torchrun and gloo processes; nothing is mocked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopart import Mesh, parallelize
+from autopart.parity.verify import launch_forked
+from autopart.runtime.copies import fingerprint
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import nanogpt  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """nanoGPT on dp=2, saved."""
+    model, batch = nanogpt.make()
+    folder = tmp_path_factory.mktemp("launch") / "prog"
+    parallelize(model, Mesh(dp=2), batch, microbatches=2).save(folder)
+    return folder
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "autopart", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def _processes_naming(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line names ``marker``."""
+    found = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit() or int(e) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{e}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{e}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(int(e))
+    return found
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, sig) -> None:
+    """SIGTERM (or Ctrl-C's SIGINT) to ``autopart run`` stops torchrun and every rank: none is
+    alive 5 s later (they used to train on, their parent PID 1), and none left a file in
+    /dev/shm."""
+    folder = tmp_path / "prog"
+    subprocess.run(["cp", "-r", str(saved), str(folder)], check=True)  # a unique marker
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autopart", "run", str(folder), "--steps", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 120
+    seen = ""
+    while "loss" not in seen and time.monotonic() < deadline:  # training has started
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+    assert "loss" in seen, seen
+    ranks = _processes_naming(str(folder))
+    assert len(ranks) >= 3, ranks  # torchrun and two ranks
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    time.sleep(5)
+    assert _processes_naming(str(folder)) == [], seen + out
+    assert proc.returncode != 0
+    assert f"stopped by {sig.name}" in out
+    mine = [p for p in os.listdir("/dev/shm") if any(f"autopart-{r}-" in p for r in ranks)]
+    assert mine == []
+
+
+@pytest.mark.multirank
+def test_a_world_size_the_mesh_does_not_have_is_refused_before_any_rank(
+    saved: Path, tmp_path: Path
+) -> None:
+    """plan.json saying world_size 8 for a mesh of 2 used to spawn 8 ranks first."""
+    folder = tmp_path / "prog"
+    subprocess.run(["cp", "-r", str(saved), str(folder)], check=True)
+    head = json.loads((folder / "plan.json").read_text())
+    head["world_size"] = 8
+    (folder / "plan.json").write_text(json.dumps(head))
+    r = _cli("run", str(folder), "--steps", "1", timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "world_size 8 but the plan's mesh" in r.stderr
+    assert "launching" not in r.stdout  # nothing was spawned
+
+
+@pytest.mark.multirank
+def test_a_bad_flag_is_refused_once_before_launch(saved: Path) -> None:
+    """A flag the plan cannot take (a batch dp × micro-batches does not divide) is refused by
+    the launcher, once, not by every rank after torchrun started."""
+    r = _cli("run", str(saved), "--steps", "1", "--batch-size", "3", timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("batch size 3 is not divisible") == 1
+    assert "launching" not in r.stdout
+
+
+# -- copies agree ----------------------------------------------------------------------------
+
+_SEEDED = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+sys.path.insert(0, {examples!r})
+import nanogpt
+import autopart
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model, batch = nanogpt.make()
+if {differ}:  # each rank builds its model with its own seed, as torch does when nobody seeds
+    torch.manual_seed(100 + rank)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+try:
+    runner = autopart.parallelize(model, mesh, example_inputs=batch, microbatches=2)
+    print(f"rank {{rank}}: started", flush=True)
+except autopart.AutopartError as exc:
+    print(f"rank {{rank}}: refused: {{exc}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multirank
+def test_replicas_built_from_different_seeds_are_refused(tmp_path: Path) -> None:
+    """dp replicas whose weights differ used to train apart silently (DDP broadcasts; autopart
+    refuses, naming the parameter); the same script with equal weights starts."""
+    outs = {}
+    for differ in (True, False):
+        script = tmp_path / f"seeded_{differ}.py"
+        script.write_text(
+            textwrap.dedent(_SEEDED.format(examples=str(ROOT / "examples"), differ=differ))
+        )
+        outs[differ] = launch_forked(2, [str(script)], timeout_s=120)
+    assert outs[True].count("refused: rank") == 2, outs[True]
+    assert "differs between data-parallel replicas" in outs[True]
+    assert outs[False].count("started") == 2, outs[False]
+
+
+def test_fingerprints_see_every_bit_and_position() -> None:
+    x = torch.randn(1000, dtype=torch.float64)
+    same = x.clone()
+    assert fingerprint(x) == fingerprint(same)
+    flipped = x.clone()
+    flipped.view(torch.int64)[17] ^= 1  # the last bit of one element
+    assert fingerprint(flipped) != fingerprint(x)
+    swapped = x.clone()
+    swapped[[3, 4]] = x[[4, 3]]
+    assert fingerprint(swapped) != fingerprint(x)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        t = torch.ones(5, dtype=dtype)
+        assert fingerprint(t) == fingerprint(t.clone())
+
+
+@pytest.mark.multirank
+def test_a_nan_in_one_copy_of_a_tied_weight_is_refused(tmp_path: Path) -> None:
+    """A NaN in the last stage's copy of the tied embedding (a damaged weights.pt) used to train
+    on with a finite loss; now the run is refused before its first step, naming the weight."""
+    model, batch = nanogpt.make_deep()
+    program = parallelize(model.double(), Mesh(pp=2), batch, microbatches=2)
+    tied = sorted(program.rank(1).ties)
+    assert tied, "the deep nanoGPT ties its embedding across the two stages"
+    folder = tmp_path / "prog"
+    program.save(folder)
+    from autopart.program import format as fmt
+
+    last = folder / "rank00001" / "weights.pt"
+    weights = torch.load(last, weights_only=True)
+    weights[tied[0]].view(-1)[0] = float("nan")
+    torch.save(weights, last)
+    head = json.loads((folder / "plan.json").read_text())
+    head["files"]["rank00001/weights.pt"] = fmt._sha256(last)  # a consistent, damaged folder
+    (folder / "plan.json").write_text(json.dumps(head))
+    r = _cli("run", str(folder), "--steps", "1", timeout=120)
+    assert r.returncode != 0
+    assert f"parameter {tied[0]} holds NaN or inf" in r.stdout + r.stderr
