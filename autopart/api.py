@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, wait
 from autopart.frontend.capture import Captured, capture, capture_mixed
 from autopart.layout import Plan, mesh_from
 from autopart.lowering import compile_program
@@ -67,6 +67,8 @@ def parallelize(
             recompute=recompute,
             precision=precision,
         )
+    if live is not None and not isinstance(model, Captured):
+        broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does
     if isinstance(model, Captured):
         captured = model
         if plan.compute_dtype not in (None, captured.dtype):
@@ -116,3 +118,25 @@ def _given_plan(plan: Any, mesh: Any) -> Plan:
                 hint="pass mesh=None to use the plan's mesh, or a mesh of the plan's shape",
             )
     return plan
+
+
+def broadcast_model(model: nn.Module, timeout_s: float = 300.0) -> None:
+    """Give every rank global rank 0's parameters and buffers (in place, as DDP does when it
+    wraps a model), so that the result does not depend on the seed each rank built its model
+    with. A model on the meta device has no data and is left alone."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.device.type == "meta":
+                continue
+            # NCCL moves device tensors only: a CPU model's tensors go through the GPU
+            moved = t.data.to(device) if nccl and t.device.type != "cuda" else t.data
+            work = dist.broadcast(moved, src=0, async_op=True)
+            wait(work, dist.get_rank(), "broadcasting the model from rank 0", timeout_s)
+            if moved is not t.data:
+                t.data.copy_(moved)

@@ -16,6 +16,7 @@ Every node carries, besides torch.export's ``meta["val"]`` (a FakeTensor with Sy
 from __future__ import annotations
 
 import copy
+import inspect
 import linecache
 import os
 import re
@@ -101,9 +102,14 @@ class _LossSum(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        # a training step keeps no K/V cache: Hugging Face models default to use_cache=True,
+        # whose cache outputs would keep every attention's K and V whole (tp leaves them
+        # replicated), so the model is asked for none
+        params = inspect.signature(model.forward).parameters
+        self.kwargs = {"use_cache": False} if "use_cache" in params else {}
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits_of(self.model(input_ids))  # (b, s, V)
+        logits = logits_of(self.model(input_ids, **self.kwargs))  # (b, s, V)
         self.vocab_size = int(logits.shape[-1])
         flat = logits.reshape(-1, logits.shape[-1])  # (b·s, V)
         if flat.dtype in LOW_PRECISION:  # the loss in float32 (and its softmax statistics)

@@ -33,7 +33,7 @@ from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
-from autopart.runtime import p2p, staging
+from autopart.runtime import norms, p2p, staging
 from autopart.runtime.copies import check_copies
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
@@ -336,6 +336,30 @@ class Runner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, keyed by the model's global FQNs."""
         return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The norm of the whole model's gradients, each parameter counted once over tp
+        slices, pipeline stages, tied copies and dp replicas: the same number on every rank,
+        equal to one device's (``runtime/norms.py``). Collective: call it on every rank."""
+        split = {f: s.dim is not None for f, s in self.program.shards.items()}
+        return norms.global_norm(
+            self.params,
+            split,
+            self.program.ties,
+            self.program.coords,
+            self.groups,
+            norm_type,
+            self.timeout_s,
+        )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole parallel model: scale every local
+        gradient by ``max_norm / (norm + 1e-6)`` when below 1, with the global ``grad_norm``,
+        so that every rank clips by the same factor. Returns the norm before clipping.
+        Collective: call it on every rank."""
+        norm = self.grad_norm(norm_type)
+        norms.clip_(self.params, norm, max_norm)
+        return norm
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One forward + backward over the global batch; returns the global mean loss."""
