@@ -98,7 +98,10 @@ def parallelize(
         return program
     from autopart.runtime.runner import Runner
 
-    return Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
+    runner = Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
+    if not isinstance(model, Captured):  # full_state_dict() gives exactly the model's keys
+        runner.state_keys = list(model.state_dict())
+    return runner
 
 
 def _given_plan(plan: Any, mesh: Any) -> Plan:

@@ -99,6 +99,20 @@ def main() -> int:
         want = runner.program.shards[fqn].local(full[fqn].detach())
         weight_err = max(weight_err, float((p.detach() - want).abs().max() / want.abs().max()))
 
+    # the whole model back: strictly into a fresh model, and into the user's own module
+    sd = runner.full_state_dict()
+    fresh = build(seed=999)
+    fresh.load_state_dict(sd, strict=True)
+    want_sd = ref.state_dict()
+    sd_err = max(
+        float((sd[k] - v).abs().max() / max(v.abs().max(), 1e-30)) for k, v in want_sd.items()
+    )
+    runner.copy_to(model)
+    copy_err = max(
+        float((model.state_dict()[k] - v).abs().max() / max(v.abs().max(), 1e-30))
+        for k, v in want_sd.items()
+    )
+
     def rel(a, b):
         return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
@@ -109,6 +123,9 @@ def main() -> int:
                 "loss_err": rel(got_losses, ref_losses),
                 "norm_err": rel(got_norms, ref_norms),
                 "weight_err": weight_err,
+                "state_dict_err": sd_err,
+                "copy_to_err": copy_err,
+                "keys_match": sorted(sd) == sorted(want_sd),
                 "clipped": sum(n > MAX_NORM for n in ref_norms),
                 "losses": got_losses,
             }

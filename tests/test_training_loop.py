@@ -23,7 +23,9 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     """Ranks built from different seeds (parallelize starts them all from rank 0's model),
     AdamW with decay groups, warmup, clipping that bites every step (``clip_grad_norm_``, the
     same global norm on every rank), unequal -100 padding: every step's loss and grad norm and
-    every final weight equal the single-process loop in float64."""
+    every final weight equal the single-process loop in float64; ``full_state_dict()`` loads
+    strictly into a fresh model, and ``copy_to(model)`` leaves the user's module trained (it
+    used to keep untrained copies, so ``save_pretrained`` saved the initial weights)."""
     out = launch_forked(4, [str(ROOT / "tests" / "loop_script.py"), mesh], timeout_s=300)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 4, out
@@ -31,6 +33,7 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
         assert r["clipped"] == 8, r  # the clip bit at every step
         assert r["loss_err"] <= 1e-9 and r["norm_err"] <= 1e-9, r
         assert r["weight_err"] <= 1e-9, r
+        assert r["keys_match"] and r["state_dict_err"] <= 1e-9 and r["copy_to_err"] <= 1e-9, r
 
 
 def test_use_cache_true_no_longer_leaves_attention_replicated() -> None:

@@ -228,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
             compile=args.compile,
             device=device,
         )
+        runner.tied = dict(head["tied"])
         zero = args.zero or plan.distributed_optimizer  # the planner may have chosen it
         optim = None if args.no_optim else make_optimizer(runner, args.lr, zero)
         if args.trace is not None or args.timeline is not None:

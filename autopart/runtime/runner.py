@@ -33,7 +33,7 @@ from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
-from autopart.runtime import norms, p2p, staging
+from autopart.runtime import norms, p2p, staging, state
 from autopart.runtime.copies import check_copies
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
@@ -223,6 +223,9 @@ class Runner:
         # tables: tp_all_reduce_grad): all-reduced once per step, after the backwards
         self._tp_partial = _tp_partial_params(program) if groups.get("tp") is not None else []
         self.n_stages = program.n_stages
+        # the model's names: tied alias → canonical FQN, and (live API) its state-dict keys
+        self.tied: dict[str, str] = {}
+        self.state_keys: list[str] | None = None
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
         # set to [] to record each step's actions as TraceEvents; keeps the last step
         self.timeline: list[TraceEvent] | None = None
@@ -294,7 +297,7 @@ class Runner:
             f: pps for j in range(m.pp) for f, pps in program.rank(m.rank_of(pp=j)).ties.items()
         }
         groups = _groups_of(program.plan, rank, mesh, ties)
-        return cls(
+        runner = cls(
             rp,
             program.plan,
             local_weights(program, rp),
@@ -303,6 +306,8 @@ class Runner:
             compile=compile,
             device=device,
         )
+        runner.tied = dict(program.tied)
+        return runner
 
     # -- what users call -------------------------------------------------------------------
 
@@ -336,6 +341,35 @@ class Runner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, keyed by the model's global FQNs."""
         return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on every rank (CPU tensors): tp slices put together,
+        every stage's parameters, tied aliases and buffers, under the model's own names; from
+        the live API exactly the keys of ``model.state_dict()``, so it loads strictly into the
+        original model. Collective: call it on every rank."""
+        full, buffers = state.gather_full(
+            self.params, self.buffers, self.program.shards, self.program.coords
+        )
+        return state.model_state(full, buffers, self.tied, self.state_keys)
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load a whole-model state dict (``full_state_dict()``, or the model's own
+        ``state_dict()``): each rank copies in its slices. Local: no collective."""
+        state.load_local(sd, self.params, self.buffers, self.program.shards, self.tied)
+
+    def copy_to(self, model: nn.Module) -> None:
+        """Write the trained weights into ``model`` (the user's module), so that
+        ``model.save_pretrained()`` or ``torch.save(model.state_dict())`` saves them.
+        Collective: call it on every rank."""
+        sd = self.full_state_dict()
+        own = model.state_dict()
+        missing = [k for k in own if k not in sd]
+        if missing:
+            raise AutopartError(
+                f"the trained state has no {missing[0]} of the model passed to copy_to",
+                hint="pass the model this runner was made from",
+            )
+        model.load_state_dict({k: sd[k] for k in own}, strict=True)
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
         """The norm of the whole model's gradients, each parameter counted once over tp
