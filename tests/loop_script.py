@@ -12,6 +12,7 @@ one JSON line per rank. Argument: the mesh, ``dp2pp2`` or ``tp2pp2``.
 import copy
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopart
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 STEPS, MAX_NORM, LR = 8, 0.05, 1e-2
 
@@ -99,6 +102,30 @@ def main() -> int:
         want = runner.program.shards[fqn].local(full[fqn].detach())
         weight_err = max(weight_err, float((p.detach() - want).abs().max() / want.abs().max()))
 
+    # validation in eval mode: forward only, the same loss as the model's, no gradient touched
+    runner.eval()
+    ref.eval()
+    ids, labels = data[0]
+    with torch.no_grad():
+        want = F.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    eval_err = abs(float(runner.evaluate(ids, labels)) - float(want)) / float(want)
+    grads_untouched = all(p.grad is None for p in runner.parameters())
+    runner.train()
+    # a model with dropout (nanoGPT, manual attention, p = 0.3): eval() takes every dropout out
+    import nanogpt
+
+    drop, drop_batch = nanogpt.make(attention="manual", dropout=0.3)
+    drop = drop.double()
+    drop_runner = autopart.parallelize(drop, mesh, example_inputs=drop_batch, microbatches=2)
+    drop.eval()
+    with torch.no_grad():
+        dwant = F.cross_entropy(
+            drop(drop_batch[0]).flatten(0, 1), drop_batch[1].flatten(), ignore_index=-100
+        )
+    dgot = float(drop_runner.eval().evaluate(*drop_batch))
+    dropout_eval_err = abs(dgot - float(dwant)) / float(dwant)
+    train_loss = float(drop_runner.train().evaluate(*drop_batch))  # dropout on again
+
     # the whole model back: strictly into a fresh model, and into the user's own module
     sd = runner.full_state_dict()
     fresh = build(seed=999)
@@ -126,6 +153,10 @@ def main() -> int:
                 "state_dict_err": sd_err,
                 "copy_to_err": copy_err,
                 "keys_match": sorted(sd) == sorted(want_sd),
+                "eval_err": eval_err,
+                "grads_untouched": grads_untouched,
+                "dropout_eval_err": dropout_eval_err,
+                "dropout_train_differs": abs(train_loss - float(dwant)) > 1e-6,
                 "clipped": sum(n > MAX_NORM for n in ref_norms),
                 "losses": got_losses,
             }

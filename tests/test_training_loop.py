@@ -25,7 +25,9 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     same global norm on every rank), unequal -100 padding: every step's loss and grad norm and
     every final weight equal the single-process loop in float64; ``full_state_dict()`` loads
     strictly into a fresh model, and ``copy_to(model)`` leaves the user's module trained (it
-    used to keep untrained copies, so ``save_pretrained`` saved the initial weights)."""
+    used to keep untrained copies, so ``save_pretrained`` saved the initial weights).
+    ``eval()`` + ``evaluate()``: forward only, every dropout off (a nanoGPT with p = 0.3 gives
+    the model's own eval loss), no gradient touched."""
     out = launch_forked(4, [str(ROOT / "tests" / "loop_script.py"), mesh], timeout_s=300)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 4, out
@@ -34,6 +36,8 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
         assert r["loss_err"] <= 1e-9 and r["norm_err"] <= 1e-9, r
         assert r["weight_err"] <= 1e-9, r
         assert r["keys_match"] and r["state_dict_err"] <= 1e-9 and r["copy_to_err"] <= 1e-9, r
+        assert r["eval_err"] <= 1e-9 and r["grads_untouched"], r
+        assert r["dropout_eval_err"] <= 1e-9 and r["dropout_train_differs"], r
 
 
 def test_use_cache_true_no_longer_leaves_attention_replicated() -> None:
@@ -50,3 +54,10 @@ def test_use_cache_true_no_longer_leaves_attention_replicated() -> None:
         f: shards[f].dim for f in attn
     }
     assert torch.is_tensor(batch[0])
+
+
+def test_the_documented_import_path_works() -> None:
+    """``from autopart import checkpoint`` (README, docs/checkpoint.md) used to raise."""
+    from autopart import checkpoint
+
+    assert callable(checkpoint.save) and callable(checkpoint.load)

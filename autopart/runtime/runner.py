@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from autopart import collectives, deferred
 from autopart.errors import AutopartError, wait
@@ -241,14 +241,10 @@ class Runner:
         # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.
         if compile:  # a persistent cache: a second run reuses the first one's kernels
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
-        # recompute: each region the recompute pass marked runs checkpointed
-        runs = {st.stage: checkpointed(place(st.graph, self.device)) for st in program.stages}
-        if self.dry:  # the dry run refuses any value a node computes on another device
-            runs = {k: device_checked(g, self.device) for k, g in runs.items()}
-        self._run = {
-            k: torch.compile(g, dynamic=plan.seq_chunks > 1 or None) if compile else g
-            for k, g in runs.items()
-        }
+        self._compile = compile
+        self._run = self._runs({st.stage: st.graph for st in program.stages})
+        self._train_run, self._eval_run = self._run, None  # eval(): graphs without dropout
+        self.training = True
         self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
         if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
             self._p2p.filler = self._fill
@@ -341,6 +337,57 @@ class Runner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, keyed by the model's global FQNs."""
         return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
+
+    def train(self, mode: bool = True) -> Runner:
+        """Training mode (the default): dropout on. ``train(False)`` is ``eval()``."""
+        self.training = mode
+        if mode:
+            self._run = self._train_run
+        else:
+            if self._eval_run is None:  # built on first use
+                self._eval_run = self._runs(
+                    {st.stage: without_dropout(st.graph) for st in self.program.stages}
+                )
+            self._run = self._eval_run
+        return self
+
+    def eval(self) -> Runner:
+        """Evaluation mode: every dropout of the model off (``step`` and ``evaluate`` run
+        stage graphs with their dropout taken out), as ``nn.Module.eval()``."""
+        return self.train(False)
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The global mean loss of a batch, forward only: no gradient is computed or touched,
+        and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
+        first, as with a torch module). Collective: call it on every rank."""
+        collectives.bind("tp", self._tp_group)
+        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
+        self._p2p.reset()
+        actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
+        s = self._s = _Step(
+            mbs=mbs,
+            count=(labels != -100).sum().clamp(min=1).to(self._dtype),
+            bounds=self._chunk_bounds(input_ids.shape[1]),
+            arm_at={},
+            recvs=[(i, a) for i, a in enumerate(actions) if a.kind == "RECV_F"],
+        )
+        try:
+            with torch.no_grad():
+                for i, action in enumerate(actions):
+                    collectives.set_action(f"{action} (evaluate) on rank {self.rank}")
+                    self._HANDLERS[action.kind](
+                        self, i, action, (action.stage, action.mb, action.chunk)
+                    )
+                self._p2p.wait_sends()
+            losses = s.losses
+        finally:
+            self._s = None
+        loss = (
+            torch.stack(list(losses.values())).sum()
+            if losses
+            else torch.zeros((), dtype=self._dtype, device=self.device)
+        )
+        return self._reduce_loss(loss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank (CPU tensors): tp slices put together,
@@ -758,6 +805,17 @@ class Runner:
                     "vocabulary size",
                 )
 
+    def _runs(self, graphs: dict[int, fx.GraphModule]) -> dict[int, Any]:
+        """Stage graphs as this rank runs them: on its device, recomputation regions
+        checkpointed, checked on the dry run, through ``torch.compile`` when asked."""
+        runs = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
+        if self.dry:  # the dry run refuses any value a node computes on another device
+            runs = {k: device_checked(g, self.device) for k, g in runs.items()}
+        if not self._compile:
+            return runs
+        dynamic = self.plan.seq_chunks > 1 or None  # chunks differ in length
+        return {k: torch.compile(g, dynamic=dynamic) for k, g in runs.items()}
+
     def _stage(self, stage: int):
         return next(s for s in self.program.stages if s.stage == stage)
 
@@ -916,3 +974,23 @@ def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]
         d: (live_mesh.get_group(d) if d in names and getattr(plan.mesh, d) > 1 else None)
         for d in ("dp", "pp", "tp")
     }
+
+
+def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a stage graph with every dropout taken out: autopart's explicit dropout and
+    ``aten.dropout`` become their input, and attention's ``dropout_p`` becomes 0 (eval mode)."""
+    from autopart.lowering.compile import copy_graph
+
+    g = copy_graph(graph)
+    aten = torch.ops.aten
+    for n in list(g.graph.nodes):
+        if n.target in (torch.ops.autopart.dropout.default, aten.dropout.default):
+            n.replace_all_uses_with(n.args[0])
+            g.graph.erase_node(n)
+        elif n.target == aten.scaled_dot_product_attention.default:
+            if len(n.args) > 4:
+                n.args = (*n.args[:4], 0.0, *n.args[5:])
+            elif "dropout_p" in n.kwargs:
+                n.kwargs = {**n.kwargs, "dropout_p": 0.0}
+    g.recompile()
+    return g
