@@ -101,7 +101,14 @@ def parallelize(
     runner = Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
     if not isinstance(model, Captured):  # full_state_dict() gives exactly the model's keys
         runner.state_keys = list(model.state_dict())
+        runner.label_convention = label_convention(model)
     return runner
+
+
+def label_convention(model: nn.Module) -> str:
+    """How the model's users pass labels: "hf" for Hugging Face models (unshifted, the model
+    shifts them), "shifted" for the rest (``labels[:, t]`` is the target of position t)."""
+    return "hf" if type(model).__module__.startswith("transformers.") else "shifted"
 
 
 def _given_plan(plan: Any, mesh: Any) -> Plan:

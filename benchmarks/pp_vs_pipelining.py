@@ -68,7 +68,7 @@ def worker(out: str, manual: bool) -> None:
     torch_step, tparams = torch_1f1b(stage, M, rank, x, y)
 
     runs = {
-        "autopart": (lambda: runner.step(x, y), dict(runner.named_parameters())),
+        "autopart": (lambda: runner.step(x, y, shifted=True), dict(runner.named_parameters())),
         "torch": (torch_step, tparams),
     }
     loss0, grads0, times = {}, {}, {k: [] for k in runs}

@@ -4,7 +4,8 @@ live API, as a user used to DDP would write it, against the same loop on one pro
 Each rank builds HF Llama (tied embeddings) from its *own* seed: parallelize must start every
 rank from rank 0's weights. The loop: AdamW with decay groups (weight decay on matrices only),
 linear warmup, gradient clipping that bites every step (``Runner.clip_grad_norm_``), 8 steps on
-batches whose labels end in unequal runs of -100. Every step's loss and grad norm, and every
+batches with Hugging Face's labels (unshifted, ``labels = input_ids``) ending in unequal runs of
+-100; the reference is HF's loss definition, in float64. Every step's loss and grad norm, and every
 final weight, are compared with the single-process loop on rank 0's model in float64. Prints
 one JSON line per rank. Argument: the mesh, ``dp2pp2`` or ``tp2pp2``.
 """
@@ -45,16 +46,25 @@ def build(seed: int):
 
 
 def batches():
+    """Hugging Face style: labels = input_ids (unshifted), -100 on unequal padding."""
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(STEPS):
-        tokens = torch.randint(0, 96, (8, 33), generator=g)
-        ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+        ids = torch.randint(0, 96, (8, 32), generator=g)
+        labels = ids.clone()
         for i in range(8):  # unequal padding: 0..7 ignored positions at the end
             if i:
                 labels[i, -i:] = -100
         out.append((ids, labels))
     return out
+
+
+def hf_loss(model, ids, labels):
+    """Hugging Face's causal-LM loss (logits at t against labels at t + 1, mean over labels !=
+    -100), in the model's dtype: HF's own computes it in float32, which float64 parity cannot
+    use."""
+    logits = model(ids).logits[:, :-1]
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
 
 
 def optimizer(named):
@@ -88,8 +98,7 @@ def main() -> int:
     ref_losses, ref_norms = [], []
     ropt, rsched = optimizer(ref.named_parameters())
     for ids, labels in data:
-        logits = ref(ids).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss = hf_loss(ref, ids, labels)
         loss.backward()
         ref_losses.append(float(loss))
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)))
@@ -107,7 +116,7 @@ def main() -> int:
     ref.eval()
     ids, labels = data[0]
     with torch.no_grad():
-        want = F.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        want = hf_loss(ref, ids, labels)
     eval_err = abs(float(runner.evaluate(ids, labels)) - float(want)) / float(want)
     grads_untouched = all(p.grad is None for p in runner.parameters())
     runner.train()

@@ -61,3 +61,56 @@ def test_the_documented_import_path_works() -> None:
     from autopart import checkpoint
 
     assert callable(checkpoint.save) and callable(checkpoint.load)
+
+
+@pytest.mark.multirank
+def test_accumulation_over_steps_equals_one_big_batch() -> None:
+    """Two steps (the first in ``no_sync()``, so dp reduces once), each given the token count
+    of both: the gradients of one step on both batches, with unequal padding (each step's own
+    mean used to weight them wrongly)."""
+    out = launch_forked(2, [str(ROOT / "tests" / "accum_script.py")], timeout_s=120)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(rows) == 2 and all(r["err"] <= 1e-9 and r["unreduced"] for r in rows), rows
+
+
+def _single_rank(model, batch):
+    """The local rank's runner of a one-rank program, no process group needed."""
+    from autopart.runtime.runner import Runner, local_weights
+
+    program = autopart.parallelize(model, autopart.Mesh(), batch)
+    rp = program.rank(0)
+    return Runner(rp, program.plan, local_weights(program, rp), {})
+
+
+def test_labels_follow_the_model_and_the_other_convention_is_refused() -> None:
+    """HF models take HF's labels (unshifted; collator-style labels used to train the model to
+    copy its input); pre-shifted labels given to an HF model, or labels equal to input_ids given
+    to a model that takes shifted ones, are refused instead of trained on."""
+    import hf_llama
+    import nanogpt
+    import torch.nn.functional as F
+
+    from autopart.api import label_convention
+
+    model, (ids, shifted) = hf_llama.make()
+    model = model.double()
+    assert label_convention(model) == "hf"
+    runner = _single_rank(model, (ids, shifted))
+    runner.label_convention = "hf"  # what parallelize sets on a live mesh
+    hf = ids.clone()
+    hf[:2, -5:] = -100
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1]
+        want = F.cross_entropy(logits.flatten(0, 1), hf[:, 1:].flatten(), ignore_index=-100)
+    got = runner.evaluate(ids, hf)
+    assert abs(float(got) - float(want)) <= 1e-12 * float(want)
+    with pytest.raises(autopart.AutopartError, match="already shifted"):
+        runner.step(ids, shifted)
+    assert torch.isfinite(runner.step(ids, shifted, shifted=True))  # explicitly pre-shifted
+
+    gpt, batch = nanogpt.make()
+    assert label_convention(gpt) == "shifted"
+    plain = _single_rank(gpt, batch)
+    with pytest.raises(autopart.AutopartError, match="copy its input"):
+        plain.step(batch[0], batch[0].clone())
+    assert torch.isfinite(plain.step(batch[0], batch[0].clone(), shifted=False))

@@ -16,6 +16,7 @@ names the rank, the action and the group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -226,6 +227,11 @@ class Runner:
         # the model's names: tied alias → canonical FQN, and (live API) its state-dict keys
         self.tied: dict[str, str] = {}
         self.state_keys: list[str] | None = None
+        # how ``step`` reads labels when not told: "shifted" (autopart's), or "hf" (Hugging
+        # Face causal LMs: unshifted, shifted inside; the live API sets it from the model)
+        self.label_convention = "shifted"
+        self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
+        self._carried = False  # gradients of no_sync() steps are on the parameters
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
         # set to [] to record each step's actions as TraceEvents; keeps the last step
         self.timeline: list[TraceEvent] | None = None
@@ -356,17 +362,26 @@ class Runner:
         stage graphs with their dropout taken out), as ``nn.Module.eval()``."""
         return self.train(False)
 
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        shifted: bool | None = None,
+        num_tokens: int | None = None,
+    ) -> torch.Tensor:
         """The global mean loss of a batch, forward only: no gradient is computed or touched,
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
-        first, as with a torch module). Collective: call it on every rank."""
+        first, as with a torch module). ``labels``, ``shifted`` and ``num_tokens`` as for
+        ``step``. Collective: call it on every rank."""
         collectives.bind("tp", self._tp_group)
+        labels = self._shift(input_ids, labels, shifted)
         mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
             mbs=mbs,
-            count=(labels != -100).sum().clamp(min=1).to(self._dtype),
+            count=self._count(labels, num_tokens),
             bounds=self._chunk_bounds(input_ids.shape[1]),
             arm_at={},
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind == "RECV_F"],
@@ -388,6 +403,51 @@ class Runner:
             else torch.zeros((), dtype=self._dtype, device=self.device)
         )
         return self._reduce_loss(loss)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside leave their gradients unreduced over dp (as DDP's ``no_sync``): for
+        gradient accumulation, only the first ``step`` after it all-reduces, the sum of all."""
+        self._unsynced = self._unsynced or "no_sync"
+        try:
+            yield
+        finally:
+            self._unsynced = None
+
+    def _shift(self, input_ids: torch.Tensor, labels: torch.Tensor, shifted: bool | None) -> Any:
+        """Labels as the graph takes them (``labels[i, t]``: the target of position t)."""
+        if not isinstance(labels, torch.Tensor) or not isinstance(input_ids, torch.Tensor):
+            raise AutopartError("input_ids and labels must be tensors")
+        if shifted is None:
+            shifted = self.label_convention != "hf"
+            _check_convention(input_ids, labels, self.label_convention)
+        if shifted:
+            return labels
+        pad = torch.full_like(labels[:, :1], -100)
+        return torch.cat([labels[:, 1:], pad], dim=1)
+
+    def _count(self, labels: torch.Tensor, num_tokens: int | None) -> torch.Tensor:
+        """What the losses are divided by: this batch's labels ≠ -100, or ``num_tokens``."""
+        if num_tokens is None:
+            return (labels != -100).sum().clamp(min=1).to(self._dtype).to(self.device)
+        if int(num_tokens) < 1:
+            raise AutopartError(f"num_tokens {num_tokens} must be at least 1")
+        return torch.tensor(float(num_tokens), dtype=self._dtype, device=self.device)
+
+    def _reduce_carried(self, kept: dict[str, torch.Tensor | None]) -> None:
+        """All-reduce over dp the gradients that ``no_sync()`` steps left on this rank (one flat
+        message), before they join this step's reduced ones."""
+        group = self.groups.get("dp")
+        names = [f for f, g in kept.items() if g is not None]
+        if group is None or not names or self.dry:
+            return
+        flat = torch.cat([kept[f].reshape(-1) for f in names])
+        self._wait(staging.all_reduce(flat, group), "the all-reduce of no_sync() gradients")
+        offset = 0
+        for f in names:
+            n = kept[f].numel()
+            kept[f] = flat[offset : offset + n].view_as(kept[f])
+            offset += n
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank (CPU tensors): tp slices put together,
@@ -442,11 +502,29 @@ class Runner:
         norms.clip_(self.params, norm, max_norm)
         return norm
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One forward + backward over the global batch; returns the global mean loss."""
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        shifted: bool | None = None,
+        num_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """One forward + backward over the global batch; returns its mean loss.
+
+        ``labels`` follow the model: a Hugging Face causal LM's are unshifted, as HF takes them
+        (``labels = input_ids``, shifted inside); other models' are already shifted
+        (``labels[i, t]`` is the target of ``input_ids[i, t]``). ``shifted=True`` / ``False``
+        says which explicitly (``label_convention`` is the default). -100 is ignored.
+        ``num_tokens``: the number of labels the loss is averaged over, for gradient
+        accumulation over several calls (the labels ≠ -100 of all of them: the sum of the
+        calls' gradients is then the big batch's); default: this batch's.
+        Inside ``no_sync()`` the gradients are not reduced over dp until a later ``step``
+        outside it."""
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
         collectives.bind("tp", self._tp_group)
+        labels = self._shift(input_ids, labels, shifted)
         mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
@@ -463,9 +541,9 @@ class Runner:
         collectives.defer_grad_reduce(bool(self._tp_partial))
         s = self._s = _Step(
             mbs=mbs,
-            count=(labels != -100).sum().clamp(min=1).to(self._dtype),
+            count=self._count(labels, num_tokens),
             bounds=self._chunk_bounds(input_ids.shape[1]),
-            arm_at=self._final_backwards(),
+            arm_at={} if self._unsynced is not None else self._final_backwards(),
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")],
             ready=[set() for _ in self._buckets],
             chunk_time=[0.0] * self.plan.seq_chunks if self._measuring() else None,
@@ -507,6 +585,9 @@ class Runner:
                 hint="look at the batch of this step and the learning rate; a loss that "
                 "overflows in low precision needs a loss scale",
             )
+        if self._unsynced is None and self._carried:  # earlier no_sync() steps' gradients
+            self._reduce_carried(kept)
+        self._carried = self._unsynced is not None
         for f, p in self.params.items():
             if kept[f] is not None:
                 p.grad = kept[f] if p.grad is None else p.grad + kept[f]
@@ -593,7 +674,8 @@ class Runner:
         live[unit]["grads_in"] = self._p2p.recv(n, action.peer, *_sender(action), True, str(action))
 
     def _on_dp_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        self._finish_buckets(action)
+        if self._unsynced is None:  # inside no_sync(): reduced by a later step
+            self._finish_buckets(action)
 
     def _on_tie_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._tie_reduce(action)
@@ -994,3 +1076,28 @@ def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
                 n.kwargs = {**n.kwargs, "dropout_p": 0.0}
     g.recompile()
     return g
+
+
+def _check_convention(input_ids: torch.Tensor, labels: torch.Tensor, convention: str) -> None:
+    """Refuse labels that plainly follow the other convention: silently, either would train
+    the model to predict the wrong token (its input, or the token after next)."""
+    keep = labels != -100
+    if input_ids.shape != labels.shape or input_ids.dim() != 2 or int(keep.sum()) < 8:
+        return  # too few labels to tell a convention from chance
+    if convention == "hf":
+        inner = keep[:, :-1]
+        if int(inner.sum()) >= 8 and bool((labels[:, :-1] == input_ids[:, 1:])[inner].all()):
+            raise AutopartError(
+                "these labels are already shifted (labels[:, t] == input_ids[:, t + 1]), but "
+                "this Hugging Face model takes labels as HF does: unshifted (labels = "
+                "input_ids), shifted inside",
+                hint="pass labels=input_ids (with -100 where ignored), or step(..., "
+                "shifted=True) to keep pre-shifted labels",
+            )
+    elif bool((labels == input_ids)[keep].all()):
+        raise AutopartError(
+            "labels equal input_ids: this model's labels are the next tokens "
+            "(labels[:, t] == input_ids[:, t + 1]), so it would learn to copy its input",
+            hint="shift them (labels = input_ids[:, 1:], then -100 at the end), or pass "
+            "step(..., shifted=False) to have autopart shift them",
+        )

@@ -1,0 +1,57 @@
+"""Run on 2 forked ranks (dp=2) by tests/test_training_loop.py: gradient accumulation. Two
+``step`` calls, the first inside ``no_sync()``, each told the token count of both
+(``num_tokens``), must leave the gradients one step on both batches together leaves, even
+with unequal -100 padding (each call's own mean would weight them wrongly). Prints one JSON
+line per rank."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import nanogpt  # noqa: E402
+
+import autopart  # noqa: E402
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, (ids, labels) = nanogpt.make()
+    model = model.double()
+    labels[:4, -20:] = -100  # the first half of the batch is mostly padding
+    runner = autopart.parallelize(model, mesh, example_inputs=(ids[:4], labels[:4]))
+    a, b = (ids[:4], labels[:4]), (ids[4:], labels[4:])
+    total = int((labels != -100).sum())
+    with runner.no_sync():
+        runner.step(*a, num_tokens=total)
+    local_after_first = {f: p.grad.clone() for f, p in runner.named_parameters()}
+    runner.step(*b, num_tokens=total)
+    accumulated = {f: p.grad.clone() for f, p in runner.named_parameters()}
+    for p in runner.parameters():
+        p.grad = None
+    whole = autopart.parallelize(model, mesh, example_inputs=(ids, labels))
+    whole.step(ids, labels)
+    want = dict(whole.named_parameters())
+    err = max(
+        float((accumulated[f] - want[f].grad).abs().max() / want[f].grad.abs().max())
+        for f in accumulated
+    )
+    # inside no_sync the two replicas' gradients stayed their own (not yet reduced)
+    mine = torch.cat([g.reshape(-1) for g in local_after_first.values()])
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    unreduced = not torch.equal(both[0], both[1])
+    print(json.dumps({"rank": dist.get_rank(), "err": err, "unreduced": unreduced}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
