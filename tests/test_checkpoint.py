@@ -288,12 +288,14 @@ def test_refusals(trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (cut / checkpoint.INFO).write_text("")
     with pytest.warns(UserWarning, match="skipping the damaged checkpoint .*step00000009"):
         assert checkpoint.latest(tmp_path / "ck") == checkpoint.folder(tmp_path / "ck", 1)
-    # .metadata is unpickled with an allow-list: a pickle that would run code is refused
+    # DCP's pickled .metadata is never read (the marker holds the metadata), and its bytes are
+    # checked like every file's: a pickle that would run code is refused, unread
     bad = tmp_path / "bad"
     shutil.copytree(trained["step1"], bad)
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
-    with pytest.raises(AutopartError, match="posix.system is not allowed in checkpoint metadata"):
-        checkpoint.export_state_dict(bad)
+    with pytest.raises(AutopartError, match=r"\.metadata has SHA-256 .*, the marker records"):
+        checkpoint.verify(bad)
+    checkpoint.export_state_dict(bad)  # reads the shards only: intact
     assert not (tmp_path / "pwned").exists()
     # flags that need --checkpoint-dir
     assert run_main([str(tmp_path), "--checkpoint-every", "2"]) == 2
