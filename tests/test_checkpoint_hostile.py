@@ -417,4 +417,264 @@ def test_autopart_run_skips_a_damaged_newest_checkpoint_and_ends_bitwise(
     assert "resumed from step 1" in out, out
 
 
-_ = time  # used by the fuzz tests' timing
+# -- the fuzz test: mutated checkpoints ---------------------------------------------------------
+#
+# A mutation changes one thing of a saved step folder: bytes of a file (anywhere, or near a
+# chunk record's zip headers), its size, its name, its kind (a symbolic link, a folder), a file
+# added, or one entry of the marker (a value of another type or range, a key removed, renamed
+# or added). Unsealed, it is what a failing disk does: the load must give back exactly the saved
+# state or refuse with AutopartError. Sealed (the marker's file list and seal recomputed, as a
+# hostile writer would), the load may give other values, but it still only succeeds or raises
+# AutopartError. Pickle payloads (plain, or as a chunk record's data.pkl) replace files too: no
+# mutation may run code (the payload would create a file).
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_NAMES = [
+    "__1_0.distcp",
+    "__0_1.distcp",
+    "x.distcp",
+    ".metadata",
+    "autopart.json",
+    "../escape.distcp",
+    "__0_0.distcp.bak",
+]
+_INTS = [0, 1, -1, 2, 7, 96, 2**31, 2**48, 2**63, -(2**63), 2**64, 10**30]
+
+
+def _json_values() -> st.SearchStrategy:
+    leaves = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from(_INTS),
+        st.integers(-1000, 10**6),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from(["", "float64", "uint8", "bytes", "__0_0.distcp", "/etc/passwd", "a" * 70]),
+        st.text(max_size=12),
+    )
+    return st.recursive(
+        leaves,
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+        ),
+        max_leaves=6,
+    )
+
+
+def _paths(node, at=()) -> list[tuple]:
+    out = [at]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _paths(v, (*at, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _paths(v, (*at, i))
+    return out
+
+
+def _mutations(ref: dict) -> st.SearchStrategy:
+    files = ref["files"]  # name -> size
+    hot = ref["hot"]  # byte positions at the chunk records' zip headers
+    paths = ref["paths"]
+    shard = st.sampled_from(sorted(f for f in files if f.endswith(".distcp")))
+    anyfile = st.sampled_from(sorted(files))
+    seal = st.booleans()
+    writes = st.lists(
+        st.tuples(st.one_of(st.sampled_from(hot), st.integers(0, 2**20)), st.integers(0, 255)),
+        min_size=1,
+        max_size=16,
+    )
+    return st.one_of(
+        st.tuples(st.just("bytes"), anyfile, writes, seal),
+        st.tuples(st.just("bytes"), shard, writes, st.just(True)),
+        st.tuples(st.just("size"), anyfile, st.integers(0, 2**20), seal),
+        st.tuples(st.just("delete"), anyfile),
+        st.tuples(st.just("rename"), anyfile, st.sampled_from(_NAMES), seal),
+        st.tuples(
+            st.just("symlink"), anyfile, st.sampled_from(["inside", "outside", "/dev/zero"]), seal
+        ),
+        st.tuples(st.just("folder"), anyfile),
+        st.tuples(st.just("extra"), st.sampled_from(["__7_0.distcp", "notes.txt", ".nfs0001"])),
+        st.tuples(
+            st.just("json"),
+            st.sampled_from(paths),
+            st.sampled_from(["set", "delete", "rename", "add"]),
+            _json_values(),
+            seal,
+        ),
+        st.tuples(st.just("payload"), anyfile, st.sampled_from(["pickle", "zip"]), st.just(True)),
+    )
+
+
+def _apply(step: Path, m: tuple, pwned: Path) -> bool:
+    """Apply mutation ``m`` to ``step``; returns whether it was sealed afterwards."""
+    kind, sealed = m[0], False
+    marker = step / checkpoint.INFO
+    if kind == "bytes":
+        _, name, writes, sealed = m
+        f = step / name
+        data = bytearray(f.read_bytes())
+        for at, value in writes:
+            if data:
+                data[at % len(data)] = value
+        f.write_bytes(bytes(data))
+    elif kind == "size":
+        _, name, size, sealed = m
+        f = step / name
+        data = f.read_bytes()
+        f.write_bytes(data[:size] if size <= len(data) else data + bytes(size - len(data)))
+    elif kind == "delete":
+        (step / m[1]).unlink()
+    elif kind == "rename":
+        _, name, new, sealed = m
+        (step / name).rename(step / new)
+    elif kind == "symlink":
+        _, name, target, sealed = m
+        f = step / name
+        if target == "outside":
+            shutil.copy(f, step.parent / f"outside-{name}")
+            target = str(step.parent / f"outside-{name}")
+        elif target == "inside":
+            shutil.copy(f, step / "copy.bin")
+            target = "copy.bin"
+        f.unlink()
+        f.symlink_to(target)
+    elif kind == "folder":
+        (step / m[1]).unlink()
+        (step / m[1]).mkdir()
+    elif kind == "extra":
+        (step / m[1]).write_bytes(b"not a checkpoint file")
+    elif kind == "json":
+        _, path, op, value, sealed = m
+        info = json.loads(marker.read_text())
+        if path:
+            node = info
+            for k in path[:-1]:
+                node = node[k]
+            last = path[-1]
+            if op == "set":
+                node[last] = value
+            elif op == "delete":
+                del node[last]
+            elif op == "rename" and isinstance(node, dict):
+                node[str(value)[:20] if not isinstance(value, str) else value] = node.pop(last)
+            elif op == "add" and isinstance(node[last], dict):
+                node[last][str(value)[:20]] = value
+            elif op == "add" and isinstance(node[last], list):
+                node[last].append(value)
+        else:
+            info = value if op == "set" else info
+        marker.write_text(json.dumps(info))
+    elif kind == "payload":
+        _, name, how, sealed = m
+        evil = pickle.dumps(Evil(pwned))
+        if how == "zip":
+            import io
+            import zipfile
+
+            out = io.BytesIO()
+            with zipfile.ZipFile(out, "w") as z:
+                z.writestr("archive/data.pkl", evil)
+                z.writestr("archive/byteorder", b"little")
+                z.writestr("archive/data/0", bytes(64))
+            evil = out.getvalue()
+        (step / name).write_bytes(evil)
+    if sealed and marker.is_file() and not marker.is_symlink():
+        # a marker that is no longer a JSON object with a file list has nothing to seal
+        with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError, RecursionError):
+            reseal(step)
+    return sealed
+
+
+def _outcome(step: Path, runner, optim) -> tuple[dict | None, dict | None, list[str]]:
+    """``export_state_dict``, ``load`` and ``latest`` of ``step``: None where refused."""
+    try:
+        exported = checkpoint.export_state_dict(step)
+    except AutopartError:
+        exported = None
+    try:
+        info = checkpoint.load(step, runner, optim)
+        loaded = {"info": info, "runner": snapshot(runner, optim), "rng": torch.get_rng_state()}
+    except AutopartError:
+        loaded = None
+    skipped: list[str] = []
+    checkpoint.latest(step.parent, on_skip=skipped.append)
+    return exported, loaded, skipped
+
+
+def _fuzz(program: Path, saved: dict, tmp: Path, examples: int) -> None:
+    ref_step = checkpoint.folder(saved["root"], 2)
+    info = json.loads((ref_step / checkpoint.INFO).read_text())
+    hot = sorted(
+        {
+            c["byte_offset"] + d
+            for t in info["tensors"].values()
+            for c in t["chunks"]
+            for d in (*range(0, 96), *range(c["byte_length"] - 200, c["byte_length"]))
+        }
+    )
+    ref = {
+        "files": {p.name: p.stat().st_size for p in ref_step.iterdir()},
+        "hot": hot,
+        "paths": _paths(info),
+    }
+    pwned = tmp / "pwned"
+    counts: dict[str, int] = {}
+    with group(tmp):
+        runner = runner_of(program)
+        optim = make_optimizer(runner, 1e-3)
+        want_export, want_load, _ = _outcome(ref_step, runner, optim)
+        assert want_export is not None and want_load is not None
+
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(m=_mutations(ref))
+        def one(m: tuple) -> None:
+            work = tmp / f"ex{uuid.uuid4().hex}"
+            step = checkpoint.folder(work, 2)
+            shutil.copytree(ref_step, step)
+            try:
+                sealed = _apply(step, m, pwned)
+                exported, loaded, skipped = _outcome(step, runner, optim)
+                assert not pwned.exists(), f"mutation {m} ran code"
+                assert all("\n" not in x for x in skipped)
+                if not sealed:  # corruption: exactly the saved state, or a refusal
+                    if exported is not None:
+                        assert set(exported) == set(want_export)
+                        assert all(torch.equal(exported[k], want_export[k]) for k in exported)
+                    if loaded is not None:
+                        assert loaded["info"] == want_load["info"]
+                        assert same_as(runner, optim, want_load["runner"])
+                        assert torch.equal(loaded["rng"], want_load["rng"])
+                how = "loaded" if loaded is not None else "refused"
+                key = f"{m[0]}{'+sealed' if sealed else ''} {how}"
+                counts[key] = counts.get(key, 0) + 1
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+
+        start = time.perf_counter()
+        one()
+        seconds = time.perf_counter() - start
+    total = sum(counts.values())
+    print(f"fuzz: {total} mutations in {seconds:.1f} s: {dict(sorted(counts.items()))}")
+    assert total >= examples * 0.9, counts  # hypothesis ran (about) as many as asked
+
+
+def test_mutated_checkpoints_load_identically_or_are_refused(
+    program: Path, saved: dict, tmp_path: Path
+) -> None:
+    """50 random mutations of a saved step (the default suite's share)."""
+    _fuzz(program, saved, tmp_path, 50)
+
+
+@pytest.mark.slow
+def test_mutated_checkpoints_load_identically_or_are_refused_500(
+    program: Path, saved: dict, tmp_path: Path
+) -> None:
+    """500 random mutations of a saved step (``-m slow``)."""
+    _fuzz(program, saved, tmp_path, 500)
