@@ -35,7 +35,7 @@ import torch.distributed as dist
 from autopart import AutopartError, Mesh, parallelize
 from autopart.parity.verify import launch_forked
 from autopart.program.format import load_rank, load_weights, read_head
-from autopart.runtime import checkpoint
+from autopart.runtime import checkpoint, checkpoint_files
 from autopart.runtime.run import Batches, make_optimizer
 from autopart.runtime.run import main as run_main
 
@@ -135,7 +135,7 @@ def reseal(step: Path) -> None:
             for p in sorted(step.iterdir())
             if p.name != checkpoint.INFO and p.is_file()
         }
-        info["sha256"] = checkpoint._digest(info)
+        info["sha256"] = checkpoint_files.digest(info)
     f.write_text(json.dumps(info))
 
 
@@ -440,6 +440,7 @@ _NAMES = [
     "../escape.distcp",
     "__0_0.distcp.bak",
 ]
+_NUDGES = [-65, -64, -8, -1, 1, 8, 64, 4096]
 _INTS = [0, 1, -1, 2, 7, 96, 2**31, 2**48, 2**63, -(2**63), 2**64, 10**30]
 
 
@@ -473,10 +474,19 @@ def _paths(node, at=()) -> list[tuple]:
     return out
 
 
+def _at(node, path: tuple):
+    for k in path:
+        node = node[k]
+    return node
+
+
 def _mutations(ref: dict) -> st.SearchStrategy:
     files = ref["files"]  # name -> size
     hot = ref["hot"]  # byte positions at the chunk records' zip headers
     paths = ref["paths"]
+    numbers = ref["numbers"]  # paths of the marker's integers
+    deep = [p for p in paths if p[:1] in (("tensors",), ("files",))]
+    ops = st.sampled_from(["set", "delete", "rename", "add"])
     shard = st.sampled_from(sorted(f for f in files if f.endswith(".distcp")))
     anyfile = st.sampled_from(sorted(files))
     seal = st.booleans()
@@ -496,12 +506,14 @@ def _mutations(ref: dict) -> st.SearchStrategy:
         ),
         st.tuples(st.just("folder"), anyfile),
         st.tuples(st.just("extra"), st.sampled_from(["__7_0.distcp", "notes.txt", ".nfs0001"])),
+        st.tuples(st.just("json"), st.sampled_from(paths), ops, _json_values(), seal),
+        st.tuples(st.just("json"), st.sampled_from(deep), ops, _json_values(), seal),
+        st.tuples(st.just("nudge"), st.sampled_from(numbers), st.sampled_from(_NUDGES), seal),
         st.tuples(
-            st.just("json"),
-            st.sampled_from(paths),
-            st.sampled_from(["set", "delete", "rename", "add"]),
-            _json_values(),
-            seal,
+            st.just("dtype"),
+            st.sampled_from(ref["tensors"]),
+            st.sampled_from(["float64", "float32", "float16", "int64", "uint8", "bool"]),
+            st.just(True),
         ),
         st.tuples(st.just("payload"), anyfile, st.sampled_from(["pickle", "zip"]), st.just(True)),
     )
@@ -566,6 +578,14 @@ def _apply(step: Path, m: tuple, pwned: Path) -> bool:
         else:
             info = value if op == "set" else info
         marker.write_text(json.dumps(info))
+    elif kind in ("nudge", "dtype"):
+        _, where, value, sealed = m
+        info = json.loads(marker.read_text())
+        if kind == "dtype":
+            info["tensors"][where]["dtype"] = value
+        else:
+            _at(info, where[:-1])[where[-1]] += value
+        marker.write_text(json.dumps(info))
     elif kind == "payload":
         _, name, how, sealed = m
         evil = pickle.dumps(Evil(pwned))
@@ -618,6 +638,8 @@ def _fuzz(program: Path, saved: dict, tmp: Path, examples: int) -> None:
         "files": {p.name: p.stat().st_size for p in ref_step.iterdir()},
         "hot": hot,
         "paths": _paths(info),
+        "numbers": [p for p in _paths(info) if p and type(_at(info, p)) is int],
+        "tensors": sorted(info["tensors"]),
     }
     pwned = tmp / "pwned"
     counts: dict[str, int] = {}
