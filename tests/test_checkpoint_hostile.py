@@ -382,8 +382,8 @@ def test_autopart_run_skips_a_damaged_newest_checkpoint_and_ends_bitwise(
     checkpoint then gets 16 flipped bytes in rank 1's shard (in one copy) or loses half of
     rank 0's shard (in another). Rerunning to step 4 prints one line naming the file and step,
     resumes from step 2 and ends with the uninterrupted run's parameters, bit for bit (the
-    damaged step 4 is saved again). A --no-optim checkpoint is refused by an AdamW run unless
-    --fresh-optimizer is given."""
+    damaged step 4 is saved again). With every step damaged the run refuses to start over. A
+    --no-optim checkpoint is refused by an AdamW run unless --fresh-optimizer is given."""
     ck = tmp_path / "ck"
     _run(pp2, "--steps", "4", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
          "--dump-params", str(tmp_path / "ref"))  # fmt: skip
@@ -407,6 +407,14 @@ def test_autopart_run_skips_a_damaged_newest_checkpoint_and_ends_bitwise(
         for a, b in zip(ref, got, strict=True):
             assert set(a) == set(b) and all(torch.equal(a[f], b[f]) for f in a), damage
         assert checkpoint.latest(mine) == checkpoint.folder(mine, 4)  # saved again, intact
+    # every step damaged: refused, rather than starting over from step 0 on top of them
+    both = tmp_path / "both"
+    shutil.copytree(ck, both)
+    for s in (2, 4):
+        flip(checkpoint.folder(both, s) / "__0_0.distcp")
+    with pytest.raises(AutopartError) as err:
+        _run(pp2, "--steps", "4", "--checkpoint-dir", str(both))
+    assert f"every checkpoint in {both} is damaged (2 skipped)" in str(err.value)
     # --no-optim, then AdamW: refused; with --fresh-optimizer: resumed
     plain = tmp_path / "no-optim"
     _run(pp2, "--steps", "1", "--no-optim", "--checkpoint-dir", str(plain))

@@ -360,8 +360,8 @@ def latest(
     A newer step that fails is reported in one line naming the step and the file (``on_skip``;
     default: a ``UserWarning``) and skipped for the one before. A folder without a marker (an
     unfinished save) is skipped silently. With ``runner`` every rank calls it: rank 0 lists the
-    steps, the ranks share the hashing (each file is read by one rank), rank 0 reports, and all
-    get the same answer.
+    steps, the ranks share the hashing (each file is read by one rank), and all get the same
+    answer and the same ``on_skip`` calls (the default warning: on rank 0 only).
     """
     report = on_skip if on_skip is not None else _warn
     root = Path(root)
@@ -382,7 +382,7 @@ def latest(
         problem = next((p for p in problems if p is not None), None)
         if problem is None:
             return d
-        if runner.rank == 0:
+        if on_skip is not None or runner.rank == 0:
             report(_skipping(d, problem))
     return None
 

@@ -367,10 +367,20 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
         return 0, None
     from autopart.runtime import checkpoint
 
-    def skipped(line: str) -> None:
-        print(f"autopart run: {line}", file=sys.stderr, flush=True)
+    damaged: list[str] = []
+
+    def skipped(line: str) -> None:  # on every rank, the same lines
+        damaged.append(line)
+        if rank == 0:
+            print(f"autopart run: {line}", file=sys.stderr, flush=True)
 
     found = checkpoint.latest(args.checkpoint_dir, runner, on_skip=skipped)  # on every rank
+    if found is None and damaged:  # never start over silently from step 0 on top of them
+        raise AutopartError(
+            f"every checkpoint in {args.checkpoint_dir} is damaged ({len(damaged)} skipped)",
+            hint="restore an intact step from a copy, or move the damaged steps away to start "
+            "from step 0",
+        )
     if found is None:
         return 0, None
     info = checkpoint.load(found, runner, optim, fresh_optimizer=args.fresh_optimizer)
