@@ -309,6 +309,31 @@ def test_a_full_disk_during_a_save_is_one_named_error(program: Path, tmp_path: P
     assert checkpoint.latest(tmp_path / "ck") is None
 
 
+def test_dcp_failures_become_one_line_but_interrupts_stay_interrupts() -> None:
+    """DCP gathers every rank's ``BaseException`` into one ``CheckpointException``: an error
+    becomes one line naming the first failing rank (autopart's own message first), while
+    ``KeyboardInterrupt`` and ``SystemExit`` are raised again as they were."""
+    from traceback import StackSummary
+
+    from torch.distributed.checkpoint import CheckpointException
+
+    from autopart.runtime.checkpoint_files import reraise_interrupt, why
+
+    failures = {
+        0: (OSError(28, "No space left on device"), StackSummary()),
+        1: (AutopartError("ck/step00000002/__1_0.distcp is bad", hint="h"), StackSummary()),
+    }
+    exc = CheckpointException("write", failures)
+    assert why(exc) == "rank 1: ck/step00000002/__1_0.distcp is bad (and 1 more ranks)"
+    reraise_interrupt(exc)  # nothing to raise
+    assert why(CheckpointException("write", {0: failures[0]})) == (
+        "rank 0: OSError: [Errno 28] No space left on device"
+    )
+    for stop in (KeyboardInterrupt(), SystemExit(3)):
+        with pytest.raises(type(stop)):
+            reraise_interrupt(CheckpointException("write", {2: (stop, StackSummary())}))
+
+
 # -- break 4: token files and optimizer state ----------------------------------------------------
 
 

@@ -101,6 +101,7 @@ def save(
     try:
         written = dcp.save(state, storage_writer=cf.Writer(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+        cf.reraise_interrupt(exc)
         raise AutopartError(
             f"rank {runner.rank}: saving the checkpoint {path} (step {step}) failed: {cf.why(exc)}",
             hint="check free disk space and that every rank can write there; the unfinished "

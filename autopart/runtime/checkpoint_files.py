@@ -707,10 +707,21 @@ def dcp_load(state: dict[str, Any], reader: Reader, who: str, no_dist: bool = Fa
     try:
         dcp.load(state, storage_reader=reader, planner=Planner(), no_dist=no_dist)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+        reraise_interrupt(exc)
         raise AutopartError(
             f"{who}loading the checkpoint {reader.path} failed: {why(exc)}",
             hint="the step is damaged (resume from the one before it), or a peer rank died",
         ) from exc
+
+
+def reraise_interrupt(exc: BaseException) -> None:
+    """DCP wraps every ``BaseException`` of a rank into its ``CheckpointException``, Ctrl-C's
+    ``KeyboardInterrupt`` and ``SystemExit`` included: those are raised again as they were,
+    never turned into an ``AutopartError``."""
+    if isinstance(exc, CheckpointException):
+        for _, (inner, _) in sorted(exc.failures.items()):
+            if not isinstance(inner, Exception):
+                raise inner from exc
 
 
 def why(exc: BaseException) -> str:
