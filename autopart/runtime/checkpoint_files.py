@@ -19,7 +19,7 @@ import os
 import re
 import stat
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -473,10 +473,15 @@ def regular(f: Path, size: int) -> None:
         )
 
 
-def _read_checked(f: Path, entry: dict[str, Any], keep: bool) -> bytearray | None:
-    """Read ``f`` and check its size and SHA-256 against the marker's ``entry``; returns its
-    bytes when ``keep`` (what a load then parses: the bytes that were checked)."""
+def _read_checked(
+    f: Path, entry: dict[str, Any], ranges: Sequence[tuple[int, int]] = ()
+) -> list[bytearray]:
+    """Read ``f`` once, checking its size and SHA-256 against the marker's ``entry``, and keep
+    the bytes of each of the disjoint byte ``ranges`` as they go by: a load parses exactly the
+    bytes that were checked, and holds only the chunks it needs, not the whole file."""
     fd, size = _open_regular(f)
+    kept = [bytearray(end - start) for start, end in ranges]
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
     with os.fdopen(fd, "rb", buffering=0) as stream:
         if size != entry["size"]:
             raise AutopartError(
@@ -485,16 +490,25 @@ def _read_checked(f: Path, entry: dict[str, Any], keep: bool) -> bytearray | Non
                 hint=DAMAGED,
             )
         digest = hashlib.sha256()
-        data = bytearray(size) if keep else bytearray(min(size, _READ))
-        view, done = memoryview(data), 0
-        while done < size:
-            part = view[done:] if keep else view[: min(_READ, size - done)]
-            n = stream.readinto(part)
+        block = memoryview(bytearray(min(size, _READ)))
+        pos, first = 0, 0  # bytes read; the first range not yet passed
+        while pos < size:
+            n = stream.readinto(block[: min(_READ, size - pos)])
             if not n:
                 break
-            digest.update(part[:n])
-            done = done + n
-        if done != size or stream.read(1):
+            part, end = block[:n], pos + n
+            digest.update(part)
+            j = first
+            while j < len(order) and ranges[order[j]][0] < end:
+                start, stop = ranges[order[j]]
+                lo, hi = max(start, pos), min(stop, end)
+                if lo < hi:
+                    kept[order[j]][lo - start : hi - start] = part[lo - pos : hi - pos]
+                j += 1
+            while first < len(order) and ranges[order[first]][1] <= end:
+                first += 1
+            pos = end
+        if pos != size or stream.read(1):
             raise AutopartError(f"{f} changed size while it was read", hint=DAMAGED)
     got = digest.hexdigest()
     if got != entry["sha256"]:
@@ -503,11 +517,11 @@ def _read_checked(f: Path, entry: dict[str, Any], keep: bool) -> bytearray | Non
             "bytes changed after the save)",
             hint=DAMAGED,
         )
-    return data if keep else None
+    return kept
 
 
 def check_digest(f: Path, entry: dict[str, Any]) -> None:
-    _read_checked(f, entry, keep=False)
+    _read_checked(f, entry)
 
 
 class _Slice(io.RawIOBase):
@@ -680,12 +694,20 @@ class Reader(StorageReader):
             by_file.setdefault(found[0]["file"], []).append((item, *found))
         for name in sorted(by_file):
             f = self.path / name
-            data = _read_checked(f, self.files[name], keep=True)
-            view = memoryview(data)
+            spans = sorted(
+                {
+                    (c["byte_offset"], c["byte_offset"] + c["byte_length"])
+                    for _, c, _ in by_file[name]
+                }
+            )
+            kept = dict(zip(spans, _read_checked(f, self.files[name], spans), strict=True))
+            parsed: dict[tuple[int, int], torch.Tensor] = {}
             for item, c, dtype in by_file[name]:
-                first = c["byte_offset"]
-                where = f"{f} (bytes {first}-{first + c['byte_length']}: {item.storage_index.fqn})"
-                t = _tensor(view[first : first + c["byte_length"]], dtype, c["sizes"], where)
+                span = (c["byte_offset"], c["byte_offset"] + c["byte_length"])
+                where = f"{f} (bytes {span[0]}-{span[1]}: {item.storage_index.fqn})"
+                if span not in parsed:
+                    parsed[span] = _tensor(memoryview(kept.pop(span)), dtype, c["sizes"], where)
+                t = parsed[span]
                 for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                     t = t.narrow(d, o, n)
                 target = planner.resolve_tensor(item).detach()
@@ -693,7 +715,6 @@ class Reader(StorageReader):
                     raise AutopartError(f"{where}: {tuple(t.size())} is not {tuple(target.size())}")
                 target.copy_(t)
                 planner.commit_tensor(item, target)
-            del view, data
         done: Future[None] = Future()
         done.set_result(None)
         return done
