@@ -9,6 +9,10 @@ writes every slice once. ``load(path, runner, optimizer)`` reads the slices this
 (no process group needed). A ZeRO-1 optimizer's state is saved by the dp rank that holds it
 and loaded by the one that owns it now. See docs/checkpoint.md for the format and the rules.
 
+A step folder is untrusted input (``checkpoint_files.py``, docs/security-checkpoints.md): the
+marker records every chunk and every file's SHA-256 and is sealed; loads check it by
+allow-list, hash every file they read before using it, and never unpickle anything.
+
 Keys, all by the model's global FQN:
 
     transformer.h.0.mlp.c_fc.weight                 a parameter (whole, or Shard(dim) over tp)
@@ -17,7 +21,8 @@ Keys, all by the model's global FQN:
     optim/transformer.h.0.mlp.c_fc.weight/exp_avg   optimizer state, laid out like its parameter
     optim/transformer.h.0.mlp.c_fc.weight/step      a scalar optimizer state
     rng/rank00003                                   rank 3's torch CPU generator state
-    autopart.json                                   step, extra, mesh, tied names, fused blocks…
+    autopart.json                                   step, extra, mesh, tied names, fused
+                                                    blocks…, every chunk and file, the seal
 """
 
 from __future__ import annotations
