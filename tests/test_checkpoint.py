@@ -26,7 +26,7 @@ import torch.distributed as dist
 from autopart import AutopartError, Mesh, capture, compile_program
 from autopart.parity.verify import launch_forked, reference
 from autopart.program.format import load_rank, load_weights, read_head
-from autopart.runtime import checkpoint
+from autopart.runtime import checkpoint, checkpoint_files
 from autopart.runtime.run import Batches, make_optimizer
 from autopart.runtime.run import main as run_main
 
@@ -288,13 +288,34 @@ def test_refusals(trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     (cut / checkpoint.INFO).write_text("")
     with pytest.warns(UserWarning, match="skipping the damaged checkpoint .*step00000009"):
         assert checkpoint.latest(tmp_path / "ck") == checkpoint.folder(tmp_path / "ck", 1)
-    # .metadata is unpickled with an allow-list: a pickle that would run code is refused
+    # DCP's pickled .metadata is never read (the marker holds the metadata), and its bytes are
+    # checked like every file's: a pickle that would run code is refused, unread
     bad = tmp_path / "bad"
     shutil.copytree(trained["step1"], bad)
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
-    with pytest.raises(AutopartError, match="posix.system is not allowed in checkpoint metadata"):
-        checkpoint.export_state_dict(bad)
+    for read in (checkpoint.verify, checkpoint.export_state_dict):
+        with pytest.raises(
+            AutopartError, match=r"bad/\.metadata holds \d+ bytes, the marker records"
+        ):
+            read(bad)
     assert not (tmp_path / "pwned").exists()
+    # forged chunks of a tp-split tensor (marker re-sealed, as a hostile writer would): two
+    # chunks on the same slice, or a slice left out, would leave rows unread; refused
+    for forge in ("overlap", "gap"):
+        forged = tmp_path / forge
+        shutil.copytree(trained["step1"], forged)
+        info = json.loads((forged / checkpoint.INFO).read_text())
+        name, t = next((k, t) for k, t in info["tensors"].items() if len(t["chunks"]) == 2)
+        second = t["chunks"][1]
+        if forge == "overlap":
+            second["offsets"] = list(t["chunks"][0]["offsets"])
+        else:
+            dim = next(d for d, o in enumerate(second["offsets"]) if o)
+            second["sizes"][dim] -= 1
+        info["sha256"] = checkpoint_files.digest(info)
+        (forged / checkpoint.INFO).write_text(json.dumps(info))
+        with pytest.raises(AutopartError, match=f"{name}.* is not a grid of slices that tiles"):
+            checkpoint.export_state_dict(forged)
     # flags that need --checkpoint-dir
     assert run_main([str(tmp_path), "--checkpoint-every", "2"]) == 2
     assert "--checkpoint-every needs --checkpoint-dir" in capsys.readouterr().err

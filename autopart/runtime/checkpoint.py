@@ -9,6 +9,10 @@ writes every slice once. ``load(path, runner, optimizer)`` reads the slices this
 (no process group needed). A ZeRO-1 optimizer's state is saved by the dp rank that holds it
 and loaded by the one that owns it now. See docs/checkpoint.md for the format and the rules.
 
+A step folder is untrusted input (``checkpoint_files.py``, docs/security-checkpoints.md): the
+marker records every chunk and every file's SHA-256 and is sealed; loads check it by
+allow-list, hash every file they read before using it, and never unpickle anything.
+
 Keys, all by the model's global FQN:
 
     transformer.h.0.mlp.c_fc.weight                 a parameter (whole, or Shard(dim) over tp)
@@ -17,15 +21,14 @@ Keys, all by the model's global FQN:
     optim/transformer.h.0.mlp.c_fc.weight/exp_avg   optimizer state, laid out like its parameter
     optim/transformer.h.0.mlp.c_fc.weight/step      a scalar optimizer state
     rng/rank00003                                   rank 3's torch CPU generator state
-    autopart.json                                   step, extra, mesh, tied names, fused blocks…
+    autopart.json                                   step, extra, mesh, tied names, fused
+                                                    blocks…, every chunk and file, the seal
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import shutil
 import warnings
 import weakref
@@ -36,24 +39,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException
 
 from autopart.errors import AutopartError, wait
 from autopart.program.format import Shard
+from autopart.runtime import checkpoint_files as cf
+from autopart.runtime.checkpoint_files import FORMAT, INFO, key
 
-FORMAT = 1
-INFO = "autopart.json"  # written last, by rank 0: a folder without it is an incomplete checkpoint
 _MESHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-# -- keys --------------------------------------------------------------------------------------
-
-
-def key(fqn: str, block: int | None = None, state: str | None = None) -> str:
-    """The DCP key of a parameter (``block``: of a fused parameter; ``state``: optimizer)."""
-    base = fqn if block is None else f"{fqn}::block{block}"
-    return base if state is None else f"optim/{base}/{state}"
 
 
 def _rng_key(rank: int) -> str:
@@ -81,7 +74,9 @@ def save(
     ``step`` is the data position (steps done), ``extra`` any JSON-able dict (returned by
     ``load``), ``tied`` the model's tied aliases ``{alias: canonical FQN}`` (``plan.json``'s
     ``tied``) so that ``export_state_dict`` can give them back. Returns once the checkpoint is
-    complete on every rank. An existing checkpoint at ``path`` is replaced.
+    complete on every rank. An existing checkpoint at ``path`` is replaced. The marker
+    (``autopart.json``, written last) records every tensor's chunks and every file's size and
+    SHA-256, and is sealed with its own SHA-256.
     """
     _need_dist("save")
     path = Path(path)
@@ -98,6 +93,7 @@ def save(
     if optimizer is not None:
         state.update(_optim_state(runner, optimizer))
     state[_rng_key(runner.rank)] = rng
+    cf.check_dtypes(state, runner.rank)
     mine = {
         "strided": {
             f: [s.dim, s.strided] for f, s in runner.program.shards.items() if s.strided > 1
@@ -108,12 +104,15 @@ def save(
         _clear(path)
     every = _all_gather_json(mine, runner, "checkpoint layout exchange")  # also: path is clear
     try:
-        dcp.save(state, checkpoint_id=path)
-    except Exception as exc:  # noqa: BLE001 - a storage or peer failure, named
+        written = dcp.save(state, storage_writer=cf.Writer(path))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+        cf.reraise_interrupt(exc)
         raise AutopartError(
-            f"rank {runner.rank}: saving the checkpoint {path} failed: {exc}",
-            hint="check free disk space and that every rank can write there",
+            f"rank {runner.rank}: saving the checkpoint {path} (step {step}) failed: {cf.why(exc)}",
+            hint="check free disk space and that every rank can write there; the unfinished "
+            "step has no marker and is never resumed",
         ) from exc
+    files = _all_gather_json(cf.own_files(path, runner.rank), runner, "checkpoint file digests")
     if runner.rank == 0:
         info = {
             "format": FORMAT,
@@ -127,7 +126,11 @@ def save(
             "strided": {f: v for m in every for f, v in m["strided"].items()},
             "buffers": sorted({b for m in every for b in m["buffers"]}),
             "optimizer": _optim_info(optimizer),
+            "tensors": cf.tensors_json(written, path),
+            "files": {n: e for m in files for n, e in sorted(m.items())},
         }
+        info["sha256"] = cf.digest(info)
+        cf.check_marker(info, path / INFO)  # what this save writes, the load accepts
         tmp = path / f".{INFO}.tmp"
         with open(tmp, "w") as f:  # DCP has fsynced its files (sync_files); the marker last
             f.write(json.dumps(info, indent=1))
@@ -140,18 +143,26 @@ def save(
 
 
 def load(
-    path: str | Path, runner: Any, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path,
+    runner: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    fresh_optimizer: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint saved under any layout into this rank's shards (and ``optimizer``).
 
     Every rank calls it. Restores ``runner.steps`` (dropout seeds) and, when the checkpoint was
-    saved on the same mesh, this rank's torch RNG state. Returns ``{"step", "extra", "seed",
+    saved on the same mesh, this rank's torch RNG state. Every file a rank reads is checked
+    against the SHA-256 in the marker first. An optimizer whose state the checkpoint lacks
+    (saved without one) is refused unless ``fresh_optimizer``; with ``fresh_optimizer`` the
+    optimizer's state is never loaded (it starts afresh). Returns ``{"step", "extra", "seed",
     "mesh", "same_layout"}``.
     """
     _need_dist("load")
     path = Path(path)
     info = read_info(path)
-    meta = _metadata(path)
+    reader = cf.Reader(path, info)
+    meta = reader.state
     _mesh(runner)  # collective the first time: every rank, whatever it holds
     rank, program = runner.rank, runner.program
     mesh_now = {d: getattr(runner.plan.mesh, d) for d in ("pp", "dp", "tp")}
@@ -168,7 +179,17 @@ def load(
             hint=f"it was saved from a different model (it holds e.g. {', '.join(have[:3])}); "
             "load a checkpoint of this model",
         )
-    _same_model(path, runner, optimizer, info, meta)
+    use_optim = optimizer is not None and not fresh_optimizer
+    _same_model(path, runner, optimizer if use_optim else None, info, meta)
+    if use_optim and info["optimizer"] is None:
+        raise AutopartError(
+            f"rank {rank}: checkpoint {path} (step {info['step']}) holds no optimizer state (it "
+            f"was saved without an optimizer, e.g. by --no-optim); resuming "
+            f"{type(_holder(optimizer)[0]).__name__} from it would silently start its state "
+            "from zero",
+            hint="ask for fresh optimizer state explicitly (autopart run --fresh-optimizer, "
+            "load(..., fresh_optimizer=True)), or resume with --no-optim",
+        )
     request: dict[str, Any] = {}
     done: list[Callable[[], None]] = []
     for fqn, p in runner.params.items():
@@ -177,7 +198,7 @@ def load(
         want, build = _request(fqn, shard, strided.get(fqn), None, p.dtype, runner)
         request.update(want)
         done.append(lambda p=p, build=build: _copy_into(p, build()))
-    if optimizer is not None:
+    if use_optim:
         states = _saved_states(meta)
         holder, owned = _holder(optimizer)
         for fqn, p in runner.params.items():
@@ -190,7 +211,14 @@ def load(
                     request[key(fqn, state=name)] = t
                     builds[name] = lambda t=t: t
                 else:
-                    md = meta[_saved_keys(fqn, strided.get(fqn), name)[0]]
+                    keys = _saved_keys(fqn, strided.get(fqn), name)
+                    if not all(k in meta for k in keys):
+                        raise AutopartError(
+                            f"rank {rank}: {path / INFO}: optimizer state {name!r} of {fqn} "
+                            f"is neither a scalar nor saved like its parameter ({keys[0]})",
+                            hint=cf.DAMAGED,
+                        )
+                    md = meta[keys[0]]
                     want, build = _request(
                         fqn,
                         program.shards[fqn],
@@ -210,15 +238,16 @@ def load(
     rng_key = _rng_key(rank)
     same = info["mesh"] == mesh_now and rng_key in meta
     if same:
-        rng = torch.empty(meta[rng_key].size, dtype=torch.uint8)
+        now = torch.get_rng_state()
+        if tuple(meta[rng_key].size) != tuple(now.shape):
+            raise AutopartError(
+                f"rank {rank}: {path / INFO}: {rng_key} holds {tuple(meta[rng_key].size)} "
+                f"bytes, but this torch's generator state is {tuple(now.shape)}",
+                hint=cf.DAMAGED,
+            )
+        rng = torch.empty_like(now)
         request[rng_key] = rng
-    try:
-        dcp.load(request, checkpoint_id=path, storage_reader=_Reader(path))
-    except Exception as exc:  # noqa: BLE001 - a storage or peer failure, named
-        raise AutopartError(
-            f"rank {rank}: loading the checkpoint {path} failed: {exc}",
-            hint="the checkpoint may be damaged, or a peer rank died",
-        ) from exc
+    cf.dcp_load(request, reader, f"rank {rank}: ")
     for f in done:
         f()
     if same:
@@ -237,25 +266,20 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The single-device state dict of a checkpoint: full tensors by the model's FQNs, tied
     aliases included (sharing the canonical tensor), plus the buffers the graph reads.
 
-    Needs no process group (``model.load_state_dict(export_state_dict(path))``).
+    Needs no process group (``model.load_state_dict(export_state_dict(path))``). Every file it
+    reads is checked against the SHA-256 in the marker first.
     """
     path = Path(path)
     info = read_info(path)
-    meta = _metadata(path)
+    reader = cf.Reader(path, info)
     full = {
         k: torch.empty(md.size, dtype=md.properties.dtype)
-        for k, md in meta.items()
-        if _is_model_key(k) and isinstance(md, TensorStorageMetadata)
+        for k, md in reader.state.items()
+        if _is_model_key(k)
     }
-    try:
-        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(full, checkpoint_id=path, storage_reader=_Reader(path), no_dist=True)
-    except Exception as exc:  # noqa: BLE001 - a storage failure, named
-        raise AutopartError(
-            f"reading the checkpoint {path} failed: {exc}",
-            hint="the checkpoint may be damaged or incomplete",
-        ) from exc
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        cf.dcp_load(full, reader, "", no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for k, t in full.items():
         fqn, sep, _ = k.partition("::block")
@@ -303,72 +327,103 @@ def _same_model(
     if was not in (None, "ZeroRedundancyOptimizer") and now is not None and was != now:
         raise AutopartError(
             f"rank {runner.rank}: checkpoint {path} holds {was} state, the optimizer now is {now}",
-            hint=f"resume with {was}, or load the weights only (optimizer=None)",
+            hint=f"resume with {was}, or start the optimizer afresh (fresh_optimizer=True, "
+            "autopart run --fresh-optimizer)",
         )
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
-    """``autopart.json`` of a complete checkpoint (refuses an incomplete or foreign folder)."""
+    """``autopart.json`` of a complete checkpoint, checked: its own SHA-256 seal, every entry
+    (allow-listed names, types and ranges; tensor chunks that tile each tensor; shard names of
+    the writer's form inside the folder) and every listed file (a regular file of the recorded
+    size). Refuses an incomplete, foreign or damaged folder with an ``AutopartError`` naming
+    the file. The files' SHA-256 are checked by ``verify``, ``latest`` and on every read."""
     path = Path(path)
     f = path / INFO
-    if not f.is_file():
-        what = (
-            "an incomplete checkpoint (its save did not finish)"
-            if (path / ".metadata").is_file()
-            else "not an autopart checkpoint"
-        )
-        raise AutopartError(
-            f"{path} is {what}: it has no {INFO}",
-            hint="point at a folder written by autopart.runtime.checkpoint.save",
-        )
-    try:
-        info = json.loads(f.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AutopartError(
-            f"{f} is not valid JSON ({exc})", hint="the checkpoint is damaged"
-        ) from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise AutopartError(
-            f"{f} has format {info.get('format') if isinstance(info, dict) else None}, "
-            f"this autopart reads {FORMAT}",
-            hint="save the checkpoint again with this version",
-        )
+    info = cf.read_marker(f)
+    cf.check_marker(info, f)
+    for name, entry in info["files"].items():
+        cf.regular(path / name, entry["size"])
     return info
 
 
-def latest(root: str | Path, runner: Any = None) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (``step00000012`` folders).
+def verify(path: str | Path) -> dict[str, Any]:
+    """``read_info``, then the SHA-256 of every file of the step against the marker's; returns
+    the marker. Raises an ``AutopartError`` naming the first file that differs."""
+    path = Path(path)
+    info = read_info(path)
+    for name, entry in sorted(info["files"].items()):
+        cf.check_digest(path / name, entry)
+    return info
 
-    With ``runner`` every rank calls it and gets rank 0's answer, so all ranks load the same one.
+
+def latest(
+    root: str | Path, runner: Any = None, *, on_skip: Callable[[str], None] | None = None
+) -> Path | None:
+    """The newest intact checkpoint under ``root`` (``step00000012`` folders): complete (it has
+    its marker) and verified (``verify``: every file's size and SHA-256 match the marker's).
+
+    A newer step that fails is reported in one line naming the step and the file (``on_skip``;
+    default: a ``UserWarning``) and skipped for the one before. A folder without a marker (an
+    unfinished save) is skipped silently. With ``runner`` every rank calls it: rank 0 lists the
+    steps, the ranks share the hashing (each file is read by one rank), and all get the same
+    answer and the same ``on_skip`` calls (the default warning: on rank 0 only).
     """
-    found = _latest(Path(root)) if runner is None or runner.rank == 0 else None
+    report = on_skip if on_skip is not None else _warn
+    root = Path(root)
     if runner is None:
-        return found
-    shared = _all_gather_json(
-        None if found is None else str(found), runner, "choosing the checkpoint"
-    )
-    return None if shared[0] is None else Path(shared[0])
-
-
-def _latest(root: Path) -> Path | None:
-    """The newest checkpoint whose marker reads; a damaged one (an empty or cut ``autopart.json``
-    after a power loss, a missing ``.metadata``) is skipped with a warning."""
-    if not root.is_dir():
+        for d in _steps(root):
+            problem = _problem(d, 0, 1)
+            if problem is None:
+                return d
+            report(_skipping(d, problem))
         return None
-    done = [
-        d
-        for d in root.glob("step*")
-        if d.is_dir() and d.name[4:].isdigit() and (d / INFO).is_file()
-    ]
-    for d in sorted(done, key=lambda d: int(d.name[4:]), reverse=True):
-        try:
-            read_info(d)
-            if not (d / ".metadata").is_file():
-                raise AutopartError(f"{d} has no .metadata")
+    listed = [str(d) for d in _steps(root)] if runner.rank == 0 else None
+    listed = _all_gather_json(listed, runner, "listing the checkpoints")[0]
+    world = dist.get_world_size()
+    for d in map(Path, listed):
+        problems = _all_gather_json(
+            _problem(d, runner.rank, world), runner, f"verifying the checkpoint {d}"
+        )
+        problem = next((p for p in problems if p is not None), None)
+        if problem is None:
             return d
-        except AutopartError as exc:
-            warnings.warn(f"skipping the damaged checkpoint {d}: {exc.message}", stacklevel=3)
+        if on_skip is not None or runner.rank == 0:
+            report(_skipping(d, problem))
     return None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _steps(root: Path) -> list[Path]:
+    """The step folders under ``root`` that have a marker, newest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = cf.STEP.fullmatch(d.name)
+        if m and d.is_dir() and os.path.lexists(d / INFO):
+            found.append((int(m[1]), d))
+    return [d for _, d in sorted(found, reverse=True)]
+
+
+def _problem(step: Path, rank: int, world: int) -> str | None:
+    """Why ``step`` cannot be resumed, as far as this rank's share of its files shows."""
+    try:
+        info = read_info(step)
+        for name in sorted(info["files"])[rank::world]:
+            cf.check_digest(step / name, info["files"][name])
+    except AutopartError as exc:
+        return exc.message
+    return None
+
+
+def _skipping(step: Path, problem: str) -> str:
+    m = cf.STEP.fullmatch(step.name)
+    which = f" (step {int(m[1])})" if m else ""
+    return f"skipping the damaged checkpoint {step}{which}: {' '.join(problem.split())}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -431,7 +486,7 @@ def _pieces(
     fqn: str, shard: Shard, local: torch.Tensor, runner: Any, state: str | None = None
 ) -> dict[str, Any]:
     """The DCP entries of one local tensor laid out like parameter ``fqn``."""
-    local = local.detach()
+    local = local.detach().contiguous()  # the load reads every record as a contiguous tensor
     if shard.dim is None:
         return {key(fqn, state=state): local}
     if not _direct(shard, runner):
@@ -454,7 +509,7 @@ def _model_state(runner: Any) -> dict[str, Any]:
     for fqn, p in runner.params.items():
         out.update(_pieces(fqn, runner.program.shards[fqn], p, runner))
     for name in _buffer_names(runner):
-        out[name] = runner.buffers[name].detach()
+        out[name] = runner.buffers[name].detach().contiguous()
     return out
 
 
@@ -486,7 +541,7 @@ def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
                     hint="checkpoints hold tensor states (AdamW, Adam, SGD momentum)",
                 )
             if v.dim() == 0:
-                out[key(fqn, state=name)] = v.detach().clone()
+                out[key(fqn, state=name)] = v.detach().clone().contiguous()
             elif v.shape == p.shape:
                 out.update(_pieces(fqn, runner.program.shards[fqn], v, runner, name))
             else:
@@ -620,85 +675,6 @@ def _copy_into(p: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 
 # -- files and collectives ----------------------------------------------------------------------
-
-
-class _Reader(FileSystemReader):
-    """DCP's file reader, but ``.metadata`` is unpickled with an allow-list of DCP's metadata
-    classes (plain DCP runs ``pickle.load`` on it, which could run any code)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        f = Path(self.path) / ".metadata"
-        try:
-            metadata = _SafeUnpickler(io.BytesIO(f.read_bytes())).load()
-        except (
-            OSError,
-            pickle.UnpicklingError,
-            EOFError,
-            AttributeError,
-            KeyError,
-            TypeError,
-            ValueError,
-        ) as exc:
-            raise AutopartError(
-                f"{f} is not a readable DCP metadata file: {exc}",
-                hint="the checkpoint is damaged, incomplete or not from autopart",
-            ) from exc
-        if not isinstance(metadata, Metadata):
-            raise AutopartError(f"{f} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-_ALLOWED = {  # everything DCP's .metadata refers to, and nothing that could run code
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch": {
-        "Size",
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-        "complex64",
-        "complex128",
-    },
-    "torch.serialization": {"_get_layout"},  # a name → torch layout lookup
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-
-def _metadata(path: Path) -> dict[str, Any]:
-    if not (path / ".metadata").is_file():
-        raise AutopartError(
-            f"{path} has no DCP .metadata file", hint="the checkpoint is incomplete"
-        )
-    return _Reader(path).read_metadata().state_dict_metadata
 
 
 def _clear(path: Path) -> None:

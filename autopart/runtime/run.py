@@ -46,7 +46,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--tokens",
         type=Path,
         default=None,
-        help="token file: a torch.save'd 1-D int tensor (.pt) or raw uint16 ids (.bin)",
+        help="token file: a torch.save'd 1-D integer tensor (.pt) or raw uint16 ids (.bin)",
     )
     p.add_argument(
         "--batch",
@@ -127,6 +127,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="keep only the K latest checkpoints in --checkpoint-dir (default 0: all)",
     )
     p.add_argument(
+        "--fresh-optimizer",
+        action="store_true",
+        help="on resume, start the optimizer state afresh instead of loading it (needed to "
+        "resume a checkpoint saved without optimizer state, e.g. by --no-optim; needs "
+        "--checkpoint-dir)",
+    )
+    p.add_argument(
         "--device",
         default=None,
         metavar="DEV",
@@ -182,12 +189,22 @@ class Batches:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+_TOKEN_DTYPES = frozenset(
+    {torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64}
+)
+
+
 def _read_tokens(path: Path) -> torch.Tensor:
     if path.suffix == ".bin":
         return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint16).long()
     t = torch.load(path, weights_only=True)
     if not isinstance(t, torch.Tensor) or t.dim() != 1:
         raise AutopartError(f"{path} must hold a 1-D tensor of token ids")
+    if t.dtype not in _TOKEN_DTYPES:  # a cast would train on truncated floats or 0/1 flags
+        raise AutopartError(
+            f"{path} holds {t.dtype} values, not token ids",
+            hint="save the ids as an integer tensor (torch.long, int32, uint16, ...)",
+        )
     return t.long()
 
 
@@ -233,10 +250,10 @@ def run(args: argparse.Namespace) -> int:
         optim = None if args.no_optim else make_optimizer(runner, args.lr, zero)
         if args.trace is not None or args.timeline is not None:
             runner.timeline = []
-        start = _resume(runner, optim, args, rank)
+        start, resumed = _resume(runner, optim, args, rank)
         last_s = _train(runner, optim, batches, args, rank, start, head["tied"])
         if args.checkpoint_dir is not None:
-            _finish_checkpoints(runner, optim, args, rank, head["tied"])
+            _finish_checkpoints(runner, optim, args, rank, head["tied"], start, resumed)
         if args.trace is not None or args.timeline is not None:
             header = {
                 "plan": {
@@ -354,6 +371,8 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
     ):
         if value < 0:
             raise AutopartError(f"{flag} {value} must be 0 or more")
+    if args.fresh_optimizer and args.no_optim:
+        raise AutopartError("--fresh-optimizer needs an optimizer; --no-optim has none")
     if args.checkpoint_dir is None:
         used = [
             f
@@ -361,6 +380,7 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
                 ("--checkpoint-every", args.checkpoint_every),
                 ("--keep-checkpoints", args.keep_checkpoints),
                 ("--export", args.export is not None),
+                ("--fresh-optimizer", args.fresh_optimizer),
             )
             if on
         ]
@@ -371,16 +391,30 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
             )
 
 
-def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
-    """Load the latest checkpoint in --checkpoint-dir (rank 0 picks it); returns its step."""
+def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Path | None]:
+    """Load the newest intact checkpoint in --checkpoint-dir (verified; a damaged newer one is
+    named in one line and skipped); returns its step and folder."""
     if args.checkpoint_dir is None:
-        return 0
+        return 0, None
     from autopart.runtime import checkpoint
 
-    found = checkpoint.latest(args.checkpoint_dir, runner)  # rank 0's pick, on every rank
+    damaged: list[str] = []
+
+    def skipped(line: str) -> None:  # on every rank, the same lines
+        damaged.append(line)
+        if rank == 0:
+            print(f"autopart run: {line}", file=sys.stderr, flush=True)
+
+    found = checkpoint.latest(args.checkpoint_dir, runner, on_skip=skipped)  # on every rank
+    if found is None and damaged:  # never start over silently from step 0 on top of them
+        raise AutopartError(
+            f"every checkpoint in {args.checkpoint_dir} is damaged ({len(damaged)} skipped)",
+            hint="restore an intact step from a copy, or move the damaged steps away to start "
+            "from step 0",
+        )
     if found is None:
-        return 0
-    info = checkpoint.load(found, runner, optim)
+        return 0, None
+    info = checkpoint.load(found, runner, optim, fresh_optimizer=args.fresh_optimizer)
     if info["seed"] != args.seed:
         raise AutopartError(
             f"{found} was trained with --seed {info['seed']}, not {args.seed}: "
@@ -390,7 +424,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> int:
     if rank == 0:
         how = "" if info["same_layout"] else f" (saved on mesh {info['mesh']}, resharded)"
         print(f"resumed from step {info['step']}: {found}{how}", flush=True)
-    return info["step"]
+    return info["step"], found
 
 
 def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: dict) -> None:
@@ -414,12 +448,18 @@ def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: d
                 shutil.rmtree(old)
 
 
-def _finish_checkpoints(runner, optim, args: argparse.Namespace, rank: int, tied: dict) -> None:
-    """Save after the last step (unless that step is saved already), then --export."""
+def _finish_checkpoints(
+    runner, optim, args: argparse.Namespace, rank: int, tied: dict, start: int, resumed
+) -> None:
+    """Save after the last step (unless this run saved it or resumed from it), then --export.
+    A checkpoint of that step found on disk is not trusted: it may be the damaged one that the
+    resume skipped, so it is saved again."""
     from autopart.runtime import checkpoint
 
     final = checkpoint.folder(args.checkpoint_dir, runner.steps)
-    if not (final / checkpoint.INFO).is_file():
+    every = args.checkpoint_every
+    saved_now = runner.steps > start and every and runner.steps % every == 0
+    if not saved_now and final != resumed:
         _save(runner, optim, args, rank, runner.steps, tied)
     if args.export is not None and rank == 0:  # the other ranks wait at run()'s final barrier
         state = checkpoint.export_state_dict(final)
