@@ -1,8 +1,9 @@
 """Run on 2 forked ranks (dp=2) by tests/test_training_loop.py: gradient accumulation. Two
 ``step`` calls, the first inside ``no_sync()``, each told the token count of both
 (``num_tokens``), must leave the gradients one step on both batches together leaves, even
-with unequal -100 padding (each call's own mean would weight them wrongly). Prints one JSON
-line per rank."""
+with unequal -100 padding (each call's own mean would weight them wrongly). And a step on each
+rank's own share (``local=True``) equals the step on the global batch. Prints one JSON line per
+rank."""
 
 import json
 import sys
@@ -42,12 +43,31 @@ def main() -> int:
         float((accumulated[f] - want[f].grad).abs().max() / want[f].grad.abs().max())
         for f in accumulated
     )
+    # each rank loads only its own share of the global batch (local=True): the same step
+    for p in whole.parameters():
+        p.grad = None
+    r = whole.dp_rank
+    rows = slice(r * 4, (r + 1) * 4)
+    local_loss = whole.step(ids[rows], labels[rows], local=True)
+    local_err = max(
+        float((p.grad - want[f].grad).abs().max() / want[f].grad.abs().max())
+        for f, p in whole.named_parameters()
+    )
+    for p in whole.parameters():
+        p.grad = None
+    global_loss = whole.step(ids, labels)
+    local_err = max(local_err, abs(float(local_loss) - float(global_loss)) / float(global_loss))
     # inside no_sync the two replicas' gradients stayed their own (not yet reduced)
     mine = torch.cat([g.reshape(-1) for g in local_after_first.values()])
     both = [torch.empty_like(mine) for _ in range(2)]
     dist.all_gather(both, mine)
     unreduced = not torch.equal(both[0], both[1])
-    print(json.dumps({"rank": dist.get_rank(), "err": err, "unreduced": unreduced}), flush=True)
+    print(
+        json.dumps(
+            {"rank": dist.get_rank(), "err": err, "unreduced": unreduced, "local_err": local_err}
+        ),
+        flush=True,
+    )
     dist.barrier()
     dist.destroy_process_group()
     return 0

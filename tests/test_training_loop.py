@@ -71,6 +71,7 @@ def test_accumulation_over_steps_equals_one_big_batch() -> None:
     out = launch_forked(2, [str(ROOT / "tests" / "accum_script.py")], timeout_s=120)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 2 and all(r["err"] <= 1e-9 and r["unreduced"] for r in rows), rows
+    assert all(r["local_err"] <= 1e-9 for r in rows), rows  # each rank's own share
 
 
 def _single_rank(model, batch):

@@ -369,19 +369,20 @@ class Runner:
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
+        local: bool = False,
     ) -> torch.Tensor:
         """The global mean loss of a batch, forward only: no gradient is computed or touched,
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
-        first, as with a torch module). ``labels``, ``shifted`` and ``num_tokens`` as for
-        ``step``. Collective: call it on every rank."""
+        first, as with a torch module). ``labels``, ``shifted``, ``num_tokens`` and ``local``
+        as for ``step``. Collective: call it on every rank."""
         collectives.bind("tp", self._tp_group)
         labels = self._shift(input_ids, labels, shifted)
-        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
+        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
             mbs=mbs,
-            count=self._count(labels, num_tokens),
+            count=self._count(labels, num_tokens, local),
             bounds=self._chunk_bounds(input_ids.shape[1]),
             arm_at={},
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind == "RECV_F"],
@@ -426,10 +427,25 @@ class Runner:
         pad = torch.full_like(labels[:, :1], -100)
         return torch.cat([labels[:, 1:], pad], dim=1)
 
-    def _count(self, labels: torch.Tensor, num_tokens: int | None) -> torch.Tensor:
-        """What the losses are divided by: this batch's labels ≠ -100, or ``num_tokens``."""
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index (which share of the global batch is its own)."""
+        return int(self.program.coords.get("dp", 0))
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas (shares of the global batch)."""
+        return self.plan.mesh.dp
+
+    def _count(self, labels: torch.Tensor, num_tokens: int | None, local: bool) -> torch.Tensor:
+        """What the losses are divided by: the global batch's labels ≠ -100 (``local``: this
+        share's, summed over dp), or ``num_tokens``."""
         if num_tokens is None:
-            return (labels != -100).sum().clamp(min=1).to(self._dtype).to(self.device)
+            n = (labels != -100).sum().to(self._dtype).to(self.device)
+            group = self.groups.get("dp")
+            if local and group is not None and not self.dry:
+                self._wait(staging.all_reduce(n, group), "adding up the dp shares' labels")
+            return n.clamp(min=1)
         if int(num_tokens) < 1:
             raise AutopartError(f"num_tokens {num_tokens} must be at least 1")
         return torch.tensor(float(num_tokens), dtype=self._dtype, device=self.device)
@@ -509,8 +525,14 @@ class Runner:
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
+        local: bool = False,
     ) -> torch.Tensor:
         """One forward + backward over the global batch; returns its mean loss.
+
+        ``local=True``: this rank passes only its data-parallel share (``dp_size`` ranks each
+        load their own rows, e.g. with ``DistributedSampler(num_replicas=runner.dp_size,
+        rank=runner.dp_rank)``; the ranks of one dp replica pass the same rows). The loss is
+        still the mean over the whole global batch: the label counts are summed over dp.
 
         ``labels`` follow the model: a Hugging Face causal LM's are unshifted, as HF takes them
         (``labels = input_ids``, shifted inside); other models' are already shifted
@@ -525,7 +547,7 @@ class Runner:
         # case another runner in this process (another plan) bound the name since
         collectives.bind("tp", self._tp_group)
         labels = self._shift(input_ids, labels, shifted)
-        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device))
+        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
@@ -541,7 +563,7 @@ class Runner:
         collectives.defer_grad_reduce(bool(self._tp_partial))
         s = self._s = _Step(
             mbs=mbs,
-            count=self._count(labels, num_tokens),
+            count=self._count(labels, num_tokens, local),
             bounds=self._chunk_bounds(input_ids.shape[1]),
             arm_at={} if self._unsynced is not None else self._final_backwards(),
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")],
@@ -837,14 +859,15 @@ class Runner:
         return next(iter(self.params.values())).dtype
 
     def _microbatches(
-        self, input_ids: torch.Tensor, labels: torch.Tensor
+        self, input_ids: torch.Tensor, labels: torch.Tensor, local: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise AutopartError(
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
                 f"{tuple(labels.shape)} must both be (batch, seq)"
             )
-        mb = self.plan.check_batch(input_ids.shape[0])
+        rows = input_ids.shape[0] * (self.plan.mesh.dp if local else 1)  # the global batch
+        mb = self.plan.check_batch(rows)
         tp = self.plan.mesh.tp
         if self.plan.sequence_parallel and input_ids.shape[1] % tp:
             raise AutopartError(
@@ -853,7 +876,7 @@ class Runner:
                 hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
             )
         dp_i, m = self.program.coords["dp"], self.plan.microbatches
-        start = dp_i * m * mb
+        start = 0 if local else dp_i * m * mb
         if not self.dry:  # no values to look at in the dry run
             self._check_tokens(input_ids, labels)
         return [
