@@ -119,6 +119,10 @@ def main() -> int:
         want = hf_loss(ref, ids, labels)
     eval_err = abs(float(runner.evaluate(ids, labels)) - float(want)) / float(want)
     grads_untouched = all(p.grad is None for p in runner.parameters())
+    with torch.no_grad():  # logits for sampling: the model's own, on every rank
+        want_logits = ref(ids).logits
+    got_logits = runner.logits(ids)
+    logits_err = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
     runner.train()
     # a model with dropout (nanoGPT, manual attention, p = 0.3): eval() takes every dropout out
     import nanogpt
@@ -163,6 +167,8 @@ def main() -> int:
                 "copy_to_err": copy_err,
                 "keys_match": sorted(sd) == sorted(want_sd),
                 "eval_err": eval_err,
+                "logits_err": logits_err,
+                "logits_shape": list(got_logits.shape),
                 "grads_untouched": grads_untouched,
                 "dropout_eval_err": dropout_eval_err,
                 "dropout_train_differs": abs(train_loss - float(dwant)) > 1e-6,

@@ -17,6 +17,7 @@ names the rank, the action and the group.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -231,6 +232,7 @@ class Runner:
         # Face causal LMs: unshifted, shifted inside; the live API sets it from the model)
         self.label_convention = "shifted"
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
+        self._logits_run: dict[bool, dict[int, Any]] = {}  # logits(): by mode, on first use
         self._carried = False  # gradients of no_sync() steps are on the parameters
         self._ties = [(f, groups[("tie", tuple(pps))]) for f, pps in sorted(program.ties.items())]
         # set to [] to record each step's actions as TraceEvents; keeps the last step
@@ -404,6 +406,99 @@ class Runner:
             else torch.zeros((), dtype=self._dtype, device=self.device)
         )
         return self._reduce_loss(loss)
+
+    def logits(self, input_ids: torch.Tensor, *, local: bool = False) -> torch.Tensor:
+        """The model's full-vocabulary logits ``(batch, seq, vocab)`` for ``input_ids`` (the
+        global batch, or with ``local=True`` this rank's dp share), on every rank, as the
+        model would return them: for sampling, or any use beyond the loss. Forward only;
+        dropout follows the mode (``eval()`` first). Collective: call it on every rank."""
+        key = self.training
+        if key not in self._logits_run:  # the loss cut off each last stage, once per mode
+            self._logits_run[key] = self._runs(
+                {
+                    st.stage: logits_graph(st.graph if self.training else without_dropout(st.graph))
+                    for st in self.program.stages
+                }
+            )
+        dummy = torch.zeros_like(input_ids)  # labels feed no node once the loss is cut off
+        collectives.bind("tp", self._tp_group)
+        mbs = self._microbatches(input_ids.to(self.device), dummy.to(self.device), local)
+        self._p2p.reset()
+        actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
+        s = self._s = _Step(
+            mbs=mbs,
+            count=torch.ones((), dtype=self._dtype, device=self.device),
+            bounds=self._chunk_bounds(input_ids.shape[1]),
+            arm_at={},
+            recvs=[(i, a) for i, a in enumerate(actions) if a.kind == "RECV_F"],
+        )
+        saved, self._run = self._run, self._logits_run[key]
+        try:
+            with torch.no_grad():
+                for i, action in enumerate(actions):
+                    collectives.set_action(f"{action} (logits) on rank {self.rank}")
+                    self._HANDLERS[action.kind](
+                        self, i, action, (action.stage, action.mb, action.chunk)
+                    )
+                self._p2p.wait_sends()
+            pieces = s.losses
+        finally:
+            self._run, self._s = saved, None
+        out = self._gather_logits(pieces, mbs, input_ids.shape[1])
+        group = self.groups.get("dp")
+        if local or group is None:
+            return out
+        host = out.cpu() if out.device.type != "cpu" and dist.get_backend(group) == "gloo" else out
+        parts = [torch.empty_like(host) for _ in range(self.plan.mesh.dp)]
+        work = dist.all_gather(parts, host.contiguous(), group=group, async_op=True)
+        self._wait(work, "gathering the logits of every dp replica's rows")
+        return torch.cat(parts, dim=0).to(out.device)
+
+    def _gather_logits(
+        self, pieces: dict[tuple[int, int], torch.Tensor], mbs: list, seq: int
+    ) -> torch.Tensor:
+        """This replica's logits from the last stage's (micro-batch, chunk) pieces, put back
+        together over tp (vocabulary slices) and sent from the last pipeline stage to the
+        others (dp replicas each hold their own rows)."""
+        n_chunks = len(self._chunk_bounds(seq))
+        out = None
+        if self.program.coords.get("pp", 0) == self.plan.mesh.pp - 1:
+            out = torch.cat(
+                [
+                    torch.cat(
+                        [
+                            pieces[(j, c)].reshape(ids.shape[0], -1, pieces[(j, c)].shape[-1])
+                            for c in range(n_chunks)
+                        ],
+                        dim=1,
+                    )
+                    for j, (ids, _) in enumerate(mbs)
+                ],
+                dim=0,
+            )  # (rows, seq, vocab / tp)
+            if self.plan.mesh.tp > 1:
+                out = collectives._all_gather(out.contiguous(), 2, "tp")
+        group = self.groups.get("pp")
+        if group is not None:  # the last stage sends them to the others of its pipeline
+            src = self.program.groups["pp"][-1]
+            head = torch.zeros(2, dtype=torch.int64)
+            if out is not None:
+                head[0], head[1] = out.shape[-1], p2p._DTYPES.index(out.dtype)
+            self._broadcast(head, src, group, "the logits' shape")
+            if out is None:
+                rows = sum(ids.shape[0] for ids, _ in mbs)
+                shape = (rows, seq, int(head[0]))
+                out = torch.empty(shape, dtype=p2p._DTYPES[int(head[1])], device=self.device)
+            self._broadcast(out, src, group, "the logits")
+        return out[..., : self.program.vocab_size]
+
+    def _broadcast(self, t: torch.Tensor, src: int, group: Any, what: str) -> None:
+        """Broadcast ``t`` in place from global rank ``src`` (through a host copy on gloo)."""
+        host = t.cpu() if t.device.type != "cpu" and dist.get_backend(group) == "gloo" else t
+        work = dist.broadcast(host, src=src, group=group, async_op=True)
+        self._wait(work, f"broadcasting {what} from rank {src}")
+        if host is not t:
+            t.copy_(host)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1124,3 +1219,36 @@ def _check_convention(input_ids: torch.Tensor, labels: torch.Tensor, convention:
             hint="shift them (labels = input_ids[:, 1:], then -100 at the end), or pass "
             "step(..., shifted=False) to have autopart shift them",
         )
+
+
+def logits_graph(graph: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a stage graph that returns the logits the loss would read instead of the
+    loss (``(tokens, vocab / tp)``, flattened as the loss takes them); a stage without the
+    loss is returned as it is."""
+    from autopart.lowering.compile import copy_graph
+
+    losses = (
+        torch.ops.aten.cross_entropy_loss.default,
+        torch.ops.autopart.vocab_parallel_ce.default,
+    )
+    ce = next((n for n in graph.graph.nodes if n.target in losses), None)
+    if ce is None:
+        return graph
+    g = copy_graph(graph)
+    ce = next(n for n in g.graph.nodes if n.target in losses)
+    logits = ce.args[0]
+    out = next(n for n in g.graph.nodes if n.op == "output")
+    (values,) = out.args
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    first = values[0]
+    if first is not ce and not (first.target is operator.getitem and first.args[0] is ce):
+        raise AutopartError(
+            "the last stage's first output is not its loss",
+            hint="please report this with the model",
+        )
+    out.args = ((logits, *values[1:]),)
+    for n in reversed(list(g.graph.nodes)):  # the loss and what only it read
+        if n.op == "call_function" and not n.users and n is not out:
+            g.graph.erase_node(n)
+    g.recompile()
+    return g
