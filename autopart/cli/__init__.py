@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autopart.cli import demo, inspect, plan, run, simulate, timeline, verify, zoo
+from autopart.cli import demo, inspect, plan, run, simulate, timeline, train, verify, zoo
 from autopart.errors import AutopartError
 
 EPILOG = """examples:
@@ -21,6 +21,8 @@ EPILOG = """examples:
   autopart inspect --model examples/hf_gpt2.py:make --dp 2 --rank 1 --dot rank1.dot
   torchrun --standalone --nproc-per-node 2 -m autopart.runtime.run out/ --steps 10
   autopart run out/ --steps 10                    (launches torchrun itself when not under it)
+  autopart train train.toml                       train with a config: LR schedule, clipping, eval,
+                                                  checkpoints and resume, metrics
   autopart timeline trace.json -o timeline.png    draw a --trace file: one row per rank
   autopart simulate --shape gpt3-175b --gpus 1024 --tp 8 --pp 8 --global-batch 1536
                                                   predict one iteration on a GPU cluster
@@ -38,6 +40,7 @@ COMMANDS = {
     "zoo": zoo,
     "inspect": inspect,
     "run": run,
+    "train": train,
     "timeline": timeline,
     "simulate": simulate,
     "plan": plan,

@@ -23,6 +23,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "batch",
+    "demo",
     "make",
     "make_deep",
     "make_long",
@@ -175,3 +176,11 @@ def make_long(attention: str = "sdpa"):
 def make_long_manual():
     """``make_long`` with the manual masked-softmax attention path."""
     return make_long(attention="manual")
+
+
+def demo():
+    """The model of ``autopart demo`` and ``autopart train``'s default: a byte-level GPT
+    (vocabulary 256, 4 blocks, width 64, positions for 256 tokens) and an 8 × 64 batch."""
+    cfg = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=256)
+    torch.manual_seed(0)
+    return GPT(cfg), batch(cfg, batch_size=8, seq_len=64)
