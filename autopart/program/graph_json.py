@@ -106,7 +106,7 @@ def _target(value: Any, where: str) -> None:
     if not allowed(value):
         raise Invalid(
             where,
-            f"= {value[:80]!r} is a call target that is not an ATen op, an autopart op or a "
+            f"means a node calls {value[:80]!r}, which is not an ATen op, an autopart op or a "
             "Python operator on sizes",
         )
 
@@ -201,12 +201,17 @@ _CUSTOM = obj(
         META_MODULE: string(_MODULE, 1024),
         META_LAYER: nullable(integer(0, 1 << 20)),
         META_RECOMPUTE: integer(0, 1 << 20),
+        # torch's own annotation of code run under torch._dynamo.disable while exporting
+        "_torchdynamo_disable": boolean,
+        "_torchdynamo_disable_recursive": boolean,
+        "_torchdynamo_disable_method": string(max_len=256),
     },
 )
 
 
 def _custom(value: Any, where: str) -> None:
-    """autopart's annotations, as a JSON string: module, layer, recompute region."""
+    """autopart's annotations, as a JSON string: module, layer, recompute region (and the
+    markers torch adds to code under ``torch._dynamo.disable``)."""
     string()(value, where)
     try:
         doc = json.loads(value)
@@ -359,6 +364,11 @@ _SIGNATURE = obj(
 
 # ---- the whole program ------------------------------------------------------------------------
 
+def _no_guards(value: Any, where: str) -> None:
+    if value != []:
+        raise Invalid(where, "holds guard code, which ep.module() would compile and run")
+
+
 _USER_ARG = obj({"arg": union({"as_tensor": _TENSOR})})
 MODEL: Spec = obj(
     {
@@ -390,7 +400,7 @@ MODEL: Spec = obj(
     {
         "verifiers": list_of(one_of("ATEN"), 1),
         "torch_version": string(re.compile(r"[0-9A-Za-z.+<=_-]{1,64}")),
-        "guards_code": list_of(_STRING, 0),  # none: ep.module() would compile it
+        "guards_code": _no_guards,
     },
 )
 

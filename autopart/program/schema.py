@@ -175,7 +175,7 @@ def obj(required: Mapping[str, Spec], optional: Mapping[str, Spec] | None = None
             raise Invalid(where, f"must be an object, not {_type_name(value)}")
         missing = [k for k in required if k not in value]
         if missing:
-            raise Invalid(_at(where, missing[0]), "is missing")
+            raise Invalid(_at(where, missing[0]), "missing")
         for k, v in value.items():
             sub = required.get(k) or optional.get(k)
             if sub is None:
