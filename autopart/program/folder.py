@@ -228,17 +228,18 @@ class ProgramFolder:
             raise self._error(rel, exc) from None
         with os.fdopen(fd, "wb") as f:
             out = _Hashing(f)
-            produce(out)  # type: ignore[arg-type]
+            produce(out)
+            out.flush()
         return out.digest()
 
 
 class _Hashing:
-    """A write-only file that hashes what passes through it."""
+    """A write-only file that hashes what passes through it (torch.save streams into it)."""
 
     def __init__(self, f: IO[bytes]) -> None:
         self._f, self._h = f, hashlib.sha256()
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: Any) -> int:
         self._h.update(data)
         return self._f.write(data)
 

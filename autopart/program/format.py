@@ -372,9 +372,11 @@ def _save_rank(
     files: dict[str, str] = {}
     stages = []
     for st in rp.stages:
-        ep = _to_exported(st.graph)
+        archive = io.BytesIO()  # torch.export.save seeks in what it writes
+        torch.export.save(_to_exported(st.graph), archive)
+        data = archive.getvalue()
         files[f"{d}/stage{st.stage}.pt2"] = folder.write(
-            f"{d}/stage{st.stage}.pt2", lambda f, ep=ep: torch.export.save(ep, f)
+            f"{d}/stage{st.stage}.pt2", lambda f, data=data: f.write(data)
         )
         code = st.graph.code.encode()
         files[f"{d}/stage{st.stage}.py"] = folder.write(
