@@ -465,7 +465,8 @@ def _load_stage(
     data = _checked(folder, head, rel, MAX_PT2)
     check_pt2(data, pt2)  # nothing torch would unpickle, evaluate or call beyond known ops
     try:
-        graph = torch.export.load(io.BytesIO(data)).graph_module
+        ep = torch.export.load(io.BytesIO(data))
+        graph = ep.graph_module
     except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
         raise AutopartError(
             f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
@@ -495,6 +496,7 @@ def _load_stage(
             )
     graph.meta[META_PASSES] = st["passes"]
     graph.meta[META_KV_SHAPES] = st["kv_shapes"]
+    graph.meta[META_RANGES] = dict(ep.range_constraints)  # so that a loaded program saves again
     for n in graph.graph.nodes:
         custom = n.meta.get("custom") or {}
         n.meta[META_MODULE], n.meta[META_LAYER] = (

@@ -364,6 +364,7 @@ _SIGNATURE = obj(
 
 # ---- the whole program ------------------------------------------------------------------------
 
+
 def _no_guards(value: Any, where: str) -> None:
     if value != []:
         raise Invalid(where, "holds guard code, which ep.module() would compile and run")
