@@ -12,16 +12,18 @@ global parameters (``Shard``), its gradient buckets and its process groups.
     dir/rank00003/stage0.py       the same graph as readable Python
     dir/rank00003/weights.pt      this rank's parameter shards and buffers (tensors only)
 
-Saving into a folder that holds an earlier program first removes that program's files.
-``Program.load(dir)`` / ``load_rank(dir, r)`` read them back, running no code from the files:
-a graph archive is first checked to hold only what autopart writes (no weights, constants,
-example inputs, custom objects or guard code that torch would unpickle or run; only ATen,
-autopart and Python size ops as call targets: ``autopart/program/archive.py``), tensors are read with
-``torch.load(weights_only=True)``, the rest is JSON. ``plan.json`` lists the SHA-256 of every other file; a file is checked against it before
-it is read, so a changed, truncated, missing or swapped-in file (another program's) is refused
-with an ``AutopartError`` naming it. Each JSON file's schema (keys and types) is checked too.
-The checksums catch damage and mix-ups, not a deliberate attacker who also rewrites
-``plan.json``: keep program folders where only you can write.
+Saving into a folder that holds an earlier program first removes that program's files, never
+anything outside the folder (``program/folder.py``: no symlink is followed, a symlinked rank
+folder is refused). ``Program.load(dir)`` / ``load_rank(dir, r)`` / ``load_weights(dir, r)``
+read them back treating the folder as hostile (docs/security.md): each file is read once,
+through descriptors that follow no link, within a size bound, and its bytes are checked before
+anything parses them: the SHA-256 in ``plan.json`` (damage and mix-ups), a deep schema of
+``plan.json`` and ``program.json`` (``program/plan_json.py``: types, ranges, names and sizes the
+plan implies), and for a graph archive the canonical zip layout and an allow-list of its JSON,
+symbolic sizes included (``program/archive.py``, ``graph_json.py``, ``symexpr.py``), before
+torch reads those same bytes. Tensors are read with ``torch.load(weights_only=True)`` after the
+zip holds no more than the rank's parameter shards and buffers, and checked after against their
+shapes and dtypes. Every failure is an ``AutopartError`` naming the file and the field.
 """
 
 from __future__ import annotations
