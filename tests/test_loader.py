@@ -435,7 +435,7 @@ def test_a_weights_bomb_is_refused_before_it_inflates(saved: Path, tmp_path: Pat
     member is refused from the zip directory alone (torch.save stores members), and so is a
     stored one out of proportion to the parameter shapes."""
     crafted = copy_program(saved, tmp_path)
-    name = next(iter(load_weights(saved, 0)))
+    name = "transformer.wte.weight"
     buf = io.BytesIO()
     torch.save({name: torch.zeros(1 << 26)}, buf)  # 256 MiB of float32 zeros
     bomb = crafted / "rank00000" / "weights.pt"
@@ -467,7 +467,9 @@ def test_the_saved_program_still_loads_and_round_trips(saved: Path, tmp_path: Pa
     program = Program.load(saved)
     again = Program.load(program.save(tmp_path / "again"))
     assert [rp.actions for rp in again.ranks] == [rp.actions for rp in program.ranks]
+    assert [[s.graph.code for s in rp.stages] for rp in again.ranks] == [
+        [s.graph.code for s in rp.stages] for rp in program.ranks
+    ]
     assert read_head(saved)["files"].keys() == read_head(tmp_path / "again")["files"].keys()
-    for r in range(2):
-        a, b = load_weights(saved, r), load_weights(tmp_path / "again", r)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name, t in program.params.items():
+        assert torch.equal(again.params[name], t), name
