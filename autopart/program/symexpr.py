@@ -14,9 +14,11 @@ as a tree of exactly these forms:
 
 Nothing else: no attribute access, subscript, operator, lambda, comprehension, string outside
 ``Symbol``'s name, keyword outside ``FLAGS``, or unknown name. The lists are what torch 2.13
-writes for autopart's programs (nanoGPT, the Hugging Face GPT-2 and Llama examples, the zoo of
-``autopart.models.zoo``: see ``tests/test_loader.py``) plus the integer functions of the same
-family; a new torch that writes another form is refused, by name, until it is added here.
+writes for autopart's programs (Symbol, Integer, Add, Mul, Pow, FloorDiv, Max and Min were seen
+in the programs of nanoGPT, the Hugging Face GPT-2 and Llama examples and every architecture of
+``autopart.models.zoo``, under dp, tp, pp, Seq1F1B, zero-bubble, recompute and bf16 plans)
+plus the integer functions of the same family; a torch that writes another form is refused, by
+name, until it is added here.
 """
 
 from __future__ import annotations
