@@ -116,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             plan = Plan.from_json(read_head(root)["plan"])
             plan.mesh.check_world(world)
             batch = torch.load(check["batch"], weights_only=True)
+            program = load_rank(root, rank)
             run_check(
-                load_rank(root, rank),
+                program,
                 plan,
-                load_weights(root, rank),
+                load_weights(root, rank, program),
                 batch,
                 Path(check["dump"]),
                 timeout_s=timeout_s,

@@ -1,141 +1,238 @@
-"""What a saved stage graph (``stageN.pt2``) may hold, checked before torch reads it.
+"""What a saved stage graph (``stageN.pt2``) and a ``weights.pt`` may hold, checked on the
+bytes torch will then read.
 
 ``torch.export.load`` unpickles constants an archive marks for pickling, reads "opaque"
-constants with ``pickle.loads`` and resolves each node's call target by attribute lookup: a
-crafted archive can run code while it loads, or when its graph runs. autopart writes stage
-graphs with every input explicit, so its archives hold no weights, no constants, no example
-inputs, no custom objects and no guard code, and call only ATen ops, autopart's own ops and a
-few Python operators on sizes. ``check_pt2`` refuses any archive that holds more, reading only
-the zip directory and JSON; ``check_targets`` checks the loaded graph once more.
+constants with ``pickle.loads``, falls back to an unpickling ``torch.load`` for example inputs
+that the safe loader refuses, hands every symbolic size to ``sympy.sympify`` (an ``eval``) and
+resolves call targets by attribute lookup: a crafted archive can run code while it loads, or
+when its graph runs. autopart writes stage graphs with every input explicit, so its archives
+hold no weights, no constants, no example inputs, no custom objects and no guard code, and call
+only ATen ops, autopart's own ops and a few Python operators on sizes.
+
+The loader reads each file once into memory and checks those bytes; torch gets the same bytes
+(``io.BytesIO``), so nothing can differ between the check and the load:
+
+- ``zip_members``: the zip is in the canonical layout torch writes: members stored (never
+  compressed), laid end to end from byte 0 with nothing between or after them but the central
+  directory and its end records, no comment, no encryption, no duplicate name and no two names
+  that differ only in case (two zip readers could pick different copies), each local header
+  naming the same member as the directory;
+- ``check_pt2``: only the members of an autopart save, the weights and constants configs exactly
+  ``{"config": {}}``, no example inputs, and ``models/model.json`` valid under the allow-list of
+  ``graph_json`` (every symbolic size in the grammar of ``symexpr``);
+- ``check_weights``: only torch.save's members, and tensor bytes no more than the program's
+  parameter and buffer shapes imply;
+- ``check_targets`` checks a loaded graph's call targets once more.
 """
 
 from __future__ import annotations
 
-import json
+import io
 import operator
+import re
+import struct
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import fx
 
 from autopart.errors import AutopartError
+from autopart.program.graph_json import PYTHON_OPS, allowed, check_model
+from autopart.program.schema import Invalid, parse_json
 
 # the archive members autopart's own save writes (under one top-level folder)
-_MEMBERS = {
-    "archive_format",
-    "archive_version",
-    ".data/version",
-    ".data/serialization_id",
-    "byteorder",
-    "models/model.json",
-    "data/weights/model_weights_config.json",
-    "data/constants/model_constants_config.json",
-    "data/sample_inputs/model.pt",
-}
-_EMPTY = {"data/weights/model_weights_config.json", "data/constants/model_constants_config.json"}
-NAMESPACES = ("torch.ops.aten.", "torch.ops.autopart.")
-PYTHON_OPS = {
-    f"_operator.{f}"
-    for f in (
-        "add",
-        "sub",
-        "mul",
-        "floordiv",
-        "truediv",
-        "mod",
-        "pow",
-        "neg",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "getitem",
-        "and_",
-        "or_",
+PT2_MEMBERS = frozenset(
+    {
+        "archive_format",
+        "archive_version",
+        ".data/version",
+        ".data/serialization_id",
+        "byteorder",
+        "models/model.json",
+        "data/weights/model_weights_config.json",
+        "data/constants/model_constants_config.json",
+        "data/sample_inputs/model.pt",
+    }
+)
+_EMPTY = ("data/weights/model_weights_config.json", "data/constants/model_constants_config.json")
+_SMALL = 4096  # bytes: the most any member but model.json (and a weight) holds
+WEIGHTS_META = frozenset(
+    {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version"}
+    | {".data/serialization_id", ".data/version"}
+)
+_STORAGE = re.compile(r"data/[0-9]{1,9}")
+_TOP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_FLAGS_OK = 0x0008 | 0x0800  # data descriptor, UTF-8 names; nothing else (no encryption)
+NAMESPACES = ("aten", "autopart")
+# the Python callables of PYTHON_OPS (for the loaded graph's own check)
+_PY_CALLABLES = frozenset(
+    getattr(operator if t.startswith("_operator.") else torch, t.split(".", 1)[1])
+    for t in PYTHON_OPS
+)
+
+
+def _refuse(path: Path, why: str) -> AutopartError:
+    return AutopartError(
+        f"{path} is not a file autopart wrote: {why}; it was not loaded",
+        hint="loading it could run code from it. Re-save the program with Program.save(), "
+        "and keep program folders where only you can write",
     )
-}
-PYTHON_OPS |= {
-    f"torch.{f}"
-    for f in (
-        "sym_max",
-        "sym_min",
-        "sym_not",
-        "sym_float",
-        "sym_int",
-        "sym_ite",
-        "sym_sum",
-        "sym_sqrt",
+
+
+def zip_members(data: bytes, path: Path) -> tuple[str, dict[str, zipfile.ZipInfo]]:
+    """The top-level folder and the members (by name below it) of the zip ``data``, after
+    checking that it is in the canonical layout described in the module doc."""
+    n = len(data)
+    if n < 22 or data[-22:-18] != b"PK\x05\x06":
+        raise _refuse(path, "it is not a zip archive ending in its directory (or has a comment)")
+    disk, cd_disk, count_here, count, cd_size, cd_offset, comment = struct.unpack(
+        "<HHHHIIH", data[-18:]
     )
-}
-# the Python callables those names resolve to (for the loaded graph's own check)
-_PY_CALLABLES = {getattr(operator, t.split(".", 1)[1]) for t in PYTHON_OPS if t.startswith("_")}
-_PY_CALLABLES |= {getattr(torch, t.split(".", 1)[1]) for t in PYTHON_OPS if t.startswith("torch")}
-_TREESPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
-
-
-def check_pt2(path: Path) -> None:
-    """Refuse ``path`` unless it is a stage graph as autopart writes it (see the module doc)."""
-
-    def refuse(why: str) -> AutopartError:
-        return AutopartError(
-            f"{path} is not a stage graph autopart wrote: {why}; it was not loaded",
-            hint="loading it could run code from it. Re-save the program with "
-            "Program.save(), and keep program folders where only you can write",
+    if comment or disk or cd_disk or count_here != count:
+        raise _refuse(path, "its zip end record has a comment or spans several disks")
+    end = n - 22
+    if n >= 98 and data[-42:-38] == b"PK\x06\x07":  # zip64: locator, then its end record
+        _, z64_at, disks = struct.unpack("<IQI", data[-38:-22])
+        if z64_at != n - 98 or disks != 1 or data[z64_at : z64_at + 4] != b"PK\x06\x06":
+            raise _refuse(path, "its zip64 end records are not where torch writes them")
+        size, _, _, d1, d2, n1, n2, cd_size64, cd_offset64 = struct.unpack(
+            "<QHHIIQQQQ", data[z64_at + 4 : z64_at + 56]
         )
-
+        if size != 44 or d1 or d2 or n1 != n2:
+            raise _refuse(path, "its zip64 end record is not the plain one torch writes")
+        for short, long, sentinel in (
+            (count, n2, 0xFFFF),
+            (cd_size, cd_size64, 0xFFFFFFFF),
+            (cd_offset, cd_offset64, 0xFFFFFFFF),
+        ):
+            if short not in (long, sentinel):
+                raise _refuse(path, "its zip and zip64 end records disagree")
+        count, cd_size, cd_offset, end = n2, cd_size64, cd_offset64, z64_at
+    if cd_offset + cd_size != end:
+        raise _refuse(path, "its zip directory is not directly before its end record")
     try:
-        with zipfile.ZipFile(path) as z:
-            infos = z.infolist()
-            tops = {i.filename.split("/", 1)[0] for i in infos}
-            if len(tops) != 1:
-                raise refuse(f"its members sit under {len(tops)} top-level folders")
-            top = tops.pop()
-            members = {i.filename.split("/", 1)[1]: i for i in infos if "/" in i.filename}
-            extra = sorted(set(members) - _MEMBERS)
-            if extra:
-                raise refuse(
-                    f"it holds {extra[0]!r}, which autopart never writes (weights, "
-                    "constants or objects torch would unpickle)"
-                )
-            if "models/model.json" not in members:
-                raise refuse("it has no models/model.json")
-            sample = members.get("data/sample_inputs/model.pt")
-            if sample is not None and sample.file_size:
-                raise refuse("it holds example inputs, which torch would unpickle")
-            for name in _EMPTY & set(members):
-                if json.loads(z.read(f"{top}/{name}")) != {"config": {}}:
-                    raise refuse(f"{name} lists weights or constants to load")
-            model = json.loads(z.read(f"{top}/models/model.json"))
-    except zipfile.BadZipFile as exc:
-        raise refuse("it is not a zip archive") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise refuse("its JSON does not parse") from exc
-    if not isinstance(model, dict) or not isinstance(model.get("graph_module"), dict):
-        raise refuse("models/model.json has no graph")
-    if model.get("guards_code"):
-        raise refuse("it carries guard code")
-    graph = model["graph_module"].get("graph", {})
-    if graph.get("custom_obj_values"):
-        raise refuse("it carries custom objects")
-    for node in graph.get("nodes", []):
-        target = node.get("target") if isinstance(node, dict) else None
-        if not isinstance(target, str) or not allowed(target):
-            raise refuse(
-                f"a node calls {target!r}, which is not an ATen op, an autopart op "
-                "or a Python operator on sizes"
-            )
-    for spec in _treespec_types(model["graph_module"].get("module_call_graph", [])):
-        if spec not in _TREESPEC_TYPES:
-            raise refuse(f"its call signature names the type {spec!r}")
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except Exception as exc:  # noqa: BLE001 - whatever Python's reader says of these bytes
+        raise _refuse(path, f"its zip directory does not parse ({type(exc).__name__})") from None
+    if len(infos) != count:
+        raise _refuse(path, f"its zip directory lists {len(infos)} members, its end record {count}")
+    names: dict[str, zipfile.ZipInfo] = {}
+    folded: set[str] = set()
+    for info in infos:
+        name = info.filename
+        if name in names:
+            raise _refuse(path, f"it holds the member {name[:80]!r} twice")
+        if name.casefold() in folded:
+            raise _refuse(path, f"it holds two members whose names differ only in case ({name!r})")
+        names[name] = info
+        folded.add(name.casefold())
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise _refuse(path, f"its member {name[:80]!r} is compressed (torch stores members)")
+        if info.flag_bits & ~_FLAGS_OK:
+            raise _refuse(path, f"its member {name[:80]!r} is encrypted or flagged")
+    _check_tiling(data, path, sorted(infos, key=lambda i: i.header_offset), cd_offset)
+    tops = {name.split("/", 1)[0] for name in names}
+    if len(tops) != 1 or not all("/" in name for name in names):
+        raise _refuse(path, f"its members sit under {len(tops)} top-level folders, not one")
+    top = tops.pop()
+    if not _TOP.fullmatch(top):
+        raise _refuse(path, f"its top-level folder is named {top[:80]!r}")
+    return top, {name.split("/", 1)[1]: info for name, info in names.items()}
 
 
-def allowed(target: str) -> bool:
-    """A serialized call target autopart's stage graphs may use."""
-    return target.startswith(NAMESPACES) or target in PYTHON_OPS
+def _check_tiling(data: bytes, path: Path, infos: list[zipfile.ZipInfo], cd_offset: int) -> None:
+    """Members laid end to end from byte 0 to the directory, each local header naming the
+    member its directory entry names."""
+    at = 0
+    for info in infos:
+        if info.header_offset != at:
+            raise _refuse(path, f"its member {info.filename[:80]!r} does not follow the one before")
+        head = data[at : at + 30]
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise _refuse(path, f"its member {info.filename[:80]!r} has no local header")
+        flags, method, name_len, extra_len = struct.unpack("<2xHH16xHH", head[4:])
+        name = data[at + 30 : at + 30 + name_len]
+        if name != info.orig_filename.encode("utf-8") or method != info.compress_type:
+            raise _refuse(path, f"its member {info.filename[:80]!r} is named otherwise locally")
+        at += 30 + name_len + extra_len + info.compress_size
+        if flags & 0x0008:  # a data descriptor follows the data: 16 bytes, or 24 for zip64
+            if data[at : at + 4] != b"PK\x07\x08":
+                raise _refuse(path, f"its member {info.filename[:80]!r} lacks its data descriptor")
+            small = struct.unpack("<II", data[at + 8 : at + 16]) if at + 16 <= len(data) else ()
+            if small == (info.compress_size, info.file_size):
+                at += 16
+            elif data[at + 8 : at + 24] == struct.pack("<QQ", info.compress_size, info.file_size):
+                at += 24
+            else:
+                raise _refuse(path, f"the data descriptor of {info.filename[:80]!r} disagrees")
+    if at != cd_offset:
+        raise _refuse(path, "it holds bytes between its last member and its directory")
+
+
+def check_pt2(data: bytes, path: Path) -> None:
+    """Refuse ``data`` (the bytes of ``path``) unless it is a stage graph as autopart writes
+    it (see the module doc). Nothing in it is unpickled, evaluated or resolved here."""
+    top, members = zip_members(data, path)
+    extra = sorted(set(members) - PT2_MEMBERS)
+    if extra:
+        raise _refuse(
+            path,
+            f"it holds {extra[0][:80]!r}, which autopart never writes (weights, constants or "
+            "objects torch would unpickle)",
+        )
+    if "models/model.json" not in members or "archive_version" not in members:
+        raise _refuse(path, "it has no models/model.json or no archive_version")
+    archive = zipfile.ZipFile(io.BytesIO(data))
+
+    def read(name: str) -> bytes:
+        try:
+            return archive.read(f"{top}/{name}")
+        except Exception as exc:  # noqa: BLE001 - e.g. a CRC mismatch
+            raise _refuse(path, f"its member {name} does not read back ({exc})") from None
+
+    for name, info in members.items():
+        if name != "models/model.json" and info.file_size > _SMALL:
+            raise _refuse(path, f"its member {name} is {info.file_size:,} bytes")
+    sample = members.get("data/sample_inputs/model.pt")
+    if sample is not None and sample.file_size:
+        raise _refuse(path, "it holds example inputs, which torch would unpickle")
+    for name in _EMPTY:
+        if name in members and read(name) != b'{"config": {}}':
+            raise _refuse(path, f"{name} lists weights or constants to load")
+    for name in members:
+        read(name)  # every member's CRC and local header, as Python's reader sees them
+    try:
+        check_model(parse_json(read("models/model.json")))
+    except Invalid as exc:
+        raise _refuse(path, f"models/model.json: {exc.where or '(top)'} {exc.why}") from None
+
+
+def check_weights(data: bytes, path: Path, max_tensor_bytes: int, max_tensors: int) -> None:
+    """Refuse ``data`` (a ``weights.pt``) unless it is a plain torch.save zip whose tensor
+    storages add up to at most ``max_tensor_bytes`` in at most ``max_tensors`` records."""
+    _, members = zip_members(data, path)
+    storages = 0
+    records = 0
+    for name, info in members.items():
+        if _STORAGE.fullmatch(name):
+            storages += info.file_size
+            records += 1
+        elif name not in WEIGHTS_META:
+            raise _refuse(path, f"it holds {name[:80]!r}, which torch.save does not write")
+        elif name == "data.pkl":
+            if info.file_size > (1 << 16) + 1024 * max_tensors:
+                raise _refuse(path, f"its data.pkl is {info.file_size:,} bytes")
+        elif info.file_size > _SMALL:
+            raise _refuse(path, f"its member {name} is {info.file_size:,} bytes")
+    if "data.pkl" not in members:
+        raise _refuse(path, "it has no data.pkl")
+    if records > max_tensors or storages > max_tensor_bytes:
+        raise _refuse(
+            path,
+            f"it holds {records} tensors of {storages:,} bytes, more than this rank's "
+            f"{max_tensors} parameters and buffers need ({max_tensor_bytes:,} bytes)",
+        )
 
 
 def check_targets(graph: fx.GraphModule, where: Path) -> None:
@@ -145,7 +242,7 @@ def check_targets(graph: fx.GraphModule, where: Path) -> None:
             continue
         target = n.target
         ok = n.op == "call_function" and (
-            (isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "autopart"))
+            (isinstance(target, torch._ops.OpOverload) and target.namespace in NAMESPACES)
             or target in _PY_CALLABLES
         )
         if not ok:
@@ -156,27 +253,4 @@ def check_targets(graph: fx.GraphModule, where: Path) -> None:
             )
 
 
-def _treespec_types(calls: Any) -> list[Any]:
-    """Every ``type`` named in the serialized pytree specs of the call signature."""
-    out: list[Any] = []
-
-    def walk(spec: Any) -> None:
-        if isinstance(spec, dict):
-            if "type" in spec:
-                out.append(spec["type"])
-            for child in spec.get("children_spec", []) or []:
-                walk(child)
-        elif isinstance(spec, list):
-            for x in spec:
-                walk(x)
-
-    for entry in calls if isinstance(calls, list) else []:
-        sig = (entry or {}).get("signature") or {}
-        for key in ("in_spec", "out_spec"):
-            text = sig.get(key)
-            if isinstance(text, str):
-                try:
-                    walk(json.loads(text))
-                except json.JSONDecodeError:
-                    out.append("<unreadable spec>")
-    return out
+__all__ = ["PT2_MEMBERS", "allowed", "check_pt2", "check_targets", "check_weights", "zip_members"]

@@ -12,23 +12,27 @@ global parameters (``Shard``), its gradient buckets and its process groups.
     dir/rank00003/stage0.py       the same graph as readable Python
     dir/rank00003/weights.pt      this rank's parameter shards and buffers (tensors only)
 
-Saving into a folder that holds an earlier program first removes that program's files.
-``Program.load(dir)`` / ``load_rank(dir, r)`` read them back, running no code from the files:
-a graph archive is first checked to hold only what autopart writes (no weights, constants,
-example inputs, custom objects or guard code that torch would unpickle or run; only ATen,
-autopart and Python size ops as call targets: ``autopart/program/archive.py``), tensors are read with
-``torch.load(weights_only=True)``, the rest is JSON. ``plan.json`` lists the SHA-256 of every other file; a file is checked against it before
-it is read, so a changed, truncated, missing or swapped-in file (another program's) is refused
-with an ``AutopartError`` naming it. Each JSON file's schema (keys and types) is checked too.
-The checksums catch damage and mix-ups, not a deliberate attacker who also rewrites
-``plan.json``: keep program folders where only you can write.
+Saving into a folder that holds an earlier program first removes that program's files, never
+anything outside the folder (``program/folder.py``: no symlink is followed, a symlinked rank
+folder is refused). ``Program.load(dir)`` / ``load_rank(dir, r)`` / ``load_weights(dir, r)``
+read them back treating the folder as hostile (docs/security.md): each file is read once,
+through descriptors that follow no link, within a size bound, and its bytes are checked before
+anything parses them: the SHA-256 in ``plan.json`` (damage and mix-ups), a deep schema of
+``plan.json`` and ``program.json`` (``program/plan_json.py``: types, ranges, names and sizes the
+plan implies), and for a graph archive the canonical zip layout and an allow-list of its JSON,
+symbolic sizes included (``program/archive.py``, ``graph_json.py``, ``symexpr.py``), before
+torch reads those same bytes. Tensors are read with ``torch.load(weights_only=True)`` after the
+zip holds no more than the rank's parameter shards and buffers, and checked after against their
+shapes and dtypes. Every failure is an ``AutopartError`` naming the file and the field.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +64,10 @@ from autopart.meta import (
     META_RANGES,
     META_RECOMPUTE,
 )
-from autopart.program.archive import check_pt2, check_targets
+from autopart.program.archive import check_pt2, check_targets, check_weights
+from autopart.program.folder import ProgramFolder, rank_dir
+from autopart.program.plan_json import check_head, check_rank
+from autopart.program.schema import Invalid, parse_json
 from autopart.schedule.ir import Action, table
 
 FORMAT = 2  # 2: tp_gather / tp_scatter_reduce carry their group size
@@ -188,11 +195,10 @@ class Program:
         (console or Console()).print(t)
 
     def save(self, path: str | Path) -> Path:
-        """Write ``plan.json`` and one folder per rank (see the module docstring)."""
+        """Write ``plan.json`` and one folder per rank (see the module docstring). Nothing is
+        written, followed or removed outside ``path``: see ``autopart/program/folder.py``."""
         root = Path(path)
-        root.mkdir(parents=True, exist_ok=True)
-        _clear_old(root)
-        head = {
+        head: dict[str, Any] = {
             "format": FORMAT,
             "plan": self.plan.to_json(),
             "world_size": len(self.ranks),
@@ -205,15 +211,14 @@ class Program:
             "buffers": sorted(self.buffers),
             "passes": [h.name for h in self.history],
         }
-        for rp in self.ranks:
-            _save_rank(rp, root / f"rank{rp.rank:05d}", self.params, self.buffers)
-        head["files"] = {
-            f"rank{rp.rank:05d}/{f.name}": _sha256(f)
-            for rp in self.ranks
-            for f in sorted((root / f"rank{rp.rank:05d}").iterdir())
-            if f.is_file()
-        }
-        (root / "plan.json").write_text(json.dumps(head, indent=1))
+        with ProgramFolder(root, create=True) as folder:
+            folder.clear()
+            files: dict[str, str] = {}
+            for rp in self.ranks:
+                files.update(_save_rank(rp, folder, self.params, self.buffers))
+            head["files"] = files
+            text = json.dumps(head, indent=1).encode()
+            folder.write("plan.json", lambda f: f.write(text))
         return root
 
     @classmethod
@@ -224,7 +229,7 @@ class Program:
         params: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         for r, rp in enumerate(ranks):
-            weights = load_weights(root, r)
+            weights = load_weights(root, r, rp)
             for fqn, shard in rp.shards.items():
                 if shard.dim is None and fqn in weights:
                     params.setdefault(fqn, weights[fqn])
@@ -244,111 +249,75 @@ class Program:
         )
 
 
-_HEAD_SCHEMA = {
-    "format": int,
-    "plan": dict,
-    "world_size": int,
-    "example_shape": list,
-    "vocab_size": int,
-    "tied": dict,
-    "params": dict,
-    "buffers": list,
-    "files": dict,
-}
-_RANK_SCHEMA = {
-    "rank": int,
-    "coords": dict,
-    "groups": dict,
-    "stages": list,
-    "actions": list,
-    "shards": dict,
-    "buckets": list,
-    "ties": dict,
-    "n_stages": int,
-}
+MAX_JSON = 1 << 26  # bytes of plan.json or a program.json (64 MiB)
+MAX_PT2 = 1 << 30  # bytes of one stage archive (1 GiB; a 70B model's stage is ~50 MB)
+_RESAVE = "the file is damaged or from another tool or version; re-save the program"
 
 
-_OURS = ("program.json", "weights.pt", "stage*.pt2", "stage*.py")
-
-
-def _clear_old(root: Path) -> None:
-    """Remove what an earlier save left in ``root``: its plan.json and its rank folders' files
-    (a stale ``weights.pt`` would otherwise be listed, checksummed and trained from). Only
-    autopart's own file names are touched; a rank folder left empty is removed."""
-    (root / "plan.json").unlink(missing_ok=True)
-    for folder in root.glob("rank[0-9][0-9][0-9][0-9][0-9]"):
-        if not folder.is_dir():
-            continue
-        for pattern in _OURS:
-            for f in folder.glob(pattern):
-                f.unlink()
-        if not any(folder.iterdir()):
-            folder.rmdir()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _json(path: Path, schema: dict[str, type]) -> dict[str, Any]:
+def _parse(data: bytes, path: Path) -> Any:
     try:
-        doc = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return parse_json(data)
+    except Invalid as exc:
         raise AutopartError(
-            f"{path} is not a valid autopart JSON file ({exc})",
+            f"{path} is not a valid autopart JSON file ({exc.why})",
             hint="the file is damaged or not from Program.save(); re-save the program",
         ) from None
-    bad = [
-        k for k, t in schema.items() if not isinstance(doc, dict) or not isinstance(doc.get(k), t)
-    ]
-    if bad:
-        raise AutopartError(
-            f"{path} does not have autopart's layout: {', '.join(bad)} missing or of the wrong type",
-            hint="the file is damaged or from another tool or version; re-save the program",
-        )
-    return doc
 
 
-def read_head(root: Path) -> dict[str, Any]:
-    f = Path(root) / "plan.json"
-    if not f.exists():
+def _head(folder: ProgramFolder) -> tuple[dict[str, Any], Plan]:
+    """``plan.json``, checked against its schema, and its ``Plan``."""
+    path = folder.root / "plan.json"
+    if not folder.exists("plan.json"):
         raise AutopartError(
-            f"{root} holds no plan.json", hint="point at a folder written by Program.save()"
+            f"{folder.root} holds no plan.json", hint="point at a folder written by Program.save()"
         )
-    fmt = _json(f, {})
-    if fmt.get("format") != FORMAT:
+    doc = _parse(folder.read("plan.json", MAX_JSON), path)
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if fmt != FORMAT or isinstance(fmt, bool):
         raise AutopartError(
-            f"{f} has format {fmt.get('format')}, this autopart reads {FORMAT}",
+            f"{path} has format {fmt!r}, this autopart reads {FORMAT}",
             hint="re-run parallelize(...).save() with this version",
         )
-    return _json(f, _HEAD_SCHEMA)
+    try:
+        plan = check_head(doc)
+    except Invalid as exc:
+        raise _layout(path, exc) from None
+    return doc, plan
 
 
-def checked(root: str | Path, rel: str, head: dict[str, Any] | None = None) -> Path:
-    """``root/rel`` after checking it against the SHA-256 recorded in ``plan.json``."""
-    root = Path(root)
-    want = (head or read_head(root))["files"].get(rel)
-    path = root / rel
+def _layout(path: Path, exc: Invalid) -> AutopartError:
+    return AutopartError(
+        f"{path} does not have autopart's layout: {exc.where or '(top level)'} {exc.why}",
+        hint=_RESAVE,
+    )
+
+
+def read_head(root: str | Path) -> dict[str, Any]:
+    """``plan.json`` of a program folder, after checking every field of it (types, ranges,
+    names, the plan itself): an ``AutopartError`` names the file and the field otherwise."""
+    with ProgramFolder(root) as folder:
+        return _head(folder)[0]
+
+
+def _checked(folder: ProgramFolder, head: dict[str, Any], rel: str, limit: int) -> bytes:
+    """The bytes of ``rel``, read once, after checking them against their SHA-256 in
+    ``plan.json``. The checksums catch damage and mix-ups; the checks of what the bytes hold
+    (schemas, archives) are what stand against a crafted folder."""
+    path = folder.root / rel
+    want = head["files"].get(rel)
     if want is None:
         raise AutopartError(
-            f"{path} is not listed in {root / 'plan.json'}",
+            f"{path} is not listed in {folder.root / 'plan.json'}",
             hint="the program folder is incomplete or mixed up; re-save the program",
         )
-    if not path.is_file():
-        raise AutopartError(
-            f"{path} is missing", hint="re-save the program, or copy the whole folder"
-        )
-    if _sha256(path) != want:
+    data = folder.read(rel, limit)
+    if hashlib.sha256(data).hexdigest() != want:
         raise AutopartError(
             f"{path} does not match its checksum in plan.json: it was changed, truncated, or "
             "comes from another program",
             hint="re-save the program with Program.save(); never edit or mix program folders",
         )
-    return path
+    return data
 
 
 def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
@@ -395,13 +364,26 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
 
 
 def _save_rank(
-    rp: RankProgram, folder: Path, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
-) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+    rp: RankProgram,
+    folder: ProgramFolder,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+) -> dict[str, str]:
+    """Write one rank's files; return their SHA-256 by name."""
+    d = rank_dir(rp.rank)
+    files: dict[str, str] = {}
     stages = []
     for st in rp.stages:
-        torch.export.save(_to_exported(st.graph), folder / f"stage{st.stage}.pt2")
-        (folder / f"stage{st.stage}.py").write_text(st.graph.code)
+        archive = io.BytesIO()  # torch.export.save seeks in what it writes
+        torch.export.save(_to_exported(st.graph), archive)
+        data = archive.getvalue()
+        files[f"{d}/stage{st.stage}.pt2"] = folder.write(
+            f"{d}/stage{st.stage}.pt2", lambda f, data=data: f.write(data)
+        )
+        code = st.graph.code.encode()
+        files[f"{d}/stage{st.stage}.py"] = folder.write(
+            f"{d}/stage{st.stage}.py", lambda f, code=code: f.write(code)
+        )
         stages.append(
             {
                 "stage": st.stage,
@@ -424,7 +406,8 @@ def _save_rank(
         "chunk_cost": rp.chunk_cost,
         "vocab_size": rp.vocab_size,
     }
-    (folder / "program.json").write_text(json.dumps(doc, indent=1))
+    text = json.dumps(doc, indent=1).encode()
+    files[f"{d}/program.json"] = folder.write(f"{d}/program.json", lambda f: f.write(text))
     real = {f: t for f, t in params.items() if t.device.type != "meta" and f in rp.shards}
     if real:
         local = {f: rp.shards[f].local(t.detach()).contiguous().clone() for f, t in real.items()}
@@ -432,52 +415,33 @@ def _save_rank(
         local.update(
             {k: v.detach().clone() for k, v in buffers.items() if k in used and v is not None}
         )
-        torch.save(local, folder / "weights.pt")
+        files[f"{d}/weights.pt"] = folder.write(f"{d}/weights.pt", lambda f: torch.save(local, f))
+    return dict(sorted(files.items()))
 
 
 def load_rank(root: str | Path, rank: int) -> RankProgram:
-    """Read one rank's program (graphs, actions, shards) from a saved folder."""
+    """Read one rank's program (graphs, actions, shards) from a saved folder. Every file is
+    checked before it is used (module doc); any failure is an ``AutopartError`` naming it."""
     # a stage graph need not use every symbol of the model (labels' dims): not worth a warning
     logging.getLogger("torch._export.serde.serialize").setLevel(logging.ERROR)
-    folder = Path(root) / f"rank{rank:05d}"
-    if not (folder / "program.json").exists():
-        raise AutopartError(
-            f"{folder} is missing: the saved program has no rank {rank}",
-            hint="launch as many ranks as plan.json's world_size",
-        )
-    head = read_head(Path(root))
-    doc = _json(checked(root, f"rank{rank:05d}/program.json", head), _RANK_SCHEMA)
-    stages = []
-    for st in doc["stages"]:
-        pt2 = checked(root, f"rank{rank:05d}/{st['file']}", head)
-        check_pt2(pt2)  # nothing torch would unpickle or call beyond known ops
-        try:
-            graph = torch.export.load(pt2).graph_module
-        except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
+    with ProgramFolder(root) as folder:
+        head, plan = _head(folder)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.mesh.size:
             raise AutopartError(
-                f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
-                hint="re-save the program with this autopart and torch version",
-            ) from exc
-        check_targets(graph, pt2)
-        graph.meta[META_PASSES] = st["passes"]
-        graph.meta[META_KV_SHAPES] = st.get("kv_shapes", [])
-        inputs = [InputRef(k, n) for k, n in st["inputs"]]
-        for n in graph.graph.nodes:
-            custom = n.meta.get("custom") or {}
-            n.meta[META_MODULE], n.meta[META_LAYER] = (
-                custom.get(META_MODULE, ""),
-                custom.get(META_LAYER),
+                f"{folder.root}: the saved program has no rank {rank!r} (its world_size is "
+                f"{head['world_size']})",
+                hint="launch as many ranks as plan.json's world_size",
             )
-            if custom.get(META_RECOMPUTE) is not None:
-                n.meta[META_RECOMPUTE] = int(custom[META_RECOMPUTE])
-        for n, ref in zip(
-            (n for n in graph.graph.nodes if n.op == "placeholder"), inputs, strict=True
-        ):
-            n.meta[META_INPUT] = ref
-            if ref.kind == "param":
-                n.meta[META_MODULE] = ref.name.rpartition(".")[0]
-                n.meta[META_LAYER] = layer_of(ref.name)
-        stages.append(StageProgram(st["stage"], graph, inputs))
+        rel = f"{rank_dir(rank)}/program.json"
+        doc = _parse(_checked(folder, head, rel, MAX_JSON), folder.root / rel)
+        try:
+            check_rank(doc, head, plan, rank)
+        except Invalid as exc:
+            raise _layout(folder.root / rel, exc) from None
+        stages = [
+            _load_stage(folder, head, rank, st, f"stages[{i}]")
+            for i, st in enumerate(doc["stages"])
+        ]
     return RankProgram(
         rank=doc["rank"],
         coords=doc["coords"],
@@ -486,17 +450,171 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         actions=[Action.from_json(a) for a in doc["actions"]],
         shards={f: Shard(**{**s, "shape": tuple(s["shape"])}) for f, s in doc["shards"].items()},
         buckets=doc["buckets"],
-        ties=doc.get("ties", {}),
-        n_stages=doc.get("n_stages", 1),
+        ties=doc["ties"],
+        n_stages=doc["n_stages"],
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
-        vocab_size=doc.get("vocab_size") if isinstance(doc.get("vocab_size"), int) else None,
+        vocab_size=doc.get("vocab_size"),
     )
 
 
-def load_weights(root: str | Path, rank: int) -> dict[str, torch.Tensor]:
-    """This rank's saved parameter shards and buffers (empty if the model was on meta)."""
-    rel = f"rank{rank:05d}/weights.pt"
-    head = read_head(Path(root))
-    if rel not in head["files"]:
-        return {}
-    return torch.load(checked(root, rel, head), weights_only=True)
+def _load_stage(
+    folder: ProgramFolder, head: dict[str, Any], rank: int, st: dict[str, Any], where: str
+) -> StageProgram:
+    """One stage graph: its archive checked (``archive.check_pt2``) on the bytes torch then
+    reads, its call targets checked again, its inputs and K/V shapes matched to the graph."""
+    rel = f"{rank_dir(rank)}/{st['file']}"
+    pt2 = folder.root / rel
+    data = _checked(folder, head, rel, MAX_PT2)
+    check_pt2(data, pt2)  # nothing torch would unpickle, evaluate or call beyond known ops
+    try:
+        ep = torch.export.load(io.BytesIO(data))
+        graph = ep.graph_module
+    except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
+        raise AutopartError(
+            f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
+            hint="re-save the program with this autopart and torch version",
+        ) from exc
+    check_targets(graph, pt2)
+    program_json = folder.root / rank_dir(rank) / "program.json"
+    inputs = [InputRef(k, n) for k, n in st["inputs"]]
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise _layout(
+            program_json,
+            Invalid(
+                f"{where}.inputs",
+                f"lists {len(inputs)} inputs for {len(placeholders)} placeholders of {st['file']}",
+            ),
+        )
+    kv = [n for n, ref in zip(placeholders, inputs, strict=True) if ref.kind == "kv"]
+    for j, (node, shape) in enumerate(zip(kv, st["kv_shapes"], strict=True)):
+        if not _kv_matches(node, shape):
+            raise _layout(
+                program_json,
+                Invalid(
+                    f"{where}.kv_shapes[{j}]",
+                    f"= {shape} is not the shape of {node.name} in {st['file']}",
+                ),
+            )
+    graph.meta[META_PASSES] = st["passes"]
+    graph.meta[META_KV_SHAPES] = st["kv_shapes"]
+    graph.meta[META_RANGES] = dict(ep.range_constraints)  # so that a loaded program saves again
+    for n in graph.graph.nodes:
+        custom = n.meta.get("custom") or {}
+        n.meta[META_MODULE], n.meta[META_LAYER] = (
+            custom.get(META_MODULE, ""),
+            custom.get(META_LAYER),
+        )
+        if custom.get(META_RECOMPUTE) is not None:
+            n.meta[META_RECOMPUTE] = int(custom[META_RECOMPUTE])
+    for n, ref in zip(placeholders, inputs, strict=True):
+        n.meta[META_INPUT] = ref
+        if ref.kind == "param":
+            n.meta[META_MODULE] = ref.name.rpartition(".")[0]
+            n.meta[META_LAYER] = layer_of(ref.name)
+    return StageProgram(st["stage"], graph, inputs)
+
+
+def _kv_matches(node: fx.Node, shape: list[int | str]) -> bool:
+    """A K/V prefix placeholder's shape is the declared one: symbolic where it says "b" (the
+    batch) or 0 (the prefix length), those numbers elsewhere."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != len(shape):
+        return False
+    for want, got in zip(shape, val.shape, strict=True):
+        symbolic = isinstance(got, torch.SymInt)
+        if (want in ("b", 0)) != symbolic or (not symbolic and got != want):
+            return False
+    return True
+
+
+def _expected_weights(
+    program: RankProgram, head: dict[str, Any], path: Path
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor this rank's ``weights.pt`` may hold: its parameter shards (shape from the
+    ``Shard``, dtype from plan.json) and the buffers its stages read (shape and dtype of their
+    placeholders)."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for fqn, shard in program.shards.items():
+        meta = head["params"].get(fqn)
+        if meta is None:
+            raise AutopartError(f"{path}: {fqn} is not a parameter of plan.json", hint=_RESAVE)
+        try:
+            local = shard.local(torch.empty(shard.shape, device="meta"))
+        except (IndexError, RuntimeError, ValueError) as exc:
+            raise AutopartError(
+                f"{path}: the shard of {fqn} does not cut its shape {list(shard.shape)} "
+                f"({type(exc).__name__})",
+                hint=_RESAVE,
+            ) from None
+        out[fqn] = (tuple(local.shape), _DTYPES[meta["dtype"]])
+    for st in program.stages:
+        nodes = [n for n in st.graph.graph.nodes if n.op == "placeholder"]
+        for node, ref in zip(nodes, st.inputs, strict=True):
+            if ref.kind not in ("buffer", "constant"):
+                continue
+            val = node.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+            if shape is None or not all(type(d) is int for d in shape):
+                raise AutopartError(
+                    f"{path}: the buffer {ref.name} has no fixed shape in stage {st.stage}",
+                    hint=_RESAVE,
+                )
+            if out.setdefault(ref.name, (shape, val.dtype)) != (shape, val.dtype):
+                raise AutopartError(
+                    f"{path}: the stages disagree on the shape of buffer {ref.name}", hint=_RESAVE
+                )
+    return out
+
+
+def load_weights(
+    root: str | Path, rank: int, program: RankProgram | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's saved parameter shards and buffers (empty if the model was on meta).
+
+    ``program`` is the rank's ``load_rank`` result (read again when not given): the file may
+    hold only its parameter shards and buffers, of their shapes and dtypes, so its size is
+    bounded before it is read and its contents after (``archive.check_weights``)."""
+    with ProgramFolder(root) as folder:
+        head, _ = _head(folder)
+        rel = f"{rank_dir(rank)}/weights.pt"
+        if rel not in head["files"]:
+            return {}
+        path = folder.root / rel
+        if program is None:
+            program = load_rank(root, rank)
+        if program.rank != rank:
+            raise AutopartError(
+                f"load_weights: the program given is rank {program.rank}, not {rank}"
+            )
+        expected = _expected_weights(program, head, path)
+        nbytes = sum(
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for shape, dtype in expected.values()
+        )
+        data = _checked(folder, head, rel, nbytes + (1 << 20) + 2048 * len(expected))
+    check_weights(data, path, nbytes, len(expected))
+    try:
+        weights = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - whatever torch says, name the file
+        raise AutopartError(
+            f"{path} is not a loadable weights file: {type(exc).__name__}", hint=_RESAVE
+        ) from exc
+    del data
+    if not isinstance(weights, dict):
+        raise AutopartError(f"{path} holds a {type(weights).__name__}, not a dict", hint=_RESAVE)
+    for name, t in weights.items():
+        want = expected.get(name) if isinstance(name, str) else None
+        if want is None:
+            raise AutopartError(
+                f"{path} holds {str(name)[:80]!r}, which is no parameter shard or buffer of "
+                f"rank {rank}",
+                hint=_RESAVE,
+            )
+        if not isinstance(t, torch.Tensor) or (tuple(t.shape), t.dtype) != want:
+            got = (list(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise AutopartError(
+                f"{path}: {name} is {got}, but the program needs {list(want[0])} {want[1]}",
+                hint=_RESAVE,
+            )
+    return weights

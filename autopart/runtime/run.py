@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner(
             program,
             plan,
-            load_weights(args.dir, rank),
+            load_weights(args.dir, rank, program),
             make_groups(plan, rank, program.ties),
             timeout_s=args.timeout,
             seed=args.seed,

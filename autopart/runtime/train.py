@@ -144,7 +144,7 @@ def train(manifest: Path) -> int:
     runner = Runner(
         program,
         plan,
-        load_weights(folder, rank),
+        load_weights(folder, rank, program),
         make_groups(plan, rank, program.ties),
         timeout_s=cfg.train_timeout,
         seed=cfg.train_seed,

@@ -1,0 +1,475 @@
+"""Program folders are hostile (issue 34): each break an adversarial review found, as a crafted
+folder whose plan.json checksums were updated to match (as an attacker would). Each test fails
+on the loader before this round and passes now: the folder is refused with an ``AutopartError``
+naming the file and the field, a payload's marker file never appears, files outside the folder
+are never read, changed or removed."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+from autopart import AutopartError, Mesh, parallelize
+from autopart.models import nanogpt
+from autopart.program.format import Program, load_rank, load_weights, read_head
+
+
+class _Payload:
+    """Unpickling this creates ``path``: what a malicious pickle would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def small_program() -> Program:
+    """A 2-block GPT of width 8 on pp=2 with Seq1F1B (2 chunks): two ranks, K/V prefix inputs,
+    weights, symbolic sizes, in a few seconds."""
+    model, (ids, labels) = nanogpt.make(n_layer=2, n_embd=8, n_head=2, block_size=16)
+    return parallelize(
+        model,
+        Mesh(pp=2),
+        example_inputs=(ids[:2, :16], labels[:2, :16]),
+        schedule="seq1f1b",
+        seq_chunks=2,
+        microbatches=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_program().save(tmp_path_factory.mktemp("prog") / "p")
+
+
+# ---- crafting, as an attacker who can write the folder ---------------------------------------
+
+
+def copy_program(src: Path, tmp: Path, name: str = "crafted") -> Path:
+    out = tmp / name
+    shutil.copytree(src, out, symlinks=True)
+    return out
+
+
+def rehash(root: Path) -> None:
+    """Update every checksum in plan.json to the files as they are now."""
+    head = json.loads((root / "plan.json").read_text())
+    for rel in head["files"]:
+        f = root / rel
+        if f.is_file():
+            head["files"][rel] = hashlib.sha256(f.read_bytes()).hexdigest()
+    (root / "plan.json").write_text(json.dumps(head))
+
+
+def edit_json(root: Path, rel: str, edit: Callable[[dict], object]) -> None:
+    f = root / rel
+    doc = json.loads(f.read_text())
+    edit(doc)
+    f.write_text(json.dumps(doc))
+    rehash(root)
+
+
+def read_members(pt2: Path) -> list[tuple[str, bytes]]:
+    with zipfile.ZipFile(pt2) as z:
+        return [(i.filename, z.read(i)) for i in z.infolist()]
+
+
+def write_members(pt2: Path, members: list[tuple[str, bytes]], compress: int = 0) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of a duplicate name: that is the point
+        with zipfile.ZipFile(pt2, "w", compression=compress) as z:
+            for name, data in members:
+                z.writestr(name, data)
+
+
+def edit_model(root: Path, edit: Callable[[dict], object], rel="rank00000/stage0.pt2") -> None:
+    """Change rank 0's stage graph JSON (``models/model.json``) and fix the checksums."""
+    pt2 = root / rel
+    members = read_members(pt2)
+    i = next(i for i, (n, _) in enumerate(members) if n.endswith("/models/model.json"))
+    model = json.loads(members[i][1])
+    edit(model)
+    members[i] = (members[i][0], json.dumps(model).encode())
+    write_members(pt2, members)
+    rehash(root)
+
+
+def load_all(root: Path) -> Program:
+    return Program.load(root)
+
+
+# ---- 1. code runs on load --------------------------------------------------------------------
+
+
+def _code(marker: Path) -> str:
+    return f"__import__('pathlib').Path({str(marker)!r}).touch() or Symbol('s1', integer=True)"
+
+
+@pytest.mark.parametrize("where", ["sym_int_values", "tensor_values"])
+def test_python_in_a_symbolic_size_never_runs(saved: Path, tmp_path: Path, where: str) -> None:
+    """Break 1a: torch hands ``expr_str`` to sympy.sympify, which evaluates it as Python."""
+    marker = tmp_path / "pwned"
+    payload = _code(marker)
+
+    def plant(model: dict) -> None:
+        graph = model["graph_module"]["graph"]
+        if where == "sym_int_values":
+            entry = next(iter(graph["sym_int_values"].values()))
+            entry["as_expr"]["expr_str"] = payload
+        else:
+            sizes = next(
+                t["sizes"]
+                for t in graph["tensor_values"].values()
+                if any("as_expr" in s for s in t["sizes"])
+            )
+            next(s for s in sizes if "as_expr" in s)["as_expr"]["expr_str"] = payload
+
+    crafted = copy_program(saved, tmp_path)
+    edit_model(crafted, plant)
+    try:
+        with pytest.raises(AutopartError) as err:
+            load_all(crafted)
+    finally:
+        assert not marker.exists(), "the payload ran"
+    assert "symbolic size" in err.value.message and "stage0.pt2" in err.value.message
+    assert "expr_str" in err.value.message and "could run code" in err.value.hint
+    assert not marker.exists()
+    sympy.sympify(payload)  # the payload is real: evaluated, it does create the marker
+    assert marker.exists()
+
+
+def test_a_duplicate_zip_member_is_refused_unread(saved: Path, tmp_path: Path) -> None:
+    """Break 1b: a pickle first, the original (empty) example inputs last. Python's zipfile
+    reads the last copy, torch's reader the first, which its safe loader refuses and its
+    fallback unpickles."""
+    marker = tmp_path / "pwned"
+    crafted = copy_program(saved, tmp_path)
+    pt2 = crafted / "rank00000" / "stage0.pt2"
+    members = read_members(pt2)
+    i = next(i for i, (n, _) in enumerate(members) if n.endswith("sample_inputs/model.pt"))
+    members.insert(i, (members[i][0], pickle.dumps(_Payload(marker))))
+    write_members(pt2, members)
+    rehash(crafted)
+    try:
+        with pytest.raises(AutopartError) as err:
+            load_all(crafted)
+    finally:
+        assert not marker.exists(), "the payload ran"
+    assert "/data/sample_inputs/model.pt' twice" in err.value.message
+
+
+def test_case_colliding_zip_members_are_refused(saved: Path, tmp_path: Path) -> None:
+    crafted = copy_program(saved, tmp_path)
+    pt2 = crafted / "rank00000" / "stage0.pt2"
+    members = read_members(pt2)
+    top = members[0][0].split("/")[0]
+    members.append((f"{top}/MODELS/model.json", b"{}"))
+    write_members(pt2, members)
+    rehash(crafted)
+    with pytest.raises(AutopartError, match="differ only in case"):
+        load_rank(crafted, 0)
+
+
+def test_a_pytree_context_never_imports_a_module(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found on the way: torch parses a call signature's pytree contexts with a JSON hook that
+    imports any module an ``"__enum__"`` object names; the old check read only the types."""
+    marker = tmp_path / "pwned"
+    (tmp_path / "autopart_evil_mod.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def plant(model: dict) -> None:
+        sig = model["graph_module"]["module_call_graph"][0]["signature"]
+        proto, spec = json.loads(sig["in_spec"])
+        spec["context"] = json.dumps({"__enum__": 1, "fqn": "autopart_evil_mod:E", "name": "A"})
+        sig["in_spec"] = json.dumps([proto, spec])
+
+    crafted = copy_program(saved, tmp_path)
+    edit_model(crafted, plant)
+    try:
+        with pytest.raises(AutopartError) as err:
+            load_all(crafted)
+    finally:
+        assert not marker.exists() and "autopart_evil_mod" not in sys.modules, "it was imported"
+    assert "in_spec" in err.value.message and "must be 'null'" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "Symbol('s1', integer=True).__class__",
+        "Symbol('s1')[0]",
+        "(lambda: 1)()",
+        "[Integer(i) for i in range(3)]",
+        "eval('1')",
+        "Add(Symbol('s1'), 1 + 1)",
+        "Symbol('__import__')",
+        "Symbol('s1', **{'integer': True})",
+        "Integer('1')",
+        "Symbol('s1', evaluate=True)",
+    ],
+)
+def test_the_symbolic_size_grammar_refuses_anything_but_constructors(expr: str) -> None:
+    from autopart.program.symexpr import BadExpression, check_expression
+
+    with pytest.raises(BadExpression):
+        check_expression(expr)
+
+
+def test_the_symbolic_size_grammar_accepts_what_torch_writes() -> None:
+    from autopart.program.symexpr import check_expression
+
+    s = "Symbol('s70', positive=True, integer=True)"
+    for expr in (
+        s,
+        f"Add({s}, Integer(-1))",
+        f"FloorDiv(Mul(Integer(3), {s}), Integer(2))",
+        f"Max(Integer(1), Pow({s}, Integer(2)), Min({s}, Integer(4)))",
+        f"Eq(Mod({s}, Integer(8)), Integer(0))",
+    ):
+        check_expression(expr)
+        assert sympy.srepr(sympy.sympify(expr, locals=_torch_functions())) is not None
+
+
+def _torch_functions() -> dict:
+    from torch.utils._sympy.functions import FloorDiv, Mod
+
+    return {"FloorDiv": FloorDiv, "Mod": Mod}
+
+
+# ---- 2. files outside the folder -------------------------------------------------------------
+
+
+def test_a_stage_file_outside_the_folder_is_never_read(saved: Path, tmp_path: Path) -> None:
+    """Break 2a: ``stages[0].file = "../../x.pt2"`` in program.json, listed in plan.json."""
+    crafted = copy_program(saved, tmp_path / "deep")
+    outside = crafted.parent / "x.pt2"  # rank00000/../../x.pt2
+    shutil.copy(crafted / "rank00000" / "stage0.pt2", outside)
+    edit_json(
+        crafted, "rank00000/program.json", lambda d: d["stages"][0].update(file="../../x.pt2")
+    )
+    head = json.loads((crafted / "plan.json").read_text())
+    head["files"]["rank00000/../../x.pt2"] = hashlib.sha256(outside.read_bytes()).hexdigest()
+    (crafted / "plan.json").write_text(json.dumps(head))
+    with pytest.raises(AutopartError) as err:
+        load_rank(crafted, 0)
+    assert "plan.json" in err.value.message and "../../x.pt2" in err.value.message
+    # with plan.json left alone, program.json's own field is refused
+    head["files"].pop("rank00000/../../x.pt2")
+    (crafted / "plan.json").write_text(json.dumps(head))
+    with pytest.raises(AutopartError) as err:
+        load_rank(crafted, 0)
+    assert "program.json" in err.value.message and "stages[0].file" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "link", ["rank00000/weights.pt", "rank00000/stage0.pt2", "plan.json", "rank00000"]
+)
+def test_a_symlink_in_the_folder_is_never_followed(saved: Path, tmp_path: Path, link: str) -> None:
+    """Break 2b: a symlinked ``weights.pt`` (or graph, plan, rank folder) pointing at a copy of
+    the real file outside the folder, so that even its checksum matches."""
+    crafted = copy_program(saved, tmp_path)
+    target = tmp_path / "elsewhere"
+    shutil.move(crafted / link, target)
+    (crafted / link).symlink_to(target, target_is_directory=target.is_dir())
+    with pytest.raises(AutopartError) as err:
+        load_all(crafted)
+        load_weights(crafted, 0)
+    assert "is a symbolic link" in err.value.message and link in err.value.message
+
+
+def test_a_fifo_in_the_folder_is_refused_without_blocking(saved: Path, tmp_path: Path) -> None:
+    crafted = copy_program(saved, tmp_path)
+    (crafted / "rank00000" / "weights.pt").unlink()
+    os.mkfifo(crafted / "rank00000" / "weights.pt")
+    with pytest.raises(AutopartError, match="is not a regular file"):
+        load_weights(crafted, 0)
+
+
+def test_save_never_follows_a_symlinked_rank_folder(saved: Path, tmp_path: Path) -> None:
+    """Break 2c: saving into a folder whose ``rank00003`` is a symlink deleted the files of
+    the folder it points to (they have autopart's names)."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("program.json", "weights.pt", "stage0.pt2", "stage0.py"):
+        (victim / name).write_text(f"precious {name}")
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "rank00003").symlink_to(victim, target_is_directory=True)
+    program = Program.load(saved)
+    try:
+        with pytest.raises(AutopartError) as err:
+            program.save(root)
+    finally:
+        kept = sorted(p.name for p in victim.iterdir())
+        assert kept == ["program.json", "stage0.pt2", "stage0.py", "weights.pt"], kept
+        assert all(p.read_text() == f"precious {p.name}" for p in victim.iterdir())
+    assert "rank00003 is a symbolic link" in err.value.message
+
+
+def test_save_replaces_a_symlinked_file_without_writing_through_it(
+    saved: Path, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim.pt"
+    victim.write_text("precious")
+    root = copy_program(saved, tmp_path, "out")
+    (root / "rank00000" / "weights.pt").unlink()
+    (root / "rank00000" / "weights.pt").symlink_to(victim)
+    (root / "plan.json").unlink()
+    (root / "plan.json").symlink_to(victim)
+    Program.load(saved).save(root)
+    assert victim.read_text() == "precious"
+    assert not (root / "rank00000" / "weights.pt").is_symlink()
+    assert not (root / "plan.json").is_symlink()
+    assert load_weights(root, 0).keys() == load_weights(saved, 0).keys()
+
+
+def test_a_folder_reached_through_a_link_still_loads(saved: Path, tmp_path: Path) -> None:
+    """The folder you name may be a link (you chose it); only what is inside is never
+    followed."""
+    (tmp_path / "via").symlink_to(saved, target_is_directory=True)
+    assert load_rank(tmp_path / "via", 1).actions == load_rank(saved, 1).actions
+
+
+# ---- 3. malformed JSON, sizes ----------------------------------------------------------------
+
+_WRONG_TYPES = {
+    "stages-of-ints": ("rank00000/program.json", lambda d: d.update(stages=[1]), "stages[0]"),
+    "shard-int": (
+        "rank00000/program.json",
+        lambda d: d["shards"].update({next(iter(d["shards"])): 5}),
+        "shards.",
+    ),
+    "action-int": ("rank00000/program.json", lambda d: d.update(actions=[5]), "actions[0]"),
+    "inputs-string": (
+        "rank00000/program.json",
+        lambda d: d["stages"][0].update(inputs="xy"),
+        "stages[0].inputs",
+    ),
+    "input-pair-ints": (
+        "rank00000/program.json",
+        lambda d: d["stages"][0]["inputs"].__setitem__(0, [1, 2]),
+        "stages[0].inputs[0]",
+    ),
+    "coords-list": ("rank00000/program.json", lambda d: d.update(coords=[]), "coords"),
+    "chunk-cost-strings": (
+        "rank00000/program.json",
+        lambda d: d.update(chunk_cost=["a", "b"]),
+        "chunk_cost[0]",
+    ),
+    "kv-shape-float": (
+        "rank00000/program.json",
+        lambda d: d["stages"][0]["kv_shapes"].__setitem__(0, ["b", 2.5, 0, 4]),
+        "stages[0].kv_shapes[0][1]",
+    ),
+    "params-int": ("plan.json", lambda d: d.update(params={"x": 1}), "params.x"),
+    "plan-mesh-int": ("plan.json", lambda d: d["plan"].update(mesh=1), "plan.mesh"),
+    "tied-list": ("plan.json", lambda d: d.update(tied=[]), "tied"),
+    "param-shape-strings": (
+        "plan.json",
+        lambda d: d["params"][next(iter(d["params"]))].update(shape=["a"]),
+        ".shape[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_WRONG_TYPES))
+def test_json_of_the_wrong_types_is_refused_by_field(saved: Path, tmp_path: Path, case) -> None:
+    """Break 3: program JSON of the wrong types raised a raw TypeError / AttributeError."""
+    rel, edit, field = _WRONG_TYPES[case]
+    crafted = copy_program(saved, tmp_path)
+    edit_json(crafted, rel, edit)
+    if rel == "plan.json":  # edit_json re-hashed the others; plan.json holds no own checksum
+        pass
+    with pytest.raises(AutopartError) as err:
+        load_all(crafted)
+    assert rel in err.value.message and field in err.value.message, err.value.message
+    assert err.value.hint
+
+
+def test_a_huge_kv_shape_is_refused(saved: Path, tmp_path: Path) -> None:
+    """Break 3: a declared K/V prefix of 1e13 elements was accepted (the runtime would then
+    allocate it as zeros for the first chunk)."""
+    crafted = copy_program(saved, tmp_path)
+    edit_json(
+        crafted,
+        "rank00000/program.json",
+        lambda d: d["stages"][0]["kv_shapes"].__setitem__(0, ["b", 100000, 100000, 1000]),
+    )
+    with pytest.raises(AutopartError) as err:
+        load_rank(crafted, 0)
+    assert "kv_shapes[0]" in err.value.message and "not an empty prefix" in err.value.message
+
+
+def test_a_kv_shape_must_match_its_placeholder(saved: Path, tmp_path: Path) -> None:
+    crafted = copy_program(saved, tmp_path)
+    edit_json(
+        crafted,
+        "rank00000/program.json",
+        lambda d: d["stages"][0]["kv_shapes"][0].__setitem__(1, 7),
+    )
+    with pytest.raises(AutopartError, match=r"kv_shapes\[0\] = \['b', 7, 0, 4\] is not the shape"):
+        load_rank(crafted, 0)
+
+
+def test_a_weights_bomb_is_refused_before_it_inflates(saved: Path, tmp_path: Path) -> None:
+    """Break 3: a 262 KB weights.pt that inflates to 256 MiB was accepted. Now its deflated
+    member is refused from the zip directory alone (torch.save stores members), and so is a
+    stored one out of proportion to the parameter shapes."""
+    crafted = copy_program(saved, tmp_path)
+    name = "transformer.wte.weight"
+    buf = io.BytesIO()
+    torch.save({name: torch.zeros(1 << 26)}, buf)  # 256 MiB of float32 zeros
+    bomb = crafted / "rank00000" / "weights.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        write_members(bomb, [(i.filename, z.read(i)) for i in z.infolist()], zipfile.ZIP_DEFLATED)
+    assert bomb.stat().st_size < 300_000
+    rehash(crafted)
+    with pytest.raises(AutopartError) as err:
+        load_weights(crafted, 0)
+    assert "is compressed" in err.value.message and "weights.pt" in err.value.message
+    bomb.write_bytes(buf.getvalue())  # the same, stored: 256 MiB for a 2 KB rank
+    rehash(crafted)
+    with pytest.raises(AutopartError, match="more than the .* this program can need"):
+        load_weights(crafted, 0)
+
+
+def test_weights_must_be_the_ranks_own_tensors(saved: Path, tmp_path: Path) -> None:
+    crafted = copy_program(saved, tmp_path)
+    weights = load_weights(saved, 0)
+    name = next(iter(weights))
+    wrong = weights[name].view(torch.int32)  # same bytes, another dtype
+    torch.save({**weights, name: wrong}, crafted / "rank00000" / "weights.pt")
+    rehash(crafted)
+    with pytest.raises(AutopartError, match=f"{name} is .* but the program needs"):
+        load_weights(crafted, 0)
+
+
+def test_the_saved_program_still_loads_and_round_trips(saved: Path, tmp_path: Path) -> None:
+    program = Program.load(saved)
+    again = Program.load(program.save(tmp_path / "again"))
+    assert [rp.actions for rp in again.ranks] == [rp.actions for rp in program.ranks]
+    assert [[s.graph.code for s in rp.stages] for rp in again.ranks] == [
+        [s.graph.code for s in rp.stages] for rp in program.ranks
+    ]
+    assert read_head(saved)["files"].keys() == read_head(tmp_path / "again")["files"].keys()
+    for name, t in program.params.items():
+        assert torch.equal(again.params[name], t), name
