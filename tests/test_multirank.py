@@ -314,3 +314,32 @@ def test_a_failing_forked_rank_stops_the_others_and_says_why(tmp_path: Path) -> 
         launch_forked(2, [str(script)], timeout_s=100)
     assert "2 forked ranks failed (exit " in err.value.message, err.value.message
     assert "rank 1 gave up" in err.value.message
+
+
+@pytest.mark.multirank
+def test_a_pp4_tie_creates_the_same_groups_on_every_path(tmp_path) -> None:
+    """The deep nanoGPT on pp=4 ties its embedding across stages 0 and 3: the middle ranks
+    hold no tied parameter, yet must create the tie groups too. The saved path (two checks in
+    one torchrun launch: the second check's groups pair up only if the first's did; the ranks
+    used to pass only their own ties) and the forked verifier now take the whole pipeline's
+    ties (``Program.pipeline_ties``, saved in plan.json); the live path is the test above."""
+    from parity_cases import NANO_DEEP
+
+    from autopart import Mesh, parallelize
+    from autopart.frontend.spec import build
+    from autopart.parity.verify import Check, verify_many
+
+    model, batch = build(NANO_DEEP)
+    program = parallelize(model, Mesh(pp=4), batch, microbatches=4)
+    assert program.pipeline_ties and all(v == [0, 3] for v in program.pipeline_ties.values())
+    assert not program.rank(1).ties  # a middle stage holds none of them
+    program.save(tmp_path / "p")
+    head = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert head["ties"] == program.pipeline_ties
+    checks = {
+        "1f1b": Check(NANO_DEEP, pp=4, microbatches=4),
+        "gpipe": Check(NANO_DEEP, pp=4, microbatches=4, schedule="gpipe"),
+    }
+    for via in ("torchrun", "fork"):
+        for name, report in verify_many(checks, timeout_s=120, via=via).items():
+            assert not isinstance(report, Exception) and report.ok, (via, name, str(report))

@@ -73,13 +73,15 @@ def run_check(
     seed: int = 0,
     compile: bool = False,
     device: str = "cpu",
+    ties: dict[str, list[int]] | None = None,
 ) -> None:
     """One step of this rank's program on ``batch``, dumped to ``folder``; the check's process
     groups are destroyed afterwards, so that the next check starts from a bare world.
+    ``ties``: the whole pipeline's (``Program.pipeline_ties``; default this rank's).
     ``device="meta"`` is the dry run (``autopart/runtime/placement.py``)."""
     # the seed autopart run uses (attention dropout inside SDPA draws from torch's generator)
     torch.manual_seed((seed * 1_000_003 + rp.rank) % 2**63)
-    groups = make_groups(plan, rp.rank, rp.ties)
+    groups = make_groups(plan, rp.rank, rp.ties if ties is None else ties)
     runner = Runner(
         rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile, device=device
     )
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         for check in manifest["checks"]:
             current = check["name"]
             root = Path(check["program"])
-            plan = Plan.from_json(read_head(root)["plan"])
+            head = read_head(root)
+            plan = Plan.from_json(head["plan"])
             plan.mesh.check_world(world)
             batch = torch.load(check["batch"], weights_only=True)
             program = load_rank(root, rank)
@@ -126,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=timeout_s,
                 compile=manifest["compile"],
                 device=device,
+                ties=head.get("ties", program.ties),
             )
     except AutopartError as exc:
         print(f"autopart run: error: check {current}: {exc}", file=sys.stderr, flush=True)
@@ -204,7 +208,16 @@ def _forked_rank(
         )
         rp = program.rank(rank)
         weights = local_weights(program, rp)
-        run_check(rp, program.plan, weights, batch, folder, timeout_s=timeout_s, device=device)
+        run_check(
+            rp,
+            program.plan,
+            weights,
+            batch,
+            folder,
+            timeout_s=timeout_s,
+            device=device,
+            ties=program.pipeline_ties,
+        )
         dist.destroy_process_group()
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises

@@ -162,6 +162,17 @@ class Program:
     def mesh(self) -> Mesh:
         return self.plan.mesh
 
+    @property
+    def pipeline_ties(self) -> dict[str, list[int]]:
+        """Every parameter held by several pipeline ranks → those ranks, over the whole
+        pipeline: what every rank needs to create the same tie groups (``make_groups``), also
+        a middle stage that holds none of them. Saved as ``plan.json``'s ``ties``."""
+        ties: dict[str, set[int]] = {}
+        for rp in self.ranks:
+            for fqn, pps in rp.ties.items():
+                ties.setdefault(fqn, set()).update(pps)
+        return {f: sorted(pps) for f, pps in sorted(ties.items())}
+
     def rank(self, r: int) -> RankProgram:
         if not 0 <= r < len(self.ranks):
             raise AutopartError(
@@ -205,6 +216,7 @@ class Program:
             "example_shape": list(self.example_shape),
             "vocab_size": self.vocab_size,
             "tied": self.tied,
+            "ties": self.pipeline_ties,
             "params": {
                 f: {"shape": list(t.shape), "dtype": str(t.dtype)} for f, t in self.params.items()
             },

@@ -83,7 +83,7 @@ HEAD = obj(
         "buffers": list_of(_FQN),
         "files": dict_of(_SHA256, key=string(NAMES)),
     },
-    {"passes": list_of(_TEXT, 1024)},
+    {"passes": list_of(_TEXT, 1024), "ties": dict_of(list_of(integer(0, MAX_STAGES)), key=_FQN)},
 )
 
 
@@ -102,6 +102,11 @@ def check_head(doc: Any) -> Plan:
     for alias, canonical in doc["tied"].items():
         if canonical not in doc["params"]:
             raise Invalid(f"tied.{alias}", f"= {canonical!r} is not a parameter of params")
+    for fqn, pps in doc.get("ties", {}).items():
+        if fqn not in doc["params"]:
+            raise Invalid(f"ties.{fqn}", "names no parameter of params")
+        if pps != sorted(set(pps)) or len(pps) < 2 or pps[-1] >= plan.mesh.pp:
+            raise Invalid(f"ties.{fqn}", f"= {pps} is not a set of at least 2 pipeline ranks")
     if len(set(doc["buffers"])) != len(doc["buffers"]):
         raise Invalid("buffers", "repeats a name")
     for rel in doc["files"]:

@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             program,
             plan,
             load_weights(args.dir, rank, program),
-            make_groups(plan, rank, program.ties),
+            make_groups(plan, rank, head.get("ties", program.ties)),
             timeout_s=args.timeout,
             seed=args.seed,
             compile=args.compile,

@@ -109,7 +109,10 @@ def local_weights(program: Program, rp: RankProgram) -> dict[str, torch.Tensor]:
 
 def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Create every process group of the mesh, and one per set of pipeline ranks sharing a tied
-    parameter (all ranks must call this in the same order)."""
+    parameter. Every rank must call it, in the same order, with the ties of the *whole*
+    pipeline (``Program.pipeline_ties``, ``plan.json``'s ``ties``): a middle stage that holds
+    no tied parameter creates the tie groups all the same, or the ranks' group creations stop
+    pairing up and every rank hangs at the next one."""
     mesh = plan.mesh
     mine: dict[str, Any] = {}
     for dim in ("dp", "pp", "tp"):
@@ -294,13 +297,7 @@ class Runner:
         rank, world = init_distributed(timeout_s, backend_for(device))
         program.mesh.check_world(world)
         rp = program.rank(rank)
-        # every rank creates the same groups in the same order, so the tie groups are those of
-        # the whole pipeline, not only this rank's (a middle stage holds no tied parameter)
-        m = program.plan.mesh
-        ties = {
-            f: pps for j in range(m.pp) for f, pps in program.rank(m.rank_of(pp=j)).ties.items()
-        }
-        groups = _groups_of(program.plan, rank, mesh, ties)
+        groups = _groups_of(program.plan, rank, mesh, program.pipeline_ties)
         runner = cls(
             rp,
             program.plan,

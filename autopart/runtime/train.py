@@ -145,7 +145,7 @@ def train(manifest: Path) -> int:
         program,
         plan,
         load_weights(folder, rank, program),
-        make_groups(plan, rank, program.ties),
+        make_groups(plan, rank, head.get("ties", program.ties)),
         timeout_s=cfg.train_timeout,
         seed=cfg.train_seed,
         compile=cfg.parallel_compile,
