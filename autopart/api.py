@@ -55,15 +55,15 @@ def parallelize(
     else:
         offline, live = mesh_from(mesh)
         plan = Plan(
-            offline,
-            schedule,
-            microbatches,
-            virtual_stages,
-            seq_chunks,
-            sequence_parallel,
-            bucket_mb,
-            max_stage_memory_gb,
-            seq_split,
+            mesh=offline,
+            schedule=schedule,
+            microbatches=microbatches,
+            virtual_stages=virtual_stages,
+            seq_chunks=seq_chunks,
+            sequence_parallel=sequence_parallel,
+            bucket_mb=bucket_mb,
+            max_stage_memory_gb=max_stage_memory_gb,
+            seq_split=seq_split,
             recompute=recompute,
             precision=precision,
         )

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autopart.errors import AutopartError
-from autopart.schedule.generators import GENERATORS, check_schedule
+from autopart.schedule.generators import GENERATORS, check_schedule, traits
 
 SCHEDULES = tuple(GENERATORS)
 DIMS = ("dp", "pp", "tp")
@@ -171,6 +171,21 @@ class Plan:
         check_schedule(
             self.schedule, self.mesh.pp, self.microbatches, self.virtual_stages, self.seq_chunks
         )
+
+    @property
+    def interleaved(self) -> bool:
+        """Several virtual stages per pipeline rank (``schedule/generators.TRAITS``)."""
+        return traits(self.schedule).interleaved
+
+    @property
+    def chunked(self) -> bool:
+        """A Seq1F1B schedule: micro-batches cut into sequence chunks."""
+        return traits(self.schedule).chunked
+
+    @property
+    def split_backward(self) -> bool:
+        """A zero-bubble schedule: each backward split into B and W."""
+        return traits(self.schedule).split_backward
 
     @property
     def compute_dtype(self) -> Any:

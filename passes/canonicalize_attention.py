@@ -49,7 +49,7 @@ LONGEST = 8192  # the longest sequence a mask is evaluated at (batch 1 beyond _S
 
 
 def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    every_form = plan.schedule.startswith("seq1f1b")  # else: masked SDPA only (docstring)
+    every_form = plan.chunked  # else: masked SDPA only (docstring)
     changed = False
     proofs: dict = {}  # mask → its proof: the layers of a Hugging Face model share one mask
     for n in list(gm.graph.nodes):

@@ -67,7 +67,7 @@ P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for c
 
 
 def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    if not plan.schedule.startswith("seq1f1b"):
+    if not plan.chunked:
         return gm
     for st in stage_graphs(gm):
         require_causal(st)

@@ -1,6 +1,6 @@
 """weight_grad_split: under a zero-bubble schedule, every parameter GEMM defers its weight gradient.
 
-Invariant: when ``plan.schedule`` splits the backward (``SPLIT_BACKWARD``), no
+Invariant: when ``plan.split_backward`` (a zero-bubble schedule), no
 ``aten.linear``, ``aten.addmm``, ``aten.mm`` or ``aten.matmul`` whose weight (and bias, if any)
 is a parameter placeholder is left: each is ``autopart::weight_gemm(x, w, b, form)``, the same
 forward, whose backward returns the input gradient and leaves the weight and bias gradients to
@@ -19,7 +19,6 @@ from autopart import deferred  # noqa: F401 - registers autopart::weight_gemm
 from autopart.layout import Plan
 from autopart.meta import META_INPUT
 from autopart.passes.pipeline_split import stage_graphs
-from autopart.schedule.generators import SPLIT_BACKWARD
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 
@@ -50,7 +49,7 @@ def _form(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str] | None:
 
 
 def weight_grad_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    if plan.schedule not in SPLIT_BACKWARD:
+    if not plan.split_backward:
         return gm
     for st in stage_graphs(gm):
         for n in list(st.graph.nodes):

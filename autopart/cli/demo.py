@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.panel import Panel
 
 from autopart.errors import AutopartError
+from autopart.schedule.generators import traits
 
 CORPUS = Path(__file__).resolve().parents[1] / "models" / "data" / "corpus.txt"
 SEQ = 64  # tokens (bytes) per sequence
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
         Panel.fit(
             f"autopart demo: nanoGPT-style model → {mesh}{' + sequence parallel' if args.sequence_parallel else ''}"
             f" × {args.microbatches} micro-batches, {args.schedule}"
-            f"{f' with {args.seq_chunks} sequence chunks' if args.schedule.startswith('seq1f1b') else ''}"
+            f"{f' with {args.seq_chunks} sequence chunks' if traits(args.schedule).chunked else ''}"
             f" → {mesh.size} ranks under torchrun (gloo, CPU), trained on {CORPUS.name} as bytes",
             style="bold",
         )
@@ -116,8 +117,8 @@ def main(args: argparse.Namespace) -> int:
             mesh,
             schedule=args.schedule,
             microbatches=args.microbatches,
-            virtual_stages=2 if "interleaved" in args.schedule else 1,
-            seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
+            virtual_stages=2 if traits(args.schedule).interleaved else 1,
+            seq_chunks=args.seq_chunks if traits(args.schedule).chunked else 1,
             seq_split=args.seq_split,
             sequence_parallel=args.sequence_parallel,
             precision=args.precision,
@@ -162,8 +163,8 @@ def main(args: argparse.Namespace) -> int:
         tp=args.tp,
         pp=args.pp,
         schedule=args.schedule,
-        virtual_stages=2 if "interleaved" in args.schedule else 1,
-        seq_chunks=args.seq_chunks if args.schedule.startswith("seq1f1b") else 1,
+        virtual_stages=2 if traits(args.schedule).interleaved else 1,
+        seq_chunks=args.seq_chunks if traits(args.schedule).chunked else 1,
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
         via="fork",  # the program already ran from its files under torchrun above

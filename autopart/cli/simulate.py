@@ -8,6 +8,7 @@ from typing import Any
 
 from autopart.cli.common import MODEL_DEFAULTS, fill_defaults, model_flags, model_shape
 from autopart.errors import AutopartError
+from autopart.schedule.generators import traits
 
 EPILOG = """examples:
   autopart simulate --shape megatron-1t --gpus 3072 --tp 8 --pp 64 --virtual-stages 2 \\
@@ -259,7 +260,7 @@ def measured(a: argparse.Namespace) -> int:
     name = a.schedule or m.schedule
     # predict() does not check the schedule's rules (schedule.check_schedule): say it in
     # --global-batch terms here
-    if "interleaved" in name and m.pp > 1 and (mb or m.microbatches) % m.pp:
+    if traits(name).interleaved and m.pp > 1 and (mb or m.microbatches) % m.pp:
         per_round = m.dp * m.microbatch_size * m.pp
         raise AutopartError(
             f"{name} needs a multiple of pp={m.pp} micro-batches; --global-batch "

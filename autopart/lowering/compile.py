@@ -150,7 +150,7 @@ def tied_across(inputs: list[list[InputRef]], pp: int) -> dict[str, list[int]]:
 def chunk_costs(captured: Captured, plan: Plan) -> tuple[float, float] | None:
     """Seq1F1B's chunk-boundary cost coefficients, refused now if the example sequence cannot
     hold the chunks (not at the first step); ``None`` for other schedules."""
-    if not plan.schedule.startswith("seq1f1b"):
+    if not plan.chunked:
         return None
     cost = cost_coefficients(captured)
     seq = captured.example_shape[1]

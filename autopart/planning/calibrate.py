@@ -40,7 +40,7 @@ from autopart.errors import AutopartError
 from autopart.planning.simulate import Timeline, simulate_actions
 from autopart.runtime.timeline import Block, blocks, read_json
 from autopart.schedule import check_schedule, generate
-from autopart.schedule.generators import SPLIT_BACKWARD
+from autopart.schedule.generators import traits
 from autopart.schedule.ir import Action
 
 HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
@@ -199,11 +199,7 @@ def predict(
     if mb < 1:
         raise AutopartError(f"{mb} micro-batches: need at least 1")
     check_schedule(name, m.pp, mb, v=m.virtual_stages, k=m.seq_chunks)
-    if (
-        name.startswith("seq1f1b") != m.schedule.startswith("seq1f1b")
-        or (("interleaved" in name) != ("interleaved" in m.schedule))
-        or ((name in SPLIT_BACKWARD) != (m.schedule in SPLIT_BACKWARD))
-    ):
+    if traits(name) != traits(m.schedule):  # chunks, virtual stages, a split backward
         raise AutopartError(
             f"the trace measured {m.schedule}; its costs cannot predict {name}",
             hint="sequence chunks, virtual stages and a split backward change every action's cost: "

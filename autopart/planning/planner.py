@@ -48,7 +48,7 @@ from autopart.planning.simulate import (
     simulate_costs,
     stage_params,
 )
-from autopart.schedule.generators import SPLIT_BACKWARD, generate
+from autopart.schedule.generators import generate, traits
 
 MICRO_BATCHES = (1, 2, 4, 8)
 # plans predicted this close (relative to the faster) are a tie: the model cannot order them (its
@@ -137,12 +137,12 @@ def layouts(
                     if pp == 1 and sched != "1f1b":
                         continue  # one stage: every schedule is gradient accumulation
                     vs = [1]
-                    if "interleaved" in sched:
+                    if traits(sched).interleaved:
                         if m % pp:
                             continue
                         vs = [v for v in virtual if v > 1 and shape.layers % (pp * v) == 0]
                     ks = [1]
-                    if sched.startswith("seq1f1b"):
+                    if traits(sched).chunked:
                         ks = [k for k in seq_chunks if k > 1 and 8 * k <= shape.seq]
                     for v in vs:
                         for k in ks:
@@ -186,7 +186,7 @@ def _fb(
     """Rank r's F, B and W units in schedule order (``generate``'s own order): (is a forward,
     stage, chunk, frees the unit's activations)."""
     acts = generate(schedule, r, m, list(range(p)), v=v, k=k)
-    frees = "W" if schedule in SPLIT_BACKWARD else "B"  # where a unit's activations go
+    frees = "W" if traits(schedule).split_backward else "B"  # where a unit's activations go
     return tuple(
         (a.kind == "F", a.stage, a.chunk, a.kind == frees)
         for a in acts

@@ -26,6 +26,7 @@ embedding / LM head) end with ``TIE_REDUCE``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from autopart.errors import AutopartError
 from autopart.schedule.ir import Action
@@ -151,9 +152,37 @@ GENERATORS: dict[str, Callable[[int, int, list[int], int], list[Action]]] = {
     "zb-h1": zb_h1,
     "seq1f1b-zb": seq1f1b_zb,
 }
-# schedules whose backward is split into B and W (passes/weight_grad_split.py defers the weight
-# gradients of the parameter GEMMs to W)
-SPLIT_BACKWARD = ("zb-h1", "seq1f1b-zb")
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a schedule is, as data (read through ``Plan``'s properties, never from its name):
+
+    - ``interleaved``: several virtual stages per pipeline rank;
+    - ``chunked``: micro-batches cut into Seq1F1B sequence chunks (K/V prefixes handed over);
+    - ``split_backward``: the backward split into B and W (``passes/weight_grad_split.py``
+      defers the weight gradients of the parameter GEMMs to W)."""
+
+    interleaved: bool = False
+    chunked: bool = False
+    split_backward: bool = False
+
+
+TRAITS: dict[str, Traits] = {  # a registry built at import: one entry per generator
+    "gpipe": Traits(),
+    "1f1b": Traits(),
+    "interleaved-1f1b": Traits(interleaved=True),
+    "seq1f1b": Traits(chunked=True),
+    "seq1f1b-interleaved": Traits(interleaved=True, chunked=True),
+    "zb-h1": Traits(split_backward=True),
+    "seq1f1b-zb": Traits(chunked=True, split_backward=True),
+}
+SPLIT_BACKWARD = tuple(n for n, t in TRAITS.items() if t.split_backward)
+
+
+def traits(name: str) -> Traits:
+    """The traits of schedule ``name`` (a name without a generator has none)."""
+    return TRAITS.get(name, Traits())
 
 
 def check_schedule(name: str, pp: int, m: int, v: int = 1, k: int = 1) -> None:
@@ -165,17 +194,18 @@ def check_schedule(name: str, pp: int, m: int, v: int = 1, k: int = 1) -> None:
             f"schedule {name!r} has no generator in this version",
             hint=f"available: {', '.join(GENERATORS)}",
         )
-    if k > 1 and not name.startswith("seq1f1b"):
+    t = traits(name)
+    if k > 1 and not t.chunked:
         raise AutopartError(
             f"seq_chunks={k} needs a Seq1F1B schedule, not {name}",
             hint="use schedule='seq1f1b' (or 'seq1f1b-interleaved' with virtual stages)",
         )
-    if (v > 1) != ("interleaved" in name):
+    if (v > 1) != t.interleaved:
         raise AutopartError(
             f"schedule {name} with virtual_stages={v}",
             hint="virtual stages > 1 need an interleaved schedule, and it needs them",
         )
-    if "interleaved" in name and m % pp:
+    if t.interleaved and m % pp:
         raise AutopartError(
             f"{name} needs micro-batches divisible by pp: {m} % {pp} = {m % pp}",
             hint=f"use {m + pp - m % pp} micro-batches, or 1f1b",

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from autopart.layout import Plan
 from autopart.planning.cluster import Cluster
 from autopart.planning.simulate.shape import GPTShape
-from autopart.schedule.generators import SPLIT_BACKWARD
+from autopart.schedule.generators import traits
 from autopart.schedule.ir import Action
 
 VOCAB_MULTIPLE = 128  # Megatron pads the vocabulary to a multiple of 128 · tp
@@ -355,7 +355,7 @@ class CostModel:
         self._stride = st.dp * t  # global rank distance between pipeline neighbours
         self._stage_params, self.params = stage_params(shape, st)
         self.tied_ranks = shape.tied and p > 1
-        self.split_backward = st.schedule in SPLIT_BACKWARD
+        self.split_backward = traits(st.schedule).split_backward
 
     # -- per-action costs (simulate_actions callbacks) ----------------------------------------
 
