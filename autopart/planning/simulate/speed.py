@@ -19,8 +19,10 @@ class SpeedModel(Protocol):
 
     def crowding(self, processes: float) -> float:
         """How many times longer than alone each of ``processes`` processes computing at once
-        on one node takes over its work (at least 1; 1 for one process alone). It may depend on
-        nothing else: the simulator calls it once per change."""
+        on one node takes over its work: at least 1, 1 for one process alone, and never less
+        for more processes. It may depend on nothing else (the simulator asks it whenever the
+        processes computing on a node change, and takes a node whose full load gives 1 as never
+        slowed)."""
         ...
 
 
