@@ -177,7 +177,7 @@ class _Prover:
         return value
 
     def _agree(self, value: Any, val: Any) -> None:
-        if not _is_tensor(val):
+        if not _is_tensor(val) or value is SLOTS:
             return
         grow = self.growing(val)
         if len(grow) > 1:
@@ -313,7 +313,7 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     r0 = routed[0]
     kinds = {r.kind for r in routed}
     env = [p.env.get(a) for a in n.all_input_nodes]
-    others = [v for v in env if not isinstance(v, Routed)]
+    others = [v for v in env if not isinstance(v, Routed) and v is not SLOTS]
     if kinds <= {"rows", "group"} and "rows" in kinds or kinds == {"group"}:
         if all(v is None for v in others) and _row_wise(n, r0):
             return Routed("group", r0.key, r0.seq) if kinds == {"group"} else _rows_of(r0)
@@ -666,6 +666,9 @@ _POINTWISE = {
     aten.rand_like.default,
     aten.randn_like.default,
     aten.bernoulli.p,
+    aten.__and__.Tensor,
+    aten.__or__.Tensor,
+    aten.__xor__.Tensor,
 }
 _ROUTING_ENTRY = {aten.sort.default}
 

@@ -35,6 +35,7 @@ from autopart.meta import (
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
+from autopart.program.archive import allowed_call
 from autopart.program.format import Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths, cost_coefficients
@@ -42,6 +43,7 @@ from autopart.schedule.chunks import chunk_lengths, cost_coefficients
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
+    refuse_library_ops(captured.graph)
     gm, history = apply_passes(captured, plan)
     stages, inputs = split_stages(gm)
     ties = tied_across(inputs, plan.mesh.pp)
@@ -67,6 +69,27 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         if key in gm.meta
     }
     return program
+
+
+def refuse_library_ops(gm: fx.GraphModule) -> None:
+    """Refuse a graph that calls anything but ATen ops, autopart's ops and Python operators on
+    sizes: a library's custom op (``torch.ops.transformers.*``) that capture could not
+    decompose to ATen. A saved program calling it would be refused at load (loading it could
+    run the library's code), and the passes have no rule for it."""
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr") or allowed_call(n):
+            continue
+        op = n.target
+        name = op.name() if isinstance(op, torch._ops.OpOverload) else getattr(op, "__name__", op)
+        space = getattr(op, "namespace", None) or getattr(op, "__module__", "?")
+        raise AutopartError(
+            f"node {n.name} ({n.meta.get(META_MODULE) or '<root>'}) calls {name}, an op of the "
+            f"namespace {space!r} with no ATen decomposition; autopart compiles ATen and its "
+            "own ops only (a saved program calling it could not be loaded)",
+            hint="register an ATen decomposition for it (torch.library's "
+            "CompositeImplicitAutograd kernel, or autopart.frontend.capture."
+            "LIBRARY_DECOMPOSITIONS), or configure the model to compute it with torch ops",
+        )
 
 
 def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[PassRecord]]:
