@@ -217,6 +217,8 @@ class _Prover:
             return _route(self, n, routed)
         if target in _SPECIAL:
             return _SPECIAL[target](self, n)
+        if getattr(target, "namespace", None) == "autopart" and target._opname == "vocab_parallel_ce":
+            return _loss(self, n)  # the summed cross entropy of vocabulary-split logits
         along = _ALONG.get(target)
         if along is None:
             if (

@@ -217,7 +217,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return src.to(dtype=dst.dtype).expand(dst.shape).clone()
 
 
-def _grouped_mm_by_expert(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_by_expert(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     """``transformers::grouped_mm_fallback`` in ATen: rows ``offs[e − 1] ≤ r < offs[e]`` of ``x``
     (sorted by expert) times ``weight[e]``. Every row is multiplied by each expert's weights and
     kept where it belongs (exact; E times the FLOPs of the grouped kernel)."""

@@ -6,8 +6,14 @@
 2. ``split_stages``      the stage graphs, each with the list of what feeds its placeholders
 3. ``tied_across``       parameters that stages on several pipeline ranks use (``TIE_REDUCE``)
 4. ``chunk_costs``       Seq1F1B only: the chunk-boundary cost polynomial, checked on the example
-5. ``rank_program``      one rank's stages, shards, actions, buckets and groups
-6. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
+5. ``dry_run``           every stage's forward and backward once on fake tensors of its real
+                         input shapes (lowering/dry_run.py): a missing derivative or a shape
+                         that does not fit is refused here, naming stage and node
+6. ``rank_program``      one rank's stages, shards, actions, buckets and groups
+7. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
+
+Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen and
+autopart (a library's custom op capture could not decompose).
 
 ``split_stages`` also makes each stage graph name no device (``device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
@@ -21,6 +27,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Plan
+from autopart.lowering.dry_run import dry_run
 from autopart.lowering.pass_runner import PassRecord, run_passes
 from autopart.meta import (
     META_CUTS,
@@ -48,6 +55,7 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     stages, inputs = split_stages(gm)
     ties = tied_across(inputs, plan.mesh.pp)
     chunk_cost = chunk_costs(captured, plan)
+    dry_run(stages, inputs, captured, plan, chunk_cost)
     ranks = [
         rank_program(r, captured, plan, stages, inputs, ties, chunk_cost)
         for r in range(plan.mesh.size)
