@@ -201,7 +201,9 @@ class _Prover:
             if target is operator.getitem:
                 src = self.env.get(n.args[0])
                 return src[n.args[1]] if isinstance(src, tuple) else src
-            return LENGTH if any(self._length(a) for a in _flat(n.args)) else None
+            val = n.meta.get("val")
+            grows = isinstance(val, torch.SymInt) and self.grows(val)
+            return LENGTH if grows or any(self._length(a) for a in _flat(n.args)) else None
         if target is operator.getitem:
             src = self.env.get(n.args[0])
             return src[n.args[1]] if isinstance(src, tuple) else src
@@ -217,7 +219,10 @@ class _Prover:
             return _route(self, n, routed)
         if target in _SPECIAL:
             return _SPECIAL[target](self, n)
-        if getattr(target, "namespace", None) == "autopart" and target._opname == "vocab_parallel_ce":
+        if (
+            getattr(target, "namespace", None) == "autopart"
+            and target._opname == "vocab_parallel_ce"
+        ):
             return _loss(self, n)  # the summed cross entropy of vocabulary-split logits
         along = _ALONG.get(target)
         if along is None:
@@ -637,6 +642,7 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.gather.default: _along("a gather along the sequence", lambda n: [n.args[1]]),
     aten.index_put.default: _index_put,
     aten.scatter.src: _scatter_like(1, 3),
+    aten.scatter.value: _along("a write along the sequence", lambda n: [n.args[1]]),
     aten.scatter_add.default: _scatter_like(1, 3),
     aten.index_add.default: _scatter_like(1, 3),
     aten.slice_scatter.default: _slice_scatter,
