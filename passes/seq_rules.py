@@ -79,6 +79,13 @@ class Mixes(Exception):
         return f"{self} mixes tokens of different chunks"
 
 
+class Fixed(Mixes):
+    """The graph runs at one sequence length only: there is nothing to chunk."""
+
+    def sentence(self) -> str:
+        return str(self)
+
+
 class Unproven(Mixes):
     """No rule covers the op: nothing proves it keeps tokens apart."""
 
@@ -152,6 +159,12 @@ class _Prover:
     def placeholder(self, n: fx.Node) -> Any:
         ref, val = n.meta.get(META_INPUT), n.meta.get("val")
         grow = self.growing(val)
+        if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val):
+            raise Fixed(
+                f"the sequence length of {n.name} was fixed at capture ({tuple(val.shape)}: "
+                "torch.export specialized it, so the graph runs at that length only and "
+                "cannot run a chunk"
+            )
         if not grow:
             return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None
         if getattr(ref, "kind", None) not in ("data", "act") or len(grow) > 1:
