@@ -257,7 +257,11 @@ def library_decompositions(graph: fx.Graph) -> dict[Any, Any]:
         elif op in decomposition_table:
             out[op] = decomposition_table[op]
         elif torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-            out[op] = op.decompose
+            from torch.export.decomp_utils import CustomDecompTable  # export's own CIA entries
+
+            composite = CustomDecompTable()
+            if op in composite:
+                out[op] = composite[op]
     return out
 
 

@@ -143,9 +143,10 @@ class _Run(fx.Interpreter):
 
     def where(self, n: fx.Node) -> str:
         chunk = f", chunk {self.chunk}" if self.chunk else ""
+        target = f"{_name(n.target)}, " if n.op == "call_function" else ""
         return (
-            f"stage {self.stage}{chunk}: node {n.format_node()} "
-            f"(module {n.meta.get(META_MODULE) or '<root>'})"
+            f"stage {self.stage}{chunk}: node {n.name} "
+            f"({target}module {n.meta.get(META_MODULE) or '<root>'})"
         )
 
     def run_node(self, n: fx.Node) -> Any:
@@ -203,6 +204,10 @@ def _mark(running: list[fx.Node], n: fx.Node):
         running.append(n)
 
     return hook
+
+
+def _name(target: Any) -> str:
+    return target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
 
 
 def _first_line(exc: BaseException) -> str:
