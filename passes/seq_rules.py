@@ -301,9 +301,9 @@ class _Prover:
     def _summed(self, n: fx.Node) -> Any:
         """A sum over the tokens plus or times values free of the sequence."""
         others = [self.env.get(a) for a in n.all_input_nodes if self.env.get(a) is not SUMMED]
-        if n.target in _LINEAR_ON_SUMS and all(v is None for v in others):
-            if n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(others) <= 1:
-                return SUMMED
+        scaled = n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(others) <= 1
+        if n.target in _LINEAR_ON_SUMS and all(v is None for v in others) and scaled:
+            return SUMMED
         raise Mixes("a use of the summed loss other than adding and scaling it")
 
     def _routing_entry(self, n: fx.Node) -> bool:
@@ -334,15 +334,19 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     kinds = {r.kind for r in routed}
     env = [p.env.get(a) for a in n.all_input_nodes]
     others = [v for v in env if not isinstance(v, Routed) and v is not SLOTS]
-    if kinds <= {"rows", "group"} and "rows" in kinds or kinds == {"group"}:
-        if all(v is None for v in others) and _row_wise(n, r0):
-            return Routed("group", r0.key, r0.seq) if kinds == {"group"} else _rows_of(r0)
-    if kinds == {"perm"} and t == aten.floor_divide.default and isinstance(n.args[1], int):
-        if r0.seq.inner == (n.args[1],) * len(_SAMPLES):
-            return Routed("token", r0.key, r0.seq)
-    if kinds <= {"slots", "offsets"} and t in _COMPARE and others == []:
-        if kinds == {"slots", "offsets"}:
-            return Routed("group", r0.key, r0.seq)
+    local = kinds <= {"rows", "group"} and "rows" in kinds or kinds == {"group"}
+    if local and all(v is None for v in others) and _row_wise(n, p):
+        return Routed("group", r0.key, r0.seq) if kinds == {"group"} else _rows_of(r0)
+    # slot j of k choices per token belongs to token j // k: the key's token stride is k
+    k = n.args[1] if len(n.args) > 1 else None
+    if (
+        kinds == {"perm"}
+        and t == aten.floor_divide.default
+        and r0.seq.inner == (k,) * len(r0.seq.inner)
+    ):
+        return Routed("token", r0.key, r0.seq)
+    if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
+        return Routed("group", r0.key, r0.seq)
     if t == aten.index.Tensor and len(n.args[1]) == 1:
         idx, x = p.env.get(n.args[1][0]), p.env.get(n.args[0])
         if isinstance(idx, Routed) and idx.kind == "token" and x == Seq(0, ONE):
@@ -380,14 +384,14 @@ def _rows_of(r: Routed) -> Routed:
     return Routed("rows", r.key, r.seq)
 
 
-def _row_wise(n: fx.Node, r: Routed) -> bool:
+def _row_wise(n: fx.Node, p: _Prover) -> bool:
     """An op on the rows that keeps each row to itself: elementwise, a matmul by weights free of
     the sequence, a view or split keeping the row dim, or choosing between two rows' values."""
     t = n.target
     if t in _POINTWISE or torch.Tag.pointwise in getattr(t, "tags", ()):
         return True
     if t in (aten.mm.default, aten.matmul.default, aten.linear.default):
-        return True  # the second operand is free of the sequence (checked by the caller)
+        return _rows(p.env.get(n.args[0])) and p.env.get(n.args[1]) is None  # rows @ weights
     if t in (aten.view.default, aten.reshape.default, aten.unsqueeze.default):
         return str(n.meta["val"].shape[0]) == str(n.args[0].meta["val"].shape[0])
     if t in (aten.split.Tensor, aten.split_with_sizes.default):
