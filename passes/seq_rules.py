@@ -161,9 +161,9 @@ class _Prover:
         grow = self.growing(val)
         if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val):
             raise Fixed(
-                f"the sequence length of {n.name} was fixed at capture ({tuple(val.shape)}: "
-                "torch.export specialized it, so the graph runs at that length only and "
-                "cannot run a chunk"
+                f"the sequence length of {n.name} was fixed at capture to {val.shape[-1]} "
+                "tokens (torch.export specialized it): the graph runs at that length only, "
+                "never on a chunk"
             )
         if not grow:
             return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None

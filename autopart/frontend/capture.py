@@ -397,7 +397,9 @@ def _name_symbols(gm: fx.GraphModule) -> None:
         ref = node.meta.get(META_INPUT)
         if ref is not None and ref.kind == "data":
             for dim, sym in zip(node.meta["val"].shape, (B, S), strict=False):
-                if isinstance(dim, torch.SymInt):
+                # a size export specialized is a SymInt whose expression is a number
+                # (RecurrentGemma's 32 tokens): naming it would turn every 32 into s
+                if isinstance(dim, torch.SymInt) and dim.node.expr.is_Symbol:
                     subs[dim.node.expr] = sym
     gm.meta[META_SYMBOLS] = subs
 
