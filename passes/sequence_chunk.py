@@ -193,10 +193,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
         n.meta[META_SEQ_DIM] = value.dim if isinstance(value, Seq) else None
     if found:
         n, what = min(found, key=lambda f: SOFTMAX not in f[1])
-        more = f" (and {len(found) - 1} more node(s))" if len(found) > 1 else ""
         raise AutopartError(
-            f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): "
-            f"{what}{more}",
+            f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
             hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
             "position-wise ops, positions from arange or a running count, causal attention "
             "and routed experts; docs/seq1f1b.md lists them)",
