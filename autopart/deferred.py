@@ -5,7 +5,8 @@ x·wᵀ + b, ``"addmm"`` = b + x·w with 2-D x, ``"matmul"`` = x·w) whose backw
 input gradient at once and, while a ``WeightStore`` collects for a unit, *defers* the weight and
 bias gradients: it stores (x, dy) and returns no gradient for w and b. ``WeightStore.run(unit)``
 later computes them (dW = dyᵀ·x or xᵀ·dy, db = Σ dy) and adds them to the parameters'
-``.grad`` — the ``W`` action of the schedule. Outside a collecting unit (a plain backward, the
+``.grad`` — the ``W`` action of the schedule. The store is the active runtime context's
+(``autopart/runtime/comm.py``, ``Comm.weights``): each runner owns one. Outside a collecting unit (a plain backward, the
 dry run) the backward returns all three gradients as autograd would.
 
 The passes put the op in place of ``aten.linear``/``addmm``/``mm``/``matmul`` on a parameter
@@ -19,6 +20,8 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+from autopart.collectives import _ACTIVE
 
 aten = torch.ops.aten
 FORMS = ("linear", "addmm", "matmul")
@@ -93,7 +96,11 @@ class WeightStore:
         self._kept.clear()
 
 
-STORE = WeightStore()  # one per process: the runner of the step sets ``collecting``
+def _store() -> WeightStore | None:
+    """The active runtime context's store (``autopart.collectives.activate``), if any: the
+    runner whose step is running sets its ``collecting`` unit."""
+    comm = _ACTIVE[0]
+    return None if comm is None else comm.weights
 
 
 def _weight_grads(
@@ -138,7 +145,7 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         if pb is not None:
             _accumulate(pb, db)
 
-    if STORE.defer(work, (x, dy)):
+    if _store() is not None and _store().defer(work, (x, dy)):
         return dx, None, None, None
     dw, db = _weight_grads(x, dy, form, pb is not None)
     return dx, dw, db, None
@@ -146,4 +153,4 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
 
 weight_gemm.register_autograd(_backward, setup_context=_setup)
 
-__all__ = ["FORMS", "STORE", "WeightStore", "weight_gemm"]
+__all__ = ["FORMS", "WeightStore", "weight_gemm"]

@@ -27,6 +27,8 @@ META_TP_SPLIT = "autopart.tp_split"  # int | None: the dim along which tp splits
 META_GLOBAL_VAL = "autopart.global_val"  # FakeTensor: a split placeholder's unsplit value
 # sequence_parallel
 META_SEQ = "autopart.seq_split"  # int | None: the dim split along the sequence, or absent
+# sequence_chunk
+META_SEQ_DIM = "autopart.seq_dim"  # int | None: the dim carrying the sequence (proven per node)
 # dropout_rng
 META_DROPOUT_SPLIT = "autopart.dropout_split"  # bool: the dropout mask differs per tp rank
 # recompute

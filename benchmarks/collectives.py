@@ -39,19 +39,20 @@ TRANSPORTS = ("gloo", "exchange", "shm")
 def worker(out: str) -> None:
     import torch.distributed as dist
 
-    from autopart import collectives
+    from autopart.runtime.comm import Comm
 
+    comm = Comm()  # the runtime context a Runner would own
     dist.init_process_group("gloo")
     me = dist.get_rank()
     groups = {"gloo": dist.new_group([0, 1])}
     os.environ["AUTOPART_SHM"] = "0"
     groups["exchange"] = dist.new_group([0, 1])
-    collectives.transport(groups["exchange"])  # decided now, without shared memory
+    comm.transport(groups["exchange"])  # decided now, without shared memory
     del os.environ["AUTOPART_SHM"]
     groups["shm"] = dist.new_group([0, 1])
-    assert collectives.transport(groups["shm"]) == "shm", "shared memory unavailable here"
+    assert comm.transport(groups["shm"]) == "shm", "shared memory unavailable here"
     for name in ("exchange", "shm"):
-        collectives.bind(name, groups[name])
+        comm.bind(name, groups[name])
     res: dict = {}
     for size, numel in SIZES.items():
         x = torch.randn(numel, generator=torch.Generator().manual_seed(me))
@@ -67,7 +68,7 @@ def worker(out: str) -> None:
                     y = x.clone()
                     dist.all_reduce(y, group=groups[name])
                 else:
-                    y = collectives._all_reduce(x, name)
+                    y = comm.all_reduce(x, name)
                 elapsed = time.perf_counter() - start
                 ok = ok and torch.allclose(y, want, rtol=1e-6, atol=1e-6)
                 if i >= WARMUP:

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from autopart.api import parallelize
-from autopart.collectives import EXCHANGE_MAX
 from autopart.errors import AutopartError
 from autopart.planning.cluster import Cluster, cluster_from_dict
 from autopart.planning.simulate import simulate
+from autopart.runtime.comm import EXCHANGE_MAX
 from autopart.runtime.run import make_optimizer
 from autopart.runtime.runner import Runner
 

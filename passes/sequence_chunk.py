@@ -56,11 +56,13 @@ from autopart.meta import (
     META_MODULE,
     META_RANGES,
     META_RECOMPUTE,
+    META_SEQ_DIM,
     META_SYMBOLS,
     META_WINDOW,
 )
 from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
+from autopart.passes.seq_rules import SOFTMAX, Seq, seq_dims
 
 aten = torch.ops.aten
 P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas
@@ -175,74 +177,27 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-_SCANS = {
-    aten.cumsum.default,
-    aten.cumprod.default,
-    aten.cummax.default,
-    aten.cummin.default,
-    aten.logcumsumexp.default,
-    aten.flip.default,
-    aten.roll.default,
-}
-_SOFTMAX = {
-    aten.softmax.int,
-    aten._softmax.default,
-    aten.log_softmax.int,
-    aten._log_softmax.default,
-}
-_CONTRACT = {aten.bmm.default, aten.matmul.default, aten.mm.default, aten.baddbmm.default}
-
-
 def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
-    """Refuse a stage whose tokens meet along the sequence anywhere but in causal attention.
+    """Refuse a stage unless every live node is proven to keep tokens apart (``seq_rules``).
 
-    Chunking is exact only when every computation is token by token, apart from the causal
-    SDPAs (given their K/V prefix) and positions from ``arange`` (given the offset). So a scan
-    along a dim sized by the sequence (``cumsum`` of a mask into positions, as OPT and BLOOM's
-    ALiBi do; ``cumprod``, ``flip``, ``roll``, ...), a softmax over one (attention the previous
-    pass did not recognize), or a product contracting one is refused, naming the node and its
-    module; the chunked program would compute something else. So is an index by positions
-    into a table whose length grows with the sequence (built for the chunk, it is too short for
-    the chunk's shifted positions).
+    The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
+    through a construct this pass chunks (position-wise ops, positions, causal attention with
+    its K/V prefix, the summed loss, routed experts). The first node that is not proven is
+    named, with its module and the construct; an unrecognized softmax over the sequence is
+    named first when there is one (an attention ``canonicalize_attention`` did not recognize
+    explains the rest: its scores pair tokens, its mask's construction scans them). Each
+    proven node keeps its sequence dim in ``meta["autopart.seq_dim"]``.
     """
-
-    found: list[tuple[fx.Node, str]] = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        what = None
-        if _fill_value(n, gm) is not None:
-            continue  # a running count over the sequence: shifted by the offset
-        if n.target in _SCANS:
-            dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dims", n.kwargs.get("dim", 0))
-            dims = dims if isinstance(dims, (list, tuple)) else [dims]
-            if n.target == aten.roll.default:
-                dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims", [])
-                dims = dims if isinstance(dims, (list, tuple)) and dims else [0]
-            if any(_along_sequence(n.args[0], d, gm) for d in dims):
-                what = f"a {n.target.__name__.split('.')[0]} along the sequence"
-        elif n.target in _SOFTMAX and _along_sequence(n.args[0], n.args[1], gm):
-            what = (
-                "a softmax over the sequence that is not a recognized causal attention "
-                "(soft-capped scores and position biases such as ALiBi are not)"
-            )
-        elif n.target in _CONTRACT:
-            a = n.args[1] if n.target == aten.baddbmm.default else n.args[0]
-            if _along_sequence(a, -1, gm):
-                what = "a product summing over the sequence outside causal attention"
-        elif n.target in _INDEX and _position_derived(n, gm):
-            src, dim = _indexed(n)
-            if _along_sequence(src, dim, gm):
-                what = "an index by position into a table as long as the sequence"
-        if what is not None:
-            found.append((n, what))
-    if found:  # an attention it does not recognize explains the rest (its mask's construction)
-        n, what = min(found, key=lambda f: "softmax" not in f[1])
+    env, found = seq_dims(gm)
+    for n, value in env.items():
+        n.meta[META_SEQ_DIM] = value.dim if isinstance(value, Seq) else None
+    if found:
+        n, what = min(found, key=lambda f: SOFTMAX not in f[1])
         raise AutopartError(
-            f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): "
-            f"{what} mixes tokens of different chunks",
-            hint="use the 1f1b or interleaved-1f1b schedule for this model (positions from "
-            "arange or a running count, and causal attention are what Seq1F1B can chunk)",
+            f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
+            hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
+            "position-wise ops, positions from arange or a running count, causal attention "
+            "and routed experts; docs/seq1f1b.md lists them)",
         )
 
 
@@ -257,9 +212,6 @@ def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
         return False
     others = {sym: 4 for sym in size.free_symbols - {S}}
     return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
-
-
-_INDEX = {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.embedding.default}
 
 
 _FILLS = {
@@ -288,37 +240,6 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
         return 1
     value = x.args[_FILLS[x.target]] if len(x.args) > _FILLS[x.target] else None
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _indexed(n: fx.Node) -> tuple[fx.Node, int]:
-    """The tensor an index op reads from and the dim its indices select along."""
-    if n.target == aten.embedding.default:
-        return n.args[0], 0
-    if n.target == aten.index.Tensor:
-        dims = [i for i, x in enumerate(n.args[1]) if x is not None]
-        return n.args[0], dims[0] if dims else 0
-    return n.args[0], n.args[1]  # gather, index_select: (self, dim, index)
-
-
-def _position_derived(n: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether the indices of index op ``n`` are computed from token positions (``arange``) by
-    integer arithmetic. The walk stops at floating-point values: indices chosen from
-    activations (a mixture of experts routing tokens with ``topk``) are not positions."""
-    idx = n.args[1] if n.target == aten.embedding.default else n.args[-1]
-    stack = [
-        x for x in (idx if isinstance(idx, (list, tuple)) else [idx]) if isinstance(x, fx.Node)
-    ]
-    seen: set[fx.Node] = set()
-    while stack:
-        x = stack.pop()
-        val = x.meta.get("val")
-        if x in seen or (isinstance(val, torch.Tensor) and val.is_floating_point()):
-            continue
-        seen.add(x)
-        if _is_positions(x, gm):
-            return True
-        stack.extend(x.all_input_nodes)
-    return False
 
 
 def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:

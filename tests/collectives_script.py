@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from autopart import collectives
 from autopart.errors import AutopartError
+from autopart.runtime import comm as comm_module
 from autopart.runtime import shm
+from autopart.runtime.comm import Comm
+
+COMM = Comm()  # this script's runtime context (a Runner owns one)
+collectives.activate(COMM)
 
 SHAPES = ((6, 5, 4), (96, 1024, 3), (6, 5, 4))  # the middle one (2.3 MB) outgrows 1 MB halves
 
@@ -53,7 +58,7 @@ def check(n: int, me: int, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
 
 def run_path(n: int, me: int) -> dict:
     group = dist.new_group(list(range(n)))
-    collectives.bind("t", group)
+    COMM.bind("t", group)
     empty = collectives._all_reduce(torch.zeros(0, 3), "t")  # a first message of no bytes
     out: dict = {"empty_ok": empty.shape == (0, 3)}
     for _repeat in range(3):
@@ -61,7 +66,7 @@ def run_path(n: int, me: int) -> dict:
             for dtype in (torch.float64, torch.float32):
                 for k, v in check(n, me, shape, dtype).items():
                     out[k] = out.get(k, True) and v
-    out["transport"] = collectives.transport(group)
+    out["transport"] = COMM.transport(group)
     return out
 
 
@@ -77,16 +82,16 @@ def unseen(map_file):
 def peer_never_arrives(n: int, me: int) -> str:
     """Rank 0 all-reduces alone on a connected group: the error it gets (others: "")."""
     group = dist.new_group(list(range(n)))
-    collectives.bind("t", group)
-    assert collectives.transport(group) == "shm"  # connects on every rank
-    collectives.set_action("the lonely step", timeout_s=1.0)
+    COMM.bind("t", group)
+    assert COMM.transport(group) == "shm"  # connects on every rank
+    COMM.set_action("the lonely step", timeout_s=1.0)
     message = ""
     if me == 0:
         try:
             collectives._all_reduce(data(me, (4,), torch.float64), "t")
         except AutopartError as exc:
             message = str(exc)
-    collectives.set_action("(checks)", timeout_s=60.0)
+    COMM.set_action("(checks)", timeout_s=60.0)
     return message
 
 
@@ -102,11 +107,11 @@ def failures(n: int, me: int) -> dict:
             out[name] = str(exc)
 
     mapping = shm._map
-    collectives.set_action("the failing step", timeout_s=60.0)
-    collectives.bind("t", dist.new_group(list(range(n))))
+    COMM.set_action("the failing step", timeout_s=60.0)
+    COMM.bind("t", dist.new_group(list(range(n))))
     attempt("mismatch", lambda: collectives._all_reduce(torch.ones(4 if me == 0 else 8), "t"))
     attempt("after_failure", lambda: collectives._all_reduce(torch.ones(4), "t"))
-    collectives.bind("t", dist.new_group(list(range(n))))
+    COMM.bind("t", dist.new_group(list(range(n))))
     collectives._all_reduce(torch.ones(4), "t")  # connected, first file made
     if me == 1:  # its next file cannot be reserved (a full /dev/shm)
         shm._map = full(shm._map)
@@ -116,7 +121,7 @@ def failures(n: int, me: int) -> dict:
     attempt("uneven", lambda: collectives._reduce_scatter(torch.ones(n + 1, 2), 0, "t", n))
     # a graph compiled for another group size: its gather is refused before any data moves
     attempt("resized", lambda: collectives.tp_gather(torch.ones(2), 0, "t", n + 1))
-    collectives.set_action("(checks)", timeout_s=60.0)
+    COMM.set_action("(checks)", timeout_s=60.0)
     shm._map = mapping
     return out
 
@@ -147,7 +152,7 @@ def main() -> int:
     out["disagree"] = run_path(n, me)  # all fall back together
     os.environ["AUTOPART_SHM"] = "0"
     out["exchange"] = run_path(n, me)
-    collectives.EXCHANGE_MAX = 1
+    comm_module.EXCHANGE_MAX = 1
     out["gloo"] = run_path(n, me)
     every: list = [None] * n
     dist.all_gather_object(every, out["failures"])

@@ -14,6 +14,10 @@ import torch.distributed as dist
 from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.runtime import shm
+from autopart.runtime.comm import Comm
+
+COMM = Comm()  # this script's runtime context (a Runner owns one)
+collectives.activate(COMM)
 
 
 def main() -> int:
@@ -21,18 +25,18 @@ def main() -> int:
     dist.init_process_group("gloo")
     me = dist.get_rank()
     out = {"namespace": shm.pid_namespace()}
-    collectives.bind("t", dist.new_group([0, 1]))
-    collectives.set_action("step 1", timeout_s=120.0)
-    out["transport"] = collectives.transport(collectives._group("t"))
+    COMM.bind("t", dist.new_group([0, 1]))
+    COMM.set_action("step 1", timeout_s=120.0)
+    out["transport"] = COMM.transport(COMM.group("t"))
     out["sum"] = collectives._all_reduce(torch.ones(4), "t").tolist()
     if me == 0:
         time.sleep(1.0)  # rank 1 waits a second on a live rank 0 in another namespace
-    collectives.set_action("step 2")
+    COMM.set_action("step 2")
     out["sum2"] = collectives._all_reduce(torch.ones(4), "t").tolist()
     dist.barrier()
     if me == 0:  # dies between steps: outside any exchange, so it sets no error flag
         os._exit(0)
-    collectives.set_action("step 3")
+    COMM.set_action("step 3")
     start = time.monotonic()
     try:
         collectives._all_reduce(torch.ones(4), "t")

@@ -17,6 +17,10 @@ import torch.distributed as dist
 from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.runtime import shm
+from autopart.runtime.comm import Comm
+
+COMM = Comm()  # this script's runtime context (a Runner owns one)
+collectives.activate(COMM)
 
 
 def main() -> int:
@@ -34,21 +38,21 @@ def main() -> int:
         shm._map = small
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        collectives.bind("small", dist.new_group([0, 1]))
-        out["small_transport"] = collectives.transport(collectives._group("small"))
+        COMM.bind("small", dist.new_group([0, 1]))
+        out["small_transport"] = COMM.transport(COMM.group("small"))
     shm._map = mapping
     out["small_warned"] = any("no shared-memory transport" in str(w.message) for w in seen)
     out["small_sum"] = collectives._all_reduce(torch.ones(4), "small").tolist()
 
-    collectives.bind("t", dist.new_group([0, 1]))
-    collectives.set_action("step 1", timeout_s=300.0)
-    out["transport"] = collectives.transport(collectives._group("t"))
+    COMM.bind("t", dist.new_group([0, 1]))
+    COMM.set_action("step 1", timeout_s=300.0)
+    out["transport"] = COMM.transport(COMM.group("t"))
     out["sum"] = collectives._all_reduce(torch.ones(4), "t").tolist()
     dist.barrier()
     if me == 1:  # dies between steps: outside any exchange, so it sets no error flag
         os._exit(0)
     time.sleep(0.2)
-    collectives.set_action("step 2", timeout_s=300.0)
+    COMM.set_action("step 2", timeout_s=300.0)
     start = time.monotonic()
     try:
         collectives._all_reduce(torch.ones(4), "t")

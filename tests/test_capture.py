@@ -232,3 +232,100 @@ def test_logits_of() -> None:
     for bad in ("logits", (), (None, t), {"logits": t}):
         with pytest.raises(AutopartError, match="holds no logits"):
             logits_of(bad)
+
+
+class _SliceAssign(nn.Module):
+    """DeepSeek-V3's ``q[..., :d] = ...``: a slice assignment on the hidden dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.proj, self.head = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        q = self.proj(x)
+        q[..., :4] = x[..., 4:8] * 2
+        return self.head(q)
+
+
+def test_a_slice_assignment_captures_with_a_derivative() -> None:
+    """Functionalizing ``q[..., :4] = y`` leaves ``aten.copy``, which has no autograd formula
+    (DeepSeek-V3 and MiniCPM3 crashed in every rank's backward); capture writes it as ops with
+    one, and the graph's loss and gradients are the model's."""
+    model = _SliceAssign().double()
+    ids = torch.randint(0, 50, (2, 16))
+    captured = capture(model, (ids, ids))
+    targets = {n.target for n in captured.graph.graph.nodes}
+    assert torch.ops.aten.copy.default not in targets
+    assert torch.ops.aten.slice_scatter.default in targets
+    loss, grads = run_graph(captured, (ids, ids))
+    want_loss, want = run_model(model, (ids, ids))
+    assert rel_err(loss, want_loss) < 1e-12
+    assert all(rel_err(grads[f], want[f]) < 1e-12 for f in want)
+
+
+_LIB = torch.library.Library("autopart_test", "DEF")  # this test module's own ops
+_LIB.define("twice(Tensor x) -> Tensor")
+_LIB.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+
+
+@torch.library.custom_op("autopart_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_opaque.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _LibraryOps(nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.wte, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(getattr(torch.ops.autopart_test, self.op)(self.wte(ids)))
+
+
+def test_a_library_op_with_a_decomposition_becomes_aten() -> None:
+    """An op outside aten with a composite kernel is decomposed at capture: the graph is ATen."""
+    ids = torch.randint(0, 50, (2, 16))
+    captured = capture(_LibraryOps("twice"), (ids, ids))
+    spaces = {getattr(n.target, "namespace", None) for n in captured.graph.graph.nodes}
+    assert "autopart_test" not in spaces
+
+
+def test_a_library_op_without_one_is_refused_at_compile_time() -> None:
+    """``torch.ops.transformers.*`` in transformers 5.24: a program calling a library's op is
+    refused at load, so compile_program refuses it first, naming node, op and namespace."""
+    from autopart import Mesh, parallelize
+
+    ids = torch.randint(0, 50, (2, 16))
+    captured = capture(_LibraryOps("opaque"), (ids, ids))
+    with pytest.raises(AutopartError) as err:
+        parallelize(captured, Mesh(dp=2))
+    msg = err.value.message
+    assert "node opaque (<root>) calls autopart_test::opaque" in msg, msg
+    assert "namespace 'autopart_test'" in msg and "decomposition" in err.value.hint
+
+
+@pytest.mark.parametrize("offs", [[3, 3, 10], [0, 7, 10], [10, 10, 10]])
+def test_grouped_mm_fallback_in_aten_is_exact(offs: list[int]) -> None:
+    """transformers' grouped matmul (rows offs[e−1] ≤ r < offs[e] times weight[e]) written in
+    ATen by capture: the same values and gradients, empty groups included."""
+    from autopart.frontend.capture import LIBRARY_DECOMPOSITIONS
+
+    aten_form = LIBRARY_DECOMPOSITIONS["transformers::grouped_mm_fallback"]
+    x = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 8, 5, dtype=torch.float64, requires_grad=True)
+    bounds = torch.tensor(offs)
+    got = aten_form(x, w, bounds)
+    starts = [0, *offs[:-1]]
+    want = torch.cat([x[a:e] @ w[i] for i, (a, e) in enumerate(zip(starts, offs, strict=True))])
+    assert torch.allclose(got, want, rtol=1e-14, atol=0)
+    g = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, (x, w), g)
+    want_grads = torch.autograd.grad(want, (x, w), g)
+    assert all(torch.allclose(a, b, rtol=1e-14) for a, b in zip(got_grads, want_grads, strict=True))

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from autopart import deferred, parallelize
+from autopart import parallelize
 from autopart.layout import Mesh
 from autopart.runtime.runner import Runner
 
@@ -31,25 +31,25 @@ def test_b_leaves_the_weight_gradients_to_w_and_the_step_is_1f1bs(gpt_sdpa, sche
     one = _runner(model, batch, schedule="1f1b")
     zb = _runner(model, batch, schedule=schedule, seq_chunks=k)
     seen: list[bool] = []  # at each W: did the B before it leave the deferred weights' grads?
-    real_run = deferred.STORE.run
+    real_run = zb.comm.weights.run
 
     def spy(unit):
-        works = deferred.STORE.pending.get(unit, [])
+        works = zb.comm.weights.pending.get(unit, [])
         # the deferred GEMMs' inputs and output gradients count as held until this W
         held = zb._saved.live.get(("W", *unit), 0)
-        seen.append(bool(works) and held == deferred.STORE.held_bytes(unit) > 0)
+        seen.append(bool(works) and held == zb.comm.weights.held_bytes(unit) > 0)
         return real_run(unit)
 
-    deferred.STORE.run = spy
+    zb.comm.weights.run = spy
     try:
         loss_zb = zb.step(*batch)
     finally:
-        deferred.STORE.run = real_run
+        zb.comm.weights.run = real_run
     loss_one = one.step(*batch)
     assert seen and all(seen)
     assert len(seen) == 2 * k  # one W per unit
     assert zb.stats["deferred_gemms"] > 0 and zb.stats["deferred_gemms"] % (2 * k) == 0
-    assert not deferred.STORE.pending and deferred.STORE.collecting is None
+    assert not zb.comm.weights.pending and zb.comm.weights.collecting is None
     assert abs(loss_zb - loss_one) <= 1e-12 * abs(loss_one)
     for (name, p), (name2, q) in zip(zb.named_parameters(), one.named_parameters(), strict=True):
         assert name == name2

@@ -116,3 +116,35 @@ def test_a_model_without_float64_kernels_is_verified_in_float32() -> None:
     for name, result in verify_many(checks, dtype="float32", timeout_s=120, via="fork").items():
         assert not isinstance(result, AutopartError), (name, result)
         assert result.ok and result.tolerance == 1e-5, (name, str(result))
+
+
+NEW = ["lfm2", "deepseek_v3", "minicpm3", "recurrent_gemma", "falcon_h1"]  # issue 37's review
+
+
+def test_lfm2_convolution_is_refused_under_seq1f1b_before_launch() -> None:
+    """LFM2's short causal depthwise conv1d along the sequence trained 34 % wrong under pp=2
+    Seq1F1B k=2 (the deny-list knew no convolution); the allow-list refuses it at compile time,
+    naming the node and its module. (Compiles only: no rank starts.)"""
+    from autopart import Mesh, parallelize
+    from autopart.frontend.capture import capture
+
+    model, batch = zoo.make("lfm2")
+    captured = capture(model.double(), batch)
+    with pytest.raises(AutopartError) as err:
+        parallelize(captured, Mesh(pp=2), **{k: v for k, v in zoo.PLANS[SEQ].items() if k != "pp"})
+    assert "node conv1d (model.layers.0.conv): a convolution along the sequence" in str(
+        err.value.message
+    )
+    assert "1f1b" in err.value.hint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEW)
+def test_new_architectures_pass_or_are_refused_before_launch(arch: str) -> None:
+    """Every cell of the five architectures the review found wrong or crashing: PASS, or a
+    refusal by parallelize (never a FAIL or a crashed rank), as docs/compatibility.md says."""
+    result = zoo.matrix([arch])
+    for cell in result[arch][1].values():
+        assert isinstance(cell, AutopartError) or cell.ok, str(cell)
+    written = zoo.parse_table(DOCS.read_text())
+    assert zoo.parse_table(zoo.table(result))[arch] == written[arch]

@@ -19,26 +19,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import nanogpt  # noqa: E402
 
 import autopart  # noqa: E402
-from autopart import collectives  # noqa: E402
-from autopart.meta import META_DROPOUT_SPLIT
+from autopart.meta import META_DROPOUT_SPLIT  # noqa: E402
+from autopart.runtime.comm import Comm  # noqa: E402
 
 LOG: list | None = None  # (kind, group, shape) of every collective while a list
 
 
 def _counted(kind: str, run, group_at: int):
-    """``run`` (one of collectives' transports), recording each call while LOG is a list."""
+    """``run`` (one of the runtime context's collectives, ``Comm.all_reduce`` ...), recording
+    each call while LOG is a list: (kind, group name, shape)."""
 
-    def call(x, *args, **kwargs):
+    def call(comm, x, *args, **kwargs):
         if LOG is not None:
             LOG.append((kind, args[group_at], tuple(x.shape)))
-        return run(x, *args, **kwargs)
+        return run(comm, x, *args, **kwargs)
 
     return call
 
 
-collectives._all_reduce = _counted("all_reduce", collectives._all_reduce, 0)
-collectives._all_gather = _counted("all_gather", collectives._all_gather, 1)
-collectives._reduce_scatter = _counted("reduce_scatter", collectives._reduce_scatter, 1)
+Comm.all_reduce = _counted("all_reduce", Comm.all_reduce, 0)
+Comm.all_gather = _counted("all_gather", Comm.all_gather, 1)
+Comm.reduce_scatter = _counted("reduce_scatter", Comm.reduce_scatter, 1)
 
 
 def main() -> int:

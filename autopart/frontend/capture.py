@@ -183,11 +183,14 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor])
     )
     try:
         ep = torch.export.export(wrapper, traced, dynamic_shapes=(dyn, dyn), strict=False)
-        fused = {n.target for n in ep.graph.nodes if n.target in _SPLIT_UP}
-        if fused or any(_mutates(n) for n in ep.graph.nodes):
-            # in-place ops (Falcon's ``x += ...``): the passes and the saved program need a
-            # functional graph; a table of only _SPLIT_UP functionalizes and decomposes those
-            ep = ep.run_decompositions({op: _SPLIT_UP[op] for op in fused})
+        table = {n.target: _SPLIT_UP[n.target] for n in ep.graph.nodes if n.target in _SPLIT_UP}
+        table.update(library_decompositions(ep.graph))
+        if table or any(_mutates(n) for n in ep.graph.nodes):
+            # in-place ops (Falcon's ``x += ...``, slice assignments ``q[..., :d] = ...``): the
+            # passes and the saved program need a functional graph; functionalizing with a table
+            # of only these ops decomposes them (and the ``copy`` of a slice assignment, which
+            # has no derivative, into ops that have one) and nothing else
+            ep = ep.run_decompositions({**table, torch.ops.aten.copy.default: _copy})
     except AutopartError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
@@ -205,6 +208,61 @@ def _baddbmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha
 # tp rules and attention recognition know, plus a bias (and fake propagation of baddbmm with a
 # broadcast, symbolic ``self`` fails on re-propagation in torch 2.13)
 _SPLIT_UP = {torch.ops.aten.baddbmm.default: _baddbmm}
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy`` (what functionalizing ``dst[...] = src`` leaves): ``src`` broadcast to
+    ``dst``'s shape and dtype. ``aten.copy`` has no autograd formula, so its backward failed
+    inside every rank (DeepSeek-V3's and MiniCPM3's ``q[..., :d] = ...``); these ops have one."""
+    return src.to(dtype=dst.dtype).expand(dst.shape).clone()
+
+
+def _grouped_mm_by_expert(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """``transformers::grouped_mm_fallback`` in ATen: rows ``offs[e − 1] ≤ r < offs[e]`` of ``x``
+    (sorted by expert) times ``weight[e]``. Every row is multiplied by each expert's weights and
+    kept where it belongs (exact; E times the FLOPs of the grouped kernel)."""
+    slot = torch.arange(x.shape[0], device=x.device)
+    out = torch.zeros((), dtype=x.dtype, device=x.device)
+    for e in range(weight.shape[0]):
+        mine = slot < offs[e]
+        if e:
+            mine = mine & ~(slot < offs[e - 1])
+        out = torch.where(mine.unsqueeze(-1), x @ weight[e], out)
+    return out
+
+
+# library custom ops with a known ATen form, by qualified name (an allow-list: every other op
+# outside aten and autopart is decomposed only when torch knows a decomposition, else refused
+# by compile_program, naming it)
+LIBRARY_DECOMPOSITIONS: dict[str, Any] = {
+    "transformers::grouped_mm_fallback": _grouped_mm_by_expert,
+}
+
+
+def library_decompositions(graph: fx.Graph) -> dict[Any, Any]:
+    """op → its ATen decomposition, for the graph's ops outside the aten and autopart
+    namespaces that have one: ``LIBRARY_DECOMPOSITIONS``, torch's decomposition table, or the
+    op's own composite (CompositeImplicitAutograd) kernel."""
+    from torch._decomp import decomposition_table
+
+    out = {}
+    for n in graph.nodes:
+        op = n.target
+        if not isinstance(op, torch._ops.OpOverload) or op.namespace in ("aten", "autopart"):
+            continue
+        if op.name() in LIBRARY_DECOMPOSITIONS:
+            out[op] = LIBRARY_DECOMPOSITIONS[op.name()]
+        elif op in decomposition_table:
+            out[op] = decomposition_table[op]
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+            from torch.export.decomp_utils import CustomDecompTable  # export's own CIA entries
+
+            composite = CustomDecompTable()
+            if op in composite:
+                out[op] = composite[op]
+    return out
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -339,7 +397,9 @@ def _name_symbols(gm: fx.GraphModule) -> None:
         ref = node.meta.get(META_INPUT)
         if ref is not None and ref.kind == "data":
             for dim, sym in zip(node.meta["val"].shape, (B, S), strict=False):
-                if isinstance(dim, torch.SymInt):
+                # a size export specialized is a SymInt whose expression is a number
+                # (RecurrentGemma's 32 tokens): naming it would turn every 32 into s
+                if isinstance(dim, torch.SymInt) and dim.node.expr.is_Symbol:
                     subs[dim.node.expr] = sym
     gm.meta[META_SYMBOLS] = subs
 

@@ -6,8 +6,14 @@
 2. ``split_stages``      the stage graphs, each with the list of what feeds its placeholders
 3. ``tied_across``       parameters that stages on several pipeline ranks use (``TIE_REDUCE``)
 4. ``chunk_costs``       Seq1F1B only: the chunk-boundary cost polynomial, checked on the example
-5. ``rank_program``      one rank's stages, shards, actions, buckets and groups
-6. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
+5. ``dry_run``           every stage's forward and backward once on fake tensors of its real
+                         input shapes (lowering/dry_run.py): a missing derivative or a shape
+                         that does not fit is refused here, naming stage and node
+6. ``rank_program``      one rank's stages, shards, actions, buckets and groups
+7. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
+
+Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen and
+autopart (a library's custom op capture could not decompose).
 
 ``split_stages`` also makes each stage graph name no device (``device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
@@ -21,6 +27,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Plan
+from autopart.lowering.dry_run import dry_run
 from autopart.lowering.pass_runner import PassRecord, run_passes
 from autopart.meta import (
     META_CUTS,
@@ -35,6 +42,7 @@ from autopart.meta import (
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
+from autopart.program.archive import allowed_call
 from autopart.program.format import Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths, cost_coefficients
@@ -42,10 +50,12 @@ from autopart.schedule.chunks import chunk_lengths, cost_coefficients
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
+    refuse_library_ops(captured.graph)
     gm, history = apply_passes(captured, plan)
     stages, inputs = split_stages(gm)
     ties = tied_across(inputs, plan.mesh.pp)
     chunk_cost = chunk_costs(captured, plan)
+    dry_run(stages, inputs, captured, plan, chunk_cost)
     ranks = [
         rank_program(r, captured, plan, stages, inputs, ties, chunk_cost)
         for r in range(plan.mesh.size)
@@ -67,6 +77,27 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         if key in gm.meta
     }
     return program
+
+
+def refuse_library_ops(gm: fx.GraphModule) -> None:
+    """Refuse a graph that calls anything but ATen ops, autopart's ops and Python operators on
+    sizes: a library's custom op (``torch.ops.transformers.*``) that capture could not
+    decompose to ATen. A saved program calling it would be refused at load (loading it could
+    run the library's code), and the passes have no rule for it."""
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr") or allowed_call(n):
+            continue
+        op = n.target
+        name = op.name() if isinstance(op, torch._ops.OpOverload) else getattr(op, "__name__", op)
+        space = getattr(op, "namespace", None) or getattr(op, "__module__", "?")
+        raise AutopartError(
+            f"node {n.name} ({n.meta.get(META_MODULE) or '<root>'}) calls {name}, an op of the "
+            f"namespace {space!r} with no ATen decomposition; autopart compiles ATen and its "
+            "own ops only (a saved program calling it could not be loaded)",
+            hint="register an ATen decomposition for it (torch.library's "
+            "CompositeImplicitAutograd kernel, or autopart.frontend.capture."
+            "LIBRARY_DECOMPOSITIONS), or configure the model to compute it with torch ops",
+        )
 
 
 def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[PassRecord]]:

@@ -50,6 +50,16 @@ _NO_DROPOUT = (
     "attn_dropout",
 )
 
+# multi-head latent attention at the common sizes (K/V heads = query heads)
+_MLA = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+}
+
 # model_type → what the common config needs changed (sizes the defaults make large, names the
 # config spells its own way), and a line on what the architecture brings
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -133,6 +143,25 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "apertus": ("xIELU activation, Q/K norms", {"head_dim": 8}),
     "helium": ("Llama-like with its own RMSNorm", {"head_dim": 8}),
     "smollm3": ("rotary skipped on some layers (NoPE)", {"head_dim": 8}),
+    "lfm2": (
+        "a short causal depthwise convolution along the sequence in one block, attention in the other",
+        {"layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False},
+    ),
+    "deepseek_v3": (
+        "multi-head latent attention (slice assignments into q), routed + shared experts",
+        {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+        | {"moe_intermediate_size": 32, "first_k_dense_replace": 1},
+    ),
+    "minicpm3": ("multi-head latent attention, scaled embeddings and residuals", _MLA),
+    "recurrent_gemma": (
+        "Griffin: a temporal convolution and a linear recurrence (RG-LRU) along the sequence",
+        {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 16},
+    ),
+    "falcon_h1": (
+        "a Mamba-2 mixer (padded causal convolution, chunked scan) beside attention",
+        {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8}
+        | {"mamba_n_groups": 1, "mamba_chunk_size": 8, "head_dim": 8},
+    ),
 }
 
 PLANS = {  # the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)

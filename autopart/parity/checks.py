@@ -86,9 +86,9 @@ def run_check(
         rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile, device=device
     )
     dump(runner, runner.step(*batch), folder)
-    collectives.set_action("the end of the check")
+    runner.comm.set_action("the end of the check")
     dist.barrier()  # every rank done with every collective before its groups go away
-    collectives.release(list({id(g): g for g in groups.values() if g is not None}.values()))
+    runner.comm.release(list({id(g): g for g in groups.values() if g is not None}.values()))
 
 
 # -- saved programs, one torchrun launch ---------------------------------------------------

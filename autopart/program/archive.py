@@ -235,17 +235,23 @@ def check_weights(data: bytes, path: Path, max_tensor_bytes: int, max_tensors: i
         )
 
 
+def allowed_call(n: fx.Node) -> bool:
+    """``n`` calls an ATen or autopart op or a Python operator on sizes (what a saved stage
+    graph may call; ``compile_program`` refuses anything else before it saves one)."""
+    target = n.target
+    return n.op == "call_function" and (
+        (isinstance(target, torch._ops.OpOverload) and target.namespace in NAMESPACES)
+        or target in _PY_CALLABLES
+    )
+
+
 def check_targets(graph: fx.GraphModule, where: Path) -> None:
     """Every call in a loaded stage graph is an ATen or autopart op or a Python size op."""
     for n in graph.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         target = n.target
-        ok = n.op == "call_function" and (
-            (isinstance(target, torch._ops.OpOverload) and target.namespace in NAMESPACES)
-            or target in _PY_CALLABLES
-        )
-        if not ok:
+        if not allowed_call(n):
             raise AutopartError(
                 f"{where}: node {n.name} calls {target!r} ({n.op}), which a "
                 "stage graph autopart wrote never does; it was not run",
@@ -253,4 +259,12 @@ def check_targets(graph: fx.GraphModule, where: Path) -> None:
             )
 
 
-__all__ = ["PT2_MEMBERS", "allowed", "check_pt2", "check_targets", "check_weights", "zip_members"]
+__all__ = [
+    "PT2_MEMBERS",
+    "allowed",
+    "allowed_call",
+    "check_pt2",
+    "check_targets",
+    "check_weights",
+    "zip_members",
+]

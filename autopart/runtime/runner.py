@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from autopart import collectives, deferred
+from autopart import collectives
 from autopart.errors import AutopartError, wait
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import norms, p2p, staging, state
+from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
@@ -260,8 +261,10 @@ class Runner:
         if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
             self._p2p.filler = self._fill
         self._tp_group = groups.get("tp")
-        collectives.bind("tp", self._tp_group)
-        collectives.set_action("(setup)", timeout_s)
+        # this runner's runtime context: its groups, actions and timeouts, transports and
+        # deferred weight gradients; active whenever it runs (``_activate``)
+        self.comm = Comm({"tp": self._tp_group}, timeout_s)
+        self.comm.set_action("(setup)")
         # a step whose global loss is NaN or ±inf raises instead of returning it (all ranks
         # alike: the loss is reduced first), so no optimizer steps on its gradients
         self.stop_on_nonfinite = True
@@ -343,6 +346,11 @@ class Runner:
         """This rank's parameters and buffers, keyed by the model's global FQNs."""
         return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
 
+    def _activate(self) -> None:
+        """Make this runner's context the one the graph's collectives use (another runner in
+        this process may have run since)."""
+        collectives.activate(self.comm)
+
     def train(self, mode: bool = True) -> Runner:
         """Training mode (the default): dropout on. ``train(False)`` is ``eval()``."""
         self.training = mode
@@ -374,7 +382,7 @@ class Runner:
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
         first, as with a torch module). ``labels``, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
-        collectives.bind("tp", self._tp_group)
+        self._activate()
         labels = self._shift(input_ids, labels, shifted)
         mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
         self._p2p.reset()
@@ -389,7 +397,7 @@ class Runner:
         try:
             with torch.no_grad():
                 for i, action in enumerate(actions):
-                    collectives.set_action(f"{action} (evaluate) on rank {self.rank}")
+                    self.comm.set_action(f"{action} (evaluate) on rank {self.rank}")
                     self._HANDLERS[action.kind](
                         self, i, action, (action.stage, action.mb, action.chunk)
                     )
@@ -418,7 +426,7 @@ class Runner:
                 }
             )
         dummy = torch.zeros_like(input_ids)  # labels feed no node once the loss is cut off
-        collectives.bind("tp", self._tp_group)
+        self._activate()
         mbs = self._microbatches(input_ids.to(self.device), dummy.to(self.device), local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
@@ -433,7 +441,7 @@ class Runner:
         try:
             with torch.no_grad():
                 for i, action in enumerate(actions):
-                    collectives.set_action(f"{action} (logits) on rank {self.rank}")
+                    self.comm.set_action(f"{action} (logits) on rank {self.rank}")
                     self._HANDLERS[action.kind](
                         self, i, action, (action.stage, action.mb, action.chunk)
                     )
@@ -474,7 +482,7 @@ class Runner:
                 dim=0,
             )  # (rows, seq, vocab / tp)
             if self.plan.mesh.tp > 1:
-                out = collectives._all_gather(out.contiguous(), 2, "tp")
+                out = self.comm.all_gather(out.contiguous(), 2, "tp")
         group = self.groups.get("pp")
         if group is not None:  # the last stage sends them to the others of its pipeline
             src = self.program.groups["pp"][-1]
@@ -637,7 +645,7 @@ class Runner:
         outside it."""
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
-        collectives.bind("tp", self._tp_group)
+        self._activate()
         labels = self._shift(input_ids, labels, shifted)
         mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
         kept = {f: p.grad for f, p in self.params.items()}
@@ -652,7 +660,7 @@ class Runner:
         self.stats["deferred_gemms"] = 0  # weight-gradient GEMMs the W actions ran
         self.stats["filled_gemms"] = 0
         actions = self.program.actions
-        collectives.defer_grad_reduce(bool(self._tp_partial))
+        self.comm.defer_grad_reduce = bool(self._tp_partial)
         s = self._s = _Step(
             mbs=mbs,
             count=self._count(labels, num_tokens, local),
@@ -664,7 +672,7 @@ class Runner:
         )
         try:
             for i, action in enumerate(actions):
-                collectives.set_action(f"{action} on rank {self.rank}")
+                self.comm.set_action(f"{action} on rank {self.rank}")
                 self._record(action, start=True)
                 self._HANDLERS[action.kind](
                     self, i, action, (action.stage, action.mb, action.chunk)
@@ -672,18 +680,18 @@ class Runner:
                 self._record(action, start=False)
             self._p2p.wait_sends()
             if self._tp_partial:
-                collectives.defer_grad_reduce(False)
+                self.comm.defer_grad_reduce = False
                 grads = [g for f in self._tp_partial if (g := self.params[f].grad) is not None]
-                collectives.set_action(f"the sequence-parallel gradients on rank {self.rank}")
-                collectives.reduce_grads(grads, "tp")
+                self.comm.set_action(f"the sequence-parallel gradients on rank {self.rank}")
+                self.comm.reduce_grads(grads, "tp")
             if s.chunk_time is not None:
                 self._refit_chunks(s)
             losses = s.losses
         finally:
-            collectives.defer_grad_reduce(False)
+            self.comm.defer_grad_reduce = False
             self._s = None  # the step's activations, prefixes and buckets go with it
             if self._split:
-                deferred.STORE.clear()  # a failed step's deferred gradients go with it
+                self.comm.weights.clear()  # a failed step's deferred gradients go with it
         loss = (
             torch.stack(list(losses.values())).sum()
             if losses
@@ -729,13 +737,13 @@ class Runner:
         live = self._s.live
         hooks = self._arm_buckets(self._s.arm_at.get(i, []))
         if self._split:  # the weight gradients wait for this unit's W
-            deferred.STORE.collecting = unit
+            self.comm.weights.collecting = unit
         try:
             self._backward(action, live[unit])
         finally:
-            deferred.STORE.collecting = None
+            self.comm.weights.collecting = None
         if self._split:  # what the deferred GEMMs keep (inputs, output gradients) until W
-            self._saved.hold(("W", *unit), deferred.STORE.held_bytes(unit))
+            self._saved.hold(("W", *unit), self.comm.weights.held_bytes(unit))
         self._saved.release(unit)
         for h in hooks:
             h.remove()
@@ -744,7 +752,7 @@ class Runner:
 
     def _on_weight(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         """A split backward's second half: the unit's deferred weight gradients."""
-        self.stats["deferred_gemms"] += deferred.STORE.run(unit)
+        self.stats["deferred_gemms"] += self.comm.weights.run(unit)
         self._saved.release(("W", *unit))
         for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
             self._bucket_ready(b, p)
@@ -755,12 +763,12 @@ class Runner:
         neighbour that runs late is spent on work the schedule's ``W`` would do later; recorded
         as a piece of that unit's ``W``. False when no such GEMM is left."""
         start = time.time()
-        unit = deferred.STORE.run_one()
+        unit = self.comm.weights.run_one()
         if unit is None:
             return False
         self.stats["deferred_gemms"] += 1
         self.stats["filled_gemms"] += 1
-        if deferred.STORE.done(unit):
+        if self.comm.weights.done(unit):
             self._saved.release(("W", *unit))
         if self.timeline is not None:  # the receive's own event starts after its last piece
             self._t0 = time.time()

@@ -198,7 +198,7 @@ def _threaded_ce(full: torch.Tensor, labels: torch.Tensor, tp: int, monkeypatch)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
     with solo_tp():
-        collectives.bind("tp", object())  # bound (the gather above stands in for its group)
+        collectives.active().bind("tp", object())  # bound: the gather stands in for its group
         for t in threads:
             t.start()
         for t in threads:

@@ -27,6 +27,7 @@ from autopart.meta import META_INPUT, META_LAYER, META_SHARD
 from autopart.passes import PIPELINE
 from autopart.passes.tensor_parallel import TPShard
 from autopart.program.format import Shard
+from autopart.runtime.comm import Comm
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 MODELS = ("gpt_sdpa", "gpt_manual", "hf_gpt", "llama")
@@ -150,15 +151,14 @@ def hidden_size(case: Case) -> int:
 
 @contextlib.contextmanager
 def solo_tp() -> Iterator[None]:
-    """Bind the graph's "tp" group to None in this process (every collective is the identity);
-    the previous bindings come back afterwards."""
-    saved = dict(collectives._GROUPS)
-    collectives.bind("tp", None)
+    """A runtime context whose "tp" group is None (every collective is the identity), active
+    in this process; the previously active one comes back afterwards."""
+    saved = collectives._ACTIVE[0]
+    collectives.activate(Comm({"tp": None}))
     try:
         yield
     finally:
-        collectives._GROUPS.clear()
-        collectives._GROUPS.update(saved)
+        collectives.activate(saved)
 
 
 def local_inputs(case: Case, gm: fx.GraphModule, tp: int, tp_index: int = 0) -> list:

@@ -1,0 +1,1056 @@
+"""Sequence rules for the Seq1F1B pass: which dim of each value carries the sequence, proven
+op by op from an allow-list.
+
+``prove(gm)`` walks a stage graph in order and gives every live node an abstract value:
+
+- ``None``: the value does not depend on the sequence (parameters, buffers, constants, and what
+  is computed from them alone); no dim of it grows with the sequence length;
+- ``Seq(dim, inner)``: ``dim`` carries the sequence, token t's entries at index t (times
+  ``inner``, the stride of the token index inside a dim merged with others, such as
+  ``[b·s, h]`` or the ``[b·s·k]`` slots of k routed experts per token), and the value at
+  token t depends only on tokens ≤ t through constructs the chunk pass knows how to chunk;
+- ``LENGTH``: an integer that grows with the sequence length (``sym_size`` of the sequence dim,
+  arithmetic on it): allowed only as a size (views, expands, factories, a whole slice);
+- ``SUMMED``: a sum over every token (the loss): chunks' sums add up to the sequence's, so it
+  may reach the output, plus or times values that do not depend on the sequence, and nothing
+  else;
+- routing values of a mixture of experts (``Routed``), below.
+
+The allow-list: position-wise ops (elementwise, reductions, norms and softmaxes over other
+dims, matmuls contracting other dims, views and rearrangements that keep the token order,
+slices and pads of other dims, embeddings and table reads at token-aligned indices),
+positions (``arange(s)``, running counts of a constant: the chunk pass shifts them by the
+chunk's offset), constants sized by the sequence, causal attention (``canonicalize_attention``
+marked it; the chunk pass gives it its K/V prefix), the summed loss, and token routing
+(``sort`` of per-token expert ids, the gather, grouped matmul and scatter back that a mixture of
+experts makes). Any other op, and any op of the list acting along the sequence dim (a scan, a
+softmax or reduction over it, a convolution or pad along it, a product contracting or pairing
+it, an index into it, a slice of it, the length used as a value) is a ``Mixes`` finding, naming
+what mixes the tokens. No dim is guessed: a value's sequence dim is the one whose size grows
+with the sequence (sizes are evaluated at several lengths), and the rule must agree.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from autopart.frontend.capture import S, to_sympy
+from autopart.meta import META_ATTENTION, META_INPUT, META_SYMBOLS
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+_SAMPLES = ((3, 48), (3, 96), (5, 96))  # (b, s) at which sizes are evaluated
+
+
+@dataclass(frozen=True)
+class Seq:
+    """``dim`` carries the sequence; ``inner`` is the token index's stride inside that dim, at
+    each of ``_SAMPLES`` (1 when the dim is the sequence itself)."""
+
+    dim: int
+    inner: tuple[int, ...]
+    part: int = 1  # 1: the whole chunk; p: a tp rank's 1/p of it (sequence parallelism)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Token routing of a mixture of experts, tied to its ``sort`` node ``key``: ``rows`` (the
+    tokens' rows in the sorted order), ``perm`` (the sort's indices), ``inverse`` (the inverse
+    permutation), ``counts`` / ``offsets`` (tokens per expert, their running sum)."""
+
+    kind: str
+    key: fx.Node
+    seq: Seq  # the alignment of the sorted (slot) dim before sorting
+
+
+LENGTH, SUMMED, MIXED, SLOTS = "length", "summed", "mixed", "slots"
+SHARE = "share"  # the index of a tp rank's rows under sequence parallelism (``_share``)
+
+
+class Mixes(Exception):
+    """The node mixes tokens along the sequence (the message says how)."""
+
+    def sentence(self) -> str:
+        return f"{self} mixes tokens of different chunks"
+
+
+class Fixed(Mixes):
+    """The graph runs at one sequence length only: there is nothing to chunk."""
+
+    def sentence(self) -> str:
+        return str(self)
+
+
+class Unproven(Mixes):
+    """No rule covers the op: nothing proves it keeps tokens apart."""
+
+    def sentence(self) -> str:
+        return f"{self} has no sequence rule (nothing proves it keeps the chunks' tokens apart)"
+
+
+ONE = (1,) * len(_SAMPLES)
+
+
+def seq_dims(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]]]:
+    """Every live node's abstract value, and the nodes that mix tokens, each with how."""
+    return _Prover(gm).run()
+
+
+class _Prover:
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.env: dict[fx.Node, Any] = {}
+        self.found: list[tuple[fx.Node, str]] = []
+        self._memo: dict[Any, tuple[int, ...]] = {}
+        self.names = gm.meta.get(META_SYMBOLS, {})
+
+    # -- sizes at the sample lengths ------------------------------------------------------------
+    def at(self, x: Any) -> tuple[int, ...]:
+        """An int or SymInt at each sample (b, s); other symbols are set to 4."""
+        if not isinstance(x, torch.SymInt):
+            return (int(x),) * len(_SAMPLES)
+        key = x.node.expr
+        if key not in self._memo:
+            expr = to_sympy(x, self.gm)
+            b = next((v for v in self.names.values() if v.name == "b"), None)
+            others = {sym: 4 for sym in expr.free_symbols - {S, b}}
+            self._memo[key] = tuple(
+                int(expr.xreplace({**others, S: s, **({b: bb} if b is not None else {})}))
+                for bb, s in _SAMPLES
+            )
+        return self._memo[key]
+
+    def part(self, x: Any) -> int | None:
+        """p when the size ``x`` is s / p at every sample (the whole sequence: 1; a tp rank's
+        share under sequence parallelism: tp), else None."""
+        parts = {
+            s // v if v and s % v == 0 else 0
+            for v, (_, s) in zip(self.at(x), _SAMPLES, strict=True)
+        }
+        return None if len(parts) != 1 or 0 in parts else parts.pop()
+
+    def grows(self, x: Any) -> bool:
+        v = self.at(x)
+        return v[0] != v[1]
+
+    def growing(self, val: Any) -> list[int]:
+        return [d for d, x in enumerate(val.shape) if self.grows(x)] if _is_tensor(val) else []
+
+    # -- the walk -------------------------------------------------------------------------------
+    def run(self) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]]]:
+        live = _live(self.gm)
+        for n in self.gm.graph.nodes:
+            if n not in live:
+                continue
+            try:
+                if n.op == "placeholder":
+                    value = self.placeholder(n)
+                elif n.op == "output":
+                    self.output(n)
+                    continue
+                elif any(self.env.get(a) is MIXED for a in n.all_input_nodes):
+                    value = MIXED
+                    if _is_softmax(n) and self._softmax_along(n):  # name the attention, below
+                        raise Mixes(SOFTMAX)
+                else:
+                    value = self.check(n, self.call(n))
+            except Mixes as exc:
+                self.found.append((n, exc.sentence()))
+                value = MIXED
+            self.env[n] = value
+        return self.env, self.found
+
+    def placeholder(self, n: fx.Node) -> Any:
+        ref, val = n.meta.get(META_INPUT), n.meta.get("val")
+        grow = self.growing(val)
+        if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val):
+            raise Fixed(
+                f"the sequence length of {n.name} was fixed at capture to {val.shape[-1]} "
+                "tokens (torch.export specialized it): the graph runs at that length only, "
+                "never on a chunk"
+            )
+        if not grow:
+            return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None
+        if getattr(ref, "kind", None) not in ("data", "act") or len(grow) > 1:
+            raise Mixes(f"an input ({getattr(ref, 'kind', '?')}) sized by the sequence")
+        part = self.part(val.shape[grow[0]])
+        if part is None:
+            raise Mixes("a stage input whose sequence dim is merged with another dim")
+        return Seq(grow[0], ONE, part)
+
+    def output(self, n: fx.Node) -> None:
+        for a in _flat(n.args[0]):
+            if isinstance(a, fx.Node) and self.env.get(a) is LENGTH:
+                self.found.append((a, Mixes("the sequence length returned").sentence()))
+
+    def check(self, n: fx.Node, value: Any) -> Any:
+        """The rule's answer must agree with the sizes: a ``Seq`` dim grows, nothing else does."""
+        vals = n.meta.get("val")
+        if isinstance(value, tuple):
+            for v, x in zip(value, vals, strict=False):
+                self._agree(v, x)
+        else:
+            self._agree(value, vals)
+        return value
+
+    def _agree(self, value: Any, val: Any) -> None:
+        if not _is_tensor(val) or value in (SLOTS, SHARE):
+            return
+        grow = self.growing(val)
+        if len(grow) > 1:
+            raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
+        want = value.dim if isinstance(value, Seq) else value.seq.dim if _rows(value) else None
+        if value is SUMMED or (isinstance(value, Routed) and not _rows(value)):
+            want = grow[0] if grow else None
+        if grow != ([] if want is None else [want % max(val.dim(), 1)]):
+            raise Mixes(
+                "a value sized by the sequence but not laid out along it"
+                if grow
+                else "a reduction of the sequence dim"
+            )
+
+    # -- rules ------------------------------------------------------------------------------
+    def call(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            raise Mixes(f"a {n.op} node")
+        target = n.target
+        if target in _SYM_OPS or target is operator.getitem and not _is_tensor_list(n.args[0]):
+            if target is operator.getitem:
+                src = self.env.get(n.args[0])
+                return src[n.args[1]] if isinstance(src, tuple) else src
+            val = n.meta.get("val")
+            grows = isinstance(val, torch.SymInt) and self.grows(val)
+            return LENGTH if grows or any(self._length(a) for a in _flat(n.args)) else None
+        if target is operator.getitem:
+            src = self.env.get(n.args[0])
+            return src[n.args[1]] if isinstance(src, tuple) else src
+        if _share_part(n) is not None:
+            return SHARE
+        if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
+            return _share(self, n)
+        self._no_length(n)
+        if any(self.env.get(a) is SUMMED for a in n.all_input_nodes):
+            return self._summed(n)
+        routed = [self.env[a] for a in n.all_input_nodes if isinstance(self.env.get(a), Routed)]
+        if any(self.env.get(a) is SLOTS for a in n.all_input_nodes):
+            if not routed:
+                raise Mixes(ARANGE)
+            routed = [*routed, *(Routed("slots", routed[0].key, routed[0].seq),)]
+        if routed or target in _ROUTING_ENTRY and self._routing_entry(n):
+            return _route(self, n, routed)
+        if target in _SPECIAL:
+            return _SPECIAL[target](self, n)
+        if (
+            getattr(target, "namespace", None) == "autopart"
+            and target._opname == "vocab_parallel_ce"
+        ):
+            return _loss(self, n)  # the summed cross entropy of vocabulary-split logits
+        along = _ALONG.get(target)
+        if along is None:
+            if (
+                target in _POINTWISE
+                or torch.Tag.pointwise in getattr(target, "tags", ())
+                or (
+                    getattr(target, "namespace", None) == "autopart"
+                    and target._opname in _AUTOPART_LOCAL
+                )
+            ):
+                along = _nothing
+            else:
+                raise Unproven(_op_name(target))
+        for x, dims, what in along(n):
+            v = self.env.get(x)
+            if isinstance(v, Seq) and v.dim % _ndim(x) in {d % _ndim(x) for d in dims}:
+                raise Mixes(what)
+        return self._carry(n)
+
+    def _carry(self, n: fx.Node, inner: tuple[int, ...] | None = None) -> Any:
+        """The output's sequence dim (the one that grows), with the inputs' token stride."""
+        seqs = [self.env[a] for a in n.all_input_nodes if isinstance(self.env.get(a), Seq)]
+        inners = {s.inner for s in seqs}
+        if len(inners) > 1:
+            raise Mixes("tokens laid out with different strides combined")
+        parts = {s.part for s in seqs}
+        if len(parts) > 1:
+            raise Mixes("the whole chunk combined with a tp rank's share of it")
+        inner = inner or next(iter(inners), ONE)
+        part = next(iter(parts), 1)
+        if getattr(n.target, "namespace", None) == "autopart" and n.target._opname in _SHARING:
+            x, dim, _group, size = n.args[:4]
+            if seqs and self.env[x].dim % _ndim(x) == dim % _ndim(x):  # split or joined along s
+                part = part * size if n.target._opname == "tp_scatter_reduce" else part // size
+        vals = n.meta.get("val")
+        if isinstance(vals, (tuple, list)):
+            return tuple(self._one(v, inner, bool(seqs), part) for v in vals)
+        return self._one(vals, inner, bool(seqs), part)
+
+    def _one(self, val: Any, inner: tuple[int, ...], from_seq: bool, part: int = 1) -> Any:
+        grow = self.growing(val)
+        if not grow:
+            if from_seq and _is_tensor(val):
+                raise Mixes("a reduction of the sequence dim")
+            return None
+        if len(grow) > 1:
+            raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
+        if not from_seq:
+            raise Mixes("a value sized by the sequence computed from no token")
+        return Seq(grow[0], inner, part)
+
+    def _length(self, a: Any) -> bool:
+        return (isinstance(a, fx.Node) and self.env.get(a) is LENGTH) or (
+            isinstance(a, torch.SymInt) and self.grows(a)
+        )
+
+    def _no_length(self, n: fx.Node) -> None:
+        """The sequence length is a size here, never a value."""
+        sizes = _SIZE_ARGS.get(n.target, ())
+        for i, a in enumerate([*n.args, *n.kwargs.values()]):
+            if i in sizes or (i >= len(n.args) and list(n.kwargs)[i - len(n.args)] in _SIZE_KW):
+                continue
+            if any(self._length(x) for x in _flat([a])):
+                raise Mixes("the sequence length used as a value (each chunk has its own)")
+
+    def _softmax_along(self, n: fx.Node) -> bool:
+        val = n.args[0].meta.get("val")
+        return _is_tensor(val) and self.grows(val.shape[n.args[1] % val.dim()])
+
+    def _summed(self, n: fx.Node) -> Any:
+        """A sum over the tokens plus or times values free of the sequence."""
+        others = [self.env.get(a) for a in n.all_input_nodes if self.env.get(a) is not SUMMED]
+        scaled = n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(others) <= 1
+        if n.target in _LINEAR_ON_SUMS and all(v is None for v in others) and scaled:
+            return SUMMED
+        raise Mixes("a use of the summed loss other than adding and scaling it")
+
+    def _routing_entry(self, n: fx.Node) -> bool:
+        v = self.env.get(n.args[0])
+        return isinstance(v, Seq) and v.dim % _ndim(n.args[0]) == _dim_arg(n, 1, -1) % _ndim(
+            n.args[0]
+        )
+
+
+# -- the routed experts of a mixture of experts ---------------------------------------------------
+
+
+def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
+    """HF's experts (``integrations/moe.py``): ``sort`` the slots' expert ids (slot j = token
+    j // k's j % k-th choice), gather each slot's token row (``x[perm // k]``) and routing weight
+    (``w[perm]``), count the slots per expert (``histc`` of the sorted ids, ``cumsum``: the group
+    offsets), multiply each expert's group of rows by its weights (a grouped matmul, or capture's
+    ATen form of one: every row by each expert's weights, kept where the row's slot index lies in
+    that expert's group), and scatter the rows back (``out[inverse]``, ``inverse`` made by
+    ``index_put(empty, [perm], arange)``). Each slot's result depends on its own token only."""
+    t = n.target
+    if t == aten.sort.default and not routed:
+        key = p.env[n.args[0]]
+        return (Routed("rows", n, key), Routed("perm", n, key))
+    if len({r.key for r in routed}) != 1:
+        raise Mixes("token routing of two different sorts combined")
+    r0 = routed[0]
+    kinds = {r.kind for r in routed}
+    env = [p.env.get(a) for a in n.all_input_nodes]
+    others = [v for v in env if not isinstance(v, Routed) and v is not SLOTS]
+    local = kinds <= {"rows", "group"} and "rows" in kinds or kinds == {"group"}
+    if local and all(v is None for v in others) and _row_wise(n, p):
+        return Routed("group", r0.key, r0.seq) if kinds == {"group"} else _rows_of(r0)
+    # slot j of k choices per token belongs to token j // k: the key's token stride is k
+    k = n.args[1] if len(n.args) > 1 else None
+    if (
+        kinds == {"perm"}
+        and t == aten.floor_divide.default
+        and r0.seq.inner == (k,) * len(r0.seq.inner)
+    ):
+        return Routed("token", r0.key, r0.seq)
+    if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
+        return Routed("group", r0.key, r0.seq)
+    if t == aten.index.Tensor and len(n.args[1]) == 1:
+        idx, x = p.env.get(n.args[1][0]), p.env.get(n.args[0])
+        if isinstance(idx, Routed) and idx.kind == "token" and x == Seq(0, ONE):
+            return Routed("rows", idx.key, idx.seq)
+        if isinstance(idx, Routed) and idx.kind == "perm" and x == idx.seq and x.dim == 0:
+            return Routed("rows", idx.key, idx.seq)
+        if isinstance(idx, Routed) and idx.kind == "inverse" and _rows(x) and x.key is idx.key:
+            return idx.seq
+    if t == aten.histc.default and kinds == {"rows"} and n.args[0] in _sorted_values(r0.key):
+        return Routed("counts", r0.key, r0.seq)
+    if t == aten.cumsum.default and kinds == {"counts"}:
+        return Routed("offsets", r0.key, r0.seq)
+    if t in (aten.select.int, aten.slice.Tensor) and kinds == {"offsets"}:
+        return r0
+    if t == aten.empty_like.default and kinds == {"perm"}:
+        return Routed("empty", r0.key, r0.seq)
+    if (
+        t == aten.index_put.default
+        and [p.env.get(a) for a in (n.args[0], *n.args[1])]
+        == [
+            Routed("empty", r0.key, r0.seq),
+            Routed("perm", r0.key, r0.seq),
+        ]
+        and p.env.get(n.args[2]) is SLOTS
+    ):
+        return Routed("inverse", r0.key, r0.seq)
+    if _is_grouped_mm(t) and kinds == {"rows", "offsets"}:
+        x, w, offs = n.args[:3]
+        if _rows(p.env.get(x)) and p.env.get(w) is None and p.env.get(offs).kind == "offsets":
+            return _rows_of(r0)
+    raise Mixes(f"{_op_name(t)} on routed tokens, which the routing rule does not cover")
+
+
+def _rows_of(r: Routed) -> Routed:
+    return Routed("rows", r.key, r.seq)
+
+
+def _row_wise(n: fx.Node, p: _Prover) -> bool:
+    """An op on the rows that keeps each row to itself: elementwise, a matmul by weights free of
+    the sequence, a view or split keeping the row dim, or choosing between two rows' values."""
+    t = n.target
+    if t in _POINTWISE or torch.Tag.pointwise in getattr(t, "tags", ()):
+        return True
+    if t in (aten.mm.default, aten.matmul.default, aten.linear.default):
+        return _rows(p.env.get(n.args[0])) and p.env.get(n.args[1]) is None  # rows @ weights
+    if t in (aten.view.default, aten.reshape.default, aten.unsqueeze.default):
+        return str(n.meta["val"].shape[0]) == str(n.args[0].meta["val"].shape[0])
+    if t in (aten.split.Tensor, aten.split_with_sizes.default):
+        return _dim_arg(n, 2, 0) % _ndim(n.args[0]) != 0
+    return False
+
+
+_SLOT_USERS = {
+    aten.index_put.default,
+    aten.ge.Tensor,
+    aten.lt.Tensor,
+    aten.le.Tensor,
+    aten.gt.Tensor,
+}
+_COMPARE = {aten.ge.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.lt.Tensor}
+
+
+def _sorted_values(sort: fx.Node) -> set[fx.Node]:
+    """``sort``'s values and their casts (what ``histc`` may count)."""
+    out = {u for u in sort.users if u.target is operator.getitem and u.args[1] == 0}
+    for v in list(out):
+        out |= {u for u in v.users if u.target in (aten._to_copy.default, aten.to.dtype)}
+    return out
+
+
+def _is_grouped_mm(t: Any) -> bool:
+    return t in (aten._grouped_mm.default,) or getattr(t, "__name__", "").startswith(
+        "grouped_mm_fallback"
+    )
+
+
+# -- tables ------------------------------------------------------------------------------------
+
+
+def _nothing(n: fx.Node) -> list:
+    return []
+
+
+def _dim_arg(n: fx.Node, i: int, default: Any, key: str = "dim") -> Any:
+    return n.args[i] if len(n.args) > i else n.kwargs.get(key, default)
+
+
+def _dims_arg(n: fx.Node, i: int, key: str = "dim") -> list[int]:
+    dims = _dim_arg(n, i, None, key)
+    if dims is None or dims == []:
+        return list(range(_ndim(n.args[0])))
+    return list(dims) if isinstance(dims, (list, tuple)) else [dims]
+
+
+def _along(what: str, pick: Callable[[fx.Node], list[int]], arg: int = 0) -> Callable:
+    return lambda n: [(n.args[arg], pick(n), what)]
+
+
+SOFTMAX = (
+    "a softmax over the sequence that is not a recognized causal attention "
+    "(soft-capped scores and position biases such as ALiBi are not)"
+)
+_REDUCE = "a reduction over the sequence"
+
+
+def _reduction(n: fx.Node) -> list:
+    return [(n.args[0], _dims_arg(n, 1), _REDUCE)]
+
+
+def _scan(name: str) -> Callable:
+    return _along(f"a {name} along the sequence", lambda n: [_dim_arg(n, 1, 0)])
+
+
+def _slice(n: fx.Node) -> list:
+    x = n.args[0]
+    dim = _dim_arg(n, 1, 0)
+    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
+    size = x.meta["val"].shape[dim]
+    whole = start in (None, 0) and step == 1
+    whole = whole and (
+        end is None
+        or (isinstance(end, int) and end >= 2**62)
+        or (str(end.meta["val"] if isinstance(end, fx.Node) else end) == str(size))
+    )
+    return [] if whole else [(x, [dim], "a slice of the sequence")]
+
+
+def _pad(n: fx.Node) -> list:
+    pad = n.args[1]
+    nd = _ndim(n.args[0])
+    dims = [nd - 1 - i // 2 for i, p in enumerate(pad) if not (isinstance(p, int) and p == 0)]
+    return [(n.args[0], dims, "a pad along the sequence (a convolution's window, say)")]
+
+
+def _conv(n: fx.Node) -> list:
+    nd = _ndim(n.args[0])
+    return [
+        (n.args[0], list(range(1, nd)), "a convolution along the sequence"),
+        (n.args[1], list(range(_ndim(n.args[1]))), "a convolution whose weights are tokens"),
+    ]
+
+
+def _contract(a_dim: int, b_dims: Callable[[fx.Node], list[int]], a: int = 0, b: int = 1):
+    what = "a product summing over the sequence outside causal attention"
+
+    def rule(n: fx.Node) -> list:
+        return [(n.args[a], [a_dim], what), (n.args[b], b_dims(n), what)]
+
+    return rule
+
+
+def _matmul_b(n: fx.Node) -> list[int]:
+    return [-2] if _ndim(n.args[1]) >= 2 else [0]
+
+
+def _index(n: fx.Node) -> list:
+    dims = [i for i, x in enumerate(n.args[1]) if x is not None]
+    return [
+        (
+            n.args[0],
+            dims,
+            "an index by position or token into a value laid out along the sequence",
+        )
+    ]
+
+
+def _index_put(n: fx.Node) -> list:
+    dims = [i for i, x in enumerate(n.args[1]) if x is not None]
+    return [
+        (n.args[0], dims, "an index by position or token into a value laid out along the sequence"),
+        (n.args[2], list(range(_ndim(n.args[2]))), "tokens written at computed indices"),
+    ]
+
+
+def _scatter_like(dim_arg: int, src_arg: int) -> Callable:
+    what = "a write along the sequence"
+
+    def rule(n: fx.Node) -> list:
+        d = _dim_arg(n, dim_arg, 0)
+        return [(n.args[0], [d], what), (n.args[src_arg], [d], what)]
+
+    return rule
+
+
+def _slice_scatter(n: fx.Node) -> list:
+    d = _dim_arg(n, 2, 0)
+    return [(n.args[0], [d], "a write into a slice of the sequence"), (n.args[1], [d], "")]
+
+
+def _repeat(n: fx.Node) -> list:
+    reps = n.args[1]
+    off = len(reps) - _ndim(n.args[0])
+    dims = [i - off for i, r in enumerate(reps) if r != 1 and i >= off]
+    return [(n.args[0], dims, "a repeat along the sequence")]
+
+
+def _cat(n: fx.Node) -> list:
+    d = _dim_arg(n, 1, 0)
+    return [(t, [d], "a concatenation along the sequence") for t in n.args[0]]
+
+
+def _layer_norm(n: fx.Node) -> list:
+    k = len(n.args[1])
+    return [(n.args[0], list(range(-k, 0)), "a norm over the sequence")]
+
+
+def _triangle(n: fx.Node) -> list:
+    return [(n.args[0], [-1, -2], "a triangle of a value along the sequence")]
+
+
+_ALONG: dict[Any, Callable[[fx.Node], list]] = {
+    # reductions, norms and softmaxes: over other dims only
+    **dict.fromkeys(
+        (
+            aten.sum.dim_IntList,
+            aten.mean.dim,
+            aten.amax.default,
+            aten.amin.default,
+            aten.var.correction,
+            aten.std.correction,
+            aten.var_mean.correction,
+            aten.prod.dim_int,
+            aten.any.dim,
+            aten.all.dim,
+            aten.max.dim,
+            aten.min.dim,
+            aten.argmax.default,
+            aten.argmin.default,
+            aten.logsumexp.default,
+            aten.linalg_vector_norm.default,
+            aten.sum.default,
+            aten.mean.default,
+        ),
+        _reduction,
+    ),
+    **dict.fromkeys(
+        (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default),
+        _along(SOFTMAX, lambda n: [n.args[1]]),
+    ),
+    aten.layer_norm.default: _layer_norm,
+    aten.native_layer_norm.default: _layer_norm,
+    aten.rms_norm.default: _layer_norm,
+    aten.cumsum.default: _scan("cumsum"),
+    aten.cumprod.default: _scan("cumprod"),
+    aten.cummax.default: _scan("cummax"),
+    aten.cummin.default: _scan("cummin"),
+    aten.logcumsumexp.default: _scan("logcumsumexp"),
+    aten.sort.default: _along("a sort along the sequence", lambda n: [_dim_arg(n, 1, -1)]),
+    aten.topk.default: _along("a top-k along the sequence", lambda n: [_dim_arg(n, 2, -1)]),
+    aten.flip.default: _along("a flip along the sequence", lambda n: list(n.args[1])),
+    aten.roll.default: _along(
+        "a roll along the sequence",
+        lambda n: list(_dim_arg(n, 2, [], "dims")) or list(range(_ndim(n.args[0]))),
+    ),
+    aten.tril.default: _triangle,
+    aten.triu.default: _triangle,
+    # rearrangements that keep the token order (the output's growing dim is found from sizes)
+    **dict.fromkeys(
+        (
+            aten.transpose.int,
+            aten.t.default,
+            aten.permute.default,
+            aten.unsqueeze.default,
+            aten.squeeze.dim,
+            aten.squeeze.dims,
+            aten.squeeze.default,
+            aten.expand.default,
+            aten.expand_as.default,
+            aten.stack.default,
+            aten.alias.default,
+            aten.movedim.int,
+            aten.unbind.int,
+        ),
+        _nothing,
+    ),
+    aten.slice.Tensor: _slice,
+    aten.select.int: _along("a select of one token", lambda n: [n.args[1]]),
+    aten.narrow.default: _along("a slice of the sequence", lambda n: [n.args[1]]),
+    aten.split.Tensor: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
+    aten.split_with_sizes.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
+    aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
+    aten.cat.default: _cat,
+    aten.constant_pad_nd.default: _pad,
+    aten.pad.default: _pad,
+    aten.repeat.default: _repeat,
+    aten.repeat_interleave.self_int: _along(
+        "a repeat along the sequence", lambda n: [_dim_arg(n, 2, 0)]
+    ),
+    # products: contract other dims; a product pairing tokens with tokens grows two dims
+    aten.linear.default: lambda n: [
+        (n.args[0], [-1], "a product summing over the sequence outside causal attention"),
+        (n.args[1], [0, 1], "a product with token-dependent weights"),
+    ],
+    aten.mm.default: _contract(-1, lambda n: [0]),
+    aten.addmm.default: _contract(-1, lambda n: [0], 1, 2),
+    aten.bmm.default: _contract(-1, lambda n: [-2]),
+    aten.matmul.default: _contract(-1, _matmul_b),
+    # convolutions: along their spatial dims
+    aten.conv1d.default: _conv,
+    aten.conv2d.default: _conv,
+    aten.convolution.default: _conv,
+    aten._convolution.default: _conv,
+    # reads of tables at token-aligned indices; indexing into a value along its sequence is not
+    aten.embedding.default: lambda n: [(n.args[0], [0], "an embedding table sized by tokens")],
+    aten.index.Tensor: _index,
+    aten.index_select.default: _along(
+        "an index by position or token into a value laid out along the sequence",
+        lambda n: [n.args[1]],
+    ),
+    aten.gather.default: _along("a gather along the sequence", lambda n: [n.args[1]]),
+    aten.index_put.default: _index_put,
+    aten.scatter.src: _scatter_like(1, 3),
+    aten.scatter.value: _along("a write along the sequence", lambda n: [n.args[1]]),
+    aten.scatter_add.default: _scatter_like(1, 3),
+    aten.index_add.default: _scatter_like(1, 3),
+    aten.slice_scatter.default: _slice_scatter,
+    aten.select_scatter.default: lambda n: [
+        (n.args[0], [n.args[2]], "a write of one token"),
+        (n.args[1], [], ""),
+    ],
+}
+
+_POINTWISE = {
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+    aten.type_as.default,
+    aten.masked_fill.Tensor,
+    aten.floor_divide.default,
+    aten.fill.Scalar,
+    aten.dropout.default,
+    aten.native_dropout.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.empty_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.bernoulli.p,
+    aten.__and__.Tensor,
+    aten.__or__.Tensor,
+    aten.__xor__.Tensor,
+}
+_ROUTING_ENTRY = {aten.sort.default}
+
+
+# autopart's collectives and dropout work position by position (tp_gather / tp_scatter_reduce
+# keep the token order of the sequence shards they join or split), by op name
+_AUTOPART_LOCAL = frozenset(
+    ("tp_copy", "tp_reduce", "tp_all_reduce_grad", "tp_gather", "tp_scatter_reduce", "dropout")
+)
+_SHARING = frozenset(("tp_gather", "tp_scatter_reduce"))  # (x, dim, group, size): s/p ↔ s
+
+
+def _share_part(n: fx.Node) -> fx.Node | None:
+    """The ``add`` of sequence parallelism's row index (``sequence_parallel._my_rows``):
+    ``arange(L) + rank * L``, ``L = sym_size(x, d)``, when ``n`` is that ``add``, its ``arange``
+    or its ``mul``, else None. ``L`` is the local (per tp rank) length of a sequence-split ``x``:
+    the index reads this rank's ``L`` consecutive rows of the chunk, in order."""
+    add = n
+    if n.target in (aten.arange.default, aten.mul.Tensor) and len(n.users) == 1:
+        add = next(iter(n.users))
+    if add.target != aten.add.Tensor or len(add.args) != 2:
+        return None
+    rows, first = add.args
+    if not (isinstance(rows, fx.Node) and isinstance(first, fx.Node)):
+        return None
+    if rows.target != aten.arange.default or first.target != aten.mul.Tensor:
+        return None
+    rank, size = first.args
+    if not (
+        isinstance(rank, fx.Node)
+        and rank.op == "placeholder"
+        and getattr(rank.meta.get(META_INPUT), "kind", None) == "rank"
+        and rows.args[0] is size
+        and isinstance(size, fx.Node)
+        and size.target == aten.sym_size.int
+    ):
+        return None
+    return add if n in (add, rows, first) else None
+
+
+def _share(p: _Prover, n: fx.Node) -> Any:
+    """``index_select(a, d, index)`` with sequence parallelism's row index: this tp rank's rows
+    of ``a`` (the whole chunk along ``d``), in order. The index is relative to the chunk (its
+    ``L`` is the chunk's local length), so each chunk selects its own rows and the selected row
+    r holds the chunk's token rank·L + r: token-aligned, like the local values it joins."""
+    index = n.args[2] if len(n.args) > 2 else None
+    if n.target != aten.index_select.default or p.env.get(index) is not SHARE:
+        raise Mixes(ARANGE)
+    src, d = n.args[0], n.args[1]
+    v = p.env.get(src)
+    size = _share_part(index).args[1].args[1]  # the mul's L: sym_size(x, dim)
+    x, dim = size.args
+    xv = p.env.get(x)
+    if not (
+        isinstance(v, Seq)
+        and v.dim % _ndim(src) == d % _ndim(src)
+        and v.inner == ONE
+        and isinstance(xv, Seq)
+        and xv.dim % _ndim(x) == dim % _ndim(x)
+        and v.part == 1
+    ):
+        raise Mixes("an index by position into a value laid out along the sequence")
+    return Seq(v.dim % _ndim(src), ONE, xv.part)
+
+
+def _factory(p: _Prover, n: fx.Node) -> Any:
+    """A constant sized by the sequence (zeros, ones, full): the same at every token."""
+    val = n.meta["val"]
+    grow = p.growing(val)
+    if len(grow) > 1:
+        raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
+    return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1) if grow else None
+
+
+def _arange(p: _Prover, n: fx.Node) -> Any:
+    from autopart.passes.sequence_chunk import _is_positions
+
+    grow = p.growing(n.meta["val"])
+    if not grow:
+        return None
+    if _is_positions(n, p.gm):
+        return Seq(0, ONE)  # shifted by the chunk's offset
+    if (
+        n.target == aten.arange.default
+        and n.users
+        and all(u.target in _SLOT_USERS for u in n.users)
+    ):
+        return SLOTS  # slot indices of routed tokens: only the routing rule may read them
+    raise Mixes(ARANGE)
+
+
+ARANGE = (
+    "an arange over a length derived from the sequence other than the positions 0 … s − 1 "
+    "(each chunk would restart it)"
+)
+
+
+def _cumsum(p: _Prover, n: fx.Node) -> Any:
+    from autopart.passes.sequence_chunk import _fill_value
+
+    if _fill_value(n, p.gm) is not None:  # a running count, shifted by the chunk pass
+        return p.env[n.args[0]]
+    for x, dims, what in _scan("cumsum")(n):
+        v = p.env.get(x)
+        if isinstance(v, Seq) and v.dim % _ndim(x) in {d % _ndim(x) for d in dims}:
+            raise Mixes(what)
+    return p._carry(n)
+
+
+def _attention(p: _Prover, n: fx.Node) -> Any:
+    if n.meta.get(META_ATTENTION) != "causal":
+        raise Mixes("an attention not proven causal")
+    q, k, v = n.args[:3]
+    for x in (q, k, v):
+        val = p.env.get(x)
+        if not (
+            isinstance(val, Seq)
+            and val.dim % _ndim(x) == _ndim(x) - 2
+            and val.inner == ONE
+            and val.part == 1
+        ):
+            raise Mixes("a causal attention whose queries, keys or values are not per token")
+    return Seq(_ndim(n) - 2, ONE)
+
+
+def _loss(p: _Prover, n: fx.Node) -> Any:
+    """Cross entropy summed over the tokens: the chunks' sums add up (a mean would not)."""
+    reduction = _dim_arg(n, 3, 1, "reduction")
+    if n.target == aten.cross_entropy_loss.default and reduction == 0:
+        if isinstance(p.env.get(n.args[0]), Seq) and p.env[n.args[0]].dim % _ndim(n.args[0]) == 1:
+            raise Mixes("a cross entropy over classes laid out along the sequence")
+        return p._carry(n)
+    if n.target == aten.cross_entropy_loss.default and reduction != 2:
+        raise Mixes("a mean over the sequence (each chunk would divide by its own count)")
+    for x in n.all_input_nodes:
+        v = p.env.get(x)
+        if isinstance(v, Seq) and _ndim(x) > 1 and v.dim % _ndim(x) != 0:
+            raise Mixes("a cross entropy over classes laid out along the sequence")
+    return SUMMED
+
+
+def _sum_all(p: _Prover, n: fx.Node) -> Any:
+    """A sum over every token reaching the loss (chunk sums add up); over other dims, local."""
+    x = n.args[0]
+    v = p.env.get(x)
+    if isinstance(v, Seq) and not p.growing(n.meta["val"]):
+        dims = _dims_arg(n, 1) if n.target == aten.sum.dim_IntList else list(range(_ndim(x)))
+        if n.meta["val"].dim() == 0 and v.dim % _ndim(x) in {d % _ndim(x) for d in dims}:
+            return SUMMED
+    for y, dims, what in _reduction(n):
+        w = p.env.get(y)
+        if isinstance(w, Seq) and w.dim % _ndim(y) in {d % _ndim(y) for d in dims}:
+            raise Mixes(what)
+    return p._carry(n)
+
+
+def _view(p: _Prover, n: fx.Node) -> Any:
+    """A view keeps the elements' order: the token index keeps its stride, which must fall
+    inside one output dim (``[b, s, h]`` ↔ ``[b·s, h]`` ↔ ``[b, s, heads, d]``)."""
+    x = n.args[0]
+    v = p.env.get(x)
+    if not isinstance(v, Seq):
+        return p._carry(n)
+    src, dst = x.meta["val"].shape, n.meta["val"].shape
+    found: set[int] = set()
+    inner: list[int] = []
+    for k, (_, whole) in enumerate(_SAMPLES):
+        s = whole // v.part  # the tokens this rank holds
+        src_k = [p.at(d)[k] for d in src]
+        dst_k = [p.at(d)[k] for d in dst]
+        stride = v.inner[k] * math.prod(src_k[v.dim % len(src_k) + 1 :])
+        for j in range(len(dst_k)):
+            right = math.prod(dst_k[j + 1 :])
+            if dst_k[j] >= s and stride % right == 0 and (right * dst_k[j]) % (stride * s) == 0:
+                found.add(j)
+                inner.append(stride // right)
+                break
+        else:
+            raise Mixes("a view that cuts the sequence across dims")
+    if len(found) != 1:
+        raise Mixes("a view that moves the sequence between dims")
+    return Seq(found.pop(), tuple(inner), v.part)
+
+
+_SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
+    **dict.fromkeys(
+        (
+            aten.zeros.default,
+            aten.ones.default,
+            aten.full.default,
+            aten.empty.memory_format,
+            aten.empty.default if hasattr(aten.empty, "default") else aten.empty.memory_format,
+            aten.new_zeros.default,
+            aten.new_ones.default,
+            aten.new_full.default,
+            aten.new_empty.default,
+            aten.scalar_tensor.default,
+        ),
+        _factory,
+    ),
+    aten.arange.default: _arange,
+    aten.arange.start: _arange,
+    aten.arange.start_step: _arange,
+    aten.cumsum.default: _cumsum,
+    SDPA: _attention,
+    aten.cross_entropy_loss.default: _loss,
+    aten.sum.dim_IntList: _sum_all,
+    aten.sum.default: _sum_all,
+    **dict.fromkeys(
+        (
+            aten.view.default,
+            aten.reshape.default,
+            aten._unsafe_view.default,
+            aten.flatten.using_ints,
+            aten.unflatten.int,
+            aten.view_as.default,
+            aten.reshape_as.default,
+        ),
+        _view,
+    ),
+}
+
+_LINEAR_ON_SUMS = {
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.neg.default,
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.clone.default,
+}
+
+# where the sequence length may appear: as a size
+_SIZE_ARGS: dict[Any, tuple[int, ...]] = {
+    aten.view.default: (1,),
+    aten.reshape.default: (1,),
+    aten._unsafe_view.default: (1,),
+    aten.expand.default: (1,),
+    aten.unflatten.int: (2,),
+    aten.zeros.default: (0,),
+    aten.ones.default: (0,),
+    aten.empty.memory_format: (0,),
+    aten.full.default: (0,),
+    aten.new_zeros.default: (1,),
+    aten.new_ones.default: (1,),
+    aten.new_empty.default: (1,),
+    aten.new_full.default: (1,),
+    aten.slice.Tensor: (3,),
+    aten.arange.default: (0,),
+    aten.arange.start: (0, 1),
+    aten.arange.start_step: (0, 1),
+    aten.split_with_sizes.default: (1,),
+}
+_SIZE_KW = {"size"}
+
+_SYM_OPS = {
+    aten.sym_size.int,
+    aten.sym_numel.default,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.floordiv,
+    operator.truediv,
+    operator.mod,
+    operator.neg,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    torch.sym_max,
+    torch.sym_min,
+    torch.sym_float,
+    torch.sym_int,
+    torch.sym_not,
+    math.ceil,
+    math.floor,
+}
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _live(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes the outputs need, once the chunk pass has replaced every causal attention's
+    mask (the construction of a mask it drops is never run)."""
+    live: set[fx.Node] = set()
+    stack = [n for n in gm.graph.nodes if n.op == "output"]
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal":
+            stack.extend(a for a in n.args[:3] if isinstance(a, fx.Node))
+        else:
+            stack.extend(n.all_input_nodes)
+    return live
+
+
+def _is_softmax(n: fx.Node) -> bool:
+    return n.target in (aten.softmax.int, aten._softmax.default)
+
+
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _is_tensor_list(x: Any) -> bool:
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(val, (list, tuple)) and any(_is_tensor(v) for v in val)
+
+
+def _rows(v: Any) -> bool:
+    return isinstance(v, Routed) and v.kind == "rows"
+
+
+def _ndim(x: Any) -> int:
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return max(val.dim(), 1) if _is_tensor(val) else 1
+
+
+def _flat(xs: Any) -> list[Any]:
+    out = []
+    for x in xs if isinstance(xs, (list, tuple)) else [xs]:
+        out.extend(_flat(x) if isinstance(x, (list, tuple)) else [x])
+    return out
+
+
+def _op_name(target: Any) -> str:
+    name = getattr(target, "_name", None) or getattr(target, "__name__", str(target))
+    return str(name).replace("::", ".")
+
+
+__all__ = ["LENGTH", "MIXED", "SOFTMAX", "SUMMED", "Mixes", "Routed", "Seq", "seq_dims"]
