@@ -19,6 +19,9 @@ META_COST = "autopart.cost"  # Cost: symbolic FLOPs / bytes of a call node
 # canonicalize_attention
 META_ATTENTION = "autopart.attention"  # str: "causal" on a canonical causal SDPA
 META_WINDOW = "autopart.window"  # int | None: a canonical SDPA's sliding window in keys
+# tuple[str, ...]: a causal SDPA whose mask is the batch's (padding: "attention_mask", packed
+# documents: "position_ids"), proven to be the document-causal form (Seq1F1B plans only)
+META_DATA_MASK = "autopart.data_mask"
 # vocab_parallel / tensor_parallel
 META_VOCAB_DIMS = "autopart.vocab_dims"  # dict: split dims found by vocab_parallel (transient)
 META_SHARD = "autopart.shard"  # TPShard (parameter placeholders): how tp splits it
