@@ -34,6 +34,8 @@ and so is one where tokens meet along the sequence anywhere else (``refuse_seque
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 from torch import fx
@@ -48,6 +50,7 @@ from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
+    META_DATA_MASK,
     META_INPUT,
     META_INPUTS,
     META_KV,
@@ -132,6 +135,22 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             pair.append(ph)
             anchor = ph
         prefixes.append((pair[0], pair[1]))
+    # the batch's padding / documents: their key columns, the prefix's and the chunk's tokens
+    keys: dict[str, fx.Node] = {}
+    for name in ("attention_mask", "position_ids"):
+        if not any(name in (n.meta.get(META_DATA_MASK) or ()) for n in attention):
+            continue
+        query = next(p for p in placeholders if p.meta.get(META_INPUT) == InputRef("data", name))
+        b, s = query.meta["val"].shape
+        with g.inserting_after(anchor):
+            ph = g.placeholder(f"keys_{name}")
+        with mode:
+            ph.meta["val"] = torch.empty((b, prefix_len + s), dtype=query.meta["val"].dtype)
+        ph.meta[META_INPUT] = InputRef("keys", name)
+        ph.meta[META_MODULE], ph.meta[META_LAYER] = "", None
+        new_refs.append(ph.meta[META_INPUT])
+        keys[name] = ph
+        anchor = ph
 
     for n in positions:
         with g.inserting_after(n):
@@ -151,8 +170,9 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         if n.target == aten.view.default:
             n.target = aten.reshape.default
     kv_out: list[fx.Node] = []
+    masks: dict[tuple[str, ...], fx.Node] = {}  # one document mask per stage, shared by layers
     for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
-        kv_out += _attend_with_prefix(g, sdpa, kp, vp)
+        kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks)
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -289,8 +309,17 @@ def _prefix_symint(mode) -> torch.SymInt:
     return env.create_symintnode(sym, hint=16)
 
 
-def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
-    """SDPA over [prefix; chunk] keys with the lower-right causal mask; returns (K, V) full."""
+def _attend_with_prefix(
+    g: fx.Graph,
+    sdpa: fx.Node,
+    kp: fx.Node,
+    vp: fx.Node,
+    keys: dict[str, fx.Node] | None = None,
+    masks: dict[tuple[str, ...], fx.Node] | None = None,
+) -> list[fx.Node]:
+    """SDPA over [prefix; chunk] keys with the lower-right causal mask (and, for a mask of the
+    batch's, ``META_DATA_MASK``, its padding and documents from the key columns ``keys``, built
+    once into ``masks``); returns (K, V) full."""
     q, k, v = sdpa.args[:3]
     dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
     kwargs = {
@@ -310,7 +339,13 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
     with g.inserting_before(sdpa):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
         v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
-        mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
+        names = tuple(sdpa.meta.get(META_DATA_MASK) or ())
+        if names and masks is not None and names in masks:
+            mask = masks[names]
+        elif names:
+            mask = masks[names] = document_chunk_mask(g, q, k_full, {n: keys[n] for n in names})
+        else:
+            mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
         new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
         outs = [cast(k_full, k, kp), cast(v_full, v, vp)]
     for n in (k_full, v_full, new, *made):
@@ -332,6 +367,35 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
             stack.extend(n.all_input_nodes)
             g.erase_node(n)
     return outs
+
+
+def document_chunk_mask(g: fx.Graph, q: fx.Node, k: fx.Node, keys: dict[str, fx.Node]) -> fx.Node:
+    """[b, 1, Lq, Lk] boolean: ``canonicalize_attention.document_mask``'s rows of the chunk's
+    queries (the last Lq of the Lk key positions) over all Lk keys, built in the graph from the
+    key columns ``keys`` of ``attention_mask`` (a key that is padding is masked) and
+    ``position_ids`` (a key of another document is masked: documents start where the
+    positions do not step up by 1, counted over the prefix's tokens and the chunk's)."""
+    keep = lower_right_mask(g, q, k)  # [Lq, Lk]
+
+    def call(op, *args):
+        return g.call_function(op, args)
+
+    if "attention_mask" in keys:
+        valid = call(aten.ne.Scalar, keys["attention_mask"], 0)  # [b, Lk]
+        valid = call(aten.unsqueeze.default, call(aten.unsqueeze.default, valid, 1), 1)
+        keep = call(aten.bitwise_and.Tensor, keep, valid)  # [b, 1, Lq, Lk]
+    if "position_ids" in keys:
+        pos = keys["position_ids"]
+        first = call(aten.sub.Tensor, call(aten.slice.Tensor, pos, 1, 0, 1), 1)
+        steps = call(aten.diff.default, pos, 1, -1, first)
+        doc = call(aten.cumsum.default, call(aten.ne.Scalar, steps, 1), -1)  # [b, Lk]
+        lq = call(aten.sym_size.int, q, -2)
+        lk = call(aten.sym_size.int, k, -2)
+        mine = call(aten.slice.Tensor, doc, 1, call(operator.sub, lk, lq), lk)  # [b, Lq]
+        rows = call(aten.unsqueeze.default, call(aten.unsqueeze.default, mine, 1), -1)
+        cols = call(aten.unsqueeze.default, call(aten.unsqueeze.default, doc, 1), 1)
+        keep = call(aten.bitwise_and.Tensor, keep, call(aten.eq.Tensor, rows, cols))
+    return keep
 
 
 __all__ = ["META_KV", "META_KV_SHAPES", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]
