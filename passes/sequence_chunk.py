@@ -63,7 +63,12 @@ from autopart.meta import (
     META_SYMBOLS,
     META_WINDOW,
 )
-from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
+from autopart.passes.canonicalize_attention import (
+    SDPA,
+    lower_right_mask,
+    remove_dead,
+    require_causal,
+)
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import SOFTMAX, Seq, seq_dims
 
@@ -191,6 +196,9 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             **gm.meta.get(META_SYMBOLS, {}),
             prefix_len.node.expr: P,
         }
+    # the construction of a mask replaced above (a batch's: it indexes the whole sequence, so
+    # run on a chunk it would fail) goes, with the metadata asserts fx keeps as impure
+    remove_dead(gm)
     g.lint()
     gm.recompile()
     propagate(gm)

@@ -16,12 +16,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopart import collectives
 from autopart.errors import AutopartError
+from autopart.frontend.capture import batch_fields
 from autopart.layout import Plan
 from autopart.parity.checks import dump
 from autopart.program.format import load_rank, load_weights, read_head
@@ -179,10 +181,11 @@ class Batches:
                     hint="tokenize with the model's tokenizer (ids < vocabulary size)",
                 )
 
-    def __call__(self, step: int) -> dict[str, torch.Tensor]:
-        """The batch of ``step`` by name (``Runner.step(**batch)``); generated batches of a
-        program captured with an attention mask or positions get no padding (an all-ones
-        mask) and one document a row (positions 0 … s − 1)."""
+    def __call__(self, step: int) -> Any:
+        """The batch of ``step``: ``(input_ids, labels)``, or a dict by name when the program
+        takes more (``capture.batch_fields`` reads either); generated batches of a program
+        captured with an attention mask or positions get no padding (an all-ones mask) and
+        one document a row (positions 0 … s − 1)."""
         if self.fixed is not None:
             return self.fixed
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -191,7 +194,10 @@ class Batches:
             rows = torch.stack([self.tokens[i : i + self.s + 1] for i in starts.tolist()])
         else:
             rows = torch.randint(0, self.vocab, (self.b, self.s + 1), generator=g)
-        out = {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+        ids, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        if tuple(self.names) == ("input_ids", "labels"):
+            return ids, labels
+        out = {"input_ids": ids, "labels": labels}
         if "attention_mask" in self.names:
             out["attention_mask"] = torch.ones(self.b, self.s, dtype=torch.int64)
         if "position_ids" in self.names:
@@ -199,12 +205,12 @@ class Batches:
         return out
 
 
-def _read_batch(path: Path) -> dict[str, torch.Tensor]:
+def _read_batch(path: Path) -> Any:
     """``--batch FILE``: a ``torch.save``d ``(input_ids, labels)`` or dict of the batch's
     tensors by name, checked as ``parallelize`` checks its example."""
-    from autopart.frontend.capture import batch_fields, check_batch
+    from autopart.frontend.capture import check_batch
 
-    return batch_fields(check_batch(torch.load(path, weights_only=True)))
+    return check_batch(torch.load(path, weights_only=True))
 
 
 _TOKEN_DTYPES = frozenset(
@@ -513,7 +519,7 @@ def _train(
         last_s = 0.0
         for step in range(first, args.steps):
             start = time.perf_counter()
-            loss = runner.step(**batches(step))
+            loss = runner.step(**batch_fields(batches(step)))
             if step == 0 and args.dump is not None:
                 dump(runner, loss, args.dump)
             if optim is not None:
