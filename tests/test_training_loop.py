@@ -27,7 +27,8 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     strictly into a fresh model, and ``copy_to(model)`` leaves the user's module trained (it
     used to keep untrained copies, so ``save_pretrained`` saved the initial weights).
     ``eval()`` + ``evaluate()``: forward only, every dropout off (a nanoGPT with p = 0.3 gives
-    the model's own eval loss), no gradient touched."""
+    the model's own eval loss), no gradient touched. The model is captured and compiled once,
+    on rank 0; the other ranks load their rank's program from it (runtime/handover.py)."""
     out = launch_forked(4, [str(ROOT / "tests" / "loop_script.py"), mesh], timeout_s=300)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 4, out
@@ -39,6 +40,8 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
         assert r["eval_err"] <= 1e-9 and r["grads_untouched"], r
         assert r["logits_err"] <= 1e-9 and r["logits_shape"] == [8, 32, 96], r
         assert r["dropout_eval_err"] <= 1e-9 and r["dropout_train_differs"], r
+        assert r["captures"] == (1 if r["rank"] == 0 else 0), r  # compiled once, on rank 0
+    print(mesh, "parallelize seconds per rank:", [round(r["parallelize_s"], 1) for r in rows])
 
 
 def test_use_cache_true_no_longer_leaves_attention_replicated() -> None:
