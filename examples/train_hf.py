@@ -146,6 +146,7 @@ def main() -> None:
             with contextlib.nullcontext() if last else runner.no_sync():
                 total += float(runner.step(x, y, local=True, num_tokens=count))
         norm = runner.clip_grad_norm_(args.clip)
+        lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -154,7 +155,7 @@ def main() -> None:
             rate = args.batch * args.accumulate * args.seq / took
             print(
                 f"step {step + 1:4d}  loss {total:.4f}  grad norm {norm:.3f}  "
-                f"lr {sched.get_last_lr()[0]:.2e}  {rate:,.0f} tokens/s",
+                f"lr {lr:.2e}  {rate:,.0f} tokens/s",
                 flush=True,
             )
         if (step + 1) % args.eval_every == 0:
