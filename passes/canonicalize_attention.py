@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
+from autopart.frontend.capture import OPTIONAL
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import (
@@ -325,7 +326,7 @@ def _evaluate_mask(
     return None, window
 
 
-OPTIONAL_DATA = ("attention_mask", "position_ids")  # capture.OPTIONAL: the batch's mask inputs
+OPTIONAL_DATA = OPTIONAL  # the batch's optional tensors: attention_mask, position_ids
 
 
 def batch_inputs(gm: fx.GraphModule, mask: fx.Node) -> tuple[str, ...]:
