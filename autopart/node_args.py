@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import fx
 
-__all__ = ["int_arg", "node_arg", "seq_arg"]
+__all__ = ["float_arg", "int_arg", "node_arg", "optional_node_arg", "seq_arg"]
 
 
 def node_arg(n: fx.Node, i: int) -> fx.Node:
@@ -25,10 +25,32 @@ def node_arg(n: fx.Node, i: int) -> fx.Node:
     return a
 
 
-def int_arg(n: fx.Node, i: int) -> int:
-    """``n.args[i]``, a plain int (a dim, a count: schema type ``int``, not ``SymInt``)."""
-    a = n.args[i]
+def optional_node_arg(n: fx.Node, i: int) -> fx.Node | None:
+    """``n.args[i]`` for an optional tensor (``Tensor?``): a node, or None when given as None or
+    not given at all."""
+    a = n.args[i] if len(n.args) > i else None
+    assert a is None or isinstance(a, fx.Node), (
+        f"{n.name}: argument {i} is {type(a).__name__}, not a node"
+    )
+    return a
+
+
+def int_arg(n: fx.Node, i: int, name: str | None = None, default: int | None = None) -> int:
+    """``n.args[i]``, a plain int (a dim, a count, a constant size); with ``name``, an argument
+    that may come by keyword instead: ``n.kwargs[name]`` when there is no ``n.args[i]``, else
+    ``default``."""
+    a = n.args[i] if name is None or len(n.args) > i else n.kwargs.get(name, default)
     assert isinstance(a, int), f"{n.name}: argument {i} is {type(a).__name__}, not an int"
+    return a
+
+
+def float_arg(n: fx.Node, i: int, name: str | None = None, default: float | None = None) -> float:
+    """``n.args[i]``, a plain number (a probability, a scale); ``name`` and ``default`` as for
+    ``int_arg``."""
+    a = n.args[i] if name is None or len(n.args) > i else n.kwargs.get(name, default)
+    assert isinstance(a, (int, float)), (
+        f"{n.name}: argument {i} is {type(a).__name__}, not a number"
+    )
     return a
 
 

@@ -42,7 +42,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import META_ATTENTION, META_BUFFERS, META_INPUT, META_MODULE, META_WINDOW
-from autopart.node_args import int_arg, node_arg
+from autopart.node_args import float_arg, int_arg, node_arg
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -104,9 +104,8 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
     if why or (window is not None and not windows):
         return False
     q, k, v = n.args[:3]
-    dropout = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
-    scale = cast("float | None", n.kwargs.get("scale"))
-    _replace(gm, n, q, k, v, cast(float, dropout), scale, window)
+    dropout = float_arg(n, 4, "dropout_p", 0.0)
+    _replace(gm, n, q, k, v, dropout, cast("float | None", n.kwargs.get("scale")), window)
     return True
 
 
@@ -146,7 +145,7 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     while user is not None and user.target in _CASTS:
         probs, user = user, _only_user(user)
     if user is not None and user.target == aten.dropout.default:
-        probs, dropout = user, (cast(float, user.args[1]) if user.args[2] else 0.0)
+        probs, dropout = user, (float_arg(user, 1) if user.args[2] else 0.0)
         user = _only_user(probs)
     while user is not None and user.target in _CASTS:
         probs, user = user, _only_user(user)

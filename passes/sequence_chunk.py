@@ -60,6 +60,7 @@ from autopart.meta import (
     META_SYMBOLS,
     META_WINDOW,
 )
+from autopart.node_args import float_arg, int_arg, node_arg
 from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import SOFTMAX, Seq, seq_dims
@@ -96,6 +97,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if positions or counts:
         with g.inserting_after(anchor):
             offset = g.placeholder("chunk_offset")
+        assert mode is not None  # export's graphs carry fake values
         with mode:
             offset.meta["val"] = torch.zeros((), dtype=torch.int64)
         offset.meta[META_INPUT] = InputRef("offset", "")
@@ -121,6 +123,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
                 ph = g.placeholder(f"kv_prefix_{i}_{'kv'[j]}")
             val = src.meta["val"]
             shape = [*val.shape[:-2], prefix_len, val.shape[-1]]
+            assert mode is not None
             with mode:
                 ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
             ph.meta[META_INPUT] = InputRef("kv", str(2 * i + j))
@@ -160,9 +163,11 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if refs is not None:
         gm.meta[META_INPUTS] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
-    gm.meta[META_KV_SHAPES] = [
-        _empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair
-    ]
+    gm.meta[META_KV_SHAPES] = (
+        [_empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair]
+        if prefix_len is not None  # prefixes are made only with it
+        else []
+    )
     if prefix_len is not None:
         rc = dict(gm.meta.get(META_RANGES, {}))
         rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
@@ -233,7 +238,7 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
     if n.target != aten.cumsum.default:
         return None
     x = n.args[0]
-    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    dim = int_arg(n, 1, "dim")
     if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
         return None
     if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
@@ -245,7 +250,7 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
 def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
     """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
     if n.target == aten.arange.default:
-        start = 0
+        start: object = 0
     elif n.target == aten.arange.start:
         start = n.args[0]
     else:
@@ -291,8 +296,8 @@ def _prefix_symint(mode) -> torch.SymInt:
 
 def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
     """SDPA over [prefix; chunk] keys with the lower-right causal mask; returns (K, V) full."""
-    q, k, v = sdpa.args[:3]
-    dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
+    q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
+    dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
         key: val
         for key, val in sdpa.kwargs.items()
