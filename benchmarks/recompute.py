@@ -99,7 +99,7 @@ def main() -> int:
     )
     print("models: examples/*.py:make_long (4 blocks, 256 tokens, batch 4), float32")
     ok = True
-    pp_of = [Mesh(pp=2, tp=2).coords(r)["pp"] for r in range(4)]
+    pp_of = [Mesh(pp=2, tp=2).coords(r).pp for r in range(4)]
     for name, res in results.items():
         spec, plan = CASES[name]
 

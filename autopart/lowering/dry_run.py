@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
-from autopart.layout import Plan
+from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -77,7 +77,7 @@ def dry_run(
                     params=weights[s][0],
                     buffers=weights[s][1],
                     data={"input_ids": ids[:, a:e], "labels": ids[:, a:e]},
-                    coords={"dp": 0, "pp": s % plan.mesh.pp, "tp": 0},
+                    coords=Coords(pp=s % plan.mesh.pp, dp=0, tp=0),
                     acts=acts,
                     prefix=prefix,
                     offset=a,

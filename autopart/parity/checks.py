@@ -50,7 +50,7 @@ def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
             "loss": _host(loss),
             "grads": grads,
             "shards": shards,
-            "coords": runner.program.coords,
+            "coords": runner.program.coords.as_dict(),
             "saved": runner.peak_saved_bytes,
         },
         folder / f"rank{runner.rank:05d}.pt",

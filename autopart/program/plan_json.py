@@ -179,7 +179,7 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
     mesh: Mesh = plan.mesh
     if doc["rank"] != rank:
         raise Invalid("rank", f"= {doc['rank']}, but this is the folder of rank {rank}")
-    if doc["coords"] != mesh.coords(rank):
+    if doc["coords"] != mesh.coords(rank).as_dict():
         raise Invalid("coords", f"are not rank {rank}'s coordinates in {mesh}")
     for d in ("dp", "pp", "tp"):
         if doc["groups"][d] != mesh.group(d, rank):

@@ -479,7 +479,7 @@ def _dtensor(local: torch.Tensor, runner: Any, dim: int, shape: tuple[int, ...])
 def _direct(shard: Shard, runner: Any) -> bool:
     """Whether the shard is DTensor Shard(dim) over this mesh's tp dim (it always is when the
     program was compiled for this mesh)."""
-    return shard.index == runner.program.coords["tp"] and shard.parts == runner.plan.mesh.tp
+    return shard.index == runner.program.coords.tp and shard.parts == runner.plan.mesh.tp
 
 
 def _pieces(
@@ -492,7 +492,7 @@ def _pieces(
     if not _direct(shard, runner):
         raise AutopartError(
             f"rank {runner.rank}: {fqn} is slice {shard.index} of {shard.parts}, "
-            f"but this rank's tp index is {runner.program.coords['tp']} of {runner.plan.mesh.tp}",
+            f"but this rank's tp index is {runner.program.coords.tp} of {runner.plan.mesh.tp}",
             hint="save from the runner of the program compiled for this mesh",
         )
     if shard.strided == 1:

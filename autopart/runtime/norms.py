@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError, wait
+from autopart.layout import Coords
 from autopart.runtime import staging
 
 
@@ -33,14 +34,14 @@ def counted(
     params: Mapping[str, torch.Tensor],
     split: Mapping[str, bool],
     ties: Mapping[str, list[int]],
-    coords: Mapping[str, int],
+    coords: Coords,
 ) -> list[str]:
     """The parameters this rank counts in the global norm (module docstring)."""
     out = []
     for fqn in sorted(params):
-        if not split[fqn] and coords.get("tp", 0) != 0:
+        if not split[fqn] and coords.tp != 0:
             continue
-        if fqn in ties and coords.get("pp", 0) != min(ties[fqn]):
+        if fqn in ties and coords.pp != min(ties[fqn]):
             continue
         out.append(fqn)
     return out
@@ -50,7 +51,7 @@ def global_norm(
     params: Mapping[str, torch.Tensor],
     split: Mapping[str, bool],
     ties: Mapping[str, list[int]],
-    coords: Mapping[str, int],
+    coords: Coords,
     groups: Mapping[Any, Any],
     norm_type: float,
     timeout_s: float,

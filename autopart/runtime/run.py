@@ -551,10 +551,10 @@ def _write_trace(
         "events": runner.chrome_trace(),
         "busy_fraction": runner.busy_fraction(),
         "peak_saved_bytes": runner.peak_saved_bytes,
-        "coords": runner.program.coords,
+        "coords": runner.program.coords.as_dict(),
         "step_s": step_s,
     }
-    every = [None] * dist.get_world_size()
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
         events = [e for r in every for e in r["events"]]

@@ -20,7 +20,7 @@ import contextlib
 import operator
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from autopart import collectives
 from autopart.errors import AutopartError, wait
-from autopart.layout import Plan
+from autopart.layout import Coords, Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import norms, p2p, staging, state
@@ -467,7 +467,7 @@ class Runner:
         others (dp replicas each hold their own rows)."""
         n_chunks = len(self._chunk_bounds(seq))
         out = None
-        if self.program.coords.get("pp", 0) == self.plan.mesh.pp - 1:
+        if self.program.coords.pp == self.plan.mesh.pp - 1:
             out = torch.cat(
                 [
                     torch.cat(
@@ -530,7 +530,7 @@ class Runner:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index (which share of the global batch is its own)."""
-        return int(self.program.coords.get("dp", 0))
+        return self.program.coords.dp
 
     @property
     def dp_size(self) -> int:
@@ -950,7 +950,7 @@ class Runner:
 
     def _seed_for(self, mb: int, chunk: int = 0) -> torch.Tensor:
         """Dropout seed of this step, micro-batch, chunk and dp rank (tp ranks share it)."""
-        dp_i = self.program.coords["dp"]
+        dp_i = self.program.coords.dp
         base = ((self.seed * 1_000_003 + self.steps) * 10_007 + mb) * 4_099 + dp_i
         return torch.tensor(base + chunk * 1_000_000_007, device=self.device)
 
@@ -975,7 +975,7 @@ class Runner:
                 "which sequence parallelism needs",
                 hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
             )
-        dp_i, m = self.program.coords["dp"], self.plan.microbatches
+        dp_i, m = self.program.coords.dp, self.plan.microbatches
         start = 0 if local else dp_i * m * mb
         if not self.dry:  # no values to look at in the dry run
             self._check_tokens(input_ids, labels)
@@ -1128,10 +1128,10 @@ class Runner:
 def stage_inputs(
     refs: Sequence[Any],
     *,
-    params: dict[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     data: dict[str, torch.Tensor],
-    coords: dict[str, int],
+    coords: Coords,
     acts: Sequence[torch.Tensor],
     prefix: Sequence[torch.Tensor],
     offset: int,
@@ -1152,7 +1152,7 @@ def stage_inputs(
             cast = compute is not None and p.is_floating_point()
             out.append(p.to(compute) if cast else p)
         elif ref.kind == "rank":
-            out.append(torch.tensor(coords[ref.name], device=device))
+            out.append(torch.tensor(coords.along(ref.name), device=device))
         elif ref.kind == "rng":
             out.append(seed)
         elif ref.kind == "data":
