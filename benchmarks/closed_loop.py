@@ -290,7 +290,7 @@ def main() -> int:
         "one rank alone: "
         + ", ".join(
             f"{p.describe()} ({1e3 * t:.0f} ms, fitted "
-            f"{1e3 * simulate(shape, cluster, p, record=False).summary['iteration_s']:.0f} ms)"
+            f"{1e3 * simulate(shape, cluster, p, record=False).summary.iteration_s:.0f} ms)"
             for p, t in single
         )
     )
@@ -336,7 +336,7 @@ def main() -> int:
         print(f"wrote the profile to {a.profile_out}: autopart plan --cluster {a.profile_out}")
     ranked = _rank(shape, cluster)
     rank_of = {r.plan.describe(): i + 1 for i, r in enumerate(ranked)}
-    predicted = [simulate(shape, cluster, pl, record=False).summary["iteration_s"] for pl in plans]
+    predicted = [simulate(shape, cluster, pl, record=False).summary.iteration_s for pl in plans]
     # the planner's first plan: the best ranked of those measured
     order = sorted(range(len(plans)), key=lambda i: rank_of.get(plans[i].describe(), 10**9))
     plans, measured, predicted = (

@@ -86,7 +86,7 @@ def predicted(spec: str, plan: dict, rc: str) -> list[float]:
     sim = simulate(
         shape_from_captured(captured), "dgx-a100-80gb", p, memory=graph_memory(captured, p)
     )
-    return [g * 2**30 for g in sim.summary["memory"]["per_rank_saved_activations"]]
+    return [g * 2**30 for g in sim.summary.memory.per_rank_saved_activations]
 
 
 def main() -> int:

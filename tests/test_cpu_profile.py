@@ -62,7 +62,7 @@ def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
     ]
 
     def times(plans):
-        return [(p, simulate(SHAPE, true, p, record=False).summary["iteration_s"]) for p in plans]
+        return [(p, simulate(SHAPE, true, p, record=False).summary.iteration_s) for p in plans]
 
     start = dataclasses.replace(
         true,

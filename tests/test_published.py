@@ -42,7 +42,7 @@ def test_the_software_settings_matter() -> None:
 
     def seconds(row: P.Row, **change: object) -> float:
         cl = dataclasses.replace(P.software(row.software), **change)
-        return simulate(row.shape, cl, row.plan, record=False).summary["iteration_s"]
+        return simulate(row.shape, cl, row.plan, record=False).summary.iteration_s
 
     row = next(r for r in P.ROWS if r.label == "1.7B")  # dp=32, PyTorch DDP
     assert seconds(row, grad_overlap=True) < seconds(row, grad_overlap=False)

@@ -288,7 +288,7 @@ def calibrate(
     def residuals(x: Any) -> list[float]:
         cl = at(x)
         return [
-            math.log(simulate(shape, cl, plan, record=False).summary["iteration_s"] / t)
+            math.log(simulate(shape, cl, plan, record=False).summary.iteration_s / t)
             for plan, t in runs
         ]
 
