@@ -135,6 +135,18 @@ MEASURE_STEPS = 3  # seq_split="measured": steps whose chunk times refit the bou
 
 
 @dataclass
+class RunnerStats:
+    """``Runner.stats``, counted per step (reset at each): gradient buckets, how many were
+    launched while the backward ran, weight-gradient GEMMs the W actions ran and, of those,
+    the ones run while a receive had not arrived (zero-bubble schedules)."""
+
+    buckets: int
+    launched_during_backward: int = 0
+    deferred_gemms: int = 0
+    filled_gemms: int = 0
+
+
+@dataclass
 class _Step:
     """What one ``Runner.step`` works on, made fresh for each step (nothing of it outlives it)."""
 
@@ -242,7 +254,7 @@ class Runner:
         # set to [] to record each step's actions as TraceEvents; keeps the last step
         self.timeline: list[TraceEvent] | None = None
         self._saved = SavedBytes()
-        self._s: _Step | None = None  # the running step's state (None between steps)
+        self._s: _Step | None = None  # the running step's state (None between steps): _step
         # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
         self._kv_shapes = {st.stage: st.graph.meta.get(META_KV_SHAPES, []) for st in program.stages}
         # seq_split="measured": chunk-cost coefficients fitted to measured forward times
@@ -278,12 +290,7 @@ class Runner:
                 timeout_s,
             )
         # per step: buckets reduced, and how many of them were launched while backward ran
-        self.stats = {
-            "buckets": len(self._buckets),
-            "launched_during_backward": 0,
-            "deferred_gemms": 0,
-            "filled_gemms": 0,  # of those, run while a receive had not arrived
-        }
+        self.stats = RunnerStats(buckets=len(self._buckets))
 
     @classmethod
     def from_program(
@@ -656,9 +663,9 @@ class Runner:
         if self.timeline is not None:
             self.timeline = []  # keep the last step's only
         self._p2p.reset()
-        self.stats["launched_during_backward"] = 0
-        self.stats["deferred_gemms"] = 0  # weight-gradient GEMMs the W actions ran
-        self.stats["filled_gemms"] = 0
+        self.stats.launched_during_backward = 0
+        self.stats.deferred_gemms = 0  # weight-gradient GEMMs the W actions ran
+        self.stats.filled_gemms = 0
         actions = self.program.actions
         self.comm.defer_grad_reduce = bool(self._tp_partial)
         s = self._s = _Step(
@@ -711,31 +718,31 @@ class Runner:
             self._reduce_carried(kept)
         self._carried = self._unsynced is not None
         for f, p in self.params.items():
-            if kept[f] is not None:
-                p.grad = kept[f] if p.grad is None else p.grad + kept[f]
+            if (g := kept[f]) is not None:
+                p.grad = g if p.grad is None else p.grad + g
         return loss
 
     # -- one handler per action kind (the schedule's IR, autopart/schedule/ir.py) --------------
 
     def _prefetch_after(self, i: int) -> None:
         """Overlap the next hand-over's transfer with the compute of action ``i``."""
-        nxt = next((a for j, a in self._s.recvs if j > i), None)
+        nxt = next((a for j, a in self._step.recvs if j > i), None)
         if nxt is not None:
-            self._p2p.prefetch(nxt.peer, *_sender(nxt), nxt.kind == "RECV_B")
+            self._p2p.prefetch(_peer(nxt), *_sender(nxt), nxt.kind == "RECV_B")
 
     def _on_forward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
-        timed = self._s.chunk_time is not None
-        start = self._clock() if timed else 0.0
+        times = self._step.chunk_time  # measuring: this rank's forward seconds per chunk
+        start = self._clock() if times is not None else 0.0
         with self._saved.watch(unit):
-            self._forward(action, self._s.live.setdefault(unit, {}), self._s.mbs[action.mb])
-        if timed:
-            self._s.chunk_time[action.chunk] += self._clock() - start
+            self._forward(action, self._step.live.setdefault(unit, {}), self._step.mbs[action.mb])
+        if times is not None:
+            times[action.chunk] += self._clock() - start
 
     def _on_backward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
-        live = self._s.live
-        hooks = self._arm_buckets(self._s.arm_at.get(i, []))
+        live = self._step.live
+        hooks = self._arm_buckets(self._step.arm_at.get(i, []))
         if self._split:  # the weight gradients wait for this unit's W
             self.comm.weights.collecting = unit
         try:
@@ -752,9 +759,9 @@ class Runner:
 
     def _on_weight(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         """A split backward's second half: the unit's deferred weight gradients."""
-        self.stats["deferred_gemms"] += self.comm.weights.run(unit)
+        self.stats.deferred_gemms += self.comm.weights.run(unit)
         self._saved.release(("W", *unit))
-        for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
+        for b, p in self._step.arm_at.get(i, []):  # their gradients are final now
             self._bucket_ready(b, p)
 
     def _fill(self) -> bool:
@@ -766,8 +773,8 @@ class Runner:
         unit = self.comm.weights.run_one()
         if unit is None:
             return False
-        self.stats["deferred_gemms"] += 1
-        self.stats["filled_gemms"] += 1
+        self.stats.deferred_gemms += 1
+        self.stats.filled_gemms += 1
         if self.comm.weights.done(unit):
             self._saved.release(("W", *unit))
         if self.timeline is not None:  # the receive's own event starts after its last piece
@@ -776,24 +783,26 @@ class Runner:
         return True
 
     def _on_send_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        self._p2p.send(self._s.live[unit]["outputs"], action.peer, *unit, backward=False)
+        self._p2p.send(self._step.live[unit]["outputs"], _peer(action), *unit, backward=False)
 
     def _on_recv_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         n = sum(r.kind == "act" for r in self._stage(action.stage).inputs)
-        got = self._p2p.recv(n, action.peer, *_sender(action), False, str(action))
-        self._s.live.setdefault(unit, {})["acts"] = [
+        got = self._p2p.recv(n, _peer(action), *_sender(action), False, str(action))
+        self._step.live.setdefault(unit, {})["acts"] = [
             t.requires_grad_() if t.is_floating_point() else t for t in got
         ]
 
     def _on_send_b(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        live = self._s.live
-        self._p2p.send(live[unit].pop("grads_out"), action.peer, *unit, backward=True)
+        live = self._step.live
+        self._p2p.send(live[unit].pop("grads_out"), _peer(action), *unit, backward=True)
         del live[unit]
 
     def _on_recv_b(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        live = self._s.live
+        live = self._step.live
         n = sum(t.is_floating_point() for t in live[unit]["outputs"])
-        live[unit]["grads_in"] = self._p2p.recv(n, action.peer, *_sender(action), True, str(action))
+        live[unit]["grads_in"] = self._p2p.recv(
+            n, _peer(action), *_sender(action), True, str(action)
+        )
 
     def _on_dp_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         if self._unsynced is None:  # inside no_sync(): reduced by a later step
@@ -857,14 +866,14 @@ class Runner:
         return self._bounds[seq_len]
 
     def _forward(self, action: Action, unit: dict[str, Any], mb: tuple) -> None:
-        count, losses = self._s.count, self._s.losses
-        self._s.seed = self._seed_for(action.mb, action.chunk)
-        a, e = self._s.bounds[action.chunk]
+        count, losses = self._step.count, self._step.losses
+        self._step.seed = self._seed_for(action.mb, action.chunk)
+        a, e = self._step.bounds[action.chunk]
         ids, labels = (t[:, a:e] for t in mb)
         n_kv = self._n_kv[action.stage]
         prefix = []
         if n_kv:  # K/V of this micro-batch's earlier chunks: leaves, whose gradients go back
-            before = self._s.kv.pop((action.stage, action.mb), None)
+            before = self._step.kv.pop((action.stage, action.mb), None)
             if before is None:
                 b = mb[0].shape[0]
                 before = [
@@ -892,7 +901,7 @@ class Runner:
         if n_kv:
             out, kv = out[:-n_kv], out[-n_kv:]
             if action.chunk < self.plan.seq_chunks - 1:  # the last chunk's K/V has no reader
-                self._s.kv[(action.stage, action.mb)] = kv
+                self._step.kv[(action.stage, action.mb)] = kv
                 unit["kv_out"] = kv
         if action.stage == self.n_stages - 1:
             losses[(action.mb, action.chunk)] = out[0] / count
@@ -900,7 +909,7 @@ class Runner:
             unit["outputs"] = out
 
     def _backward(self, action: Action, unit: dict[str, Any]) -> None:
-        losses = self._s.losses
+        losses = self._step.losses
         key = (action.mb, action.chunk)
         if action.stage == self.n_stages - 1:
             outs, grads = [losses[key]], [torch.ones_like(losses[key])]
@@ -912,11 +921,11 @@ class Runner:
             ]
             outs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if "kv_out" in unit:  # what the later chunks' attention sent back to this chunk's K/V
-            back = self._s.kv_grads.pop((action.stage, action.mb, action.chunk))
+            back = self._step.kv_grads.pop((action.stage, action.mb, action.chunk))
             outs, grads = outs + unit.pop("kv_out"), grads + back
         torch.autograd.backward(outs, grad_tensors=grads)
         if "prefix" in unit and action.chunk > 0:
-            self._s.kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
+            self._step.kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in unit.pop("prefix")
             ]
         unit.pop("prefix", None)
@@ -1013,13 +1022,20 @@ class Runner:
     def _runs(self, graphs: dict[int, fx.GraphModule]) -> dict[int, Any]:
         """Stage graphs as this rank runs them: on its device, recomputation regions
         checkpointed, checked on the dry run, through ``torch.compile`` when asked."""
-        runs = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
+        placed = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
+        runs: dict[int, nn.Module] = dict(placed)
         if self.dry:  # the dry run refuses any value a node computes on another device
-            runs = {k: device_checked(g, self.device) for k, g in runs.items()}
+            runs = {k: device_checked(g, self.device) for k, g in placed.items()}
         if not self._compile:
             return runs
         dynamic = self.plan.seq_chunks > 1 or None  # chunks differ in length
         return {k: torch.compile(g, dynamic=dynamic) for k, g in runs.items()}
+
+    @property
+    def _step(self) -> _Step:
+        """The running step's state (``step``, ``evaluate`` and ``logits`` set it)."""
+        assert self._s is not None, "no step is running"
+        return self._s
 
     def _stage(self, stage: int):
         return next(s for s in self.program.stages if s.stage == stage)
@@ -1042,7 +1058,7 @@ class Runner:
             acts=acts,
             prefix=prefix,
             offset=offset,
-            seed=self._s.seed,
+            seed=self._step.seed,
             compute=self._compute,
             device=self.device,
         )
@@ -1076,13 +1092,13 @@ class Runner:
     def _bucket_ready(self, b: int, p: nn.Parameter) -> None:
         """Parameter ``p`` of bucket ``b`` has its final gradient: launch every bucket, in
         order, whose gradients are all final."""
-        self._s.ready[b].add(id(p))
-        while self._s.next_bucket < len(self._buckets) and len(
-            self._s.ready[self._s.next_bucket]
-        ) == len(self._buckets[self._s.next_bucket]):
-            self._launch(self._s.next_bucket)
-            self.stats["launched_during_backward"] += 1
-            self._s.next_bucket += 1
+        self._step.ready[b].add(id(p))
+        while self._step.next_bucket < len(self._buckets) and len(
+            self._step.ready[self._step.next_bucket]
+        ) == len(self._buckets[self._step.next_bucket]):
+            self._launch(self._step.next_bucket)
+            self.stats.launched_during_backward += 1
+            self._step.next_bucket += 1
 
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]
@@ -1090,13 +1106,13 @@ class Runner:
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
         work = None if self.dry else staging.all_reduce(flat, self.groups["dp"])
-        self._s.pending.append((i, flat, work))
+        self._step.pending.append((i, flat, work))
 
     def _finish_buckets(self, action: Action) -> None:
-        for i in range(self._s.next_bucket, len(self._buckets)):
+        for i in range(self._step.next_bucket, len(self._buckets)):
             self._launch(i)  # buckets whose parameters got no gradient this step
-        self._s.next_bucket = len(self._buckets)
-        for i, flat, work in self._s.pending:
+        self._step.next_bucket = len(self._buckets)
+        for i, flat, work in self._step.pending:
             if work is not None:
                 self._wait(
                     work,
@@ -1108,7 +1124,7 @@ class Runner:
                 n = p.numel()
                 p.grad = flat[offset : offset + n].view_as(p).clone()
                 offset += n
-        self._s.pending = []
+        self._step.pending = []
 
     def _wait(self, work: Any, what: str) -> None:
         wait(work, self.rank, what, self.timeout_s)
@@ -1164,6 +1180,12 @@ def stage_inputs(
         else:
             out.append(buffers[ref.name])
     return out
+
+
+def _peer(a: Action) -> int:
+    """The other rank of a send or receive (the schedule names one for each)."""
+    assert a.peer is not None, f"{a} names no peer"
+    return a.peer
 
 
 def _sender(recv: Action) -> tuple[int, int, int]:
