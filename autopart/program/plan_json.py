@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from autopart.layout import Mesh, Plan
+from autopart.meta import INPUT_KINDS
 from autopart.program.folder import NAMES
 from autopart.program.schema import (
     DOTTED,
@@ -46,7 +47,6 @@ MAX_DIM = 1 << 40
 MAX_NUMEL = 1 << 44  # elements of one parameter (16 T: far beyond any model)
 MAX_KV_ROW = 1 << 24  # elements of one sequence position of one K/V prefix
 MAX_STAGES = 1 << 12
-INPUT_KINDS = ("param", "buffer", "constant", "data", "rank", "rng", "act", "offset", "kv")
 DTYPES = ("torch.float64", "torch.float32", "torch.bfloat16", "torch.float16")
 
 _FQN = string(DOTTED, 1024)
