@@ -59,8 +59,11 @@ def global_norm(
     """The norm of every gradient of the model (module docstring); None gradients are zero."""
     if norm_type <= 0:
         raise AutopartError(f"norm_type {norm_type} must be positive (2.0, or inf)")
-    grads = [params[f].grad for f in counted(params, split, ties, coords)]
-    grads = [g.detach() for g in grads if g is not None]
+    grads = [
+        g.detach()
+        for f in counted(params, split, ties, coords)
+        if (g := params[f].grad) is not None
+    ]
     device = next(iter(params.values())).device if params else torch.device("cpu")
     if math.isinf(norm_type):
         local = max((g.abs().max().double() for g in grads if g.numel()), default=None)

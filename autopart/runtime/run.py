@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -515,10 +516,10 @@ def _train(
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
                 _save(runner, optim, args, rank, step + 1, tied or {})
     if show and len(seen) >= 10:  # a mean over 5 steps: one batch's loss is noisy
-        first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
+        early, late = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
         print(
-            f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
-            f"({'falling' if last < first else 'NOT falling'})",
+            f"loss (mean of 5 steps): {early:.4f} at the start → {late:.4f} at the end "
+            f"({'falling' if late < early else 'NOT falling'})",
             flush=True,
         )
     return last_s

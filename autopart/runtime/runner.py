@@ -108,14 +108,14 @@ def local_weights(program: Program, rp: RankProgram) -> dict[str, torch.Tensor]:
     return weights
 
 
-def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[Any, Any]:
     """Create every process group of the mesh, and one per set of pipeline ranks sharing a tied
     parameter. Every rank must call it, in the same order, with the ties of the *whole*
     pipeline (``Program.pipeline_ties``, ``plan.json``'s ``ties``): a middle stage that holds
     no tied parameter creates the tie groups all the same, or the ranks' group creations stop
     pairing up and every rank hangs at the next one."""
     mesh = plan.mesh
-    mine: dict[str, Any] = {}
+    mine: dict[Any, Any] = {}  # "dp" / "pp" / "tp" → group, ("tie", pipeline ranks) → group
     for dim in ("dp", "pp", "tp"):
         for ranks in mesh.groups(dim):
             group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -203,7 +203,7 @@ class Runner:
         program: RankProgram,
         plan: Plan,
         weights: dict[str, torch.Tensor],
-        groups: dict[str, Any],
+        groups: dict[Any, Any],
         *,
         timeout_s: float = 300.0,
         seed: int = 0,
@@ -230,8 +230,10 @@ class Runner:
         self.params: dict[str, nn.Parameter] = {}
         for fqn in program.shards:
             t = weights[fqn]
-            on = isinstance(t, nn.Parameter) and t.device == self.device
-            self.params[fqn] = t if on else nn.Parameter(t.detach().to(self.device))
+            if isinstance(t, nn.Parameter) and t.device == self.device:
+                self.params[fqn] = t
+            else:
+                self.params[fqn] = nn.Parameter(t.detach().to(self.device))
         # precision="bf16": parameters (masters) enter the graph cast, inside autograd, so their
         # gradients come back, and add up over micro-batches, in the masters' dtype
         self._compute = plan.compute_dtype
@@ -267,7 +269,8 @@ class Runner:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
         self._compile = compile
         self._run = self._runs({st.stage: st.graph for st in program.stages})
-        self._train_run, self._eval_run = self._run, None  # eval(): graphs without dropout
+        self._train_run = self._run
+        self._eval_run: dict[int, Any] | None = None  # eval(): graphs without dropout
         self.training = True
         self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
         if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
@@ -502,6 +505,7 @@ class Runner:
                 shape = (rows, seq, int(head[0]))
                 out = torch.empty(shape, dtype=p2p._DTYPES[int(head[1])], device=self.device)
             self._broadcast(out, src, group, "the logits")
+        assert out is not None  # without a pp group, this rank is the last stage
         return out[..., : self.program.vocab_size]
 
     def _broadcast(self, t: torch.Tensor, src: int, group: Any, what: str) -> None:
@@ -561,15 +565,15 @@ class Runner:
         """All-reduce over dp the gradients that ``no_sync()`` steps left on this rank (one flat
         message), before they join this step's reduced ones."""
         group = self.groups.get("dp")
-        names = [f for f, g in kept.items() if g is not None]
-        if group is None or not names or self.dry:
+        carried = {f: g for f, g in kept.items() if g is not None}
+        if group is None or not carried or self.dry:
             return
-        flat = torch.cat([kept[f].reshape(-1) for f in names])
+        flat = torch.cat([g.reshape(-1) for g in carried.values()])
         self._wait(staging.all_reduce(flat, group), "the all-reduce of no_sync() gradients")
         offset = 0
-        for f in names:
-            n = kept[f].numel()
-            kept[f] = flat[offset : offset + n].view_as(kept[f])
+        for f, g in carried.items():
+            n = g.numel()
+            kept[f] = flat[offset : offset + n].view_as(g)
             offset += n
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -1045,9 +1049,9 @@ class Runner:
         stage: int,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
-        acts: list[torch.Tensor] = (),
+        acts: Sequence[torch.Tensor] = (),
         offset: int = 0,
-        prefix: list[torch.Tensor] = (),
+        prefix: Sequence[torch.Tensor] = (),
     ) -> list[torch.Tensor]:
         return stage_inputs(
             self._stage(stage).inputs,
