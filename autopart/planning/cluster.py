@@ -147,7 +147,7 @@ class Cluster:
                 raise AutopartError(
                     f"cluster {self.name!r}: {f.name}={value!r} must be a positive number"
                 )
-        for f in (
+        for name in (
             "mm_efficiency",
             "attn_efficiency",
             "hbm_efficiency",
@@ -155,8 +155,10 @@ class Cluster:
             "ib_efficiency",
             "usable_memory_fraction",
         ):
-            if getattr(self, f) > 1:
-                raise AutopartError(f"cluster {self.name!r}: {f}={getattr(self, f)} is above 1")
+            if getattr(self, name) > 1:
+                raise AutopartError(
+                    f"cluster {self.name!r}: {name}={getattr(self, name)} is above 1"
+                )
 
     def crowding(self, processes: float) -> float:
         """``crowding`` on this cluster's shared cores (1 without ``shared_cores``)."""

@@ -570,7 +570,7 @@ class _Progress:
             self.bar.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
 
@@ -579,13 +579,17 @@ class _Progress:
 
     def advance(self, task: int) -> None:
         if self.bar is not None:
-            self.bar.advance(task)
+            from rich.progress import TaskID
+
+            self.bar.advance(TaskID(task))
 
     def finish(self, task: int) -> None:
         if self.bar is not None:
+            from rich.progress import TaskID
+
             done = self.bar.tasks[task].completed
             self.bar.update(
-                task,
+                TaskID(task),
                 total=done,
                 completed=done,
                 description=self.bar.tasks[task].description + " (rest pruned)",

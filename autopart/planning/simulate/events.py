@@ -106,7 +106,10 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
 
     ops, dp_keys, deferred = [], [], []
     for r in ranks:
-        row, stages, b_at, pairs = [], [], {}, []
+        row: list[tuple[int, int, int]] = []  # (op code, cost key, message)
+        stages: list[int] = []
+        b_at: dict[tuple[int, int, int], int] = {}
+        pairs: list[tuple[int, int]] = []
         for a in actions_by_rank[r]:
             kind = a.kind
             if kind in ("F", "B", "W"):
@@ -250,14 +253,14 @@ def _run(
                 t += d
                 rt.busy += d
             elif code == _SEND:
-                arrival[m] = t + cost[key]
+                sent = arrival[m] = t + cost[key]
                 xfer[m] = cost[key]
                 if rec:
-                    raw.append((i, p, t, t if p2p_overlap else arrival[m]))
+                    raw.append((i, p, t, t if p2p_overlap else sent))
                 if not p2p_overlap:  # a blocking send: the sender waits for the delivery
                     rt.recv_wait += cost[key]
                     rt.recv_exposed += cost[key]
-                    t = arrival[m]
+                    t = sent
                 w = waiter[m]
                 if w >= 0:
                     waiter[m] = -1
@@ -366,13 +369,14 @@ def _run_shared(
                 if rec:
                     raw.append((i, p, t, t))
             elif code == _SEND:
-                arrival[m], xfer[m] = t + cost[key], cost[key]
+                sent = arrival[m] = t + cost[key]
+                xfer[m] = cost[key]
                 if not p2p_overlap:
                     rt.recv_wait += cost[key]
                     rt.recv_exposed += cost[key]
-                    ready[i] = arrival[m]
+                    ready[i] = sent
                 if rec:
-                    raw.append((i, p, t, t if p2p_overlap else arrival[m]))
+                    raw.append((i, p, t, t if p2p_overlap else sent))
             elif code == _RECV:
                 at = arrival[m]
                 if (

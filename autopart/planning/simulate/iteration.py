@@ -194,7 +194,7 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
     if not cl.shared_cores:
         return _run(comp, cost, acts, cl.grad_overlap, cl.p2p_overlap, cl.fill_waits)
     per = st.dp * st.tp  # processes per pipeline rank, placed pipeline-outermost
-    weight = [min(per, cl.gpus_per_node)] * len(comp.ranks)
+    weight: list[float] = [min(per, cl.gpus_per_node)] * len(comp.ranks)
     node = [r * per // cl.gpus_per_node for r in comp.ranks]
     return _run_shared(
         comp,
