@@ -212,6 +212,8 @@ class Plan:
         own dtype)."""
         import torch
 
+        if self.precision is None:
+            return None
         return {"bf16": torch.bfloat16}.get(self.precision)
 
     @classmethod

@@ -106,7 +106,8 @@ def _weights(
     st: fx.GraphModule, refs: list[InputRef], captured: Captured, mode: FakeTensorMode
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The stage's parameters (local shapes: a tp shard's) and buffers, fake."""
-    params, buffers = {}, {}
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     placeholders = [n for n in st.graph.nodes if n.op == "placeholder"]
     for n, ref in zip(placeholders, refs, strict=True):
         val = n.meta.get("val")
@@ -121,7 +122,7 @@ def _weights(
 
 def _prefix_shape(shape: list[int | str], rows: int, length: int) -> list[int]:
     """A K/V prefix shape of ``kv_shapes`` (``"b"`` for the rows, 0 for the prefix length)."""
-    out = [rows if d == "b" else d for d in shape]
+    out = [rows if d == "b" else int(d) for d in shape]
     out[-2] = length
     return out
 

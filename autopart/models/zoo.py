@@ -164,7 +164,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
-PLANS = {  # the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
+# the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
+PLANS: dict[str, dict[str, Any]] = {
     "dp=2": {"dp": 2},
     "tp=2": {"tp": 2},
     "pp=2 1F1B": {"pp": 2, "microbatches": 2},

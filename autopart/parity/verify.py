@@ -166,12 +166,12 @@ def reference(
     if device is not None and device.type != "cpu":
         home = next(model.parameters()).device
         try:
-            loss, grads = reference(
+            value, grads = reference(
                 model.to(device), (batch[0].to(device), batch[1].to(device)), compute
             )
         finally:
             model.to(home)
-        return loss, {f: g.cpu() for f, g in grads.items()}
+        return value, {f: g.cpu() for f, g in grads.items()}
     input_ids, labels = batch
     model.zero_grad(set_to_none=True)
     if compute is None:
@@ -209,17 +209,17 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
                 pieces.setdefault((fqn, c.get("dp"), c.get("pp")), {})[shard.index] = (shard, grad)
     for (fqn, *_), parts in pieces.items():
         shard = parts[0][0]
+        dim = shard.dim
+        assert dim is not None  # only tp-split shards have pieces
         if sorted(parts) != list(range(shard.parts)):
             raise AutopartError(
                 f"gradient of {fqn}: tp slices {sorted(parts)} of {shard.parts} arrived"
             )
         blocks = [
-            [g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
+            [g.chunk(shard.strided, dim)[j] for _, (_, g) in sorted(parts.items())]
             for j in range(shard.strided)
         ]
-        out.setdefault(fqn, []).append(
-            torch.cat([torch.cat(b, shard.dim) for b in blocks], shard.dim)
-        )
+        out.setdefault(fqn, []).append(torch.cat([torch.cat(b, dim) for b in blocks], dim))
     return out
 
 
@@ -598,7 +598,7 @@ def _report(
     missing = set(model.ref_grads) - set(errors)
     if missing:
         raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
-    worst = max(errors, key=errors.get)
+    worst = max(errors, key=errors.__getitem__)
     return Report(
         losses[0],
         model.ref_loss,
