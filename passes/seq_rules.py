@@ -57,6 +57,7 @@ class Seq:
 
     dim: int
     inner: tuple[int, ...]
+    part: int = 1  # 1: the whole chunk; p: a tp rank's 1/p of it (sequence parallelism)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Routed:
 
 
 LENGTH, SUMMED, MIXED, SLOTS = "length", "summed", "mixed", "slots"
+SHARE = "share"  # the index of a tp rank's rows under sequence parallelism (``_share``)
 
 
 class Mixes(Exception):
@@ -126,6 +128,15 @@ class _Prover:
             )
         return self._memo[key]
 
+    def part(self, x: Any) -> int | None:
+        """p when the size ``x`` is s / p at every sample (the whole sequence: 1; a tp rank's
+        share under sequence parallelism: tp), else None."""
+        parts = {
+            s // v if v and s % v == 0 else 0
+            for v, (_, s) in zip(self.at(x), _SAMPLES, strict=True)
+        }
+        return None if len(parts) != 1 or 0 in parts else parts.pop()
+
     def grows(self, x: Any) -> bool:
         v = self.at(x)
         return v[0] != v[1]
@@ -171,10 +182,10 @@ class _Prover:
             return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None
         if getattr(ref, "kind", None) not in ("data", "act") or len(grow) > 1:
             raise Mixes(f"an input ({getattr(ref, 'kind', '?')}) sized by the sequence")
-        size = self.at(val.shape[grow[0]])
-        if any(x != s for x, (_, s) in zip(size, _SAMPLES, strict=True)):
+        part = self.part(val.shape[grow[0]])
+        if part is None:
             raise Mixes("a stage input whose sequence dim is merged with another dim")
-        return Seq(grow[0], ONE)
+        return Seq(grow[0], ONE, part)
 
     def output(self, n: fx.Node) -> None:
         for a in _flat(n.args[0]):
@@ -192,7 +203,7 @@ class _Prover:
         return value
 
     def _agree(self, value: Any, val: Any) -> None:
-        if not _is_tensor(val) or value is SLOTS:
+        if not _is_tensor(val) or value in (SLOTS, SHARE):
             return
         grow = self.growing(val)
         if len(grow) > 1:
@@ -222,6 +233,10 @@ class _Prover:
         if target is operator.getitem:
             src = self.env.get(node_arg(n, 0))
             return src[int_arg(n, 1)] if isinstance(src, tuple) else src
+        if _share_part(n) is not None:
+            return SHARE
+        if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
+            return _share(self, n)
         self._no_length(n)
         if any(self.env.get(a) is SUMMED for a in n.all_input_nodes):
             return self._summed(n)
@@ -264,13 +279,21 @@ class _Prover:
         inners = {s.inner for s in seqs}
         if len(inners) > 1:
             raise Mixes("tokens laid out with different strides combined")
+        parts = {s.part for s in seqs}
+        if len(parts) > 1:
+            raise Mixes("the whole chunk combined with a tp rank's share of it")
         inner = inner or next(iter(inners), ONE)
+        part = next(iter(parts), 1)
+        if getattr(n.target, "namespace", None) == "autopart" and n.target._opname in _SHARING:
+            x, dim, _group, size = n.args[:4]
+            if seqs and self.env[x].dim % _ndim(x) == dim % _ndim(x):  # split or joined along s
+                part = part * size if n.target._opname == "tp_scatter_reduce" else part // size
         vals = n.meta.get("val")
         if isinstance(vals, (tuple, list)):
-            return tuple(self._one(v, inner, bool(seqs)) for v in vals)
-        return self._one(vals, inner, bool(seqs))
+            return tuple(self._one(v, inner, bool(seqs), part) for v in vals)
+        return self._one(vals, inner, bool(seqs), part)
 
-    def _one(self, val: Any, inner: tuple[int, ...], from_seq: bool) -> Any:
+    def _one(self, val: Any, inner: tuple[int, ...], from_seq: bool, part: int = 1) -> Any:
         grow = self.growing(val)
         if not grow:
             if from_seq and _is_tensor(val):
@@ -280,7 +303,7 @@ class _Prover:
             raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
         if not from_seq:
             raise Mixes("a value sized by the sequence computed from no token")
-        return Seq(grow[0], inner)
+        return Seq(grow[0], inner, part)
 
     def _length(self, a: Any) -> bool:
         return (isinstance(a, fx.Node) and self.env.get(a) is LENGTH) or (
@@ -705,6 +728,60 @@ _ROUTING_ENTRY = {aten.sort.default}
 _AUTOPART_LOCAL = frozenset(
     ("tp_copy", "tp_reduce", "tp_all_reduce_grad", "tp_gather", "tp_scatter_reduce", "dropout")
 )
+_SHARING = frozenset(("tp_gather", "tp_scatter_reduce"))  # (x, dim, group, size): s/p ↔ s
+
+
+def _share_part(n: fx.Node) -> fx.Node | None:
+    """The ``add`` of sequence parallelism's row index (``sequence_parallel._my_rows``):
+    ``arange(L) + rank * L``, ``L = sym_size(x, d)``, when ``n`` is that ``add``, its ``arange``
+    or its ``mul``, else None. ``L`` is the local (per tp rank) length of a sequence-split ``x``:
+    the index reads this rank's ``L`` consecutive rows of the chunk, in order."""
+    add = n
+    if n.target in (aten.arange.default, aten.mul.Tensor) and len(n.users) == 1:
+        add = next(iter(n.users))
+    if add.target != aten.add.Tensor or len(add.args) != 2:
+        return None
+    rows, first = add.args
+    if not (isinstance(rows, fx.Node) and isinstance(first, fx.Node)):
+        return None
+    if rows.target != aten.arange.default or first.target != aten.mul.Tensor:
+        return None
+    rank, size = first.args
+    if not (
+        isinstance(rank, fx.Node)
+        and rank.op == "placeholder"
+        and getattr(rank.meta.get(META_INPUT), "kind", None) == "rank"
+        and rows.args[0] is size
+        and isinstance(size, fx.Node)
+        and size.target == aten.sym_size.int
+    ):
+        return None
+    return add if n in (add, rows, first) else None
+
+
+def _share(p: _Prover, n: fx.Node) -> Any:
+    """``index_select(a, d, index)`` with sequence parallelism's row index: this tp rank's rows
+    of ``a`` (the whole chunk along ``d``), in order. The index is relative to the chunk (its
+    ``L`` is the chunk's local length), so each chunk selects its own rows and the selected row
+    r holds the chunk's token rank·L + r: token-aligned, like the local values it joins."""
+    index = n.args[2] if len(n.args) > 2 else None
+    if n.target != aten.index_select.default or p.env.get(index) is not SHARE:
+        raise Mixes(ARANGE)
+    src, d = n.args[0], n.args[1]
+    v = p.env.get(src)
+    size = _share_part(index).args[1].args[1]  # the mul's L: sym_size(x, dim)
+    x, dim = size.args
+    xv = p.env.get(x)
+    if not (
+        isinstance(v, Seq)
+        and v.dim % _ndim(src) == d % _ndim(src)
+        and v.inner == ONE
+        and isinstance(xv, Seq)
+        and xv.dim % _ndim(x) == dim % _ndim(x)
+        and v.part == 1
+    ):
+        raise Mixes("an index by position into a value laid out along the sequence")
+    return Seq(v.dim % _ndim(src), ONE, xv.part)
 
 
 def _factory(p: _Prover, n: fx.Node) -> Any:
@@ -713,7 +790,7 @@ def _factory(p: _Prover, n: fx.Node) -> Any:
     grow = p.growing(val)
     if len(grow) > 1:
         raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
-    return Seq(grow[0], ONE) if grow else None
+    return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1) if grow else None
 
 
 def _arange(p: _Prover, n: fx.Node) -> Any:
@@ -756,7 +833,12 @@ def _attention(p: _Prover, n: fx.Node) -> Any:
         raise Mixes("an attention not proven causal")
     for x in (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2)):  # q, k, v
         val = p.env.get(x)
-        if not (isinstance(val, Seq) and val.dim % _ndim(x) == _ndim(x) - 2 and val.inner == ONE):
+        if not (
+            isinstance(val, Seq)
+            and val.dim % _ndim(x) == _ndim(x) - 2
+            and val.inner == ONE
+            and val.part == 1
+        ):
             raise Mixes("a causal attention whose queries, keys or values are not per token")
     return Seq(_ndim(n) - 2, ONE)
 
@@ -803,7 +885,8 @@ def _view(p: _Prover, n: fx.Node) -> Any:
     src, dst = x.meta["val"].shape, n.meta["val"].shape
     found: set[int] = set()
     inner: list[int] = []
-    for k, (_, s) in enumerate(_SAMPLES):
+    for k, (_, whole) in enumerate(_SAMPLES):
+        s = whole // v.part  # the tokens this rank holds
         src_k = [p.at(d)[k] for d in src]
         dst_k = [p.at(d)[k] for d in dst]
         stride = v.inner[k] * math.prod(src_k[v.dim % len(src_k) + 1 :])
@@ -817,7 +900,7 @@ def _view(p: _Prover, n: fx.Node) -> Any:
             raise Mixes("a view that cuts the sequence across dims")
     if len(found) != 1:
         raise Mixes("a view that moves the sequence between dims")
-    return Seq(found.pop(), tuple(inner))
+    return Seq(found.pop(), tuple(inner), v.part)
 
 
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {

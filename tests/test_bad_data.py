@@ -62,9 +62,10 @@ def test_a_sequence_longer_than_the_position_table_is_named(tmp_path):
     rank; now the error names the rank, the action and the length."""
     model, _ = nanogpt.make()
     ids = torch.randint(0, 96, (2, 72))
-    program = parallelize(model, Mesh(pp=2), example_inputs=(ids, ids))
+    labels = ids.roll(-1, 1)  # nanoGPT's labels: the next tokens
+    program = parallelize(model, Mesh(pp=2), example_inputs=(ids, labels))
     with pytest.raises(AutopartError) as err:
-        fork_ranks(program, (ids, ids), tmp_path, timeout_s=60)
+        fork_ranks(program, (ids, labels), tmp_path, timeout_s=60)
     assert "an index out of range in the model" in err.value.message, err.value.message
 
 

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autopart.collectives import EXCHANGE_MAX
 from autopart.errors import AutopartError
 from autopart.planning.cluster import Cluster
+from autopart.runtime.comm import EXCHANGE_MAX
 
 # rows of the GEMM that measures how fast a weight not in cache is read (``mm_weight_gbps``)
 COLD_ROWS = 64
