@@ -284,10 +284,11 @@ class _Prover:
             raise Mixes("the whole chunk combined with a tp rank's share of it")
         inner = inner or next(iter(inners), ONE)
         part = next(iter(parts), 1)
-        if getattr(n.target, "namespace", None) == "autopart" and n.target._opname in _SHARING:
-            x, dim, _group, size = n.args[:4]
+        opname = getattr(n.target, "_opname", None)
+        if getattr(n.target, "namespace", None) == "autopart" and opname in _SHARING:
+            x, dim, size = node_arg(n, 0), int_arg(n, 1), int_arg(n, 3)  # (x, dim, group, size)
             if seqs and self.env[x].dim % _ndim(x) == dim % _ndim(x):  # split or joined along s
-                part = part * size if n.target._opname == "tp_scatter_reduce" else part // size
+                part = part * size if opname == "tp_scatter_reduce" else part // size
         vals = n.meta.get("val")
         if isinstance(vals, (tuple, list)):
             return tuple(self._one(v, inner, bool(seqs), part) for v in vals)
@@ -764,13 +765,16 @@ def _share(p: _Prover, n: fx.Node) -> Any:
     of ``a`` (the whole chunk along ``d``), in order. The index is relative to the chunk (its
     ``L`` is the chunk's local length), so each chunk selects its own rows and the selected row
     r holds the chunk's token rank·L + r: token-aligned, like the local values it joins."""
-    index = n.args[2] if len(n.args) > 2 else None
-    if n.target != aten.index_select.default or p.env.get(index) is not SHARE:
+    if n.target != aten.index_select.default:
         raise Mixes(ARANGE)
-    src, d = n.args[0], n.args[1]
+    index = node_arg(n, 2)
+    add = _share_part(index) if p.env.get(index) is SHARE else None
+    if add is None:  # SHARE marks exactly the nodes _share_part finds
+        raise Mixes(ARANGE)
+    src, d = node_arg(n, 0), int_arg(n, 1)
     v = p.env.get(src)
-    size = _share_part(index).args[1].args[1]  # the mul's L: sym_size(x, dim)
-    x, dim = size.args
+    size = node_arg(node_arg(add, 1), 1)  # the mul's L: sym_size(x, dim)
+    x, dim = node_arg(size, 0), int_arg(size, 1)
     xv = p.env.get(x)
     if not (
         isinstance(v, Seq)
