@@ -281,9 +281,9 @@ def calibrate(
     start = {n: getattr(cluster, n) or 0.05 for n in names}  # a factor needs a start above 0
 
     def at(x: Any) -> Cluster:
-        return dataclasses.replace(
-            cluster, **{n: start[n] * math.exp(v) for n, v in zip(names, x, strict=True)}
-        )
+        # fields named at run time: Any, as mypy cannot match the names to Cluster's fields
+        fitted: dict[str, Any] = {n: start[n] * math.exp(v) for n, v in zip(names, x, strict=True)}
+        return dataclasses.replace(cluster, **fitted)
 
     def residuals(x: Any) -> list[float]:
         cl = at(x)

@@ -227,7 +227,9 @@ def fit(names: tuple[str, ...] = FITTED, base: Cluster | None = None) -> dict[st
     rows = [r for r in ROWS if r.role == "fit"]
 
     def residuals(x: list[float]) -> list[float]:
-        cl = dataclasses.replace(base, **{n: math.exp(v) for n, v in zip(names, x, strict=True)})
+        # fields named at run time: Any, as mypy cannot match the names to Cluster's fields
+        fitted: dict[str, Any] = {n: math.exp(v) for n, v in zip(names, x, strict=True)}
+        cl = dataclasses.replace(base, **fitted)
         return [math.log(predict(r, cl) / r.published) for r in rows]
 
     lo, hi = [math.log(0.3)] * len(names), [0.0] * len(names)
