@@ -210,6 +210,7 @@ def __getattr__(name: str) -> Callable[[], tuple[nn.Module, tuple[torch.Tensor, 
     """``autopart.models.zoo:llama`` and the like: the factory of that architecture."""
     if name in ARCHITECTURES:
         factory = functools.partial(make, name)
+        # a partial takes attributes (it has a __dict__), but its stub declares no __name__
         factory.__name__ = name  # type: ignore[attr-defined]
         return factory
     raise AttributeError(name)
