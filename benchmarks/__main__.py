@@ -31,6 +31,7 @@ BENCHMARKS = {
     "compile_cache": lambda mod: mod.main(),
     "plan_1t": lambda mod: mod.main(),
     "calibration": lambda mod: mod.main(),
+    "closed_loop": lambda mod: mod.main([]),
     "recompute": lambda mod: mod.main(),
     "precision": lambda mod: mod.main(),
     "published": lambda mod: mod.main(),

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from nanogpt import GPT, GPTConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import record  # noqa: E402
-
 from autopart import analyze, capture  # noqa: E402
 from autopart.frontend.cost import evaluate, total  # noqa: E402
+
+from _launch import record  # noqa: E402
 
 
 def main() -> int:

@@ -1,19 +1,19 @@
 """The planner's closed loop on this machine: plan for 4 CPU ranks, run the plans, compare.
 
-1. **profile** — ``autopart.planning.cpu_profile.measure(4)``: 4 gloo processes (one thread each)
-   measure float32 matmul throughput (alone and all at once: what taking turns costs beyond the
-   share of the cores), memory bandwidth, the cost of one graph node and a gloo all-reduce;
-   the result is a ``Cluster``.
+1. **profile** — ``cpu_profile.measure(4)``: 4 gloo processes (one thread each) measure float32
+   matmul throughput (alone and all at once: what taking turns costs beyond the share of the
+   cores), memory bandwidth, the cost of one graph node and a gloo all-reduce; the result is a
+   ``cpu_profile.Profile``: a ``Cluster`` and the ``SharedCores`` speed model of its cores.
 2. **calibrate** — four single-rank plans (``ALONE``: micro-batches and Seq1F1B chunks) run in
    this process, alone on a core (``cpu_profile.step_times_alone``), and seven fixed plans
    (``CALIBRATION``: dp=4 with and without the distributed optimizer, tp=4, pp=4 1F1B and
    Seq1F1B k=4, tp=2 × pp=2 1F1B and Seq1F1B k=4 with SP) on 4 gloo ranks;
    ``cpu_profile.calibrate`` fits the compute rate, the per-kernel floor, the per-action cost,
    the cost of sharing the cores and the per-message latency to all eleven together. The
-   profile is printed as TOML (what ``autopart plan --cluster cpu.toml`` reads).
-3. **plan** — ``planner.search`` ranks every plan of the model for 4 ranks on that profile
-   (dp/tp/pp, GPipe/1F1B/interleaved/Seq1F1B/zero-bubble, micro-batch sizes, chunk counts; no
-   recomputation: memory is no constraint here).
+   profile is printed as TOML.
+3. **plan** — ``planner.search`` ranks every plan of the model for 4 ranks on that profile,
+   its shared cores as the speed model (dp/tp/pp, GPipe/1F1B/interleaved/Seq1F1B/zero-bubble,
+   micro-batch sizes, chunk counts; no recomputation: memory is no constraint here).
 4. **run** — the planner's top plans and others spread over its ranking (one plan per
    program, never a calibration plan's program) run on 4 gloo ranks (torchrun, one thread
    each) with the calibration plans again (spread evenly among them), one runner alive at a
@@ -26,19 +26,16 @@
 The model: nanoGPT, 4 blocks of width 256 (8 heads), vocabulary 512, float32, a global batch of
 8 sequences of 256 tokens. Goals (issue 19): Spearman rank correlation of predicted and measured
 step times ≥ 0.8 over at least 8 plans; the planner's first plan within 10 % of the fastest
-measured; every prediction within 15 %. Exits 1 when a goal is missed (docs/simulate.md, "A
-closed loop on this machine", has every run's figures).
+measured; every prediction within 15 %. Exits 1 when a goal is missed (closed_loop.md, beside
+this file, has every run's figures).
 
     python benchmarks/closed_loop.py [--plans 10] [--save run.json] [--profile-out cpu.toml]
     python benchmarks/closed_loop.py --replay run.json   # re-predict a saved run
-    autopart plan --model benchmarks/closed_loop.py:make --cluster cpu.toml --gpus 4 \
-        --global-batch 8                                 # the planner on the fitted profile
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -76,8 +73,9 @@ def worker(out: str, plans_file: str) -> None:
     import autopart
     from autopart.frontend.capture import capture
     from autopart.layout import Plan
-    from autopart.planning.cpu_profile import training_steps, two_passes
     from autopart.runtime.run import make_optimizer
+
+    from cpu_profile import training_steps, two_passes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -100,7 +98,7 @@ def worker(out: str, plans_file: str) -> None:
         return training_steps(runner, optim, (x, y), n, WARMUP, sync=dist.barrier)
 
     # one runner alive at a time: with 16 runners in a process every step was 10-19 % slower
-    # than with 2, and the more for the faster plans (docs/simulate.md); two passes, the second
+    # than with 2, and the more for the faster plans (closed_loop.md); two passes, the second
     # in reverse order, so the machine's drift falls on every plan alike
     steps = two_passes(len(plans), timed, ITERS)
     t = torch.tensor(steps, dtype=torch.float64)
@@ -158,12 +156,12 @@ def _interleave(n: int, c: int) -> list[int]:
     return out
 
 
-def _rank(shape, cluster) -> list:
+def _rank(shape, profile) -> list:
     from autopart.planning.planner import search
 
     return search(
         shape,
-        cluster,
+        profile.cluster,
         RANKS,
         BATCH,
         top=1000,
@@ -171,6 +169,7 @@ def _rank(shape, cluster) -> list:
         micro_batches=[1, 2, 4],
         seq_chunks=[2, 4],
         max_tp=RANKS,
+        speed=profile.sharing,
     ).ranked
 
 
@@ -217,7 +216,7 @@ def choose(ranked: list, n: int) -> list:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--plans", type=int, default=10, help="plans to run (default 10)")
     ap.add_argument(
@@ -231,7 +230,8 @@ def main() -> int:
     ap.add_argument(
         "--profile-out",
         metavar="TOML",
-        help="write the profile fitted in the compared plans' launch (for autopart plan --cluster)",
+        help="write the profile fitted in the compared plans' launch: the cluster, which autopart "
+        "plan --cluster reads (without the shared cores, which autopart does not model)",
     )
     ap.add_argument(
         "--launches",
@@ -241,7 +241,7 @@ def main() -> int:
         "time is its fastest launch (default 2)",
     )
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.launches < 1:
         ap.error("--launches must be at least 1")
     if a.worker:
@@ -252,9 +252,9 @@ def main() -> int:
 
     from autopart.frontend.capture import capture
     from autopart.layout import Plan
-    from autopart.planning.cluster import cluster_from_dict
-    from autopart.planning.cpu_profile import calibrate, measure, step_times_alone, to_toml
-    from autopart.planning.simulate import shape_from_captured, simulate
+    from autopart.planning.simulate import shape_from_captured
+
+    from cpu_profile import Profile, calibrate, measure, step_times_alone, to_toml
 
     model, (x, y) = make()
     captured = capture(model, (x, y))
@@ -263,13 +263,10 @@ def main() -> int:
     alone = [Plan.from_batch(BATCH, **c) for c in ALONE]
     if a.replay:
         saved = json.loads(Path(a.replay).read_text())
-        profile = cluster_from_dict(saved["profile"])
-        if "tp_exchange" not in saved["profile"]:  # saved before the field: the runtime's
-            profile = dataclasses.replace(profile, tp_exchange=True)  # tp groups exchanged then too
-        if "mm_weight_gbps" not in saved["profile"]:  # saved before the field: the fit's start
-            profile = dataclasses.replace(profile, mm_weight_gbps=COLD_GBPS)
-        if "fill_waits" not in saved["profile"]:  # saved before the field: the runtime filled
-            profile = dataclasses.replace(profile, fill_waits=True)  # its waits from run 31 on
+        # runs saved before a field: the runtime's tp groups exchanged then too, the fit starts
+        # the cold weight's rate from this machine's, and the runtime filled its waits (run 31 on)
+        before = {"tp_exchange": True, "mm_weight_gbps": COLD_GBPS, "fill_waits": True}
+        profile = Profile.from_json(before | saved["profile"])
         cal_times = [t for _, t in saved["calibration"]]
         calib = [Plan.from_json(pl) for pl, _ in saved["calibration"]]
         alone = [Plan.from_json(pl) for pl, _ in saved["alone"]]
@@ -285,18 +282,17 @@ def main() -> int:
             return 1
     # one rank alone pins what a rank computes; the ranks' runs what sharing and talking cost
     single = list(zip(alone, alone_times, strict=True))
-    cluster = calibrate(profile, shape, single + list(zip(calib, cal_times, strict=True)))
+    fitted = calibrate(profile, shape, single + list(zip(calib, cal_times, strict=True)))
     print(
         "one rank alone: "
         + ", ".join(
-            f"{p.describe()} ({1e3 * t:.0f} ms, fitted "
-            f"{1e3 * simulate(shape, cluster, p, record=False).summary.iteration_s:.0f} ms)"
+            f"{p.describe()} ({1e3 * t:.0f} ms, fitted {1e3 * fitted.seconds(shape, p):.0f} ms)"
             for p, t in single
         )
     )
     show_calibration(calib, cal_times)
-    print(to_toml(cluster))
-    ranked = _rank(shape, cluster)
+    print(to_toml(fitted))
+    ranked = _rank(shape, fitted)
     print(f"the planner ranked {len(ranked)} plans for {shape.describe()}")
     if a.replay:
         plans = [Plan.from_json(pl) for pl, _ in saved["runs"]]
@@ -328,15 +324,15 @@ def main() -> int:
         best = [min(col) for col in zip(*launches, strict=True)]
         measured, again = best[: len(plans)], best[len(plans) :]
     # recalibrated on this launch's calibration plans (never on the plans compared)
-    cluster = calibrate(profile, shape, single + list(zip(calib, again, strict=True)))
+    fitted = calibrate(profile, shape, single + list(zip(calib, again, strict=True)))
     print("\nrecalibrated in the launch of the compared plans:")
     show_calibration(calib, again)
     if a.profile_out:
-        Path(a.profile_out).write_text(to_toml(cluster))
-        print(f"wrote the profile to {a.profile_out}: autopart plan --cluster {a.profile_out}")
-    ranked = _rank(shape, cluster)
+        Path(a.profile_out).write_text(to_toml(fitted))
+        print(f"wrote the profile to {a.profile_out}")
+    ranked = _rank(shape, fitted)
     rank_of = {r.plan.describe(): i + 1 for i, r in enumerate(ranked)}
-    predicted = [simulate(shape, cluster, pl, record=False).summary.iteration_s for pl in plans]
+    predicted = [fitted.seconds(shape, pl) for pl in plans]
     # the planner's first plan: the best ranked of those measured
     order = sorted(range(len(plans)), key=lambda i: rank_of.get(plans[i].describe(), 10**9))
     plans, measured, predicted = (

@@ -24,12 +24,12 @@ from pathlib import Path
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import record  # noqa: E402
-
 from autopart.layout import Plan  # noqa: E402
 from autopart.planning.cluster import load_cluster  # noqa: E402
 from autopart.planning.planner import print_search, search  # noqa: E402
 from autopart.planning.simulate import SHAPES, simulate  # noqa: E402
+
+from _launch import record  # noqa: E402
 
 PAPER_TFLOPS = 163.0
 

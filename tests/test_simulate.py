@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -298,30 +298,6 @@ def test_flops_follow_megatrons_formula() -> None:
     assert full.model_flops() == pytest.approx(without)
 
 
-def test_megatron_1t_reference_point() -> None:
-    """Narayanan et al. 2021 (SC21) Table 1: 1T GPT (128 layers, hidden 25600, 160 heads) on
-    3072 A100s, tp=8, pp=64, dp=6, global batch 3072, micro-batch 1, 1F1B (the authors'
-    run_table_1.sh), full recompute, Megatron-LM 2021's software: 163 TFLOP/s per GPU. The
-    tolerance, 5 %, is about twice the simulator's mean error over the published runs
-    (tests/test_published.py)."""
-    from autopart.planning.published import software
-
-    st = Plan.from_batch(
-        tp=8, pp=64, dp=6, micro_batch=1, global_batch=3072, schedule="1f1b", recompute="full"
-    )
-    s = simulate(SHAPES["megatron-1t"], software("megatron-2021"), st, record=False).summary
-    print(
-        f"\nMegatron 1T: predicted {s.tflops_per_gpu:.1f} TFLOP/s per GPU "
-        f"({s.hfu:.1%} of peak, Megatron's count; MFU {s.mfu:.1%}), paper 163 (52 %); "
-        f"iteration {s.iteration_s:.1f} s, bubble {s.bubble_fraction:.1%}, "
-        f"{s.memory_gb_per_gpu:.1f} GiB per GPU"
-    )
-    assert s.tflops_per_gpu == pytest.approx(163, rel=0.05)
-    assert s.fits
-    parts = sum(s.breakdown.values())
-    assert parts == pytest.approx(s.iteration_s)
-
-
 def test_extrapolation_matches_the_full_simulation() -> None:
     shape = SHAPES["gpt3-175b"]
     for sched, v, k in (
@@ -518,7 +494,18 @@ def test_fitting_alternatives_fit() -> None:
         assert simulate(SHAPES["gpt3-175b"], A100, alt, record=False).summary.fits
 
 
-# -- shared cores (CPU ranks): processor sharing ----------------------------------------------
+# -- a speed model: ranks computing at once slow each other --------------------------------
+
+
+@dataclass(frozen=True)
+class Slowed:
+    """A speed model for the tests: each of several processes computing at once on a node
+    takes ``1 + by`` times as long as alone (``benchmarks/shared_cores.py`` is the real one)."""
+
+    by: float
+
+    def crowding(self, processes: float) -> float:
+        return 1.0 + self.by if processes > 1 else 1.0
 
 
 @pytest.mark.parametrize(
@@ -528,57 +515,46 @@ def test_fitting_alternatives_fit() -> None:
         ("gpipe", 3, 4, 1, 1, {}),
         ("interleaved-1f1b", 2, 4, 2, 1, {}),
         ("seq1f1b", 4, 4, 1, 3, {}),
+        ("zb-h1", 3, 6, 1, 1, dict(dp=2)),
     ],
 )
-def test_shared_cores_enough_for_all_equal_the_plain_simulation(name, p, m, v, k, kw) -> None:
+@pytest.mark.parametrize("fill", [False, True])
+def test_a_vanishing_slowdown_is_the_dedicated_simulation(name, p, m, v, k, kw, fill) -> None:
+    """The event loop in global time order (a speed model that can slow ranks) gives the
+    timeline of ranks on devices of their own (which run on by themselves) as its slowdown
+    vanishes, event by event."""
     acts = {
         r: generate(name, r, m, list(range(p)), v=v, k=k, tied=r in (0, p - 1), **kw)
         for r in range(p)
     }
 
     def cost(a: Action) -> float:  # unequal per stage and chunk, so timing matters
-        base = {"F": 1.0, "B": 2.1, "DP_REDUCE": 1.7, "TIE_REDUCE": 0.3}.get(a.kind, 0.0)
-        return base * (1 + 0.1 * a.stage + 0.05 * a.chunk)
+        base = {"F": 1.0, "B": 2.1, "W": 0.8, "DP_REDUCE": 1.7, "TIE_REDUCE": 0.3}
+        return base.get(a.kind, 0.0) * (1 + 0.1 * a.stage + 0.05 * a.chunk)
 
-    plain = simulate_actions(acts, cost, lambda a: 0.2)
-    shared = simulate_actions(acts, cost, lambda a: 0.2, shared_cores=p)
-    assert shared.span == pytest.approx(plain.span, rel=1e-12)
-    assert [(e.rank, e.action, e.start, e.end) for e in shared.events] == [
+    plain = simulate_actions(acts, cost, lambda a: 0.2, fill_waits=fill)
+    slowed = simulate_actions(acts, cost, lambda a: 0.2, fill_waits=fill, speed=Slowed(1e-12))
+    assert slowed.span > plain.span
+    assert slowed.span == pytest.approx(plain.span, rel=1e-9)
+    assert [(e.rank, e.action, e.start, e.end) for e in slowed.events] == [
         (e.rank, e.action, pytest.approx(e.start), pytest.approx(e.end)) for e in plain.events
     ]
 
 
-@pytest.mark.parametrize("name,k", [("1f1b", 1), ("gpipe", 1), ("seq1f1b", 2)])
-def test_one_shared_core_is_never_idle_while_work_is_left(name: str, k: int) -> None:
-    """With free transfers a waiting rank leaves the core to the others: one core runs all the
-    ranks' work back to back, so the iteration lasts exactly the sum of it."""
-    acts = pipeline(name, 3, 4, k=k)
-    tl = simulate_actions(acts, equal_costs(1.0, 2.0), shared_cores=1)
-    assert tl.span == pytest.approx(3 * 4 * k * 3.0)
-    # two cores for three ranks: between the one-core sum / 2 and the unshared pipeline
-    two = simulate_actions(acts, equal_costs(1.0, 2.0), shared_cores=2).span
-    alone = simulate_actions(acts, equal_costs(1.0, 2.0)).span
-    assert 3 * 4 * k * 3.0 / 2 <= two <= alone * 3 / 2 and two > alone
-
-
-def test_shared_cores_slow_data_parallel_ranks_by_ranks_over_cores() -> None:
+def test_a_speed_model_slows_a_node_s_ranks_and_the_optimizer() -> None:
+    """dp=4 on one node of 4: the pipeline rank stands for 4 processes, each slowed by the
+    speed model whenever it computes, and so is the optimizer step; a rank alone on its node
+    never is."""
     shape = GPTShape(layers=4, hidden=256, heads=8, seq=256, vocab=512)
     cpu = replace(A100, gpus_per_node=4)
     plan = Plan.from_batch(8, micro_batch=1, dp=4)
-    alone = simulate(shape, cpu, plan).timeline
-    shared = simulate(shape, replace(cpu, shared_cores=2), plan).timeline
-    busy = alone.ranks[0].busy
-    assert shared.ranks[0].busy == pytest.approx(2 * busy)
-    # sharing the node costs shared_slowdown more, with cores enough for all ranks too (memory
-    # bandwidth, caches), on top of the share while they outnumber the cores
-    slow = simulate(shape, replace(cpu, shared_cores=2, shared_slowdown=0.25), plan).timeline
-    assert slow.ranks[0].busy == pytest.approx(2 * 1.25 * busy)
-    enough = simulate(shape, replace(cpu, shared_cores=4, shared_slowdown=0.25), plan).timeline
-    assert enough.ranks[0].busy == pytest.approx(1.25 * busy)
-    one = replace(cpu, gpus_per_node=1, shared_cores=1, shared_slowdown=0.25)
-    single = Plan.from_batch(8, micro_batch=1)  # one process alone on its node: never slowed
-    assert simulate(shape, one, single).timeline.ranks[0].busy == pytest.approx(
-        simulate(shape, replace(one, shared_slowdown=0.0), single).timeline.ranks[0].busy
+    alone, slow = simulate(shape, cpu, plan), simulate(shape, cpu, plan, speed=Slowed(0.25))
+    assert slow.timeline.ranks[0].busy == pytest.approx(1.25 * alone.timeline.ranks[0].busy)
+    assert slow.costs.optimizer_time(0) == pytest.approx(1.25 * alone.costs.optimizer_time(0))
+    one = replace(cpu, gpus_per_node=1)
+    single = Plan.from_batch(8, micro_batch=1)
+    assert simulate(shape, one, single, speed=Slowed(0.25)).summary.iteration_s == (
+        simulate(shape, one, single).summary.iteration_s
     )
 
 
@@ -650,26 +626,27 @@ def test_a_cpu_gemm_reads_its_weight_each_call_and_a_deferred_w_its_operands() -
 
 
 @pytest.mark.parametrize("name,k", [("zb-h1", 1), ("seq1f1b-zb", 2)])
-@pytest.mark.parametrize("cores", [0.0, 2.0, 1.5])
-def test_a_waiting_rank_fills_its_wait_with_deferred_w(name: str, k: int, cores: float) -> None:
+@pytest.mark.parametrize("slowdown", [0.0, 1.0, 0.5])
+def test_a_waiting_rank_fills_its_wait_with_deferred_w(name: str, k: int, slowdown: float) -> None:
     """``fill_waits``: a rank waiting for a receive runs pieces of the W's whose B has run:
     they come after that B, nothing on a rank overlaps, and some W's run in pieces. On devices
-    of their own (no shared cores) each W's pieces add up to its cost, the work is the same,
-    the iteration no longer, and the last rank, which waits for the slower stage 0, ends
-    sooner; on shared cores a filling rank takes a core the others could have used."""
+    of their own (no slowdown) each W's pieces add up to its cost, the work is the same, the
+    iteration no longer, and the last rank, which waits for the slower stage 0, ends sooner;
+    where ranks slow each other, a filling rank slows the others as any computing rank does."""
     p, m = 3, 6
     acts = pipeline(name, p, m, k=k)
 
     def cost(a: Action) -> float:
         return {"F": 1.0, "B": 1.0, "W": 0.8}.get(a.kind, 0.0) * (1.6 if a.stage == 0 else 1.0)
 
-    plain = simulate_actions(acts, cost, lambda a: 0.1, shared_cores=cores)
-    filled = simulate_actions(acts, cost, lambda a: 0.1, shared_cores=cores, fill_waits=True)
-    if not cores:
+    speed = Slowed(slowdown)
+    plain = simulate_actions(acts, cost, lambda a: 0.1, speed=speed)
+    filled = simulate_actions(acts, cost, lambda a: 0.1, speed=speed, fill_waits=True)
+    if not slowdown:
         assert filled.span <= plain.span + 1e-9
         assert filled.ranks[p - 1].end < plain.ranks[p - 1].end
     for r in range(p):
-        if not cores:  # on shared cores busy is wall time, which sharing stretches
+        if not slowdown:  # slowed, busy is wall time, which the slowdown stretches
             assert filled.ranks[r].busy == pytest.approx(plain.ranks[r].busy)
         events = [e for e in filled.events if e.rank == r]
         for a, b in zip(events, events[1:], strict=False):
@@ -678,7 +655,7 @@ def test_a_waiting_rank_fills_its_wait_with_deferred_w(name: str, k: int, cores:
         for e in events:
             if e.kind == "W":
                 pieces[e.action] = pieces.get(e.action, 0.0) + e.end - e.start
-        if not cores:  # unshared: an event's span is its cost
+        if not slowdown:  # an event's span is its cost
             assert all(t == pytest.approx(cost(a)) for a, t in pieces.items())
         # a W's pieces come after its B (the unit's weight gradients are ready then)
         b_end = {

@@ -32,18 +32,8 @@ GIB = 2**30
 ATTENTION = ("flash", "unfused")
 
 
-def crowding(processes: float, cores: float, slowdown: float) -> float:
-    """How many times slower each of ``processes`` computing at once on a node of ``cores``
-    shared cores runs than alone on a core: their share of the cores while they outnumber them,
-    and 1 + ``slowdown`` again while more than one computes (memory bandwidth, caches, taking
-    turns); 1 when the cores are not shared (``cores`` = 0)."""
-    if not cores or processes <= 1:
-        return 1.0
-    return max(1.0, processes / cores) * (1 + slowdown)
-
-
 # fields that may be 0 (every other number must be positive)
-LOW_OK = ("action_overhead_us", "mm_weight_gbps", "shared_cores", "shared_slowdown")
+LOW_OK = ("action_overhead_us", "mm_weight_gbps")
 
 
 @dataclass(frozen=True)
@@ -111,14 +101,6 @@ class Cluster:
     # zero-bubble schedule's W) meanwhile: autopart's runtime on CPU ranks; on GPUs a receive
     # is ordered on the stream and the schedule's order stands
     fill_waits: bool = False
-    # the cores a node's ranks share (a CPU profile: ranks are processes); 0: every rank has its
-    # own device. While more ranks compute than there are cores, each runs at cores / ranks of
-    # its speed alone (the rates above are one rank's alone on a core)
-    shared_cores: float = 0.0
-    # while more than one process computes on a node, each runs this much slower again than its
-    # share of the cores (memory bandwidth and caches shared by every core, and, while they
-    # outnumber the cores, context switches): a CPU profile measures it; 0 on devices
-    shared_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -160,10 +142,6 @@ class Cluster:
                     f"cluster {self.name!r}: {name}={getattr(self, name)} is above 1"
                 )
 
-    def crowding(self, processes: float) -> float:
-        """``crowding`` on this cluster's shared cores (1 without ``shared_cores``)."""
-        return crowding(processes, self.shared_cores, self.shared_slowdown)
-
     @property
     def ib_gbps_per_gpu(self) -> float:
         """InfiniBand bandwidth per GPU per direction, GB/s (bytes)."""
@@ -201,7 +179,7 @@ PRESETS: dict[str, Cluster] = {
         ib_nics_per_node=8,
         ib_gbit_per_nic=200.0,
         sms=108,
-        # fitted on Korthikanti et al. 2022's iteration times (autopart/planning/published.py)
+        # fitted on Korthikanti et al. 2022's iteration times (benchmarks/published.py)
         mm_efficiency=0.76,
         hbm_efficiency=0.67,
     ),

@@ -41,8 +41,10 @@ from autopart.errors import AutopartError
 from autopart.layout import RECOMPUTE, SCHEDULES, Mesh, Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
 from autopart.planning.simulate import (
+    DEDICATED,
     CostModel,
     GPTShape,
+    SpeedModel,
     _actions,
     fast_lower_bound,
     simulate_costs,
@@ -239,12 +241,14 @@ def search(
     max_tp: int | None = None,
     progress: bool = False,
     console: Any = None,
+    speed: SpeedModel = DEDICATED,
 ) -> Search:
     """Plan ``shape`` on ``gpus`` GPUs of ``cluster`` for ``global_batch`` sequences a step.
 
     Returns the ``top`` fastest plans that fit in memory (``Search.ranked``, best first),
     each simulated. ``attention`` overrides the cluster's attention kernel. ``progress`` shows a
-    rich progress display (on ``console``, default stderr).
+    rich progress display (on ``console``, default stderr). ``speed``: how ranks computing at
+    once on a node slow each other (``simulate.speed``; default: not at all).
     """
     t0 = time.perf_counter()
     cl = load_cluster(cluster)
@@ -304,7 +308,7 @@ def search(
                         )
                     )
                     continue
-                costs = CostModel(shape, cl, st)
+                costs = CostModel(shape, cl, st, speed=speed)
                 need = max(
                     sum(costs.static_bytes(r).values()) + _activation_peak(costs, r)
                     for r in {0, st.pp - 1}

@@ -8,7 +8,9 @@ Two layers:
   arrives ``comm_fn(action)`` seconds later. A ``RECV`` waits for that arrival. ``DP_REDUCE``
   waits for the rank's gradient reductions, which start when each stage's last backward
   starts and run one after another on one stream; ``TIE_REDUCE`` is an all-reduce of every
-  rank that has one. Returns a ``Timeline`` (events, span, per-rank busy and waiting times).
+  rank that has one. A speed model (``speed=``) stretches the computing of ranks that compute
+  at once on a node (default ``DEDICATED``: never). Returns a ``Timeline`` (events, span,
+  per-rank busy and waiting times).
 - ``simulate(shape, cluster, plan)``: a GPT shape (``GPTShape``), a ``Cluster`` (hardware and
   attention kernel) and an ``autopart.Plan`` (mesh, schedule, micro-batches, recompute, ...) → per-action costs from the
   performance model (``CostModel``) → ``simulate_actions`` over the actions ``generate`` gives
@@ -22,6 +24,8 @@ The package, in the order the data flows:
 
 - ``shape.py``: ``GPTShape``, ``SHAPES``, ``shape_from_captured``, ``resolve_model``;
 - ``performance.py``: the performance model, ``CostModel`` (per-action seconds and bytes);
+- ``speed.py``: the speed model, ``SpeedModel`` (how ranks computing at once slow each other;
+  ``DEDICATED``: not at all, every rank on a device of its own);
 - ``events.py``: the event simulator, ``simulate_actions`` → ``Timeline``;
 - ``iteration.py``: ``simulate``, its summary and tables.
 """
@@ -57,16 +61,20 @@ from autopart.planning.simulate.shape import (
     resolve_shape,
     shape_from_captured,
 )
+from autopart.planning.simulate.speed import DEDICATED, Dedicated, SpeedModel
 
 __all__ = [
+    "DEDICATED",
     "EXACT_LIMIT",
     "SHAPES",
     "VOCAB_MULTIPLE",
     "CostModel",
+    "Dedicated",
     "Event",
     "GPTShape",
     "RankTimes",
     "Simulation",
+    "SpeedModel",
     "Timeline",
     "UnitCost",
     "_actions",

@@ -1,14 +1,17 @@
-"""The event simulator: per-rank action lists timed by per-action costs (``simulate_actions``),
-a ``Timeline`` of events and per-rank busy and waiting times, and its Chrome trace."""
+"""The event simulator: per-rank action lists timed by per-action costs and a speed model
+(``simulate_actions``; one event loop, ``_run``), a ``Timeline`` of events and per-rank busy and
+waiting times, and its Chrome trace."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from autopart.errors import AutopartError
-from autopart.planning.cluster import crowding
+from autopart.planning.simulate.speed import DEDICATED, SpeedModel
 from autopart.runtime.timeline import chrome_event
 from autopart.schedule.ir import Action
 
@@ -171,8 +174,9 @@ def simulate_actions(
     record: bool = True,
     grad_overlap: bool = True,
     p2p_overlap: bool = True,
-    shared_cores: float = 0.0,
     fill_waits: bool = False,
+    speed: SpeedModel = DEDICATED,
+    placement: Mapping[int, tuple[int, float]] | None = None,
 ) -> Timeline:
     """Time every rank's action list (see the module docstring for the rules).
 
@@ -184,111 +188,197 @@ def simulate_actions(
     starts the gradient reductions only at ``DP_REDUCE``, after the rank's last backward
     (Megatron-LM 2021), instead of at the start of each stage's last backward.
     ``p2p_overlap=False`` makes a ``SEND`` block its rank until the message has arrived.
-    ``shared_cores`` > 0: the ranks are processes sharing that many cores (``_run_shared``).
     ``fill_waits``: a rank waiting for a receive runs its deferred ``W`` work meanwhile.
+    ``speed``: how computing ranks on one node slow each other (``DEDICATED``: not at all);
+    ``placement``: rank → (its node, the processes it stands for); default: every rank one
+    process, all on one node.
     """
     comp = _compile(actions_by_rank)
     comm_fn = comm_fn or (lambda a: 0.0)
     cost = [
         comm_fn(a) if s else cost_fn(a) for a, s in zip(comp.keys, comp.is_send_key, strict=True)
     ]
+    place = [placement[r] if placement else (0, 1.0) for r in comp.ranks]
     acts = actions_by_rank if record else None
-    if shared_cores:
-        n = len(comp.ranks)
-        return _run_shared(
-            comp,
-            cost,
-            acts,
-            grad_overlap,
-            p2p_overlap,
-            [1.0] * n,
-            [0] * n,
-            shared_cores,
-            fill_waits=fill_waits,
-        )
-    return _run(comp, cost, acts, grad_overlap, p2p_overlap, fill_waits)
+    return _run(comp, cost, acts, grad_overlap, p2p_overlap, fill_waits, speed, place)
 
 
 def _run(
     comp: _Compiled,
     cost: list[float],
     actions: dict[int, list[Action]] | None,
-    grad_overlap: bool = True,
-    p2p_overlap: bool = True,
-    fill_waits: bool = False,
+    grad_overlap: bool,
+    p2p_overlap: bool,
+    fill_waits: bool,
+    speed: SpeedModel,
+    placement: list[tuple[int, float]],
 ) -> Timeline:
-    """Every rank on its own device. ``fill_waits``: a rank whose receive has not arrived runs
-    its deferred W work meanwhile, oldest first (``_pending``), and the W itself later runs
-    what is left of it (the runtime's work while waiting on CPU ranks)."""
+    """The event loop. ``cost`` holds each action's seconds alone. Rank index i stands for
+    ``placement[i][1]`` processes on node ``placement[i][0]``; while the processes computing an
+    F, B or W on a node number c, each takes ``speed.crowding(c)`` times as long (processor
+    sharing: transfers and reductions take no core, and a waiting rank leaves its share to the
+    others). ``fill_waits``: a rank whose receive has not arrived runs its deferred W work
+    meanwhile, oldest first (``_pending``), and the W itself later runs what is left of it (the
+    runtime's work while waiting on CPU ranks).
+
+    A heap holds when each rank goes on next: a compute's end, a wait's end, a message's
+    arrival. A rank runs on by itself while its clock stays at or below the heap's earliest
+    time, since nothing can change its speed before then; when no node's speed can ever change
+    (``free``: ``DEDICATED``), without limit, until it waits for a message or a meeting."""
     n = len(comp.ranks)
+    ops_of, stage_of = comp.ops, comp.key_stage
     w_left = _w_left(comp, cost, fill_waits)
-    now = [0.0] * n
     pc = [0] * n
+    now = [0.0] * n  # a rank's clock while it does not compute
+    computing = [False] * n
+    left = [0.0] * n  # seconds alone of the current compute still to run, as of ``since``
+    since = [0.0] * n
+    began = [0.0] * n
+    fin = [0.0] * n  # when the current compute ends at its node's present speed
+    filling = [-1] * n  # the position of the W a rank runs a piece of while it waits, or -1
     arrival: list[float | None] = [None] * comp.n_msgs
     xfer = [0.0] * comp.n_msgs
     waiter = [-1] * comp.n_msgs
     times = [RankTimes() for _ in range(n)]
     last_b: list[dict[int, tuple[float, float]]] = [{} for _ in range(n)]
-    tie_at: dict[int, float] = {}
     tie_n = sum(1 for row in comp.ops if any(op[0] == _TIE for op in row))
+    tie_at: dict[int, float] = {}
     raw: list[tuple[int, int, float, float]] = []
     rec = actions is not None
-    stage_of = comp.key_stage
-    stack = list(range(n - 1, -1, -1))
-    while stack:
-        i = stack.pop()
-        ops, t, p, rt = comp.ops[i], now[i], pc[i], times[i]
-        end = len(ops)
-        wl = w_left[i]
-        while p < end:
+    node = [nd for nd, _ in placement]
+    weight = [w for _, w in placement]
+    members: dict[int, list[int]] = {}
+    for i, nd in enumerate(node):
+        members.setdefault(nd, []).append(i)
+    load = dict.fromkeys(members, 0.0)  # processes computing on each node
+    factor = dict.fromkeys(members, 1.0)  # speed.crowding of that load
+    # no node slowed even with all its processes computing: no rank's speed ever changes
+    free = all(speed.crowding(sum(weight[i] for i in ids)) == 1.0 for ids in members.values())
+    version = [0] * n  # a heap entry of rank i counts while it carries version[i]
+    heap = [(0.0, i, 0) for i in range(n)]
+
+    def horizon() -> float:
+        """The earliest time another rank goes on (stale entries dropped)."""
+        while heap and heap[0][2] != version[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def wake(i: int, t: float) -> None:
+        version[i] += 1
+        heapq.heappush(heap, (t, i, version[i]))
+
+    def until(i: int) -> float:
+        """When rank i's compute stops: its end, or, filling a wait, the data's arrival."""
+        at = arrival[ops_of[i][pc[i]][2]] if filling[i] >= 0 else None
+        return fin[i] if at is None else min(fin[i], at)
+
+    def crowd(i: int, t: float, change: float) -> float:
+        """``change`` processes more compute on rank i's node from t (i not counted among
+        them): the others go on at the node's new speed. Returns that speed's factor."""
+        nd = node[i]
+        load[nd] += change
+        old, new = factor[nd], speed.crowding(load[nd])
+        if new != old:
+            factor[nd] = new
+            for j in members[nd]:
+                if computing[j]:
+                    left[j] -= (t - since[j]) / old
+                    since[j], fin[j] = t, t + left[j] * new
+                    wake(j, until(j))
+        return new
+
+    def start(i: int, t: float, seconds: float, w: int) -> None:
+        """Rank i computes ``seconds`` alone from t: an action, or a piece of the W at w."""
+        f = 1.0 if free else crowd(i, t, weight[i])
+        computing[i], filling[i] = True, w
+        left[i], since[i], began[i], fin[i] = seconds, t, t, t + seconds * f
+
+    def stop(i: int, t: float) -> None:
+        """Rank i's compute stops at t: its action ends, or its piece of a W (done, or the
+        data came)."""
+        w = filling[i]
+        if w >= 0:
+            done = fin[i] <= t
+            w_left[i][w] = 0.0 if done else left[i] - (t - since[i]) / factor[node[i]]
+            p = w
+        else:
+            p = pc[i]
+            last_b[i][stage_of[ops_of[i][p][1]]] = (began[i], t)
+            pc[i] += 1
+        computing[i], filling[i] = False, -1
+        if not free:
+            crowd(i, t, -weight[i])
+        if t > began[i] or w < 0:
+            times[i].busy += t - began[i]
+            if rec:
+                raw.append((i, p, began[i], t))
+
+    def resume(i: int, t: float) -> None:
+        """Run rank i from t until it must wait for the heap, for a message or a meeting, or
+        ends."""
+        ops, rt, wl = ops_of[i], times[i], w_left[i]
+        last = len(ops)
+        while True:
+            if computing[i]:
+                end = fin[i] if filling[i] < 0 else until(i)
+                if not free and end > horizon():
+                    wake(i, end)
+                    return
+                stop(i, end)
+                t = end
+            elif not free and t > horizon():
+                now[i] = t
+                wake(i, t)
+                return
+            p = pc[i]
+            if p == last:
+                now[i] = t
+                return
             code, key, m = ops[p]
             if code == _FB:
-                d = cost[key]
-                if wl:
-                    d = wl.pop(p, d)  # what filling left of a W
+                d = wl.pop(p, cost[key]) if wl else cost[key]  # what filling left of a W
+                if d > 0:
+                    start(i, t, d, -1)
+                    continue
+                last_b[i][stage_of[key]] = (t, t)
                 if rec:
-                    raw.append((i, p, t, t + d))
-                lb = last_b[i]
-                lb[stage_of[key]] = (t, t + d)  # F entries are overwritten by later B's
-                t += d
-                rt.busy += d
+                    raw.append((i, p, t, t))
             elif code == _SEND:
                 sent = arrival[m] = t + cost[key]
                 xfer[m] = cost[key]
+                w = waiter[m]
+                if w >= 0:  # it goes on where it waits, or its piece of a W stops then
+                    waiter[m] = -1
+                    wake(w, until(w) if computing[w] else now[w])
                 if rec:
                     raw.append((i, p, t, t if p2p_overlap else sent))
                 if not p2p_overlap:  # a blocking send: the sender waits for the delivery
                     rt.recv_wait += cost[key]
                     rt.recv_exposed += cost[key]
                     t = sent
-                w = waiter[m]
-                if w >= 0:
-                    waiter[m] = -1
-                    stack.append(w)
             elif code == _RECV:
                 at = arrival[m]
-                if at is None:
-                    waiter[m] = i
-                    break
-                while wl and at > t and (w := _pending(comp, i, p, wl)) >= 0:
-                    d = min(wl[w], at - t)  # a piece of that W, until the data is there
-                    wl[w] -= d
-                    if rec:
-                        raw.append((i, w, t, t + d))
-                    t += d
-                    rt.busy += d
-                start = t
-                if at > t:
-                    rt.recv_wait += at - t
-                    rt.recv_exposed += min(at - t, xfer[m])
-                    t = at
+                w = _pending(comp, i, p, wl) if wl and (at is None or at > t) else -1
+                if at is None and (w < 0 or free):  # ``free``: the sender may be behind
+                    waiter[m], now[i] = i, t
+                    return
+                if w >= 0:  # a piece of that W, until the data is there
+                    if at is None:
+                        waiter[m] = i
+                    start(i, t, wl[w], w)
+                    continue
+                assert at is not None  # not sent yet: returned or filling above
+                end = max(t, at)
+                rt.recv_wait += end - t
+                rt.recv_exposed += min(end - t, xfer[m])
                 if rec:
-                    raw.append((i, p, start, t))
+                    raw.append((i, p, t, end))
+                t = end
             elif code == _DP:
                 comm = 0.0
                 for s, (b0, b1) in sorted(last_b[i].items(), key=lambda kv: kv[1][0]):
-                    start = b0 if grad_overlap else t  # overlapped, or after the last backward
-                    comm = max(max(comm, start) + cost[comp.dp_keys[i][s]], b1)
+                    first = b0 if grad_overlap else t  # overlapped, or after the last backward
+                    comm = max(max(comm, first) + cost[comp.dp_keys[i][s]], b1)
                 done = max(t, comm)
                 rt.dp_wait += done - t
                 if rec:
@@ -297,179 +387,25 @@ def _run(
             else:  # _TIE: every rank that has one meets
                 tie_at[i] = t
                 if len(tie_at) < tie_n:
-                    now[i], pc[i] = t, p
-                    break
-                done = max(tie_at.values()) + cost[key]
-                for j, arrived in tie_at.items():
-                    times[j].tie_wait += done - arrived
-                    if rec:
-                        raw.append((j, _index_of(comp.ops[j], _TIE), arrived, done))
-                    if j != i:
-                        now[j], pc[j] = done, _index_of(comp.ops[j], _TIE) + 1
-                        stack.append(j)
-                t = done
-            p += 1
-        now[i], pc[i] = t, p
-    return _finish(comp, now, pc, times, raw, actions)
-
-
-def _run_shared(
-    comp: _Compiled,
-    cost: list[float],
-    actions: dict[int, list[Action]] | None,
-    grad_overlap: bool,
-    p2p_overlap: bool,
-    weight: list[float],
-    node: list[int],
-    cores: float,
-    slowdown: float = 0.0,
-    fill_waits: bool = False,
-) -> Timeline:
-    """``_run`` for ranks that share ``cores`` cores per node (CPU ranks, more than cores):
-    processor sharing in global time order. Rank index i stands for ``weight[i]`` processes on
-    node ``node[i]``; while the processes computing F or B on a node outnumber its cores, each
-    runs at cores / their number of its full speed (``cost``, seconds alone on a core); while
-    more than one computes, each is slowed by 1 + ``slowdown`` again (what sharing the node
-    costs beyond the cores: memory bandwidth, caches, and taking turns when they outnumber the
-    cores). A rank
-    waiting (receive, gradient reduction, tied-weight meeting) leaves its core to the others,
-    which is how a pipeline's bubble speeds up the other stages on a shared CPU, unless
-    ``fill_waits`` gives it deferred W work to run until its receive arrives (as ``_run``).
-    Transfers and reductions are not slowed."""
-    n = len(comp.ranks)
-    w_left = _w_left(comp, cost, fill_waits)
-    filling = [-1] * n  # the position of the W a rank runs a piece of while it waits
-    now = [0.0] * n  # when the rank reached its current op
-    pc = [0] * n
-    left = [0.0] * n  # full-speed seconds of the current F/B still to run (0: not computing)
-    began = [0.0] * n
-    ready = [0.0] * n  # blocked until then (a receive's arrival, a reduction, a blocking send)
-    arrival: list[float | None] = [None] * comp.n_msgs
-    xfer = [0.0] * comp.n_msgs
-    times = [RankTimes() for _ in range(n)]
-    last_b: list[dict[int, tuple[float, float]]] = [{} for _ in range(n)]
-    tie_ranks = {i for i, row in enumerate(comp.ops) if any(op[0] == _TIE for op in row)}
-    tie_at: dict[int, float] = {}
-    raw: list[tuple[int, int, float, float]] = []
-    rec = actions is not None
-    T = 0.0
-
-    def advance(i: int) -> bool:
-        """Run rank i's ops that take no core, from time T; True if it moved."""
-        moved = False
-        ops, rt = comp.ops[i], times[i]
-        while pc[i] < len(ops) and left[i] == 0.0 and ready[i] <= T and i not in tie_at:
-            code, key, m = ops[pc[i]]
-            t, p = max(now[i], ready[i]), pc[i]
-            if code == _FB:
-                d = w_left[i].pop(p, cost[key])  # what filling left of a W
-                if d > 0:
-                    left[i], began[i] = d, t
-                    return True
-                if rec:
-                    raw.append((i, p, t, t))
-            elif code == _SEND:
-                sent = arrival[m] = t + cost[key]
-                xfer[m] = cost[key]
-                if not p2p_overlap:
-                    rt.recv_wait += cost[key]
-                    rt.recv_exposed += cost[key]
-                    ready[i] = sent
-                if rec:
-                    raw.append((i, p, t, t if p2p_overlap else sent))
-            elif code == _RECV:
-                at = arrival[m]
-                if (
-                    w_left[i]
-                    and (at is None or at > t)
-                    and (w := _pending(comp, i, p, w_left[i])) >= 0
-                ):
-                    left[i], began[i], filling[i] = w_left[i][w], t, w
-                    return True
-                if at is None:
-                    return moved
-                end = max(t, at)
-                rt.recv_wait += end - t
-                rt.recv_exposed += min(end - t, xfer[m])
-                ready[i] = end
-                if rec:
-                    raw.append((i, p, t, end))
-            elif code == _DP:
-                comm = 0.0
-                for s, (b0, b1) in sorted(last_b[i].items(), key=lambda kv: kv[1][0]):
-                    start = b0 if grad_overlap else t
-                    comm = max(max(comm, start) + cost[comp.dp_keys[i][s]], b1)
-                done = max(t, comm)
-                rt.dp_wait += done - t
-                ready[i] = done
-                if rec:
-                    raw.append((i, p, t, done))
-            else:  # _TIE: wait for every rank that has one
-                tie_at[i] = t
-                if len(tie_at) < len(tie_ranks):
-                    return True
+                    now[i] = t
+                    return
                 done = max(tie_at.values()) + cost[key]
                 for j, arrived in tie_at.items():
                     times[j].tie_wait += done - arrived
                     if rec:
                         raw.append((j, pc[j], arrived, done))
-                    ready[j], now[j] = done, done
-                    pc[j] += 1
+                    if j != i:
+                        now[j], pc[j] = done, pc[j] + 1
+                        wake(j, done)
                 tie_at.clear()
-                moved = True
-                continue
-            now[i] = max(t, ready[i])
+                t = done
             pc[i] += 1
-            moved = True
-        return moved
 
-    while True:
-        while any([advance(i) for i in range(n)]):
-            pass
-        busy = [i for i in range(n) if left[i] > 0.0]
-        load: dict[int, float] = {}
-        for i in busy:
-            load[node[i]] = load.get(node[i], 0.0) + weight[i]
-        rate = {i: 1.0 / crowding(load[node[i]], cores, slowdown) for i in busy}
-        nxt = [T + left[i] / rate[i] for i in busy]
-        nxt += [ready[i] for i in range(n) if ready[i] > T and pc[i] < len(comp.ops[i])]
-        nxt += [
-            at
-            for i in busy
-            if filling[i] >= 0 and (at := _awaited(comp, i, pc, arrival)) is not None
-        ]
-        if not nxt:
-            break
-        t1 = min(nxt)
-        for i in busy:
-            left[i] -= (t1 - T) * rate[i]
-            w = filling[i]  # the W a piece of runs while the rank waits, or -1
-            done = left[i] <= 1e-12 * max(1.0, cost[comp.ops[i][w if w >= 0 else pc[i]][1]])
-            if w >= 0:  # a piece of a deferred W ends: its work done, or the data came
-                at = _awaited(comp, i, pc, arrival)
-                if done or (at is not None and at <= t1):
-                    w_left[i][w] = 0.0 if done else left[i]
-                    if rec:
-                        raw.append((i, w, began[i], t1))
-                    times[i].busy += t1 - began[i]
-                    left[i], now[i], filling[i] = 0.0, t1, -1
-                continue
-            if done:
-                key = comp.ops[i][pc[i]][1]
-                if rec:
-                    raw.append((i, pc[i], began[i], t1))
-                last_b[i][comp.key_stage[key]] = (began[i], t1)
-                times[i].busy += t1 - began[i]
-                left[i], now[i] = 0.0, t1
-                pc[i] += 1
-        T = t1
+    while heap:
+        t, i, v = heapq.heappop(heap)
+        if v == version[i]:
+            resume(i, t)
     return _finish(comp, now, pc, times, raw, actions)
-
-
-def _awaited(comp: _Compiled, i: int, pc: list[int], arrival: list[float | None]) -> float | None:
-    """When the message rank index i waits for at its current receive arrives (None: not
-    sent yet)."""
-    return arrival[comp.ops[i][pc[i]][2]]
 
 
 def _finish(
@@ -499,10 +435,6 @@ def _finish(
             events.append(Event(r, actions[r][p], s, e))
         events.sort(key=lambda ev: (ev.rank, ev.start))
     return Timeline(span, {comp.ranks[i]: times[i] for i in range(n)}, events)
-
-
-def _index_of(ops: list[tuple[int, int, int]], code: int) -> int:
-    return next(i for i, op in enumerate(ops) if op[0] == code)
 
 
 def to_chrome_trace(events: list[Event]) -> list[dict[str, Any]]:

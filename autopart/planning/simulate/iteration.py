@@ -15,11 +15,11 @@ from autopart.planning.simulate.events import (
     _compile,
     _Compiled,
     _run,
-    _run_shared,
     to_chrome_trace,
 )
 from autopart.planning.simulate.performance import CostModel
 from autopart.planning.simulate.shape import GPTShape
+from autopart.planning.simulate.speed import DEDICATED, SpeedModel
 from autopart.schedule.generators import generate
 from autopart.schedule.ir import Action
 
@@ -144,18 +144,20 @@ def simulate(
     record: bool = True,
     extrapolate: bool | None = None,
     memory: dict[tuple[int, int], tuple[int, int]] | None = None,
+    speed: SpeedModel = DEDICATED,
 ) -> Simulation:
     """Simulate one iteration of ``plan`` for ``shape`` on ``cluster``.
 
     ``memory``: per-unit activation bytes of the compiled program
-    (``planning.memory.graph_memory``) instead of the analytic formula.
+    (``planning.memory.graph_memory``) instead of the analytic formula. ``speed``: how ranks
+    computing at once on a node slow each other (``simulate/speed.py``; default: not at all).
 
     ``extrapolate``: simulate 2·pp and 3·pp micro-batches and extend linearly to the real
     number (the steady state repeats every pp micro-batches); ``None`` does so only when the
     pipeline has more than ``EXACT_LIMIT`` F and B actions. Extrapolated runs have no events.
     """
     return simulate_costs(
-        CostModel(shape, load_cluster(cluster), plan, memory),
+        CostModel(shape, load_cluster(cluster), plan, memory, speed),
         record=record,
         extrapolate=extrapolate,
     )
@@ -190,23 +192,16 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
         costs.transfer(a) if s else costs.action_cost(a)
         for a, s in zip(comp.keys, comp.is_send_key, strict=True)
     ]
-    cl, st = costs.cluster, costs.st
-    if not cl.shared_cores:
-        return _run(comp, cost, acts, cl.grad_overlap, cl.p2p_overlap, cl.fill_waits)
-    per = st.dp * st.tp  # processes per pipeline rank, placed pipeline-outermost
-    weight: list[float] = [min(per, cl.gpus_per_node)] * len(comp.ranks)
-    node = [r * per // cl.gpus_per_node for r in comp.ranks]
-    return _run_shared(
+    cl = costs.cluster
+    return _run(
         comp,
         cost,
         acts,
         cl.grad_overlap,
         cl.p2p_overlap,
-        weight,
-        node,
-        cl.shared_cores,
-        cl.shared_slowdown,
         cl.fill_waits,
+        costs.speed,
+        costs.placement(),
     )
 
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from autopart.layout import Plan
 from autopart.planning.cluster import Cluster
 from autopart.planning.simulate.shape import GPTShape
+from autopart.planning.simulate.speed import DEDICATED, SpeedModel
 from autopart.schedule.generators import traits
 from autopart.schedule.ir import Action
 
@@ -298,9 +299,11 @@ class CostModel:
         cluster: Cluster,
         plan: Plan,
         memory: dict[tuple[int, int], tuple[int, int]] | None = None,
+        speed: SpeedModel = DEDICATED,
     ) -> None:
         plan.check_model(shape.layers, shape.heads, shape.kv, shape.ffn_width, shape.seq)
         self.shape, self.cluster, self.st = shape, cluster, plan
+        self.speed = speed  # how ranks computing at once on a node slow each other
         # (stage, chunk) → (held, transient) activation bytes read off a compiled program's
         # graphs (planning/memory.py); None: the analytic formula of ``_layer``
         self.memory = memory
@@ -356,6 +359,12 @@ class CostModel:
         self._stage_params, self.params = stage_params(shape, st)
         self.tied_ranks = shape.tied and p > 1
         self.split_backward = traits(st.schedule).split_backward
+
+    def placement(self) -> list[tuple[int, float]]:
+        """Per pipeline rank: (the node its dp × tp processes sit on, how many of them sit
+        there), pipeline-outermost (``autopart/layout.py``): what the speed model shares."""
+        g = self.cluster.gpus_per_node
+        return [(r * self._stride // g, float(min(self._stride, g))) for r in range(self.st.pp)]
 
     # -- per-action costs (simulate_actions callbacks) ----------------------------------------
 
@@ -416,8 +425,8 @@ class CostModel:
         with the distributed optimizer each dp rank updates 1/dp of them."""
         cl = self.cluster
         n = self.params[rank] / (self.st.dp if self.st.distributed_optimizer else 1)
-        # every rank steps at once: on shared cores, each slowed by sharing the node
-        return cl.crowding(min(self.st.gpus, cl.gpus_per_node)) * _mem(
+        # every rank steps at once: each slowed as the speed model says for a full node
+        return self.speed.crowding(min(self.st.gpus, cl.gpus_per_node)) * _mem(
             cl, 34 * n * 2 / cl.act_bytes, 4
         )
 

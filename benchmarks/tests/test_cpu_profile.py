@@ -1,7 +1,7 @@
-"""The CPU cluster profile (autopart/planning/cpu_profile.py): its TOML round-trips through
-load_cluster, calibrate() recovers a profile from step times it generated (the compute figures
-from one rank's plans, then what sharing the cores and talking cost from the ranks' plans), and
-step_times_alone times real single-rank steps."""
+"""The CPU profile (benchmarks/cpu_profile.py): its cluster's TOML round-trips through
+load_cluster and the profile through its JSON, calibrate() recovers a profile from step times it
+generated (the compute figures from one rank's plans, then what sharing the cores and talking
+cost from the ranks' plans), and step_times_alone times real single-rank steps."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import pytest
 
 from autopart.layout import Plan
 from autopart.planning.cluster import Cluster, load_cluster
-from autopart.planning.cpu_profile import CALIBRATED, calibrate, step_times_alone, to_toml
-from autopart.planning.simulate import GPTShape, simulate
+from autopart.planning.simulate import GPTShape
+
+from cpu_profile import CALIBRATED, Profile, calibrate, step_times_alone, to_toml
+from shared_cores import SharedCores
 
 CPU = Cluster(
     name="cpu",
@@ -36,17 +38,20 @@ CPU = Cluster(
 SHAPE = GPTShape(4, 256, 8, 512, 256)
 
 
-def test_toml_round_trip(tmp_path: Path) -> None:
+def test_toml_and_json_round_trip(tmp_path: Path) -> None:
+    profile = Profile(CPU, SharedCores(2.0, 0.3))
     path = tmp_path / "cpu.toml"
-    path.write_text(to_toml(CPU))
+    path.write_text(to_toml(profile))
     assert load_cluster(path) == CPU
+    assert Profile.from_json(profile.to_json()) == profile
 
 
 def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
     """From one rank's plans (micro-batches, chunks) and 4 ranks' plans on 2 cores together,
     every calibrated figure comes back."""
-    true = dataclasses.replace(
-        CPU, mm_weight_gbps=8.0, action_overhead_us=500.0, shared_cores=2.0, shared_slowdown=0.2
+    true = Profile(
+        dataclasses.replace(CPU, mm_weight_gbps=8.0, action_overhead_us=500.0),
+        SharedCores(2.0, 0.2),
     )
     alone = [
         Plan.from_batch(8, 8),
@@ -62,20 +67,22 @@ def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
     ]
 
     def times(plans):
-        return [(p, simulate(SHAPE, true, p, record=False).summary.iteration_s) for p in plans]
+        return [(p, true.seconds(SHAPE, p)) for p in plans]
 
-    start = dataclasses.replace(
-        true,
-        peak_tflops=0.06,
-        mm_weight_gbps=3.0,
-        kernel_launch_us=10.0,
-        action_overhead_us=100.0,
-        nvlink_latency_us=300.0,
-        shared_slowdown=0.0,
+    start = Profile.from_json(
+        true.to_json()
+        | dict(
+            peak_tflops=0.06,
+            mm_weight_gbps=3.0,
+            kernel_launch_us=10.0,
+            action_overhead_us=100.0,
+            nvlink_latency_us=300.0,
+            shared_slowdown=0.0,
+        )
     )
-    got = calibrate(start, SHAPE, times(alone) + times(ranks))
+    got = calibrate(start, SHAPE, times(alone) + times(ranks)).to_json()
     for name in CALIBRATED:
-        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.02), name
+        assert got[name] == pytest.approx(true.to_json()[name], rel=0.02), name
 
 
 def test_step_times_alone_times_real_single_rank_steps() -> None:

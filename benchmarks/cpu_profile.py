@@ -1,6 +1,8 @@
-"""A cluster profile of this machine's CPU, measured: the simulator's ``Cluster`` for ranks that
-run here as gloo processes, so ``autopart plan --cluster cpu.toml`` ranks plans for CPU ranks.
+"""A profile of this machine's CPU, measured and fitted: what the simulator needs to predict
+plans for ranks that run here as gloo processes (the closed loop, ``closed_loop.py``).
 
+A ``Profile`` is a ``Cluster`` (one rank's rates alone on a core) and a ``SharedCores`` speed
+model (``shared_cores.py``: how the ranks slow each other on the machine's cores).
 ``measure(ranks)`` starts ``ranks`` processes (one thread each, as ``autopart run`` starts them)
 that measure at the same time, so every figure is what one rank gets while the others work too:
 
@@ -15,26 +17,34 @@ that measure at the same time, so every figure is what one rank gets while the o
   tensor — what the runtime pays per node beyond its arithmetic — times the graph's nodes per
   kernel the cost model counts (``NODES_PER_KERNEL``);
 - the link (``nvlink_*``, one "node" of ``ranks`` ranks): a gloo all-reduce of a large and of a
-  small tensor over all ranks, solved for the ring's bandwidth and per-step latency.
+  small tensor over all ranks, solved for the ring's bandwidth and per-step latency;
+- the shared cores' ``slowdown``: one matmul alone against the same matmul on every rank at once.
 
-``calibrate(cluster, shape, runs)`` then refits the compute rate, the cold weight's rate, the
-per-kernel floor, the per-action cost, ``shared_slowdown`` and the per-message latency to
-measured step times of real plans. ``docs/simulate.md`` ("A closed loop on this machine")
-gives the figures measured here and how well the planner ranks real runs with them.
+``calibrate(profile, shape, runs)`` then refits the compute rate, the cold weight's rate, the
+per-kernel floor, the per-action cost, the shared cores' slowdown and the per-message latency to
+measured step times of real plans. ``closed_loop.md`` gives the figures measured here and how
+well the planner ranks real runs with them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from autopart.api import parallelize
 from autopart.errors import AutopartError
-from autopart.planning.cluster import Cluster
+from autopart.planning.cluster import Cluster, cluster_from_dict
+from autopart.planning.simulate import simulate
 from autopart.runtime.comm import EXCHANGE_MAX
+from autopart.runtime.run import make_optimizer
+from autopart.runtime.runner import Runner
+
+from shared_cores import SharedCores  # benchmarks/ is on the path (the scripts put it there)
 
 # rows of the GEMM that measures how fast a weight not in cache is read (``mm_weight_gbps``)
 COLD_ROWS = 64
@@ -44,6 +54,32 @@ COLD_ROWS = 64
 # attention + 6 memory-bound kernels forward). Read off nanoGPT's captured block: 37 forward
 # nodes for 11 counted kernels.
 NODES_PER_KERNEL = 37 / 11
+
+# the profile's JSON keys of its speed model, beside the cluster's (the closed loop's saved runs)
+SHARING = {"shared_cores": "cores", "shared_slowdown": "slowdown"}
+
+
+class Profile(NamedTuple):
+    """This CPU for the simulator: one rank's rates alone on a core, and how ranks computing at
+    once slow each other (``simulate(shape, p.cluster, plan, speed=p.sharing)``)."""
+
+    cluster: Cluster
+    sharing: SharedCores
+
+    def to_json(self) -> dict[str, Any]:
+        """The cluster's fields and the speed model's, as ``--save`` writes them."""
+        return self.cluster.to_json() | {k: getattr(self.sharing, f) for k, f in SHARING.items()}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Profile:
+        rest = {k: v for k, v in data.items() if k not in SHARING}
+        sharing = SharedCores(**{f: data[k] for k, f in SHARING.items()})
+        return Profile(cluster_from_dict(rest, "profile"), sharing)
+
+    def seconds(self, shape: Any, plan: Any) -> float:
+        """The simulated step time of ``plan`` for ``shape`` on this CPU."""
+        sim = simulate(shape, self.cluster, plan, record=False, speed=self.sharing)
+        return sim.summary.iteration_s
 
 
 def _timeit(fn: Any, window: float = 0.4, barrier: bool = True) -> float:
@@ -162,12 +198,12 @@ def measure(
     tokens: int = 512,
     name: str = "cpu",
     cores: int | None = None,
-) -> Cluster:
+) -> Profile:
     """The profile of this machine for ``ranks`` CPU ranks (one thread each) on ``cores`` cores
     (default: this machine's), measured at GEMMs of width ``hidden`` over ``tokens`` rows (the
     model's sizes give the best figures). The ranks measure at once, each getting cores / ranks
-    of a core; the profile holds one rank's rates alone on a core (``Cluster.shared_cores``:
-    the simulator shares the cores among the ranks that compute at each moment)."""
+    of a core; the cluster holds one rank's rates alone on a core, and its ``SharedCores``
+    shares the cores among the ranks that compute at each moment."""
     cores = cores or os.cpu_count() or 1
     rows = raw(ranks, hidden, tokens)
     crowd = max(1.0, ranks / cores)  # measured rate × crowd = a rank's rate alone on a core
@@ -192,7 +228,7 @@ def measure(
     big = 4 * (4 << 20)  # bytes of the large all-reduce
     alpha = med("ar_small") / (2 * (n - 1)) if n > 1 else 1e-6
     bw = 2 * (n - 1) / n * big / max(med("ar_big") - 2 * (n - 1) * alpha, 1e-9) if n > 1 else 1e12
-    return Cluster(
+    cluster = Cluster(
         name=name,
         gpus_per_node=ranks,
         peak_tflops=peak / 1e12,
@@ -219,7 +255,7 @@ def measure(
         grad_bytes=4.0,
         # gloo's reduction copies and sums on the cores the backward runs on: on shared cores
         # it does not hide behind the backward (the closed loop's worst error fell from 25-32 %
-        # to 17-26 % over runs 12-14 replayed, docs/simulate.md)
+        # to 17-26 % over runs 12-14 replayed, closed_loop.md)
         grad_overlap=False,
         p2p_scatter_gather=False,
         # the runtime's tp collectives on gloo groups of up to 4 ranks (shared memory or
@@ -227,15 +263,18 @@ def measure(
         # the latency of the two all-reduces without it
         tp_exchange=ranks <= EXCHANGE_MAX,
         fill_waits=True,  # the runtime's work while waiting (CPU ranks, zero-bubble schedules)
-        shared_cores=float(min(cores, ranks)),
-        shared_slowdown=slowdown,
     )
+    return Profile(cluster, SharedCores(float(min(cores, ranks)), slowdown))
 
 
-def to_toml(cluster: Cluster) -> str:
-    """The cluster as a TOML file ``load_cluster`` reads back."""
-    lines = []
-    for key, value in cluster.to_json().items():
+def to_toml(profile: Profile) -> str:
+    """The profile as TOML: the cluster, which ``load_cluster`` (``autopart plan --cluster``)
+    reads back, and its shared cores as a comment, which autopart's simulator does not model."""
+    lines = [
+        f"# shared cores (benchmarks/shared_cores.py): cores = {profile.sharing.cores!r}, "
+        f"slowdown = {profile.sharing.slowdown!r}"
+    ]
+    for key, value in profile.cluster.to_json().items():
         if isinstance(value, bool):
             lines.append(f"{key} = {'true' if value else 'false'}")
         elif isinstance(value, str):
@@ -250,7 +289,8 @@ def to_toml(cluster: Cluster) -> str:
 # and what taking turns on the cores and talking cost: fitted together to single-rank
 # runs alone on a core (``step_times_alone``: they pin the compute, with no other rank and no
 # message) and to runs of plans on all the ranks (they split the per-action cost from the
-# floor, since a pipeline stage holds fewer kernels per action, and set the rest)
+# floor, since a pipeline stage holds fewer kernels per action, and set the rest); the
+# profile's JSON keys (``Profile.to_json``)
 CALIBRATED = (
     "peak_tflops",
     "mm_weight_gbps",
@@ -262,35 +302,28 @@ CALIBRATED = (
 
 
 def calibrate(
-    cluster: Cluster,
+    profile: Profile,
     shape: Any,
     runs: list[tuple[Any, float]],
     names: tuple[str, ...] = CALIBRATED,
-) -> Cluster:
-    """``cluster`` with the fields ``names`` refitted (least squares of the log errors, each
-    field scaled by a factor within e^±5) so the simulator reproduces measured step times
+) -> Profile:
+    """``profile`` with the figures ``names`` refitted (least squares of the log errors, each
+    scaled by a factor within e^±5) so the simulator reproduces measured step times
     ``runs`` = [(plan, seconds)] of ``shape`` (the closed loop: one rank's runs alone and the
     ranks' runs together)."""
-    import dataclasses
-    import math
-
     from scipy.optimize import least_squares
 
-    from autopart.planning.simulate import simulate
+    data = profile.to_json()
+    start = {n: data[n] or 0.05 for n in names}  # a factor needs a start above 0
 
-    start = {n: getattr(cluster, n) or 0.05 for n in names}  # a factor needs a start above 0
-
-    def at(x: Any) -> Cluster:
-        # fields named at run time: Any, as mypy cannot match the names to Cluster's fields
-        fitted: dict[str, Any] = {n: start[n] * math.exp(v) for n, v in zip(names, x, strict=True)}
-        return dataclasses.replace(cluster, **fitted)
+    def at(x: Any) -> Profile:
+        return Profile.from_json(
+            data | {n: start[n] * math.exp(v) for n, v in zip(names, x, strict=True)}
+        )
 
     def residuals(x: Any) -> list[float]:
-        cl = at(x)
-        return [
-            math.log(simulate(shape, cl, plan, record=False).summary.iteration_s / t)
-            for plan, t in runs
-        ]
+        fitted = at(x)
+        return [math.log(fitted.seconds(shape, plan) / t) for plan, t in runs]
 
     sol = least_squares(
         residuals, [0.0] * len(names), bounds=(-5.0, 5.0), diff_step=1e-4, xtol=1e-10, ftol=1e-10
@@ -340,10 +373,6 @@ def step_times_alone(
     closed loop's ranks; two passes (the second in reverse order) of ``warmup`` + steps / 2."""
     import torch
 
-    from autopart.api import parallelize
-    from autopart.runtime.run import make_optimizer
-    from autopart.runtime.runner import Runner
-
     for plan in plans:
         if plan.gpus != 1:
             raise AutopartError(
@@ -368,6 +397,7 @@ def step_times_alone(
 
 __all__ = [
     "CALIBRATED",
+    "Profile",
     "calibrate",
     "measure",
     "raw",
