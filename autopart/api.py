@@ -69,6 +69,23 @@ def parallelize(
         )
     if live is not None and not isinstance(model, Captured):
         broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does
+        real = all(p.device.type != "meta" for p in model.parameters())
+        if real and _world() > 1:  # rank 0 compiles; the others receive their rank's program
+            return _compile_once(model, example_inputs, plan, live, timeout_s, compile)
+    program = _compile(model, example_inputs, plan)
+    if live is None:
+        return program
+    from autopart.runtime.runner import Runner
+
+    runner = Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
+    if not isinstance(model, Captured):  # full_state_dict() gives exactly the model's keys
+        runner.state_keys = list(model.state_dict())
+        runner.label_convention = label_convention(model)
+    return runner
+
+
+def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> Any:
+    """Capture (unless given a ``Captured``) and compile: the whole ``Program``."""
     if isinstance(model, Captured):
         captured = model
         if plan.compute_dtype not in (None, captured.dtype):
@@ -93,15 +110,37 @@ def parallelize(
             f"sequence length {seq} is not divisible by tp={tp}, which sequence parallelism needs",
             hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
         )
-    program = compile_program(captured, plan)
-    if live is None:
-        return program
+    return compile_program(captured, plan)
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _compile_once(
+    model: nn.Module, example_inputs: Any, plan: Plan, live: Any, timeout_s: float, compile: bool
+) -> Any:
+    """Global rank 0 compiles the program; every rank gets its own rank's part from it
+    (``runtime/handover.py``) instead of compiling the whole model itself."""
+    import torch.distributed as dist
+
+    from autopart.runtime.handover import hand_over
     from autopart.runtime.runner import Runner
 
-    runner = Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
-    if not isinstance(model, Captured):  # full_state_dict() gives exactly the model's keys
-        runner.state_keys = list(model.state_dict())
-        runner.label_convention = label_convention(model)
+    program, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            program = _compile(model, example_inputs, plan)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it (named), not only rank 0
+            error = exc
+    rp, weights, head = hand_over(program, error, timeout_s)
+    runner = Runner.from_rank(
+        rp, Plan.from_json(head["plan"]), weights, head, live, timeout_s=timeout_s, compile=compile
+    )
+    runner.state_keys = list(model.state_dict())  # full_state_dict() gives the model's keys
+    runner.label_convention = label_convention(model)
     return runner
 
 

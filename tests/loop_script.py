@@ -13,6 +13,7 @@ one JSON line per rank. Argument: the mesh, ``dp2pp2`` or ``tp2pp2``.
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopart
+import autopart.api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
@@ -85,7 +87,13 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
     model = build(seed=100 + rank)  # a different model on every rank
     data = batches()
+    captures = []  # the live API compiles once, on rank 0: the others capture nothing
+    real_capture = autopart.api.capture
+    autopart.api.capture = lambda *a, **k: captures.append(1) or real_capture(*a, **k)
+    t0 = time.perf_counter()
     runner = autopart.parallelize(model, mesh, example_inputs=data[0], microbatches=2)
+    parallelize_s = time.perf_counter() - t0
+    autopart.api.capture = real_capture
     ref = copy.deepcopy(model)  # rank 0's model now, on every rank
     got_losses, got_norms = [], []
     opt, sched = optimizer(runner.named_parameters())
@@ -174,6 +182,8 @@ def main() -> int:
                 "dropout_train_differs": abs(train_loss - float(dwant)) > 1e-6,
                 "clipped": sum(n > MAX_NORM for n in ref_norms),
                 "losses": got_losses,
+                "captures": len(captures),
+                "parallelize_s": parallelize_s,
             }
         ),
         flush=True,

@@ -27,7 +27,8 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     strictly into a fresh model, and ``copy_to(model)`` leaves the user's module trained (it
     used to keep untrained copies, so ``save_pretrained`` saved the initial weights).
     ``eval()`` + ``evaluate()``: forward only, every dropout off (a nanoGPT with p = 0.3 gives
-    the model's own eval loss), no gradient touched."""
+    the model's own eval loss), no gradient touched. The model is captured and compiled once,
+    on rank 0; the other ranks load their rank's program from it (runtime/handover.py)."""
     out = launch_forked(4, [str(ROOT / "tests" / "loop_script.py"), mesh], timeout_s=300)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 4, out
@@ -39,6 +40,8 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
         assert r["eval_err"] <= 1e-9 and r["grads_untouched"], r
         assert r["logits_err"] <= 1e-9 and r["logits_shape"] == [8, 32, 96], r
         assert r["dropout_eval_err"] <= 1e-9 and r["dropout_train_differs"], r
+        assert r["captures"] == (1 if r["rank"] == 0 else 0), r  # compiled once, on rank 0
+    print(mesh, "parallelize seconds per rank:", [round(r["parallelize_s"], 1) for r in rows])
 
 
 def test_use_cache_true_no_longer_leaves_attention_replicated() -> None:
@@ -116,3 +119,37 @@ def test_labels_follow_the_model_and_the_other_convention_is_refused() -> None:
     with pytest.raises(autopart.AutopartError, match="copy its input"):
         plain.step(batch[0], batch[0].clone())
     assert torch.isfinite(plain.step(batch[0], batch[0].clone(), shifted=False))
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_example_loop_trains_resumes_and_saves_a_loadable_model(tmp_path: Path) -> None:
+    """examples/train_hf.py under torchrun (tp2 x pp2): 4 steps with eval and checkpoints, then
+    a second launch resumes from step 4 and goes on to 6; the saved model loads into HF Llama
+    and holds the trained weights (its loss on a batch is below the first step's)."""
+    import subprocess
+
+    def launch(steps: int) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+        cmd += [str(ROOT / "examples" / "train_hf.py"), "--steps", str(steps)]
+        cmd += ["--eval-every", "2", "--save-every", "2", "--out", str(tmp_path)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    first = launch(4)
+    losses = [
+        float(x.split()[3])
+        for x in first.splitlines()
+        if x.startswith("step") and " loss " in x and "val" not in x
+    ]
+    assert len(losses) == 4 and losses[-1] < losses[0], first
+    second = launch(6)
+    assert "resumed from" in second and "step00000004" in second, second
+    assert "step    5" in second and "step    1 " not in second, second
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "model")
+    ids = torch.tensor([list(b"the quick brown fox jumps over the lazy dog, again and again")])
+    loss = float(model(ids, labels=ids).loss)
+    assert loss < losses[0], (loss, losses)

@@ -323,6 +323,31 @@ class Runner:
         runner.tied = dict(program.tied)
         return runner
 
+    @classmethod
+    def from_rank(
+        cls,
+        rp: RankProgram,
+        plan: Plan,
+        weights: dict[str, torch.Tensor],
+        head: dict[str, Any],
+        mesh: Any = None,
+        *,
+        timeout_s: float = 300.0,
+        compile: bool = False,
+        device: torch.device | str | None = None,
+    ) -> Runner:
+        """The runner of one rank's program as loaded from a folder (``load_rank``,
+        ``load_weights``, ``read_head``): the live API's ranks after the hand-over from rank 0."""
+        device = pick_device(device)
+        rank, world = init_distributed(timeout_s, backend_for(device))
+        plan.mesh.check_world(world)
+        if rank != rp.rank:
+            raise AutopartError(f"rank {rank} was handed rank {rp.rank}'s program")
+        groups = _groups_of(plan, rank, mesh, head.get("ties", rp.ties))
+        runner = cls(rp, plan, weights, groups, timeout_s=timeout_s, compile=compile, device=device)
+        runner.tied = dict(head["tied"])
+        return runner
+
     # -- what users call -------------------------------------------------------------------
 
     @property
