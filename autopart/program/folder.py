@@ -232,6 +232,10 @@ class ProgramFolder:
             out.flush()
         return out.digest()
 
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """``write`` with ``data`` as the whole file."""
+        return self.write(rel, lambda f: f.write(data))
+
 
 class _Hashing:
     """A write-only file that hashes what passes through it (torch.save streams into it)."""

@@ -33,10 +33,9 @@ import io
 import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -376,11 +375,6 @@ def _to_exported(graph: fx.GraphModule) -> ExportedProgram:
     return ep
 
 
-def _writes(data: bytes) -> Callable[[IO[bytes]], int]:
-    """What ``ProgramFolder.write`` runs to write ``data``."""
-    return lambda f: f.write(data)
-
-
 def _save_rank(
     rp: RankProgram,
     folder: ProgramFolder,
@@ -395,9 +389,9 @@ def _save_rank(
         archive = io.BytesIO()  # torch.export.save seeks in what it writes
         torch.export.save(_to_exported(st.graph), archive)
         data = archive.getvalue()
-        files[f"{d}/stage{st.stage}.pt2"] = folder.write(f"{d}/stage{st.stage}.pt2", _writes(data))
+        files[f"{d}/stage{st.stage}.pt2"] = folder.write_bytes(f"{d}/stage{st.stage}.pt2", data)
         code = st.graph.code.encode()
-        files[f"{d}/stage{st.stage}.py"] = folder.write(f"{d}/stage{st.stage}.py", _writes(code))
+        files[f"{d}/stage{st.stage}.py"] = folder.write_bytes(f"{d}/stage{st.stage}.py", code)
         stages.append(
             {
                 "stage": st.stage,
