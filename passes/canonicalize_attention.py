@@ -33,6 +33,7 @@ autopart's explicit, reproducible one; SDPA's would draw from torch's generator)
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 import torch
 from torch import fx
@@ -49,6 +50,7 @@ from autopart.meta import (
     META_MODULE,
     META_WINDOW,
 )
+from autopart.node_args import float_arg, int_arg, node_arg
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -102,6 +104,7 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
     if mask is None:
         n.meta[META_ATTENTION] = "causal" if causal else "not causal: no mask and is_causal=False"
         return False
+    assert isinstance(mask, fx.Node)  # attn_mask: Tensor?
     names = batch_inputs(gm, mask)
     if names:  # the batch's padding or documents: kept as the model built it (module doc)
         keep_is_true = mask.meta["val"].dtype == torch.bool
@@ -119,8 +122,8 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
     if why or (window is not None and not windows):
         return False
     q, k, v = n.args[:3]
-    dropout = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
-    _replace(gm, n, q, k, v, dropout, n.kwargs.get("scale"), window)
+    dropout = float_arg(n, 4, "dropout_p", 0.0)
+    _replace(gm, n, q, k, v, dropout, cast("float | None", n.kwargs.get("scale")), window)
     return True
 
 
@@ -139,13 +142,13 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     where mask is ``masked_fill(·, m, −inf)`` or ``· + m`` with an additive mask (0 where kept,
     ≤ −1e30 where not: GPT-J, GPT-2's eager path). A softmax of anything else (soft-capped
     logits, ALiBi biases) is left as it is."""
-    filled = sm.args[0]
+    filled = node_arg(sm, 0)
     if sm.args[1] not in (-1, filled.meta["val"].dim() - 1):
         return False
     if filled.target == aten.masked_fill.Scalar and filled.args[2] == float("-inf"):
-        scores, cond, additive = filled.args[0], filled.args[1], False
+        scores, cond, additive = node_arg(filled, 0), node_arg(filled, 1), False
     elif filled.target == aten.add.Tensor and all(isinstance(a, fx.Node) for a in filled.args):
-        scores, cond = filled.args
+        scores, cond = node_arg(filled, 0), node_arg(filled, 1)
         if _qk(scores) is None:
             scores, cond = cond, scores
         additive = True
@@ -160,7 +163,7 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     while user is not None and user.target in _CASTS:
         probs, user = user, _only_user(user)
     if user is not None and user.target == aten.dropout.default:
-        probs, dropout = user, (user.args[1] if user.args[2] else 0.0)
+        probs, dropout = user, (float_arg(user, 1) if user.args[2] else 0.0)
         user = _only_user(probs)
     while user is not None and user.target in _CASTS:
         probs, user = user, _only_user(user)
@@ -192,13 +195,13 @@ def _qk(scores: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
         scores.args[1], (int, float)
     ):
         c = float(scores.args[1])
-        scores, scale = scores.args[0], (c if scores.target == aten.mul.Tensor else 1.0 / c)
-    if scores.target != aten.matmul.default or scores.args[1].target != aten.transpose.int:
+        scores, scale = node_arg(scores, 0), (c if scores.target == aten.mul.Tensor else 1.0 / c)
+    if scores.target != aten.matmul.default or node_arg(scores, 1).target != aten.transpose.int:
         return None
-    q, kt = scores.args
-    if sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+    q, kt = node_arg(scores, 0), node_arg(scores, 1)
+    if sorted(int_arg(kt, d) % 4 for d in (1, 2)) != [2, 3]:
         return None
-    return q, kt.args[0], scale
+    return q, node_arg(kt, 0), scale
 
 
 def _replace(
@@ -317,8 +320,8 @@ def _evaluate_mask(
         if keeps[s].shape[-2:] != (s, s):
             return f"not causal: its mask is not {s} × {s} at sequence {s}", None
     longest = max(keeps)
-    window = int(keeps[longest].reshape(-1, longest, longest)[0, -1].sum())  # the last query's keys
-    window = None if window >= longest else window
+    last = int(keeps[longest].reshape(-1, longest, longest)[0, -1].sum())  # the last query's keys
+    window = None if last >= longest else last
     for s, keep in keeps.items():
         if not bool((keep == band(s, window)).all()):
             what = "causal mask" if window is None else f"causal mask within {window} keys"

@@ -63,6 +63,7 @@ from autopart.meta import (
     META_SYMBOLS,
     META_WINDOW,
 )
+from autopart.node_args import float_arg, int_arg, node_arg
 from autopart.passes.canonicalize_attention import (
     SDPA,
     lower_right_mask,
@@ -104,6 +105,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if positions or counts:
         with g.inserting_after(anchor):
             offset = g.placeholder("chunk_offset")
+        assert mode is not None  # export's graphs carry fake values
         with mode:
             offset.meta["val"] = torch.zeros((), dtype=torch.int64)
         offset.meta[META_INPUT] = InputRef("offset", "")
@@ -129,6 +131,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
                 ph = g.placeholder(f"kv_prefix_{i}_{'kv'[j]}")
             val = src.meta["val"]
             shape = [*val.shape[:-2], prefix_len, val.shape[-1]]
+            assert mode is not None
             with mode:
                 ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
             ph.meta[META_INPUT] = InputRef("kv", str(2 * i + j))
@@ -149,6 +152,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         b, s = query.meta["val"].shape
         with g.inserting_after(anchor):
             ph = g.placeholder(f"keys_{name}")
+        assert mode is not None  # export's graphs carry fake values
         with mode:
             ph.meta["val"] = torch.empty((b, prefix_len + s), dtype=query.meta["val"].dtype)
         ph.meta[META_INPUT] = InputRef("keys", name)
@@ -185,9 +189,11 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if refs is not None:
         gm.meta[META_INPUTS] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
-    gm.meta[META_KV_SHAPES] = [
-        _empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair
-    ]
+    gm.meta[META_KV_SHAPES] = (
+        [_empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair]
+        if prefix_len is not None  # prefixes are made only with it
+        else []
+    )
     if prefix_len is not None:
         rc = dict(gm.meta.get(META_RANGES, {}))
         rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
@@ -261,7 +267,7 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
     if n.target != aten.cumsum.default:
         return None
     x = n.args[0]
-    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    dim = int_arg(n, 1, "dim")
     if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
         return None
     if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
@@ -273,7 +279,7 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
 def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
     """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
     if n.target == aten.arange.default:
-        start = 0
+        start: object = 0
     elif n.target == aten.arange.start:
         start = n.args[0]
     else:
@@ -328,8 +334,8 @@ def _attend_with_prefix(
     """SDPA over [prefix; chunk] keys with the lower-right causal mask (and, for a mask of the
     batch's, ``META_DATA_MASK``, its padding and documents from the key columns ``keys``, built
     once into ``masks``); returns (K, V) full."""
-    q, k, v = sdpa.args[:3]
-    dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
+    q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
+    dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
         key: val
         for key, val in sdpa.kwargs.items()
@@ -351,6 +357,7 @@ def _attend_with_prefix(
         if names and masks is not None and names in masks:
             mask = masks[names]
         elif names:
+            assert keys is not None and masks is not None, "a batch mask needs its key columns"
             mask = masks[names] = document_chunk_mask(g, q, k_full, {n: keys[n] for n in names})
         else:
             mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))

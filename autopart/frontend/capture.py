@@ -24,7 +24,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import sympy
 import torch
@@ -41,6 +41,7 @@ from autopart.meta import (
     META_MODULE,
     META_RANGES,
     META_SYMBOLS,
+    InputRefKind,
 )
 
 B, S = (
@@ -53,9 +54,11 @@ _PREFIX = "model."  # the wrapper's attribute name, stripped from every FQN
 @dataclass(frozen=True)
 class InputRef:
     """What feeds a placeholder: a parameter/buffer/constant by FQN, a batch tensor, this rank's
-    index in a group ("rank", by group name), or a seed the runtime sets per step ("rng")."""
+    index in a group ("rank", by group name), a seed the runtime sets per step ("rng"), the
+    previous stage's output ("act"), a chunk's offset or K/V prefix ("offset", "kv"): see
+    ``autopart.meta.InputRefKind``."""
 
-    kind: Literal["param", "buffer", "constant", "data", "rank", "rng"]
+    kind: InputRefKind
     name: str
 
 
@@ -402,7 +405,7 @@ def _annotate(
             else:
                 canonical[fqn] = node
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            kind = "buffer" if spec.kind == InputKind.BUFFER else "constant"
+            kind: InputRefKind = "buffer" if spec.kind == InputKind.BUFFER else "constant"
             node.meta[META_INPUT] = InputRef(kind, target)
             src = ep.state_dict if kind == "buffer" and spec.persistent else ep.constants
             buffers[target] = src.get(spec.target, ep.state_dict.get(spec.target))
@@ -431,7 +434,7 @@ def _annotate(
     _name_symbols(gm)
     gm.meta[META_RANGES] = dict(ep.range_constraints)
     gm.meta[META_BUFFERS] = buffers  # their values: passes that evaluate masks need them
-    params = {fqn: names[fqn] for fqn in canonical}
+    params: dict[str, torch.Tensor] = {fqn: names[fqn] for fqn in canonical}
     return Captured(
         graph=gm,
         params=params,

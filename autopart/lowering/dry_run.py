@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
-from autopart.layout import Plan
+from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -83,7 +83,7 @@ def dry_run(
                     buffers=weights[s][1],
                     data=data,
                     keys=keys,
-                    coords={"dp": 0, "pp": s % plan.mesh.pp, "tp": 0},
+                    coords=Coords(pp=s % plan.mesh.pp, dp=0, tp=0),
                     acts=acts,
                     prefix=prefix,
                     offset=a,
@@ -112,7 +112,8 @@ def _weights(
     st: fx.GraphModule, refs: list[InputRef], captured: Captured, mode: FakeTensorMode
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The stage's parameters (local shapes: a tp shard's) and buffers, fake."""
-    params, buffers = {}, {}
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     placeholders = [n for n in st.graph.nodes if n.op == "placeholder"]
     for n, ref in zip(placeholders, refs, strict=True):
         val = n.meta.get("val")
@@ -127,7 +128,7 @@ def _weights(
 
 def _prefix_shape(shape: list[int | str], rows: int, length: int) -> list[int]:
     """A K/V prefix shape of ``kv_shapes`` (``"b"`` for the rows, 0 for the prefix length)."""
-    out = [rows if d == "b" else d for d in shape]
+    out = [rows if d == "b" else int(d) for d in shape]
     out[-2] = length
     return out
 

@@ -51,7 +51,7 @@ def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
             "loss": _host(loss),
             "grads": grads,
             "shards": shards,
-            "coords": runner.program.coords,
+            "coords": runner.program.coords.as_dict(),
             "saved": runner.peak_saved_bytes,
         },
         folder / f"rank{runner.rank:05d}.pt",
@@ -86,7 +86,9 @@ def run_check(
     runner = Runner(
         rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile, device=device
     )
-    dump(runner, runner.step(**batch_fields(batch)), folder)
+    f = batch_fields(batch)
+    loss = runner.step(f["input_ids"], f["labels"], f.get("attention_mask"), f.get("position_ids"))
+    dump(runner, loss, folder)
     runner.comm.set_action("the end of the check")
     dist.barrier()  # every rank done with every collective before its groups go away
     runner.comm.release(list({id(g): g for g in groups.values() if g is not None}.values()))

@@ -168,10 +168,10 @@ def reference(
         home = next(model.parameters()).device
         try:
             moved = {k: t.to(device) for k, t in batch_fields(batch).items()}
-            loss, grads = reference(model.to(device), moved, compute)
+            value, grads = reference(model.to(device), moved, compute)
         finally:
             model.to(home)
-        return loss, {f: g.cpu() for f, g in grads.items()}
+        return value, {f: g.cpu() for f, g in grads.items()}
     fields = batch_fields(batch)
     input_ids, labels = fields.pop("input_ids"), fields.pop("labels")
     model.zero_grad(set_to_none=True)
@@ -210,17 +210,17 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
                 pieces.setdefault((fqn, c.get("dp"), c.get("pp")), {})[shard.index] = (shard, grad)
     for (fqn, *_), parts in pieces.items():
         shard = parts[0][0]
+        dim = shard.dim
+        assert dim is not None  # only tp-split shards have pieces
         if sorted(parts) != list(range(shard.parts)):
             raise AutopartError(
                 f"gradient of {fqn}: tp slices {sorted(parts)} of {shard.parts} arrived"
             )
         blocks = [
-            [g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
+            [g.chunk(shard.strided, dim)[j] for _, (_, g) in sorted(parts.items())]
             for j in range(shard.strided)
         ]
-        out.setdefault(fqn, []).append(
-            torch.cat([torch.cat(b, shard.dim) for b in blocks], shard.dim)
-        )
+        out.setdefault(fqn, []).append(torch.cat([torch.cat(b, dim) for b in blocks], dim))
     return out
 
 
@@ -599,7 +599,7 @@ def _report(
     missing = set(model.ref_grads) - set(errors)
     if missing:
         raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
-    worst = max(errors, key=errors.get)
+    worst = max(errors, key=errors.__getitem__)
     return Report(
         losses[0],
         model.ref_loss,

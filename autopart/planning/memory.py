@@ -36,6 +36,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopart.layout import Coords
 from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime.placement import place
@@ -57,7 +58,7 @@ def _unit_bytes(
     program: Program, micro_batch: int, seq: int, device: torch.device, mode: FakeTensorMode
 ) -> dict[tuple[int, int], tuple[int, int]]:
     plan = program.plan
-    ranks = {rp.coords["pp"]: rp for rp in program.ranks if rp.coords["tp"] == rp.coords["dp"] == 0}
+    ranks = {rp.coords.pp: rp for rp in program.ranks if rp.coords.tp == rp.coords.dp == 0}
     cost = next(iter(ranks.values())).chunk_cost or (1.0, 0.0)
     bounds = chunk_bounds(cost, seq, plan.seq_chunks, plan.seq_split, plan.chunk_multiple)
     compute = plan.compute_dtype
@@ -119,9 +120,9 @@ def _unit_bytes(
 
 def _weights(
     program: Program, rp: RankProgram, device: torch.device, mode: FakeTensorMode
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Coords]:
     """A rank's parameter shards and the buffers, fake, on ``device``."""
-    params = {}
+    params: dict[str, torch.Tensor] = {}
     for fqn, shard in rp.shards.items():
         full = program.params[fqn]
         with unset_fake_temporarily():

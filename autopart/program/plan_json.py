@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from autopart.layout import Mesh, Plan
+from autopart.meta import INPUT_KINDS
 from autopart.program.folder import NAMES
 from autopart.program.schema import (
     DOTTED,
@@ -46,7 +47,6 @@ MAX_DIM = 1 << 40
 MAX_NUMEL = 1 << 44  # elements of one parameter (16 T: far beyond any model)
 MAX_KV_ROW = 1 << 24  # elements of one sequence position of one K/V prefix
 MAX_STAGES = 1 << 12
-INPUT_KINDS = ("param", "buffer", "constant", "data", "rank", "rng", "act", "offset", "kv", "keys")
 DATA_NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # capture's batch names
 DTYPES = ("torch.float64", "torch.float32", "torch.bfloat16", "torch.float16")
 
@@ -181,7 +181,7 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
     mesh: Mesh = plan.mesh
     if doc["rank"] != rank:
         raise Invalid("rank", f"= {doc['rank']}, but this is the folder of rank {rank}")
-    if doc["coords"] != mesh.coords(rank):
+    if doc["coords"] != mesh.coords(rank).as_dict():
         raise Invalid("coords", f"are not rank {rank}'s coordinates in {mesh}")
     for d in ("dp", "pp", "tp"):
         if doc["groups"][d] != mesh.group(d, rank):

@@ -540,10 +540,10 @@ def _train(
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
                 _save(runner, optim, args, rank, step + 1, tied or {})
     if show and len(seen) >= 10:  # a mean over 5 steps: one batch's loss is noisy
-        first, last = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
+        early, late = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
         print(
-            f"loss (mean of 5 steps): {first:.4f} at the start → {last:.4f} at the end "
-            f"({'falling' if last < first else 'NOT falling'})",
+            f"loss (mean of 5 steps): {early:.4f} at the start → {late:.4f} at the end "
+            f"({'falling' if late < early else 'NOT falling'})",
             flush=True,
         )
     return last_s
@@ -576,10 +576,10 @@ def _write_trace(
         "events": runner.chrome_trace(),
         "busy_fraction": runner.busy_fraction(),
         "peak_saved_bytes": runner.peak_saved_bytes,
-        "coords": runner.program.coords,
+        "coords": runner.program.coords.as_dict(),
         "step_s": step_s,
     }
-    every = [None] * dist.get_world_size()
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if rank == 0:
         events = [e for r in every for e in r["events"]]
