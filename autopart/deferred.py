@@ -16,7 +16,7 @@ unchanged bit for bit, and the gradients are the same products autograd forms.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from autopart.collectives import _ACTIVE
 
 aten = torch.ops.aten
 FORMS = ("linear", "addmm", "matmul")
+Unit = tuple[int, int, int]  # (stage, micro-batch, chunk): what an F, B or W action runs
 
 
 @torch.library.custom_op("autopart::weight_gemm", mutates_args=())
@@ -49,9 +50,9 @@ class WeightStore:
     """The deferred weight gradients of each unit, from its ``B`` until its ``W``."""
 
     def __init__(self) -> None:
-        self.collecting: Hashable | None = None  # the unit whose backward is running
-        self.pending: dict[Hashable, list[Callable[[], None]]] = {}
-        self._kept: dict[Hashable, dict[int, int]] = {}  # unit → id(tensor) → its bytes
+        self.collecting: Unit | None = None  # the unit whose backward is running
+        self.pending: dict[Unit, list[Callable[[], None]]] = {}
+        self._kept: dict[Unit, dict[int, int]] = {}  # unit → id(tensor) → its bytes
 
     def defer(self, work: Callable[[], None], holds: tuple[torch.Tensor, ...] = ()) -> bool:
         """Keep ``work`` for the collecting unit's W (it holds the tensors ``holds`` until
@@ -64,11 +65,11 @@ class WeightStore:
             kept[id(t)] = t.numel() * t.element_size()
         return True
 
-    def held_bytes(self, unit: Hashable) -> int:
+    def held_bytes(self, unit: Unit) -> int:
         """Bytes of the inputs and output gradients ``unit``'s deferred GEMMs keep until W."""
         return sum(self._kept.get(unit, {}).values())
 
-    def run(self, unit: Hashable) -> int:
+    def run(self, unit: Unit) -> int:
         """Compute and accumulate ``unit``'s deferred weight gradients; how many GEMMs ran."""
         works = self.pending.pop(unit, [])
         self._kept.pop(unit, None)
@@ -76,7 +77,7 @@ class WeightStore:
             work()
         return len(works)
 
-    def run_one(self) -> Hashable | None:
+    def run_one(self) -> Unit | None:
         """Run the oldest deferred GEMM of the unit whose ``B`` ran first (never the collecting
         unit's); that unit, or None when nothing waits. Oldest first, so each parameter's
         gradient adds up in the order the schedule's ``W`` actions would add it."""
@@ -86,7 +87,7 @@ class WeightStore:
                 return unit
         return None
 
-    def done(self, unit: Hashable) -> bool:
+    def done(self, unit: Unit) -> bool:
         """True when none of ``unit``'s deferred GEMMs is left."""
         return not self.pending.get(unit)
 
@@ -142,10 +143,11 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     def work() -> None:
         dw, db = _weight_grads(x, dy, form, pb is not None)
         _accumulate(pw, dw)
-        if pb is not None:
+        if db is not None:  # the bias's, when it has one
             _accumulate(pb, db)
 
-    if _store() is not None and _store().defer(work, (x, dy)):
+    store = _store()
+    if store is not None and store.defer(work, (x, dy)):
         return dx, None, None, None
     dw, db = _weight_grads(x, dy, form, pb is not None)
     return dx, dw, db, None

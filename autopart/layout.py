@@ -29,6 +29,25 @@ PRECISIONS = (None, "bf16")  # None: compute in the model's own dtype
 
 
 @dataclass(frozen=True)
+class Coords:
+    """A rank's place in the mesh: its pipeline, data- and tensor-parallel index."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    def along(self, dim: str) -> int:
+        """The index along ``dim`` ("dp", "pp" or "tp")."""
+        if dim not in DIMS:
+            raise KeyError(dim)
+        return int(getattr(self, dim))
+
+    def as_dict(self) -> dict[str, int]:
+        """``{"pp": i, "dp": j, "tp": k}``, as program.json stores them."""
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+
+@dataclass(frozen=True)
 class Mesh:
     """Offline device mesh: data-, pipeline- and tensor-parallel sizes."""
 
@@ -49,22 +68,22 @@ class Mesh:
     def size(self) -> int:
         return self.dp * self.pp * self.tp
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """``{"pp": i, "dp": j, "tp": k}`` of a global rank."""
+    def coords(self, rank: int) -> Coords:
+        """The coordinates (pp, dp, tp) of a global rank."""
         if not 0 <= rank < self.size:
             raise AutopartError(f"rank {rank} is outside this mesh of {self.size} ranks ({self})")
-        return {
-            "pp": rank // (self.dp * self.tp),
-            "dp": rank // self.tp % self.dp,
-            "tp": rank % self.tp,
-        }
+        return Coords(
+            pp=rank // (self.dp * self.tp),
+            dp=rank // self.tp % self.dp,
+            tp=rank % self.tp,
+        )
 
     def rank_of(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
         return pp * self.dp * self.tp + dp * self.tp + tp
 
     def group(self, dim: str, rank: int) -> list[int]:
         """The ranks sharing every coordinate of ``rank`` except ``dim``, in ``dim`` order."""
-        c = self.coords(rank)
+        c = self.coords(rank).as_dict()
         return [self.rank_of(**{**c, dim: i}) for i in range(getattr(self, dim))]
 
     def groups(self, dim: str) -> list[list[int]]:
@@ -193,6 +212,8 @@ class Plan:
         own dtype)."""
         import torch
 
+        if self.precision is None:
+            return None
         return {"bf16": torch.bfloat16}.get(self.precision)
 
     @classmethod

@@ -9,6 +9,8 @@ blackboard in one place.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 # -- on nodes ----------------------------------------------------------------------------------
 # capture (autopart/frontend/capture.py)
 META_MODULE = "autopart.module"  # str: module path in the user's model ("" for the root)
@@ -19,6 +21,9 @@ META_COST = "autopart.cost"  # Cost: symbolic FLOPs / bytes of a call node
 # canonicalize_attention
 META_ATTENTION = "autopart.attention"  # str: "causal" on a canonical causal SDPA
 META_WINDOW = "autopart.window"  # int | None: a canonical SDPA's sliding window in keys
+# tuple[str, ...]: a causal SDPA whose mask is the batch's (padding: "attention_mask", packed
+# documents: "position_ids"), proven to be the document-causal form (Seq1F1B plans only)
+META_DATA_MASK = "autopart.data_mask"
 # vocab_parallel / tensor_parallel
 META_VOCAB_DIMS = "autopart.vocab_dims"  # dict: split dims found by vocab_parallel (transient)
 META_SHARD = "autopart.shard"  # TPShard (parameter placeholders): how tp splits it
@@ -56,3 +61,13 @@ META_KV = "autopart.kv_outputs"  # int: K/V prefix outputs appended to a stage's
 META_KV_SHAPES = "autopart.kv_shapes"  # list: the first chunk's (empty) prefix shapes
 
 KEYS = {k: v for k, v in globals().items() if k.startswith("META_")}
+
+# -- what an InputRef (META_INPUT) names --------------------------------------------------------
+# capture: "param", "buffer", "constant" (by FQN or name), "data" (a batch tensor); vocab_parallel:
+# "rank" (this rank's index in a group); dropout_rng: "rng" (the seed); pipeline_split: "act" (the
+# previous stage's i-th output); sequence_chunk: "offset" (the chunk's first token), "kv" (a K/V
+# prefix). program.json stores the kind as this string.
+InputRefKind = Literal[
+    "param", "buffer", "constant", "data", "rank", "rng", "act", "offset", "kv", "keys"
+]
+INPUT_KINDS: tuple[InputRefKind, ...] = get_args(InputRefKind)

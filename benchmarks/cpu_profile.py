@@ -78,9 +78,8 @@ class Profile(NamedTuple):
 
     def seconds(self, shape: Any, plan: Any) -> float:
         """The simulated step time of ``plan`` for ``shape`` on this CPU."""
-        return simulate(shape, self.cluster, plan, record=False, speed=self.sharing).summary[
-            "iteration_s"
-        ]
+        sim = simulate(shape, self.cluster, plan, record=False, speed=self.sharing)
+        return sim.summary.iteration_s
 
 
 def _timeit(fn: Any, window: float = 0.4, barrier: bool = True) -> float:

@@ -57,25 +57,25 @@ def main() -> int:
     unfused = replace(load_cluster("dgx-a100-80gb"), attention="unfused")  # as in 2021
     s = simulate(shape, unfused, paper, record=False).summary
     con.print(
-        f"the paper's plan ({paper.describe()}, unfused attention): {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
-        f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), iteration "
-        f"{s['iteration_s']:.1f} s, bubble {s['bubble_fraction']:.1%}, "
-        f"{s['memory_gb_per_gpu']:.1f} GiB per GPU; the paper measured {PAPER_TFLOPS:.0f} (52 %)"
+        f"the paper's plan ({paper.describe()}, unfused attention): {s.tflops_per_gpu:.1f} TFLOP/s per GPU "
+        f"({s.hfu:.1%} of peak, Megatron's count; MFU {s.mfu:.1%}), iteration "
+        f"{s.iteration_s:.1f} s, bubble {s.bubble_fraction:.1%}, "
+        f"{s.memory_gb_per_gpu:.1f} GiB per GPU; the paper measured {PAPER_TFLOPS:.0f} (52 %)"
     )
     best = result.ranked[0].summary
     con.print(
-        f"best plan against the paper's: {best['iteration_s'] / s['iteration_s']:.3f} of "
+        f"best plan against the paper's: {best.iteration_s / s.iteration_s:.3f} of "
         f"its iteration time"
     )
     record("plan_1t", "1T plan on 3072 GPUs", seconds, 60.0, "the 60 s budget", "<= 1.0", ok, "s")
     record(
         "plan_1t",
         "predicted TFLOP/s per GPU, paper's plan",
-        s["tflops_per_gpu"],
+        s.tflops_per_gpu,
         PAPER_TFLOPS,
         "Megatron-LM (SC21)",
         "30-70 % of peak",
-        0.30 <= s["hfu"] <= 0.70,
+        0.30 <= s.hfu <= 0.70,
     )
     return 0 if ok else 1
 

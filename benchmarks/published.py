@@ -195,7 +195,7 @@ def predict(row: Row, base: Cluster | None = None) -> float:
     software."""
     cl = software(row.software, base)
     s = simulate(row.shape, cl, row.plan, record=False).summary
-    return float(s[row.metric])
+    return float(getattr(s, row.metric))
 
 
 def compare(base: Cluster | None = None) -> list[dict[str, Any]]:

@@ -86,7 +86,7 @@ def predicted(spec: str, plan: dict, rc: str) -> list[float]:
     sim = simulate(
         shape_from_captured(captured), "dgx-a100-80gb", p, memory=graph_memory(captured, p)
     )
-    return [g * 2**30 for g in sim.summary["memory"]["per_rank_saved_activations"]]
+    return [g * 2**30 for g in sim.summary.memory.per_rank_saved_activations]
 
 
 def main() -> int:
@@ -99,7 +99,7 @@ def main() -> int:
     )
     print("models: examples/*.py:make_long (4 blocks, 256 tokens, batch 4), float32")
     ok = True
-    pp_of = [Mesh(pp=2, tp=2).coords(r)["pp"] for r in range(4)]
+    pp_of = [Mesh(pp=2, tp=2).coords(r).pp for r in range(4)]
     for name, res in results.items():
         spec, plan = CASES[name]
 

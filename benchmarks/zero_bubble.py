@@ -161,8 +161,8 @@ def worker(out: str, seq: int, m: int, width: int) -> None:
         "times": t.tolist(),
         "busy": {s: statistics.median(f) for s, f in fractions.items()},
         "saved": {**{s: r.peak_saved_bytes for s, r in runners.items()}, "torch": saved_torch},
-        "deferred": {s: r.stats["deferred_gemms"] for s, r in runners.items()},
-        "filled": {s: r.stats["filled_gemms"] for s, r in runners.items()},
+        "deferred": {s: r.stats.deferred_gemms for s, r in runners.items()},
+        "filled": {s: r.stats.filled_gemms for s, r in runners.items()},
         "unit_ms": {s: _unit_ms(r.chrome_trace()) for s, r in runners.items()},
     }
     every = [None] * P

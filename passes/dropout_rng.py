@@ -16,7 +16,7 @@ from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers autopart::dropout
 from autopart.frontend.capture import InputRef
-from autopart.frontend.shapes import propagate
+from autopart.frontend.shapes import fake_mode, propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_DROPOUT_SPLIT,
@@ -45,7 +45,7 @@ def dropout_rng(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     with gm.graph.inserting_after(placeholders[-1]):
         seed = gm.graph.placeholder("rng_seed")
     seed.meta.update({META_INPUT: InputRef("rng", "seed"), META_MODULE: "", META_LAYER: None})
-    with torch._guards.detect_fake_mode([placeholders[-1].meta["val"]]):
+    with fake_mode([placeholders[-1].meta["val"]]):
         seed.meta["val"] = torch.empty((), dtype=torch.int64)
     for slot, n in enumerate(active):
         split = any(k in n.args[0].meta or k in n.meta for k in META_SPLIT)

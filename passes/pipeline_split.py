@@ -190,6 +190,8 @@ def balanced_cuts(
                 if cand < best[k][j]:
                     best[k][j], back[k][j] = cand, i
     if best[stages][n] == inf:
+        if limit is None:  # no memory limit: only too few units leave no split
+            raise AutopartError(f"{n} units cannot be cut into {stages} non-empty stages")
         most = max(4 * p + (max(inflight or [1])) * a for p, a in memory or [(0.0, 0.0)])
         raise AutopartError(
             f"no split of the model into {stages} stages fits {limit / 2**30:.3g} GiB per stage "

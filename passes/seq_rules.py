@@ -36,13 +36,14 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import fx
 
 from autopart.frontend.capture import S, to_sympy
 from autopart.meta import META_ATTENTION, META_INPUT, META_SYMBOLS
+from autopart.node_args import int_arg, node_arg, seq_arg
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -168,7 +169,8 @@ class _Prover:
         return self.env, self.found
 
     def placeholder(self, n: fx.Node) -> Any:
-        ref, val = n.meta.get(META_INPUT), n.meta.get("val")
+        ref = n.meta.get(META_INPUT)
+        val: Any = n.meta.get("val")  # a tensor, a SymInt or absent
         grow = self.growing(val)
         if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val):
             raise Fixed(
@@ -192,7 +194,7 @@ class _Prover:
 
     def check(self, n: fx.Node, value: Any) -> Any:
         """The rule's answer must agree with the sizes: a ``Seq`` dim grows, nothing else does."""
-        vals = n.meta.get("val")
+        vals: Any = n.meta.get("val")
         if isinstance(value, tuple):
             for v, x in zip(value, vals, strict=False):
                 self._agree(v, x)
@@ -223,14 +225,14 @@ class _Prover:
         target = n.target
         if target in _SYM_OPS or target is operator.getitem and not _is_tensor_list(n.args[0]):
             if target is operator.getitem:
-                src = self.env.get(n.args[0])
-                return src[n.args[1]] if isinstance(src, tuple) else src
+                src = self.env.get(node_arg(n, 0))
+                return src[int_arg(n, 1)] if isinstance(src, tuple) else src
             val = n.meta.get("val")
             grows = isinstance(val, torch.SymInt) and self.grows(val)
             return LENGTH if grows or any(self._length(a) for a in _flat(n.args)) else None
         if target is operator.getitem:
-            src = self.env.get(n.args[0])
-            return src[n.args[1]] if isinstance(src, tuple) else src
+            src = self.env.get(node_arg(n, 0))
+            return src[int_arg(n, 1)] if isinstance(src, tuple) else src
         if _share_part(n) is not None:
             return SHARE
         if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
@@ -249,7 +251,7 @@ class _Prover:
             return _SPECIAL[target](self, n)
         if (
             getattr(target, "namespace", None) == "autopart"
-            and target._opname == "vocab_parallel_ce"
+            and getattr(target, "_opname", None) == "vocab_parallel_ce"
         ):
             return _loss(self, n)  # the summed cross entropy of vocabulary-split logits
         along = _ALONG.get(target)
@@ -259,7 +261,7 @@ class _Prover:
                 or torch.Tag.pointwise in getattr(target, "tags", ())
                 or (
                     getattr(target, "namespace", None) == "autopart"
-                    and target._opname in _AUTOPART_LOCAL
+                    and getattr(target, "_opname", None) in _AUTOPART_LOCAL
                 )
             ):
                 along = _nothing
@@ -282,10 +284,11 @@ class _Prover:
             raise Mixes("the whole chunk combined with a tp rank's share of it")
         inner = inner or next(iter(inners), ONE)
         part = next(iter(parts), 1)
-        if getattr(n.target, "namespace", None) == "autopart" and n.target._opname in _SHARING:
-            x, dim, _group, size = n.args[:4]
+        opname = getattr(n.target, "_opname", None)
+        if getattr(n.target, "namespace", None) == "autopart" and opname in _SHARING:
+            x, dim, size = node_arg(n, 0), int_arg(n, 1), int_arg(n, 3)  # (x, dim, group, size)
             if seqs and self.env[x].dim % _ndim(x) == dim % _ndim(x):  # split or joined along s
-                part = part * size if n.target._opname == "tp_scatter_reduce" else part // size
+                part = part * size if opname == "tp_scatter_reduce" else part // size
         vals = n.meta.get("val")
         if isinstance(vals, (tuple, list)):
             return tuple(self._one(v, inner, bool(seqs), part) for v in vals)
@@ -318,8 +321,8 @@ class _Prover:
                 raise Mixes("the sequence length used as a value (each chunk has its own)")
 
     def _softmax_along(self, n: fx.Node) -> bool:
-        val = n.args[0].meta.get("val")
-        return _is_tensor(val) and self.grows(val.shape[n.args[1] % val.dim()])
+        val = node_arg(n, 0).meta.get("val")
+        return _is_tensor(val) and self.grows(val.shape[int_arg(n, 1) % val.dim()])
 
     def _summed(self, n: fx.Node) -> Any:
         """A sum over the tokens plus or times values free of the sequence."""
@@ -330,7 +333,7 @@ class _Prover:
         raise Mixes("a use of the summed loss other than adding and scaling it")
 
     def _routing_entry(self, n: fx.Node) -> bool:
-        v = self.env.get(n.args[0])
+        v = self.env.get(node_arg(n, 0))
         return isinstance(v, Seq) and v.dim % _ndim(n.args[0]) == _dim_arg(n, 1, -1) % _ndim(
             n.args[0]
         )
@@ -349,7 +352,7 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     ``index_put(empty, [perm], arange)``). Each slot's result depends on its own token only."""
     t = n.target
     if t == aten.sort.default and not routed:
-        key = p.env[n.args[0]]
+        key = p.env[node_arg(n, 0)]
         return (Routed("rows", n, key), Routed("perm", n, key))
     if len({r.key for r in routed}) != 1:
         raise Mixes("token routing of two different sorts combined")
@@ -370,8 +373,8 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         return Routed("token", r0.key, r0.seq)
     if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
         return Routed("group", r0.key, r0.seq)
-    if t == aten.index.Tensor and len(n.args[1]) == 1:
-        idx, x = p.env.get(n.args[1][0]), p.env.get(n.args[0])
+    if t == aten.index.Tensor and len(seq_arg(n, 1)) == 1:
+        idx, x = p.env.get(seq_arg(n, 1)[0]), p.env.get(node_arg(n, 0))
         if isinstance(idx, Routed) and idx.kind == "token" and x == Seq(0, ONE):
             return Routed("rows", idx.key, idx.seq)
         if isinstance(idx, Routed) and idx.kind == "perm" and x == idx.seq and x.dim == 0:
@@ -388,17 +391,17 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         return Routed("empty", r0.key, r0.seq)
     if (
         t == aten.index_put.default
-        and [p.env.get(a) for a in (n.args[0], *n.args[1])]
+        and [p.env.get(a) for a in (node_arg(n, 0), *seq_arg(n, 1))]
         == [
             Routed("empty", r0.key, r0.seq),
             Routed("perm", r0.key, r0.seq),
         ]
-        and p.env.get(n.args[2]) is SLOTS
+        and p.env.get(node_arg(n, 2)) is SLOTS
     ):
         return Routed("inverse", r0.key, r0.seq)
     if _is_grouped_mm(t) and kinds == {"rows", "offsets"}:
-        x, w, offs = n.args[:3]
-        if _rows(p.env.get(x)) and p.env.get(w) is None and p.env.get(offs).kind == "offsets":
+        x, w, offs = (node_arg(n, i) for i in range(3))
+        if _rows(p.env.get(x)) and p.env.get(w) is None and p.env[offs].kind == "offsets":
             return _rows_of(r0)
     raise Mixes(f"{_op_name(t)} on routed tokens, which the routing rule does not cover")
 
@@ -414,9 +417,9 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
     if t in _POINTWISE or torch.Tag.pointwise in getattr(t, "tags", ()):
         return True
     if t in (aten.mm.default, aten.matmul.default, aten.linear.default):
-        return _rows(p.env.get(n.args[0])) and p.env.get(n.args[1]) is None  # rows @ weights
+        return _rows(p.env.get(node_arg(n, 0))) and p.env.get(node_arg(n, 1)) is None  # rows @ w
     if t in (aten.view.default, aten.reshape.default, aten.unsqueeze.default):
-        return str(n.meta["val"].shape[0]) == str(n.args[0].meta["val"].shape[0])
+        return str(n.meta["val"].shape[0]) == str(node_arg(n, 0).meta["val"].shape[0])
     if t in (aten.split.Tensor, aten.split_with_sizes.default):
         return _dim_arg(n, 2, 0) % _ndim(n.args[0]) != 0
     return False
@@ -484,7 +487,7 @@ def _scan(name: str) -> Callable:
 
 
 def _slice(n: fx.Node) -> list:
-    x = n.args[0]
+    x = node_arg(n, 0)
     dim = _dim_arg(n, 1, 0)
     start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
     size = x.meta["val"].shape[dim]
@@ -498,7 +501,7 @@ def _slice(n: fx.Node) -> list:
 
 
 def _pad(n: fx.Node) -> list:
-    pad = n.args[1]
+    pad = seq_arg(n, 1)
     nd = _ndim(n.args[0])
     dims = [nd - 1 - i // 2 for i, p in enumerate(pad) if not (isinstance(p, int) and p == 0)]
     return [(n.args[0], dims, "a pad along the sequence (a convolution's window, say)")]
@@ -526,7 +529,7 @@ def _matmul_b(n: fx.Node) -> list[int]:
 
 
 def _index(n: fx.Node) -> list:
-    dims = [i for i, x in enumerate(n.args[1]) if x is not None]
+    dims = [i for i, x in enumerate(seq_arg(n, 1)) if x is not None]
     return [
         (
             n.args[0],
@@ -537,7 +540,7 @@ def _index(n: fx.Node) -> list:
 
 
 def _index_put(n: fx.Node) -> list:
-    dims = [i for i, x in enumerate(n.args[1]) if x is not None]
+    dims = [i for i, x in enumerate(seq_arg(n, 1)) if x is not None]
     return [
         (n.args[0], dims, "an index by position or token into a value laid out along the sequence"),
         (n.args[2], list(range(_ndim(n.args[2]))), "tokens written at computed indices"),
@@ -560,7 +563,7 @@ def _slice_scatter(n: fx.Node) -> list:
 
 
 def _repeat(n: fx.Node) -> list:
-    reps = n.args[1]
+    reps = seq_arg(n, 1)
     off = len(reps) - _ndim(n.args[0])
     dims = [i - off for i, r in enumerate(reps) if r != 1 and i >= off]
     return [(n.args[0], dims, "a repeat along the sequence")]
@@ -568,11 +571,11 @@ def _repeat(n: fx.Node) -> list:
 
 def _cat(n: fx.Node) -> list:
     d = _dim_arg(n, 1, 0)
-    return [(t, [d], "a concatenation along the sequence") for t in n.args[0]]
+    return [(t, [d], "a concatenation along the sequence") for t in seq_arg(n, 0)]
 
 
 def _layer_norm(n: fx.Node) -> list:
-    k = len(n.args[1])
+    k = len(seq_arg(n, 1))
     return [(n.args[0], list(range(-k, 0)), "a norm over the sequence")]
 
 
@@ -607,7 +610,7 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     ),
     **dict.fromkeys(
         (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default),
-        _along(SOFTMAX, lambda n: [n.args[1]]),
+        _along(SOFTMAX, lambda n: [int_arg(n, 1)]),
     ),
     aten.layer_norm.default: _layer_norm,
     aten.native_layer_norm.default: _layer_norm,
@@ -619,7 +622,7 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.logcumsumexp.default: _scan("logcumsumexp"),
     aten.sort.default: _along("a sort along the sequence", lambda n: [_dim_arg(n, 1, -1)]),
     aten.topk.default: _along("a top-k along the sequence", lambda n: [_dim_arg(n, 2, -1)]),
-    aten.flip.default: _along("a flip along the sequence", lambda n: list(n.args[1])),
+    aten.flip.default: _along("a flip along the sequence", lambda n: list(seq_arg(n, 1))),
     aten.roll.default: _along(
         "a roll along the sequence",
         lambda n: list(_dim_arg(n, 2, [], "dims")) or list(range(_ndim(n.args[0]))),
@@ -646,8 +649,8 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
         _nothing,
     ),
     aten.slice.Tensor: _slice,
-    aten.select.int: _along("a select of one token", lambda n: [n.args[1]]),
-    aten.narrow.default: _along("a slice of the sequence", lambda n: [n.args[1]]),
+    aten.select.int: _along("a select of one token", lambda n: [int_arg(n, 1)]),
+    aten.narrow.default: _along("a slice of the sequence", lambda n: [int_arg(n, 1)]),
     aten.split.Tensor: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.split_with_sizes.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
@@ -677,12 +680,12 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.index.Tensor: _index,
     aten.index_select.default: _along(
         "an index by position or token into a value laid out along the sequence",
-        lambda n: [n.args[1]],
+        lambda n: [int_arg(n, 1)],
     ),
-    aten.gather.default: _along("a gather along the sequence", lambda n: [n.args[1]]),
+    aten.gather.default: _along("a gather along the sequence", lambda n: [int_arg(n, 1)]),
     aten.index_put.default: _index_put,
     aten.scatter.src: _scatter_like(1, 3),
-    aten.scatter.value: _along("a write along the sequence", lambda n: [n.args[1]]),
+    aten.scatter.value: _along("a write along the sequence", lambda n: [int_arg(n, 1)]),
     aten.scatter_add.default: _scatter_like(1, 3),
     aten.index_add.default: _scatter_like(1, 3),
     aten.slice_scatter.default: _slice_scatter,
@@ -762,13 +765,16 @@ def _share(p: _Prover, n: fx.Node) -> Any:
     of ``a`` (the whole chunk along ``d``), in order. The index is relative to the chunk (its
     ``L`` is the chunk's local length), so each chunk selects its own rows and the selected row
     r holds the chunk's token rank·L + r: token-aligned, like the local values it joins."""
-    index = n.args[2] if len(n.args) > 2 else None
-    if n.target != aten.index_select.default or p.env.get(index) is not SHARE:
+    if n.target != aten.index_select.default:
         raise Mixes(ARANGE)
-    src, d = n.args[0], n.args[1]
+    index = node_arg(n, 2)
+    add = _share_part(index) if p.env.get(index) is SHARE else None
+    if add is None:  # SHARE marks exactly the nodes _share_part finds
+        raise Mixes(ARANGE)
+    src, d = node_arg(n, 0), int_arg(n, 1)
     v = p.env.get(src)
-    size = _share_part(index).args[1].args[1]  # the mul's L: sym_size(x, dim)
-    x, dim = size.args
+    size = node_arg(node_arg(add, 1), 1)  # the mul's L: sym_size(x, dim)
+    x, dim = node_arg(size, 0), int_arg(size, 1)
     xv = p.env.get(x)
     if not (
         isinstance(v, Seq)
@@ -818,7 +824,7 @@ def _cumsum(p: _Prover, n: fx.Node) -> Any:
     from autopart.passes.sequence_chunk import _fill_value
 
     if _fill_value(n, p.gm) is not None:  # a running count, shifted by the chunk pass
-        return p.env[n.args[0]]
+        return p.env[node_arg(n, 0)]
     for x, dims, what in _scan("cumsum")(n):
         v = p.env.get(x)
         if isinstance(v, Seq) and v.dim % _ndim(x) in {d % _ndim(x) for d in dims}:
@@ -829,8 +835,7 @@ def _cumsum(p: _Prover, n: fx.Node) -> Any:
 def _attention(p: _Prover, n: fx.Node) -> Any:
     if n.meta.get(META_ATTENTION) != "causal":
         raise Mixes("an attention not proven causal")
-    q, k, v = n.args[:3]
-    for x in (q, k, v):
+    for x in (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2)):  # q, k, v
         val = p.env.get(x)
         if not (
             isinstance(val, Seq)
@@ -846,7 +851,8 @@ def _loss(p: _Prover, n: fx.Node) -> Any:
     """Cross entropy summed over the tokens: the chunks' sums add up (a mean would not)."""
     reduction = _dim_arg(n, 3, 1, "reduction")
     if n.target == aten.cross_entropy_loss.default and reduction == 0:
-        if isinstance(p.env.get(n.args[0]), Seq) and p.env[n.args[0]].dim % _ndim(n.args[0]) == 1:
+        x = node_arg(n, 0)
+        if isinstance(p.env.get(x), Seq) and p.env[x].dim % _ndim(x) == 1:
             raise Mixes("a cross entropy over classes laid out along the sequence")
         return p._carry(n)
     if n.target == aten.cross_entropy_loss.default and reduction != 2:
@@ -860,7 +866,7 @@ def _loss(p: _Prover, n: fx.Node) -> Any:
 
 def _sum_all(p: _Prover, n: fx.Node) -> Any:
     """A sum over every token reaching the loss (chunk sums add up); over other dims, local."""
-    x = n.args[0]
+    x = node_arg(n, 0)
     v = p.env.get(x)
     if isinstance(v, Seq) and not p.growing(n.meta["val"]):
         dims = _dims_arg(n, 1) if n.target == aten.sum.dim_IntList else list(range(_ndim(x)))
@@ -876,7 +882,7 @@ def _sum_all(p: _Prover, n: fx.Node) -> Any:
 def _view(p: _Prover, n: fx.Node) -> Any:
     """A view keeps the elements' order: the token index keeps its stride, which must fall
     inside one output dim (``[b, s, h]`` ↔ ``[b·s, h]`` ↔ ``[b, s, heads, d]``)."""
-    x = n.args[0]
+    x = node_arg(n, 0)
     v = p.env.get(x)
     if not isinstance(v, Seq):
         return p._carry(n)
@@ -1023,7 +1029,7 @@ def _is_softmax(n: fx.Node) -> bool:
     return n.target in (aten.softmax.int, aten._softmax.default)
 
 
-def _is_tensor(v: Any) -> bool:
+def _is_tensor(v: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(v, torch.Tensor)
 
 
@@ -1032,7 +1038,7 @@ def _is_tensor_list(x: Any) -> bool:
     return isinstance(val, (list, tuple)) and any(_is_tensor(v) for v in val)
 
 
-def _rows(v: Any) -> bool:
+def _rows(v: Any) -> TypeGuard[Routed]:
     return isinstance(v, Routed) and v.kind == "rows"
 
 

@@ -34,6 +34,8 @@ and so is one where tokens meet along the sequence anywhere else (``refuse_seque
 
 from __future__ import annotations
 
+import operator
+
 import sympy
 import torch
 from torch import fx
@@ -48,6 +50,7 @@ from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
+    META_DATA_MASK,
     META_INPUT,
     META_INPUTS,
     META_KV,
@@ -60,7 +63,13 @@ from autopart.meta import (
     META_SYMBOLS,
     META_WINDOW,
 )
-from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
+from autopart.node_args import float_arg, int_arg, node_arg
+from autopart.passes.canonicalize_attention import (
+    SDPA,
+    lower_right_mask,
+    remove_dead,
+    require_causal,
+)
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import SOFTMAX, Seq, seq_dims
 
@@ -96,6 +105,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if positions or counts:
         with g.inserting_after(anchor):
             offset = g.placeholder("chunk_offset")
+        assert mode is not None  # export's graphs carry fake values
         with mode:
             offset.meta["val"] = torch.zeros((), dtype=torch.int64)
         offset.meta[META_INPUT] = InputRef("offset", "")
@@ -121,6 +131,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
                 ph = g.placeholder(f"kv_prefix_{i}_{'kv'[j]}")
             val = src.meta["val"]
             shape = [*val.shape[:-2], prefix_len, val.shape[-1]]
+            assert mode is not None
             with mode:
                 ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
             ph.meta[META_INPUT] = InputRef("kv", str(2 * i + j))
@@ -132,6 +143,23 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             pair.append(ph)
             anchor = ph
         prefixes.append((pair[0], pair[1]))
+    # the batch's padding / documents: their key columns, the prefix's and the chunk's tokens
+    keys: dict[str, fx.Node] = {}
+    for name in ("attention_mask", "position_ids"):
+        if not any(name in (n.meta.get(META_DATA_MASK) or ()) for n in attention):
+            continue
+        query = next(p for p in placeholders if p.meta.get(META_INPUT) == InputRef("data", name))
+        b, s = query.meta["val"].shape
+        with g.inserting_after(anchor):
+            ph = g.placeholder(f"keys_{name}")
+        assert mode is not None  # export's graphs carry fake values
+        with mode:
+            ph.meta["val"] = torch.empty((b, prefix_len + s), dtype=query.meta["val"].dtype)
+        ph.meta[META_INPUT] = InputRef("keys", name)
+        ph.meta[META_MODULE], ph.meta[META_LAYER] = "", None
+        new_refs.append(ph.meta[META_INPUT])
+        keys[name] = ph
+        anchor = ph
 
     for n in positions:
         with g.inserting_after(n):
@@ -151,8 +179,9 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         if n.target == aten.view.default:
             n.target = aten.reshape.default
     kv_out: list[fx.Node] = []
+    masks: dict[tuple[str, ...], fx.Node] = {}  # one document mask per stage, shared by layers
     for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
-        kv_out += _attend_with_prefix(g, sdpa, kp, vp)
+        kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks)
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -160,9 +189,11 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if refs is not None:
         gm.meta[META_INPUTS] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
-    gm.meta[META_KV_SHAPES] = [
-        _empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair
-    ]
+    gm.meta[META_KV_SHAPES] = (
+        [_empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair]
+        if prefix_len is not None  # prefixes are made only with it
+        else []
+    )
     if prefix_len is not None:
         rc = dict(gm.meta.get(META_RANGES, {}))
         rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
@@ -171,6 +202,9 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             **gm.meta.get(META_SYMBOLS, {}),
             prefix_len.node.expr: P,
         }
+    # the construction of a mask replaced above (a batch's: it indexes the whole sequence, so
+    # run on a chunk it would fail) goes, with the metadata asserts fx keeps as impure
+    remove_dead(gm)
     g.lint()
     gm.recompile()
     propagate(gm)
@@ -233,7 +267,7 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
     if n.target != aten.cumsum.default:
         return None
     x = n.args[0]
-    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    dim = int_arg(n, 1, "dim")
     if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
         return None
     if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
@@ -245,7 +279,7 @@ def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
 def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
     """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
     if n.target == aten.arange.default:
-        start = 0
+        start: object = 0
     elif n.target == aten.arange.start:
         start = n.args[0]
     else:
@@ -289,10 +323,19 @@ def _prefix_symint(mode) -> torch.SymInt:
     return env.create_symintnode(sym, hint=16)
 
 
-def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
-    """SDPA over [prefix; chunk] keys with the lower-right causal mask; returns (K, V) full."""
-    q, k, v = sdpa.args[:3]
-    dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
+def _attend_with_prefix(
+    g: fx.Graph,
+    sdpa: fx.Node,
+    kp: fx.Node,
+    vp: fx.Node,
+    keys: dict[str, fx.Node] | None = None,
+    masks: dict[tuple[str, ...], fx.Node] | None = None,
+) -> list[fx.Node]:
+    """SDPA over [prefix; chunk] keys with the lower-right causal mask (and, for a mask of the
+    batch's, ``META_DATA_MASK``, its padding and documents from the key columns ``keys``, built
+    once into ``masks``); returns (K, V) full."""
+    q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
+    dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
         key: val
         for key, val in sdpa.kwargs.items()
@@ -310,7 +353,14 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
     with g.inserting_before(sdpa):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
         v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
-        mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
+        names = tuple(sdpa.meta.get(META_DATA_MASK) or ())
+        if names and masks is not None and names in masks:
+            mask = masks[names]
+        elif names:
+            assert keys is not None and masks is not None, "a batch mask needs its key columns"
+            mask = masks[names] = document_chunk_mask(g, q, k_full, {n: keys[n] for n in names})
+        else:
+            mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
         new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
         outs = [cast(k_full, k, kp), cast(v_full, v, vp)]
     for n in (k_full, v_full, new, *made):
@@ -332,6 +382,35 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
             stack.extend(n.all_input_nodes)
             g.erase_node(n)
     return outs
+
+
+def document_chunk_mask(g: fx.Graph, q: fx.Node, k: fx.Node, keys: dict[str, fx.Node]) -> fx.Node:
+    """[b, 1, Lq, Lk] boolean: ``canonicalize_attention.document_mask``'s rows of the chunk's
+    queries (the last Lq of the Lk key positions) over all Lk keys, built in the graph from the
+    key columns ``keys`` of ``attention_mask`` (a key that is padding is masked) and
+    ``position_ids`` (a key of another document is masked: documents start where the
+    positions do not step up by 1, counted over the prefix's tokens and the chunk's)."""
+    keep = lower_right_mask(g, q, k)  # [Lq, Lk]
+
+    def call(op, *args):
+        return g.call_function(op, args)
+
+    if "attention_mask" in keys:
+        valid = call(aten.ne.Scalar, keys["attention_mask"], 0)  # [b, Lk]
+        valid = call(aten.unsqueeze.default, call(aten.unsqueeze.default, valid, 1), 1)
+        keep = call(aten.bitwise_and.Tensor, keep, valid)  # [b, 1, Lq, Lk]
+    if "position_ids" in keys:
+        pos = keys["position_ids"]
+        first = call(aten.sub.Tensor, call(aten.slice.Tensor, pos, 1, 0, 1), 1)
+        steps = call(aten.diff.default, pos, 1, -1, first)
+        doc = call(aten.cumsum.default, call(aten.ne.Scalar, steps, 1), -1)  # [b, Lk]
+        lq = call(aten.sym_size.int, q, -2)
+        lk = call(aten.sym_size.int, k, -2)
+        mine = call(aten.slice.Tensor, doc, 1, call(operator.sub, lk, lq), lk)  # [b, Lq]
+        rows = call(aten.unsqueeze.default, call(aten.unsqueeze.default, mine, 1), -1)
+        cols = call(aten.unsqueeze.default, call(aten.unsqueeze.default, doc, 1), 1)
+        keep = call(aten.bitwise_and.Tensor, keep, call(aten.eq.Tensor, rows, cols))
+    return keep
 
 
 __all__ = ["META_KV", "META_KV_SHAPES", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]

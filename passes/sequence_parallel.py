@@ -23,8 +23,9 @@ from autopart.frontend.capture import S, to_sympy
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_MODULE, META_SEQ, META_SHARD
+from autopart.node_args import int_arg, node_arg, seq_arg
 from autopart.passes.tensor_parallel import VIEWS
-from autopart.passes.tp_rules import Illegal, out_dim, tensor_val, view_map
+from autopart.passes.tp_rules import Illegal, out_dim, tensor_of, tensor_val, view_map
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 
@@ -69,7 +70,7 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def _seq_dim(n: fx.Node) -> int:
-    val = tensor_val(n)
+    val = tensor_of(n)
     dims = [i for i, d in enumerate(val.shape) if to_sympy(d, _gm_of(n)) == S]
     if len(dims) != 1:
         raise AutopartError(
@@ -80,11 +81,13 @@ def _seq_dim(n: fx.Node) -> int:
 
 
 def _gm_of(n: fx.Node) -> fx.GraphModule:
-    return n.graph.owning_module
+    gm = n.graph.owning_module
+    assert gm is not None
+    return gm
 
 
 def _swap(gm: fx.GraphModule, n: fx.Node, op, tp: int, dim: int | None = None) -> fx.Node:
-    x = n.args[0]
+    x = node_arg(n, 0)
     dim = _seq_dim(x) if dim is None else dim
     with gm.graph.inserting_after(n):
         new = gm.graph.call_function(op, (x, dim, "tp", tp))
@@ -101,7 +104,7 @@ def _follow(
     if n.target in (aten.sym_size.int, aten._assert_tensor_metadata.default):
         if (
             n.target == aten.sym_size.int
-            and n.args[1] % tensor_val(n.args[0]).dim() == seq[n.args[0]]
+            and int_arg(n, 1) % tensor_of(n.args[0]).dim() == seq[node_arg(n, 0)]
         ):
             raise AutopartError(
                 f"{n.format_node()} reads the sequence length of a sequence-split value"
@@ -125,8 +128,8 @@ def _follow(
     for a in list(n.all_input_nodes):
         if a in seq or tensor_val(a) is None:
             continue
-        pos = d - (tensor_val(n).dim() - tensor_val(a).dim())
-        if pos >= 0 and tensor_val(a).shape[pos] != 1:
+        pos = d - (tensor_of(n).dim() - tensor_of(a).dim())
+        if pos >= 0 and tensor_of(a).shape[pos] != 1:
             n.replace_input_with(a, _my_rows(gm, n, a, pos, split, d, rank))
             grad_reduce.update(_params_above(a))
     seq[n] = out_dim(n, seq)
@@ -134,9 +137,9 @@ def _follow(
 
 def _local_length(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int]) -> None:
     """A view/expand of a sequence-split value names the sequence length: make it the local one."""
-    src = n.args[0]
+    src = node_arg(n, 0)
     idx = view_map(n, seq[src])[1] if n.target in VIEWS else seq[n]
-    shape = list(n.args[1])
+    shape = list(seq_arg(n, 1))
     if shape[idx] == -1:
         return
     with gm.graph.inserting_before(n):
@@ -152,7 +155,7 @@ def _my_rows(gm, n, a, pos, split, d, rank) -> fx.Node:
     with g.inserting_before(n):
         size = g.call_function(aten.sym_size.int, (split, d))  # s / tp
         first = g.call_function(aten.mul.Tensor, (rank, size))
-        rows = g.call_function(aten.arange.default, (size,), {"device": tensor_val(a).device})
+        rows = g.call_function(aten.arange.default, (size,), {"device": tensor_of(a).device})
         index = g.call_function(aten.add.Tensor, (rows, first))
         mine = g.call_function(aten.index_select.default, (a, pos, index))
     for new in (size, first, rows, index, mine):
@@ -162,7 +165,9 @@ def _my_rows(gm, n, a, pos, split, d, rank) -> fx.Node:
 
 def _params_above(a: fx.Node) -> set[fx.Node]:
     """Parameter placeholders feeding ``a`` (its gradient is now a per-rank partial)."""
-    out, stack, seen = set(), [a], set()
+    out: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = [a]
     while stack:
         x = stack.pop()
         if x in seen:

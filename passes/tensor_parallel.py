@@ -42,7 +42,8 @@ from autopart.meta import (
     META_SHARD,
     META_TP_SPLIT,
 )
-from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_val, view_map
+from autopart.node_args import int_arg, node_arg, seq_arg
+from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_of, tensor_val, view_map
 
 log = logging.getLogger("autopart")
 aten, ops = torch.ops.aten, torch.ops.autopart
@@ -80,9 +81,13 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     _check_divisible(sp, tp)
     strided = _strided(sp)
     for n in sp.columns:
-        _split_column(gm, matmul_form(n), strided.get(n, 1))
+        form = matmul_form(n)
+        assert form is not None  # spread's columns and rows are matmul forms
+        _split_column(gm, form, strided.get(n, 1))
     for n in sp.rows:
-        _split_row(gm, matmul_form(n))
+        form = matmul_form(n)
+        assert form is not None
+        _split_row(gm, form)
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
         n.meta[META_TP_SPLIT] = sp.dims[n]
@@ -128,9 +133,9 @@ def _strided(sp) -> dict[fx.Node, int]:
     for n in sp.dims:
         if n.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             continue
-        src = n.args[0]
-        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-        if dim % tensor_val(src).dim() != sp.dims[src]:
+        src = node_arg(n, 0)
+        dim = int_arg(n, 2, "dim", 0)
+        if dim % tensor_of(src).dim() != sp.dims[src]:
             continue
         parts = len(n.meta["val"])
         sizes = {tuple(v.shape)[sp.dims[src]] for v in n.meta["val"]}
@@ -140,7 +145,7 @@ def _strided(sp) -> dict[fx.Node, int]:
                 hint="fused projections with unequal q/k/v widths are not supported with tp",
             )
         while src not in sp.columns:  # back to the column matmul through local ops
-            src = src.args[0]
+            src = node_arg(src, 0)
         out[src] = parts
     return out
 
@@ -170,7 +175,7 @@ def tp_copy_of(gm: fx.GraphModule, x: fx.Node, user: fx.Node) -> fx.Node:
     """Route ``user``'s input ``x`` through the one ``tp_copy`` (f) of x's source: f goes before
     any chain of views that flattens (b, s, h) to (b·s, h), so it sees the natural shape."""
     while x.target in VIEWS and len(x.users) == 1:
-        user, x = x, x.args[0]
+        user, x = x, node_arg(x, 0)
     copy = next((u for u in x.users if u.target == ops.tp_copy.default), None)
     if copy is None:
         with gm.graph.inserting_after(x):
@@ -191,6 +196,7 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
         elif n.target == aten.addmm.default:
             mm = g.call_function(aten.mm.default, (f.x, f.weight))
         else:
+            assert callable(n.target)
             mm = g.call_function(n.target, (f.x, f.weight))
     mm.meta.update({k: v for k, v in n.meta.items() if k != META_ROLE})
     mm.meta[META_ROLE] = "row"
@@ -200,7 +206,7 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
     while (
         len(last.users) == 1
         and (u := next(iter(last.users))).target in VIEWS
-        and (tensor_val(u).shape[-1] == tensor_val(mm).shape[-1])
+        and (tensor_of(u).shape[-1] == tensor_of(mm).shape[-1])
     ):
         last = u
     with g.inserting_after(last):
@@ -237,24 +243,23 @@ def _sum_partial_grads(gm: fx.GraphModule, sp) -> None:
 
 def _rewrite_constants(n: fx.Node, dims: dict[fx.Node, int], tp: int) -> None:
     if n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        _, idx = view_map(n, dims[n.args[0]])
+        _, idx = view_map(n, dims[node_arg(n, 0)])
         _divide(n, 1, idx, tp)
     elif n.target == aten.expand.default:
         _divide(n, 1, dims[n], tp)
     elif n.target == aten.split.Tensor and _along(n, dims):
-        n.update_arg(1, n.args[1] // tp)
+        n.update_arg(1, int_arg(n, 1) // tp)
     elif n.target == aten.split_with_sizes.default and _along(n, dims):
-        n.update_arg(1, [s // tp for s in n.args[1]])
+        n.update_arg(1, [s // tp for s in seq_arg(n, 1)])
 
 
 def _along(n: fx.Node, dims: dict[fx.Node, int]) -> bool:
-    src = n.args[0]
-    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-    return dim % tensor_val(src).dim() == dims[src]
+    src = node_arg(n, 0)
+    return int_arg(n, 2, "dim", 0) % tensor_of(src).dim() == dims[src]
 
 
 def _divide(n: fx.Node, arg: int, idx: int, tp: int) -> None:
-    shape = list(n.args[arg])
+    shape = list(seq_arg(n, arg))
     if isinstance(shape[idx], int) and shape[idx] != -1:
         shape[idx] //= tp
         n.update_arg(arg, shape)

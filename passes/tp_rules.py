@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from autopart.meta import META_INPUT
+from autopart.node_args import node_arg, optional_node_arg
 
 aten = torch.ops.aten
 
@@ -30,6 +31,13 @@ def tensor_val(n: object) -> torch.Tensor | None:
         v = n.meta.get("val")
         return v if isinstance(v, torch.Tensor) else None
     return None
+
+
+def tensor_of(n: object) -> torch.Tensor:
+    """``tensor_val`` of a node known to hold a tensor."""
+    v = tensor_val(n)
+    assert v is not None, f"{n} holds no tensor"
+    return v
 
 
 def _ndim(n: fx.Node) -> int:
@@ -56,14 +64,14 @@ def _pointwise(n: fx.Node, dims: dict[fx.Node, int]) -> int:
     for a in tensors:
         if a not in dims:
             pos = d - (out - _ndim(a))
-            if pos >= 0 and tensor_val(a).shape[pos] != 1:
+            if pos >= 0 and tensor_of(a).shape[pos] != 1:
                 raise Illegal(f"replicated operand {a.name} spans the split dim {d}")
     return d
 
 
 def _first(n: fx.Node, dims: dict[fx.Node, int]) -> int:
     src = n.args[0]
-    if src not in dims:
+    if not isinstance(src, fx.Node) or src not in dims:
         raise Illegal("only a non-first operand is split")
     return dims[src]
 
@@ -108,7 +116,7 @@ def _whole_slice(n: fx.Node) -> bool:
     if n.target != aten.slice.Tensor:
         return False
     start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
-    return (
+    return bool(
         (start in (None, 0))
         and (end is None or (isinstance(end, int) and end >= 2**62))
         and step == 1
@@ -213,14 +221,14 @@ def _getitem(n, dims):
     return _first(n, dims)
 
 
-def _sym(x: object) -> sympy.Expr:
+def _sym(x: int | torch.SymInt) -> sympy.Expr:
     return sympy.sympify(x.node.expr) if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
 
 
 def view_map(n: fx.Node, d: int) -> tuple[int, int]:
     """For a view/reshape of a tensor split along ``d``: (output dim now split, index in the
     output shape list whose literal must be divided by tp; -1 if none)."""
-    src, out = tensor_val(n.args[0]), tensor_val(n)
+    src, out = tensor_of(n.args[0]), tensor_of(n)
     before = sympy.Mul(*[_sym(x) for x in src.shape[:d]])
     size = _sym(src.shape[d])
     acc = sympy.Integer(1)
@@ -323,22 +331,22 @@ def matmul_form(n: fx.Node) -> Matmul | None:
     if n.op != "call_function":
         return None
     a = n.args
-    if n.target == aten.linear.default and is_param(a[1]) and tensor_val(a[1]).dim() == 2:
-        return Matmul(n, a[0], a[1], a[2] if len(a) > 2 else None, 0)
+    if n.target == aten.linear.default and is_param(a[1]) and tensor_of(a[1]).dim() == 2:
+        return Matmul(n, node_arg(n, 0), node_arg(n, 1), optional_node_arg(n, 2), 0)
     if (
         n.target == aten.addmm.default
         and is_param(a[2])
-        and tensor_val(a[2]).dim() == 2
+        and tensor_of(a[2]).dim() == 2
         and len(a) == 3
         and not n.kwargs
     ):
-        return Matmul(n, a[1], a[2], a[0], 1)
+        return Matmul(n, node_arg(n, 1), node_arg(n, 2), node_arg(n, 0), 1)
     if (
         n.target in (aten.mm.default, aten.matmul.default)
         and is_param(a[1])
-        and tensor_val(a[1]).dim() == 2
+        and tensor_of(a[1]).dim() == 2
     ):
-        return Matmul(n, a[0], a[1], None, 1)
+        return Matmul(n, node_arg(n, 0), node_arg(n, 1), None, 1)
     return None
 
 
@@ -396,7 +404,7 @@ def spread(
             continue
         form = matmul_form(n)
         if form is not None and form.x in sp.dims:
-            if sp.dims[form.x] == tensor_val(form.x).dim() - 1 and form.weight not in sp.dims:
+            if sp.dims[form.x] == tensor_of(form.x).dim() - 1 and form.weight not in sp.dims:
                 sp.rows.append(n)
             else:
                 sp.problems[n] = "matmul input split along a non-feature dim"
@@ -404,7 +412,7 @@ def spread(
             continue
         if form is not None and not split_in:
             if column(form):
-                sp.dims[n] = tensor_val(n).dim() - 1
+                sp.dims[n] = tensor_of(n).dim() - 1
                 sp.columns.append(n)
                 sp._find(n)
             continue

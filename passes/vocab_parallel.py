@@ -19,7 +19,7 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import InputRef
-from autopart.frontend.shapes import propagate
+from autopart.frontend.shapes import fake_mode, propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_INPUT,
@@ -29,6 +29,7 @@ from autopart.meta import (
     META_SHARD,
     META_VOCAB_DIMS,
 )
+from autopart.node_args import node_arg
 from autopart.passes.tensor_parallel import (
     TPShard,
     _rewrite_constants,
@@ -36,7 +37,7 @@ from autopart.passes.tensor_parallel import (
     localize,
     tp_copy_of,
 )
-from autopart.passes.tp_rules import matmul_form, spread, tensor_val
+from autopart.passes.tp_rules import matmul_form, spread, tensor_of
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 
@@ -46,7 +47,7 @@ def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if tp == 1:
         return gm
     ce = _loss(gm)
-    vocab = tensor_val(ce.args[0]).shape[-1]
+    vocab = tensor_of(ce.args[0]).shape[-1]
     if vocab % tp:
         raise AutopartError(
             f"vocabulary size {vocab} is not divisible by tp={tp}",
@@ -85,10 +86,7 @@ def _rank_input(gm: fx.GraphModule) -> fx.Node:
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last):
         rank = gm.graph.placeholder("tp_rank")
-    val = last.meta["val"]
-    from torch._guards import detect_fake_mode
-
-    with detect_fake_mode([val]):
+    with fake_mode([last.meta["val"]]):
         rank.meta["val"] = torch.empty((), dtype=torch.int64)
     rank.meta.update(
         {
@@ -117,6 +115,7 @@ def _head(gm: fx.GraphModule, ce: fx.Node) -> fx.Node | None:
 
 def _split_head(gm: fx.GraphModule, head: fx.Node, ce: fx.Node, rank: fx.Node, tp: int) -> None:
     form = matmul_form(head)
+    assert form is not None  # _head found it
     _set_shard(form.weight, TPShard(form.col_dim))
     if form.bias is not None:
         _set_shard(form.bias, TPShard(0))
@@ -144,7 +143,7 @@ def _is_token_embedding(n: fx.Node, vocab: int) -> bool:
     while isinstance(ids, fx.Node) and ids.target in _SAME_IDS:  # input_ids.view(-1, s) etc.
         ids = ids.args[0]
     ref = ids.meta.get(META_INPUT) if isinstance(ids, fx.Node) else None
-    return ref == InputRef("data", "input_ids") and tensor_val(table).shape[0] == vocab
+    return ref == InputRef("data", "input_ids") and tensor_of(table).shape[0] == vocab
 
 
 _SAME_IDS = {
@@ -160,7 +159,7 @@ _SAME_IDS = {
 
 def _split_embedding(gm: fx.GraphModule, n: fx.Node, rank: fx.Node, rows: int) -> None:
     """embedding(W, ids) → tp_reduce(zero-where-not-ours(embedding(W_local, ids − start)))."""
-    table, ids = n.args[0], n.args[1]
+    table, ids = node_arg(n, 0), n.args[1]
     _set_shard(table, TPShard(0))
     g = gm.graph
     with g.inserting_before(n):
@@ -175,7 +174,9 @@ def _split_embedding(gm: fx.GraphModule, n: fx.Node, rank: fx.Node, rows: int) -
         zeroed = g.call_function(aten.masked_fill.Scalar, (looked, mask, 0.0))
         new = [start, local, below, above, other, safe, looked, mask, zeroed]
         pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-        if pad is not None and pad >= 0:  # the padding row gets no gradient, as in nn.Embedding
+        if (
+            isinstance(pad, int) and pad >= 0
+        ):  # the padding row gets no gradient, as in nn.Embedding
             is_pad = g.call_function(aten.eq.Scalar, (ids, pad))
             pad_mask = g.call_function(aten.unsqueeze.default, (is_pad, -1))
             frozen = g.call_function(aten.detach.default, (zeroed,))

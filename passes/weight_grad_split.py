@@ -18,6 +18,7 @@ from torch import fx
 from autopart import deferred  # noqa: F401 - registers autopart::weight_gemm
 from autopart.layout import Plan
 from autopart.meta import META_INPUT
+from autopart.node_args import node_arg, optional_node_arg
 from autopart.passes.pipeline_split import stage_graphs
 
 aten, ops = torch.ops.aten, torch.ops.autopart
@@ -32,19 +33,19 @@ def _form(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, str] | None:
     """(x, weight, bias, form) of a GEMM on a 2-D parameter weight, or None."""
     a = n.args
     if n.target == aten.linear.default:
-        b = a[2] if len(a) > 2 else None
+        b = optional_node_arg(n, 2)
         if _param(a[1]) and (b is None or _param(b)):
-            return a[0], a[1], b, "linear"
+            return node_arg(n, 0), node_arg(n, 1), b, "linear"
     elif n.target == aten.addmm.default and len(a) == 3 and not n.kwargs:
-        if _param(a[2]) and _param(a[0]) and a[0].meta["val"].dim() == 1:
-            return a[1], a[2], a[0], "addmm"
+        if _param(a[2]) and _param(a[0]) and node_arg(n, 0).meta["val"].dim() == 1:
+            return node_arg(n, 1), node_arg(n, 2), node_arg(n, 0), "addmm"
     elif (
         n.target in (aten.mm.default, aten.matmul.default)
         and _param(a[1])
-        and a[1].meta["val"].dim() == 2
+        and node_arg(n, 1).meta["val"].dim() == 2
         and not _param(a[0])
     ):
-        return a[0], a[1], None, "matmul"
+        return node_arg(n, 0), node_arg(n, 1), None, "matmul"
     return None
 
 

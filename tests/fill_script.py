@@ -11,6 +11,7 @@ bit (each parameter's gradient adds up in the same order either way).
 
 import json
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -50,14 +51,14 @@ def main() -> int:
                 p.grad = None
             loss = runner.step(*batch)
             grads = {f: p.grad.clone() for f, p in runner.named_parameters()}
-            runs.append((loss, grads, dict(runner.stats), list(runner.timeline)))
+            runs.append((loss, grads, replace(runner.stats), list(runner.timeline)))
         (loss, grads, stats, events), (loss0, grads0, stats0, _) = runs
         pieces = [ev for ev in events if ev.action.kind == "W"]
         recvs = [ev for ev in events if ev.action.kind in ("RECV_F", "RECV_B")]
         out[schedule] = {
-            "filled": stats["filled_gemms"],
-            "filled_without": stats0["filled_gemms"],
-            "deferred": [stats["deferred_gemms"], stats0["deferred_gemms"]],
+            "filled": stats.filled_gemms,
+            "filled_without": stats0.filled_gemms,
+            "deferred": [stats.deferred_gemms, stats0.deferred_gemms],
             "w_events": len(pieces),
             "units": 4 * k,
             "no_overlap": all(

@@ -52,7 +52,7 @@ def main() -> int:
         overlap = True
     else:
         complete = set(errs) == set(ref_grads)
-        overlap = stats["buckets"] > 2 and stats["launched_during_backward"] == stats["buckets"]
+        overlap = stats.buckets > 2 and stats.launched_during_backward == stats.buckets
     ok = loss_err <= 1e-9 and errs[worst] <= 1e-9 and complete and overlap
     opt = torch.optim.SGD(runner.parameters(), lr=0.1)
     opt.step()  # the user's optimizer steps the local shards

@@ -11,7 +11,7 @@ from conftest import Case, nanogpt
 
 from autopart.api import parallelize
 from autopart.errors import AutopartError
-from autopart.layout import Mesh, Plan
+from autopart.layout import Coords, Mesh, Plan
 from autopart.meta import META_BUCKET, META_LAYER, META_MODULE, META_PASSES
 from autopart.passes import PIPELINE
 from autopart.program.format import (
@@ -70,7 +70,7 @@ def test_program_layout(program: Program, model_batch) -> None:
     assert program.example_shape == (8, 32) and program.vocab_size == 96
     assert [h.name for h in program.history] == ["capture", *PASS_NAMES]
     for r, rp in enumerate(program.ranks):
-        assert rp.rank == r and rp.coords == {"pp": 0, "dp": r, "tp": 0}
+        assert rp.rank == r and rp.coords == Coords(pp=0, dp=r, tp=0)
         assert rp.groups == {"dp": [0, 1], "pp": [r], "tp": [r]}
         assert [str(a) for a in rp.actions] == [
             "F(s0,m0)",

@@ -104,9 +104,9 @@ def test_simulator_predicts_saved_bytes(case: str, recompute_reports: dict) -> N
     sim = simulate(
         shape_from_captured(captured), "dgx-a100-80gb", plan, memory=graph_memory(captured, plan)
     )
-    predicted = sim.summary["memory"]["per_rank_saved_activations"]  # GiB, per pipeline rank
+    predicted = sim.summary.memory.per_rank_saved_activations  # GiB, per pipeline rank
     measured = recompute_reports[case].saved
     print(case, "predicted KiB", [round(p * 2**20) for p in predicted], "measured", measured)
     for r, got in enumerate(measured):
-        want = predicted[plan.mesh.coords(r)["pp"]] * 2**30
+        want = predicted[plan.mesh.coords(r).pp] * 2**30
         assert abs(want - got) <= 0.10 * got, (r, want, got)

@@ -26,7 +26,7 @@ def test_mesh_layout_tp_fastest_then_dp_then_pp() -> None:
     mesh = Mesh(dp=2, pp=2, tp=2)
     assert mesh.size == 8
     coords = [mesh.coords(r) for r in range(8)]
-    assert [(c["pp"], c["dp"], c["tp"]) for c in coords] == [
+    assert [(c.pp, c.dp, c.tp) for c in coords] == [
         (0, 0, 0),
         (0, 0, 1),
         (0, 1, 0),
@@ -37,7 +37,7 @@ def test_mesh_layout_tp_fastest_then_dp_then_pp() -> None:
         (1, 1, 1),
     ]
     for r, c in enumerate(coords):
-        assert mesh.rank_of(**c) == r
+        assert mesh.rank_of(**c.as_dict()) == r
     assert mesh.rank_of(pp=1, dp=0, tp=1) == 5
     assert mesh.group("tp", 5) == [4, 5]
     assert mesh.group("dp", 5) == [5, 7]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -56,15 +57,15 @@ def test_1t_on_3072_gpus() -> None:
     print(
         f"\n1T on 3072 A100s planned in {result.stats['seconds']:.1f} s: "
         f"{result.ranked[0].plan.describe()}, "
-        f"{result.ranked[0].summary['tflops_per_gpu']:.1f} TFLOP/s per GPU"
+        f"{result.ranked[0].summary.tflops_per_gpu:.1f} TFLOP/s per GPU"
     )
     assert "simulating" in con.file.getvalue()  # the progress display ran
     assert len(result.ranked) == 5
     assert_ranked_order(result.ranked)
     for row in result.ranked:
-        assert row.summary["fits"] and row.summary["memory_gb_per_gpu"] <= 72.0
+        assert row.summary.fits and row.summary.memory_gb_per_gpu <= 72.0
         assert row.plan.gpus == 3072 and row.reason
-        assert row.lower_bound <= row.summary["iteration_s"] * (1 + 1e-9)
+        assert row.lower_bound <= row.summary.iteration_s * (1 + 1e-9)
     st = result.stats
     assert st["layouts"] > 1000 and st["simulated"] >= 5
     assert st["too_big"] > 0 and result.rejected
@@ -75,20 +76,26 @@ def assert_ranked_order(ranked: list[Ranked]) -> None:
     less memory."""
     for i, a in enumerate(ranked):
         for b in ranked[i + 1 :]:
-            ta, tb = a.summary["iteration_s"], b.summary["iteration_s"]
+            ta, tb = a.summary.iteration_s, b.summary.iteration_s
             if ta > tb:
                 assert ta <= tb * (1 + NEAR_TIE)
-                assert a.summary["memory_gb_per_gpu"] <= b.summary["memory_gb_per_gpu"]
+                assert a.summary.memory_gb_per_gpu <= b.summary.memory_gb_per_gpu
 
 
 def _row(name: str, seconds: float, gib: float, plan: Plan | None = None) -> Ranked:
+    """A ranked plan with only what ordering and explaining read: its time, its memory, a
+    breakdown of zeros; ``name`` in its notes (to tell the rows apart)."""
     cats = dict.fromkeys(
         ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "optimizer_s", "bubble_s"), 0.0
     )
     plan = plan or Plan.from_batch(8, 1, dp=8)
-    return Ranked(
-        plan, {"iteration_s": seconds, "memory_gb_per_gpu": gib, "breakdown": cats, "name": name}, 0
-    )
+    base = simulate(SMALL, A100, Plan.from_batch(8, 1, dp=8), record=False).summary
+    summary = dataclasses.replace(base, iteration_s=seconds, memory_gb_per_gpu=gib, breakdown=cats)
+    return Ranked(plan, summary, 0, notes=[name])
+
+
+def _names(rows: list[Ranked]) -> list[str]:
+    return [r.notes[0] for r in rows]
 
 
 def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
@@ -103,7 +110,7 @@ def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
     ]
     assert NEAR_TIE == 0.01
     got = _break_near_ties(rows)
-    assert [r.summary["name"] for r in got] == ["b", "c", "a", "d", "e"]
+    assert _names(got) == ["b", "c", "a", "d", "e"]
     assert_ranked_order(got)
     _explain(got)
     assert got[0].reason.startswith("a near tie (0.5% behind #3, within 1%): needs 3.00 GiB")
@@ -118,7 +125,7 @@ def test_a_near_tie_ranks_the_plan_with_less_memory_first() -> None:
     zb = Plan.from_batch(8, 4, pp=2, dp=2, schedule="zb-h1")
     gpipe = Plan.from_batch(8, 4, pp=2, dp=2, schedule="gpipe")
     same = _break_near_ties([_row("zb", 0.369, 0.05, zb), _row("gpipe", 0.371, 0.05, gpipe)])
-    assert [r.summary["name"] for r in same] == ["gpipe", "zb"]
+    assert _names(same) == ["gpipe", "zb"]
     _explain(same)
     # rank 0: F, SEND_F, RECV_B, B, DP_REDUCE; ZB-H1 adds the W
     assert "as much memory, 5 actions a rank against 6" in same[0].reason
@@ -150,7 +157,7 @@ def test_lower_bound_never_exceeds_the_simulation() -> None:
             )
             costs = CostModel(SMALL, A100, st)
             sim = simulate_costs(costs, record=False)
-            assert fast_lower_bound(costs) <= sim.summary["iteration_s"] * (1 + 1e-12)
+            assert fast_lower_bound(costs) <= sim.summary.iteration_s * (1 + 1e-12)
 
 
 def test_search_finds_the_brute_force_top() -> None:
@@ -164,10 +171,10 @@ def test_search_finds_the_brute_force_top() -> None:
     for i, layout in enumerate(layouts(SMALL, A100, 32, 64, **kw)):
         for st in _variants(layout, ("none", "selective", "full"), A100):
             s = simulate(SMALL, A100, st, record=False).summary
-            if s["fits"]:
-                brute[i] = min(brute.get(i, float("inf")), s["iteration_s"])
+            if s.fits:
+                brute[i] = min(brute.get(i, float("inf")), s.iteration_s)
     want = sorted(brute.values())[:3]
-    got = sorted(r.summary["iteration_s"] for r in result.ranked)
+    got = sorted(r.summary.iteration_s for r in result.ranked)
     assert got == pytest.approx(want, rel=1e-9)
     assert_ranked_order(result.ranked)
     assert result.stats["simulated"] < result.stats["fitting_variants"] / 4

@@ -252,14 +252,14 @@ def test_activation_savers_save_memory() -> None:
                 recompute=rc,
                 sequence_parallel=sp,
             )
-            mem[rc, sp] = simulate(shape, UNFUSED, st).summary["memory"]["activations"]
+            mem[rc, sp] = simulate(shape, UNFUSED, st).summary.memory.activations
     assert mem["none", False] > mem["selective", False] > mem["full", False]
     assert mem["selective", True] < mem["selective", False]
     # a flash kernel stores no scores: no recompute keeps what selective keeps
     flash = {
         rc: simulate(
             shape, A100, Plan.from_batch(tp=8, pp=8, global_batch=16, recompute=rc)
-        ).summary["memory"]["activations"]
+        ).summary.memory.activations
         for rc in ("none", "selective")
     }
     assert flash["none"] == flash["selective"] == mem["selective", False]
@@ -275,9 +275,9 @@ def test_activation_savers_save_memory() -> None:
 def test_1f1b_holds_fewer_micro_batches_than_gpipe() -> None:
     shape = SHAPES["gpt-7b"]
     act = {
-        s: simulate(shape, A100, Plan.from_batch(pp=4, dp=2, global_batch=32, schedule=s)).summary[
-            "memory"
-        ]["activations"]
+        s: simulate(
+            shape, A100, Plan.from_batch(pp=4, dp=2, global_batch=32, schedule=s)
+        ).summary.memory.activations
         for s in ("gpipe", "1f1b")
     }
     assert act["gpipe"] > 3 * act["1f1b"]  # 16 micro-batches in flight on rank 0 against 4
@@ -320,11 +320,11 @@ def test_extrapolation_matches_the_full_simulation() -> None:
         )
         full = simulate(shape, A100, st, extrapolate=False, record=False).summary
         ext = simulate(shape, A100, st, extrapolate=True).summary
-        assert ext["extrapolated"] and not full["extrapolated"]
-        assert ext["iteration_s"] == pytest.approx(full["iteration_s"], rel=1e-9)
-        assert ext["memory_gb_per_gpu"] == pytest.approx(full["memory_gb_per_gpu"], rel=1e-9)
-        for key, val in full["breakdown"].items():
-            assert ext["breakdown"][key] == pytest.approx(val, rel=1e-9, abs=1e-12)
+        assert ext.extrapolated and not full.extrapolated
+        assert ext.iteration_s == pytest.approx(full.iteration_s, rel=1e-9)
+        assert ext.memory_gb_per_gpu == pytest.approx(full.memory_gb_per_gpu, rel=1e-9)
+        for key, val in full.breakdown.items():
+            assert ext.breakdown[key] == pytest.approx(val, rel=1e-9, abs=1e-12)
 
 
 def test_seq1f1b_chunks_are_balanced_by_work() -> None:
@@ -434,10 +434,11 @@ def test_cli_simulate_json(capsys, tmp_path) -> None:
 
 def test_memory_units_are_gib() -> None:
     s = simulate(SHAPES["gpt-7b"], A100, Plan.from_batch(tp=8, global_batch=8)).summary
-    assert s["memory"]["capacity"] == 80 and s["memory"]["usable"] == pytest.approx(72)
-    total = sum(s["memory"][k] for k in ("parameters", "gradients", "optimizer", "activations"))
-    assert s["memory_gb_per_gpu"] == pytest.approx(total)
-    assert s["memory"]["parameters"] * GIB == pytest.approx(
+    assert s.memory.capacity == 80 and s.memory.usable == pytest.approx(72)
+    m = s.memory
+    total = m.parameters + m.gradients + m.optimizer + m.activations
+    assert s.memory_gb_per_gpu == pytest.approx(total)
+    assert s.memory.parameters * GIB == pytest.approx(
         2 * CostModel(SHAPES["gpt-7b"], A100, Plan.from_batch(tp=8, global_batch=8)).params[0]
     )
 
@@ -490,7 +491,7 @@ def test_fitting_alternatives_fit() -> None:
     assert alts, "a memory saver must fit 175B on 1024 GPUs"
     for alt, need in alts:
         assert need <= A100.usable_bytes
-        assert simulate(SHAPES["gpt3-175b"], A100, alt, record=False).summary["fits"]
+        assert simulate(SHAPES["gpt3-175b"], A100, alt, record=False).summary.fits
 
 
 # -- a speed model: ranks computing at once slow each other --------------------------------
@@ -552,9 +553,8 @@ def test_a_speed_model_slows_a_node_s_ranks_and_the_optimizer() -> None:
     assert slow.costs.optimizer_time(0) == pytest.approx(1.25 * alone.costs.optimizer_time(0))
     one = replace(cpu, gpus_per_node=1)
     single = Plan.from_batch(8, micro_batch=1)
-    assert (
-        simulate(shape, one, single, speed=Slowed(0.25)).summary["iteration_s"]
-        == (simulate(shape, one, single).summary["iteration_s"])
+    assert simulate(shape, one, single, speed=Slowed(0.25)).summary.iteration_s == (
+        simulate(shape, one, single).summary.iteration_s
     )
 
 
@@ -595,9 +595,9 @@ def test_simulated_zb_h1_splits_the_backward_and_beats_1f1b() -> None:
     b_one = sum(e.end - e.start for e in one.events if e.kind == "B" and e.rank == 0)
     assert 0.2 * b_one < w < 0.6 * b_one  # the weight GEMMs: about half the backward
     assert b_zb == pytest.approx(b_one)  # split, not more work
-    assert zb.summary["iteration_s"] < one.summary["iteration_s"]
+    assert zb.summary.iteration_s < one.summary.iteration_s
     # a split backward frees a unit at its W: held longer, never less than 1F1B's
-    assert zb.summary["memory"]["activations"] >= one.summary["memory"]["activations"]
+    assert zb.summary.memory.activations >= one.summary.memory.activations
 
 
 def test_a_cpu_gemm_reads_its_weight_each_call_and_a_deferred_w_its_operands() -> None:

@@ -39,6 +39,7 @@ def test_load_factory_from_a_module() -> None:
         ("examples/nanogpt.py:", "has no ':function' part"),
         (":make", "has no ':function' part"),
         ("examples/missing.py:make", "does not exist"),
+        ("examples/:make", "is not a Python file"),  # a folder: a bare AttributeError before
         ("examples/nanogpt.py:nope", "has no function 'nope'"),
         ("examples/nanogpt.py:GPTConfig.n_layer", "has no function"),
         ("no_such_module_xyz:make", "cannot import 'no_such_module_xyz'"),

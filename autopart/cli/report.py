@@ -131,7 +131,7 @@ def parallel_table(rp, example_shape: tuple[int, int]) -> Table:
             val = n.args[0].meta.get("val") if hasattr(n.args[0], "meta") else None
             size = ""
             if val is not None and hasattr(val, "shape"):
-                numel = 1
+                numel: float = 1
                 for d in val.shape:
                     numel *= int(d) if not hasattr(d, "node") else evaluate(to_sympy(d, gm), b, s)
                 size = f", {_human(numel * val.element_size(), 'B')}"

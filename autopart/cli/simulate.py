@@ -181,13 +181,13 @@ def main(a: argparse.Namespace) -> int:
         extrapolate=False if a.trace else None,
         memory=memory,
     )
-    if not sim.summary["fits"] and not a.ignore_memory:
+    if not sim.summary.fits and not a.ignore_memory:
         _does_not_fit(shape, sim)
     if a.trace:
         with open(a.trace, "w") as f:
             json.dump({"traceEvents": sim.chrome_trace()}, f)
     if a.json:
-        print(json.dumps(sim.summary))
+        print(json.dumps(sim.summary.to_json()))
     else:
         con = Console()
         con.print(sim.shape.describe())
@@ -202,8 +202,8 @@ def _does_not_fit(shape, sim) -> None:
     from autopart.planning.cluster import GIB
     from autopart.planning.planner import fitting_alternatives
 
-    mem = sim.summary["memory"]
-    over = mem["total"] - mem["usable"]
+    mem = sim.summary.memory
+    over = mem.total - mem.usable
     fits = fitting_alternatives(shape, sim.cluster, sim.plan)
     hint = (
         "these fit: "
@@ -213,10 +213,10 @@ def _does_not_fit(shape, sim) -> None:
         else "no single change of layout fits; more GPUs or a smaller model may."
     )
     raise AutopartError(
-        f"{sim.plan.describe()} does not fit: rank {mem['rank']} needs {mem['total']:.1f} GiB "
-        f"per GPU ({mem['parameters']:.1f} parameters, {mem['gradients']:.1f} gradients, "
-        f"{mem['optimizer']:.1f} optimizer state, {mem['activations']:.1f} activations), "
-        f"{over:.1f} GiB over the {mem['usable']:.1f} usable on {sim.cluster.name}",
+        f"{sim.plan.describe()} does not fit: rank {mem.rank} needs {mem.total:.1f} GiB "
+        f"per GPU ({mem.parameters:.1f} parameters, {mem.gradients:.1f} gradients, "
+        f"{mem.optimizer:.1f} optimizer state, {mem.activations:.1f} activations), "
+        f"{over:.1f} GiB over the {mem.usable:.1f} usable on {sim.cluster.name}",
         hint=f"{hint} autopart plan searches every layout; --ignore-memory prints the "
         "prediction anyway",
     )

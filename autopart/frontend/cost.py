@@ -26,6 +26,7 @@ from torch import fx
 
 from autopart.frontend.capture import Captured, to_sympy
 from autopart.meta import META_ATTENTION, META_COST, META_INPUT, META_LAYER, META_SYMBOLS
+from autopart.node_args import node_arg
 
 ZERO = sympy.Integer(0)
 
@@ -77,7 +78,7 @@ class Cost:
 
 def total(costs: Iterable[Cost]) -> Cost:
     """Sum of many costs (one sympy Add per field: fast on thousands of nodes)."""
-    cols = list(zip(*(c.astuple() for c in costs), strict=False)) or [[ZERO]] * 4
+    cols = list(zip(*(c.astuple() for c in costs), strict=False)) or [(ZERO,)] * 4
     return Cost(*(sympy.Add(*col) for col in cols))
 
 
@@ -133,12 +134,12 @@ def node_cost(node: fx.Node, gm: fx.GraphModule) -> Cost:
         return Cost(bytes=moved, act_bytes=act)
     out = outs[0]
     if op in _MATMULS:
-        a = node.args[1 if op in ("addmm", "baddbmm") else 0].meta["val"]
+        a = node_arg(node, 1 if op in ("addmm", "baddbmm") else 0).meta["val"]
         k = _size(a.shape[-1], gm)
         mm = 2 * _numel(out, gm) * k
         return Cost(flops=mm, mm_flops=mm, bytes=moved, act_bytes=act)
     if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention"):
-        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        q, k = node_arg(node, 0).meta["val"], node_arg(node, 1).meta["val"]
         b_h = sympy.Mul(*(_size(d, gm) for d in q.shape[:-2]))
         sq, sk, d = (
             _size(q.shape[-2], gm),

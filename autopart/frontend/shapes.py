@@ -4,12 +4,14 @@ fails here, as an ``AutopartError`` that names the node — never later as silen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx
 from torch._decomp import decompositions as _decomp
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopart.errors import AutopartError
@@ -43,17 +45,23 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return out if b is None else out + b
 
 
-_SYMBOLIC = {
+_SYMBOLIC: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.size.default: lambda x: tuple(x.shape),
     torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
     torch.ops.aten.linear.default: _linear,
 }
 
 
+def fake_mode(vals: list[Any]) -> FakeTensorMode:
+    """The fake mode of a graph's values (export's), which they must have."""
+    mode = detect_fake_mode(vals)
+    assert mode is not None, "no fake tensor mode among the values"
+    return mode
+
+
 def fake_like(val: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A FakeTensor of ``shape`` in the same fake mode (and dtype) as ``val``."""
-    mode = detect_fake_mode([val])
-    with mode:
+    with fake_mode([val]):
         return torch.empty(shape, dtype=val.dtype, device=val.device)
 
 

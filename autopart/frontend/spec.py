@@ -35,6 +35,11 @@ def load_factory(spec: str) -> Factory:
         mod_name = f"autopart_model_{path.stem}"
         sys.path.insert(0, str(path.resolve().parent))  # let the file import its neighbours
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:  # a folder, a file not .py
+            raise AutopartError(
+                f"model file {path} is not a Python file",
+                hint="name a .py file and its factory (examples/nanogpt.py:make)",
+            )
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module
         module_spec.loader.exec_module(module)
@@ -52,7 +57,7 @@ def load_factory(spec: str) -> Factory:
     return factory
 
 
-def build(spec: str | Factory) -> tuple[nn.Module, tuple[Any, Any]]:
+def build(spec: str | Factory) -> tuple[nn.Module, Any]:
     """Call the factory and check what it returns."""
     factory = load_factory(spec) if isinstance(spec, str) else spec
     out = factory()

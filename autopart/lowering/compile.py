@@ -211,7 +211,7 @@ def rank_program(
     """Rank ``r``'s program: stage ``k`` runs on pipeline rank ``k mod pp``."""
     mesh = plan.mesh
     coords = mesh.coords(r)
-    mine = [k for k in range(len(stages)) if k % mesh.pp == coords["pp"]]
+    mine = [k for k in range(len(stages)) if k % mesh.pp == coords.pp]
     used = {ref.name for k in mine for ref in inputs[k] if ref.kind == "param"}
     split = {  # FQN → how tensor parallelism split it (None: replicated)
         n.meta[META_INPUT].name: n.meta.get(META_SHARD)
@@ -219,7 +219,7 @@ def rank_program(
         for n in st.graph.nodes
         if n.op == "placeholder" and n.meta[META_INPUT].kind == "param"
     }
-    shards = _shards(captured, split, coords["tp"], mesh.tp)
+    shards = _shards(captured, split, coords.tp, mesh.tp)
     return RankProgram(
         rank=r,
         coords=coords,
@@ -227,7 +227,7 @@ def rank_program(
         stages=[StageProgram(k, stages[k], inputs[k]) for k in mine],
         actions=generate(
             plan.schedule,
-            coords["pp"],
+            coords.pp,
             plan.microbatches,
             mesh.group("pp", r),
             mesh.dp,
@@ -241,6 +241,7 @@ def rank_program(
         n_stages=len(stages),
         chunk_cost=chunk_cost,
         vocab_size=captured.vocab_size,
+        batch_names=captured.batch_names,
     )
 
 

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
-from autopart.layout import Plan
+from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -47,7 +47,11 @@ def dry_run(
 ) -> None:
     """Run every stage's forward and backward once on fake tensors; raise ``AutopartError``
     naming the stage and node of the first failure (see the module docstring)."""
-    from autopart.runtime.runner import stage_inputs  # the runtime's own input contract
+    from autopart.runtime.runner import (  # the runtime's own input contract
+        chunk_feeds,
+        example_batch,
+        stage_inputs,
+    )
     from autopart.schedule.chunks import chunk_bounds
 
     rows = max(1, captured.example_shape[0] // (plan.mesh.dp * plan.microbatches))
@@ -58,7 +62,7 @@ def dry_run(
     last = len(bounds) - 1  # the last chunk: its K/V prefix (the earlier chunks') is not empty
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         device = torch.device("cpu")
-        ids = torch.empty(rows, seq, dtype=torch.int64, device=device)
+        batch = example_batch(rows, seq, captured.batch_names, device)
         seed = torch.tensor(0, device=device)
         weights = [
             _weights(st, refs, captured, mode) for st, refs in zip(stages, inputs, strict=True)
@@ -72,12 +76,14 @@ def dry_run(
                     torch.zeros(_prefix_shape(shape, rows, a), dtype=dtype) for shape in shapes
                 ]
                 prefix = [t.detach().requires_grad_() for t in prefix]
+                data, keys = chunk_feeds(batch, a, e)
                 args = stage_inputs(
                     refs,
                     params=weights[s][0],
                     buffers=weights[s][1],
-                    data={"input_ids": ids[:, a:e], "labels": ids[:, a:e]},
-                    coords={"dp": 0, "pp": s % plan.mesh.pp, "tp": 0},
+                    data=data,
+                    keys=keys,
+                    coords=Coords(pp=s % plan.mesh.pp, dp=0, tp=0),
                     acts=acts,
                     prefix=prefix,
                     offset=a,
@@ -106,7 +112,8 @@ def _weights(
     st: fx.GraphModule, refs: list[InputRef], captured: Captured, mode: FakeTensorMode
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The stage's parameters (local shapes: a tp shard's) and buffers, fake."""
-    params, buffers = {}, {}
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     placeholders = [n for n in st.graph.nodes if n.op == "placeholder"]
     for n, ref in zip(placeholders, refs, strict=True):
         val = n.meta.get("val")
@@ -121,7 +128,7 @@ def _weights(
 
 def _prefix_shape(shape: list[int | str], rows: int, length: int) -> list[int]:
     """A K/V prefix shape of ``kv_shapes`` (``"b"`` for the rows, 0 for the prefix length)."""
-    out = [rows if d == "b" else d for d in shape]
+    out = [rows if d == "b" else int(d) for d in shape]
     out[-2] = length
     return out
 

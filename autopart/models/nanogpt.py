@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    bias: torch.Tensor  # the causal mask, a buffer (manual attention only)
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0
@@ -105,9 +108,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(
+        wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        # nanoGPT's layout (its parameter names); torch types ModuleDict's attributes loosely
+        self.transformer: Any = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wte=wte,
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
@@ -115,8 +120,8 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        if self.transformer.wte.weight.device.type != "meta":
+        wte.weight = self.lm_head.weight  # weight tying
+        if wte.weight.device.type != "meta":
             self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -164,7 +164,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
-PLANS = {  # the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
+# the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
+PLANS: dict[str, dict[str, Any]] = {
     "dp=2": {"dp": 2},
     "tp=2": {"tp": 2},
     "pp=2 1F1B": {"pp": 2, "microbatches": 2},
@@ -209,6 +210,7 @@ def __getattr__(name: str) -> Callable[[], tuple[nn.Module, tuple[torch.Tensor, 
     """``autopart.models.zoo:llama`` and the like: the factory of that architecture."""
     if name in ARCHITECTURES:
         factory = functools.partial(make, name)
+        # a partial takes attributes (it has a __dict__), but its stub declares no __name__
         factory.__name__ = name  # type: ignore[attr-defined]
         return factory
     raise AttributeError(name)

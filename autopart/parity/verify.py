@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import logits_of
+from autopart.frontend.capture import batch_fields, logits_of
 from autopart.frontend.spec import Factory, build
 from autopart.parity.checks import fork_ranks
 from autopart.program.format import Shard
@@ -154,11 +154,12 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float
 
 def reference(
     model: torch.nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
     compute: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-device loss and gradients by the model's global parameter names. ``compute``
+    """Single-device loss and gradients by the model's global parameter names (``batch``: a
+    checked batch, its optional tensors passed to the model by name). ``compute``
     (bf16): the mixed-precision policy the runtime follows — a ``compute`` copy of the model
     runs on the parameters cast inside autograd, so gradients land in the (float32) masters;
     the loss is computed in float32. ``device`` (a GPU): run there, the model moved there and
@@ -166,20 +167,20 @@ def reference(
     if device is not None and device.type != "cpu":
         home = next(model.parameters()).device
         try:
-            loss, grads = reference(
-                model.to(device), (batch[0].to(device), batch[1].to(device)), compute
-            )
+            moved = {k: t.to(device) for k, t in batch_fields(batch).items()}
+            value, grads = reference(model.to(device), moved, compute)
         finally:
             model.to(home)
-        return loss, {f: g.cpu() for f, g in grads.items()}
-    input_ids, labels = batch
+        return value, {f: g.cpu() for f, g in grads.items()}
+    fields = batch_fields(batch)
+    input_ids, labels = fields.pop("input_ids"), fields.pop("labels")
     model.zero_grad(set_to_none=True)
     if compute is None:
-        logits = logits_of(model(input_ids))
+        logits = logits_of(model(input_ids, **fields))
     else:
         low = copy.deepcopy(model).to(compute)
         cast = {f: p.to(compute) for f, p in model.named_parameters()}
-        logits = logits_of(torch.func.functional_call(low, cast, (input_ids,))).float()
+        logits = logits_of(torch.func.functional_call(low, cast, (input_ids,), fields)).float()
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )
@@ -209,17 +210,17 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
                 pieces.setdefault((fqn, c.get("dp"), c.get("pp")), {})[shard.index] = (shard, grad)
     for (fqn, *_), parts in pieces.items():
         shard = parts[0][0]
+        dim = shard.dim
+        assert dim is not None  # only tp-split shards have pieces
         if sorted(parts) != list(range(shard.parts)):
             raise AutopartError(
                 f"gradient of {fqn}: tp slices {sorted(parts)} of {shard.parts} arrived"
             )
         blocks = [
-            [g.chunk(shard.strided, shard.dim)[j] for _, (_, g) in sorted(parts.items())]
+            [g.chunk(shard.strided, dim)[j] for _, (_, g) in sorted(parts.items())]
             for j in range(shard.strided)
         ]
-        out.setdefault(fqn, []).append(
-            torch.cat([torch.cat(b, shard.dim) for b in blocks], shard.dim)
-        )
+        out.setdefault(fqn, []).append(torch.cat([torch.cat(b, dim) for b in blocks], dim))
     return out
 
 
@@ -325,7 +326,7 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
 class _Model:
     """One model of a batch of checks: built, referenced and captured once for all its plans."""
 
-    batch: tuple[torch.Tensor, torch.Tensor]
+    batch: Any  # a checked batch (capture.check_batch): a pair, or a dict by name
     ref_loss: float
     ref_grads: dict[str, torch.Tensor]
     captured: Any
@@ -368,7 +369,7 @@ BF16_MARGIN = 2.0
 
 def own_error(
     model: torch.nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
     loss: float,
     grads: dict[str, torch.Tensor],
     device: torch.device | None = None,
@@ -452,7 +453,7 @@ def verify_many(
         try:
             mesh = Mesh(dp=check.dp, pp=check.pp, tp=check.tp)
             program = parallelize(model.captured, mesh, precision=mixed, **check.plan_kwargs())
-            program.plan.check_batch(model.batch[0].shape[0])
+            program.plan.check_batch(batch_fields(model.batch)["input_ids"].shape[0])
         except AutopartError as exc:
             done(name, exc)
             continue
@@ -480,7 +481,7 @@ def verify_many(
             by_size: dict[int, list[str]] = {}
             for name, (program, model, _) in ready.items():
                 program.save(folders[name] / "program")
-                torch.save(model.batch, folders[name] / "batch.pt")
+                torch.save(batch_fields(model.batch), folders[name] / "batch.pt")
                 by_size.setdefault(program.mesh.size, []).append(name)
             for size, names in by_size.items():
                 _launch_checks(
@@ -598,7 +599,7 @@ def _report(
     missing = set(model.ref_grads) - set(errors)
     if missing:
         raise AutopartError(f"no rank reported a gradient for {sorted(missing)[:3]}")
-    worst = max(errors, key=errors.get)
+    worst = max(errors, key=errors.__getitem__)
     return Report(
         losses[0],
         model.ref_loss,

@@ -130,6 +130,7 @@ def measure(
     pieces: dict[tuple[int, int, int, int], float] = {}  # W seconds per (rank, unit)
     for b in sorted(bs, key=lambda b: b.start):
         a, dur = b.action, b.dur * 1e-6
+        assert a is not None  # a block without its action was refused above
         if b.rank not in pp_of:
             raise AutopartError(
                 f"{source}: an event of rank {b.rank}, which the header's ranks do not list",
@@ -145,7 +146,7 @@ def measure(
                 last_b[b.rank] = b
         elif b.kind == "DP_REDUCE":  # reproduces the simulator's rule (module docstring)
             last = last_b.get(b.rank)
-            if last is not None:
+            if last is not None and last.action is not None:
                 seconds = max(0.0, b.end - last.start) * 1e-6
                 dp_reduce.setdefault(last.action.stage, []).append(seconds)
         elif b.kind == "TIE_REDUCE":

@@ -129,7 +129,7 @@ class Cluster:
                 raise AutopartError(
                     f"cluster {self.name!r}: {f.name}={value!r} must be a positive number"
                 )
-        for f in (
+        for name in (
             "mm_efficiency",
             "attn_efficiency",
             "hbm_efficiency",
@@ -137,8 +137,10 @@ class Cluster:
             "ib_efficiency",
             "usable_memory_fraction",
         ):
-            if getattr(self, f) > 1:
-                raise AutopartError(f"cluster {self.name!r}: {f}={getattr(self, f)} is above 1")
+            if getattr(self, name) > 1:
+                raise AutopartError(
+                    f"cluster {self.name!r}: {name}={getattr(self, name)} is above 1"
+                )
 
     @property
     def ib_gbps_per_gpu(self) -> float:

@@ -36,11 +36,12 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopart.layout import Coords
 from autopart.meta import META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime.placement import place
 from autopart.runtime.recompute import regions
-from autopart.runtime.runner import stage_inputs
+from autopart.runtime.runner import chunk_feeds, example_batch, stage_inputs
 from autopart.schedule.chunks import chunk_bounds
 
 
@@ -57,7 +58,7 @@ def _unit_bytes(
     program: Program, micro_batch: int, seq: int, device: torch.device, mode: FakeTensorMode
 ) -> dict[tuple[int, int], tuple[int, int]]:
     plan = program.plan
-    ranks = {rp.coords["pp"]: rp for rp in program.ranks if rp.coords["tp"] == rp.coords["dp"] == 0}
+    ranks = {rp.coords.pp: rp for rp in program.ranks if rp.coords.tp == rp.coords.dp == 0}
     cost = next(iter(ranks.values())).chunk_cost or (1.0, 0.0)
     bounds = chunk_bounds(cost, seq, plan.seq_chunks, plan.seq_split, plan.chunk_multiple)
     compute = plan.compute_dtype
@@ -68,7 +69,8 @@ def _unit_bytes(
         st = next(x for x in rp.stages if x.stage == s)
         graphs[s] = (place(st.graph, device), st.inputs, st.graph.meta.get(META_KV_SHAPES, []))
         feeds[s] = _weights(program, rp, device, mode)
-    ids = torch.empty(micro_batch, seq, dtype=torch.int64, device=device)
+    names = next(iter(ranks.values())).batch_names
+    batch = example_batch(micro_batch, seq, names, device)
     seed = torch.tensor(0, device=device)  # dropout masks are drawn, their values not read
     out: dict[tuple[int, int], tuple[int, int]] = {}
     kv: dict[int, list[torch.Tensor]] = {}
@@ -86,11 +88,13 @@ def _unit_bytes(
                 for shape in kv_shapes
             ]
             prefix = [t.detach().requires_grad_() for t in prefix]
+            data, keys = chunk_feeds(batch, a, e)
             args = stage_inputs(
                 refs,
                 params=params,
                 buffers=buffers,
-                data={"input_ids": ids[:, a:e], "labels": ids[:, a:e]},
+                data=data,
+                keys=keys,
                 coords=coords,
                 acts=acts,
                 prefix=prefix,
@@ -116,9 +120,9 @@ def _unit_bytes(
 
 def _weights(
     program: Program, rp: RankProgram, device: torch.device, mode: FakeTensorMode
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Coords]:
     """A rank's parameter shards and the buffers, fake, on ``device``."""
-    params = {}
+    params: dict[str, torch.Tensor] = {}
     for fqn, shard in rp.shards.items():
         full = program.params[fqn]
         with unset_fake_temporarily():

@@ -4,7 +4,7 @@ batch; keep the plans that fit in memory; rank them by simulated throughput.
 
     result = search(SHAPES["megatron-1t"], "dgx-a100-80gb", gpus=3072, global_batch=3072)
     for row in result.ranked:
-        print(row.plan.describe(), row.summary["tflops_per_gpu"], row.reason)
+        print(row.plan.describe(), row.summary.tflops_per_gpu, row.reason)
 
 How it stays fast (docs/simulate.md, "The planner"):
 
@@ -50,6 +50,7 @@ from autopart.planning.simulate import (
     simulate_costs,
     stage_params,
 )
+from autopart.planning.simulate.iteration import Summary
 from autopart.schedule.generators import generate, traits
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -66,7 +67,7 @@ class Ranked:
     """One plan of the result: the plan, its simulated summary and why it ranks here."""
 
     plan: Plan
-    summary: dict[str, Any]
+    summary: Summary
     lower_bound: float
     reason: str = ""
     notes: list[str] = field(default_factory=list)  # variants of the layout that lost, and why
@@ -77,7 +78,7 @@ class Ranked:
             "reason": self.reason,
             "notes": self.notes,
             "lower_bound_s": self.lower_bound,
-            **self.summary,
+            **self.summary.to_json(),
         }
 
 
@@ -335,36 +336,36 @@ def search(
             f"simulating the best of {len(candidates)} fitting plans", len(candidates)
         )
         for bound, index, costs in candidates:
-            times = sorted(r.summary["iteration_s"] for r in best.values())
+            times = sorted(r.summary.iteration_s for r in best.values())
             if len(times) >= top and bound > times[top - 1]:
                 break  # no later plan can enter the top N
             sim = simulate_costs(costs, record=False, extrapolate=True)
             stats["simulated"] += 1
             prog.advance(sim_task)
-            if not sim.summary["fits"]:  # a middle rank over the limit
+            if not sim.summary.fits:  # a middle rank over the limit
                 rejected.append(
                     (
-                        sim.summary["memory_gb_per_gpu"] * GIB,
-                        f"{costs.st.describe()}: rank {sim.summary['memory']['rank']} "
-                        f"needs {sim.summary['memory_gb_per_gpu']:.2f} GiB",
+                        sim.summary.memory_gb_per_gpu * GIB,
+                        f"{costs.st.describe()}: rank {sim.summary.memory.rank} "
+                        f"needs {sim.summary.memory_gb_per_gpu:.2f} GiB",
                     )
                 )
                 continue
             held = best.get(index)
-            if held is None or sim.summary["iteration_s"] < held.summary["iteration_s"]:
+            if held is None or sim.summary.iteration_s < held.summary.iteration_s:
                 if held is not None:
                     others.setdefault(index, []).append(
-                        (held.summary["iteration_s"], _knobs(held.plan))
+                        (held.summary.iteration_s, _knobs(held.plan))
                     )
                 best[index] = Ranked(costs.st, sim.summary, bound, notes=list(notes[index]))
             else:
-                others.setdefault(index, []).append((sim.summary["iteration_s"], _knobs(costs.st)))
+                others.setdefault(index, []).append((sim.summary.iteration_s, _knobs(costs.st)))
         prog.finish(sim_task)
     for index, row in best.items():
         if others.get(index):
             t, knobs = min(others[index])
             row.notes.append(f"next variant of this layout: {knobs}, {_secs(t)}")
-    ranked = _break_near_ties(sorted(best.values(), key=lambda r: r.summary["iteration_s"])[:top])
+    ranked = _break_near_ties(sorted(best.values(), key=lambda r: r.summary.iteration_s)[:top])
     if not ranked:
         smallest = min(rejected, default=(0.0, "nothing"))[1]
         raise AutopartError(
@@ -469,17 +470,17 @@ def _break_near_ties(ranked: list[Ranked]) -> list[Ranked]:
     out: list[Ranked] = []
     i = 0
     while i < len(ranked):
-        limit = ranked[i].summary["iteration_s"] * (1 + NEAR_TIE)
+        limit = ranked[i].summary.iteration_s * (1 + NEAR_TIE)
         j = i + 1
-        while j < len(ranked) and ranked[j].summary["iteration_s"] <= limit:
+        while j < len(ranked) and ranked[j].summary.iteration_s <= limit:
             j += 1
         group = ranked[i:j]
         if len(group) > 1:
             group.sort(
                 key=lambda r: (
-                    r.summary["memory_gb_per_gpu"],
+                    r.summary.memory_gb_per_gpu,
                     _actions_per_rank(r.plan),
-                    r.summary["iteration_s"],
+                    r.summary.iteration_s,
                 )
             )
         out += group
@@ -492,19 +493,16 @@ def _explain(ranked: list[Ranked]) -> None:
     loses to the winner, by breakdown category (differences under 0.1 % of an iteration are
     left out)."""
     best = ranked[0]
-    eps = 1e-3 * best.summary["iteration_s"]
+    eps = 1e-3 * best.summary.iteration_s
 
     def deltas(a: Ranked, b: Ranked) -> list[tuple[float, str]]:
         return sorted(
-            (
-                (a.summary["breakdown"][k] - b.summary["breakdown"][k], name)
-                for k, name in _CATS.items()
-            ),
+            ((a.summary.breakdown[k] - b.summary.breakdown[k], name) for k, name in _CATS.items()),
             reverse=True,
         )
 
     def gib(r: Ranked) -> str:
-        return f"{r.summary['memory_gb_per_gpu']:.2f} GiB"
+        return f"{r.summary.memory_gb_per_gpu:.2f} GiB"
 
     def tie_break(a: Ranked, b: Ranked) -> str:
         """What sets ``a`` apart from ``b`` in a near tie, as the reasons print it."""
@@ -515,16 +513,16 @@ def _explain(ranked: list[Ranked]) -> None:
             f"{_actions_per_rank(b.plan)}"
         )
 
-    fastest = min(ranked, key=lambda r: r.summary["iteration_s"])
+    fastest = min(ranked, key=lambda r: r.summary.iteration_s)
     if fastest is not best:
-        behind = best.summary["iteration_s"] / fastest.summary["iteration_s"] - 1
+        behind = best.summary.iteration_s / fastest.summary.iteration_s - 1
         best.reason = (
             f"a near tie ({behind:.1%} behind #{ranked.index(fastest) + 1}, within "
             f"{NEAR_TIE:.0%}): {tie_break(best, fastest)}"
         )
     elif len(ranked) > 1:
         more = [f"{name} +{_secs(d)}" for d, name in deltas(ranked[1], best)[:2] if d > eps]
-        ahead = ranked[1].summary["iteration_s"] / best.summary["iteration_s"] - 1
+        ahead = ranked[1].summary.iteration_s / best.summary.iteration_s - 1
         best.reason = (
             f"fastest; {ahead:.1%} ahead of #2, which spends "
             f"{' and '.join(more) or 'about the same in every category'}"
@@ -532,7 +530,7 @@ def _explain(ranked: list[Ranked]) -> None:
     else:
         best.reason = "fastest"
     for row in ranked[1:]:
-        slower = row.summary["iteration_s"] / best.summary["iteration_s"] - 1
+        slower = row.summary.iteration_s / best.summary.iteration_s - 1
         if slower < 0:  # in #1's near tie: faster, but more memory or more actions
             row.reason = f"{-slower:.1%} faster than #1 (a near tie), but {tie_break(row, best)}"
             continue
@@ -576,7 +574,7 @@ class _Progress:
             self.bar.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
 
@@ -585,13 +583,17 @@ class _Progress:
 
     def advance(self, task: int) -> None:
         if self.bar is not None:
-            self.bar.advance(task)
+            from rich.progress import TaskID
+
+            self.bar.advance(TaskID(task))
 
     def finish(self, task: int) -> None:
         if self.bar is not None:
+            from rich.progress import TaskID
+
             done = self.bar.tasks[task].completed
             self.bar.update(
-                task,
+                TaskID(task),
                 total=done,
                 completed=done,
                 description=self.bar.tasks[task].description + " (rest pruned)",
@@ -610,12 +612,12 @@ def print_search(result: Search, console: Any) -> None:
         table.add_row(
             str(i),
             row.plan.describe(),
-            _secs(s["iteration_s"]),
-            f"{s['tokens_per_s']:,.0f}",
-            f"{s['tflops_per_gpu']:.1f}",
-            f"{s['mfu']:.1%}",
-            f"{s['bubble_fraction']:.1%}",
-            f"{s['memory_gb_per_gpu']:.1f} GiB",
+            _secs(s.iteration_s),
+            f"{s.tokens_per_s:,.0f}",
+            f"{s.tflops_per_gpu:.1f}",
+            f"{s.mfu:.1%}",
+            f"{s.bubble_fraction:.1%}",
+            f"{s.memory_gb_per_gpu:.1f} GiB",
         )
     console.print(table)
     for i, row in enumerate(result.ranked, 1):

@@ -26,7 +26,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from autopart.errors import AutopartError
 
@@ -228,9 +228,13 @@ class ProgramFolder:
             raise self._error(rel, exc) from None
         with os.fdopen(fd, "wb") as f:
             out = _Hashing(f)
-            produce(out)
+            produce(cast(IO[bytes], out))  # a write-only stream (torch.save streams into it)
             out.flush()
         return out.digest()
+
+    def write_bytes(self, rel: str, data: bytes) -> str:
+        """``write`` with ``data`` as the whole file."""
+        return self.write(rel, lambda f: f.write(data))
 
 
 class _Hashing:

@@ -53,7 +53,7 @@ from torch.export.graph_signature import (
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import InputRef, layer_of
-from autopart.layout import Mesh, Plan
+from autopart.layout import Coords, Mesh, Plan
 from autopart.lowering.pass_runner import PassRecord
 from autopart.meta import (
     META_INPUT,
@@ -106,7 +106,7 @@ class RankProgram:
     """Everything one rank runs."""
 
     rank: int
-    coords: dict[str, int]
+    coords: Coords
     groups: dict[str, list[int]]
     stages: list[StageProgram]
     actions: list[Action]
@@ -116,11 +116,13 @@ class RankProgram:
     n_stages: int = 1
     chunk_cost: tuple[float, float] | None = None  # Seq1F1B: (c1, c2) for the chunk boundaries
     vocab_size: int | None = None  # token ids and labels are checked against it at every step
+    # the batch tensors the program takes (capture's): a step must pass exactly these
+    batch_names: tuple[str, ...] = ("input_ids", "labels")
 
     def __str__(self) -> str:
         c = self.coords
         lines = [
-            f"# rank {self.rank}  (pp={c['pp']}, dp={c['dp']}, tp={c['tp']})",
+            f"# rank {self.rank}  (pp={c.pp}, dp={c.dp}, tp={c.tp})",
             "# groups: " + ", ".join(f"{d}={g}" for d, g in self.groups.items()),
         ]
         for st in self.stages:
@@ -198,7 +200,7 @@ class Program:
             )
             t.add_row(
                 str(rp.rank),
-                *(str(rp.coords[d]) for d in ("pp", "dp", "tp")),
+                *(str(rp.coords.along(d)) for d in ("pp", "dp", "tp")),
                 str([s.stage for s in rp.stages]),
                 str(len(rp.actions)),
                 f"{n:,}",
@@ -389,13 +391,9 @@ def _save_rank(
         archive = io.BytesIO()  # torch.export.save seeks in what it writes
         torch.export.save(_to_exported(st.graph), archive)
         data = archive.getvalue()
-        files[f"{d}/stage{st.stage}.pt2"] = folder.write(
-            f"{d}/stage{st.stage}.pt2", lambda f, data=data: f.write(data)
-        )
+        files[f"{d}/stage{st.stage}.pt2"] = folder.write_bytes(f"{d}/stage{st.stage}.pt2", data)
         code = st.graph.code.encode()
-        files[f"{d}/stage{st.stage}.py"] = folder.write(
-            f"{d}/stage{st.stage}.py", lambda f, code=code: f.write(code)
-        )
+        files[f"{d}/stage{st.stage}.py"] = folder.write_bytes(f"{d}/stage{st.stage}.py", code)
         stages.append(
             {
                 "stage": st.stage,
@@ -407,7 +405,7 @@ def _save_rank(
         )
     doc = {
         "rank": rp.rank,
-        "coords": rp.coords,
+        "coords": rp.coords.as_dict(),
         "groups": rp.groups,
         "stages": stages,
         "actions": [a.to_json() for a in rp.actions],
@@ -417,6 +415,7 @@ def _save_rank(
         "n_stages": rp.n_stages,
         "chunk_cost": rp.chunk_cost,
         "vocab_size": rp.vocab_size,
+        "batch": list(rp.batch_names),
     }
     text = json.dumps(doc, indent=1).encode()
     files[f"{d}/program.json"] = folder.write(f"{d}/program.json", lambda f: f.write(text))
@@ -456,7 +455,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         ]
     return RankProgram(
         rank=doc["rank"],
-        coords=doc["coords"],
+        coords=Coords(**doc["coords"]),
         groups=doc["groups"],
         stages=stages,
         actions=[Action.from_json(a) for a in doc["actions"]],
@@ -466,6 +465,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         n_stages=doc["n_stages"],
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
         vocab_size=doc.get("vocab_size"),
+        batch_names=tuple(doc.get("batch", ("input_ids", "labels"))),
     )
 
 

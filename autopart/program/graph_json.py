@@ -305,7 +305,7 @@ _GRAPH = obj(
 
 MAX_CONTEXT = 1 << 16
 
-_LEAF = {"type": None, "context": None, "children_spec": []}
+_LEAF: dict[str, Any] = {"type": None, "context": None, "children_spec": []}
 
 
 def _treespec_node(spec: Any, where: str, depth: int) -> None:

@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from autopart.layout import Mesh, Plan
+from autopart.meta import INPUT_KINDS
 from autopart.program.folder import NAMES
 from autopart.program.schema import (
     DOTTED,
@@ -46,7 +47,7 @@ MAX_DIM = 1 << 40
 MAX_NUMEL = 1 << 44  # elements of one parameter (16 T: far beyond any model)
 MAX_KV_ROW = 1 << 24  # elements of one sequence position of one K/V prefix
 MAX_STAGES = 1 << 12
-INPUT_KINDS = ("param", "buffer", "constant", "data", "rank", "rng", "act", "offset", "kv")
+DATA_NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # capture's batch names
 DTYPES = ("torch.float64", "torch.float32", "torch.bfloat16", "torch.float16")
 
 _FQN = string(DOTTED, 1024)
@@ -169,6 +170,7 @@ RANK = obj(
     {
         "chunk_cost": nullable(list_of(number(-1e300, 1e300), 2, 2)),
         "vocab_size": nullable(integer(1, 1 << 31)),
+        "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
     },
 )
 
@@ -179,7 +181,7 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
     mesh: Mesh = plan.mesh
     if doc["rank"] != rank:
         raise Invalid("rank", f"= {doc['rank']}, but this is the folder of rank {rank}")
-    if doc["coords"] != mesh.coords(rank):
+    if doc["coords"] != mesh.coords(rank).as_dict():
         raise Invalid("coords", f"are not rank {rank}'s coordinates in {mesh}")
     for d in ("dp", "pp", "tp"):
         if doc["groups"][d] != mesh.group(d, rank):
@@ -189,6 +191,9 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
         raise Invalid("n_stages", f"= {doc['n_stages']}, not pp × virtual_stages = {n_stages}")
     if doc.get("vocab_size") not in (None, head["vocab_size"]):
         raise Invalid("vocab_size", "differs from plan.json's")
+    batch = doc.get("batch", list(DATA_NAMES[:2]))
+    if batch[:2] != list(DATA_NAMES[:2]) or batch != [n for n in DATA_NAMES if n in batch]:
+        raise Invalid("batch", f"= {batch} is not input_ids, labels and optional tensors in order")
     params, buffers = head["params"], set(head["buffers"])
     for fqn, shard in doc["shards"].items():
         where = f"shards.{fqn}"
@@ -225,6 +230,8 @@ def _check_stage(st: dict[str, Any], where: str, doc: dict[str, Any], buffers: s
     for j, (kind, name) in enumerate(st["inputs"]):
         at = f"{where}.inputs[{j}]"
         ok = _input_ok(kind, name, kv, doc["shards"], buffers)
+        if kind in ("data", "keys"):  # a batch tensor the program's batch has
+            ok = ok and name in doc.get("batch", DATA_NAMES[:2])
         if not ok:
             raise Invalid(at, f"is a {kind} input named {name[:80]!r}, which this program lacks")
         kv += kind == "kv"
@@ -248,7 +255,9 @@ def _input_ok(kind: str, name: str, kv: int, shards: dict, buffers: set[str]) ->
     if kind in ("buffer", "constant"):
         return name in buffers
     if kind == "data":
-        return name in ("input_ids", "labels")
+        return name in DATA_NAMES
+    if kind == "keys":  # Seq1F1B: the key columns of an optional batch tensor
+        return name in DATA_NAMES[2:]
     if kind == "rank":
         return name in ("dp", "pp", "tp")
     if kind == "rng":

@@ -179,37 +179,38 @@ def load(
             hint=f"it was saved from a different model (it holds e.g. {', '.join(have[:3])}); "
             "load a checkpoint of this model",
         )
-    use_optim = optimizer is not None and not fresh_optimizer
-    _same_model(path, runner, optimizer if use_optim else None, info, meta)
-    if use_optim and info["optimizer"] is None:
+    optim = None if fresh_optimizer else optimizer  # the optimizer whose state is loaded
+    _same_model(path, runner, optim, info, meta)
+    if optim is not None and info["optimizer"] is None:
         raise AutopartError(
             f"rank {rank}: checkpoint {path} (step {info['step']}) holds no optimizer state (it "
             f"was saved without an optimizer, e.g. by --no-optim); resuming "
-            f"{type(_holder(optimizer)[0]).__name__} from it would silently start its state "
+            f"{type(_holder(optim)[0]).__name__} from it would silently start its state "
             "from zero",
             hint="ask for fresh optimizer state explicitly (autopart run --fresh-optimizer, "
             "load(..., fresh_optimizer=True)), or resume with --no-optim",
         )
     request: dict[str, Any] = {}
-    done: list[Callable[[], None]] = []
+    copies: list[tuple[torch.nn.Parameter, Callable[[], torch.Tensor]]] = []  # after the load
+    states: list[tuple[torch.nn.Parameter, dict[str, Callable[[], torch.Tensor]]]] = []
     for fqn, p in runner.params.items():
         shard = program.shards[fqn]
         _check_shape(path, rank, fqn, shard, strided.get(fqn), meta)
         want, build = _request(fqn, shard, strided.get(fqn), None, p.dtype, runner)
         request.update(want)
-        done.append(lambda p=p, build=build: _copy_into(p, build()))
-    if use_optim:
-        states = _saved_states(meta)
-        holder, owned = _holder(optimizer)
+        copies.append((p, build))
+    if optim is not None:
+        saved_states = _saved_states(meta)
+        holder, owned = _holder(optim)
         for fqn, p in runner.params.items():
-            names = states.get(fqn, []) if owned is None or id(p) in owned else []
-            builds = {}
+            names = saved_states.get(fqn, []) if owned is None or id(p) in owned else []
+            builds: dict[str, Callable[[], torch.Tensor]] = {}
             for name in names:
                 scalar = meta.get(key(fqn, state=name))
                 if scalar is not None and len(scalar.size) == 0:
                     t = torch.empty((), dtype=scalar.properties.dtype)
                     request[key(fqn, state=name)] = t
-                    builds[name] = lambda t=t: t
+                    builds[name] = _loaded(t)
                 else:
                     keys = _saved_keys(fqn, strided.get(fqn), name)
                     if not all(k in meta for k in keys):
@@ -230,11 +231,7 @@ def load(
                     request.update(want)
                     builds[name] = build
             if builds:
-                done.append(
-                    lambda p=p, b=builds: holder.state.__setitem__(
-                        p, {n: f() for n, f in b.items()}
-                    )
-                )
+                states.append((p, builds))
     rng_key = _rng_key(rank)
     same = info["mesh"] == mesh_now and rng_key in meta
     if same:
@@ -248,8 +245,10 @@ def load(
         rng = torch.empty_like(now)
         request[rng_key] = rng
     cf.dcp_load(request, reader, f"rank {rank}: ")
-    for f in done:
-        f()
+    for p, build in copies:
+        _copy_into(p, build())
+    for p, builds in states:
+        holder.state[p] = {n: f() for n, f in builds.items()}
     if same:
         torch.set_rng_state(rng)
     runner.steps = int(info["runner_steps"])
@@ -479,7 +478,7 @@ def _dtensor(local: torch.Tensor, runner: Any, dim: int, shape: tuple[int, ...])
 def _direct(shard: Shard, runner: Any) -> bool:
     """Whether the shard is DTensor Shard(dim) over this mesh's tp dim (it always is when the
     program was compiled for this mesh)."""
-    return shard.index == runner.program.coords["tp"] and shard.parts == runner.plan.mesh.tp
+    return shard.index == runner.program.coords.tp and shard.parts == runner.plan.mesh.tp
 
 
 def _pieces(
@@ -492,7 +491,7 @@ def _pieces(
     if not _direct(shard, runner):
         raise AutopartError(
             f"rank {runner.rank}: {fqn} is slice {shard.index} of {shard.parts}, "
-            f"but this rank's tp index is {runner.program.coords['tp']} of {runner.plan.mesh.tp}",
+            f"but this rank's tp index is {runner.program.coords.tp} of {runner.plan.mesh.tp}",
             hint="save from the runner of the program compiled for this mesh",
         )
     if shard.strided == 1:
@@ -667,6 +666,11 @@ def _request(
     blocks = [torch.empty(block, dtype=dtype) for _ in range(n)]
     want = {key(fqn, j, state): t for j, t in enumerate(blocks)}
     return want, lambda: shard.local(torch.cat(blocks, dim)).contiguous()
+
+
+def _loaded(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The build of a tensor DCP loads in place: ``t`` itself."""
+    return lambda: t
 
 
 def _copy_into(p: torch.nn.Parameter, value: torch.Tensor) -> None:

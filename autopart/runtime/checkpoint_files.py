@@ -19,6 +19,7 @@ import os
 import re
 import stat
 import zipfile
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -245,7 +246,11 @@ def check_marker(info: Any, f: Path) -> None:
         )
     unexpected, absent = sorted(set(info) - _MARKER_KEYS), sorted(_MARKER_KEYS - set(info))
     need(not unexpected and not absent, f"its set of entries ({unexpected or absent})", "save's")
-    need(isinstance(info["sha256"], str) and _SHA256.fullmatch(info["sha256"]), "sha256", "a seal")
+    need(
+        isinstance(info["sha256"], str) and _SHA256.fullmatch(info["sha256"]) is not None,
+        "sha256",
+        "a seal",
+    )
     if info["sha256"] != digest(info):
         raise AutopartError(
             f"{f} does not match its own SHA-256 seal: its bytes changed after the save",
@@ -598,7 +603,7 @@ def _tensor(blob: memoryview, dtype: torch.dtype, sizes: list[int], where: str) 
     raw = blob[start : start + nbytes]
     if len(head) < 30 or bytes(head[:4]) != b"PK\x03\x04" or len(raw) != nbytes:
         raise AutopartError(f"{where}: its data record is cut short", hint=DAMAGED)
-    if zipfile.crc32(raw) != rec.CRC:
+    if zlib.crc32(raw) != rec.CRC:
         raise AutopartError(f"{where}: its data record fails its CRC", hint=DAMAGED)
     if nbytes == 0:
         return torch.empty(sizes, dtype=dtype)
@@ -750,7 +755,9 @@ def why(exc: BaseException) -> str:
     ``AutopartError``'s message first) when DCP gathered them into a ``CheckpointException``."""
     if isinstance(exc, CheckpointException):
         failures = sorted(exc.failures.items())
-        ours = [(r, e) for r, (e, _) in failures if isinstance(e, AutopartError)]
+        ours: list[tuple[int | None, BaseException]] = [
+            (r, e) for r, (e, _) in failures if isinstance(e, AutopartError)
+        ]
         rank, first = (ours or [(r, e) for r, (e, _) in failures] or [(None, exc)])[0]
         more = f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""
         text = why(first) if first is not exc else "CheckpointException"

@@ -18,7 +18,7 @@ each other's groups crosswise. The cost is two small collectives per group, once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ def _differ(values: Sequence[int], group: Any, timeout_s: float, what: str) -> l
 
 
 def check_copies(
-    params: dict[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
     replicated: set[str],
     groups: dict[Any, Any],
     ties: Sequence[tuple[str, Any]],

@@ -103,7 +103,7 @@ def _unpack(data: bytes, folder: Path, rank: int) -> None:
                 ):
                     raise ValueError(f"unexpected entry {name!r}")
                 chunk = data[pos : pos + n]
-                out.write(name, lambda f, chunk=chunk: f.write(chunk))
+                out.write_bytes(name, chunk)
                 pos += n
         if pos != len(data):
             raise ValueError("trailing bytes")

@@ -262,7 +262,7 @@ def launch(
     return output
 
 
-def _failed(what: str, code: int, output: str) -> AutopartError:
+def _failed(what: str, code: int | None, output: str) -> AutopartError:
     """The error of ranks that exited with ``code``: their error and hint lines (else the last
     25 lines), and where the whole output is kept."""
     lines = output.strip().splitlines()

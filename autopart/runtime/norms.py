@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError, wait
+from autopart.layout import Coords
 from autopart.runtime import staging
 
 
@@ -33,14 +34,14 @@ def counted(
     params: Mapping[str, torch.Tensor],
     split: Mapping[str, bool],
     ties: Mapping[str, list[int]],
-    coords: Mapping[str, int],
+    coords: Coords,
 ) -> list[str]:
     """The parameters this rank counts in the global norm (module docstring)."""
     out = []
     for fqn in sorted(params):
-        if not split[fqn] and coords.get("tp", 0) != 0:
+        if not split[fqn] and coords.tp != 0:
             continue
-        if fqn in ties and coords.get("pp", 0) != min(ties[fqn]):
+        if fqn in ties and coords.pp != min(ties[fqn]):
             continue
         out.append(fqn)
     return out
@@ -50,7 +51,7 @@ def global_norm(
     params: Mapping[str, torch.Tensor],
     split: Mapping[str, bool],
     ties: Mapping[str, list[int]],
-    coords: Mapping[str, int],
+    coords: Coords,
     groups: Mapping[Any, Any],
     norm_type: float,
     timeout_s: float,
@@ -58,8 +59,11 @@ def global_norm(
     """The norm of every gradient of the model (module docstring); None gradients are zero."""
     if norm_type <= 0:
         raise AutopartError(f"norm_type {norm_type} must be positive (2.0, or inf)")
-    grads = [params[f].grad for f in counted(params, split, ties, coords)]
-    grads = [g.detach() for g in grads if g is not None]
+    grads = [
+        g.detach()
+        for f in counted(params, split, ties, coords)
+        if (g := params[f].grad) is not None
+    ]
     device = next(iter(params.values())).device if params else torch.device("cpu")
     if math.isinf(norm_type):
         local = max((g.abs().max().double() for g in grads if g.numel()), default=None)

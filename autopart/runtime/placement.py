@@ -126,14 +126,15 @@ class _CheckedModule(nn.Module):
         return _Checked(self.gm, self.device).run(*args)
 
 
-def device_checked(run: nn.Module, device: torch.device) -> nn.Module:
+def device_checked(run: fx.GraphModule, device: torch.device) -> nn.Module:
     """``run`` (a stage graph, or its checkpointed split) with every node's values checked to
     be on ``device``; a checkpointed region's body is checked where it runs, also in backward."""
     if not any(isinstance(c, nn.Module) for c in run.children()):
         return _CheckedModule(run, device)
     for name, child in list(run.named_children()):
-        if hasattr(child, "body"):  # a checkpointed region (runtime/recompute.py)
-            child.body = _CheckedModule(child.body, device)
+        body = getattr(child, "body", None)  # a checkpointed region's (runtime/recompute.py)
+        if isinstance(body, fx.GraphModule):
+            child.body = _CheckedModule(body, device)
         elif isinstance(child, fx.GraphModule):
             setattr(run, name, _CheckedModule(child, device))
     return run

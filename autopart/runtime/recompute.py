@@ -42,7 +42,7 @@ def regions(graph: fx.GraphModule) -> list[tuple[int, int]]:
     return out
 
 
-def checkpointed(graph: fx.GraphModule) -> nn.Module:
+def checkpointed(graph: fx.GraphModule) -> fx.GraphModule:
     """``graph`` with every recomputation region checkpointed (``graph`` itself if it has none)."""
     spans = regions(graph)
     if not spans:
@@ -59,7 +59,7 @@ def checkpointed(graph: fx.GraphModule) -> nn.Module:
         part[n] = piece
         if now is not None:
             recomputed.add(piece)
-    split = split_module(graph, None, part.__getitem__, keep_original_order=True)
+    split = split_module(graph, graph, part.__getitem__, keep_original_order=True)
     for p in recomputed:
         name = f"submod_{p}"
         setattr(split, name, _Checkpoint(getattr(split, name)))

@@ -20,7 +20,7 @@ import contextlib
 import operator
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +32,8 @@ from torch import fx, nn
 
 from autopart import collectives
 from autopart.errors import AutopartError, wait
-from autopart.layout import Plan
+from autopart.frontend.capture import check_extra
+from autopart.layout import Coords, Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import norms, p2p, staging, state
@@ -108,14 +109,14 @@ def local_weights(program: Program, rp: RankProgram) -> dict[str, torch.Tensor]:
     return weights
 
 
-def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def make_groups(plan: Plan, rank: int, ties: dict[str, list[int]] | None = None) -> dict[Any, Any]:
     """Create every process group of the mesh, and one per set of pipeline ranks sharing a tied
     parameter. Every rank must call it, in the same order, with the ties of the *whole*
     pipeline (``Program.pipeline_ties``, ``plan.json``'s ``ties``): a middle stage that holds
     no tied parameter creates the tie groups all the same, or the ranks' group creations stop
     pairing up and every rank hangs at the next one."""
     mesh = plan.mesh
-    mine: dict[str, Any] = {}
+    mine: dict[Any, Any] = {}  # "dp" / "pp" / "tp" → group, ("tie", pipeline ranks) → group
     for dim in ("dp", "pp", "tp"):
         for ranks in mesh.groups(dim):
             group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -135,10 +136,22 @@ MEASURE_STEPS = 3  # seq_split="measured": steps whose chunk times refit the bou
 
 
 @dataclass
+class RunnerStats:
+    """``Runner.stats``, counted per step (reset at each): gradient buckets, how many were
+    launched while the backward ran, weight-gradient GEMMs the W actions ran and, of those,
+    the ones run while a receive had not arrived (zero-bubble schedules)."""
+
+    buckets: int
+    launched_during_backward: int = 0
+    deferred_gemms: int = 0
+    filled_gemms: int = 0
+
+
+@dataclass
 class _Step:
     """What one ``Runner.step`` works on, made fresh for each step (nothing of it outlives it)."""
 
-    mbs: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's micro-batches
+    mbs: list[dict[str, torch.Tensor]]  # this rank's micro-batches, by batch tensor name
     count: torch.Tensor  # labels ≠ −100 in the global batch
     bounds: list[tuple[int, int]]  # [start, end) of each sequence chunk
     arm_at: dict[int, list[tuple[int, nn.Parameter]]]  # action index → buckets to arm
@@ -191,7 +204,7 @@ class Runner:
         program: RankProgram,
         plan: Plan,
         weights: dict[str, torch.Tensor],
-        groups: dict[str, Any],
+        groups: dict[Any, Any],
         *,
         timeout_s: float = 300.0,
         seed: int = 0,
@@ -218,8 +231,10 @@ class Runner:
         self.params: dict[str, nn.Parameter] = {}
         for fqn in program.shards:
             t = weights[fqn]
-            on = isinstance(t, nn.Parameter) and t.device == self.device
-            self.params[fqn] = t if on else nn.Parameter(t.detach().to(self.device))
+            if isinstance(t, nn.Parameter) and t.device == self.device:
+                self.params[fqn] = t
+            else:
+                self.params[fqn] = nn.Parameter(t.detach().to(self.device))
         # precision="bf16": parameters (masters) enter the graph cast, inside autograd, so their
         # gradients come back, and add up over micro-batches, in the masters' dtype
         self._compute = plan.compute_dtype
@@ -242,7 +257,7 @@ class Runner:
         # set to [] to record each step's actions as TraceEvents; keeps the last step
         self.timeline: list[TraceEvent] | None = None
         self._saved = SavedBytes()
-        self._s: _Step | None = None  # the running step's state (None between steps)
+        self._s: _Step | None = None  # the running step's state (None between steps): _step
         # Seq1F1B: each stage's empty first-chunk K/V prefix shapes ("b": the micro-batch size)
         self._kv_shapes = {st.stage: st.graph.meta.get(META_KV_SHAPES, []) for st in program.stages}
         # seq_split="measured": chunk-cost coefficients fitted to measured forward times
@@ -255,7 +270,8 @@ class Runner:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
         self._compile = compile
         self._run = self._runs({st.stage: st.graph for st in program.stages})
-        self._train_run, self._eval_run = self._run, None  # eval(): graphs without dropout
+        self._train_run = self._run
+        self._eval_run: dict[int, Any] | None = None  # eval(): graphs without dropout
         self.training = True
         self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
         if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
@@ -278,12 +294,7 @@ class Runner:
                 timeout_s,
             )
         # per step: buckets reduced, and how many of them were launched while backward ran
-        self.stats = {
-            "buckets": len(self._buckets),
-            "launched_during_backward": 0,
-            "deferred_gemms": 0,
-            "filled_gemms": 0,  # of those, run while a receive had not arrived
-        }
+        self.stats = RunnerStats(buckets=len(self._buckets))
 
     @classmethod
     def from_program(
@@ -398,6 +409,8 @@ class Runner:
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
@@ -405,11 +418,12 @@ class Runner:
     ) -> torch.Tensor:
         """The global mean loss of a batch, forward only: no gradient is computed or touched,
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
-        first, as with a torch module). ``labels``, ``shifted``, ``num_tokens`` and ``local``
+        first, as with a torch module). The batch, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
-        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
+        fields = self._fields(input_ids, labels, attention_mask, position_ids)
+        mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
@@ -437,11 +451,20 @@ class Runner:
         )
         return self._reduce_loss(loss)
 
-    def logits(self, input_ids: torch.Tensor, *, local: bool = False) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        local: bool = False,
+    ) -> torch.Tensor:
         """The model's full-vocabulary logits ``(batch, seq, vocab)`` for ``input_ids`` (the
         global batch, or with ``local=True`` this rank's dp share), on every rank, as the
-        model would return them: for sampling, or any use beyond the loss. Forward only;
-        dropout follows the mode (``eval()`` first). Collective: call it on every rank."""
+        model would return them: for sampling, or any use beyond the loss. ``attention_mask``
+        and ``position_ids`` as for ``step`` (exactly those the program was captured with).
+        Forward only; dropout follows the mode (``eval()`` first). Collective: call it on
+        every rank."""
         key = self.training
         if key not in self._logits_run:  # the loss cut off each last stage, once per mode
             self._logits_run[key] = self._runs(
@@ -450,9 +473,12 @@ class Runner:
                     for st in self.program.stages
                 }
             )
+        if not isinstance(input_ids, torch.Tensor):
+            raise AutopartError("input_ids must be a tensor")
         dummy = torch.zeros_like(input_ids)  # labels feed no node once the loss is cut off
         self._activate()
-        mbs = self._microbatches(input_ids.to(self.device), dummy.to(self.device), local)
+        fields = self._fields(input_ids, dummy, attention_mask, position_ids)
+        mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
@@ -492,17 +518,19 @@ class Runner:
         others (dp replicas each hold their own rows)."""
         n_chunks = len(self._chunk_bounds(seq))
         out = None
-        if self.program.coords.get("pp", 0) == self.plan.mesh.pp - 1:
+        if self.program.coords.pp == self.plan.mesh.pp - 1:
             out = torch.cat(
                 [
                     torch.cat(
                         [
-                            pieces[(j, c)].reshape(ids.shape[0], -1, pieces[(j, c)].shape[-1])
+                            pieces[(j, c)].reshape(
+                                mb["input_ids"].shape[0], -1, pieces[(j, c)].shape[-1]
+                            )
                             for c in range(n_chunks)
                         ],
                         dim=1,
                     )
-                    for j, (ids, _) in enumerate(mbs)
+                    for j, mb in enumerate(mbs)
                 ],
                 dim=0,
             )  # (rows, seq, vocab / tp)
@@ -516,10 +544,11 @@ class Runner:
                 head[0], head[1] = out.shape[-1], p2p._DTYPES.index(out.dtype)
             self._broadcast(head, src, group, "the logits' shape")
             if out is None:
-                rows = sum(ids.shape[0] for ids, _ in mbs)
+                rows = sum(mb["input_ids"].shape[0] for mb in mbs)
                 shape = (rows, seq, int(head[0]))
                 out = torch.empty(shape, dtype=p2p._DTYPES[int(head[1])], device=self.device)
             self._broadcast(out, src, group, "the logits")
+        assert out is not None  # without a pp group, this rank is the last stage
         return out[..., : self.program.vocab_size]
 
     def _broadcast(self, t: torch.Tensor, src: int, group: Any, what: str) -> None:
@@ -555,7 +584,7 @@ class Runner:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index (which share of the global batch is its own)."""
-        return int(self.program.coords.get("dp", 0))
+        return self.program.coords.dp
 
     @property
     def dp_size(self) -> int:
@@ -579,15 +608,15 @@ class Runner:
         """All-reduce over dp the gradients that ``no_sync()`` steps left on this rank (one flat
         message), before they join this step's reduced ones."""
         group = self.groups.get("dp")
-        names = [f for f, g in kept.items() if g is not None]
-        if group is None or not names or self.dry:
+        carried = {f: g for f, g in kept.items() if g is not None}
+        if group is None or not carried or self.dry:
             return
-        flat = torch.cat([kept[f].reshape(-1) for f in names])
+        flat = torch.cat([g.reshape(-1) for g in carried.values()])
         self._wait(staging.all_reduce(flat, group), "the all-reduce of no_sync() gradients")
         offset = 0
-        for f in names:
-            n = kept[f].numel()
-            kept[f] = flat[offset : offset + n].view_as(kept[f])
+        for f, g in carried.items():
+            n = g.numel()
+            kept[f] = flat[offset : offset + n].view_as(g)
             offset += n
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -647,6 +676,8 @@ class Runner:
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
@@ -663,6 +694,10 @@ class Runner:
         (``labels = input_ids``, shifted inside); other models' are already shifted
         (``labels[i, t]`` is the target of ``input_ids[i, t]``). ``shifted=True`` / ``False``
         says which explicitly (``label_convention`` is the default). -100 is ignored.
+        ``attention_mask`` ((batch, seq), 1 = a real token, 0 = padding; int64 or bool) and
+        ``position_ids`` ((batch, seq) int64: each token's position in its document) are the
+        optional batch tensors: pass exactly those the program was captured with (its
+        ``batch_names``); they are split with the ids, over dp and micro-batches.
         ``num_tokens``: the number of labels the loss is averaged over, for gradient
         accumulation over several calls (the labels ≠ -100 of all of them: the sum of the
         calls' gradients is then the big batch's); default: this batch's.
@@ -672,7 +707,8 @@ class Runner:
         # case another runner in this process (another plan) bound the name since
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
-        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
+        fields = self._fields(input_ids, labels, attention_mask, position_ids)
+        mbs = self._microbatches(fields, local)
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
@@ -681,9 +717,9 @@ class Runner:
         if self.timeline is not None:
             self.timeline = []  # keep the last step's only
         self._p2p.reset()
-        self.stats["launched_during_backward"] = 0
-        self.stats["deferred_gemms"] = 0  # weight-gradient GEMMs the W actions ran
-        self.stats["filled_gemms"] = 0
+        self.stats.launched_during_backward = 0
+        self.stats.deferred_gemms = 0  # weight-gradient GEMMs the W actions ran
+        self.stats.filled_gemms = 0
         actions = self.program.actions
         self.comm.defer_grad_reduce = bool(self._tp_partial)
         s = self._s = _Step(
@@ -736,31 +772,31 @@ class Runner:
             self._reduce_carried(kept)
         self._carried = self._unsynced is not None
         for f, p in self.params.items():
-            if kept[f] is not None:
-                p.grad = kept[f] if p.grad is None else p.grad + kept[f]
+            if (g := kept[f]) is not None:
+                p.grad = g if p.grad is None else p.grad + g
         return loss
 
     # -- one handler per action kind (the schedule's IR, autopart/schedule/ir.py) --------------
 
     def _prefetch_after(self, i: int) -> None:
         """Overlap the next hand-over's transfer with the compute of action ``i``."""
-        nxt = next((a for j, a in self._s.recvs if j > i), None)
+        nxt = next((a for j, a in self._step.recvs if j > i), None)
         if nxt is not None:
-            self._p2p.prefetch(nxt.peer, *_sender(nxt), nxt.kind == "RECV_B")
+            self._p2p.prefetch(_peer(nxt), *_sender(nxt), nxt.kind == "RECV_B")
 
     def _on_forward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
-        timed = self._s.chunk_time is not None
-        start = self._clock() if timed else 0.0
+        times = self._step.chunk_time  # measuring: this rank's forward seconds per chunk
+        start = self._clock() if times is not None else 0.0
         with self._saved.watch(unit):
-            self._forward(action, self._s.live.setdefault(unit, {}), self._s.mbs[action.mb])
-        if timed:
-            self._s.chunk_time[action.chunk] += self._clock() - start
+            self._forward(action, self._step.live.setdefault(unit, {}), self._step.mbs[action.mb])
+        if times is not None:
+            times[action.chunk] += self._clock() - start
 
     def _on_backward(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._prefetch_after(i)
-        live = self._s.live
-        hooks = self._arm_buckets(self._s.arm_at.get(i, []))
+        live = self._step.live
+        hooks = self._arm_buckets(self._step.arm_at.get(i, []))
         if self._split:  # the weight gradients wait for this unit's W
             self.comm.weights.collecting = unit
         try:
@@ -777,9 +813,9 @@ class Runner:
 
     def _on_weight(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         """A split backward's second half: the unit's deferred weight gradients."""
-        self.stats["deferred_gemms"] += self.comm.weights.run(unit)
+        self.stats.deferred_gemms += self.comm.weights.run(unit)
         self._saved.release(("W", *unit))
-        for b, p in self._s.arm_at.get(i, []):  # their gradients are final now
+        for b, p in self._step.arm_at.get(i, []):  # their gradients are final now
             self._bucket_ready(b, p)
 
     def _fill(self) -> bool:
@@ -791,8 +827,8 @@ class Runner:
         unit = self.comm.weights.run_one()
         if unit is None:
             return False
-        self.stats["deferred_gemms"] += 1
-        self.stats["filled_gemms"] += 1
+        self.stats.deferred_gemms += 1
+        self.stats.filled_gemms += 1
         if self.comm.weights.done(unit):
             self._saved.release(("W", *unit))
         if self.timeline is not None:  # the receive's own event starts after its last piece
@@ -801,24 +837,26 @@ class Runner:
         return True
 
     def _on_send_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        self._p2p.send(self._s.live[unit]["outputs"], action.peer, *unit, backward=False)
+        self._p2p.send(self._step.live[unit]["outputs"], _peer(action), *unit, backward=False)
 
     def _on_recv_f(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         n = sum(r.kind == "act" for r in self._stage(action.stage).inputs)
-        got = self._p2p.recv(n, action.peer, *_sender(action), False, str(action))
-        self._s.live.setdefault(unit, {})["acts"] = [
+        got = self._p2p.recv(n, _peer(action), *_sender(action), False, str(action))
+        self._step.live.setdefault(unit, {})["acts"] = [
             t.requires_grad_() if t.is_floating_point() else t for t in got
         ]
 
     def _on_send_b(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        live = self._s.live
-        self._p2p.send(live[unit].pop("grads_out"), action.peer, *unit, backward=True)
+        live = self._step.live
+        self._p2p.send(live[unit].pop("grads_out"), _peer(action), *unit, backward=True)
         del live[unit]
 
     def _on_recv_b(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
-        live = self._s.live
+        live = self._step.live
         n = sum(t.is_floating_point() for t in live[unit]["outputs"])
-        live[unit]["grads_in"] = self._p2p.recv(n, action.peer, *_sender(action), True, str(action))
+        live[unit]["grads_in"] = self._p2p.recv(
+            n, _peer(action), *_sender(action), True, str(action)
+        )
 
     def _on_dp_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         if self._unsynced is None:  # inside no_sync(): reduced by a later step
@@ -881,17 +919,16 @@ class Runner:
                 raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
         return self._bounds[seq_len]
 
-    def _forward(self, action: Action, unit: dict[str, Any], mb: tuple) -> None:
-        count, losses = self._s.count, self._s.losses
-        self._s.seed = self._seed_for(action.mb, action.chunk)
-        a, e = self._s.bounds[action.chunk]
-        ids, labels = (t[:, a:e] for t in mb)
+    def _forward(self, action: Action, unit: dict[str, Any], mb: dict[str, torch.Tensor]) -> None:
+        count, losses = self._step.count, self._step.losses
+        self._step.seed = self._seed_for(action.mb, action.chunk)
+        a, e = self._step.bounds[action.chunk]
         n_kv = self._n_kv[action.stage]
         prefix = []
         if n_kv:  # K/V of this micro-batch's earlier chunks: leaves, whose gradients go back
-            before = self._s.kv.pop((action.stage, action.mb), None)
+            before = self._step.kv.pop((action.stage, action.mb), None)
             if before is None:
-                b = mb[0].shape[0]
+                b = mb["input_ids"].shape[0]
                 before = [
                     torch.zeros(
                         [b if d == "b" else d for d in shape],
@@ -902,22 +939,20 @@ class Runner:
                 ]
             prefix = [t.detach().requires_grad_() for t in before]
             unit["prefix"] = prefix
-        args = self._args(
-            action.stage, ids, labels, acts=unit.get("acts", []), offset=a, prefix=prefix
-        )
+        args = self._args(action.stage, mb, a, e, acts=unit.get("acts", []), prefix=prefix)
         try:
             out = list(self._run[action.stage](*args))
         except IndexError as exc:  # a kernel's bounds check: say where and the likely cause
             raise AutopartError(
                 f"rank {self.rank}: {action}: an index out of range in the model: {exc}",
                 hint="is the sequence longer than the model's position table "
-                f"({ids.shape[1]} tokens in this chunk, offset {a})? Use sequences no longer "
+                f"({e - a} tokens in this chunk, offset {a})? Use sequences no longer "
                 "than the model's maximum length",
             ) from exc
         if n_kv:
             out, kv = out[:-n_kv], out[-n_kv:]
             if action.chunk < self.plan.seq_chunks - 1:  # the last chunk's K/V has no reader
-                self._s.kv[(action.stage, action.mb)] = kv
+                self._step.kv[(action.stage, action.mb)] = kv
                 unit["kv_out"] = kv
         if action.stage == self.n_stages - 1:
             losses[(action.mb, action.chunk)] = out[0] / count
@@ -925,7 +960,7 @@ class Runner:
             unit["outputs"] = out
 
     def _backward(self, action: Action, unit: dict[str, Any]) -> None:
-        losses = self._s.losses
+        losses = self._step.losses
         key = (action.mb, action.chunk)
         if action.stage == self.n_stages - 1:
             outs, grads = [losses[key]], [torch.ones_like(losses[key])]
@@ -937,11 +972,11 @@ class Runner:
             ]
             outs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if "kv_out" in unit:  # what the later chunks' attention sent back to this chunk's K/V
-            back = self._s.kv_grads.pop((action.stage, action.mb, action.chunk))
+            back = self._step.kv_grads.pop((action.stage, action.mb, action.chunk))
             outs, grads = outs + unit.pop("kv_out"), grads + back
         torch.autograd.backward(outs, grad_tensors=grads)
         if "prefix" in unit and action.chunk > 0:
-            self._s.kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
+            self._step.kv_grads[(action.stage, action.mb, action.chunk - 1)] = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in unit.pop("prefix")
             ]
         unit.pop("prefix", None)
@@ -975,7 +1010,7 @@ class Runner:
 
     def _seed_for(self, mb: int, chunk: int = 0) -> torch.Tensor:
         """Dropout seed of this step, micro-batch, chunk and dp rank (tp ranks share it)."""
-        dp_i = self.program.coords["dp"]
+        dp_i = self.program.coords.dp
         base = ((self.seed * 1_000_003 + self.steps) * 10_007 + mb) * 4_099 + dp_i
         return torch.tensor(base + chunk * 1_000_000_007, device=self.device)
 
@@ -983,9 +1018,55 @@ class Runner:
     def _dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
+    def _fields(
+        self,
+        input_ids: Any,
+        labels: Any,
+        attention_mask: Any = None,
+        position_ids: Any = None,
+    ) -> dict[str, torch.Tensor]:
+        """The batch by name, on this rank's device: exactly the tensors the program was
+        captured with (``RankProgram.batch_names``), else refused on every rank alike, before
+        any collective; an ``attention_mask`` becomes int64 (checked 0/1), ``position_ids``
+        are checked ≥ 0."""
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        names = self.program.batch_names
+        for name, t in given.items():
+            if (t is None) == (name in names):
+                has = "was captured with" if name in names else "was captured without"
+                raise AutopartError(
+                    f"rank {self.rank}: this program {has} {name}, but the batch "
+                    + ("has none" if t is None else "has one"),
+                    hint="pass exactly the batch tensors the program was captured with: "
+                    + ", ".join(names)
+                    + " (capture again, with an example that has them, to train on others)",
+                )
+        for name, t in (("input_ids", input_ids), ("labels", labels)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise AutopartError(
+                    f"rank {self.rank}: {name} must be a (batch, seq) tensor, got "
+                    + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                )
+        if input_ids.shape != labels.shape:
+            raise AutopartError(
+                f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
+                f"{tuple(labels.shape)} must both be (batch, seq)"
+            )
+        fields = {"input_ids": input_ids, "labels": labels}
+        for name, t in given.items():
+            if t is not None:
+                try:
+                    fields[name] = check_extra(name, t, tuple(input_ids.shape))
+                except AutopartError as exc:
+                    raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
+        return {k: t.to(self.device) for k, t in fields.items()}
+
     def _microbatches(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, local: bool = False
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self, fields: dict[str, torch.Tensor], local: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the (global, or ``local``: this replica's) batch
+        ``fields``: every batch tensor cut alike, by rows."""
+        input_ids, labels = fields["input_ids"], fields["labels"]
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise AutopartError(
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
@@ -1000,15 +1081,12 @@ class Runner:
                 "which sequence parallelism needs",
                 hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
             )
-        dp_i, m = self.program.coords["dp"], self.plan.microbatches
+        dp_i, m = self.program.coords.dp, self.plan.microbatches
         start = 0 if local else dp_i * m * mb
         if not self.dry:  # no values to look at in the dry run
             self._check_tokens(input_ids, labels)
         return [
-            (
-                input_ids[start + j * mb : start + (j + 1) * mb],
-                labels[start + j * mb : start + (j + 1) * mb],
-            )
+            {k: t[start + j * mb : start + (j + 1) * mb] for k, t in fields.items()}
             for j in range(m)
         ]
 
@@ -1038,13 +1116,20 @@ class Runner:
     def _runs(self, graphs: dict[int, fx.GraphModule]) -> dict[int, Any]:
         """Stage graphs as this rank runs them: on its device, recomputation regions
         checkpointed, checked on the dry run, through ``torch.compile`` when asked."""
-        runs = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
+        placed = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
+        runs: dict[int, nn.Module] = dict(placed)
         if self.dry:  # the dry run refuses any value a node computes on another device
-            runs = {k: device_checked(g, self.device) for k, g in runs.items()}
+            runs = {k: device_checked(g, self.device) for k, g in placed.items()}
         if not self._compile:
             return runs
         dynamic = self.plan.seq_chunks > 1 or None  # chunks differ in length
         return {k: torch.compile(g, dynamic=dynamic) for k, g in runs.items()}
+
+    @property
+    def _step(self) -> _Step:
+        """The running step's state (``step``, ``evaluate`` and ``logits`` set it)."""
+        assert self._s is not None, "no step is running"
+        return self._s
 
     def _stage(self, stage: int):
         return next(s for s in self.program.stages if s.stage == stage)
@@ -1052,22 +1137,24 @@ class Runner:
     def _args(
         self,
         stage: int,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        acts: list[torch.Tensor] = (),
-        offset: int = 0,
-        prefix: list[torch.Tensor] = (),
+        mb: dict[str, torch.Tensor],
+        a: int,
+        e: int,
+        acts: Sequence[torch.Tensor] = (),
+        prefix: Sequence[torch.Tensor] = (),
     ) -> list[torch.Tensor]:
+        data, keys = chunk_feeds(mb, a, e)
         return stage_inputs(
             self._stage(stage).inputs,
             params=self.params,
             buffers=self.buffers,
-            data={"input_ids": input_ids, "labels": labels},
+            data=data,
+            keys=keys,
             coords=self.program.coords,
             acts=acts,
             prefix=prefix,
-            offset=offset,
-            seed=self._s.seed,
+            offset=a,
+            seed=self._step.seed,
             compute=self._compute,
             device=self.device,
         )
@@ -1101,13 +1188,13 @@ class Runner:
     def _bucket_ready(self, b: int, p: nn.Parameter) -> None:
         """Parameter ``p`` of bucket ``b`` has its final gradient: launch every bucket, in
         order, whose gradients are all final."""
-        self._s.ready[b].add(id(p))
-        while self._s.next_bucket < len(self._buckets) and len(
-            self._s.ready[self._s.next_bucket]
-        ) == len(self._buckets[self._s.next_bucket]):
-            self._launch(self._s.next_bucket)
-            self.stats["launched_during_backward"] += 1
-            self._s.next_bucket += 1
+        self._step.ready[b].add(id(p))
+        while self._step.next_bucket < len(self._buckets) and len(
+            self._step.ready[self._step.next_bucket]
+        ) == len(self._buckets[self._step.next_bucket]):
+            self._launch(self._step.next_bucket)
+            self.stats.launched_during_backward += 1
+            self._step.next_bucket += 1
 
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]
@@ -1115,13 +1202,13 @@ class Runner:
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
         work = None if self.dry else staging.all_reduce(flat, self.groups["dp"])
-        self._s.pending.append((i, flat, work))
+        self._step.pending.append((i, flat, work))
 
     def _finish_buckets(self, action: Action) -> None:
-        for i in range(self._s.next_bucket, len(self._buckets)):
+        for i in range(self._step.next_bucket, len(self._buckets)):
             self._launch(i)  # buckets whose parameters got no gradient this step
-        self._s.next_bucket = len(self._buckets)
-        for i, flat, work in self._s.pending:
+        self._step.next_bucket = len(self._buckets)
+        for i, flat, work in self._step.pending:
             if work is not None:
                 self._wait(
                     work,
@@ -1133,7 +1220,7 @@ class Runner:
                 n = p.numel()
                 p.grad = flat[offset : offset + n].view_as(p).clone()
                 offset += n
-        self._s.pending = []
+        self._step.pending = []
 
     def _wait(self, work: Any, what: str) -> None:
         wait(work, self.rank, what, self.timeout_s)
@@ -1153,10 +1240,11 @@ class Runner:
 def stage_inputs(
     refs: Sequence[Any],
     *,
-    params: dict[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     data: dict[str, torch.Tensor],
-    coords: dict[str, int],
+    keys: dict[str, torch.Tensor] | None = None,
+    coords: Coords,
     acts: Sequence[torch.Tensor],
     prefix: Sequence[torch.Tensor],
     offset: int,
@@ -1167,7 +1255,9 @@ def stage_inputs(
     """A stage graph's arguments, one per placeholder (``refs``: its ``InputRef``s): parameters
     (cast to ``compute`` inside autograd under mixed precision), buffers, the batch, this rank's
     coordinates, the previous stage's activations, the K/V prefix, the chunk offset and the
-    dropout seed."""
+    dropout seed. ``data``: the batch tensors' columns of this chunk (the whole sequence
+    without chunks); ``keys``: Seq1F1B, the columns of every token the chunk's keys cover
+    (the K/V prefix's and the chunk's, ``chunk_feeds``)."""
     out: list[Any] = []
     for ref in refs:
         if ref.kind == "act":
@@ -1177,11 +1267,13 @@ def stage_inputs(
             cast = compute is not None and p.is_floating_point()
             out.append(p.to(compute) if cast else p)
         elif ref.kind == "rank":
-            out.append(torch.tensor(coords[ref.name], device=device))
+            out.append(torch.tensor(coords.along(ref.name), device=device))
         elif ref.kind == "rng":
             out.append(seed)
         elif ref.kind == "data":
             out.append(data[ref.name])
+        elif ref.kind == "keys":
+            out.append((keys or {})[ref.name])
         elif ref.kind == "kv":
             out.append(prefix[int(ref.name)])
         elif ref.kind == "offset":
@@ -1189,6 +1281,38 @@ def stage_inputs(
         else:
             out.append(buffers[ref.name])
     return out
+
+
+def chunk_feeds(
+    mb: dict[str, torch.Tensor], a: int, e: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A micro-batch's feeds for the chunk of tokens ``[a, e)``: every batch tensor's columns
+    ``[a, e)`` (``data``), and the optional ones' columns ``[0, e)`` (``keys``: the tokens the
+    chunk's keys cover, for a Seq1F1B chunk's attention mask)."""
+    data = {k: t[:, a:e] for k, t in mb.items()}
+    keys = {k: t[:, :e] for k, t in mb.items() if k not in ("input_ids", "labels")}
+    return data, keys
+
+
+def example_batch(
+    rows: int, seq: int, names: Sequence[str], device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """A stand-in batch of ``names`` for shape-only runs (the dry run, the memory probe):
+    token ids 0, an all-ones attention mask, positions 0 … seq − 1."""
+    ids = torch.zeros(rows, seq, dtype=torch.int64, device=device)
+    out = {"input_ids": ids, "labels": ids}
+    if "attention_mask" in names:
+        out["attention_mask"] = torch.ones(rows, seq, dtype=torch.int64, device=device)
+    if "position_ids" in names:
+        pos = torch.arange(seq, dtype=torch.int64, device=device)
+        out["position_ids"] = pos.expand(rows, seq).contiguous()
+    return out
+
+
+def _peer(a: Action) -> int:
+    """The other rank of a send or receive (the schedule names one for each)."""
+    assert a.peer is not None, f"{a} names no peer"
+    return a.peer
 
 
 def _sender(recv: Action) -> tuple[int, int, int]:

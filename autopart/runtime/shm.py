@@ -157,7 +157,7 @@ def sweep() -> list[str]:
     """Unlink this user's ``autopart-PID-*`` files, made in this PID namespace, whose process is
     gone (a rank killed before it could clean up); returns what was removed. Files made in
     another namespace are left alone: their PIDs mean nothing here."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(SHM_DIR))
     except OSError:

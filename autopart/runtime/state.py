@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from autopart.errors import AutopartError
+from autopart.layout import Coords
 from autopart.program.format import Shard
 
 
@@ -46,12 +47,12 @@ def gather_full(
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
     shards: Mapping[str, Shard],
-    coords: Mapping[str, int],
+    coords: Coords,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Every parameter (assembled) and buffer of the model, on the CPU, on every rank.
     Collective over the whole job."""
     mine: dict[str, Any] = {"params": {}, "buffers": {}}
-    if coords.get("dp", 0) == 0:  # one replica speaks for all
+    if coords.dp == 0:  # one replica speaks for all
         mine["params"] = {f: (shards[f], p.detach().cpu()) for f, p in params.items()}
         mine["buffers"] = {k: v.detach().cpu() for k, v in buffers.items()}
     if dist.is_initialized() and dist.get_world_size() > 1:

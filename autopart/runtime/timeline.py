@@ -218,7 +218,7 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
     mbs = sorted({b.action.mb for b in compute if b.action is not None})
     n_chunks = 1 + max((b.action.chunk for b in compute if b.action is not None), default=0)
     if len(mbs) <= 10:
-        palette = list(colormaps["tab10"].colors)
+        palette = [colormaps["tab10"](i) for i in range(10)]
     else:  # tab20's dark half first, then its light half
         palette = [colormaps["tab20"](i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
     base = {m: palette[i % len(palette)] for i, m in enumerate(mbs)}
@@ -294,9 +294,9 @@ def plot_timeline(events: list[dict[str, Any]], path: str | Path, title: str = "
                 color="white" if dark else "black",
             )
 
-    side = blended_transform_factory(ax.transAxes, ax.transData)
+    margin = blended_transform_factory(ax.transAxes, ax.transData)
     for r, frac in busy_fractions(events).items():
-        ax.text(1.01, row[r], f"{frac:.0%} busy", transform=side, va="center", fontsize=9)
+        ax.text(1.01, row[r], f"{frac:.0%} busy", transform=margin, va="center", fontsize=9)
 
     grey = (0.55, 0.55, 0.55)
     handles = [Patch(color=base[m], label=f"m{m}") for m in mbs]

@@ -169,10 +169,11 @@ def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
 
 def from_dict(doc: dict[str, Any], where: str = "the config") -> TrainConfig:
     """A checked ``TrainConfig`` from a parsed TOML document."""
-    kinds = {f.name: f.type for f in fields(TrainConfig)}
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}  # "int", "float", ... (strings)
     types = {"int": int, "float": float, "bool": bool, "str": str}
     values: dict[str, Any] = {}
     for key, value in doc.items():
+        items: list[tuple[str | None, str, Any]]
         if isinstance(value, dict):
             if key not in SECTIONS:
                 raise AutopartError(

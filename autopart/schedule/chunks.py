@@ -103,6 +103,7 @@ def chunk_lengths(
             f"a sequence of {seq_len} tokens cannot be cut into {k} chunks of at least {multiple}",
             hint=f"use at most {max(1, seq_len // multiple)} chunks, or a longer sequence",
         )
+    bounds: list[float]
     if split == "uniform":
         bounds = [round(seq_len * j / k) for j in range(k + 1)]
     else:

@@ -143,7 +143,8 @@ def seq1f1b_interleaved(r: int, m: int, peers: list[int], v: int, k: int = 1) ->
     return _weave(fwd, bwd, warmup, peers, p * v)
 
 
-GENERATORS: dict[str, Callable[[int, int, list[int], int], list[Action]]] = {
+# (rank, micro-batches, the pipeline's ranks, virtual stages, sequence chunks) → actions
+GENERATORS: dict[str, Callable[[int, int, list[int], int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved,

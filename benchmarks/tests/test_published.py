@@ -49,15 +49,15 @@ def test_megatron_1t_reference_point() -> None:
     )
     s = simulate(SHAPES["megatron-1t"], P.software("megatron-2021"), st, record=False).summary
     print(
-        f"\nMegatron 1T: predicted {s['tflops_per_gpu']:.1f} TFLOP/s per GPU "
-        f"({s['hfu']:.1%} of peak, Megatron's count; MFU {s['mfu']:.1%}), paper 163 (52 %); "
-        f"iteration {s['iteration_s']:.1f} s, bubble {s['bubble_fraction']:.1%}, "
-        f"{s['memory_gb_per_gpu']:.1f} GiB per GPU"
+        f"\nMegatron 1T: predicted {s.tflops_per_gpu:.1f} TFLOP/s per GPU "
+        f"({s.hfu:.1%} of peak, Megatron's count; MFU {s.mfu:.1%}), paper 163 (52 %); "
+        f"iteration {s.iteration_s:.1f} s, bubble {s.bubble_fraction:.1%}, "
+        f"{s.memory_gb_per_gpu:.1f} GiB per GPU"
     )
-    assert s["tflops_per_gpu"] == pytest.approx(163, rel=0.05)
-    assert s["fits"]
-    parts = sum(s["breakdown"].values())
-    assert parts == pytest.approx(s["iteration_s"])
+    assert s.tflops_per_gpu == pytest.approx(163, rel=0.05)
+    assert s.fits
+    parts = sum(s.breakdown.values())
+    assert parts == pytest.approx(s.iteration_s)
 
 
 def test_the_software_settings_matter() -> None:
@@ -65,7 +65,7 @@ def test_the_software_settings_matter() -> None:
 
     def seconds(row: P.Row, **change: object) -> float:
         cl = dataclasses.replace(P.software(row.software), **change)
-        return simulate(row.shape, cl, row.plan, record=False).summary["iteration_s"]
+        return simulate(row.shape, cl, row.plan, record=False).summary.iteration_s
 
     row = next(r for r in P.ROWS if r.label == "1.7B")  # dp=32, PyTorch DDP
     assert seconds(row, grad_overlap=True) < seconds(row, grad_overlap=False)

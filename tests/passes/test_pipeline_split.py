@@ -165,6 +165,13 @@ def test_memory_limit_moves_the_cut() -> None:
     assert "raise the memory limit" in err.value.hint
 
 
+def test_more_stages_than_units_is_refused() -> None:
+    # without a memory limit the refusal names the units (it read the limit, None, before)
+    with pytest.raises(AutopartError) as err:
+        balanced_cuts([1.0, 1.0], 3)
+    assert "2 units cannot be cut into 3 non-empty stages" in err.value.message
+
+
 def test_memory_limit_from_the_plan(gpt_sdpa: Case) -> None:
     ok = Plan(Mesh(pp=2), microbatches=2, max_stage_memory_gb=1.0)
     run_passes(copy_graph(gpt_sdpa.captured.graph), ok, PIPELINE)

@@ -109,7 +109,10 @@ def _compile(actions_by_rank: dict[int, list[Action]]) -> _Compiled:
 
     ops, dp_keys, deferred = [], [], []
     for r in ranks:
-        row, stages, b_at, pairs = [], [], {}, []
+        row: list[tuple[int, int, int]] = []  # (op code, cost key, message)
+        stages: list[int] = []
+        b_at: dict[tuple[int, int, int], int] = {}
+        pairs: list[tuple[int, int]] = []
         for a in actions_by_rank[r]:
             kind = a.kind
             if kind in ("F", "B", "W"):
@@ -341,17 +344,18 @@ def _run(
                 if rec:
                     raw.append((i, p, t, t))
             elif code == _SEND:
-                arrival[m], xfer[m] = t + cost[key], cost[key]
+                sent = arrival[m] = t + cost[key]
+                xfer[m] = cost[key]
                 w = waiter[m]
                 if w >= 0:  # it goes on where it waits, or its piece of a W stops then
                     waiter[m] = -1
                     wake(w, until(w) if computing[w] else now[w])
                 if rec:
-                    raw.append((i, p, t, t if p2p_overlap else arrival[m]))
+                    raw.append((i, p, t, t if p2p_overlap else sent))
                 if not p2p_overlap:  # a blocking send: the sender waits for the delivery
                     rt.recv_wait += cost[key]
                     rt.recv_exposed += cost[key]
-                    t = arrival[m]
+                    t = sent
             elif code == _RECV:
                 at = arrival[m]
                 w = _pending(comp, i, p, wl) if wl and (at is None or at > t) else -1
@@ -363,6 +367,7 @@ def _run(
                         waiter[m] = i
                     start(i, t, wl[w], w)
                     continue
+                assert at is not None  # not sent yet: returned or filling above
                 end = max(t, at)
                 rt.recv_wait += end - t
                 rt.recv_exposed += min(end - t, xfer[m])

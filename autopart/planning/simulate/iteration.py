@@ -3,9 +3,9 @@ it returns (time, throughput, memory, breakdown) and its tables."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from autopart.layout import Plan
 from autopart.planning.cluster import GIB, Cluster, load_cluster
@@ -26,16 +26,86 @@ from autopart.schedule.ir import Action
 EXACT_LIMIT = 400_000  # F and B actions in one pipeline above which ``simulate`` extrapolates
 
 
+@dataclass(frozen=True)
+class MemoryUse:
+    """GiB per GPU on the pipeline rank that needs the most (``rank``): its parameters,
+    gradients, optimizer states and activations (``saved_activations``: held between F and B
+    only) and their ``total``, against the cluster's ``usable`` memory and ``capacity``; every
+    rank's total and saved activations; ``activations_from`` "formula" or "graph" (read off the
+    compiled program)."""
+
+    rank: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    saved_activations: float
+    total: float
+    usable: float
+    capacity: float
+    per_rank_total: list[float]
+    per_rank_saved_activations: list[float]
+    activations_from: Literal["formula", "graph"]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one simulated iteration comes to (docs/simulate.md says what each counts).
+    ``breakdown``: seconds by category (``compute_s``, ``tp_comm_s``, ``pp_comm_s``,
+    ``dp_comm_s``, ``optimizer_s``, ``bubble_s``), means over the pipeline ranks;
+    ``padded_vocab``: the model's vocabulary padded as the plan runs it. ``to_json()`` is what
+    ``autopart simulate --json`` prints."""
+
+    iteration_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    bubble_fraction: float
+    memory_gb_per_gpu: float
+    fits: bool
+    memory: MemoryUse
+    breakdown: dict[str, float]
+    recompute_s: float
+    flops_per_iteration: float
+    model_flops_per_iteration: float
+    gpus: int
+    microbatches: int
+    stage_layers: list[int]
+    chunk_lengths: list[int]
+    extrapolated: bool
+    plan: Plan
+    global_batch: int
+    model: GPTShape
+    cluster: str
+    padded_vocab: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The summary as JSON: its fields in order, ``plan`` as ``Plan.to_json()``, ``model``
+        as the shape's fields with its ``params`` and ``padded_vocab``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "padded_vocab"}
+        out["memory"] = asdict(self.memory)
+        out["breakdown"] = dict(self.breakdown)
+        out["plan"] = self.plan.to_json()
+        out["model"] = {
+            **asdict(self.model),
+            "params": self.model.params,
+            "padded_vocab": self.padded_vocab,
+        }
+        return out
+
+
 @dataclass
 class Simulation:
-    """One simulated iteration: ``summary`` is what ``autopart simulate --json`` prints."""
+    """One simulated iteration: ``summary.to_json()`` is what ``autopart simulate --json``
+    prints."""
 
     shape: GPTShape
     cluster: Cluster
     plan: Plan
     costs: CostModel
     timeline: Timeline
-    summary: dict[str, Any]
+    summary: Summary
 
     @property
     def events(self) -> list[Event]:
@@ -45,7 +115,7 @@ class Simulation:
         return to_chrome_trace(self.timeline.events)
 
     def to_json(self) -> dict[str, Any]:
-        return self.summary
+        return self.summary.to_json()
 
 
 @lru_cache(maxsize=256)
@@ -137,7 +207,7 @@ def _timed(costs: CostModel, comp: _Compiled, acts: dict[int, list[Action]] | No
 
 def _summary(
     costs: CostModel, tl: Timeline, acts: dict[int, list[Action]], extrapolated: bool
-) -> dict[str, Any]:
+) -> Summary:
     st, sh, cl = costs.st, costs.shape, costs.cluster
     p, m = st.pp, st.microbatches
     finish = {
@@ -187,39 +257,46 @@ def _summary(
             }
         )
     worst = max(range(p), key=lambda r: mem[r]["total"])
+    w = mem[worst]
     tokens = st.global_batch * sh.seq
-    return {
-        "iteration_s": T,
-        "tokens_per_s": tokens / T,
-        "tflops_per_gpu": tflops,
-        "mfu": model / T / gpus / (cl.peak_tflops * 1e12),
-        "hfu": tflops / cl.peak_tflops,
-        "bubble_fraction": cats["bubble_s"] / T,
-        "memory_gb_per_gpu": mem[worst]["total"],
-        "fits": mem[worst]["total"] * GIB <= cl.usable_bytes,
-        "memory": {
-            "rank": worst,
-            **mem[worst],
-            "usable": cl.usable_bytes / GIB,
-            "capacity": cl.hbm_gib,
-            "per_rank_total": [x["total"] for x in mem],
-            "per_rank_saved_activations": [x["saved_activations"] for x in mem],
-            "activations_from": "formula" if costs.memory is None else "graph",
-        },
-        "breakdown": cats,
-        "recompute_s": recompute,
-        "flops_per_iteration": hw,
-        "model_flops_per_iteration": model,
-        "gpus": gpus,
-        "microbatches": m,
-        "stage_layers": costs.layers,
-        "chunk_lengths": list(costs.chunk_lengths),
-        "extrapolated": extrapolated,
-        "plan": st.to_json(),
-        "global_batch": st.global_batch,
-        "model": {**asdict(sh), "params": sh.params, "padded_vocab": costs.vocab},
-        "cluster": cl.name,
-    }
+    return Summary(
+        iteration_s=T,
+        tokens_per_s=tokens / T,
+        tflops_per_gpu=tflops,
+        mfu=model / T / gpus / (cl.peak_tflops * 1e12),
+        hfu=tflops / cl.peak_tflops,
+        bubble_fraction=cats["bubble_s"] / T,
+        memory_gb_per_gpu=w["total"],
+        fits=w["total"] * GIB <= cl.usable_bytes,
+        memory=MemoryUse(
+            rank=worst,
+            parameters=w["parameters"],
+            gradients=w["gradients"],
+            optimizer=w["optimizer"],
+            activations=w["activations"],
+            saved_activations=w["saved_activations"],
+            total=w["total"],
+            usable=cl.usable_bytes / GIB,
+            capacity=cl.hbm_gib,
+            per_rank_total=[x["total"] for x in mem],
+            per_rank_saved_activations=[x["saved_activations"] for x in mem],
+            activations_from="formula" if costs.memory is None else "graph",
+        ),
+        breakdown=cats,
+        recompute_s=recompute,
+        flops_per_iteration=hw,
+        model_flops_per_iteration=model,
+        gpus=gpus,
+        microbatches=m,
+        stage_layers=costs.layers,
+        chunk_lengths=list(costs.chunk_lengths),
+        extrapolated=extrapolated,
+        plan=st,
+        global_batch=st.global_batch,
+        model=sh,
+        cluster=cl.name,
+        padded_vocab=costs.vocab,
+    )
 
 
 def fast_lower_bound(costs: CostModel) -> float:
@@ -258,11 +335,11 @@ def fast_lower_bound(costs: CostModel) -> float:
     return best
 
 
-def breakdown_table(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
+def breakdown_table(summary: Summary) -> list[tuple[str, float, float]]:
     """(category, seconds, share of the iteration) rows of a summary's breakdown."""
-    T = summary["iteration_s"]
+    T = summary.iteration_s
     return [
-        (k.removesuffix("_s").replace("_", " "), v, v / T) for k, v in summary["breakdown"].items()
+        (k.removesuffix("_s").replace("_", " "), v, v / T) for k, v in summary.breakdown.items()
     ]
 
 
@@ -274,40 +351,39 @@ def _gib(x: float) -> str:
     return ""
 
 
-def print_summary(summary: dict[str, Any], console: Any) -> None:
+def print_summary(summary: Summary, console: Any) -> None:
     """A simulation's summary as rich tables."""
     from rich.table import Table
 
-    plan = Plan.from_json(summary["plan"])
-    mem = summary["memory"]
+    plan = summary.plan
+    mem = summary.memory
     head = Table(
-        title=f"{plan.describe()} on {summary['gpus']} × {summary['cluster']}", show_header=False
+        title=f"{plan.describe()} on {summary.gpus} × {summary.cluster}", show_header=False
     )
     head.add_column(justify="left")
     head.add_column(justify="right")
     rows = [
         (
             "iteration",
-            f"{summary['iteration_s']:.3f} s"
-            + (" (extrapolated)" if summary["extrapolated"] else ""),
+            f"{summary.iteration_s:.3f} s" + (" (extrapolated)" if summary.extrapolated else ""),
         ),
-        ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
-        ("TFLOP/s per GPU (Megatron's count)", f"{summary['tflops_per_gpu']:.1f}"),
-        ("MFU / HFU", f"{summary['mfu']:.1%} / {summary['hfu']:.1%}"),
-        ("bubble", f"{summary['bubble_fraction']:.1%}"),
+        ("tokens/s", f"{summary.tokens_per_s:,.0f}"),
+        ("TFLOP/s per GPU (Megatron's count)", f"{summary.tflops_per_gpu:.1f}"),
+        ("MFU / HFU", f"{summary.mfu:.1%} / {summary.hfu:.1%}"),
+        ("bubble", f"{summary.bubble_fraction:.1%}"),
         (
-            f"memory per GPU (rank {mem['rank']})",
-            f"{mem['total']:.1f} GiB of {mem['usable']:.1f} usable"
-            + ("" if summary["fits"] else "  [red]does not fit[/red]"),
+            f"memory per GPU (rank {mem.rank})",
+            f"{mem.total:.1f} GiB of {mem.usable:.1f} usable"
+            + ("" if summary.fits else "  [red]does not fit[/red]"),
         ),
         (
             "  parameters / gradients / optimizer",
-            f"{mem['parameters']:.1f} / {mem['gradients']:.1f} / {mem['optimizer']:.1f} GiB",
+            f"{mem.parameters:.1f} / {mem.gradients:.1f} / {mem.optimizer:.1f} GiB",
         ),
         (
             "  activations"
-            + (" (read off the compiled graphs)" if mem["activations_from"] == "graph" else ""),
-            _gib(mem["activations"]),
+            + (" (read off the compiled graphs)" if mem.activations_from == "graph" else ""),
+            _gib(mem.activations),
         ),
     ]
     for k, v in rows:

@@ -456,6 +456,8 @@ class CostModel:
         the unit's transient bytes (full recompute: one layer's activations) are live too
         (``transient=False``: only the held bytes, what ``Runner.peak_saved_bytes`` counts)."""
         held = peak = 0.0
+        act: float
+        extra: float
         for a in actions:
             if a.kind in ("F", "B", "W"):
                 if self.memory is not None:

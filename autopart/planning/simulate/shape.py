@@ -245,4 +245,6 @@ def resolve_model(
             f"the model shape needs {', '.join(missing)}",
             hint="or --model SPEC (captured) or --shape megatron-1t",
         )
+    # all(given): each flag is set (a 0 goes on to GPTShape's own checks, as before)
+    assert layers is not None and hidden is not None and heads is not None and vocab is not None
     return GPTShape(layers, hidden, heads, vocab, seq, kv_heads=kv_heads, ffn=ffn, tied=tied), None
