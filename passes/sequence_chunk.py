@@ -62,7 +62,15 @@ from autopart.meta import (
 )
 from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
-from autopart.passes.seq_rules import SOFTMAX, Seq, seq_dims
+from autopart.passes.seq_rules import (
+    _CONVS,
+    SOFTMAX,
+    CausalConv,
+    Seq,
+    causal_conv,
+    live_nodes,
+    seq_dims,
+)
 
 aten = torch.ops.aten
 P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas
@@ -132,6 +140,23 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             pair.append(ph)
             anchor = ph
         prefixes.append((pair[0], pair[1]))
+    carries: list[tuple[CausalConv, fx.Node, torch.SymInt]] = []
+    for i, conv in enumerate(_causal_convs(gm)):
+        with g.inserting_after(anchor):
+            ph = g.placeholder(f"conv_carry_{i}")
+        val = conv.x.meta["val"]
+        length = _prefix_symint(mode, f"autopart_conv_carry_{i}")
+        shape = [*val.shape[: conv.dim], length, *val.shape[conv.dim + 1 :]]
+        with mode:
+            ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+        ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + i))
+        ph.meta[META_MODULE], ph.meta[META_LAYER] = (
+            conv.conv.meta.get(META_MODULE, ""),
+            conv.conv.meta.get(META_LAYER),
+        )
+        new_refs.append(ph.meta[META_INPUT])
+        carries.append((conv, ph, length))
+        anchor = ph
 
     for n in positions:
         with g.inserting_after(n):
@@ -153,6 +178,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     kv_out: list[fx.Node] = []
     for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
         kv_out += _attend_with_prefix(g, sdpa, kp, vp)
+    for conv, ph, _ in carries:
+        kv_out.append(_convolve_with_carry(g, conv, ph))
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -162,15 +189,16 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     gm.meta[META_KV] = len(kv_out)
     gm.meta[META_KV_SHAPES] = [
         _empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair
-    ]
-    if prefix_len is not None:
+    ] + [_empty_prefix(ph, length, gm) for _, ph, length in carries]
+    lengths = [(prefix_len, P)] if prefix_len is not None else []
+    lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
+    if lengths:
         rc = dict(gm.meta.get(META_RANGES, {}))
-        rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
-        gm.meta[META_RANGES] = rc
-        gm.meta[META_SYMBOLS] = {
-            **gm.meta.get(META_SYMBOLS, {}),
-            prefix_len.node.expr: P,
-        }
+        names = dict(gm.meta.get(META_SYMBOLS, {}))
+        for sym, name in lengths:
+            rc[sym.node.expr] = ValueRanges(0, sympy.oo)
+            names[sym.node.expr] = name
+        gm.meta[META_RANGES], gm.meta[META_SYMBOLS] = rc, names
     g.lint()
     gm.recompile()
     propagate(gm)
@@ -280,13 +308,105 @@ def _empty_prefix(ph: fx.Node, prefix_len: torch.SymInt, gm: fx.GraphModule) -> 
     return out
 
 
-def _prefix_symint(mode) -> torch.SymInt:
-    """A fresh symbolic size for the prefix length (hinted at 16: never specialized to 0 or 1)."""
+def _prefix_symint(mode, name: str = "autopart_kv_prefix") -> torch.SymInt:
+    """A fresh symbolic size for a prefix length (hinted at 16: never specialized to 0 or 1)."""
     env = mode.shape_env
-    sym = env.create_symbol(
-        16, ConstantSource("autopart_kv_prefix"), dynamic_dim=DimDynamic.DYNAMIC
-    )
+    sym = env.create_symbol(16, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
     return env.create_symintnode(sym, hint=16)
+
+
+def _carry_symbol(i: int) -> sympy.Symbol:
+    """The length of conv ``i``'s carried inputs, for cost formulas (0, then its window)."""
+    return sympy.Symbol(f"w{i}", nonnegative=True, integer=True)
+
+
+def _causal_convs(gm: fx.GraphModule) -> list[CausalConv]:
+    """The live convolutions along the sequence (``refuse_sequence_mixing`` proved each causal
+    and recorded the sequence dim of its input), in graph order; a kernel of 1 needs no carry."""
+    live = live_nodes(gm)
+    out = []
+    for n in gm.graph.nodes:
+        if n not in live or n.target not in _CONVS:
+            continue
+        form = causal_conv(n, live)
+        x = form.x if isinstance(form, CausalConv) else n.args[0]
+        seq = x.meta.get(META_SEQ_DIM)
+        nd = x.meta["val"].dim()
+        batched = nd == n.args[1].meta["val"].dim()
+        if seq is None or (batched and seq % nd == 0):
+            continue  # not along the sequence (or the sequence is the conv's batch)
+        if not isinstance(form, CausalConv) or seq % nd != form.dim:
+            raise AutopartError(  # refuse_sequence_mixing would have refused it
+                f"{n.name}: a convolution along the sequence not proven causal",
+                hint="please report the model",
+            )
+        if form.window:
+            out.append(form)
+    return out
+
+
+def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.Node:
+    """The conv over [its window of earlier inputs; the chunk's], unpadded: the window is the
+    last ``window`` entries of [zeros; carry] (the zero padding for the first chunk, whose carry
+    is empty; the previous chunk's last inputs after it). Returns the next chunk's carry: the
+    last ``window`` entries of [window; chunk] (some of them the carry's when the chunk is
+    shorter than the window)."""
+    n, x, d, w = conv.conv, conv.x, conv.dim, conv.window
+    made = []
+
+    def call(target, *args) -> fx.Node:
+        made.append(g.call_function(target, args))
+        return made[-1]
+
+    dtype = x.meta["val"].dtype
+    with g.inserting_before(n):
+        c = carry
+        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
+            c = g.call_function(aten._to_copy.default, (carry,), {"dtype": dtype})
+            made.append(c)
+        # zeros of the window's length (the carry's other sizes; a pad would pin its symbolic
+        # sizes to numbers)
+        size = [
+            w if i == d else call(aten.sym_size.int, c, i) if isinstance(k, torch.SymInt) else k
+            for i, k in enumerate(carry.meta["val"].shape)
+        ]
+        zeros = call(aten.new_zeros.default, c, size)
+        history = call(aten.cat.default, [zeros, c], d)
+        window = call(aten.slice.Tensor, history, d, -w, _END)
+        joined = call(aten.cat.default, [window, x], d)
+        nxt = call(aten.slice.Tensor, joined, d, -w, _END)
+        out = nxt
+        if carry.meta["val"].dtype != dtype:
+            out = g.call_function(aten._to_copy.default, (nxt,), {"dtype": carry.meta["val"].dtype})
+            made.append(out)
+    if conv.pad is not None:  # conv(pad(x)) → conv([window; x])
+        conv.pad.replace_all_uses_with(joined)
+        g.erase_node(conv.pad)
+    else:  # conv(x, padding=window)[..., :s] → conv([window; x], padding=0)[..., :s]
+        n.replace_input_with(x, joined)
+        _set_arg(n, "padding", [0])
+    for m in made:
+        m.meta[META_MODULE], m.meta[META_LAYER] = (
+            n.meta.get(META_MODULE, ""),
+            n.meta.get(META_LAYER),
+        )
+    return out
+
+
+_END = 9223372036854775807  # a slice to the end
+
+
+def _set_arg(n: fx.Node, name: str, value) -> None:
+    args = list(n.args)
+    for i, arg in enumerate(n.target._schema.arguments):
+        if arg.name != name:
+            continue
+        if i < len(args):
+            args[i] = value
+            n.args = tuple(args)
+        else:
+            n.kwargs = {**n.kwargs, name: value}
+        return
 
 
 def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
