@@ -14,19 +14,25 @@ op by op from an allow-list.
 - ``SUMMED``: a sum over every token (the loss): chunks' sums add up to the sequence's, so it
   may reach the output, plus or times values that do not depend on the sequence, and nothing
   else;
-- routing values of a mixture of experts (``Routed``), below.
+- routing values of a mixture of experts (``Routed``), below;
+- ``PADDED`` / ``WINDOWED``: a causal convolution's input padded on the left, and the output
+  of one padded on both sides, which only the convolution, and the cut back to the first s
+  outputs, may read.
 
 The allow-list: position-wise ops (elementwise, reductions, norms and softmaxes over other
 dims, matmuls contracting other dims, views and rearrangements that keep the token order,
 slices and pads of other dims, embeddings and table reads at token-aligned indices),
 positions (``arange(s)``, running counts of a constant: the chunk pass shifts them by the
 chunk's offset), constants sized by the sequence, causal attention (``canonicalize_attention``
-marked it; the chunk pass gives it its K/V prefix), the summed loss, and token routing
-(``sort`` of per-token expert ids, the gather, grouped matmul and scatter back that a mixture of
-experts makes). Any other op, and any op of the list acting along the sequence dim (a scan, a
-softmax or reduction over it, a convolution or pad along it, a product contracting or pairing
-it, an index into it, a slice of it, the length used as a value) is a ``Mixes`` finding, naming
-what mixes the tokens. No dim is guessed: a value's sequence dim is the one whose size grows
+marked it; the chunk pass gives it its K/V prefix), causal convolutions along the sequence
+(``causal_conv``: stride 1, zero-padded by their window (k − 1)·d on the left only, by a pad
+or by symmetric padding cut back to the first s outputs; the chunk pass carries their window
+of inputs from chunk to chunk), the summed loss, and token routing (``sort`` of per-token
+expert ids, the gather, grouped matmul and scatter back that a mixture of experts makes). Any
+other op, and any op of the list acting along the sequence dim (a scan, a softmax or reduction
+over it, any other convolution or pad along it, a product contracting or pairing it, an index
+into it, a slice of it, the length used as a value) is a ``Mixes`` finding, naming what mixes
+the tokens. No dim is guessed: a value's sequence dim is the one whose size grows
 with the sequence (sizes are evaluated at several lengths), and the rule must agree.
 """
 
@@ -651,8 +657,6 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.split_with_sizes.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.cat.default: _cat,
-    aten.constant_pad_nd.default: _pad,
-    aten.pad.default: _pad,
     aten.repeat.default: _repeat,
     aten.repeat_interleave.self_int: _along(
         "a repeat along the sequence", lambda n: [_dim_arg(n, 2, 0)]
@@ -942,9 +946,9 @@ def causal_conv(n: fx.Node, live: set[fx.Node] | None = None) -> CausalConv | st
     stride, dilation = _one(a.get("stride")), _one(a.get("dilation"))
     k = wv.shape[-1]
     if stride != 1:
-        return f"with stride {a.get('stride')} (only stride 1 keeps one output per token)"
+        return f"with stride {stride} (only stride 1 keeps one output per token)"
     if not isinstance(dilation, int) or not isinstance(k, int) or dilation < 1:
-        return f"with a kernel or dilation not fixed at capture ({k}, {a.get('dilation')})"
+        return f"with a kernel or dilation not fixed at capture ({k}, {dilation})"
     window, dim = (k - 1) * dilation, xv.dim() - 1
     padding = a.get("padding")
     padding = 0 if padding == "valid" else _one(padding)
@@ -968,7 +972,7 @@ def causal_conv(n: fx.Node, live: set[fx.Node] | None = None) -> CausalConv | st
             f"(not causal: the output at t reads the inputs up to t + {window})"
         )
     return (
-        f"padded by {a.get('padding')} for a window of {window} inputs (kernel {k}, dilation "
+        f"padded by {padding} for a window of {window} inputs (kernel {k}, dilation "
         f"{dilation}): only (k − 1)·d on the left is causal"
     )
 

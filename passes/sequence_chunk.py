@@ -2,19 +2,25 @@
 
 Invariant (Seq1F1B plans): cut a micro-batch's sequence into chunks of lengths s_0 … s_{k−1}.
 Running a stage graph on chunk j — its tokens (or the previous stage's activations for them),
-``offset`` = s_0 + … + s_{j−1}, and for each attention layer the K/V *prefix* of the chunks
-before it — returns the chunk's outputs and, appended, each attention layer's K/V with this
-chunk's added (the next chunk's prefix). Together the chunks compute exactly what the
-unchunked graph computes on the whole sequence; the loss output is the chunk's summed cross
-entropy, so the chunks' losses add up to the sequence's. Gradients reaching a prefix input
-belong to earlier chunks' K/V outputs: the runtime hands them back to those chunks' backward,
-which runs later (reverse chunk order).
+``offset`` = s_0 + … + s_{j−1}, for each attention layer the K/V *prefix* of the chunks before
+it, and for each causal convolution the inputs it *carries* over from them — returns the
+chunk's outputs and, appended, each attention layer's K/V with this chunk's added (the next
+chunk's prefix) and each causal convolution's last (k − 1)·d inputs (the next chunk's carry).
+Together the chunks compute exactly what the unchunked graph computes on the whole sequence;
+the loss output is the chunk's summed cross entropy, so the chunks' losses add up to the
+sequence's. Gradients reaching a prefix or carry input belong to earlier chunks' outputs: the
+runtime hands them back to those chunks' backward, which runs later (reverse chunk order).
+A carry is a prefix to the runtime (``InputRef("kv", …)``, an empty first one, the previous
+chunk's output after it): it keeps only the last (k − 1)·d positions.
 
 What changes in the graph:
 
 - **inputs**: ``InputRef("offset", "")`` (a 0-d int64 tensor) when the stage computes
   positions, then ``InputRef("kv", "2i")`` / ``("kv", "2i+1")`` — layer i's K and V prefix,
-  ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk);
+  ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk), then
+  ``InputRef("kv", "2A+j")`` — the carried inputs of the stage's j-th causal convolution,
+  ``[b, channels, W_j]`` with a symbolic length of its own (0 for the first chunk, then the
+  convolution's window (k − 1)·d);
 - **positions**: every ``arange`` over the sequence length from 0 (learned positions, rotary
   tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``, and every running
   count ``cumsum(full(c))`` (OPT's positions from an all-ones mask) gains ``c · offset``;
@@ -23,8 +29,15 @@ What changes in the graph:
   positions ≤ P + t, and > P + t − W under a sliding window of W keys
   (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph from the sizes, so
   one graph serves every chunk);
-- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order
-  (prefixes are in the model's dtype: K/V an attention computes in another are cast);
+- **causal convolutions** (``seq_rules.causal_conv``: stride 1, zero-padded by their window
+  (k − 1)·d on the left only): the convolution runs unpadded over [window; chunk], where the
+  window is the last (k − 1)·d entries of [zeros; carried inputs] — the zero padding for the
+  first chunk, the previous chunk's last inputs after it — so its output has the chunk's
+  length and equals the whole sequence's at these tokens;
+- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order,
+  then each convolution's last (k − 1)·d inputs of [window; chunk] (some the carry's when the
+  chunk is shorter than the window) (prefixes are in the model's dtype: K/V an attention
+  computes in another are cast);
 - **views** become reshapes (same values; the prefixed attention's output may have other
   strides than the unchunked one had).
 
@@ -210,7 +223,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
 
     The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
     through a construct this pass chunks (position-wise ops, positions, causal attention with
-    its K/V prefix, the summed loss, routed experts). The first node that is not proven is
+    its K/V prefix, causal convolutions with their carried window, the summed loss, routed
+    experts). The first node that is not proven is
     named, with its module and the construct; an unrecognized softmax over the sequence is
     named first when there is one (an attention ``canonicalize_attention`` did not recognize
     explains the rest: its scores pair tokens, its mask's construction scans them). Each
@@ -224,8 +238,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
         raise AutopartError(
             f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
             hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
-            "position-wise ops, positions from arange or a running count, causal attention "
-            "and routed experts; docs/seq1f1b.md lists them)",
+            "position-wise ops, positions from arange or a running count, causal attention, "
+            "causal convolutions and routed experts; docs/seq1f1b.md lists them)",
         )
 
 
