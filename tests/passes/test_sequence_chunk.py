@@ -284,6 +284,14 @@ def test_a_running_count_is_shifted_by_the_offset(mix: str) -> None:
 def _assert_chunks_exactly(
     model: torch.nn.Module, ids: torch.Tensor, cuts: tuple[tuple[int, ...], ...] = ((6, 10),)
 ) -> fx.GraphModule:
+    return _chunked_exactly(model, ids, cuts)[1]
+
+
+def _chunked_exactly(
+    model: torch.nn.Module, ids: torch.Tensor, cuts: tuple[tuple[int, ...], ...]
+) -> tuple[Captured, fx.GraphModule]:
+    """The model captured and chunked, after checking it reproduces the whole sequence's loss
+    and gradients with the chunk lengths of each of ``cuts``."""
     captured = capture(model.double(), (ids, ids))
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
@@ -294,8 +302,7 @@ def _assert_chunks_exactly(
         assert torch.allclose(loss, ref_loss, rtol=1e-12), lengths
         for f in grads:
             assert torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12), (f, lengths)
-    gm.meta["test.captured"] = captured
-    return gm
+    return captured, gm
 
 
 @pytest.mark.parametrize(
@@ -309,7 +316,7 @@ def test_a_causal_convolution_carries_its_window(mix: str, window: int) -> None:
     and its last ``window`` inputs as an output; chunks that forget the carry (every chunk
     zero-padded, what chunking the conv as it was would compute) do not match."""
     ids = torch.randint(0, 50, (2, 16))
-    gm = _assert_chunks_exactly(_Mixer(mix), ids, ((6, 10), (1, 1, 4, 10)))
+    captured, gm = _chunked_exactly(_Mixer(mix), ids, ((6, 10), (1, 1, 4, 10)))
     refs = [n.meta[META_INPUT] for n in gm.graph.nodes if n.op == "placeholder"]
     assert [r.name for r in refs if r.kind == "kv"] == ["0", "1", "2"]  # K, V, the carry
     assert gm.meta[META_KV] == 3 and gm.meta[META_KV_SHAPES][2] == ["b", 16, 0]
@@ -319,9 +326,8 @@ def test_a_causal_convolution_carries_its_window(mix: str, window: int) -> None:
     assert isinstance(carry.meta["val"].shape[-1], torch.SymInt)
     conv = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
     assert list(conv.args[4]) == [0] and conv.args[0].target == torch.ops.aten.cat.default
-    captured = gm.meta["test.captured"]
-    ref_loss, ref_grads = _reference(captured, (ids, ids))
-    loss, grads = run_chunks(captured, gm, (ids, ids), [6, 10], forget=frozenset({2}))
+    ref_loss, _ = _reference(captured, (ids, ids))
+    loss, _ = run_chunks(captured, gm, (ids, ids), [6, 10], forget=frozenset({2}))
     assert not torch.allclose(loss, ref_loss, rtol=1e-6)
 
 
