@@ -382,3 +382,16 @@ def test_chunked_stages_save_and_load(tmp_path) -> None:
         assert kinds.count("kv") == 2 and loaded.chunk_cost == prog.rank(r).chunk_cost
         assert ("offset" in kinds) == (r == 0)  # learned positions live on the first stage
         assert st.graph.code == prog.rank(r).stages[0].graph.code
+
+
+def test_a_convolution_carry_saves_and_loads(tmp_path) -> None:
+    """The carry is a ``kv`` input with one 0 in its shape: plan.json's bounds and the loader's
+    shape check hold for it unchanged."""
+    ids = torch.randint(0, 50, (2, 16))
+    captured = capture(_Mixer("conv-pad").double(), (ids, ids))
+    prog = parallelize(captured, Mesh(), schedule="seq1f1b", seq_chunks=2)
+    prog.save(tmp_path / "p")
+    (st,) = load_rank(tmp_path / "p", 0).stages
+    assert st.graph.meta[META_KV_SHAPES] == [["b", 1, 0, 16], ["b", 1, 0, 16], ["b", 16, 0]]
+    assert [r.kind for r in st.inputs].count("kv") == 3
+    assert st.graph.code == prog.rank(0).stages[0].graph.code
