@@ -393,9 +393,10 @@ def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.No
         if carry.meta["val"].dtype != dtype:
             out = g.call_function(aten._to_copy.default, (nxt,), {"dtype": carry.meta["val"].dtype})
             made.append(out)
-    if conv.pad is not None:  # conv(pad(x)) → conv([window; x])
-        conv.pad.replace_all_uses_with(joined)
-        g.erase_node(conv.pad)
+    if conv.pad is not None:  # conv(pad(x)) → conv([window; x]) (each conv its own carry)
+        n.replace_input_with(conv.pad, joined)
+        if not conv.pad.users:
+            g.erase_node(conv.pad)
     else:  # conv(x, padding=window)[..., :s] → conv([window; x], padding=0)[..., :s]
         n.replace_input_with(x, joined)
         _set_arg(n, "padding", [0])
