@@ -200,6 +200,9 @@ class _Mixer(torch.nn.Module):
         elif self.mix == "conv-same":  # padded on both sides, not cut back: sees 1 token ahead
             w = self.head.weight[:16, :3].unsqueeze(1)
             x = x + F.conv1d(x.transpose(1, 2), w, padding=1, groups=16).transpose(1, 2)
+        elif self.mix == "conv-ahead":  # padded by k − 1 but cut to the last s: reads t … t + 2
+            w = self.head.weight[:16, :3].unsqueeze(1)
+            x = x + F.conv1d(x.transpose(1, 2), w, padding=2, groups=16)[..., 2:].transpose(1, 2)
         elif self.mix == "conv-stride":  # stride 2: one output per two tokens, spread back
             w = self.head.weight[:16, :3].unsqueeze(1)
             y = F.conv1d(x.transpose(1, 2), w, padding=2, stride=2, groups=16)
@@ -227,6 +230,11 @@ class _Mixer(torch.nn.Module):
             "window of 2 inputs",
         ),
         ("conv-stride", "node conv1d (<root>): a convolution along the sequence with stride 2"),
+        (
+            "conv-ahead",
+            "node conv1d (<root>): a convolution along the sequence padded by 2 on both sides "
+            "and not cut back to its first s outputs",
+        ),
         ("length", "the sequence length used as a value"),
         ("mean", "node mean (<root>): a reduction over the sequence"),
     ],
