@@ -245,7 +245,7 @@ class _Prover:
         if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
             return _share(self, n)
         self._no_length(n)
-        if target not in _CONVS and any(
+        if target not in CONVS and any(
             self.env.get(a) in (PADDED, WINDOWED) for a in n.all_input_nodes
         ):
             return _window_user(self, n)
@@ -901,7 +901,7 @@ def _view(p: _Prover, n: fx.Node) -> Any:
 
 # -- causal convolutions along the sequence ---------------------------------------------------
 
-_CONVS = frozenset(
+CONVS = frozenset(
     (
         aten.conv1d.default,
         aten.conv1d.padding,
@@ -1069,7 +1069,7 @@ def _padding(p: _Prover, n: fx.Node) -> Any:
         and v.part == 1
         and _left_pad(n) is not None
         and users
-        and all(u.target in _CONVS and u.args[0] is n for u in users)
+        and all(u.target in CONVS and u.args[0] is n for u in users)
     ):
         return PADDED
     for y, dims, what in _pad(n):
@@ -1110,7 +1110,7 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.arange.start: _arange,
     aten.arange.start_step: _arange,
     aten.cumsum.default: _cumsum,
-    **dict.fromkeys(_CONVS, _convolution),
+    **dict.fromkeys(CONVS, _convolution),
     **dict.fromkeys(_PADS, _padding),
     SDPA: _attention,
     aten.cross_entropy_loss.default: _loss,
@@ -1249,6 +1249,7 @@ __all__ = [
     "MIXED",
     "SOFTMAX",
     "SUMMED",
+    "CONVS",
     "CausalConv",
     "Mixes",
     "Routed",

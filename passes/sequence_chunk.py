@@ -76,7 +76,7 @@ from autopart.meta import (
 from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import (
-    _CONVS,
+    CONVS,
     SOFTMAX,
     CausalConv,
     Seq,
@@ -224,11 +224,11 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
     The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
     through a construct this pass chunks (position-wise ops, positions, causal attention with
     its K/V prefix, causal convolutions with their carried window, the summed loss, routed
-    experts). The first node that is not proven is
-    named, with its module and the construct; an unrecognized softmax over the sequence is
-    named first when there is one (an attention ``canonicalize_attention`` did not recognize
-    explains the rest: its scores pair tokens, its mask's construction scans them). Each
-    proven node keeps its sequence dim in ``meta["autopart.seq_dim"]``.
+    experts). The first node that is not proven is named, with its module and the construct;
+    an unrecognized softmax over the sequence is named first when there is one (an attention
+    ``canonicalize_attention`` did not recognize explains the rest: its scores pair tokens, its
+    mask's construction scans them). Each proven node keeps its sequence dim in
+    ``meta["autopart.seq_dim"]``.
     """
     env, found = seq_dims(gm)
     for n, value in env.items():
@@ -340,7 +340,7 @@ def _causal_convs(gm: fx.GraphModule) -> list[CausalConv]:
     live = live_nodes(gm)
     out = []
     for n in gm.graph.nodes:
-        if n not in live or n.target not in _CONVS:
+        if n not in live or n.target not in CONVS:
             continue
         form = causal_conv(n, live)
         x = form.x if isinstance(form, CausalConv) else n.args[0]
@@ -388,10 +388,9 @@ def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.No
         history = call(aten.cat.default, [zeros, c], d)
         window = call(aten.slice.Tensor, history, d, -w, _END)
         joined = call(aten.cat.default, [window, x], d)
-        nxt = call(aten.slice.Tensor, joined, d, -w, _END)
-        out = nxt
-        if carry.meta["val"].dtype != dtype:
-            out = g.call_function(aten._to_copy.default, (nxt,), {"dtype": carry.meta["val"].dtype})
+        out = call(aten.slice.Tensor, joined, d, -w, _END)
+        if carry.meta["val"].dtype != dtype:  # back in the model's dtype
+            out = g.call_function(aten._to_copy.default, (out,), {"dtype": carry.meta["val"].dtype})
             made.append(out)
     if conv.pad is not None:  # conv(pad(x)) → conv([window; x]) (each conv its own carry)
         n.replace_input_with(conv.pad, joined)

@@ -197,16 +197,9 @@ class _Mixer(torch.nn.Module):
             w = self.head.weight[:32].reshape(16, 8, 4)
             y = F.conv1d(F.pad(x.transpose(1, 2), (6, 0)), w, dilation=2, groups=2)
             x = x + y.transpose(1, 2)
-        elif self.mix == "conv-same":  # padded on both sides, not cut back: sees 1 token ahead
-            w = self.head.weight[:16, :3].unsqueeze(1)
-            x = x + F.conv1d(x.transpose(1, 2), w, padding=1, groups=16).transpose(1, 2)
         elif self.mix == "conv-ahead":  # padded by k − 1 but cut to the last s: reads t … t + 2
             w = self.head.weight[:16, :3].unsqueeze(1)
             x = x + F.conv1d(x.transpose(1, 2), w, padding=2, groups=16)[..., 2:].transpose(1, 2)
-        elif self.mix == "conv-stride":  # stride 2: one output per two tokens, spread back
-            w = self.head.weight[:16, :3].unsqueeze(1)
-            y = F.conv1d(x.transpose(1, 2), w, padding=2, stride=2, groups=16)
-            x = x + y[..., : ids.shape[1] // 2].repeat_interleave(2, -1).transpose(1, 2)
         elif self.mix == "length":  # the sequence length as a value: each chunk has its own
             x = x * ids.shape[1]
         elif self.mix == "mean":  # centred over the sequence
@@ -225,12 +218,6 @@ class _Mixer(torch.nn.Module):
         ("pool", "a softmax over the sequence"),
         ("table", "an index by position"),
         (
-            "conv-same",
-            "node conv1d (<root>): a convolution along the sequence padded by 1 for a "
-            "window of 2 inputs",
-        ),
-        ("conv-stride", "node conv1d (<root>): a convolution along the sequence with stride 2"),
-        (
             "conv-ahead",
             "node conv1d (<root>): a convolution along the sequence padded by 2 on both sides "
             "and not cut back to its first s outputs",
@@ -243,8 +230,8 @@ def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> N
     """Negative controls: each construct is refused, naming the node; the same model without it
     chunks and computes the whole sequence's loss and gradients. (A convolution, the length as
     a value and the mean were not refused by the deny-list this proof replaced: LFM2's causal
-    convolution trained 34 % wrong; it is chunked now, below, and a convolution that is not
-    causal, or skips tokens, is refused.)"""
+    convolution trained 34 % wrong; it is chunked now, below, and one that reads ahead is
+    refused; tests/test_parity_conv.py refuses more.)"""
     ids = torch.randint(0, 50, (2, 16))
     with pytest.raises(AutopartError) as err:
         parallelize(capture(_Mixer(mix), (ids, ids)), Mesh(), schedule="seq1f1b", seq_chunks=2)
