@@ -10,7 +10,8 @@ The inputs are the runtime's (``runtime.runner.stage_inputs``): this rank's para
 (the placeholders' local shapes), the buffers, one micro-batch of the example's rows and
 length, the previous stage's outputs as its activations. Under Seq1F1B the last chunk runs, with
 a K/V prefix as long as the chunks before it (so the prefixed attention and its gradient into
-the prefix run too). Each stage's backward starts from gradients of ones. The graphs of tp rank 0 of each pipeline position
+the prefix run too), and each causal convolution's carry as long (the graph keeps the last
+window of it). Each stage's backward starts from gradients of ones. The graphs of tp rank 0 of each pipeline position
 stand for all (every tp rank runs the same graph on the same shapes).
 """
 
@@ -127,9 +128,10 @@ def _weights(
 
 
 def _prefix_shape(shape: list[int | str], rows: int, length: int) -> list[int]:
-    """A K/V prefix shape of ``kv_shapes`` (``"b"`` for the rows, 0 for the prefix length)."""
+    """A prefix shape of ``kv_shapes`` (``"b"`` for the rows, the 0 for the prefix length: a
+    K/V prefix's dim −2, a convolution's carried inputs' last dim)."""
     out = [rows if d == "b" else int(d) for d in shape]
-    out[-2] = length
+    out[max(i for i, d in enumerate(shape) if d == 0)] = length
     return out
 
 

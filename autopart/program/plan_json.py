@@ -13,8 +13,9 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   its pipeline coordinate runs; each stage's file is ``stage{k}.pt2``; its actions refer to its
   own stages, the plan's micro-batches and chunks, and ranks of the world, and are no more than
   a schedule can have (7 per stage, micro-batch and chunk, plus the two reductions);
-- a K/V prefix shape has an empty sequence dim (a 0), at most one ``"b"`` (the batch) and at
-  most ``MAX_KV_ROW`` elements per sequence, so the zeros the runtime makes from it are empty.
+- a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
+  0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
+  zeros the runtime makes from it are empty.
 """
 
 from __future__ import annotations
