@@ -405,6 +405,25 @@ def test_json_of_the_wrong_types_is_refused_by_field(saved: Path, tmp_path: Path
     assert err.value.hint
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda a: a.pop(2),  # found by the fuzz test in CI: one F dropped, every field valid
+        lambda a: a.insert(0, a[0]),
+        lambda a: a.__setitem__(slice(0, 2), a[1::-1]),
+        lambda a: a.append({"kind": "DP_REDUCE", "stage": 0, "mb": 0, "chunk": 0}),
+    ],
+    ids=["dropped", "repeated", "swapped", "extra-reduce"],
+)
+def test_actions_must_be_the_plans_schedule(saved: Path, tmp_path: Path, edit) -> None:
+    """Actions that are each well-formed but are not the list the plan's schedule generates
+    (a dropped forward would skip work or hang the peer) are refused at load."""
+    crafted = copy_program(saved, tmp_path)
+    edit_json(crafted, "rank00000/program.json", lambda d: edit(d["actions"]))
+    with pytest.raises(AutopartError, match=r"actions\[\d+\] = .* schedule gives pipeline rank 0"):
+        load_rank(crafted, 0)
+
+
 def test_a_huge_kv_shape_is_refused(saved: Path, tmp_path: Path) -> None:
     """Break 3: a declared K/V prefix of 1e13 elements was accepted (the runtime would then
     allocate it as zeros for the first chunk)."""

@@ -11,8 +11,9 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   inputs name only the plan's parameters and buffers; a shard's shape is its parameter's;
 - a rank's coordinates and groups are those the mesh gives that rank; its stages are the ones
   its pipeline coordinate runs; each stage's file is ``stage{k}.pt2``; its actions refer to its
-  own stages, the plan's micro-batches and chunks, and ranks of the world, and are no more than
-  a schedule can have (7 per stage, micro-batch and chunk, plus the two reductions);
+  own stages, the plan's micro-batches and chunks, and ranks of the world, and are exactly the
+  list the plan's schedule generates for that rank (``schedule.generate``: a dropped, added or
+  reordered action would deadlock or skip work);
 - a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
   0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
   zeros the runtime makes from it are empty.
@@ -20,6 +21,7 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Any
@@ -41,6 +43,7 @@ from autopart.program.schema import (
     one_of,
     string,
 )
+from autopart.schedule.generators import generate
 from autopart.schedule.ir import KINDS
 
 MAX_WORLD = 1 << 16
@@ -222,6 +225,23 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
     for i, st in enumerate(doc["stages"]):
         _check_stage(st, f"stages[{i}]", doc, buffers)
     _check_actions(doc["actions"], plan, set(stages))
+    want = generate(
+        plan.schedule,
+        doc["coords"]["pp"],
+        plan.microbatches,
+        doc["groups"]["pp"],
+        mesh.dp,
+        plan.virtual_stages,
+        tied=bool(doc["ties"]),
+        k=plan.seq_chunks,
+    )
+    for i, (got, a) in enumerate(itertools.zip_longest(doc["actions"], want)):
+        if a is None or got != a.to_json():
+            raise Invalid(
+                f"actions[{i}]",
+                f"= {got} is not {a and a.to_json()}: the actions are those plan.json's "
+                f"{plan.schedule!r} schedule gives pipeline rank {doc['coords']['pp']}",
+            )
 
 
 def _check_stage(st: dict[str, Any], where: str, doc: dict[str, Any], buffers: set[str]) -> None:
