@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.schedule.chunks import SPLITS
 from autopart.schedule.generators import GENERATORS, check_schedule, traits
 
 SCHEDULES = tuple(GENERATORS)
@@ -181,8 +182,6 @@ class Plan:
             raise AutopartError(
                 f"unknown recompute {self.recompute!r}", hint=f"use one of {', '.join(RECOMPUTE)}"
             )
-        from autopart.schedule.chunks import SPLITS
-
         if self.seq_split not in SPLITS:
             raise AutopartError(
                 f"unknown seq_split {self.seq_split!r}", hint=f"use one of {', '.join(SPLITS)}"

@@ -32,6 +32,7 @@ from torch import fx, nn
 
 from autopart import collectives
 from autopart.errors import AutopartError, wait
+from autopart.graph import copy_graph
 from autopart.layout import Coords, Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.format import Program, RankProgram
@@ -1235,8 +1236,6 @@ def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]
 def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
     """A copy of a stage graph with every dropout taken out: autopart's explicit dropout and
     ``aten.dropout`` become their input, and attention's ``dropout_p`` becomes 0 (eval mode)."""
-    from autopart.lowering.compile import copy_graph
-
     g = copy_graph(graph)
     aten = torch.ops.aten
     for n in list(g.graph.nodes):
@@ -1281,8 +1280,6 @@ def logits_graph(graph: fx.GraphModule) -> fx.GraphModule:
     """A copy of a stage graph that returns the logits the loss would read instead of the
     loss (``(tokens, vocab / tp)``, flattened as the loss takes them); a stage without the
     loss is returned as it is."""
-    from autopart.lowering.compile import copy_graph
-
     losses = (
         torch.ops.aten.cross_entropy_loss.default,
         torch.ops.autopart.vocab_parallel_ce.default,
