@@ -30,7 +30,7 @@ from autopart.graph import copy_graph, device_free
 from autopart.layout import Plan
 from autopart.lowering.chunks import cost_coefficients
 from autopart.lowering.dry_run import dry_run
-from autopart.lowering.pass_runner import PassRecord, run_passes
+from autopart.lowering.pass_runner import run_passes
 from autopart.meta import (
     META_CUTS,
     META_EXAMPLE_SHAPE,
@@ -45,7 +45,7 @@ from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.program.archive import allowed_call
-from autopart.program.format import Program, RankProgram, Shard, StageProgram
+from autopart.program.format import PassRecord, Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths
 

@@ -38,10 +38,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopart.layout import Coords
 from autopart.meta import META_KV_SHAPES
+from autopart.program.feeds import stage_inputs
 from autopart.program.format import Program, RankProgram
 from autopart.runtime.placement import place
 from autopart.runtime.recompute import regions
-from autopart.runtime.runner import stage_inputs
 from autopart.schedule.chunks import chunk_bounds
 
 

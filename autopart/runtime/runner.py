@@ -20,7 +20,7 @@ import contextlib
 import operator
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -33,8 +33,9 @@ from torch import fx, nn
 from autopart import collectives
 from autopart.errors import AutopartError, wait
 from autopart.graph import copy_graph
-from autopart.layout import Coords, Plan
+from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
+from autopart.program.feeds import stage_inputs
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import norms, p2p, staging, state
 from autopart.runtime.comm import Comm
@@ -1169,47 +1170,6 @@ class Runner:
             work = staging.all_reduce(loss, self.groups["dp"])
             self._wait(work, f"loss all-reduce over dp ranks {self.program.groups['dp']}")
         return loss
-
-
-def stage_inputs(
-    refs: Sequence[Any],
-    *,
-    params: Mapping[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    data: dict[str, torch.Tensor],
-    coords: Coords,
-    acts: Sequence[torch.Tensor],
-    prefix: Sequence[torch.Tensor],
-    offset: int,
-    seed: torch.Tensor | None,
-    compute: torch.dtype | None,
-    device: torch.device,
-) -> list[Any]:
-    """A stage graph's arguments, one per placeholder (``refs``: its ``InputRef``s): parameters
-    (cast to ``compute`` inside autograd under mixed precision), buffers, the batch, this rank's
-    coordinates, the previous stage's activations, the K/V prefix, the chunk offset and the
-    dropout seed."""
-    out: list[Any] = []
-    for ref in refs:
-        if ref.kind == "act":
-            out.append(acts[int(ref.name)])
-        elif ref.kind == "param":
-            p = params[ref.name]
-            cast = compute is not None and p.is_floating_point()
-            out.append(p.to(compute) if cast else p)
-        elif ref.kind == "rank":
-            out.append(torch.tensor(coords.along(ref.name), device=device))
-        elif ref.kind == "rng":
-            out.append(seed)
-        elif ref.kind == "data":
-            out.append(data[ref.name])
-        elif ref.kind == "kv":
-            out.append(prefix[int(ref.name)])
-        elif ref.kind == "offset":
-            out.append(torch.tensor(offset, device=device))
-        else:
-            out.append(buffers[ref.name])
-    return out
 
 
 def _peer(a: Action) -> int:
