@@ -103,6 +103,32 @@ def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> tuple[i
     return dist.get_rank(), dist.get_world_size()
 
 
+def join_torchrun(timeout_s: float, backend: str = "gloo") -> tuple[int, int]:
+    """``init_distributed``, but a job torchrun restarted (``--max-restarts``) keeps its keys
+    apart from the failed attempt's: torchrun's workers share the agent's store across attempts,
+    where gloo could find a dead rank's address (pytorch/pytorch#135712)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if attempt != "0" and shared and not dist.is_initialized():
+        env = os.environ
+        world = int(env["WORLD_SIZE"])
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
+            rank=int(env["RANK"]),
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return init_distributed(timeout_s, backend)
+
+
 def local_weights(program: Program, rp: RankProgram) -> dict[str, torch.Tensor]:
     """A rank's parameter shards and the buffers, cut from an in-memory ``Program``."""
     weights = {f: rp.shards[f].local(t) for f, t in program.params.items() if f in rp.shards}

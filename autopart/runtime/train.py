@@ -40,6 +40,8 @@ from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
 from autopart.runtime.launch import rank_setup
+from autopart.runtime.placement import backend_for, pick_device
+from autopart.runtime.runner import Runner, join_torchrun, make_groups
 from autopart.runtime.train_config import TrainConfig, lr_factor
 
 MANIFEST = "train.json"  # in OUT: the config, the token split and the FLOPs per token
@@ -125,10 +127,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(manifest: Path) -> int:
-    from autopart.runtime.placement import backend_for, pick_device
-    from autopart.runtime.run import _join
-    from autopart.runtime.runner import Runner, make_groups
-
     if "RANK" in os.environ:
         rank_setup(collectives.close)
     doc = json.loads(manifest.read_text())
@@ -137,7 +135,7 @@ def train(manifest: Path) -> int:
     head = read_head(folder)
     plan = Plan.from_json(head["plan"])
     device = pick_device(cfg.train_device or None)
-    rank, world = _join(cfg.train_timeout, backend_for(device))
+    rank, world = join_torchrun(cfg.train_timeout, backend_for(device))
     torch.manual_seed((cfg.train_seed * 1_000_003 + rank) % 2**63)
     plan.mesh.check_world(world)
     program = load_rank(folder, rank)
