@@ -797,13 +797,71 @@ def _factory(p: _Prover, n: fx.Node) -> Any:
     return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1) if grow else None
 
 
-def _arange(p: _Prover, n: fx.Node) -> Any:
-    from autopart.passes.sequence_chunk import _is_positions
+# positions and running counts: the chunk pass (``sequence_chunk``) shifts them by the chunk's
+# offset, and the rules below accept them
 
+
+def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
+    """The dim's size grows with the sequence (a size written as an expression of s that is
+    constant, such as a head count under tp, is not)."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return False
+    size = to_sympy(val.shape[dim % val.dim()], gm)
+    if S not in size.free_symbols:
+        return False
+    others = {sym: 4 for sym in size.free_symbols - {S}}
+    return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
+
+
+_FILLS = {
+    aten.ones.default: 1,
+    aten.ones_like.default: 1,
+    aten.new_ones.default: 1,
+    aten.full.default: 1,
+    aten.full_like.default: 1,
+    aten.new_full.default: 2,
+}
+
+
+def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
+    """c when ``n`` is ``cumsum(x, d)`` of a tensor x filled with the constant c (``ones``,
+    ``full``) along the sequence dim d: a running count (OPT's positions, from the all-ones
+    attention mask Hugging Face makes when none is given), whose value at global token t is
+    c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset. (A running count along
+    another dim is the same in every chunk and needs nothing.)"""
+    if n.target != aten.cumsum.default:
+        return None
+    x = n.args[0]
+    dim = int_arg(n, 1, "dim")
+    if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
+        return None
+    if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
+        return 1
+    value = x.args[_FILLS[x.target]] if len(x.args) > _FILLS[x.target] else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
+    if n.target == aten.arange.default:
+        start: object = 0
+    elif n.target == aten.arange.start:
+        start = n.args[0]
+    else:
+        return False
+    val = n.meta.get("val")
+    if start != 0 or val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
+        return False
+    expr = val.shape[0].node.expr
+    return gm.meta.get(META_SYMBOLS, {}).get(expr) == S
+
+
+def _arange(p: _Prover, n: fx.Node) -> Any:
     grow = p.growing(n.meta["val"])
     if not grow:
         return None
-    if _is_positions(n, p.gm):
+    if is_positions(n, p.gm):
         return Seq(0, ONE)  # shifted by the chunk's offset
     if (
         n.target == aten.arange.default
@@ -821,9 +879,7 @@ ARANGE = (
 
 
 def _cumsum(p: _Prover, n: fx.Node) -> Any:
-    from autopart.passes.sequence_chunk import _fill_value
-
-    if _fill_value(n, p.gm) is not None:  # a running count, shifted by the chunk pass
+    if fill_value(n, p.gm) is not None:  # a running count, shifted by the chunk pass
         return p.env[node_arg(n, 0)]
     for x, dims, what in _scan("cumsum")(n):
         v = p.env.get(x)
@@ -1059,4 +1115,15 @@ def _op_name(target: Any) -> str:
     return str(name).replace("::", ".")
 
 
-__all__ = ["LENGTH", "MIXED", "SOFTMAX", "SUMMED", "Mixes", "Routed", "Seq", "seq_dims"]
+__all__ = [
+    "LENGTH",
+    "MIXED",
+    "SOFTMAX",
+    "SUMMED",
+    "Mixes",
+    "Routed",
+    "Seq",
+    "fill_value",
+    "is_positions",
+    "seq_dims",
+]

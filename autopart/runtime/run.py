@@ -389,7 +389,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
     named in one line and skipped); returns its step and folder."""
     if args.checkpoint_dir is None:
         return 0, None
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     damaged: list[str] = []
 
@@ -421,7 +421,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
 
 
 def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: dict) -> None:
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     path = checkpoint.save(
         checkpoint.folder(args.checkpoint_dir, step),
@@ -447,7 +447,7 @@ def _finish_checkpoints(
     """Save after the last step (unless this run saved it or resumed from it), then --export.
     A checkpoint of that step found on disk is not trusted: it may be the damaged one that the
     resume skipped, so it is saved again."""
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     final = checkpoint.folder(args.checkpoint_dir, runner.steps)
     every = args.checkpoint_every

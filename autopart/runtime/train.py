@@ -245,7 +245,7 @@ def _validate(runner: Any, cfg: TrainConfig, val_ids: torch.Tensor, step: int) -
 
 def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> int:
     """Load the newest intact checkpoint (a damaged newer one is named and skipped)."""
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     if not cfg.checkpoints.exists():
         return 0
@@ -275,7 +275,7 @@ def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> i
 def _save(
     runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int, step: int, tied: dict
 ) -> None:
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     state = sched.state_dict()  # JSON: lr_lambdas holds None for a plain function
     path = checkpoint.save(

@@ -18,12 +18,13 @@ under sequence parallelism). ``uniform`` cuts equal lengths. ``measured`` balanc
 ``balanced`` with coefficients the runtime fits to the chunk times it measures
 (``fit_coefficients``; until it has them, the FLOP coefficients): FLOPs are not time on a
 machine whose attention kernel runs at another speed than its matmuls. All return lengths.
+
+``layout`` checks a plan's ``seq_split`` against ``SPLITS`` here, so this module imports neither
+torch nor sympy until a function needs one (``fit_coefficients``, ``_balanced``): making a
+``Plan``, and the simulator, import no torch.
 """
 
 from __future__ import annotations
-
-import sympy
-import torch
 
 from autopart.errors import AutopartError
 
@@ -41,6 +42,8 @@ def fit_coefficients(samples: list[tuple[int, int, float]]) -> tuple[float, floa
     the same for every chunk, so it does not move the balance, and the linear term absorbs it
     near the boundaries measured. A negative coefficient (noise) becomes 0; None when the
     samples cannot say (fewer than 2 distinct chunks, or both coefficients ≤ 0)."""
+    import torch
+
     rows = {(a, e): t for a, e, t in samples}
     if len(rows) < 2:
         return None
@@ -94,6 +97,8 @@ def chunk_bounds(
 
 
 def _balanced(c1: float, c2: float, seq_len: int, k: int) -> list[float]:
+    import sympy
+
     target = chunk_cost(c1, c2, 0, seq_len) / k
     e = sympy.Symbol("e", positive=True)
     bounds = [0.0]
