@@ -39,6 +39,7 @@ from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
+from autopart.runtime import checkpoint
 from autopart.runtime.launch import rank_setup
 from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.runner import Runner, join_torchrun, make_groups
@@ -245,8 +246,6 @@ def _validate(runner: Any, cfg: TrainConfig, val_ids: torch.Tensor, step: int) -
 
 def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> int:
     """Load the newest intact checkpoint (a damaged newer one is named and skipped)."""
-    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
-
     if not cfg.checkpoints.exists():
         return 0
 
@@ -275,8 +274,6 @@ def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> i
 def _save(
     runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int, step: int, tied: dict
 ) -> None:
-    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
-
     state = sched.state_dict()  # JSON: lr_lambdas holds None for a plain function
     path = checkpoint.save(
         checkpoint.folder(cfg.checkpoints, step),
