@@ -67,7 +67,7 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 # -- where each node lives ------------------------------------------------------------------
 
 
-_PARAM_VIEWS = {"tp_all_reduce_grad", "t", "view", "to", "_to_copy", "detach", "alias"}
+_PARAM_VIEWS = frozenset({"tp_all_reduce_grad", "t", "view", "to", "_to_copy", "detach", "alias"})
 
 
 def recomputable(gm: fx.GraphModule) -> set[fx.Node]:

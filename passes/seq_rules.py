@@ -425,14 +425,16 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
     return False
 
 
-_SLOT_USERS = {
-    aten.index_put.default,
-    aten.ge.Tensor,
-    aten.lt.Tensor,
-    aten.le.Tensor,
-    aten.gt.Tensor,
-}
-_COMPARE = {aten.ge.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.lt.Tensor}
+_SLOT_USERS = frozenset(
+    {
+        aten.index_put.default,
+        aten.ge.Tensor,
+        aten.lt.Tensor,
+        aten.le.Tensor,
+        aten.gt.Tensor,
+    }
+)
+_COMPARE = frozenset({aten.ge.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.lt.Tensor})
 
 
 def _sorted_values(sort: fx.Node) -> set[fx.Node]:
@@ -695,33 +697,35 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     ],
 }
 
-_POINTWISE = {
-    aten._to_copy.default,
-    aten.to.dtype,
-    aten.to.dtype_layout,
-    aten.to.device,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.detach.default,
-    aten.lift_fresh_copy.default,
-    aten.type_as.default,
-    aten.masked_fill.Tensor,
-    aten.floor_divide.default,
-    aten.fill.Scalar,
-    aten.dropout.default,
-    aten.native_dropout.default,
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.full_like.default,
-    aten.empty_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.bernoulli.p,
-    aten.__and__.Tensor,
-    aten.__or__.Tensor,
-    aten.__xor__.Tensor,
-}
-_ROUTING_ENTRY = {aten.sort.default}
+_POINTWISE = frozenset(
+    {
+        aten._to_copy.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
+        aten.to.device,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.detach.default,
+        aten.lift_fresh_copy.default,
+        aten.type_as.default,
+        aten.masked_fill.Tensor,
+        aten.floor_divide.default,
+        aten.fill.Scalar,
+        aten.dropout.default,
+        aten.native_dropout.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.empty_like.default,
+        aten.rand_like.default,
+        aten.randn_like.default,
+        aten.bernoulli.p,
+        aten.__and__.Tensor,
+        aten.__or__.Tensor,
+        aten.__xor__.Tensor,
+    }
+)
+_ROUTING_ENTRY = frozenset({aten.sort.default})
 
 
 # autopart's collectives and dropout work position by position (tp_gather / tp_scatter_reduce
@@ -1001,16 +1005,18 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     ),
 }
 
-_LINEAR_ON_SUMS = {
-    aten.add.Tensor,
-    aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.div.Tensor,
-    aten.neg.default,
-    aten._to_copy.default,
-    aten.to.dtype,
-    aten.clone.default,
-}
+_LINEAR_ON_SUMS = frozenset(
+    {
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.mul.Tensor,
+        aten.div.Tensor,
+        aten.neg.default,
+        aten._to_copy.default,
+        aten.to.dtype,
+        aten.clone.default,
+    }
+)
 
 # where the sequence length may appear: as a size
 _SIZE_ARGS: dict[Any, tuple[int, ...]] = {
@@ -1033,32 +1039,34 @@ _SIZE_ARGS: dict[Any, tuple[int, ...]] = {
     aten.arange.start_step: (0, 1),
     aten.split_with_sizes.default: (1,),
 }
-_SIZE_KW = {"size"}
+_SIZE_KW = frozenset({"size"})
 
-_SYM_OPS = {
-    aten.sym_size.int,
-    aten.sym_numel.default,
-    operator.add,
-    operator.sub,
-    operator.mul,
-    operator.floordiv,
-    operator.truediv,
-    operator.mod,
-    operator.neg,
-    operator.eq,
-    operator.ne,
-    operator.lt,
-    operator.le,
-    operator.gt,
-    operator.ge,
-    torch.sym_max,
-    torch.sym_min,
-    torch.sym_float,
-    torch.sym_int,
-    torch.sym_not,
-    math.ceil,
-    math.floor,
-}
+_SYM_OPS = frozenset(
+    {
+        aten.sym_size.int,
+        aten.sym_numel.default,
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.truediv,
+        operator.mod,
+        operator.neg,
+        operator.eq,
+        operator.ne,
+        operator.lt,
+        operator.le,
+        operator.gt,
+        operator.ge,
+        torch.sym_max,
+        torch.sym_min,
+        torch.sym_float,
+        torch.sym_int,
+        torch.sym_not,
+        math.ceil,
+        math.floor,
+    }
+)
 
 
 # -- helpers -----------------------------------------------------------------------------------

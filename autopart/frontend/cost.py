@@ -30,34 +30,36 @@ from autopart.node_args import node_arg
 
 ZERO = sympy.Integer(0)
 
-_VIEWS = {
-    "view",
-    "_unsafe_view",
-    "reshape",
-    "transpose",
-    "t",
-    "permute",
-    "expand",
-    "unsqueeze",
-    "squeeze",
-    "slice",
-    "select",
-    "split",
-    "split_with_sizes",
-    "alias",
-    "as_strided",
-    "unflatten",
-    "flatten",
-    "chunk",
-    "unbind",
-    "detach",
-    "lift_fresh_copy",
-    "sym_size",
-    "_assert_tensor_metadata",
-    "to",
-}
-_GATHERS = {"embedding", "index", "arange", "ones", "zeros", "new_ones", "full", "empty"}
-_MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
+_VIEWS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "alias",
+        "as_strided",
+        "unflatten",
+        "flatten",
+        "chunk",
+        "unbind",
+        "detach",
+        "lift_fresh_copy",
+        "sym_size",
+        "_assert_tensor_metadata",
+        "to",
+    }
+)
+_GATHERS = frozenset({"embedding", "index", "arange", "ones", "zeros", "new_ones", "full", "empty"})
+_MATMULS = frozenset({"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"})
 
 
 @dataclass(frozen=True)
