@@ -12,8 +12,8 @@ what each layer is for are in docs/architecture.md ("Layers"). The checks:
     when ``LAZY`` names it with its reason;
 (c) every entry of ``LAZY``, ``TYPE_ONLY``, ``REGISTRIES`` and ``PROCESS_STATE`` still matches
     something, so the lists cannot go stale;
-(d) a module-level list, dict or set (a display, a comprehension, or a call of ``list``, ``dict``,
-    ``set``, ``defaultdict``, ...) only for a name of ``REGISTRIES`` (tables built at import,
+(d) a module-level (or class-level) list, dict or set (a display, a comprehension, or a call of
+    ``list``, ``dict``, ``set``, ``defaultdict``, ...) only for a name of ``REGISTRIES`` (tables built at import,
     which no code writes afterwards: checked) or ``PROCESS_STATE``; no function rebinds a module
     name (``global``). ``__all__`` is exempt. Constant sets are ``frozenset``s, sequences tuples.
 """
