@@ -153,7 +153,7 @@ def hidden_size(case: Case) -> int:
 def solo_tp() -> Iterator[None]:
     """A runtime context whose "tp" group is None (every collective is the identity), active
     in this process; the previously active one comes back afterwards."""
-    saved = collectives._ACTIVE[0]
+    saved = collectives.current()
     collectives.activate(Comm({"tp": None}))
     try:
         yield
