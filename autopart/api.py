@@ -39,7 +39,9 @@ def parallelize(
 ) -> Any:
     """Compile ``model`` for ``mesh``: a ``Program`` offline, the local ``Runner`` if live.
 
-    ``example_inputs`` is ``(input_ids, labels)``, int64 ``(batch, seq)``; not needed when
+    ``example_inputs`` is ``(input_ids, labels)``, int64 ``(batch, seq)``, or a dict that also
+    has ``attention_mask`` (padding) and/or ``position_ids`` (packed documents), which the
+    model is then captured with and every step must pass (docs/capture.md); not needed when
     ``model`` is already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
     through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
     ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).

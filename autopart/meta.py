@@ -21,6 +21,9 @@ META_COST = "autopart.cost"  # Cost: symbolic FLOPs / bytes of a call node
 # canonicalize_attention
 META_ATTENTION = "autopart.attention"  # str: "causal" on a canonical causal SDPA
 META_WINDOW = "autopart.window"  # int | None: a canonical SDPA's sliding window in keys
+# tuple[str, ...]: a causal SDPA whose mask is the batch's (padding: "attention_mask", packed
+# documents: "position_ids"), proven to be the document-causal form (Seq1F1B plans only)
+META_DATA_MASK = "autopart.data_mask"
 # vocab_parallel / tensor_parallel
 META_VOCAB_DIMS = "autopart.vocab_dims"  # dict: split dims found by vocab_parallel (transient)
 META_SHARD = "autopart.shard"  # TPShard (parameter placeholders): how tp splits it
@@ -64,5 +67,7 @@ KEYS = {k: v for k, v in globals().items() if k.startswith("META_")}
 # "rank" (this rank's index in a group); dropout_rng: "rng" (the seed); pipeline_split: "act" (the
 # previous stage's i-th output); sequence_chunk: "offset" (the chunk's first token), "kv" (a K/V
 # prefix). program.json stores the kind as this string.
-InputRefKind = Literal["param", "buffer", "constant", "data", "rank", "rng", "act", "offset", "kv"]
+InputRefKind = Literal[
+    "param", "buffer", "constant", "data", "rank", "rng", "act", "offset", "kv", "keys"
+]
 INPUT_KINDS: tuple[InputRefKind, ...] = get_args(InputRefKind)

@@ -39,9 +39,17 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
+from autopart.frontend.capture import OPTIONAL
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
-from autopart.meta import META_ATTENTION, META_BUFFERS, META_INPUT, META_MODULE, META_WINDOW
+from autopart.meta import (
+    META_ATTENTION,
+    META_BUFFERS,
+    META_DATA_MASK,
+    META_INPUT,
+    META_MODULE,
+    META_WINDOW,
+)
 from autopart.node_args import float_arg, int_arg, node_arg
 
 aten = torch.ops.aten
@@ -97,6 +105,16 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
         n.meta[META_ATTENTION] = "causal" if causal else "not causal: no mask and is_causal=False"
         return False
     assert isinstance(mask, fx.Node)  # attn_mask: Tensor?
+    names = batch_inputs(gm, mask)
+    if names:  # the batch's padding or documents: kept as the model built it (module doc)
+        keep_is_true = mask.meta["val"].dtype == torch.bool
+        why = _data_proof(gm, proofs, mask, names, keep_is_true) if windows else None
+        if windows and why is None and not causal:
+            n.meta[META_ATTENTION] = "causal"  # document-causal: sequence_chunk rebuilds it
+            n.meta[META_DATA_MASK] = names
+        else:
+            n.meta[META_ATTENTION] = why or f"masked by the batch's {' and '.join(names)}"
+        return False
     why, window = _causal_window(
         gm, proofs, mask, keep_is_true=mask.meta["val"].dtype == torch.bool
     )
@@ -150,6 +168,13 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     while user is not None and user.target in _CASTS:
         probs, user = user, _only_user(user)
     if user is None or user.target != aten.matmul.default or user.args[0] is not probs:
+        return False
+    names = batch_inputs(gm, cond)
+    if names:  # Seq1F1B rebuilds only an SDPA's mask from the batch
+        sm.meta[META_ATTENTION] = (
+            f"a softmax attention masked by the batch's {' and '.join(names)} (Seq1F1B "
+            "chunks such a mask in scaled_dot_product_attention only)"
+        )
         return False
     why, window = (
         _causal_window(gm, proofs, cond, keep_is_true=True, additive=True)
@@ -302,6 +327,131 @@ def _evaluate_mask(
             what = "causal mask" if window is None else f"causal mask within {window} keys"
             return f"not causal: its mask differs from the {what} at sequence {s}", None
     return None, window
+
+
+OPTIONAL_DATA = OPTIONAL  # the batch's optional tensors: attention_mask, position_ids
+
+
+def batch_inputs(gm: fx.GraphModule, mask: fx.Node) -> tuple[str, ...]:
+    """The optional batch tensors (``attention_mask``, ``position_ids``) a mask's construction
+    reads: such a mask depends on the batch's values, so no evaluation on made-up data proves
+    it causal (an attention mask of random ids is almost all ones, and looked causal)."""
+    seen, stack, found = set(), [mask], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        ref = n.meta.get(META_INPUT) if n.op == "placeholder" else None
+        if ref is not None and ref.kind == "data" and ref.name in OPTIONAL_DATA:
+            found.add(ref.name)
+        stack.extend(n.all_input_nodes)
+    return tuple(name for name in OPTIONAL_DATA if name in found)
+
+
+def document_mask(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, s: int
+) -> torch.Tensor:
+    """[b, 1, s, s] boolean, the form Seq1F1B chunks: query i sees key j iff j ≤ i, key j is a
+    real token (``attention_mask[j] = 1``) and i, j are in one document (``position_ids``
+    restart a document wherever they do not step up by exactly 1, as Hugging Face's packed
+    sequences; ``documents``)."""
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    keep = (j <= i)[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask.bool()[:, None, None, :]
+    if position_ids is not None:
+        doc = documents(position_ids)
+        keep = keep & (doc[:, None, :, None] == doc[:, None, None, :])
+    return keep
+
+
+def documents(position_ids: torch.Tensor) -> torch.Tensor:
+    """The document index of every token: a new document starts wherever the position does not
+    step up by exactly 1 from the token before (Hugging Face's ``find_packed_sequence_indices``)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def _data_examples(s: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Padding and packings of 6 rows of ``s`` tokens: none, left, right, and holes (at least
+    one real token a row); one document, random documents restarting at 0, positions of
+    left-padded generation (1s, then 0, 1, ...), and random positions."""
+    rows = 6
+    mask = torch.ones(rows, s, dtype=torch.int64)
+    left, right = (int(x) for x in torch.randint(1, s, (2,), generator=g))
+    mask[1, :left] = 0
+    mask[2, right:] = 0
+    mask[3] = torch.randint(0, 2, (s,), generator=g)
+    mask[3, int(torch.randint(0, s, (), generator=g))] = 1
+    mask[4, : s // 2] = 0
+    pos = torch.arange(s).repeat(rows, 1)
+    for r in (1, 4):
+        cuts = sorted({int(x) for x in torch.randint(1, s, (3,), generator=g)})
+        for c in cuts:
+            pos[r, c:] -= pos[r, c].clone()
+    pos[2, :left] = 1
+    pos[2, left:] = torch.arange(s - left)
+    pos[3] = torch.randint(0, s, (s,), generator=g)
+    pos[5] = torch.arange(s).flip(0)
+    return {"attention_mask": mask, "position_ids": pos}
+
+
+def _data_proof(
+    gm: fx.GraphModule, proofs: dict, mask: fx.Node, names: tuple[str, ...], keep_is_true: bool
+) -> str | None:
+    """None if ``mask``'s construction evaluates to ``document_mask`` of the batch tensors it
+    reads (``names``) on every padding and packing of ``_data_examples``, at several lengths,
+    else why not (a sliding window, a bidirectional prefix, queries masked, ...)."""
+    key = (mask, keep_is_true, "data")
+    if key in proofs:
+        return proofs[key]
+    sub, inputs = _cut(gm, mask)
+    if sub is None:
+        proofs[key] = f"not causal: its mask depends on {inputs}"
+        return proofs[key]
+    g = torch.Generator().manual_seed(0)
+    why = None
+    for s in (*_SIZES, 21, 34):
+        for _ in range(3):
+            batch = _data_examples(s, g)
+            args = []
+            for ph in inputs:
+                ref = ph.meta[META_INPUT]
+                if ref.kind == "data" and ref.name in batch:
+                    args.append(batch[ref.name])
+                elif ref.kind == "data":
+                    args.append(torch.randint(0, 50, (6, s), generator=g))
+                else:
+                    args.append(_example(ph, s, gm))
+            try:
+                got = sub(*args)
+            except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
+                why = f"not provably document-causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})"
+                break
+            if got.dtype != torch.bool:
+                bad = (got != 0) & (got > MASKED)
+                if keep_is_true or bool(bad.any()):
+                    why = f"not document-causal: its additive mask is not 0 or -inf at sequence {s}"
+                    break
+                got = got == 0
+            elif not keep_is_true:
+                got = ~got
+            want = document_mask(
+                batch["attention_mask"] if "attention_mask" in names else None,
+                batch["position_ids"] if "position_ids" in names else None,
+                s,
+            )
+            if got.shape[-2:] != (s, s) or not bool((got == want).all()):
+                why = (
+                    f"not document-causal: its mask differs from the causal mask of the batch's "
+                    f"{' and '.join(names)} at sequence {s}"
+                )
+                break
+        if why:
+            break
+    proofs[key] = why
+    return why
 
 
 def band(s: int, window: int | None) -> torch.Tensor:

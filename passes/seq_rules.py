@@ -14,19 +14,25 @@ op by op from an allow-list.
 - ``SUMMED``: a sum over every token (the loss): chunks' sums add up to the sequence's, so it
   may reach the output, plus or times values that do not depend on the sequence, and nothing
   else;
-- routing values of a mixture of experts (``Routed``), below.
+- routing values of a mixture of experts (``Routed``), below;
+- ``PADDED`` / ``WINDOWED``: a causal convolution's input padded on the left, and the output
+  of one padded on both sides, which only the convolution, and the cut back to the first s
+  outputs, may read.
 
 The allow-list: position-wise ops (elementwise, reductions, norms and softmaxes over other
 dims, matmuls contracting other dims, views and rearrangements that keep the token order,
 slices and pads of other dims, embeddings and table reads at token-aligned indices),
 positions (``arange(s)``, running counts of a constant: the chunk pass shifts them by the
 chunk's offset), constants sized by the sequence, causal attention (``canonicalize_attention``
-marked it; the chunk pass gives it its K/V prefix), the summed loss, and token routing
-(``sort`` of per-token expert ids, the gather, grouped matmul and scatter back that a mixture of
-experts makes). Any other op, and any op of the list acting along the sequence dim (a scan, a
-softmax or reduction over it, a convolution or pad along it, a product contracting or pairing
-it, an index into it, a slice of it, the length used as a value) is a ``Mixes`` finding, naming
-what mixes the tokens. No dim is guessed: a value's sequence dim is the one whose size grows
+marked it; the chunk pass gives it its K/V prefix), causal convolutions along the sequence
+(``causal_conv``: stride 1, zero-padded by their window (k − 1)·d on the left only, by a pad
+or by symmetric padding cut back to the first s outputs; the chunk pass carries their window
+of inputs from chunk to chunk), the summed loss, and token routing (``sort`` of per-token
+expert ids, the gather, grouped matmul and scatter back that a mixture of experts makes). Any
+other op, and any op of the list acting along the sequence dim (a scan, a softmax or reduction
+over it, any other convolution or pad along it, a product contracting or pairing it, an index
+into it, a slice of it, the length used as a value) is a ``Mixes`` finding, naming what mixes
+the tokens. No dim is guessed: a value's sequence dim is the one whose size grows
 with the sequence (sizes are evaluated at several lengths), and the rule must agree.
 """
 
@@ -36,7 +42,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import fx
@@ -73,6 +79,9 @@ class Routed:
 
 LENGTH, SUMMED, MIXED, SLOTS = "length", "summed", "mixed", "slots"
 SHARE = "share"  # the index of a tp rank's rows under sequence parallelism (``_share``)
+# a causal convolution's input padded on the left by its window (read only by such convs), and
+# the output of one padded on both sides (read only by slices keeping its first s outputs)
+PADDED, WINDOWED = "padded", "windowed"
 
 
 class Mixes(Exception):
@@ -146,7 +155,7 @@ class _Prover:
 
     # -- the walk -------------------------------------------------------------------------------
     def run(self) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]]]:
-        live = _live(self.gm)
+        live = self.live = live_nodes(self.gm)
         for n in self.gm.graph.nodes:
             if n not in live:
                 continue
@@ -203,7 +212,7 @@ class _Prover:
         return value
 
     def _agree(self, value: Any, val: Any) -> None:
-        if not _is_tensor(val) or value in (SLOTS, SHARE):
+        if not _is_tensor(val) or value in (SLOTS, SHARE, PADDED, WINDOWED):
             return
         grow = self.growing(val)
         if len(grow) > 1:
@@ -238,6 +247,10 @@ class _Prover:
         if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
             return _share(self, n)
         self._no_length(n)
+        if target not in CONVS and any(
+            self.env.get(a) in (PADDED, WINDOWED) for a in n.all_input_nodes
+        ):
+            return _window_user(self, n)
         if any(self.env.get(a) is SUMMED for a in n.all_input_nodes):
             return self._summed(n)
         routed = [self.env[a] for a in n.all_input_nodes if isinstance(self.env.get(a), Routed)]
@@ -509,14 +522,6 @@ def _pad(n: fx.Node) -> list:
     return [(n.args[0], dims, "a pad along the sequence (a convolution's window, say)")]
 
 
-def _conv(n: fx.Node) -> list:
-    nd = _ndim(n.args[0])
-    return [
-        (n.args[0], list(range(1, nd)), "a convolution along the sequence"),
-        (n.args[1], list(range(_ndim(n.args[1]))), "a convolution whose weights are tokens"),
-    ]
-
-
 def _contract(a_dim: int, b_dims: Callable[[fx.Node], list[int]], a: int = 0, b: int = 1):
     what = "a product summing over the sequence outside causal attention"
 
@@ -657,8 +662,6 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.split_with_sizes.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.cat.default: _cat,
-    aten.constant_pad_nd.default: _pad,
-    aten.pad.default: _pad,
     aten.repeat.default: _repeat,
     aten.repeat_interleave.self_int: _along(
         "a repeat along the sequence", lambda n: [_dim_arg(n, 2, 0)]
@@ -672,11 +675,6 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.addmm.default: _contract(-1, lambda n: [0], 1, 2),
     aten.bmm.default: _contract(-1, lambda n: [-2]),
     aten.matmul.default: _contract(-1, _matmul_b),
-    # convolutions: along their spatial dims
-    aten.conv1d.default: _conv,
-    aten.conv2d.default: _conv,
-    aten.convolution.default: _conv,
-    aten._convolution.default: _conv,
     # reads of tables at token-aligned indices; indexing into a value along its sequence is not
     aten.embedding.default: lambda n: [(n.args[0], [0], "an embedding table sized by tokens")],
     aten.index.Tensor: _index,
@@ -967,6 +965,198 @@ def _view(p: _Prover, n: fx.Node) -> Any:
     return Seq(found.pop(), tuple(inner), v.part)
 
 
+# -- causal convolutions along the sequence ---------------------------------------------------
+
+CONVS = frozenset(
+    (
+        aten.conv1d.default,
+        aten.conv1d.padding,
+        aten.conv2d.default,
+        aten.convolution.default,
+        aten._convolution.default,
+    )
+)
+_PADS = frozenset((aten.constant_pad_nd.default, aten.pad.default))
+CONV = "a convolution along the sequence"
+
+
+@dataclass(frozen=True)
+class CausalConv:
+    """A convolution along the sequence whose output at token t reads the inputs t − window …
+    t only: one spatial dim (the input's last, the sequence), stride 1, dilation d, kernel k,
+    window = (k − 1)·d, zero-padded by the window on the left only — by a pad before it
+    (``F.pad(x, (window, 0))``, then no padding) or by its own symmetric padding, every output
+    past the first s cut off after it (``nn.Conv1d(padding=k − 1)(x)[..., :s]``: LFM2,
+    Mamba). Any groups (depthwise or not): channels are not tokens. The chunk pass feeds
+    each chunk the previous chunk's last ``window`` inputs in place of the zeros."""
+
+    conv: fx.Node
+    x: fx.Node  # the input before the padding: laid out along the sequence in ``dim``
+    dim: int  # the sequence dim of ``x``: the conv's spatial dim, its last
+    window: int  # (k − 1)·d: how many inputs before t the output at t reads
+    pad: fx.Node | None  # the left pad before the conv, or None
+    slices: tuple[fx.Node, ...]  # the symmetric form's cuts keeping the first s outputs
+
+
+def causal_conv(n: fx.Node, live: set[fx.Node] | None = None) -> CausalConv | str:
+    """``n``'s causal form, or what keeps it from being one (the end of the sentence "a
+    convolution along the sequence …"). ``live``: the users that count (all when None)."""
+    a = _bound(n)
+    x, w = a.get("input"), a.get("weight")
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    wv = w.meta.get("val") if isinstance(w, fx.Node) else None
+    if not (_is_tensor(xv) and _is_tensor(wv)) or wv.dim() != 3 or xv.dim() not in (2, 3):
+        return "over more than one dim (only a 1-d convolution along the sequence is chunked)"
+    assert isinstance(x, fx.Node)  # it has a value
+    if a.get("transposed"):
+        return "transposed (its output at t reads later inputs)"
+    stride, dilation = _one(a.get("stride")), _one(a.get("dilation"))
+    k = wv.shape[-1]
+    if stride != 1:
+        return f"with stride {stride} (only stride 1 keeps one output per token)"
+    if not isinstance(dilation, int) or not isinstance(k, int) or dilation < 1:
+        return f"with a kernel or dilation not fixed at capture ({k}, {dilation})"
+    window, dim = (k - 1) * dilation, xv.dim() - 1
+    padding = a.get("padding")
+    padding = 0 if padding == "valid" else _one(padding)
+    users = tuple(u for u in n.users if live is None or u in live)
+    if padding == 0:
+        if window == 0:  # a kernel of 1: token by token
+            return CausalConv(n, x, dim, 0, None, ())
+        if x.op == "call_function" and x.target in _PADS and _left_pad(x) == window:
+            return CausalConv(n, node_arg(x, 0), dim, window, x, ())
+        left = _left_pad(x) if x.op == "call_function" and x.target in _PADS else None
+        return f"with a window of {window} inputs (kernel {k}, dilation {dilation}) " + (
+            f"padded by {left} on the left"
+            if left
+            else "not zero-padded by it on the left (it is not causal)"
+        )
+    if padding == window and users and all(_keeps_first(u, n, x, dim, window) for u in users):
+        return CausalConv(n, x, dim, window, None, users)
+    if padding == window:
+        return (
+            f"padded by {window} on both sides and not cut back to its first s outputs "
+            f"(not causal: the output at t reads the inputs up to t + {window})"
+        )
+    return (
+        f"padded by {padding} for a window of {window} inputs (kernel {k}, dilation "
+        f"{dilation}): only (k − 1)·d on the left is causal"
+    )
+
+
+def _bound(n: fx.Node) -> dict[str, Any]:
+    """The op's arguments by schema name, defaults filled in."""
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(cast(Any, n.target)._schema.arguments):
+        if i < len(n.args):
+            out[arg.name] = n.args[i]
+        elif arg.name in n.kwargs:
+            out[arg.name] = n.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _one(x: Any) -> Any:
+    """The one int of a 1-d conv's ``[v]`` (or ``v``); anything else as it is."""
+    return x[0] if isinstance(x, (list, tuple)) and len(x) == 1 else x
+
+
+def _left_pad(pad: fx.Node) -> int | None:
+    """L when ``pad`` zero-pads its input's last dim by L on the left and nothing else."""
+    a = _bound(pad)
+    amounts = a.get("pad")
+    if pad.target == aten.pad.default and (a.get("mode") != "constant" or a.get("value")):
+        return None
+    if pad.target == aten.constant_pad_nd.default and a.get("value") != 0:
+        return None
+    if not isinstance(amounts, (list, tuple)) or len(amounts) < 2:
+        return None
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in amounts):
+        return None
+    if any(amounts[1:]) or amounts[0] <= 0:
+        return None
+    return amounts[0]
+
+
+def _keeps_first(u: fx.Node, conv: fx.Node, x: fx.Node, dim: int, window: int) -> bool:
+    """``u`` is ``conv(...)[..., :s]``: a slice of the conv's output along ``dim`` from 0,
+    step 1, to the input's length s (or to −window)."""
+    if u.target != aten.slice.Tensor or u.args[0] is not conv:
+        return False
+    a = _bound(u)
+    nd = conv.meta["val"].dim()
+    if a.get("dim") % nd != dim or a.get("start") not in (None, 0) or a.get("step") != 1:
+        return False
+    end, size = a.get("end"), x.meta["val"].shape[dim]
+    end = end.meta.get("val") if isinstance(end, fx.Node) else end
+    return (isinstance(end, int) and end == -window) or (end is not None and str(end) == str(size))
+
+
+def _convolution(p: _Prover, n: fx.Node) -> Any:
+    """A convolution: per token when the sequence is its batch dim; along the sequence only in
+    the causal form ``causal_conv`` recognizes (the chunk pass carries its window)."""
+    a = _bound(n)
+    x = a["input"]
+    for y in (a.get("weight"), a.get("bias")):
+        if isinstance(y, fx.Node) and p.env.get(y) is not None:
+            raise Mixes("a convolution whose weights are tokens")
+    v, nd = p.env.get(x), _ndim(x)
+    form = causal_conv(n, p.live)
+    if v is PADDED:  # x: a left pad that only convolutions read
+        if isinstance(form, CausalConv) and form.pad is x:
+            return Seq(form.dim, ONE)
+        raise Mixes(f"{CONV} {form if isinstance(form, str) else 'padded on the left twice'}")
+    if not isinstance(v, Seq):
+        return p._carry(n)
+    batched = _is_tensor(a["weight"].meta.get("val")) and nd == _ndim(a["weight"])
+    if batched and v.dim % nd == 0:  # the sequence is the conv's batch: each token alone
+        return p._carry(n)
+    if isinstance(form, str):
+        raise Mixes(f"{CONV} {form}")
+    if v.dim % nd != form.dim or form.pad is not None:
+        raise Mixes("a convolution over channels laid out along the sequence")
+    if v.inner != ONE:
+        raise Mixes(f"{CONV} whose tokens are merged with another dim")
+    if v.part != 1:
+        raise Mixes(f"{CONV} over a tp rank's share of it (sequence parallelism)")
+    return WINDOWED if form.slices else Seq(form.dim, ONE)
+
+
+def _padding(p: _Prover, n: fx.Node) -> Any:
+    """A pad along other dims; or a causal convolution's left pad along the sequence, read by
+    convolutions only (``PADDED``: each of them proves its own window, or is refused)."""
+    x = node_arg(n, 0)
+    v = p.env.get(x)
+    users = [u for u in n.users if u in p.live]
+    if (
+        isinstance(v, Seq)
+        and v.dim % _ndim(x) == _ndim(x) - 1
+        and v.inner == ONE
+        and v.part == 1
+        and _left_pad(n) is not None
+        and users
+        and all(u.target in CONVS and u.args[0] is n for u in users)
+    ):
+        return PADDED
+    for y, dims, what in _pad(n):
+        w = p.env.get(y)
+        if isinstance(w, Seq) and w.dim % _ndim(y) in {d % _ndim(y) for d in dims}:
+            raise Mixes(what)
+    return p._carry(n)
+
+
+def _window_user(p: _Prover, n: fx.Node) -> Any:
+    """A node reading a causal convolution's padded value: only the cut back to its first s
+    outputs may (``causal_conv`` found every one of them)."""
+    for a in n.all_input_nodes:
+        if p.env.get(a) is WINDOWED:
+            form = causal_conv(a, p.live)
+            if isinstance(form, CausalConv) and n in form.slices:
+                return Seq(form.dim, ONE)
+    raise Mixes(f"a padded value of {CONV} read other than by it")
+
+
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     **dict.fromkeys(
         (
@@ -987,6 +1177,8 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.arange.start: _arange,
     aten.arange.start_step: _arange,
     aten.cumsum.default: _cumsum,
+    **dict.fromkeys(CONVS, _convolution),
+    **dict.fromkeys(_PADS, _padding),
     SDPA: _attention,
     aten.cross_entropy_loss.default: _loss,
     aten.sum.dim_IntList: _sum_all,
@@ -1072,7 +1264,7 @@ _SYM_OPS = frozenset(
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _live(gm: fx.GraphModule) -> set[fx.Node]:
+def live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """The nodes the outputs need, once the chunk pass has replaced every causal attention's
     mask (the construction of a mask it drops is never run)."""
     live: set[fx.Node] = set()
@@ -1128,10 +1320,14 @@ __all__ = [
     "MIXED",
     "SOFTMAX",
     "SUMMED",
+    "CONVS",
+    "CausalConv",
     "Mixes",
     "Routed",
     "Seq",
+    "causal_conv",
     "fill_value",
     "is_positions",
+    "live_nodes",
     "seq_dims",
 ]

@@ -2,19 +2,25 @@
 
 Invariant (Seq1F1B plans): cut a micro-batch's sequence into chunks of lengths s_0 … s_{k−1}.
 Running a stage graph on chunk j — its tokens (or the previous stage's activations for them),
-``offset`` = s_0 + … + s_{j−1}, and for each attention layer the K/V *prefix* of the chunks
-before it — returns the chunk's outputs and, appended, each attention layer's K/V with this
-chunk's added (the next chunk's prefix). Together the chunks compute exactly what the
-unchunked graph computes on the whole sequence; the loss output is the chunk's summed cross
-entropy, so the chunks' losses add up to the sequence's. Gradients reaching a prefix input
-belong to earlier chunks' K/V outputs: the runtime hands them back to those chunks' backward,
-which runs later (reverse chunk order).
+``offset`` = s_0 + … + s_{j−1}, for each attention layer the K/V *prefix* of the chunks before
+it, and for each causal convolution the inputs it *carries* over from them — returns the
+chunk's outputs and, appended, each attention layer's K/V with this chunk's added (the next
+chunk's prefix) and each causal convolution's last (k − 1)·d inputs (the next chunk's carry).
+Together the chunks compute exactly what the unchunked graph computes on the whole sequence;
+the loss output is the chunk's summed cross entropy, so the chunks' losses add up to the
+sequence's. Gradients reaching a prefix or carry input belong to earlier chunks' outputs: the
+runtime hands them back to those chunks' backward, which runs later (reverse chunk order).
+A carry is a prefix to the runtime (``InputRef("kv", …)``, an empty first one, the previous
+chunk's output after it): it keeps only the last (k − 1)·d positions.
 
 What changes in the graph:
 
 - **inputs**: ``InputRef("offset", "")`` (a 0-d int64 tensor) when the stage computes
   positions, then ``InputRef("kv", "2i")`` / ``("kv", "2i+1")`` — layer i's K and V prefix,
-  ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk);
+  ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk), then
+  ``InputRef("kv", "2A+j")`` — the carried inputs of the stage's j-th causal convolution,
+  ``[b, channels, W_j]`` with a symbolic length of its own (0 for the first chunk, then the
+  convolution's window (k − 1)·d);
 - **positions**: every ``arange`` over the sequence length from 0 (learned positions, rotary
   tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``, and every running
   count ``cumsum(full(c))`` (OPT's positions from an all-ones mask) gains ``c · offset``;
@@ -23,8 +29,15 @@ What changes in the graph:
   positions ≤ P + t, and > P + t − W under a sliding window of W keys
   (``torch.nn.attention.bias.causal_lower_right``'s mask, built in the graph from the sizes, so
   one graph serves every chunk);
-- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order
-  (prefixes are in the model's dtype: K/V an attention computes in another are cast);
+- **causal convolutions** (``seq_rules.causal_conv``: stride 1, zero-padded by their window
+  (k − 1)·d on the left only): the convolution runs unpadded over [window; chunk], where the
+  window is the last (k − 1)·d entries of [zeros; carried inputs] — the zero padding for the
+  first chunk, the previous chunk's last inputs after it — so its output has the chunk's
+  length and equals the whole sequence's at these tokens;
+- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order,
+  then each convolution's last (k − 1)·d inputs of [window; chunk] (some the carry's when the
+  chunk is shorter than the window) (prefixes are in the model's dtype: K/V an attention
+  computes in another are cast);
 - **views** become reshapes (same values; the prefixed attention's output may have other
   strides than the unchunked one had).
 
@@ -33,6 +46,9 @@ and so is one where tokens meet along the sequence anywhere else (``refuse_seque
 """
 
 from __future__ import annotations
+
+import operator
+from typing import Any, cast
 
 import sympy
 import torch
@@ -48,6 +64,7 @@ from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
+    META_DATA_MASK,
     META_INPUT,
     META_INPUTS,
     META_KV,
@@ -61,9 +78,24 @@ from autopart.meta import (
     META_WINDOW,
 )
 from autopart.node_args import float_arg, node_arg
-from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
+from autopart.passes.canonicalize_attention import (
+    SDPA,
+    lower_right_mask,
+    remove_dead,
+    require_causal,
+)
 from autopart.passes.pipeline_split import stage_graphs
-from autopart.passes.seq_rules import SOFTMAX, Seq, fill_value, is_positions, seq_dims
+from autopart.passes.seq_rules import (
+    CONVS,
+    SOFTMAX,
+    CausalConv,
+    Seq,
+    causal_conv,
+    fill_value,
+    is_positions,
+    live_nodes,
+    seq_dims,
+)
 
 aten = torch.ops.aten
 P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for cost formulas
@@ -135,6 +167,41 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             pair.append(ph)
             anchor = ph
         prefixes.append((pair[0], pair[1]))
+    # the batch's padding / documents: their key columns, the prefix's and the chunk's tokens
+    keys: dict[str, fx.Node] = {}
+    for name in ("attention_mask", "position_ids"):
+        if not any(name in (n.meta.get(META_DATA_MASK) or ()) for n in attention):
+            continue
+        query = next(p for p in placeholders if p.meta.get(META_INPUT) == InputRef("data", name))
+        b, s = query.meta["val"].shape
+        with g.inserting_after(anchor):
+            ph = g.placeholder(f"keys_{name}")
+        assert mode is not None  # export's graphs carry fake values
+        with mode:
+            ph.meta["val"] = torch.empty((b, prefix_len + s), dtype=query.meta["val"].dtype)
+        ph.meta[META_INPUT] = InputRef("keys", name)
+        ph.meta[META_MODULE], ph.meta[META_LAYER] = "", None
+        new_refs.append(ph.meta[META_INPUT])
+        keys[name] = ph
+        anchor = ph
+    carries: list[tuple[CausalConv, fx.Node, torch.SymInt]] = []
+    for i, conv in enumerate(_causal_convs(gm)):
+        with g.inserting_after(anchor):
+            ph = g.placeholder(f"conv_carry_{i}")
+        val = conv.x.meta["val"]
+        assert mode is not None  # export's graphs carry fake values
+        length = _prefix_symint(mode, f"autopart_conv_carry_{i}")
+        shape = [*val.shape[: conv.dim], length, *val.shape[conv.dim + 1 :]]
+        with mode:
+            ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+        ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + i))
+        ph.meta[META_MODULE], ph.meta[META_LAYER] = (
+            conv.conv.meta.get(META_MODULE, ""),
+            conv.conv.meta.get(META_LAYER),
+        )
+        new_refs.append(ph.meta[META_INPUT])
+        carries.append((conv, ph, length))
+        anchor = ph
 
     for n in positions:
         with g.inserting_after(n):
@@ -154,8 +221,11 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         if n.target == aten.view.default:
             n.target = aten.reshape.default
     kv_out: list[fx.Node] = []
+    masks: dict[tuple[str, ...], fx.Node] = {}  # one document mask per stage, shared by layers
     for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
-        kv_out += _attend_with_prefix(g, sdpa, kp, vp)
+        kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks)
+    for conv, ph, _ in carries:
+        kv_out.append(_convolve_with_carry(g, conv, ph))
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -163,19 +233,24 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if refs is not None:
         gm.meta[META_INPUTS] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
-    gm.meta[META_KV_SHAPES] = (
+    kv_shapes = (
         [_empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair]
         if prefix_len is not None  # prefixes are made only with it
         else []
     )
-    if prefix_len is not None:
+    gm.meta[META_KV_SHAPES] = kv_shapes + [_empty_prefix(ph, n, gm) for _, ph, n in carries]
+    lengths = [(prefix_len, P)] if prefix_len is not None else []
+    lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
+    if lengths:
         rc = dict(gm.meta.get(META_RANGES, {}))
-        rc[prefix_len.node.expr] = ValueRanges(0, sympy.oo)
-        gm.meta[META_RANGES] = rc
-        gm.meta[META_SYMBOLS] = {
-            **gm.meta.get(META_SYMBOLS, {}),
-            prefix_len.node.expr: P,
-        }
+        names = dict(gm.meta.get(META_SYMBOLS, {}))
+        for sym, name in lengths:
+            rc[sym.node.expr] = ValueRanges(0, sympy.oo)
+            names[sym.node.expr] = name
+        gm.meta[META_RANGES], gm.meta[META_SYMBOLS] = rc, names
+    # the construction of a mask replaced above (a batch's: it indexes the whole sequence, so
+    # run on a chunk it would fail) goes, with the metadata asserts fx keeps as impure
+    remove_dead(gm)
     g.lint()
     gm.recompile()
     propagate(gm)
@@ -187,11 +262,12 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
 
     The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
     through a construct this pass chunks (position-wise ops, positions, causal attention with
-    its K/V prefix, the summed loss, routed experts). The first node that is not proven is
-    named, with its module and the construct; an unrecognized softmax over the sequence is
-    named first when there is one (an attention ``canonicalize_attention`` did not recognize
-    explains the rest: its scores pair tokens, its mask's construction scans them). Each
-    proven node keeps its sequence dim in ``meta["autopart.seq_dim"]``.
+    its K/V prefix, causal convolutions with their carried window, the summed loss, routed
+    experts). The first node that is not proven is named, with its module and the construct;
+    an unrecognized softmax over the sequence is named first when there is one (an attention
+    ``canonicalize_attention`` did not recognize explains the rest: its scores pair tokens, its
+    mask's construction scans them). Each proven node keeps its sequence dim in
+    ``meta["autopart.seq_dim"]``.
     """
     env, found = seq_dims(gm)
     for n, value in env.items():
@@ -201,8 +277,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
         raise AutopartError(
             f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
             hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
-            "position-wise ops, positions from arange or a running count, causal attention "
-            "and routed experts; docs/seq1f1b.md lists them)",
+            "position-wise ops, positions from arange or a running count, causal attention, "
+            "causal convolutions and routed experts; docs/seq1f1b.md lists them)",
         )
 
 
@@ -229,17 +305,118 @@ def _empty_prefix(ph: fx.Node, prefix_len: torch.SymInt, gm: fx.GraphModule) -> 
     return out
 
 
-def _prefix_symint(mode) -> torch.SymInt:
-    """A fresh symbolic size for the prefix length (hinted at 16: never specialized to 0 or 1)."""
+def _prefix_symint(mode, name: str = "autopart_kv_prefix") -> torch.SymInt:
+    """A fresh symbolic size for a prefix length (hinted at 16: never specialized to 0 or 1)."""
     env = mode.shape_env
-    sym = env.create_symbol(
-        16, ConstantSource("autopart_kv_prefix"), dynamic_dim=DimDynamic.DYNAMIC
-    )
+    sym = env.create_symbol(16, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
     return env.create_symintnode(sym, hint=16)
 
 
-def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
-    """SDPA over [prefix; chunk] keys with the lower-right causal mask; returns (K, V) full."""
+def _carry_symbol(i: int) -> sympy.Symbol:
+    """The length of conv ``i``'s carried inputs, for cost formulas (0, then its window)."""
+    return sympy.Symbol(f"w{i}", nonnegative=True, integer=True)
+
+
+def _causal_convs(gm: fx.GraphModule) -> list[CausalConv]:
+    """The live convolutions along the sequence (``refuse_sequence_mixing`` proved each causal
+    and recorded the sequence dim of its input), in graph order; a kernel of 1 needs no carry."""
+    live = live_nodes(gm)
+    out = []
+    for n in gm.graph.nodes:
+        if n not in live or n.target not in CONVS:
+            continue
+        form = causal_conv(n, live)
+        x = form.x if isinstance(form, CausalConv) else n.args[0]
+        seq = x.meta.get(META_SEQ_DIM)
+        nd = x.meta["val"].dim()
+        batched = nd == n.args[1].meta["val"].dim()
+        if seq is None or (batched and seq % nd == 0):
+            continue  # not along the sequence (or the sequence is the conv's batch)
+        if not isinstance(form, CausalConv) or seq % nd != form.dim:
+            raise AutopartError(  # refuse_sequence_mixing would have refused it
+                f"{n.name}: a convolution along the sequence not proven causal",
+                hint="please report the model",
+            )
+        if form.window:
+            out.append(form)
+    return out
+
+
+def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.Node:
+    """The conv over [its window of earlier inputs; the chunk's], unpadded: the window is the
+    last ``window`` entries of [zeros; carry] (the zero padding for the first chunk, whose carry
+    is empty; the previous chunk's last inputs after it). Returns the next chunk's carry: the
+    last ``window`` entries of [window; chunk] (some of them the carry's when the chunk is
+    shorter than the window)."""
+    n, x, d, w = conv.conv, conv.x, conv.dim, conv.window
+    made = []
+
+    def call(target, *args) -> fx.Node:
+        made.append(g.call_function(target, args))
+        return made[-1]
+
+    dtype = x.meta["val"].dtype
+    with g.inserting_before(n):
+        c = carry
+        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
+            c = g.call_function(aten._to_copy.default, (carry,), {"dtype": dtype})
+            made.append(c)
+        # zeros of the window's length (the carry's other sizes; a pad would pin its symbolic
+        # sizes to numbers)
+        size = [
+            w if i == d else call(aten.sym_size.int, c, i) if isinstance(k, torch.SymInt) else k
+            for i, k in enumerate(carry.meta["val"].shape)
+        ]
+        zeros = call(aten.new_zeros.default, c, size)
+        history = call(aten.cat.default, [zeros, c], d)
+        window = call(aten.slice.Tensor, history, d, -w, _END)
+        joined = call(aten.cat.default, [window, x], d)
+        out = call(aten.slice.Tensor, joined, d, -w, _END)
+        if carry.meta["val"].dtype != dtype:  # back in the model's dtype
+            out = g.call_function(aten._to_copy.default, (out,), {"dtype": carry.meta["val"].dtype})
+            made.append(out)
+    if conv.pad is not None:  # conv(pad(x)) → conv([window; x]) (each conv its own carry)
+        n.replace_input_with(conv.pad, joined)
+        if not conv.pad.users:
+            g.erase_node(conv.pad)
+    else:  # conv(x, padding=window)[..., :s] → conv([window; x], padding=0)[..., :s]
+        n.replace_input_with(x, joined)
+        _set_arg(n, "padding", [0])
+    for m in made:
+        m.meta[META_MODULE], m.meta[META_LAYER] = (
+            n.meta.get(META_MODULE, ""),
+            n.meta.get(META_LAYER),
+        )
+    return out
+
+
+_END = 9223372036854775807  # a slice to the end
+
+
+def _set_arg(n: fx.Node, name: str, value) -> None:
+    args = list(n.args)
+    for i, arg in enumerate(cast(Any, n.target)._schema.arguments):
+        if arg.name != name:
+            continue
+        if i < len(args):
+            args[i] = value
+            n.args = tuple(args)
+        else:
+            n.kwargs = {**n.kwargs, name: value}
+        return
+
+
+def _attend_with_prefix(
+    g: fx.Graph,
+    sdpa: fx.Node,
+    kp: fx.Node,
+    vp: fx.Node,
+    keys: dict[str, fx.Node] | None = None,
+    masks: dict[tuple[str, ...], fx.Node] | None = None,
+) -> list[fx.Node]:
+    """SDPA over [prefix; chunk] keys with the lower-right causal mask (and, for a mask of the
+    batch's, ``META_DATA_MASK``, its padding and documents from the key columns ``keys``, built
+    once into ``masks``); returns (K, V) full."""
     q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
     dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
@@ -259,7 +436,14 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
     with g.inserting_before(sdpa):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
         v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
-        mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
+        names = tuple(sdpa.meta.get(META_DATA_MASK) or ())
+        if names and masks is not None and names in masks:
+            mask = masks[names]
+        elif names:
+            assert keys is not None and masks is not None, "a batch mask needs its key columns"
+            mask = masks[names] = document_chunk_mask(g, q, k_full, {n: keys[n] for n in names})
+        else:
+            mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
         new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
         outs = [cast(k_full, k, kp), cast(v_full, v, vp)]
     for n in (k_full, v_full, new, *made):
@@ -281,6 +465,35 @@ def _attend_with_prefix(g: fx.Graph, sdpa: fx.Node, kp: fx.Node, vp: fx.Node) ->
             stack.extend(n.all_input_nodes)
             g.erase_node(n)
     return outs
+
+
+def document_chunk_mask(g: fx.Graph, q: fx.Node, k: fx.Node, keys: dict[str, fx.Node]) -> fx.Node:
+    """[b, 1, Lq, Lk] boolean: ``canonicalize_attention.document_mask``'s rows of the chunk's
+    queries (the last Lq of the Lk key positions) over all Lk keys, built in the graph from the
+    key columns ``keys`` of ``attention_mask`` (a key that is padding is masked) and
+    ``position_ids`` (a key of another document is masked: documents start where the
+    positions do not step up by 1, counted over the prefix's tokens and the chunk's)."""
+    keep = lower_right_mask(g, q, k)  # [Lq, Lk]
+
+    def call(op, *args):
+        return g.call_function(op, args)
+
+    if "attention_mask" in keys:
+        valid = call(aten.ne.Scalar, keys["attention_mask"], 0)  # [b, Lk]
+        valid = call(aten.unsqueeze.default, call(aten.unsqueeze.default, valid, 1), 1)
+        keep = call(aten.bitwise_and.Tensor, keep, valid)  # [b, 1, Lq, Lk]
+    if "position_ids" in keys:
+        pos = keys["position_ids"]
+        first = call(aten.sub.Tensor, call(aten.slice.Tensor, pos, 1, 0, 1), 1)
+        steps = call(aten.diff.default, pos, 1, -1, first)
+        doc = call(aten.cumsum.default, call(aten.ne.Scalar, steps, 1), -1)  # [b, Lk]
+        lq = call(aten.sym_size.int, q, -2)
+        lk = call(aten.sym_size.int, k, -2)
+        mine = call(aten.slice.Tensor, doc, 1, call(operator.sub, lk, lq), lk)  # [b, Lq]
+        rows = call(aten.unsqueeze.default, call(aten.unsqueeze.default, mine, 1), -1)
+        cols = call(aten.unsqueeze.default, call(aten.unsqueeze.default, doc, 1), 1)
+        keep = call(aten.bitwise_and.Tensor, keep, call(aten.eq.Tensor, rows, cols))
+    return keep
 
 
 __all__ = ["META_KV", "META_KV_SHAPES", "P", "chunk_stage", "lower_right_mask", "sequence_chunk"]

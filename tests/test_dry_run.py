@@ -78,3 +78,27 @@ def test_a_shape_that_fits_no_real_input_is_refused_naming_the_node(monkeypatch)
     msg = err.value.message
     assert msg.startswith("stage 0: node ") and "aten::reshape" in msg, msg
     assert "fails on fake inputs of the stage's shapes" in msg, msg
+
+
+def test_a_convolution_carry_is_fed_in_the_dry_run(monkeypatch) -> None:
+    """Under Seq1F1B the dry run feeds each causal convolution's carry like a K/V prefix (as
+    long as the chunks before the last; the graph keeps its last window): the toy of
+    test_parity_conv compiles (its parity tests). Negative control: with the prefix length put
+    in dim −2, as the dry run did when every prefix was a K/V one, the carry ([b, channels, P])
+    no longer fits and the convolution's concatenation is named."""
+    from test_parity_conv import make_toy
+
+    model, data = make_toy()
+    captured = capture(model.double(), data)
+    plan = {"schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2}
+
+    def kv_only(shape: list, rows: int, length: int) -> list:
+        out = [rows if d == "b" else d for d in shape]
+        out[-2] = length
+        return out
+
+    monkeypatch.setattr(sys.modules["autopart.lowering.dry_run"], "_prefix_shape", kv_only)
+    with pytest.raises(AutopartError) as err:
+        parallelize(captured, Mesh(pp=2), **plan)
+    msg = err.value.message
+    assert "(aten::cat, module blocks.0.mixer.conv)" in msg and "fails on fake inputs" in msg, msg

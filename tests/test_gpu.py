@@ -140,6 +140,7 @@ def test_ranks_share_a_gpu_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     assert placement.backend_for(torch.device("cpu")) == "gloo"
 
 
+@pytest.mark.slow  # the whole benchmark on CPU; the staging path runs by default
 @CPU_ONLY
 def test_gpu_benchmark_runs_on_cpu(tmp_path) -> None:
     """``python -m benchmarks gpu``'s code on a tiny model on the CPU: autopart's single-rank

@@ -61,7 +61,10 @@ def _processes_naming(marker: str) -> list[int]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],  # SIGINT: slow
+)
 def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, sig) -> None:
     """SIGTERM (or Ctrl-C's SIGINT) to ``autopart run`` stops torchrun and every rank: none is
     alive 5 s later (they used to train on, their parent PID 1), and none left a file in

@@ -316,6 +316,7 @@ def test_a_failing_forked_rank_stops_the_others_and_says_why(tmp_path: Path) -> 
     assert "rank 1 gave up" in err.value.message
 
 
+@pytest.mark.slow  # 8 ranks through three paths; the pp=2 tie runs by default
 @pytest.mark.multirank
 def test_a_pp4_tie_creates_the_same_groups_on_every_path(tmp_path) -> None:
     """The deep nanoGPT on pp=4 ties its embedding across stages 0 and 3: the middle ranks

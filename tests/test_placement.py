@@ -66,6 +66,7 @@ def test_every_schedule_runs_on_meta(tmp_path: Path) -> None:
                 )
 
 
+@pytest.mark.slow  # the nanoGPT schedules above run on meta by default
 def test_llama_seq1f1b_with_recompute_runs_on_meta(llama, tmp_path: Path) -> None:
     """HF Llama (rotary tables cast to float32 and back, GQA) under tp2 x pp2 Seq1F1B with
     sequence parallelism and full recomputation."""

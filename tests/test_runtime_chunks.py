@@ -60,6 +60,7 @@ def test_too_many_chunks_for_the_example_are_refused_at_compile_time() -> None:
     assert "at most 4 chunks" in err.value.hint
 
 
+@pytest.mark.slow  # timed steps and a refit
 def test_measured_split_refits_the_boundaries_and_stays_exact() -> None:
     """seq_split="measured": the first steps time each chunk's forward and refit the cost
     coefficients the boundaries balance; any boundaries compute the same loss and gradients."""

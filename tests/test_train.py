@@ -50,16 +50,60 @@ keep = 0
         ({"optimizer": {"lr": 1e-3}}, "unknown section [optimizer]"),
         ({"train": {"steps": 0}}, "[train] steps = 0 must be positive"),
         ({"parallel": {"tp": True}}, "[parallel] tp = True is a bool, not a int"),
-        ({"data": {"text": "a", "tokens": "b"}}, "takes text or tokens, not both"),
+        ({"data": {"text": "a", "tokens": "b"}}, "not ['text', 'tokens']"),
         ({"optim": {"lr": 1e-3, "min_lr": 1e-2}}, "min_lr <= lr"),
         ({"data": {"val_fraction": 0.0}}, "leaves nothing to validate on"),
         ({"steps": 5}, "unknown key steps"),
+        ({"data": {"text": "a.txt", "dataset": "text"}}, "not ['text', 'dataset']"),
+        ({"data": {"tokens": "a.pt", "tokenizer": "gpt2"}}, "tokenizer applies to text"),
+        ({"data": {"dataset_files": "a.txt"}}, "need a dataset"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_key(doc: dict, message: str) -> None:
     with pytest.raises(AutopartError) as err:
         from_dict(doc)
     assert message in str(err.value), str(err.value)
+
+
+def test_a_dataset_and_a_tokenizer_give_the_token_ids(tmp_path: Path, monkeypatch) -> None:
+    """[data] dataset through the `datasets` library (its local "text" builder: nothing is
+    downloaded), as bytes and through a tokenizer saved in a folder; a missing column and a
+    tokenizer that does not load are named."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be downloaded
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from autopart.cli.train import _read_data
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("the cat sat\nthe dog ran\n")
+    cfg = from_dict({"data": {"dataset": "text", "dataset_files": str(docs)}})
+    ids = _read_data(cfg)
+    assert bytes(ids.to(torch.uint8).tolist()) == b"the cat sat\nthe dog ran"
+    vocab = {"[UNK]": 0, "<eos>": 1, "the": 2, "cat": 3, "sat": 4, "dog": 5, "ran": 6}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="[UNK]")
+    tok.save_pretrained(tmp_path / "tok")
+    cfg = from_dict(
+        {
+            "data": {
+                "dataset": "text",
+                "dataset_files": str(docs),
+                "tokenizer": str(tmp_path / "tok"),
+            }
+        }
+    )
+    assert _read_data(cfg).tolist() == [2, 3, 4, 1, 2, 5, 6, 1]
+    cfg = from_dict({"data": {"text": str(docs), "tokenizer": str(tmp_path / "tok")}})
+    assert _read_data(cfg).tolist() == [2, 3, 4, 2, 5, 6, 1]
+    with pytest.raises(AutopartError, match="field = 'body' is not a column"):
+        _read_data(
+            from_dict({"data": {"dataset": "text", "dataset_files": str(docs), "field": "body"}})
+        )
+    with pytest.raises(AutopartError, match="could not be loaded"):
+        _read_data(from_dict({"data": {"text": str(docs), "tokenizer": str(tmp_path / "none")}}))
 
 
 def test_overrides_and_the_schedule(tmp_path: Path) -> None:

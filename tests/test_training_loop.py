@@ -18,7 +18,10 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mesh", ["dp2pp2", "tp2pp2"])
+@pytest.mark.parametrize(
+    "mesh",
+    ["dp2pp2", pytest.param("tp2pp2", marks=pytest.mark.slow)],  # tp2pp2: -m slow
+)
 def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) -> None:
     """Ranks built from different seeds (parallelize starts them all from rank 0's model),
     AdamW with decay groups, warmup, clipping that bites every step (``clip_grad_norm_``, the

@@ -121,21 +121,17 @@ def test_a_model_without_float64_kernels_is_verified_in_float32() -> None:
 NEW = ["lfm2", "deepseek_v3", "minicpm3", "recurrent_gemma", "falcon_h1"]  # issue 37's review
 
 
-def test_lfm2_convolution_is_refused_under_seq1f1b_before_launch() -> None:
+def test_lfm2_convolution_chunks_exactly_under_seq1f1b() -> None:
     """LFM2's short causal depthwise conv1d along the sequence trained 34 % wrong under pp=2
-    Seq1F1B k=2 (the deny-list knew no convolution); the allow-list refuses it at compile time,
-    naming the node and its module. (Compiles only: no rank starts.)"""
-    from autopart import Mesh, parallelize
-    from autopart.frontend.capture import capture
-
-    model, batch = zoo.make("lfm2")
-    captured = capture(model.double(), batch)
-    with pytest.raises(AutopartError) as err:
-        parallelize(captured, Mesh(pp=2), **{k: v for k, v in zoo.PLANS[SEQ].items() if k != "pp"})
-    assert "node conv1d (model.layers.0.conv): a convolution along the sequence" in str(
-        err.value.message
-    )
-    assert "1f1b" in err.value.hint
+    Seq1F1B k=2 (the deny-list knew no convolution), then was refused (the allow-list); now
+    each chunk's convolution gets the previous chunk's last k − 1 inputs, carried like a K/V
+    prefix: float64 parity under pp=2 Seq1F1B k=2, as docs/compatibility.md says (its
+    tp=2×pp=2 cell, also PASS, runs in the slow test of the whole row below)."""
+    dtype, cells = zoo.matrix(["lfm2"], {SEQ: zoo.PLANS[SEQ]})["lfm2"]
+    assert dtype == "float64"
+    assert_passes(cells[SEQ])
+    written = zoo.parse_table(DOCS.read_text())["lfm2"]
+    assert written[SEQ] == written[BOTH] == "PASS"
 
 
 @pytest.mark.slow

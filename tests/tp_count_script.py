@@ -64,9 +64,12 @@ def main() -> int:
     model, batch = nanogpt.make(dropout=0.2, attention="manual")
     runner = autopart.parallelize(model.double(), mesh, example_inputs=batch)
     runner.step(*batch)
+    # the pass's marks, read off the compiled program (the live runner's graphs were handed over
+    # from rank 0 as saved files, which keep no pass metadata)
+    offline = autopart.parallelize(model.double(), autopart.Mesh(tp=2), batch)
     split = [
         n.meta[META_DROPOUT_SPLIT]
-        for n in runner.program.stages[0].graph.graph.nodes
+        for n in offline.rank(0).stages[0].graph.graph.nodes
         if META_DROPOUT_SPLIT in n.meta
     ]
     same = []

@@ -141,7 +141,9 @@ def prepare(cfg: Any) -> int:
 
 
 def _read_data(cfg: Any) -> Any:
-    """The token ids: a text file as bytes, a token file, or the demo corpus."""
+    """The token ids: a text file (bytes, or a tokenizer's ids), a token file, a Hugging Face
+    dataset's text field (documents joined by the tokenizer's end-of-text id, or a newline),
+    or the demo corpus."""
     import torch
 
     from autopart.cli.demo import corpus
@@ -156,5 +158,73 @@ def _read_data(cfg: Any) -> Any:
             raw = path.read_bytes()
         except OSError as exc:
             raise AutopartError(f"cannot read [data] text {path}: {exc}") from exc
+        if cfg.data_tokenizer:
+            return _tokenize([raw.decode("utf-8", errors="replace")], cfg.data_tokenizer)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    if cfg.data_dataset:
+        return _tokenize(_dataset_texts(cfg), cfg.data_tokenizer)
     return corpus()
+
+
+def _dataset_texts(cfg: Any) -> list[str]:
+    """The ``field`` of every row of ``[data] dataset`` (``datasets.load_dataset``)."""
+    from autopart.errors import AutopartError
+
+    try:
+        import datasets
+    except ImportError:
+        raise AutopartError(
+            f"[data] dataset = {cfg.data_dataset!r} needs the `datasets` library",
+            hint="pip install datasets (or: pip install 'autopart[data]')",
+        ) from None
+    files = cfg.data_dataset_files or None
+    try:
+        ds = datasets.load_dataset(
+            cfg.data_dataset,
+            cfg.data_dataset_config or None,
+            split=cfg.data_split,
+            data_files=files,
+        )
+    except Exception as exc:  # noqa: BLE001 - the library's many failures, named once
+        raise AutopartError(
+            f"[data] dataset = {cfg.data_dataset!r} (split {cfg.data_split!r}) could not be "
+            f"loaded: {type(exc).__name__}: {exc}"
+        ) from exc
+    if cfg.data_field not in ds.column_names:
+        raise AutopartError(
+            f"[data] field = {cfg.data_field!r} is not a column of {cfg.data_dataset!r}",
+            hint=f"its columns: {ds.column_names}",
+        )
+    texts = [t for t in ds[cfg.data_field] if isinstance(t, str) and t]
+    if not texts:
+        raise AutopartError(
+            f"[data] dataset {cfg.data_dataset!r} holds no text in {cfg.data_field!r}"
+        )
+    return texts
+
+
+def _tokenize(texts: list[str], tokenizer: str) -> Any:
+    """Token ids of ``texts``, documents joined by the end-of-text id (a tokenizer's) or a
+    newline (bytes, when ``tokenizer`` is empty)."""
+    import torch
+
+    from autopart.errors import AutopartError
+
+    if not tokenizer:
+        raw = "\n".join(texts).encode()
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as exc:  # noqa: BLE001 - a missing library or tokenizer, named
+        raise AutopartError(
+            f"[data] tokenizer = {tokenizer!r} could not be loaded: {type(exc).__name__}: {exc}",
+            hint="a Hugging Face tokenizer name or a folder saved with save_pretrained "
+            "(needs `transformers`)",
+        ) from exc
+    sep = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    ids: list[int] = []
+    for t in texts:
+        ids += tok(t, add_special_tokens=False)["input_ids"] + sep
+    return torch.tensor(ids, dtype=torch.int64)

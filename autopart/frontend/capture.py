@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,8 @@ class Captured:
     dtype: torch.dtype
     vocab_size: int
     symbols: dict[str, sympy.Symbol] = field(default_factory=lambda: {"b": B, "s": S})
+    # the batch tensors the graph takes (DATA_NAMES order): a step must pass exactly these
+    batch_names: tuple[str, ...] = ("input_ids", "labels")
 
     @property
     def n_layers(self) -> int:
@@ -111,8 +114,17 @@ class _LossSum(nn.Module):
         params = inspect.signature(model.forward).parameters
         self.kwargs = {"use_cache": False} if "use_cache" in params else {}
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits_of(self.model(input_ids, **self.kwargs))  # (b, s, V)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # the optional batch tensors go to the model by name, exactly those the example has
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        extra = {k: v for k, v in given.items() if v is not None}
+        logits = logits_of(self.model(input_ids, **self.kwargs, **extra))  # (b, s, V)
         self.vocab_size = int(logits.shape[-1])
         flat = logits.reshape(-1, logits.shape[-1])  # (b·s, V)
         if flat.dtype in LOW_PRECISION:  # the loss in float32 (and its softmax statistics)
@@ -125,7 +137,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def capture_mixed(
     model: nn.Module,
-    example_inputs: tuple[torch.Tensor, torch.Tensor],
+    example_inputs: Batch,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Captured:
     """Capture ``model`` computing in ``dtype`` with its own (float32) parameters as masters:
@@ -140,21 +152,49 @@ def capture_mixed(
     return captured
 
 
-def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``(input_ids, labels)``: two int64 tensors of the same (batch, seq) shape."""
-    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) != 2:
+DATA_NAMES = ("input_ids", "labels", "attention_mask", "position_ids")
+OPTIONAL = DATA_NAMES[2:]  # the optional batch tensors, passed to the model by name
+Batch = tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]
+
+
+def batch_fields(batch: Any) -> dict[str, torch.Tensor]:
+    """A checked batch (``check_batch``) as ``{name: tensor}``: ``input_ids``, ``labels`` and
+    the optional tensors it has, in ``DATA_NAMES`` order."""
+    if isinstance(batch, dict):
+        return {k: batch[k] for k in DATA_NAMES if batch.get(k) is not None}
+    input_ids, labels = batch
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def check_batch(example_inputs: Any) -> Batch:
+    """Validate a batch: ``(input_ids, labels)``, two int64 tensors of the same (batch, seq)
+    shape, or a mapping with those two keys and optionally ``attention_mask`` (1 = a real
+    token, 0 = padding; int64 or bool, returned as int64) and ``position_ids`` (int64, ≥ 0), of
+    the same shape. A pair comes back as a pair, a mapping as a dict of exactly the tensors
+    given (a key set to None is left out)."""
+    if isinstance(example_inputs, Mapping):
+        unknown = sorted(set(example_inputs) - set(DATA_NAMES))
+        if unknown:
+            raise AutopartError(
+                f"the batch has an unknown entry {unknown[0]!r}",
+                hint=f"a batch holds {', '.join(DATA_NAMES)} (the last two optional)",
+            )
+        missing = [k for k in DATA_NAMES[:2] if example_inputs.get(k) is None]
+        if missing:
+            raise AutopartError(f"the batch has no {missing[0]}", hint=_BATCH_HINT)
+        fields = {k: example_inputs[k] for k in DATA_NAMES if example_inputs.get(k) is not None}
+    elif isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2:
+        fields = dict(zip(DATA_NAMES[:2], example_inputs, strict=True))
+    else:
         raise AutopartError(
-            "example_inputs must be (input_ids, labels)",
-            hint="labels are next-token targets aligned with input_ids; use -100 to ignore one",
+            "example_inputs must be (input_ids, labels) or a dict of the batch's tensors",
+            hint=_BATCH_HINT,
         )
-    input_ids, labels = example_inputs
+    input_ids, labels = fields["input_ids"], fields["labels"]
     for name, t in (("input_ids", input_ids), ("labels", labels)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 2:
-            what = (
-                f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            )
             raise AutopartError(
-                f"{name} must be an int64 tensor of shape (batch, seq), got {what}",
+                f"{name} must be an int64 tensor of shape (batch, seq), got {_what(t)}",
                 hint="token ids as torch.long, e.g. torch.randint(0, vocab, (8, 128))",
             )
     if input_ids.shape != labels.shape:
@@ -167,25 +207,77 @@ def check_batch(example_inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             f"example batch {tuple(input_ids.shape)} is too small to keep the sequence symbolic",
             hint="capture with a sequence of ≥ 2 tokens (torch.export specializes sizes 0 and 1)",
         )
-    return input_ids, labels
+    for name in OPTIONAL:
+        if name in fields:
+            fields[name] = check_extra(name, fields[name], tuple(input_ids.shape))
+    if not isinstance(example_inputs, Mapping):
+        return input_ids, labels
+    return fields
 
 
-def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor]) -> Captured:
-    """Export ``model`` (real or meta device) into an annotated functional graph."""
-    input_ids, labels = check_batch(example_inputs)
+_BATCH_HINT = (
+    "pass (input_ids, labels), or {'input_ids': ..., 'labels': ..., 'attention_mask': ..., "
+    "'position_ids': ...} (the last two optional); labels are next-token targets aligned "
+    "with input_ids, -100 where ignored"
+)
+
+
+def _what(t: Any) -> str:
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_extra(name: str, t: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """An optional batch tensor checked against the ids' ``shape``: ``attention_mask`` as int64
+    0/1 (a bool mask is converted), ``position_ids`` int64 ≥ 0. Values are read, so call it on
+    real tensors only (a meta tensor's shape and dtype are checked)."""
+    kinds = (torch.int64, torch.bool) if name == "attention_mask" else (torch.int64,)
+    if not isinstance(t, torch.Tensor) or t.dtype not in kinds or tuple(t.shape) != shape:
+        want = "int64 or bool" if name == "attention_mask" else "int64"
+        raise AutopartError(
+            f"{name} must be a {want} tensor of the ids' shape {shape}, got {_what(t)}",
+            hint="attention_mask: 1 for a real token, 0 for padding; position_ids: each "
+            "token's position in its document (restarting at 0 for packed documents)",
+        )
+    if name == "attention_mask":
+        t = t.to(torch.int64)
+    if t.device.type != "meta":
+        bad = ((t != 0) & (t != 1)) if name == "attention_mask" else (t < 0)
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0])
+            raise AutopartError(
+                f"{name}[{i}, {j}] = {int(t[i, j])} is not "
+                + ("0 or 1" if name == "attention_mask" else "a position (≥ 0)"),
+                hint="attention_mask: 1 for a real token, 0 for padding; position_ids: "
+                "each token's position in its document",
+            )
+    return t
+
+
+def capture(model: nn.Module, example_inputs: Batch) -> Captured:
+    """Export ``model`` (real or meta device) into an annotated functional graph. The example
+    batch's optional tensors (``attention_mask``, ``position_ids``) are passed to the model by
+    name and become data inputs of the graph; the model's ``forward`` must take them."""
+    fields = batch_fields(check_batch(example_inputs))
+    accepts(model, [k for k in fields if k in OPTIONAL])
+    input_ids = fields["input_ids"]
     device = next((p.device for p in model.parameters()), input_ids.device)
-    input_ids, labels = input_ids.to(device), labels.to(device)  # e.g. CPU tokens, meta model
+    fields = {k: t.to(device) for k, t in fields.items()}  # e.g. CPU tokens, meta model
     wrapper = _LossSum(model)
     dyn = {0: Dim.AUTO, 1: Dim.AUTO}
     # torch.export specializes a size of 1: a batch of one sequence (micro-batch 1, as the
     # largest runs use) is traced as two copies of it, so the batch stays symbolic
-    traced = (
-        (input_ids, labels)
-        if input_ids.shape[0] > 1
-        else (input_ids.repeat(2, 1), labels.repeat(2, 1))
-    )
+    if input_ids.shape[0] == 1:
+        fields = {k: t.repeat(2, 1) for k, t in fields.items()}
+    args = (fields["input_ids"], fields["labels"])
+    kwargs = {k: t for k, t in fields.items() if k in OPTIONAL}
     try:
-        ep = torch.export.export(wrapper, traced, dynamic_shapes=(dyn, dyn), strict=False)
+        ep = torch.export.export(
+            wrapper,
+            args,
+            kwargs,
+            dynamic_shapes={k: dyn for k in fields},
+            strict=False,
+        )
         table = {n.target: _SPLIT_UP[n.target] for n in ep.graph.nodes if n.target in _SPLIT_UP}
         table.update(library_decompositions(ep.graph))
         if table or any(_mutates(n) for n in ep.graph.nodes):
@@ -199,6 +291,20 @@ def capture(model: nn.Module, example_inputs: tuple[torch.Tensor, torch.Tensor])
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
     return _annotate(ep, model, input_ids, wrapper.vocab_size)
+
+
+def accepts(model: nn.Module, names: list[str]) -> None:
+    """Refuse optional batch tensors the model's ``forward`` does not name as a parameter (a
+    ``**kwargs`` catch-all may drop them silently, so it does not count)."""
+    params = inspect.signature(model.forward).parameters
+    for name in names:
+        if name not in params:
+            raise AutopartError(
+                f"the batch has {name}, but {type(model).__name__}.forward takes no {name} "
+                "argument",
+                hint=f"leave {name} out of the batch, or give the model a forward that takes "
+                f"{name} (Hugging Face causal LMs take attention_mask and position_ids)",
+            )
 
 
 def _baddbmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1):
@@ -304,6 +410,8 @@ def _annotate(
             src = ep.state_dict if kind == "buffer" and spec.persistent else ep.constants
             buffers[target] = src.get(spec.target, ep.state_dict.get(spec.target))
         else:
+            if node.name not in DATA_NAMES:
+                raise AutopartError(f"capture made an unexpected graph input {node.name!r}")
             node.meta[META_INPUT] = InputRef("data", node.name)
     for node in placeholders:  # drop the aliases' now unused placeholders
         ref = node.meta[META_INPUT]
@@ -335,6 +443,11 @@ def _annotate(
         example_shape=(int(input_ids.shape[0]), int(input_ids.shape[1])),
         dtype=next(iter(params.values())).dtype if params else torch.float32,
         vocab_size=vocab,
+        batch_names=tuple(
+            n
+            for n in DATA_NAMES
+            if any(p.name == n for p in gm.graph.nodes if p.op == "placeholder")
+        ),
     )
 
 

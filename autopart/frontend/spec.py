@@ -57,7 +57,7 @@ def load_factory(spec: str) -> Factory:
     return factory
 
 
-def build(spec: str | Factory) -> tuple[nn.Module, tuple[Any, Any]]:
+def build(spec: str | Factory) -> tuple[nn.Module, Any]:
     """Call the factory and check what it returns."""
     factory = load_factory(spec) if isinstance(spec, str) else spec
     out = factory()

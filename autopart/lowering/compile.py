@@ -198,6 +198,7 @@ def rank_program(
         n_stages=len(stages),
         chunk_cost=chunk_cost,
         vocab_size=captured.vocab_size,
+        batch_names=captured.batch_names,
     )
 
 

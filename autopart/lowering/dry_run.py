@@ -10,7 +10,8 @@ The inputs are the runtime's (``program.feeds.stage_inputs``): this rank's param
 (the placeholders' local shapes), the buffers, one micro-batch of the example's rows and
 length, the previous stage's outputs as its activations. Under Seq1F1B the last chunk runs, with
 a K/V prefix as long as the chunks before it (so the prefixed attention and its gradient into
-the prefix run too). Each stage's backward starts from gradients of ones. The graphs of tp rank 0 of each pipeline position
+the prefix run too), and each causal convolution's carry as long (the graph keeps the last
+window of it). Each stage's backward starts from gradients of ones. The graphs of tp rank 0 of each pipeline position
 stand for all (every tp rank runs the same graph on the same shapes).
 """
 
@@ -30,7 +31,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
-from autopart.program.feeds import stage_inputs  # the runtime's own input contract
+from autopart.program.feeds import chunk_feeds, example_batch, stage_inputs
 from autopart.schedule.chunks import chunk_bounds
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -57,7 +58,7 @@ def dry_run(
     last = len(bounds) - 1  # the last chunk: its K/V prefix (the earlier chunks') is not empty
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         device = torch.device("cpu")
-        ids = torch.empty(rows, seq, dtype=torch.int64, device=device)
+        batch = example_batch(rows, seq, captured.batch_names, device)
         seed = torch.tensor(0, device=device)
         weights = [
             _weights(st, refs, captured, mode) for st, refs in zip(stages, inputs, strict=True)
@@ -71,11 +72,13 @@ def dry_run(
                     torch.zeros(_prefix_shape(shape, rows, a), dtype=dtype) for shape in shapes
                 ]
                 prefix = [t.detach().requires_grad_() for t in prefix]
+                data, keys = chunk_feeds(batch, a, e)
                 args = stage_inputs(
                     refs,
                     params=weights[s][0],
                     buffers=weights[s][1],
-                    data={"input_ids": ids[:, a:e], "labels": ids[:, a:e]},
+                    data=data,
+                    keys=keys,
                     coords=Coords(pp=s % plan.mesh.pp, dp=0, tp=0),
                     acts=acts,
                     prefix=prefix,
@@ -120,9 +123,10 @@ def _weights(
 
 
 def _prefix_shape(shape: list[int | str], rows: int, length: int) -> list[int]:
-    """A K/V prefix shape of ``kv_shapes`` (``"b"`` for the rows, 0 for the prefix length)."""
+    """A prefix shape of ``kv_shapes`` (``"b"`` for the rows, the 0 for the prefix length: a
+    K/V prefix's dim −2, a convolution's carried inputs' last dim)."""
     out = [rows if d == "b" else int(d) for d in shape]
-    out[-2] = length
+    out[max(i for i, d in enumerate(shape) if d == 0)] = length
     return out
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from autopart import collectives
 from autopart.errors import AutopartError
+from autopart.frontend.capture import batch_fields
 from autopart.layout import Plan
 from autopart.program.format import Program, RankProgram, load_rank, load_weights, read_head
 from autopart.runtime.launch import as_rank, rank_setup, wait_ranks
@@ -60,7 +61,9 @@ def run_check(
     runner = Runner(
         rp, plan, weights, groups, timeout_s=timeout_s, seed=seed, compile=compile, device=device
     )
-    dump(runner, runner.step(*batch), folder)
+    f = batch_fields(batch)
+    loss = runner.step(f["input_ids"], f["labels"], f.get("attention_mask"), f.get("position_ids"))
+    dump(runner, loss, folder)
     runner.comm.set_action("the end of the check")
     dist.barrier()  # every rank done with every collective before its groups go away
     runner.comm.release(list({id(g): g for g in groups.values() if g is not None}.values()))
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             head = read_head(root)
             plan = Plan.from_json(head["plan"])
             plan.mesh.check_world(world)
-            batch = torch.load(check["batch"], weights_only=True)
+            batch = torch.load(check["batch"], weights_only=True)  # {name: tensor}
             program = load_rank(root, rank)
             run_check(
                 program,

@@ -31,6 +31,7 @@ from autopart.frontend.capture import (
     META_MODULE,
     B,
     S,
+    batch_fields,
     capture,
     capture_mixed,
     from_parameters,
@@ -164,11 +165,12 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float
 
 def reference(
     model: torch.nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
     compute: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-device loss and gradients by the model's global parameter names. ``compute``
+    """Single-device loss and gradients by the model's global parameter names (``batch``: a
+    checked batch, its optional tensors passed to the model by name). ``compute``
     (bf16): the mixed-precision policy the runtime follows — a ``compute`` copy of the model
     runs on the parameters cast inside autograd, so gradients land in the (float32) masters;
     the loss is computed in float32. ``device`` (a GPU): run there, the model moved there and
@@ -176,20 +178,20 @@ def reference(
     if device is not None and device.type != "cpu":
         home = next(model.parameters()).device
         try:
-            value, grads = reference(
-                model.to(device), (batch[0].to(device), batch[1].to(device)), compute
-            )
+            moved = {k: t.to(device) for k, t in batch_fields(batch).items()}
+            value, grads = reference(model.to(device), moved, compute)
         finally:
             model.to(home)
         return value, {f: g.cpu() for f, g in grads.items()}
-    input_ids, labels = batch
+    fields = batch_fields(batch)
+    input_ids, labels = fields.pop("input_ids"), fields.pop("labels")
     model.zero_grad(set_to_none=True)
     if compute is None:
-        logits = logits_of(model(input_ids))
+        logits = logits_of(model(input_ids, **fields))
     else:
         low = copy.deepcopy(model).to(compute)
         cast = {f: p.to(compute) for f, p in model.named_parameters()}
-        logits = logits_of(torch.func.functional_call(low, cast, (input_ids,))).float()
+        logits = logits_of(torch.func.functional_call(low, cast, (input_ids,), fields)).float()
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )
@@ -333,7 +335,7 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
 class _Model:
     """One model of a batch of checks: built, referenced and captured once for all its plans."""
 
-    batch: tuple[torch.Tensor, torch.Tensor]
+    batch: Any  # a checked batch (capture.check_batch): a pair, or a dict by name
     ref_loss: float
     ref_grads: dict[str, torch.Tensor]
     captured: Any
@@ -374,7 +376,7 @@ BF16_MARGIN = 2.0
 
 def own_error(
     model: torch.nn.Module,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: Any,
     loss: float,
     grads: dict[str, torch.Tensor],
     device: torch.device | None = None,
@@ -455,7 +457,7 @@ def verify_many(
         try:
             mesh = Mesh(dp=check.dp, pp=check.pp, tp=check.tp)
             program = parallelize(model.captured, mesh, precision=mixed, **check.plan_kwargs())
-            program.plan.check_batch(model.batch[0].shape[0])
+            program.plan.check_batch(batch_fields(model.batch)["input_ids"].shape[0])
         except AutopartError as exc:
             done(name, exc)
             continue
@@ -483,7 +485,7 @@ def verify_many(
             by_size: dict[int, list[str]] = {}
             for name, (program, model, _) in ready.items():
                 program.save(folders[name] / "program")
-                torch.save(model.batch, folders[name] / "batch.pt")
+                torch.save(batch_fields(model.batch), folders[name] / "batch.pt")
                 by_size.setdefault(program.mesh.size, []).append(name)
             for size, names in by_size.items():
                 _launch_checks(

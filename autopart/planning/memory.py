@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autopart.layout import Coords, Mesh
 from autopart.lowering import compile_program
 from autopart.meta import META_KV_SHAPES
-from autopart.program.feeds import stage_inputs
+from autopart.program.feeds import chunk_feeds, example_batch, stage_inputs
 from autopart.program.format import Program, RankProgram
 from autopart.runtime.placement import place
 from autopart.runtime.recompute import regions
@@ -71,7 +71,8 @@ def _unit_bytes(
         st = next(x for x in rp.stages if x.stage == s)
         graphs[s] = (place(st.graph, device), st.inputs, st.graph.meta.get(META_KV_SHAPES, []))
         feeds[s] = _weights(program, rp, device, mode)
-    ids = torch.empty(micro_batch, seq, dtype=torch.int64, device=device)
+    names = next(iter(ranks.values())).batch_names
+    batch = example_batch(micro_batch, seq, names, device)
     seed = torch.tensor(0, device=device)  # dropout masks are drawn, their values not read
     out: dict[tuple[int, int], tuple[int, int]] = {}
     kv: dict[int, list[torch.Tensor]] = {}
@@ -89,11 +90,13 @@ def _unit_bytes(
                 for shape in kv_shapes
             ]
             prefix = [t.detach().requires_grad_() for t in prefix]
+            data, keys = chunk_feeds(batch, a, e)
             args = stage_inputs(
                 refs,
                 params=params,
                 buffers=buffers,
-                data={"input_ids": ids[:, a:e], "labels": ids[:, a:e]},
+                data=data,
+                keys=keys,
                 coords=coords,
                 acts=acts,
                 prefix=prefix,

@@ -115,6 +115,8 @@ class RankProgram:
     n_stages: int = 1
     chunk_cost: tuple[float, float] | None = None  # Seq1F1B: (c1, c2) for the chunk boundaries
     vocab_size: int | None = None  # token ids and labels are checked against it at every step
+    # the batch tensors the program takes (capture's): a step must pass exactly these
+    batch_names: tuple[str, ...] = ("input_ids", "labels")
 
     def __str__(self) -> str:
         c = self.coords
@@ -421,6 +423,7 @@ def _save_rank(
         "n_stages": rp.n_stages,
         "chunk_cost": rp.chunk_cost,
         "vocab_size": rp.vocab_size,
+        "batch": list(rp.batch_names),
     }
     text = json.dumps(doc, indent=1).encode()
     files[f"{d}/program.json"] = folder.write(f"{d}/program.json", lambda f: f.write(text))
@@ -470,6 +473,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         n_stages=doc["n_stages"],
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
         vocab_size=doc.get("vocab_size"),
+        batch_names=tuple(doc.get("batch", ("input_ids", "labels"))),
     )
 
 

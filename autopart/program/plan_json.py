@@ -13,8 +13,9 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   its pipeline coordinate runs; each stage's file is ``stage{k}.pt2``; its actions refer to its
   own stages, the plan's micro-batches and chunks, and ranks of the world, and are no more than
   a schedule can have (7 per stage, micro-batch and chunk, plus the two reductions);
-- a K/V prefix shape has an empty sequence dim (a 0), at most one ``"b"`` (the batch) and at
-  most ``MAX_KV_ROW`` elements per sequence, so the zeros the runtime makes from it are empty.
+- a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
+  0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
+  zeros the runtime makes from it are empty.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ MAX_DIM = 1 << 40
 MAX_NUMEL = 1 << 44  # elements of one parameter (16 T: far beyond any model)
 MAX_KV_ROW = 1 << 24  # elements of one sequence position of one K/V prefix
 MAX_STAGES = 1 << 12
+DATA_NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # capture's batch names
 DTYPES = ("torch.float64", "torch.float32", "torch.bfloat16", "torch.float16")
 
 _FQN = string(DOTTED, 1024)
@@ -169,6 +171,7 @@ RANK = obj(
     {
         "chunk_cost": nullable(list_of(number(-1e300, 1e300), 2, 2)),
         "vocab_size": nullable(integer(1, 1 << 31)),
+        "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
     },
 )
 
@@ -189,6 +192,9 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
         raise Invalid("n_stages", f"= {doc['n_stages']}, not pp × virtual_stages = {n_stages}")
     if doc.get("vocab_size") not in (None, head["vocab_size"]):
         raise Invalid("vocab_size", "differs from plan.json's")
+    batch = doc.get("batch", list(DATA_NAMES[:2]))
+    if batch[:2] != list(DATA_NAMES[:2]) or batch != [n for n in DATA_NAMES if n in batch]:
+        raise Invalid("batch", f"= {batch} is not input_ids, labels and optional tensors in order")
     params, buffers = head["params"], set(head["buffers"])
     for fqn, shard in doc["shards"].items():
         where = f"shards.{fqn}"
@@ -225,6 +231,8 @@ def _check_stage(st: dict[str, Any], where: str, doc: dict[str, Any], buffers: s
     for j, (kind, name) in enumerate(st["inputs"]):
         at = f"{where}.inputs[{j}]"
         ok = _input_ok(kind, name, kv, doc["shards"], buffers)
+        if kind in ("data", "keys"):  # a batch tensor the program's batch has
+            ok = ok and name in doc.get("batch", DATA_NAMES[:2])
         if not ok:
             raise Invalid(at, f"is a {kind} input named {name[:80]!r}, which this program lacks")
         kv += kind == "kv"
@@ -248,7 +256,9 @@ def _input_ok(kind: str, name: str, kv: int, shards: dict, buffers: set[str]) ->
     if kind in ("buffer", "constant"):
         return name in buffers
     if kind == "data":
-        return name in ("input_ids", "labels")
+        return name in DATA_NAMES
+    if kind == "keys":  # Seq1F1B: the key columns of an optional batch tensor
+        return name in DATA_NAMES[2:]
     if kind == "rank":
         return name in ("dp", "pp", "tp")
     if kind == "rng":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from autopart import collectives
 from autopart.errors import AutopartError
+from autopart.frontend.capture import batch_fields, check_batch
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
 from autopart.runtime.launch import rank_setup
@@ -56,7 +57,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--batch",
         type=Path,
         default=None,
-        help="a torch.save'd (input_ids, labels) used every step",
+        help="a torch.save'd (input_ids, labels), or dict of the batch's tensors by name "
+        "(input_ids, labels, attention_mask, position_ids), used every step",
     )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument(
@@ -163,7 +165,8 @@ class Batches:
         self.b = args.batch_size or head["example_shape"][0]
         self.s = args.seq_len or head["example_shape"][1]
         self.vocab, self.seed = head["vocab_size"], args.seed
-        self.fixed = torch.load(args.batch, weights_only=True) if args.batch else None
+        self.fixed = _read_batch(args.batch) if args.batch else None
+        self.names: tuple[str, ...] = ("input_ids", "labels")  # the program's (set per rank)
         self.tokens = _read_tokens(args.tokens) if args.tokens else None
         if self.tokens is not None and self.tokens.numel() <= self.s + 1:
             raise AutopartError(
@@ -181,7 +184,11 @@ class Batches:
                     hint="tokenize with the model's tokenizer (ids < vocabulary size)",
                 )
 
-    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, step: int) -> Any:
+        """The batch of ``step``: ``(input_ids, labels)``, or a dict by name when the program
+        takes more (``capture.batch_fields`` reads either); generated batches of a program
+        captured with an attention mask or positions get no padding (an all-ones mask) and
+        one document a row (positions 0 … s − 1)."""
         if self.fixed is not None:
             return self.fixed
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -190,7 +197,21 @@ class Batches:
             rows = torch.stack([self.tokens[i : i + self.s + 1] for i in starts.tolist()])
         else:
             rows = torch.randint(0, self.vocab, (self.b, self.s + 1), generator=g)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        ids, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        if tuple(self.names) == ("input_ids", "labels"):
+            return ids, labels
+        out = {"input_ids": ids, "labels": labels}
+        if "attention_mask" in self.names:
+            out["attention_mask"] = torch.ones(self.b, self.s, dtype=torch.int64)
+        if "position_ids" in self.names:
+            out["position_ids"] = torch.arange(self.s).expand(self.b, self.s).contiguous()
+        return out
+
+
+def _read_batch(path: Path) -> Any:
+    """``--batch FILE``: a ``torch.save``d ``(input_ids, labels)`` or dict of the batch's
+    tensors by name, checked as ``parallelize`` checks its example."""
+    return check_batch(torch.load(path, weights_only=True))
 
 
 _TOKEN_DTYPES = frozenset(
@@ -260,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank)
+        batches.names = program.batch_names
         runner = Runner(
             program,
             plan,
@@ -487,7 +509,7 @@ def _train(
         last_s = 0.0
         for step in range(first, args.steps):
             start = time.perf_counter()
-            loss = runner.step(*batches(step))
+            loss = runner.step(**batch_fields(batches(step)))
             if step == 0 and args.dump is not None:
                 dump(runner, loss, args.dump)
             if optim is not None:

@@ -32,10 +32,11 @@ from torch import fx, nn
 
 from autopart import collectives
 from autopart.errors import AutopartError, wait
+from autopart.frontend.capture import check_extra
 from autopart.graph import copy_graph
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
-from autopart.program.feeds import stage_inputs
+from autopart.program.feeds import chunk_feeds, stage_inputs
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import norms, p2p, staging, state
 from autopart.runtime.comm import Comm
@@ -178,7 +179,7 @@ class RunnerStats:
 class _Step:
     """What one ``Runner.step`` works on, made fresh for each step (nothing of it outlives it)."""
 
-    mbs: list[tuple[torch.Tensor, torch.Tensor]]  # this rank's micro-batches
+    mbs: list[dict[str, torch.Tensor]]  # this rank's micro-batches, by batch tensor name
     count: torch.Tensor  # labels ≠ −100 in the global batch
     bounds: list[tuple[int, int]]  # [start, end) of each sequence chunk
     arm_at: dict[int, list[tuple[int, nn.Parameter]]]  # action index → buckets to arm
@@ -436,6 +437,8 @@ class Runner:
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
@@ -443,11 +446,12 @@ class Runner:
     ) -> torch.Tensor:
         """The global mean loss of a batch, forward only: no gradient is computed or touched,
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
-        first, as with a torch module). ``labels``, ``shifted``, ``num_tokens`` and ``local``
+        first, as with a torch module). The batch, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
-        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
+        fields = self._fields(input_ids, labels, attention_mask, position_ids)
+        mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
@@ -475,11 +479,20 @@ class Runner:
         )
         return self._reduce_loss(loss)
 
-    def logits(self, input_ids: torch.Tensor, *, local: bool = False) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        local: bool = False,
+    ) -> torch.Tensor:
         """The model's full-vocabulary logits ``(batch, seq, vocab)`` for ``input_ids`` (the
         global batch, or with ``local=True`` this rank's dp share), on every rank, as the
-        model would return them: for sampling, or any use beyond the loss. Forward only;
-        dropout follows the mode (``eval()`` first). Collective: call it on every rank."""
+        model would return them: for sampling, or any use beyond the loss. ``attention_mask``
+        and ``position_ids`` as for ``step`` (exactly those the program was captured with).
+        Forward only; dropout follows the mode (``eval()`` first). Collective: call it on
+        every rank."""
         key = self.training
         if key not in self._logits_run:  # the loss cut off each last stage, once per mode
             self._logits_run[key] = self._runs(
@@ -488,9 +501,12 @@ class Runner:
                     for st in self.program.stages
                 }
             )
+        if not isinstance(input_ids, torch.Tensor):
+            raise AutopartError("input_ids must be a tensor")
         dummy = torch.zeros_like(input_ids)  # labels feed no node once the loss is cut off
         self._activate()
-        mbs = self._microbatches(input_ids.to(self.device), dummy.to(self.device), local)
+        fields = self._fields(input_ids, dummy, attention_mask, position_ids)
+        mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
@@ -535,12 +551,14 @@ class Runner:
                 [
                     torch.cat(
                         [
-                            pieces[(j, c)].reshape(ids.shape[0], -1, pieces[(j, c)].shape[-1])
+                            pieces[(j, c)].reshape(
+                                mb["input_ids"].shape[0], -1, pieces[(j, c)].shape[-1]
+                            )
                             for c in range(n_chunks)
                         ],
                         dim=1,
                     )
-                    for j, (ids, _) in enumerate(mbs)
+                    for j, mb in enumerate(mbs)
                 ],
                 dim=0,
             )  # (rows, seq, vocab / tp)
@@ -554,7 +572,7 @@ class Runner:
                 head[0], head[1] = out.shape[-1], p2p._DTYPES.index(out.dtype)
             self._broadcast(head, src, group, "the logits' shape")
             if out is None:
-                rows = sum(ids.shape[0] for ids, _ in mbs)
+                rows = sum(mb["input_ids"].shape[0] for mb in mbs)
                 shape = (rows, seq, int(head[0]))
                 out = torch.empty(shape, dtype=p2p._DTYPES[int(head[1])], device=self.device)
             self._broadcast(out, src, group, "the logits")
@@ -686,6 +704,8 @@ class Runner:
         self,
         input_ids: torch.Tensor,
         labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
@@ -702,6 +722,10 @@ class Runner:
         (``labels = input_ids``, shifted inside); other models' are already shifted
         (``labels[i, t]`` is the target of ``input_ids[i, t]``). ``shifted=True`` / ``False``
         says which explicitly (``label_convention`` is the default). -100 is ignored.
+        ``attention_mask`` ((batch, seq), 1 = a real token, 0 = padding; int64 or bool) and
+        ``position_ids`` ((batch, seq) int64: each token's position in its document) are the
+        optional batch tensors: pass exactly those the program was captured with (its
+        ``batch_names``); they are split with the ids, over dp and micro-batches.
         ``num_tokens``: the number of labels the loss is averaged over, for gradient
         accumulation over several calls (the labels ≠ -100 of all of them: the sum of the
         calls' gradients is then the big batch's); default: this batch's.
@@ -711,7 +735,8 @@ class Runner:
         # case another runner in this process (another plan) bound the name since
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
-        mbs = self._microbatches(input_ids.to(self.device), labels.to(self.device), local)
+        fields = self._fields(input_ids, labels, attention_mask, position_ids)
+        mbs = self._microbatches(fields, local)
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
             p.grad = None
@@ -922,17 +947,16 @@ class Runner:
                 raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
         return self._bounds[seq_len]
 
-    def _forward(self, action: Action, unit: dict[str, Any], mb: tuple) -> None:
+    def _forward(self, action: Action, unit: dict[str, Any], mb: dict[str, torch.Tensor]) -> None:
         count, losses = self._step.count, self._step.losses
         self._step.seed = self._seed_for(action.mb, action.chunk)
         a, e = self._step.bounds[action.chunk]
-        ids, labels = (t[:, a:e] for t in mb)
         n_kv = self._n_kv[action.stage]
         prefix = []
         if n_kv:  # K/V of this micro-batch's earlier chunks: leaves, whose gradients go back
             before = self._step.kv.pop((action.stage, action.mb), None)
             if before is None:
-                b = mb[0].shape[0]
+                b = mb["input_ids"].shape[0]
                 before = [
                     torch.zeros(
                         [b if d == "b" else d for d in shape],
@@ -943,16 +967,14 @@ class Runner:
                 ]
             prefix = [t.detach().requires_grad_() for t in before]
             unit["prefix"] = prefix
-        args = self._args(
-            action.stage, ids, labels, acts=unit.get("acts", []), offset=a, prefix=prefix
-        )
+        args = self._args(action.stage, mb, a, e, acts=unit.get("acts", []), prefix=prefix)
         try:
             out = list(self._run[action.stage](*args))
         except IndexError as exc:  # a kernel's bounds check: say where and the likely cause
             raise AutopartError(
                 f"rank {self.rank}: {action}: an index out of range in the model: {exc}",
                 hint="is the sequence longer than the model's position table "
-                f"({ids.shape[1]} tokens in this chunk, offset {a})? Use sequences no longer "
+                f"({e - a} tokens in this chunk, offset {a})? Use sequences no longer "
                 "than the model's maximum length",
             ) from exc
         if n_kv:
@@ -1024,9 +1046,55 @@ class Runner:
     def _dtype(self) -> torch.dtype:
         return next(iter(self.params.values())).dtype
 
+    def _fields(
+        self,
+        input_ids: Any,
+        labels: Any,
+        attention_mask: Any = None,
+        position_ids: Any = None,
+    ) -> dict[str, torch.Tensor]:
+        """The batch by name, on this rank's device: exactly the tensors the program was
+        captured with (``RankProgram.batch_names``), else refused on every rank alike, before
+        any collective; an ``attention_mask`` becomes int64 (checked 0/1), ``position_ids``
+        are checked ≥ 0."""
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
+        names = self.program.batch_names
+        for name, t in given.items():
+            if (t is None) == (name in names):
+                has = "was captured with" if name in names else "was captured without"
+                raise AutopartError(
+                    f"rank {self.rank}: this program {has} {name}, but the batch "
+                    + ("has none" if t is None else "has one"),
+                    hint="pass exactly the batch tensors the program was captured with: "
+                    + ", ".join(names)
+                    + " (capture again, with an example that has them, to train on others)",
+                )
+        for name, t in (("input_ids", input_ids), ("labels", labels)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise AutopartError(
+                    f"rank {self.rank}: {name} must be a (batch, seq) tensor, got "
+                    + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                )
+        if input_ids.shape != labels.shape:
+            raise AutopartError(
+                f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
+                f"{tuple(labels.shape)} must both be (batch, seq)"
+            )
+        fields = {"input_ids": input_ids, "labels": labels}
+        for name, t in given.items():
+            if t is not None:
+                try:
+                    fields[name] = check_extra(name, t, tuple(input_ids.shape))
+                except AutopartError as exc:
+                    raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
+        return {k: t.to(self.device) for k, t in fields.items()}
+
     def _microbatches(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, local: bool = False
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self, fields: dict[str, torch.Tensor], local: bool = False
+    ) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the (global, or ``local``: this replica's) batch
+        ``fields``: every batch tensor cut alike, by rows."""
+        input_ids, labels = fields["input_ids"], fields["labels"]
         if input_ids.shape != labels.shape or input_ids.dim() != 2:
             raise AutopartError(
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
@@ -1046,10 +1114,7 @@ class Runner:
         if not self.dry:  # no values to look at in the dry run
             self._check_tokens(input_ids, labels)
         return [
-            (
-                input_ids[start + j * mb : start + (j + 1) * mb],
-                labels[start + j * mb : start + (j + 1) * mb],
-            )
+            {k: t[start + j * mb : start + (j + 1) * mb] for k, t in fields.items()}
             for j in range(m)
         ]
 
@@ -1100,21 +1165,23 @@ class Runner:
     def _args(
         self,
         stage: int,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        mb: dict[str, torch.Tensor],
+        a: int,
+        e: int,
         acts: Sequence[torch.Tensor] = (),
-        offset: int = 0,
         prefix: Sequence[torch.Tensor] = (),
     ) -> list[torch.Tensor]:
+        data, keys = chunk_feeds(mb, a, e)
         return stage_inputs(
             self._stage(stage).inputs,
             params=self.params,
             buffers=self.buffers,
-            data={"input_ids": input_ids, "labels": labels},
+            data=data,
+            keys=keys,
             coords=self.program.coords,
             acts=acts,
             prefix=prefix,
-            offset=offset,
+            offset=a,
             seed=self._step.seed,
             compute=self._compute,
             device=self.device,

@@ -20,6 +20,10 @@ microbatches = 4
 
 [data]
 text = "corpus.txt"                # bytes as token ids; or tokens = "ids.pt" / "ids.bin"
+# or a Hugging Face dataset (the `datasets` library; a hub name, or a builder such as "text"
+# or "json" with dataset_files), its `field` joined document by document:
+# dataset = "text"; dataset_files = "corpus.txt"; split = "train"; field = "text"
+# tokenizer = ""                   # a HF tokenizer name or folder (`transformers`); "": bytes
 seq_len = 64
 batch_size = 8                     # the global batch, in sequences
 val_fraction = 0.05                # the end of the data, never trained on
@@ -82,6 +86,12 @@ class TrainConfig:
     parallel_compile: bool = False
     data_text: str = ""
     data_tokens: str = ""
+    data_dataset: str = ""
+    data_dataset_config: str = ""
+    data_dataset_files: str = ""
+    data_split: str = "train"
+    data_field: str = "text"
+    data_tokenizer: str = ""
     data_seq_len: int = 64
     data_batch_size: int = 8
     data_val_fraction: float = 0.05
@@ -245,8 +255,16 @@ def check(cfg: TrainConfig, where: str = "the config") -> None:
             "nothing to validate on",
             hint="set val_fraction > 0, or eval.every = 0",
         )
-    if cfg.data_text and cfg.data_tokens:
-        raise AutopartError(f"{where}: [data] takes text or tokens, not both")
+    sources = [k for k in ("text", "tokens", "dataset") if getattr(cfg, f"data_{k}")]
+    if len(sources) > 1:
+        raise AutopartError(f"{where}: [data] takes one of text, tokens or dataset, not {sources}")
+    if cfg.data_tokenizer and cfg.data_tokens:
+        raise AutopartError(
+            f"{where}: [data] tokenizer applies to text or a dataset, not to token ids",
+            hint="drop tokenizer, or give text / dataset",
+        )
+    if (cfg.data_dataset_config or cfg.data_dataset_files) and not cfg.data_dataset:
+        raise AutopartError(f"{where}: [data] dataset_config / dataset_files need a dataset")
     if cfg.parallel_precision not in ("", "bf16"):
         raise AutopartError(
             f"{where}: [parallel] precision = {cfg.parallel_precision!r}: '' or 'bf16'"

@@ -85,6 +85,7 @@ def test_calibrate_recovers_the_profile_that_made_the_times() -> None:
         assert got[name] == pytest.approx(true.to_json()[name], rel=0.02), name
 
 
+@pytest.mark.slow  # real timed steps: the laboratory
 def test_step_times_alone_times_real_single_rank_steps() -> None:
     from autopart.errors import AutopartError
     from autopart.frontend.capture import capture

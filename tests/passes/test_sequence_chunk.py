@@ -42,10 +42,16 @@ def chunked(request) -> tuple[Captured, tuple, fx.GraphModule]:
 
 
 def run_chunks(
-    captured: Captured, gm: fx.GraphModule, batch: tuple, lengths: list[int], shift: bool = True
+    captured: Captured,
+    gm: fx.GraphModule,
+    batch: tuple,
+    lengths: list[int],
+    shift: bool = True,
+    forget: frozenset[int] = frozenset(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward chunk by chunk, then backward in reverse chunk order handing each prefix's
-    gradient to the chunk that produced it (what the runtime does); loss and gradients."""
+    gradient to the chunk that produced it (what the runtime does); loss and gradients.
+    ``forget``: prefixes every chunk starts empty (a negative control)."""
     params = {f: t.detach().clone().requires_grad_() for f, t in captured.params.items()}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_kv, kv, start, done = gm.meta[META_KV], None, 0, []
@@ -68,7 +74,8 @@ def run_chunks(
             else:  # kv
                 shape = gm.meta[META_KV_SHAPES][int(ref.name)]
                 shape = [batch[0].shape[0] if d == "b" else d for d in shape]
-                t = torch.zeros(shape, dtype=torch.float64) if kv is None else kv[int(ref.name)]
+                fresh = kv is None or int(ref.name) in forget
+                t = torch.zeros(shape, dtype=torch.float64) if fresh else kv[int(ref.name)]
                 prefix.append(t.detach().requires_grad_())
                 args.append(prefix[-1])
         out = gm(*args)
@@ -78,6 +85,7 @@ def run_chunks(
     back = None
     for loss, kv_out, prefix in reversed(done):
         extra = [] if back is None else list(zip(kv_out, back, strict=True))
+        extra = [(t, torch.zeros_like(t) if i in forget else g) for i, (t, g) in enumerate(extra)]
         torch.autograd.backward(
             [loss, *(t for t, _ in extra)], [torch.ones(()), *(g for _, g in extra)]
         )
@@ -185,6 +193,13 @@ class _Mixer(torch.nn.Module):
             w = self.head.weight[:16, :3].unsqueeze(1)  # (16, 1, 3)
             y = F.conv1d(x.transpose(1, 2), w, padding=2, groups=16)[..., : ids.shape[1]]
             x = x + y.transpose(1, 2)
+        elif self.mix == "conv-pad":  # causal by a left pad: kernel 4, dilation 2, 2 groups
+            w = self.head.weight[:32].reshape(16, 8, 4)
+            y = F.conv1d(F.pad(x.transpose(1, 2), (6, 0)), w, dilation=2, groups=2)
+            x = x + y.transpose(1, 2)
+        elif self.mix == "conv-ahead":  # padded by k − 1 but cut to the last s: reads t … t + 2
+            w = self.head.weight[:16, :3].unsqueeze(1)
+            x = x + F.conv1d(x.transpose(1, 2), w, padding=2, groups=16)[..., 2:].transpose(1, 2)
         elif self.mix == "length":  # the sequence length as a value: each chunk has its own
             x = x * ids.shape[1]
         elif self.mix == "mean":  # centred over the sequence
@@ -202,16 +217,21 @@ class _Mixer(torch.nn.Module):
         ("flip", "a flip"),
         ("pool", "a softmax over the sequence"),
         ("table", "an index by position"),
-        ("conv", "node conv1d (<root>): a convolution along the sequence"),
+        (
+            "conv-ahead",
+            "node conv1d (<root>): a convolution along the sequence padded by 2 on both sides "
+            "and not cut back to its first s outputs",
+        ),
         ("length", "the sequence length used as a value"),
         ("mean", "node mean (<root>): a reduction over the sequence"),
     ],
 )
 def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> None:
     """Negative controls: each construct is refused, naming the node; the same model without it
-    chunks and computes the whole sequence's loss and gradients. (The convolution, the length
-    as a value and the mean were not refused by the deny-list this proof replaced: LFM2's
-    convolution trained 34 % wrong.)"""
+    chunks and computes the whole sequence's loss and gradients. (A convolution, the length as
+    a value and the mean were not refused by the deny-list this proof replaced: LFM2's causal
+    convolution trained 34 % wrong; it is chunked now, below, and one that reads ahead is
+    refused; tests/test_parity_conv.py refuses more.)"""
     ids = torch.randint(0, 50, (2, 16))
     with pytest.raises(AutopartError) as err:
         parallelize(capture(_Mixer(mix), (ids, ids)), Mesh(), schedule="seq1f1b", seq_chunks=2)
@@ -256,16 +276,54 @@ def test_a_running_count_is_shifted_by_the_offset(mix: str) -> None:
     assert any(n.target == torch.ops.aten.cumsum.default for n in gm.graph.nodes)
 
 
-def _assert_chunks_exactly(model: torch.nn.Module, ids: torch.Tensor) -> fx.GraphModule:
+def _assert_chunks_exactly(
+    model: torch.nn.Module, ids: torch.Tensor, cuts: tuple[tuple[int, ...], ...] = ((6, 10),)
+) -> fx.GraphModule:
+    return _chunked_exactly(model, ids, cuts)[1]
+
+
+def _chunked_exactly(
+    model: torch.nn.Module, ids: torch.Tensor, cuts: tuple[tuple[int, ...], ...]
+) -> tuple[Captured, fx.GraphModule]:
+    """The model captured and chunked, after checking it reproduces the whole sequence's loss
+    and gradients with the chunk lengths of each of ``cuts``."""
     captured = capture(model.double(), (ids, ids))
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
     gm = sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
-    loss, grads = run_chunks(captured, gm, (ids, ids), [6, 10])
     ref_loss, ref_grads = _reference(captured, (ids, ids))
-    assert torch.allclose(loss, ref_loss, rtol=1e-12)
-    assert all(torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12) for f in grads)
-    return gm
+    for lengths in cuts:
+        loss, grads = run_chunks(captured, gm, (ids, ids), list(lengths))
+        assert torch.allclose(loss, ref_loss, rtol=1e-12), lengths
+        for f in grads:
+            assert torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12), (f, lengths)
+    return captured, gm
+
+
+@pytest.mark.parametrize(
+    ("mix", "window"), [("conv", 2), ("conv-pad", 6)], ids=["sliced", "left-pad"]
+)
+def test_a_causal_convolution_carries_its_window(mix: str, window: int) -> None:
+    """LFM2's short conv (symmetric padding k − 1, cut back to the first s outputs) and a left
+    padded one (kernel 4, dilation 2, 2 groups: a window of 6) chunk exactly, also with chunks
+    shorter than the window (1 + 1 + 4 + 10: the carry is then partly the previous carry's).
+    Each gets a carried input, ``kv`` after the attention's K/V, empty for the first chunk,
+    and its last ``window`` inputs as an output; chunks that forget the carry (every chunk
+    zero-padded, what chunking the conv as it was would compute) do not match."""
+    ids = torch.randint(0, 50, (2, 16))
+    captured, gm = _chunked_exactly(_Mixer(mix), ids, ((6, 10), (1, 1, 4, 10)))
+    refs = [n.meta[META_INPUT] for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [r.name for r in refs if r.kind == "kv"] == ["0", "1", "2"]  # K, V, the carry
+    assert gm.meta[META_KV] == 3 and gm.meta[META_KV_SHAPES][2] == ["b", 16, 0]
+    carry = next(n for n in gm.graph.nodes if n.name == "conv_carry_0")
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out[-1].meta["val"].shape[-1] == window
+    assert isinstance(carry.meta["val"].shape[-1], torch.SymInt)
+    conv = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.conv1d.default)
+    assert list(conv.args[4]) == [0] and conv.args[0].target == torch.ops.aten.cat.default
+    ref_loss, _ = _reference(captured, (ids, ids))
+    loss, _ = run_chunks(captured, gm, (ids, ids), [6, 10], forget=frozenset({2}))
+    assert not torch.allclose(loss, ref_loss, rtol=1e-6)
 
 
 def test_a_sliding_window_reaches_across_chunks(monkeypatch) -> None:
@@ -319,3 +377,16 @@ def test_chunked_stages_save_and_load(tmp_path) -> None:
         assert kinds.count("kv") == 2 and loaded.chunk_cost == prog.rank(r).chunk_cost
         assert ("offset" in kinds) == (r == 0)  # learned positions live on the first stage
         assert st.graph.code == prog.rank(r).stages[0].graph.code
+
+
+def test_a_convolution_carry_saves_and_loads(tmp_path) -> None:
+    """The carry is a ``kv`` input with one 0 in its shape: plan.json's bounds and the loader's
+    shape check hold for it unchanged."""
+    ids = torch.randint(0, 50, (2, 16))
+    captured = capture(_Mixer("conv-pad").double(), (ids, ids))
+    prog = parallelize(captured, Mesh(), schedule="seq1f1b", seq_chunks=2)
+    prog.save(tmp_path / "p")
+    (st,) = load_rank(tmp_path / "p", 0).stages
+    assert st.graph.meta[META_KV_SHAPES] == [["b", 1, 0, 16], ["b", 1, 0, 16], ["b", 16, 0]]
+    assert [r.kind for r in st.inputs].count("kv") == 3
+    assert st.graph.code == prog.rank(0).stages[0].graph.code
