@@ -1,4 +1,4 @@
-"""FX graph utilities shared by the layers that change or run a graph: the schedule's chunk
+"""FX graph utilities shared by the layers that change or run a graph: the passes, the chunk
 costs, the lowering, the runtime and the tests.
 
 - ``copy_graph(gm)``: a copy whose nodes (and node meta dicts) a pass may change freely; every
@@ -6,6 +6,8 @@ costs, the lowering, the runtime and the tests.
   ``place``) and test works on one, never on the capture or a program's own graph.
 - ``device_free(gm)``: make a stage graph name no device, so that a program runs on whichever
   device its rank picks (``runtime/placement.py``).
+- ``remove_dead(gm)``: erase every node the output does not depend on, impure ones included
+  (``canonicalize_attention`` and ``sequence_chunk`` drop a replaced mask's construction).
 
 Nothing here knows a pass, a plan or a rank.
 """
@@ -64,4 +66,18 @@ def device_free(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-__all__ = ["copy_graph", "device_free"]
+def remove_dead(gm: fx.GraphModule) -> None:
+    """Erase every node the output does not depend on. fx's own pass keeps "impure" nodes, so a
+    dropped mask's construction would survive behind its ``_assert_tensor_metadata`` checks."""
+    live, stack = set(), [n for n in gm.graph.nodes if n.op in ("output", "placeholder")]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in reversed(list(gm.graph.nodes)):
+        if n not in live:
+            gm.graph.erase_node(n)
+
+
+__all__ = ["copy_graph", "device_free", "remove_dead"]

@@ -61,6 +61,7 @@ from torch.utils._sympy.value_ranges import ValueRanges
 from autopart.errors import AutopartError
 from autopart.frontend.capture import B, InputRef
 from autopart.frontend.shapes import propagate
+from autopart.graph import remove_dead
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -78,12 +79,7 @@ from autopart.meta import (
     META_WINDOW,
 )
 from autopart.node_args import float_arg, node_arg
-from autopart.passes.canonicalize_attention import (
-    SDPA,
-    lower_right_mask,
-    remove_dead,
-    require_causal,
-)
+from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import (
     CONVS,
