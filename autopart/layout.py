@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopart.errors import AutopartError
@@ -134,20 +135,49 @@ def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
     return offline, mesh
 
 
+def _flag(
+    default: Any,
+    help: str,
+    choices: Callable[[], Sequence[str]] | None = None,
+    strict: bool = True,
+) -> Any:
+    """A ``Plan`` field that is also a command-line flag (``cli/common.plan_flags`` makes
+    ``--field-name`` from it: its type, default, help and choices; ``strict=False``: the
+    choices are listed but ``Plan`` refuses a wrong one, with its suggestion)."""
+    meta = {"help": help, "choices": choices, "strict": strict}
+    return field(default=default, metadata={"cli": meta})
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything that decides how a step runs besides the model: validated on construction."""
 
     mesh: Mesh
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    seq_chunks: int = 1
-    sequence_parallel: bool = False
+    schedule: str = _flag("1f1b", "the pipeline schedule", choices=lambda: SCHEDULES, strict=False)
+    microbatches: int = _flag(1, "micro-batches per data-parallel rank")
+    virtual_stages: int = _flag(1, "virtual stages per rank (interleaving)")
+    seq_chunks: int = _flag(1, "Seq1F1B sequence chunks per micro-batch")
+    sequence_parallel: bool = _flag(
+        False, "split activations between tp regions along the sequence"
+    )
     bucket_mb: float = 25.0  # data-parallel gradient bucket size, MiB
-    max_stage_memory_gb: float | None = None  # pipeline: parameters + states + activations
-    seq_split: str = "balanced"  # Seq1F1B chunk boundaries: "balanced" or "uniform"
-    recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
+    max_stage_memory_gb: float | None = _flag(  # pipeline: parameters + states + activations
+        None,
+        "pipeline cuts keep each stage's weights, gradients, Adam states and in-flight "
+        "activations under this many GiB",
+    )
+    seq_split: str = _flag(  # Seq1F1B chunk boundaries: "balanced" or "uniform"
+        "balanced",
+        "Seq1F1B chunk boundaries: equal work (balanced), equal length (uniform) or the "
+        "measured chunk times (measured)",
+        choices=lambda: SPLITS,
+    )
+    recompute: str = _flag(  # activation recomputation: "none", "selective" or "full"
+        "none",
+        "activation recomputation: selective (attention cores) or full (every transformer "
+        "block keeps only its input)",
+        choices=lambda: RECOMPUTE,
+    )
     distributed_optimizer: bool = False  # optimizer state sharded over dp (ZeRO-1)
     micro_batch: int | None = None  # sequences per micro-batch (None: what the batch gives)
     precision: str | None = None  # "bf16": bf16 compute, fp32 master weights and gradients

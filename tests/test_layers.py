@@ -136,6 +136,7 @@ REGISTRIES: dict[tuple[str, str], str] = {
     ("autopart/cli/__init__.py", "COMMANDS"): "subcommand → its module",
     ("autopart/cli/common.py", "MODEL_DEFAULTS"): "flag → its default",
     ("autopart/cli/simulate.py", "DEFAULTS"): "flag → its default",
+    ("autopart/cli/common.py", "_FLAG_TYPES"): "a Plan field's type → its flag's type",
     ("autopart/cli/report.py", "_COLLECTIVES"): "collective → its line in the report",
     ("autopart/runtime/runner.py", "Runner._HANDLERS"): "action kind → the method that runs it",
 }

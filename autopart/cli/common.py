@@ -13,6 +13,7 @@ The values are checked by the domain objects they build (``Plan``, ``Mesh``, ``C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 SPEC_HELP = "path/to/file.py:make or module:make"
@@ -26,67 +27,42 @@ def spec_flag(p: argparse.ArgumentParser) -> None:
 
 
 def plan_flags(p: argparse.ArgumentParser) -> None:
-    from autopart.layout import RECOMPUTE, SCHEDULES
-    from autopart.schedule.chunks import SPLITS
+    """The mesh flags, then one flag per ``Plan`` field marked as one (``layout._flag``): its
+    name, type, default, help and choices come from the field."""
+    from autopart.layout import Plan
 
     g = p.add_argument_group("plan")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline ranks (default 1)")
-    g.add_argument(
-        "--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)"
-    )
-    g.add_argument(
-        "--microbatches",
-        type=int,
-        default=1,
-        help="micro-batches per data-parallel rank (default 1)",
-    )
-    g.add_argument(
-        "--virtual-stages", type=int, default=1, help="virtual stages per rank (interleaving)"
-    )
-    g.add_argument(
-        "--seq-chunks", type=int, default=1, help="Seq1F1B sequence chunks per micro-batch"
-    )
-    g.add_argument(
-        "--seq-split",
-        choices=SPLITS,
-        default=SPLITS[0],
-        help="Seq1F1B chunk boundaries: equal work (default) or equal length",
-    )
-    g.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="split activations between tp regions along the sequence",
-    )
-    g.add_argument(
-        "--max-stage-memory-gb",
-        type=float,
-        default=None,
-        help="pipeline cuts keep each stage's weights, gradients, Adam states and "
-        "in-flight activations under this many GiB",
-    )
-    g.add_argument(
-        "--recompute",
-        choices=RECOMPUTE,
-        default="none",
-        help="activation recomputation: none (default), selective (attention cores) or full "
-        "(every transformer block keeps only its input)",
-    )
+    for d, what in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline")):
+        g.add_argument(f"--{d}", type=int, default=1, help=f"{what} ranks (default 1)")
+    for f in dataclasses.fields(Plan):
+        spec = f.metadata.get("cli")
+        if spec is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            g.add_argument(flag, action="store_true", help=spec["help"])
+            continue
+        choices = list(spec["choices"]()) if spec["choices"] else None
+        default = f.default
+        text = spec["help"]
+        if choices is not None:
+            text += f": one of {', '.join(choices)}"
+        if default is not None:
+            text += f" (default {default})"
+        strict = choices if spec["strict"] else None
+        g.add_argument(
+            flag, type=_FLAG_TYPES[str(f.type)], choices=strict, default=default, help=text
+        )
+
+
+_FLAG_TYPES: dict[str, Any] = {"int": int, "str": str, "float": float, "float | None": float}
 
 
 def plan_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     """The ``plan_flags`` besides the mesh, as ``parallelize`` / ``Plan`` keywords."""
-    return dict(
-        schedule=a.schedule,
-        microbatches=a.microbatches,
-        virtual_stages=a.virtual_stages,
-        seq_chunks=a.seq_chunks,
-        seq_split=a.seq_split,
-        sequence_parallel=a.sequence_parallel,
-        max_stage_memory_gb=a.max_stage_memory_gb,
-        recompute=a.recompute,
-    )
+    from autopart.layout import Plan
+
+    return {f.name: getattr(a, f.name) for f in dataclasses.fields(Plan) if "cli" in f.metadata}
 
 
 def model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None:

@@ -17,7 +17,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from autopart.frontend.capture import (
     to_sympy,
 )
 from autopart.frontend.spec import Factory, build
-from autopart.layout import SCHEDULES, Mesh
+from autopart.layout import SCHEDULES, Mesh, Plan
 from autopart.parity.checks import fork_ranks
 from autopart.program.format import Shard
 from autopart.runtime.launch import launch, launch_forked  # noqa: F401 - verify's API
@@ -252,6 +252,11 @@ class Check:
     max_stage_memory_gb: float | None = None
     recompute: str = "none"
 
+    @property
+    def plan(self) -> Plan:
+        """The check's ``Plan`` (built and checked here: a bad plan is refused by it)."""
+        return Plan(Mesh(dp=self.dp, pp=self.pp, tp=self.tp), **self.plan_kwargs())
+
     def plan_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``parallelize`` this check sets (all but the mesh)."""
         return {k: getattr(self, k) for k in PLAN_KEYS}
@@ -455,8 +460,7 @@ def verify_many(
             done(name, model)
             continue
         try:
-            mesh = Mesh(dp=check.dp, pp=check.pp, tp=check.tp)
-            program = parallelize(model.captured, mesh, precision=mixed, **check.plan_kwargs())
+            program = parallelize(model.captured, None, plan=replace(check.plan, precision=mixed))
             program.plan.check_batch(batch_fields(model.batch)["input_ids"].shape[0])
         except AutopartError as exc:
             done(name, exc)
