@@ -311,12 +311,9 @@ def module_containers(mod: Module) -> list[tuple[str, int]]:
 
 
 def writes_of(mod: Module, names: set[str]) -> list[tuple[str, int]]:
-    """(name, line) where ``mod`` writes into one of ``names`` (``x[k] = v``, ``del x[k]``,
-    ``x.append(...)`` and the like, also as ``module.x``), and every ``global`` statement."""
-    held, verbs = "|".join(sorted(names)), "|".join(sorted(_MUTATORS))
-    touched = re.compile(rf"\b(?:{held})\s*(?:\[|\.\s*(?:{verbs})\b)")
-    if "global " not in mod.source and not touched.search(mod.source):
-        return []  # the walk below, only where the text could hold a write
+    """(name, line) where ``mod`` writes into one of ``names`` (``x[k] = v``, ``x[k] += v``,
+    ``del x[k]``, ``x.append(...)`` and the other mutating methods, also as ``module.x``), and
+    every ``global`` statement."""
 
     def named(e: ast.expr) -> str | None:
         if isinstance(e, ast.Name) and e.id in names:
@@ -326,20 +323,33 @@ def writes_of(mod: Module, names: set[str]) -> list[tuple[str, int]]:
         return None
 
     out: list[tuple[str, int]] = []
-    for node in ast.walk(mod.tree):
-        if isinstance(node, ast.Global):
-            out += [(f"global {n}", node.lineno) for n in node.names]
-        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            if (n := named(node.value)) is not None:
+    for s, _ in _statements(mod.tree.body, "module"):  # assignments are statements
+        if isinstance(s, ast.Global):
+            out += [(f"global {n}", s.lineno) for n in s.names]
+        elif isinstance(s, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = s.targets if isinstance(s, (ast.Assign, ast.Delete)) else [s.target]
+            stack = list(targets)
+            while stack:  # x[k] = v, x[k][j] = v (into x's entry), (a, x[k]) = v
+                t = stack.pop()
+                if isinstance(t, (ast.Tuple, ast.List)):
+                    stack.extend(t.elts)
+                elif isinstance(t, ast.Starred):
+                    stack.append(t.value)
+                elif isinstance(t, ast.Subscript):
+                    if (n := named(t.value)) is not None:
+                        out.append((n, s.lineno))
+                    stack.append(t.value)
+    held, verbs = "|".join(sorted(names)), "|".join(sorted(_MUTATORS))
+    if re.search(rf"\b(?:{held})\s*\.\s*(?:{verbs})\s*\(", mod.source):  # calls: walk only here
+        for node in ast.walk(mod.tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MUTATORS
+                and (n := named(node.func.value)) is not None
+            ):
                 out.append((n, node.lineno))
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in _MUTATORS
-            and (n := named(node.func.value)) is not None
-        ):
-            out.append((n, node.lineno))
-    return out
+    return sorted(out, key=lambda x: x[1])
 
 
 @pytest.fixture(scope="module")
@@ -451,6 +461,7 @@ def test_the_checks_see_what_they_forbid() -> None:
         "    from autopart.api import parallelize\n"
         "    TRAITS['x'] = 1\n"
         "    GENERATORS.update({})\n"
+        "    out[TRAITS['y']] = SHAPES['z'][0] = 2\n"
     )
     fake = Module("autopart.layout", "autopart/layout.py", src, ast.parse(src))
     known = {"autopart.runtime.runner", "autopart.collectives", "autopart.api"}
@@ -466,4 +477,5 @@ def test_the_checks_see_what_they_forbid() -> None:
     assert edges[0] == "autopart/layout.py:2 (layout) imports autopart.runtime.runner (runtime)"
     assert unnamed_lazy(found) == ["autopart/layout.py:10 imports autopart.api inside a function"]
     assert module_containers(fake) == [("TABLE", 6), ("C.SEEN", 8)]
-    assert writes_of(fake, {"TRAITS", "GENERATORS"}) == [("TRAITS", 11), ("GENERATORS", 12)]
+    names = {"TRAITS", "GENERATORS", "SHAPES"}
+    assert writes_of(fake, names) == [("TRAITS", 11), ("GENERATORS", 12), ("SHAPES", 13)]
