@@ -25,7 +25,7 @@ _LAZY = {
     "verify": ".parity.verify",
     "Program": ".program.format",
     "RankProgram": ".program.format",
-    "sequence_chunks": ".schedule.chunks",
+    "sequence_chunks": ".lowering.chunks",
 }
 _MODULES = {"checkpoint": ".runtime.checkpoint"}  # ``from autopart import checkpoint``
 
@@ -35,10 +35,10 @@ if TYPE_CHECKING:
     from autopart.frontend.cost import analyze
     from autopart.layout import Mesh, Plan
     from autopart.lowering import compile_program
+    from autopart.lowering.chunks import sequence_chunks
     from autopart.parity.verify import Report, verify
     from autopart.program.format import Program, RankProgram
     from autopart.runtime import checkpoint
-    from autopart.schedule.chunks import sequence_chunks
 
 
 def __getattr__(name: str) -> Any:

@@ -77,7 +77,7 @@ def parallelize(
     program = _compile(model, example_inputs, plan)
     if live is None:
         return program
-    from autopart.runtime.runner import Runner
+    from autopart.runtime.runner import Runner  # lazy: an offline compile imports no runtime
 
     runner = Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
     if not isinstance(model, Captured):  # full_state_dict() gives exactly the model's keys
@@ -128,6 +128,7 @@ def _compile_once(
     (``runtime/handover.py``) instead of compiling the whole model itself."""
     import torch.distributed as dist
 
+    # lazy: an offline compile imports no runtime (tests/test_layers.py)
     from autopart.runtime.handover import hand_over
     from autopart.runtime.runner import Runner
 

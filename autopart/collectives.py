@@ -43,6 +43,11 @@ def activate(comm: Comm | None) -> None:
     _ACTIVE[0] = comm
 
 
+def current() -> Comm | None:
+    """The active runtime context, or None when no runner has activated one."""
+    return _ACTIVE[0]
+
+
 def active() -> Comm:
     """The active runtime context."""
     comm = _ACTIVE[0]

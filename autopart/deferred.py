@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autopart.collectives import _ACTIVE
+from autopart.collectives import current
 
 aten = torch.ops.aten
 FORMS = ("linear", "addmm", "matmul")
@@ -100,7 +100,7 @@ class WeightStore:
 def _store() -> WeightStore | None:
     """The active runtime context's store (``autopart.collectives.activate``), if any: the
     runner whose step is running sets its ``collecting`` unit."""
-    comm = _ACTIVE[0]
+    comm = current()
     return None if comm is None else comm.weights
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.schedule.chunks import SPLITS
 from autopart.schedule.generators import GENERATORS, check_schedule, traits
 
 SCHEDULES = tuple(GENERATORS)
@@ -147,12 +148,6 @@ def _flag(
     return field(default=default, metadata={"cli": meta})
 
 
-def _splits() -> Sequence[str]:
-    from autopart.schedule.chunks import SPLITS
-
-    return SPLITS
-
-
 @dataclass(frozen=True)
 class Plan:
     """Everything that decides how a step runs besides the model: validated on construction."""
@@ -175,7 +170,7 @@ class Plan:
         "balanced",
         "Seq1F1B chunk boundaries: equal work (balanced), equal length (uniform) or the "
         "measured chunk times (measured)",
-        choices=lambda: _splits(),
+        choices=lambda: SPLITS,
     )
     recompute: str = _flag(  # activation recomputation: "none", "selective" or "full"
         "none",
@@ -217,8 +212,6 @@ class Plan:
             raise AutopartError(
                 f"unknown recompute {self.recompute!r}", hint=f"use one of {', '.join(RECOMPUTE)}"
             )
-        from autopart.schedule.chunks import SPLITS
-
         if self.seq_split not in SPLITS:
             raise AutopartError(
                 f"unknown seq_split {self.seq_split!r}", hint=f"use one of {', '.join(SPLITS)}"

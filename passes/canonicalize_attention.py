@@ -41,6 +41,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import OPTIONAL
 from autopart.frontend.shapes import propagate
+from autopart.graph import remove_dead
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -71,20 +72,6 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         remove_dead(gm)
         propagate(gm)
     return gm
-
-
-def remove_dead(gm: fx.GraphModule) -> None:
-    """Erase every node the output does not depend on. fx's own pass keeps "impure" nodes, so a
-    dropped mask's construction would survive behind its ``_assert_tensor_metadata`` checks."""
-    live, stack = set(), [n for n in gm.graph.nodes if n.op in ("output", "placeholder")]
-    while stack:
-        n = stack.pop()
-        if n not in live:
-            live.add(n)
-            stack.extend(n.all_input_nodes)
-    for n in reversed(list(gm.graph.nodes)):
-        if n not in live:
-            gm.graph.erase_node(n)
 
 
 def require_causal(gm: fx.GraphModule) -> None:

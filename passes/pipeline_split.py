@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import InputRef
+from autopart.frontend.capture import B, InputRef, S
 from autopart.frontend.cost import node_cost
 from autopart.layout import Plan
 from autopart.meta import (
@@ -67,7 +67,7 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 # -- where each node lives ------------------------------------------------------------------
 
 
-_PARAM_VIEWS = {"tp_all_reduce_grad", "t", "view", "to", "_to_copy", "detach", "alias"}
+_PARAM_VIEWS = frozenset({"tp_all_reduce_grad", "t", "view", "to", "_to_copy", "detach", "alias"})
 
 
 def recomputable(gm: fx.GraphModule) -> set[fx.Node]:
@@ -117,8 +117,6 @@ def _unit_costs(
 ) -> list[float]:
     """Forward + backward FLOPs (3 × forward) of each unit at the example shape."""
     b, s = gm.meta.get(META_EXAMPLE_SHAPE, (8, 128))
-    from autopart.frontend.capture import B, S
-
     cost = [0.0] * n_units
     for n, u in units.items():
         flops = node_cost(n, gm).flops
@@ -132,8 +130,6 @@ def _unit_memory(
     gm: fx.GraphModule, units: dict[fx.Node, int], n_units: int, plan: Plan
 ) -> list[tuple[float, float]]:
     """(parameter bytes, activation bytes per micro-batch) of each unit at the example shape."""
-    from autopart.frontend.capture import B, S
-
     b, s = gm.meta.get(META_EXAMPLE_SHAPE, (8, 128))
     sizes = {B: max(1, b // plan.microbatches), S: s}
     out = [[0.0, 0.0] for _ in range(n_units)]

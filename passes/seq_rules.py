@@ -438,14 +438,16 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
     return False
 
 
-_SLOT_USERS = {
-    aten.index_put.default,
-    aten.ge.Tensor,
-    aten.lt.Tensor,
-    aten.le.Tensor,
-    aten.gt.Tensor,
-}
-_COMPARE = {aten.ge.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.lt.Tensor}
+_SLOT_USERS = frozenset(
+    {
+        aten.index_put.default,
+        aten.ge.Tensor,
+        aten.lt.Tensor,
+        aten.le.Tensor,
+        aten.gt.Tensor,
+    }
+)
+_COMPARE = frozenset({aten.ge.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.lt.Tensor})
 
 
 def _sorted_values(sort: fx.Node) -> set[fx.Node]:
@@ -693,33 +695,35 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     ],
 }
 
-_POINTWISE = {
-    aten._to_copy.default,
-    aten.to.dtype,
-    aten.to.dtype_layout,
-    aten.to.device,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.detach.default,
-    aten.lift_fresh_copy.default,
-    aten.type_as.default,
-    aten.masked_fill.Tensor,
-    aten.floor_divide.default,
-    aten.fill.Scalar,
-    aten.dropout.default,
-    aten.native_dropout.default,
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.full_like.default,
-    aten.empty_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.bernoulli.p,
-    aten.__and__.Tensor,
-    aten.__or__.Tensor,
-    aten.__xor__.Tensor,
-}
-_ROUTING_ENTRY = {aten.sort.default}
+_POINTWISE = frozenset(
+    {
+        aten._to_copy.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
+        aten.to.device,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.detach.default,
+        aten.lift_fresh_copy.default,
+        aten.type_as.default,
+        aten.masked_fill.Tensor,
+        aten.floor_divide.default,
+        aten.fill.Scalar,
+        aten.dropout.default,
+        aten.native_dropout.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.empty_like.default,
+        aten.rand_like.default,
+        aten.randn_like.default,
+        aten.bernoulli.p,
+        aten.__and__.Tensor,
+        aten.__or__.Tensor,
+        aten.__xor__.Tensor,
+    }
+)
+_ROUTING_ENTRY = frozenset({aten.sort.default})
 
 
 # autopart's collectives and dropout work position by position (tp_gather / tp_scatter_reduce
@@ -795,13 +799,71 @@ def _factory(p: _Prover, n: fx.Node) -> Any:
     return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1) if grow else None
 
 
-def _arange(p: _Prover, n: fx.Node) -> Any:
-    from autopart.passes.sequence_chunk import _is_positions
+# positions and running counts: the chunk pass (``sequence_chunk``) shifts them by the chunk's
+# offset, and the rules below accept them
 
+
+def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
+    """The dim's size grows with the sequence (a size written as an expression of s that is
+    constant, such as a head count under tp, is not)."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return False
+    size = to_sympy(val.shape[dim % val.dim()], gm)
+    if S not in size.free_symbols:
+        return False
+    others = {sym: 4 for sym in size.free_symbols - {S}}
+    return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
+
+
+_FILLS = {
+    aten.ones.default: 1,
+    aten.ones_like.default: 1,
+    aten.new_ones.default: 1,
+    aten.full.default: 1,
+    aten.full_like.default: 1,
+    aten.new_full.default: 2,
+}
+
+
+def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
+    """c when ``n`` is ``cumsum(x, d)`` of a tensor x filled with the constant c (``ones``,
+    ``full``) along the sequence dim d: a running count (OPT's positions, from the all-ones
+    attention mask Hugging Face makes when none is given), whose value at global token t is
+    c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset. (A running count along
+    another dim is the same in every chunk and needs nothing.)"""
+    if n.target != aten.cumsum.default:
+        return None
+    x = n.args[0]
+    dim = int_arg(n, 1, "dim")
+    if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
+        return None
+    if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
+        return 1
+    value = x.args[_FILLS[x.target]] if len(x.args) > _FILLS[x.target] else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
+    if n.target == aten.arange.default:
+        start: object = 0
+    elif n.target == aten.arange.start:
+        start = n.args[0]
+    else:
+        return False
+    val = n.meta.get("val")
+    if start != 0 or val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
+        return False
+    expr = val.shape[0].node.expr
+    return gm.meta.get(META_SYMBOLS, {}).get(expr) == S
+
+
+def _arange(p: _Prover, n: fx.Node) -> Any:
     grow = p.growing(n.meta["val"])
     if not grow:
         return None
-    if _is_positions(n, p.gm):
+    if is_positions(n, p.gm):
         return Seq(0, ONE)  # shifted by the chunk's offset
     if (
         n.target == aten.arange.default
@@ -819,9 +881,7 @@ ARANGE = (
 
 
 def _cumsum(p: _Prover, n: fx.Node) -> Any:
-    from autopart.passes.sequence_chunk import _fill_value
-
-    if _fill_value(n, p.gm) is not None:  # a running count, shifted by the chunk pass
+    if fill_value(n, p.gm) is not None:  # a running count, shifted by the chunk pass
         return p.env[node_arg(n, 0)]
     for x, dims, what in _scan("cumsum")(n):
         v = p.env.get(x)
@@ -1137,16 +1197,18 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     ),
 }
 
-_LINEAR_ON_SUMS = {
-    aten.add.Tensor,
-    aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.div.Tensor,
-    aten.neg.default,
-    aten._to_copy.default,
-    aten.to.dtype,
-    aten.clone.default,
-}
+_LINEAR_ON_SUMS = frozenset(
+    {
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.mul.Tensor,
+        aten.div.Tensor,
+        aten.neg.default,
+        aten._to_copy.default,
+        aten.to.dtype,
+        aten.clone.default,
+    }
+)
 
 # where the sequence length may appear: as a size
 _SIZE_ARGS: dict[Any, tuple[int, ...]] = {
@@ -1169,32 +1231,34 @@ _SIZE_ARGS: dict[Any, tuple[int, ...]] = {
     aten.arange.start_step: (0, 1),
     aten.split_with_sizes.default: (1,),
 }
-_SIZE_KW = {"size"}
+_SIZE_KW = frozenset({"size"})
 
-_SYM_OPS = {
-    aten.sym_size.int,
-    aten.sym_numel.default,
-    operator.add,
-    operator.sub,
-    operator.mul,
-    operator.floordiv,
-    operator.truediv,
-    operator.mod,
-    operator.neg,
-    operator.eq,
-    operator.ne,
-    operator.lt,
-    operator.le,
-    operator.gt,
-    operator.ge,
-    torch.sym_max,
-    torch.sym_min,
-    torch.sym_float,
-    torch.sym_int,
-    torch.sym_not,
-    math.ceil,
-    math.floor,
-}
+_SYM_OPS = frozenset(
+    {
+        aten.sym_size.int,
+        aten.sym_numel.default,
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.truediv,
+        operator.mod,
+        operator.neg,
+        operator.eq,
+        operator.ne,
+        operator.lt,
+        operator.le,
+        operator.gt,
+        operator.ge,
+        torch.sym_max,
+        torch.sym_min,
+        torch.sym_float,
+        torch.sym_int,
+        torch.sym_not,
+        math.ceil,
+        math.floor,
+    }
+)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -1262,6 +1326,8 @@ __all__ = [
     "Routed",
     "Seq",
     "causal_conv",
+    "fill_value",
+    "is_positions",
     "live_nodes",
     "seq_dims",
 ]

@@ -59,8 +59,9 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 from torch.utils._sympy.value_ranges import ValueRanges
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import B, InputRef, S, to_sympy
+from autopart.frontend.capture import B, InputRef
 from autopart.frontend.shapes import propagate
+from autopart.graph import remove_dead
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -77,13 +78,8 @@ from autopart.meta import (
     META_SYMBOLS,
     META_WINDOW,
 )
-from autopart.node_args import float_arg, int_arg, node_arg
-from autopart.passes.canonicalize_attention import (
-    SDPA,
-    lower_right_mask,
-    remove_dead,
-    require_causal,
-)
+from autopart.node_args import float_arg, node_arg
+from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, require_causal
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import (
     CONVS,
@@ -91,6 +87,8 @@ from autopart.passes.seq_rules import (
     CausalConv,
     Seq,
     causal_conv,
+    fill_value,
+    is_positions,
     live_nodes,
     seq_dims,
 )
@@ -117,8 +115,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     last_ph = placeholders[-1]
     output = next(n for n in g.nodes if n.op == "output")
     attention = [n for n in g.nodes if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal"]
-    positions = [n for n in g.nodes if _is_positions(n, gm)]
-    counts = {n: c for n in g.nodes if (c := _fill_value(n, gm)) is not None}
+    positions = [n for n in g.nodes if is_positions(n, gm)]
+    counts = {n: c for n in g.nodes if (c := fill_value(n, gm)) is not None}
 
     new_refs: list[InputRef] = []
     mode = detect_fake_mode([n.meta["val"] for n in placeholders])
@@ -278,62 +276,6 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             "position-wise ops, positions from arange or a running count, causal attention, "
             "causal convolutions and routed experts; docs/seq1f1b.md lists them)",
         )
-
-
-def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
-    """The dim's size grows with the sequence (a size written as an expression of s that is
-    constant, such as a head count under tp, is not)."""
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() == 0:
-        return False
-    size = to_sympy(val.shape[dim % val.dim()], gm)
-    if S not in size.free_symbols:
-        return False
-    others = {sym: 4 for sym in size.free_symbols - {S}}
-    return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
-
-
-_FILLS = {
-    aten.ones.default: 1,
-    aten.ones_like.default: 1,
-    aten.new_ones.default: 1,
-    aten.full.default: 1,
-    aten.full_like.default: 1,
-    aten.new_full.default: 2,
-}
-
-
-def _fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
-    """c when ``n`` is ``cumsum(x, d)`` of a tensor x filled with the constant c (``ones``,
-    ``full``) along the sequence dim d: a running count (OPT's positions, from the all-ones
-    attention mask Hugging Face makes when none is given), whose value at global token t is
-    c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset. (A running count along
-    another dim is the same in every chunk and needs nothing.)"""
-    if n.target != aten.cumsum.default:
-        return None
-    x = n.args[0]
-    dim = int_arg(n, 1, "dim")
-    if not isinstance(x, fx.Node) or x.target not in _FILLS or not _along_sequence(x, dim, gm):
-        return None
-    if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
-        return 1
-    value = x.args[_FILLS[x.target]] if len(x.args) > _FILLS[x.target] else None
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
-    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
-    if n.target == aten.arange.default:
-        start: object = 0
-    elif n.target == aten.arange.start:
-        start = n.args[0]
-    else:
-        return False
-    val = n.meta.get("val")
-    if start != 0 or val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
-        return False
-    expr = val.shape[0].node.expr
-    return gm.meta.get(META_SYMBOLS, {}).get(expr) == S
 
 
 def _empty_prefix(ph: fx.Node, prefix_len: torch.SymInt, gm: fx.GraphModule) -> list[int | str]:

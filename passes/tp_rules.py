@@ -250,17 +250,19 @@ def _view(n, dims):
     return view_map(n, _first(n, dims))[0]
 
 
-_UNARY_LIKE = {
-    aten.dropout.default,
-    aten.to.dtype,
-    aten.to.dtype_layout,
-    aten._to_copy.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.alias.default,
-    aten.detach.default,
-    aten.type_as.default,
-}
+_UNARY_LIKE = frozenset(
+    {
+        aten.dropout.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
+        aten._to_copy.default,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.alias.default,
+        aten.detach.default,
+        aten.type_as.default,
+    }
+)
 
 RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.transpose.int: _transpose,

@@ -146,15 +146,17 @@ def _is_token_embedding(n: fx.Node, vocab: int) -> bool:
     return ref == InputRef("data", "input_ids") and tensor_of(table).shape[0] == vocab
 
 
-_SAME_IDS = {
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.to.dtype,
-    aten._to_copy.default,
-}
+_SAME_IDS = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.clone.default,
+        aten.contiguous.default,
+        aten.to.dtype,
+        aten._to_copy.default,
+    }
+)
 
 
 def _split_embedding(gm: fx.GraphModule, n: fx.Node, rank: fx.Node, rows: int) -> None:

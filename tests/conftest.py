@@ -1,7 +1,7 @@
 """Shared fixtures: the examples on ``sys.path`` and one capture per model for the session.
 
 Capturing costs about a second per model, so every test that only reads a capture shares
-these. Tests that mutate a graph (a pass) work on a copy (``autopart.lowering.compile.copy_graph``).
+these. Tests that mutate a graph (a pass) work on a copy (``autopart.graph.copy_graph``).
 """
 
 from __future__ import annotations

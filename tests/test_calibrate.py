@@ -11,8 +11,9 @@ import pytest
 
 from autopart import AutopartError
 from autopart.cli import main
-from autopart.planning.calibrate import VERSION, load, measure, predict, trace_document
+from autopart.planning.calibrate import load, measure, predict
 from autopart.planning.simulate import simulate_actions, to_chrome_trace
+from autopart.runtime.timeline import VERSION, trace_document
 from autopart.schedule import generate
 
 P = 3

@@ -9,7 +9,8 @@ from conftest import Case
 import autopart
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
-from autopart.schedule import chunks
+from autopart.lowering import chunks
+from autopart.schedule.chunks import chunk_cost, fit_coefficients
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,8 @@ def test_public_function_and_uniform(gpt_sdpa: Case) -> None:
 def test_cost_form_matches_the_model(gpt_sdpa: Case) -> None:
     c1, c2 = chunks.cost_coefficients(gpt_sdpa.captured)
     assert c1 > 0 and c2 > 0
-    whole = chunks.chunk_cost(c1, c2, 0, 64)
-    parts = chunks.chunk_cost(c1, c2, 0, 40) + chunks.chunk_cost(c1, c2, 40, 64)
+    whole = chunk_cost(c1, c2, 0, 64)
+    parts = chunk_cost(c1, c2, 0, 40) + chunk_cost(c1, c2, 40, 64)
     assert parts == pytest.approx(whole)  # chunk costs add up to the sequence's
 
 
@@ -75,10 +76,10 @@ def test_attention_counted_as_the_causal_kernel() -> None:
 
 def test_fit_coefficients_recovers_a_cost_and_refuses_too_little() -> None:
     c1, c2 = 3.0, 0.01
-    samples = [(a, e, chunks.chunk_cost(c1, c2, a, e)) for a, e in [(0, 96), (96, 160), (160, 256)]]
-    got = chunks.fit_coefficients(samples)
+    samples = [(a, e, chunk_cost(c1, c2, a, e)) for a, e in [(0, 96), (96, 160), (160, 256)]]
+    got = fit_coefficients(samples)
     assert got == pytest.approx((c1, c2), rel=1e-9)
-    assert chunks.fit_coefficients(samples[:1]) is None  # one chunk cannot separate two terms
+    assert fit_coefficients(samples[:1]) is None  # one chunk cannot separate two terms
     # a later chunk timed faster than an earlier, equally long one (noise): no negative cost
-    c1_only = chunks.fit_coefficients([(0, 128, 10.0), (128, 256, 9.0)])
+    c1_only = fit_coefficients([(0, 128, 10.0), (128, 256, 9.0)])
     assert c1_only is not None and c1_only[1] == 0.0 and c1_only[0] > 0

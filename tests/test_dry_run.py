@@ -13,7 +13,7 @@ from test_capture import _SliceAssign
 from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, capture
-from autopart.lowering.compile import copy_graph
+from autopart.graph import copy_graph
 
 aten = torch.ops.aten
 

@@ -177,7 +177,7 @@ def balance_table(program) -> Table | None:
 
 def chunk_rich(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> Table:
     """Seq1F1B chunk boundaries and each chunk's forward FLOPs, balanced against uniform."""
-    from autopart.schedule.chunks import chunk_table
+    from autopart.lowering.chunks import chunk_table
 
     t = Table(
         title=f"Seq1F1B: {k} chunks of a {seq_len}-token sequence (forward FLOPs per chunk, b=1)"

@@ -24,40 +24,42 @@ import sympy
 import torch
 from torch import fx
 
-from autopart.frontend.capture import Captured, to_sympy
+from autopart.frontend.capture import B, Captured, S, to_sympy
 from autopart.meta import META_ATTENTION, META_COST, META_INPUT, META_LAYER, META_SYMBOLS
 from autopart.node_args import node_arg
 
 ZERO = sympy.Integer(0)
 
-_VIEWS = {
-    "view",
-    "_unsafe_view",
-    "reshape",
-    "transpose",
-    "t",
-    "permute",
-    "expand",
-    "unsqueeze",
-    "squeeze",
-    "slice",
-    "select",
-    "split",
-    "split_with_sizes",
-    "alias",
-    "as_strided",
-    "unflatten",
-    "flatten",
-    "chunk",
-    "unbind",
-    "detach",
-    "lift_fresh_copy",
-    "sym_size",
-    "_assert_tensor_metadata",
-    "to",
-}
-_GATHERS = {"embedding", "index", "arange", "ones", "zeros", "new_ones", "full", "empty"}
-_MATMULS = {"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"}
+_VIEWS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "alias",
+        "as_strided",
+        "unflatten",
+        "flatten",
+        "chunk",
+        "unbind",
+        "detach",
+        "lift_fresh_copy",
+        "sym_size",
+        "_assert_tensor_metadata",
+        "to",
+    }
+)
+_GATHERS = frozenset({"embedding", "index", "arange", "ones", "zeros", "new_ones", "full", "empty"})
+_MATMULS = frozenset({"mm", "bmm", "matmul", "linear", "addmm", "baddbmm"})
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,6 @@ def _size(x: object, gm: fx.GraphModule) -> sympy.Expr:
     """A size in b and s. A data-dependent size (the tokens a router sends to one expert: an
     unbacked symbol) is taken at its bound, every token of the batch (b·s), so costs stay
     expressions in b and s."""
-    from autopart.frontend.capture import B, S
-
     expr = to_sympy(x, gm)
     known = {B, S, *gm.meta.get(META_SYMBOLS, {}).values()}
     extra = expr.free_symbols - known
@@ -203,6 +203,4 @@ def analyze(captured: Captured) -> list[Group]:
 
 def evaluate(expr: sympy.Expr, b: int, s: int) -> float:
     """Value of a cost expression at batch ``b`` and sequence ``s``."""
-    from autopart.frontend.capture import B, S
-
     return float(sympy.sympify(expr).subs({B: b, S: s}))

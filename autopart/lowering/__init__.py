@@ -1,21 +1,11 @@
 """Lowering: a ``Captured`` graph and a ``Plan`` become a ``Program``, one ``RankProgram`` per
 rank. ``pass_runner`` applies the passes (``autopart.passes``); ``compile`` is the
-``compile_program`` steps around them (stage split, shards, schedules).
+``compile_program`` steps around them (stage split, shards, schedules, the dry run); ``chunks``
+reads a captured model's Seq1F1B chunk costs off its graph.
 
-``compile_program`` is imported on first use: the program format reads ``pass_runner``'s
-records, and a rank loading a saved program needs no compiler."""
+Nothing below this layer imports it (the program format's types, ``PassRecord`` included,
+live in ``autopart/program/``), so a rank loading a saved program imports no compiler."""
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from autopart.lowering.compile import compile_program
-
-
-def __getattr__(name: str) -> Any:
-    if name == "compile_program":
-        return import_module("autopart.lowering.compile").compile_program
-    raise AttributeError(f"module 'autopart.lowering' has no attribute {name!r}")
-
+from autopart.lowering.compile import compile_program
 
 __all__ = ["compile_program"]

@@ -15,7 +15,7 @@
 Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen and
 autopart (a library's custom op capture could not decompose).
 
-``split_stages`` also makes each stage graph name no device (``device_free``): the runtime
+``split_stages`` also makes each stage graph name no device (``autopart.graph.device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
 """
 
@@ -26,9 +26,11 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
+from autopart.graph import copy_graph, device_free
 from autopart.layout import Plan
+from autopart.lowering.chunks import cost_coefficients
 from autopart.lowering.dry_run import dry_run
-from autopart.lowering.pass_runner import PassRecord, run_passes
+from autopart.lowering.pass_runner import run_passes
 from autopart.meta import (
     META_CUTS,
     META_EXAMPLE_SHAPE,
@@ -43,9 +45,9 @@ from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.program.archive import allowed_call
-from autopart.program.format import Program, RankProgram, Shard, StageProgram
+from autopart.program.format import PassRecord, Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
-from autopart.schedule.chunks import chunk_lengths, cost_coefficients
+from autopart.schedule.chunks import chunk_lengths
 
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
@@ -107,15 +109,6 @@ def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[P
     return run_passes(gm, plan, PIPELINE)
 
 
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose nodes (and node meta dicts) a pass may change freely."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    new = fx.GraphModule(gm, graph)
-    new.meta.update(gm.meta)
-    return new
-
-
 def split_stages(gm: fx.GraphModule) -> tuple[list[fx.GraphModule], list[list[InputRef]]]:
     """The stage graphs (one when pp = 1) and, per stage, what feeds each placeholder."""
     stages = stage_graphs(gm)
@@ -130,42 +123,6 @@ def split_stages(gm: fx.GraphModule) -> tuple[list[fx.GraphModule], list[list[In
         for n, ref in zip((n for n in st.graph.nodes if n.op == "placeholder"), refs, strict=True):
             n.meta[META_INPUT] = ref
     return stages, inputs
-
-
-def device_free(gm: fx.GraphModule) -> None:
-    """Make ``gm`` name no device: capture bakes the capture device into factory calls
-    (``arange(..., device=cpu)``) and casts (``to.device(x, cpu, dtype)``, Llama's rotary
-    tables). Factory calls lose their ``device`` keyword (the runtime gives them the rank's
-    device), a ``to.device`` becomes ``to.dtype`` (every tensor of a rank lives on one device),
-    and metadata assertions are dropped. A device left anywhere else is refused, naming the node.
-    Every ``view`` becomes ``reshape``: whether a view is possible depends on the strides a
-    device's kernels give their outputs (SDPA's differ between the CPU, CUDA and meta); in a
-    functional graph ``reshape`` computes the same values, copying only where a view is not
-    possible."""
-    aten = torch.ops.aten
-    for n in list(gm.graph.nodes):
-        if n.op != "call_function":
-            continue
-        if n.target is aten._assert_tensor_metadata.default:
-            gm.graph.erase_node(n)
-            continue
-        if n.target is aten.view.default:
-            n.target = aten.reshape.default
-        if isinstance(n.kwargs.get("device"), torch.device):
-            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "device"}
-        if n.target is aten.to.device:  # (x, device, dtype, non_blocking, copy, memory_format)
-            n.target = aten.to.dtype
-            n.args = (n.args[0], *n.args[2:])
-        flat = [*n.args, *n.kwargs.values()]
-        flat = [x for a in flat for x in (a if isinstance(a, (list, tuple)) else [a])]
-        if any(isinstance(a, torch.device) for a in flat):
-            raise AutopartError(
-                f"node {n.name} ({n.target}) of module {n.meta.get(META_MODULE, '') or 'the root'} "
-                "names a device, so its program could run on that device only",
-                hint="please report the model; meanwhile compute that value without a device",
-            )
-    gm.graph.lint()
-    gm.recompile()
 
 
 def tied_across(inputs: list[list[InputRef]], pp: int) -> dict[str, list[int]]:

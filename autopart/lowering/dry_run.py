@@ -6,7 +6,7 @@ without a derivative (autograd marks it ``NotImplemented`` in the forward; ``ate
 one), a shape or dtype that does not fit, and any other error an op raises on the stage's
 real input shapes. Each becomes an ``AutopartError`` naming the stage, the node and its module.
 
-The inputs are the runtime's (``runtime.runner.stage_inputs``): this rank's parameter shards
+The inputs are the runtime's (``program.feeds.stage_inputs``): this rank's parameter shards
 (the placeholders' local shapes), the buffers, one micro-batch of the example's rows and
 length, the previous stage's outputs as its activations. Under Seq1F1B the last chunk runs, with
 a K/V prefix as long as the chunks before it (so the prefixed attention and its gradient into
@@ -31,6 +31,8 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
+from autopart.program.feeds import chunk_feeds, example_batch, stage_inputs
+from autopart.schedule.chunks import chunk_bounds
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 _HINT = (
@@ -48,13 +50,6 @@ def dry_run(
 ) -> None:
     """Run every stage's forward and backward once on fake tensors; raise ``AutopartError``
     naming the stage and node of the first failure (see the module docstring)."""
-    from autopart.runtime.runner import (  # the runtime's own input contract
-        chunk_feeds,
-        example_batch,
-        stage_inputs,
-    )
-    from autopart.schedule.chunks import chunk_bounds
-
     rows = max(1, captured.example_shape[0] // (plan.mesh.dp * plan.microbatches))
     seq = captured.example_shape[1]
     bounds = chunk_bounds(

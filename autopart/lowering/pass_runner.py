@@ -13,25 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.meta import META_PASSES
+from autopart.program.format import PassRecord
 
 log = logging.getLogger("autopart")
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
-
-
-@dataclass(frozen=True)
-class PassRecord:
-    """One pass applied: its name, seconds taken and the graph's code afterwards."""
-
-    name: str
-    seconds: float
-    code: str
 
 
 def run_passes(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autopart.errors import AutopartError
+from autopart.parity.verify import Check, verify_many
 
 VOCAB, BATCH, SEQ = 96, 4, 32
 COMMON = {
@@ -231,8 +232,6 @@ def matrix(
     float64 where the model runs in float64 on one device, else float32 (its tolerance is in
     each report). Each model is captured once; ranks are forked with the program in memory.
     ``on_result(arch, dtype, plan, result)`` hears each cell as it comes."""
-    from autopart.parity.verify import Check, verify_many
-
     archs = list(ARCHITECTURES) if archs is None else archs
     plans = PLANS if plans is None else plans
     out: dict[str, tuple[str, dict[str, Cell]]] = {}

@@ -21,10 +21,8 @@ import multiprocessing
 import os
 import sys
 import traceback
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,31 +34,8 @@ from autopart.layout import Plan
 from autopart.program.format import Program, RankProgram, load_rank, load_weights, read_head
 from autopart.runtime.launch import as_rank, rank_setup, wait_ranks
 from autopart.runtime.placement import backend_for, pick_device
-from autopart.runtime.runner import Runner, local_weights, make_groups
-
-
-def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
-    """Write this rank's loss, local gradients and shard map to ``folder/rankNNNNN.pt``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    grads = {
-        f: (_host(p.grad) if p.grad is not None else None) for f, p in runner.named_parameters()
-    }
-    shards = {f: asdict(s) for f, s in runner.program.shards.items()}
-    torch.save(
-        {
-            "loss": _host(loss),
-            "grads": grads,
-            "shards": shards,
-            "coords": runner.program.coords.as_dict(),
-            "saved": runner.peak_saved_bytes,
-        },
-        folder / f"rank{runner.rank:05d}.pt",
-    )
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A copy to dump: on the CPU (a GPU rank's), or as it is (the dry run's meta tensors)."""
-    return t.detach().clone() if t.device.type in ("cpu", "meta") else t.detach().cpu()
+from autopart.runtime.run import dump
+from autopart.runtime.runner import Runner, join_torchrun, local_weights, make_groups
 
 
 def run_check(
@@ -101,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m autopart.parity.checks MANIFEST`` (under torchrun): run every check the
     manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool, "device",
     "checks": [{"name", "program", "batch", "dump"}, ...]}``; every program has this world size."""
-    from autopart.runtime.run import _join
-
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
         print("usage: python -m autopart.parity.checks MANIFEST (under torchrun)", file=sys.stderr)
@@ -112,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s = float(manifest["timeout"])
     dev = pick_device(manifest.get("device", "cpu"))
     device = str(dev)
-    rank, world = _join(timeout_s, backend_for(dev))
+    rank, world = join_torchrun(timeout_s, backend_for(dev))
     current = "(setup)"
     try:
         for check in manifest["checks"]:

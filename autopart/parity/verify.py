@@ -24,10 +24,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from autopart.api import parallelize
 from autopart.errors import AutopartError
-from autopart.frontend.capture import batch_fields, logits_of
+from autopart.frontend.capture import (
+    LOW_PRECISION,
+    META_MODULE,
+    B,
+    S,
+    batch_fields,
+    capture,
+    capture_mixed,
+    from_parameters,
+    logits_of,
+    to_sympy,
+)
 from autopart.frontend.spec import Factory, build
-from autopart.layout import Mesh, Plan
+from autopart.layout import SCHEDULES, Mesh, Plan
 from autopart.parity.checks import fork_ranks
 from autopart.program.format import Shard
 from autopart.runtime.launch import launch, launch_forked  # noqa: F401 - verify's API
@@ -95,8 +107,6 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     plan reorders or recomputes (products, softmax, the loss: GPT-J's float32 attention
     scores). A float32 step applied token by token (Llama's RMSNorm statistics) rounds the
     same way in every plan."""
-    from autopart.frontend.capture import META_MODULE, B, S, from_parameters, to_sympy
-
     aten = torch.ops.aten
     mixing = {
         aten.matmul.default,
@@ -296,8 +306,6 @@ PLANS_HELP = (
 
 def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = None) -> list[Check]:
     """``"tp=2; pp=2,1f1b,m=4"`` → one ``Check`` per plan (unset fields from ``base``)."""
-    from autopart.layout import SCHEDULES
-
     checks = []
     for plan in (p.strip() for p in text.split(";")):
         if not plan:
@@ -345,8 +353,6 @@ def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
     """Build, reference and capture one model. The reference runs on the ranks' kind of device
     (a GPU's kernels round float32 parts of a model, such as Llama's rotary tables, otherwise
     than the CPU's: about 3e-7 apart, which is not the plan's doing); the capture on the CPU."""
-    from autopart.frontend.capture import LOW_PRECISION, capture, capture_mixed
-
     model, batch = build(spec)
     mixed = DTYPES[dtype] in LOW_PRECISION  # float32 masters, low-precision compute
     model = model.to(torch.float32 if mixed else DTYPES[dtype])
@@ -418,8 +424,6 @@ def verify_many(
     with NCCL, or all on one GPU over gloo with host staging when they outnumber the GPUs);
     the reference runs on the same kind of device (GPU 0), the capture on the CPU.
     """
-    from autopart.api import parallelize
-
     if dtype not in DTYPES:
         raise AutopartError(
             f"unknown dtype {dtype!r}",

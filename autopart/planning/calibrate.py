@@ -38,18 +38,10 @@ from typing import Any
 
 from autopart.errors import AutopartError
 from autopart.planning.simulate import Timeline, simulate_actions
-from autopart.runtime.timeline import Block, blocks, read_json
+from autopart.runtime.timeline import HEADER, VERSION, Block, blocks, read_json
 from autopart.schedule import check_schedule, generate
 from autopart.schedule.generators import traits
 from autopart.schedule.ir import Action
-
-HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
-VERSION = 2  # 2: each event's action in its "args" (1: only in its name)
-
-
-def trace_document(events: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
-    """The JSON object ``autopart run --trace`` writes: the events and the run's header."""
-    return {"traceEvents": events, "displayTimeUnit": "ms", HEADER: {"version": VERSION, **header}}
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ PRESETS: dict[str, Cluster] = {
     ),
 }
 
-_FIELDS = {f.name for f in fields(Cluster)}
+_FIELDS = frozenset(f.name for f in fields(Cluster))
 
 
 def cluster_from_dict(data: dict[str, Any], source: str = "cluster") -> Cluster:

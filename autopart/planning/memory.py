@@ -29,6 +29,7 @@ for all (the other tp and dp ranks run the same shapes).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,12 +37,13 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopart.layout import Coords
+from autopart.layout import Coords, Mesh
+from autopart.lowering import compile_program
 from autopart.meta import META_KV_SHAPES
+from autopart.program.feeds import chunk_feeds, example_batch, stage_inputs
 from autopart.program.format import Program, RankProgram
 from autopart.runtime.placement import place
 from autopart.runtime.recompute import regions
-from autopart.runtime.runner import chunk_feeds, example_batch, stage_inputs
 from autopart.schedule.chunks import chunk_bounds
 
 
@@ -189,11 +191,6 @@ def graph_memory(
     """``unit_bytes`` of ``plan`` compiled for a captured model (one dp replica: activations do
     not depend on dp), micro-batches of ``plan.micro_batch`` sequences (1 when unset) of ``seq``
     tokens (the example's when unset)."""
-    from dataclasses import replace
-
-    from autopart.layout import Mesh
-    from autopart.lowering.compile import compile_program
-
     one = replace(plan, mesh=Mesh(pp=plan.mesh.pp, tp=plan.mesh.tp))
     program = compile_program(captured, one)
     return unit_bytes(program, plan.micro_batch or 1, seq or captured.example_shape[1])

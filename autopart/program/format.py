@@ -54,7 +54,6 @@ from torch.export.graph_signature import (
 from autopart.errors import AutopartError
 from autopart.frontend.capture import InputRef, layer_of
 from autopart.layout import Coords, Mesh, Plan
-from autopart.lowering.pass_runner import PassRecord
 from autopart.meta import (
     META_INPUT,
     META_KV_SHAPES,
@@ -144,6 +143,15 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One pass applied: its name, seconds taken and the graph's code afterwards."""
+
+    name: str
+    seconds: float
+    code: str
 
 
 @dataclass

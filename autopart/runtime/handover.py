@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from autopart.errors import AutopartError, wait
 from autopart.program.folder import NAMES, ProgramFolder, rank_dir
+from autopart.program.format import load_rank, load_weights, read_head
 
 _MAX_FILE = 1 << 40  # a received file's bound: the folder's own checks bound each kind further
 
@@ -37,8 +38,6 @@ def hand_over(
     Every rank calls it; on rank 0 ``program`` is the compiled ``Program`` (or ``error`` the
     failure to compile it: rank 0 raises it, every other rank an ``AutopartError`` with its
     message); other ranks pass ``None``."""
-    from autopart.program.format import load_rank, load_weights, read_head
-
     rank, world = dist.get_rank(), dist.get_world_size()
     device = _device()
     status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)

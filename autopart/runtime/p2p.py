@@ -28,7 +28,7 @@ import torch
 from autopart.errors import AutopartError, wait
 from autopart.runtime import staging
 
-_DTYPES = [
+_DTYPES = (
     torch.float64,
     torch.float32,
     torch.bfloat16,
@@ -36,7 +36,7 @@ _DTYPES = [
     torch.int64,
     torch.int32,
     torch.bool,
-]
+)
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
 
 

@@ -1,6 +1,6 @@
 """Where a rank runs: its device, the process-group backend for it, and its graphs placed there.
 
-A compiled program names no device (``lowering.compile.device_free``). At run time each rank
+A compiled program names no device (``autopart.graph.device_free``). At run time each rank
 picks one (``pick_device``): ``--device`` / ``device=`` when given, else ``cuda:LOCAL_RANK``
 when CUDA is available, else the CPU. When a node runs more ranks than it has GPUs
 (``shares_gpu``), rank ``LOCAL_RANK`` takes GPU ``LOCAL_RANK mod count``. The backend follows
@@ -26,6 +26,7 @@ import torch
 from torch import fx, nn
 
 from autopart.errors import AutopartError
+from autopart.graph import copy_graph
 from autopart.meta import META_MODULE
 
 
@@ -86,8 +87,6 @@ def place(graph: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     is a bug the dry run shows."""
     if device.type == "cpu":
         return graph
-    from autopart.lowering.compile import copy_graph
-
     graph = copy_graph(graph)  # the program's own graph stays device-free (it may be saved)
     for n in graph.graph.nodes:
         if n.op == "call_function" and _makes_tensors(n.target) and "device" not in n.kwargs:

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,13 @@ import torch.distributed as dist
 
 from autopart import collectives
 from autopart.errors import AutopartError
-from autopart.frontend.capture import batch_fields
+from autopart.frontend.capture import batch_fields, check_batch
 from autopart.layout import Plan
-from autopart.parity.checks import dump
 from autopart.program.format import load_rank, load_weights, read_head
 from autopart.runtime.launch import rank_setup
+from autopart.runtime.placement import backend_for, pick_device
+from autopart.runtime.runner import Runner, join_torchrun, make_groups
+from autopart.runtime.timeline import plot_timeline, trace_document
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -208,8 +211,6 @@ class Batches:
 def _read_batch(path: Path) -> Any:
     """``--batch FILE``: a ``torch.save``d ``(input_ids, labels)`` or dict of the batch's
     tensors by name, checked as ``parallelize`` checks its example."""
-    from autopart.frontend.capture import check_batch
-
     return check_batch(torch.load(path, weights_only=True))
 
 
@@ -232,6 +233,30 @@ def _read_tokens(path: Path) -> torch.Tensor:
     return t.long()
 
 
+def dump(runner: Any, loss: torch.Tensor, folder: Path) -> None:
+    """Write this rank's loss, local gradients and shard map to ``folder/rankNNNNN.pt``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    grads = {
+        f: (_host(p.grad) if p.grad is not None else None) for f, p in runner.named_parameters()
+    }
+    shards = {f: asdict(s) for f, s in runner.program.shards.items()}
+    torch.save(
+        {
+            "loss": _host(loss),
+            "grads": grads,
+            "shards": shards,
+            "coords": runner.program.coords.as_dict(),
+            "saved": runner.peak_saved_bytes,
+        },
+        folder / f"rank{runner.rank:05d}.pt",
+    )
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A copy to dump: on the CPU (a GPU rank's), or as it is (the dry run's meta tensors)."""
+    return t.detach().clone() if t.device.type in ("cpu", "meta") else t.detach().cpu()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -242,9 +267,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopart.runtime.placement import backend_for, pick_device
-    from autopart.runtime.runner import Runner, make_groups
-
     if "RANK" in os.environ:  # a rank: stopped with its launcher, shared memory cleaned up
         rank_setup(collectives.close)
     _check_checkpoint_args(args)  # before reading anything
@@ -252,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(head["plan"])
     batches = check_args(args, head, plan)
     device = pick_device(args.device)
-    rank, world = _join(args.timeout, backend_for(device))
+    rank, world = join_torchrun(args.timeout, backend_for(device))
     # torch seeds its generator at random in each process; autopart's dropout takes explicit
     # seeds, but attention dropout inside SDPA draws from this generator
     torch.manual_seed((args.seed * 1_000_003 + rank) % 2**63)
@@ -310,36 +332,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _join(timeout_s: float, backend: str = "gloo") -> tuple[int, int]:
-    """``init_distributed``, but a job torchrun restarted (``--max-restarts``) keeps its keys
-    apart from the failed attempt's: torchrun's workers share the agent's store across attempts,
-    where gloo could find a dead rank's address (pytorch/pytorch#135712)."""
-    from autopart.runtime.runner import init_distributed
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if attempt != "0" and shared and not dist.is_initialized():
-        from datetime import timedelta
-
-        env = os.environ
-        world = int(env["WORLD_SIZE"])
-        store = dist.TCPStore(
-            env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
-            world,
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
-            rank=int(env["RANK"]),
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    return init_distributed(timeout_s, backend)
-
-
 def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimizer:
     """AdamW over this rank's shards; with ``zero``, its state sharded over the dp group (ZeRO-1:
     each dp rank keeps and updates 1/dp of the parameters, then broadcasts them). The parameters
@@ -365,8 +357,6 @@ def make_optimizer(runner, lr: float, zero: bool = False) -> torch.optim.Optimiz
 def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
     """Every check the options allow before a rank starts (``autopart run`` calls it before it
     launches torchrun, so a bad flag is refused once, not once per rank); the batches."""
-    from autopart.runtime.placement import pick_device
-
     _check_checkpoint_args(args)
     for flag, value in (("--steps", args.steps), ("--timeout", args.timeout)):
         if value <= 0:
@@ -421,7 +411,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
     named in one line and skipped); returns its step and folder."""
     if args.checkpoint_dir is None:
         return 0, None
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     damaged: list[str] = []
 
@@ -453,7 +443,7 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
 
 
 def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: dict) -> None:
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     path = checkpoint.save(
         checkpoint.folder(args.checkpoint_dir, step),
@@ -479,7 +469,7 @@ def _finish_checkpoints(
     """Save after the last step (unless this run saved it or resumed from it), then --export.
     A checkpoint of that step found on disk is not trusted: it may be the damaged one that the
     resume skipped, so it is saved again."""
-    from autopart.runtime import checkpoint
+    from autopart.runtime import checkpoint  # lazy: torch.distributed.checkpoint (~1 s)
 
     final = checkpoint.folder(args.checkpoint_dir, runner.steps)
     every = args.checkpoint_every
@@ -569,8 +559,6 @@ def _write_trace(
 ) -> None:
     """Gather every rank's last step to rank 0: the trace (with the header that
     ``autopart simulate --measured`` reads, see autopart/planning/calibrate.py) and the picture."""
-    from autopart.planning.calibrate import trace_document
-
     mine = {
         "rank": rank,
         "events": runner.chrome_trace(),
@@ -605,8 +593,6 @@ def _write_trace(
         if path is not None:
             print(f"trace of the last step: {path} (open in https://ui.perfetto.dev)", flush=True)
         if png is not None:
-            from autopart.runtime.timeline import plot_timeline
-
             print(f"timeline of the last step: {plot_timeline(events, png, title)}", flush=True)
 
 

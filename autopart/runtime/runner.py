@@ -20,7 +20,7 @@ import contextlib
 import operator
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -33,8 +33,10 @@ from torch import fx, nn
 from autopart import collectives
 from autopart.errors import AutopartError, wait
 from autopart.frontend.capture import check_extra
-from autopart.layout import Coords, Plan
+from autopart.graph import copy_graph
+from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
+from autopart.program.feeds import chunk_feeds, stage_inputs
 from autopart.program.format import Program, RankProgram
 from autopart.runtime import norms, p2p, staging, state
 from autopart.runtime.comm import Comm
@@ -100,6 +102,32 @@ def init_distributed(timeout_s: float = 300.0, backend: str = "gloo") -> tuple[i
             )
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_torchrun(timeout_s: float, backend: str = "gloo") -> tuple[int, int]:
+    """``init_distributed``, but a job torchrun restarted (``--max-restarts``) keeps its keys
+    apart from the failed attempt's: torchrun's workers share the agent's store across attempts,
+    where gloo could find a dead rank's address (pytorch/pytorch#135712)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if attempt != "0" and shared and not dist.is_initialized():
+        env = os.environ
+        world = int(env["WORLD_SIZE"])
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"autopart/attempt{attempt}", store),
+            rank=int(env["RANK"]),
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return init_distributed(timeout_s, backend)
 
 
 def local_weights(program: Program, rp: RankProgram) -> dict[str, torch.Tensor]:
@@ -1237,78 +1265,6 @@ class Runner:
         return loss
 
 
-def stage_inputs(
-    refs: Sequence[Any],
-    *,
-    params: Mapping[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    data: dict[str, torch.Tensor],
-    keys: dict[str, torch.Tensor] | None = None,
-    coords: Coords,
-    acts: Sequence[torch.Tensor],
-    prefix: Sequence[torch.Tensor],
-    offset: int,
-    seed: torch.Tensor | None,
-    compute: torch.dtype | None,
-    device: torch.device,
-) -> list[Any]:
-    """A stage graph's arguments, one per placeholder (``refs``: its ``InputRef``s): parameters
-    (cast to ``compute`` inside autograd under mixed precision), buffers, the batch, this rank's
-    coordinates, the previous stage's activations, the K/V prefix, the chunk offset and the
-    dropout seed. ``data``: the batch tensors' columns of this chunk (the whole sequence
-    without chunks); ``keys``: Seq1F1B, the columns of every token the chunk's keys cover
-    (the K/V prefix's and the chunk's, ``chunk_feeds``)."""
-    out: list[Any] = []
-    for ref in refs:
-        if ref.kind == "act":
-            out.append(acts[int(ref.name)])
-        elif ref.kind == "param":
-            p = params[ref.name]
-            cast = compute is not None and p.is_floating_point()
-            out.append(p.to(compute) if cast else p)
-        elif ref.kind == "rank":
-            out.append(torch.tensor(coords.along(ref.name), device=device))
-        elif ref.kind == "rng":
-            out.append(seed)
-        elif ref.kind == "data":
-            out.append(data[ref.name])
-        elif ref.kind == "keys":
-            out.append((keys or {})[ref.name])
-        elif ref.kind == "kv":
-            out.append(prefix[int(ref.name)])
-        elif ref.kind == "offset":
-            out.append(torch.tensor(offset, device=device))
-        else:
-            out.append(buffers[ref.name])
-    return out
-
-
-def chunk_feeds(
-    mb: dict[str, torch.Tensor], a: int, e: int
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A micro-batch's feeds for the chunk of tokens ``[a, e)``: every batch tensor's columns
-    ``[a, e)`` (``data``), and the optional ones' columns ``[0, e)`` (``keys``: the tokens the
-    chunk's keys cover, for a Seq1F1B chunk's attention mask)."""
-    data = {k: t[:, a:e] for k, t in mb.items()}
-    keys = {k: t[:, :e] for k, t in mb.items() if k not in ("input_ids", "labels")}
-    return data, keys
-
-
-def example_batch(
-    rows: int, seq: int, names: Sequence[str], device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """A stand-in batch of ``names`` for shape-only runs (the dry run, the memory probe):
-    token ids 0, an all-ones attention mask, positions 0 … seq − 1."""
-    ids = torch.zeros(rows, seq, dtype=torch.int64, device=device)
-    out = {"input_ids": ids, "labels": ids}
-    if "attention_mask" in names:
-        out["attention_mask"] = torch.ones(rows, seq, dtype=torch.int64, device=device)
-    if "position_ids" in names:
-        pos = torch.arange(seq, dtype=torch.int64, device=device)
-        out["position_ids"] = pos.expand(rows, seq).contiguous()
-    return out
-
-
 def _peer(a: Action) -> int:
     """The other rank of a send or receive (the schedule names one for each)."""
     assert a.peer is not None, f"{a} names no peer"
@@ -1333,8 +1289,6 @@ def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]
 def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
     """A copy of a stage graph with every dropout taken out: autopart's explicit dropout and
     ``aten.dropout`` become their input, and attention's ``dropout_p`` becomes 0 (eval mode)."""
-    from autopart.lowering.compile import copy_graph
-
     g = copy_graph(graph)
     aten = torch.ops.aten
     for n in list(g.graph.nodes):
@@ -1379,8 +1333,6 @@ def logits_graph(graph: fx.GraphModule) -> fx.GraphModule:
     """A copy of a stage graph that returns the logits the loss would read instead of the
     loss (``(tokens, vocab / tp)``, flattened as the loss takes them); a stage without the
     loss is returned as it is."""
-    from autopart.lowering.compile import copy_graph
-
     losses = (
         torch.ops.aten.cross_entropy_loss.default,
         torch.ops.autopart.vocab_parallel_ce.default,

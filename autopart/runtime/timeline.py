@@ -49,6 +49,16 @@ class TraceEvent:
         return self.end - self.start
 
 
+HEADER = "autopart"  # the trace's top-level key holding the run's plan and step time
+VERSION = 2  # 2: each event's action in its "args" (1: only in its name)
+
+
+def trace_document(events: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object ``autopart run --trace`` writes: the events and the run's header, which
+    ``autopart simulate --measured`` reads (``planning/calibrate.py``)."""
+    return {"traceEvents": events, "displayTimeUnit": "ms", HEADER: {"version": VERSION, **header}}
+
+
 def chrome_event(
     action: Action, start: float, end: float, pid: int, tid: int = 0
 ) -> dict[str, Any]:

@@ -39,7 +39,10 @@ from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
+from autopart.runtime import checkpoint
 from autopart.runtime.launch import rank_setup
+from autopart.runtime.placement import backend_for, pick_device
+from autopart.runtime.runner import Runner, join_torchrun, make_groups
 from autopart.runtime.train_config import TrainConfig, lr_factor
 
 MANIFEST = "train.json"  # in OUT: the config, the token split and the FLOPs per token
@@ -125,10 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(manifest: Path) -> int:
-    from autopart.runtime.placement import backend_for, pick_device
-    from autopart.runtime.run import _join
-    from autopart.runtime.runner import Runner, make_groups
-
     if "RANK" in os.environ:
         rank_setup(collectives.close)
     doc = json.loads(manifest.read_text())
@@ -137,7 +136,7 @@ def train(manifest: Path) -> int:
     head = read_head(folder)
     plan = Plan.from_json(head["plan"])
     device = pick_device(cfg.train_device or None)
-    rank, world = _join(cfg.train_timeout, backend_for(device))
+    rank, world = join_torchrun(cfg.train_timeout, backend_for(device))
     torch.manual_seed((cfg.train_seed * 1_000_003 + rank) % 2**63)
     plan.mesh.check_world(world)
     program = load_rank(folder, rank)
@@ -247,8 +246,6 @@ def _validate(runner: Any, cfg: TrainConfig, val_ids: torch.Tensor, step: int) -
 
 def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> int:
     """Load the newest intact checkpoint (a damaged newer one is named and skipped)."""
-    from autopart.runtime import checkpoint
-
     if not cfg.checkpoints.exists():
         return 0
 
@@ -277,8 +274,6 @@ def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> i
 def _save(
     runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int, step: int, tied: dict
 ) -> None:
-    from autopart.runtime import checkpoint
-
     state = sched.state_dict()  # JSON: lr_lambdas holds None for a plain function
     path = checkpoint.save(
         checkpoint.folder(cfg.checkpoints, step),

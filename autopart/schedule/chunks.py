@@ -1,21 +1,16 @@
-"""Computation-balanced sequence chunks for Seq1F1B.
+"""Computation-balanced sequence chunks for Seq1F1B: the arithmetic of the boundaries.
 
 Chunk j of a sequence (tokens ``[a, e)``) attends to every earlier token of the same sequence,
 so under the causal convention of ``autopart.frontend.cost`` its forward work is
 
     C(a, e) = c1 · (e − a) + c2 · (e² − a²)
 
-where ``c1·s + c2·s²`` is the captured model's forward FLOPs per sequence (b = 1) as a sympy
-polynomial in the sequence length ``s`` (``c1``: per-token work — projections, MLP, norms,
-LM head; ``c2``: attention, whose s² term telescopes exactly over chunks). Backward is 2× the
-forward for every term, so balancing the forward balances forward + backward.
-
-Attention is counted as the kernel that runs it. Under Seq1F1B every attention runs as the
-canonical causal SDPA (``passes/canonicalize_attention.py``), whose kernels skip the masked
-upper triangle; the captured graph may still hold it as an SDPA with an explicit mask (Hugging
-Face models), which the cost convention counts as the full square. So the coefficients come from
-a canonicalized copy of the graph: for a 7B-shaped HF GPT-2 at 32k tokens, k = 4, that moves the
-balanced chunks from [12568, 8128, 6496, 5576] (the full square) to [11064, 8416, 7072, 6216].
+where ``c1·s + c2·s²`` is the model's forward FLOPs per sequence (b = 1) in the sequence length
+``s`` (``c1``: per-token work — projections, MLP, norms, LM head; ``c2``: attention, whose s²
+term telescopes exactly over chunks). Backward is 2× the forward for every term, so balancing
+the forward balances forward + backward. The coefficients of a captured model come from
+``autopart/lowering/chunks.py`` (``cost_coefficients``, read off its graph); this module only
+needs the two numbers, so the runtime, the dry run and the simulator use it without a model.
 
 ``balanced`` solves C(e_{j−1}, e_j) = C(0, s)/k for each boundary in turn (a quadratic in e_j,
 solved with sympy), then rounds boundaries to a multiple of ``multiple`` (8, or lcm(8, tp)
@@ -23,37 +18,17 @@ under sequence parallelism). ``uniform`` cuts equal lengths. ``measured`` balanc
 ``balanced`` with coefficients the runtime fits to the chunk times it measures
 (``fit_coefficients``; until it has them, the FLOP coefficients): FLOPs are not time on a
 machine whose attention kernel runs at another speed than its matmuls. All return lengths.
+
+``layout`` checks a plan's ``seq_split`` against ``SPLITS`` here, so this module imports neither
+torch nor sympy until a function needs one (``fit_coefficients``, ``_balanced``): making a
+``Plan``, and the simulator, import no torch.
 """
 
 from __future__ import annotations
 
-import sympy
-import torch
-
 from autopart.errors import AutopartError
-from autopart.frontend.capture import B, Captured, S
-from autopart.frontend.cost import analyze, total
 
 SPLITS = ("balanced", "uniform", "measured")
-
-
-def cost_coefficients(captured: Captured) -> tuple[float, float]:
-    """(c1, c2): the model's forward FLOPs per sequence are c1·s + c2·s² (+ constants), attention
-    counted as the canonical causal kernel Seq1F1B runs (see the module docstring)."""
-    from dataclasses import replace
-
-    from autopart.layout import Mesh, Plan
-    from autopart.lowering.compile import copy_graph
-    from autopart.passes.canonicalize_attention import canonicalize_attention
-
-    gm = canonicalize_attention(copy_graph(captured.graph), Plan(Mesh(), schedule="seq1f1b"))
-    flops = sympy.expand(
-        total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
-    )
-    poly = sympy.Poly(flops, S)
-    if poly.degree() > 2:
-        raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
-    return float(poly.coeff_monomial(S)), float(poly.coeff_monomial(S**2))
 
 
 def chunk_cost(c1: float, c2: float, a: int, e: int) -> float:
@@ -67,6 +42,8 @@ def fit_coefficients(samples: list[tuple[int, int, float]]) -> tuple[float, floa
     the same for every chunk, so it does not move the balance, and the linear term absorbs it
     near the boundaries measured. A negative coefficient (noise) becomes 0; None when the
     samples cannot say (fewer than 2 distinct chunks, or both coefficients ≤ 0)."""
+    import torch
+
     rows = {(a, e): t for a, e, t in samples}
     if len(rows) < 2:
         return None
@@ -76,14 +53,6 @@ def fit_coefficients(samples: list[tuple[int, int, float]]) -> tuple[float, floa
     c = torch.linalg.lstsq(x / scale, t[:, None]).solution[:, 0] / scale
     c1, c2 = (max(float(v), 0.0) for v in c)
     return (c1, c2) if c1 > 0 or c2 > 0 else None
-
-
-def sequence_chunks(
-    captured: Captured, seq_len: int, k: int, split: str = "balanced", multiple: int = 8
-) -> list[int]:
-    """Lengths of the k chunks of a ``seq_len``-token sequence, in order (they sum to seq_len)."""
-    coeffs = cost_coefficients(captured) if split != "uniform" else (1.0, 0.0)
-    return chunk_lengths(coeffs, seq_len, k, split, multiple)
 
 
 def chunk_lengths(
@@ -128,6 +97,8 @@ def chunk_bounds(
 
 
 def _balanced(c1: float, c2: float, seq_len: int, k: int) -> list[float]:
+    import sympy
+
     target = chunk_cost(c1, c2, 0, seq_len) / k
     e = sympy.Symbol("e", positive=True)
     bounds = [0.0]
@@ -145,31 +116,4 @@ def _round(bounds: list[float], seq_len: int, multiple: int) -> list[int]:
     return [b - a for a, b in zip(edges, edges[1:], strict=False)]
 
 
-def chunk_table(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> list[dict]:
-    """Both splits with each chunk's forward FLOPs and the max/min ratio (for inspect)."""
-    c1, c2 = cost_coefficients(captured)
-    rows = []
-    for split in SPLITS:
-        lengths = sequence_chunks(captured, seq_len, k, split, multiple)
-        edges = [0, *[sum(lengths[: j + 1]) for j in range(k)]]
-        costs = [chunk_cost(c1, c2, a, e) for a, e in zip(edges, edges[1:], strict=False)]
-        rows.append(
-            {
-                "split": split,
-                "lengths": lengths,
-                "costs": costs,
-                "max_over_min": max(costs) / min(costs),
-            }
-        )
-    return rows
-
-
-__all__ = [
-    "chunk_bounds",
-    "chunk_cost",
-    "chunk_lengths",
-    "chunk_table",
-    "cost_coefficients",
-    "fit_coefficients",
-    "sequence_chunks",
-]
+__all__ = ["SPLITS", "chunk_bounds", "chunk_cost", "chunk_lengths", "fit_coefficients"]

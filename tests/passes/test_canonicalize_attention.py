@@ -14,8 +14,8 @@ from torch import nn
 from autopart.api import parallelize
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.lowering.compile import copy_graph
 from autopart.meta import META_ATTENTION, META_WINDOW
 from autopart.passes.canonicalize_attention import SDPA, canonicalize_attention, require_causal
 

@@ -6,8 +6,8 @@ import pytest
 from conftest import Case
 from torch import fx
 
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import META_BUCKET, META_INPUT, META_PASSES
 from autopart.passes import PIPELINE

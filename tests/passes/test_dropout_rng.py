@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from autopart.frontend.capture import capture
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import META_DROPOUT_SPLIT, META_INPUT
 from autopart.passes import PIPELINE

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
 from autopart.lowering import compile_program
-from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import META_INPUT, META_INPUTS
 from autopart.passes import PIPELINE

@@ -15,8 +15,8 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import S, capture, to_sympy
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import META_INPUT, META_LAYER, META_RECOMPUTE
 from autopart.passes import PIPELINE

@@ -16,8 +16,8 @@ from torch.nn.attention.bias import causal_lower_right
 from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, capture
+from autopart.graph import copy_graph
 from autopart.layout import Plan
-from autopart.lowering.compile import copy_graph
 from autopart.meta import META_INPUT, META_KV, META_KV_SHAPES, META_SEQ_DIM
 from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.sequence_chunk import lower_right_mask, sequence_chunk

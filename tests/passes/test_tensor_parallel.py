@@ -35,8 +35,8 @@ from tp_models import (
 )
 
 from autopart.errors import AutopartError
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import META_GLOBAL_VAL, META_INPUT, META_LAYER, META_ROLE, META_SHARD
 from autopart.passes import PIPELINE

@@ -20,8 +20,8 @@ from torch import fx
 
 from autopart import collectives
 from autopart.frontend.capture import B, S, to_sympy
+from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.lowering.compile import copy_graph
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import META_INPUT, META_LAYER, META_SHARD
 from autopart.passes import PIPELINE
@@ -153,7 +153,7 @@ def hidden_size(case: Case) -> int:
 def solo_tp() -> Iterator[None]:
     """A runtime context whose "tp" group is None (every collective is the identity), active
     in this process; the previously active one comes back afterwards."""
-    saved = collectives._ACTIVE[0]
+    saved = collectives.current()
     collectives.activate(Comm({"tp": None}))
     try:
         yield

@@ -12,6 +12,7 @@ from autopart.layout import Plan
 from autopart.planning.cluster import Cluster
 from autopart.planning.simulate.shape import GPTShape
 from autopart.planning.simulate.speed import DEDICATED, SpeedModel
+from autopart.schedule.chunks import chunk_lengths
 from autopart.schedule.generators import traits
 from autopart.schedule.ir import Action
 
@@ -250,8 +251,6 @@ def _padded_vocab(vocab: int, tp: int) -> int:
 
 @lru_cache(maxsize=4096)
 def _chunks(c1: float, c2: float, seq: int, k: int, split: str, multiple: int) -> tuple[int, ...]:
-    from autopart.schedule.chunks import chunk_lengths
-
     return tuple(chunk_lengths((c1, c2), seq, k, split, multiple))
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.meta import META_LAYER
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def shape_from_captured(captured: Any, seq: int | None = None) -> GPTShape:
     """
     import sympy
 
-    from autopart.frontend.capture import META_LAYER, B, S
+    # lazy (tests/test_layers.py): the simulator imports no torch until a captured model needs it
+    from autopart.frontend.capture import B, S
     from autopart.frontend.cost import analyze
 
     gm = captured.graph
@@ -213,6 +215,7 @@ def resolve_model(
     if sum(x is not None for x in (model, shape)) + (any(given) or 0) > 1:
         raise AutopartError("give one model: --model SPEC, --shape NAME or the shape flags")
     if model is not None:
+        # lazy (tests/test_layers.py): only a model SPEC needs torch
         from autopart.frontend.capture import capture
         from autopart.frontend.spec import build
 

@@ -1,0 +1,83 @@
+"""FX graph utilities shared by the layers that change or run a graph: the passes, the chunk
+costs, the lowering, the runtime and the tests.
+
+- ``copy_graph(gm)``: a copy whose nodes (and node meta dicts) a pass may change freely; every
+  compile, chunk-cost analysis, runtime variant (``without_dropout``, ``logits_graph``,
+  ``place``) and test works on one, never on the capture or a program's own graph.
+- ``device_free(gm)``: make a stage graph name no device, so that a program runs on whichever
+  device its rank picks (``runtime/placement.py``).
+- ``remove_dead(gm)``: erase every node the output does not depend on, impure ones included
+  (``canonicalize_attention`` and ``sequence_chunk`` drop a replaced mask's construction).
+
+Nothing here knows a pass, a plan or a rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from autopart.errors import AutopartError
+from autopart.meta import META_MODULE
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes (and node meta dicts) a pass may change freely."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    return new
+
+
+def device_free(gm: fx.GraphModule) -> None:
+    """Make ``gm`` name no device: capture bakes the capture device into factory calls
+    (``arange(..., device=cpu)``) and casts (``to.device(x, cpu, dtype)``, Llama's rotary
+    tables). Factory calls lose their ``device`` keyword (the runtime gives them the rank's
+    device), a ``to.device`` becomes ``to.dtype`` (every tensor of a rank lives on one device),
+    and metadata assertions are dropped. A device left anywhere else is refused, naming the node.
+    Every ``view`` becomes ``reshape``: whether a view is possible depends on the strides a
+    device's kernels give their outputs (SDPA's differ between the CPU, CUDA and meta); in a
+    functional graph ``reshape`` computes the same values, copying only where a view is not
+    possible."""
+    aten = torch.ops.aten
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
+            continue
+        if n.target is aten.view.default:
+            n.target = aten.reshape.default
+        if isinstance(n.kwargs.get("device"), torch.device):
+            n.kwargs = {k: v for k, v in n.kwargs.items() if k != "device"}
+        if n.target is aten.to.device:  # (x, device, dtype, non_blocking, copy, memory_format)
+            n.target = aten.to.dtype
+            n.args = (n.args[0], *n.args[2:])
+        flat = [*n.args, *n.kwargs.values()]
+        flat = [x for a in flat for x in (a if isinstance(a, (list, tuple)) else [a])]
+        if any(isinstance(a, torch.device) for a in flat):
+            raise AutopartError(
+                f"node {n.name} ({n.target}) of module {n.meta.get(META_MODULE, '') or 'the root'} "
+                "names a device, so its program could run on that device only",
+                hint="please report the model; meanwhile compute that value without a device",
+            )
+    gm.graph.lint()
+    gm.recompile()
+
+
+def remove_dead(gm: fx.GraphModule) -> None:
+    """Erase every node the output does not depend on. fx's own pass keeps "impure" nodes, so a
+    dropped mask's construction would survive behind its ``_assert_tensor_metadata`` checks."""
+    live, stack = set(), [n for n in gm.graph.nodes if n.op in ("output", "placeholder")]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in reversed(list(gm.graph.nodes)):
+        if n not in live:
+            gm.graph.erase_node(n)
+
+
+__all__ = ["copy_graph", "device_free", "remove_dead"]

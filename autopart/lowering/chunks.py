@@ -1,0 +1,72 @@
+"""The Seq1F1B chunk lengths of a captured model: its cost coefficients, read off its graph.
+
+``schedule/chunks.py`` balances chunks from the two coefficients ``(c1, c2)`` of the model's
+forward FLOPs per sequence, ``c1·s + c2·s²``; this module reads them off a captured graph
+(``cost_coefficients``) with the cost model of ``autopart.frontend.cost``, and gives a captured
+model's chunk lengths (``sequence_chunks``, public as ``autopart.sequence_chunks``) and both
+splits side by side (``chunk_table``, for ``autopart inspect``).
+
+Attention is counted as the kernel that runs it. Under Seq1F1B every attention runs as the
+canonical causal SDPA (``passes/canonicalize_attention.py``), whose kernels skip the masked
+upper triangle; the captured graph may still hold it as an SDPA with an explicit mask (Hugging
+Face models), which the cost convention counts as the full square. So the coefficients come from
+a canonicalized copy of the graph: for a 7B-shaped HF GPT-2 at 32k tokens, k = 4, that moves the
+balanced chunks from [12568, 8128, 6496, 5576] (the full square) to [11064, 8416, 7072, 6216].
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+
+from autopart.errors import AutopartError
+from autopart.frontend.capture import B, Captured, S
+from autopart.frontend.cost import analyze, total
+from autopart.graph import copy_graph
+from autopart.layout import Mesh, Plan
+from autopart.passes.canonicalize_attention import canonicalize_attention
+from autopart.schedule.chunks import SPLITS, chunk_cost, chunk_lengths
+
+
+def cost_coefficients(captured: Captured) -> tuple[float, float]:
+    """(c1, c2): the model's forward FLOPs per sequence are c1·s + c2·s² (+ constants), attention
+    counted as the canonical causal kernel Seq1F1B runs (see the module docstring)."""
+    gm = canonicalize_attention(copy_graph(captured.graph), Plan(Mesh(), schedule="seq1f1b"))
+    flops = sympy.expand(
+        total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
+    )
+    poly = sympy.Poly(flops, S)
+    if poly.degree() > 2:
+        raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
+    return float(poly.coeff_monomial(S)), float(poly.coeff_monomial(S**2))
+
+
+def sequence_chunks(
+    captured: Captured, seq_len: int, k: int, split: str = "balanced", multiple: int = 8
+) -> list[int]:
+    """Lengths of the k chunks of a ``seq_len``-token sequence, in order (they sum to seq_len)."""
+    coeffs = cost_coefficients(captured) if split != "uniform" else (1.0, 0.0)
+    return chunk_lengths(coeffs, seq_len, k, split, multiple)
+
+
+def chunk_table(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> list[dict]:
+    """Both splits with each chunk's forward FLOPs and the max/min ratio (for inspect)."""
+    c1, c2 = cost_coefficients(captured)
+    rows = []
+    for split in SPLITS:
+        lengths = sequence_chunks(captured, seq_len, k, split, multiple)
+        edges = [0, *[sum(lengths[: j + 1]) for j in range(k)]]
+        costs = [chunk_cost(c1, c2, a, e) for a, e in zip(edges, edges[1:], strict=False)]
+        rows.append(
+            {
+                "split": split,
+                "lengths": lengths,
+                "costs": costs,
+                "max_over_min": max(costs) / min(costs),
+            }
+        )
+    return rows
+
+
+__all__ = ["chunk_table", "cost_coefficients", "sequence_chunks"]
