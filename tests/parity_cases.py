@@ -101,6 +101,16 @@ PP_CASES = {  # a cross-section of the acceptance matrix (the whole matrix: docs
 }
 
 
+# the default suite's cross-section of PP_CASES (every schedule family, pp=2 and 4, dp and tp
+# beside pp, each model); all of them with -m slow
+PP_DEFAULT = [
+    "nanogpt-pp2-1f1b-m4",
+    "gpt2-pp4-interleaved-v2-m8",
+    "gpt2-dp2xpp2-1f1b-m2",
+    "llama-tp2xpp2-sp-m4",
+]
+
+
 LONG = {m: f"{ROOT}/examples/{m}.py:make_long" for m in ("nanogpt", "hf_gpt2", "hf_llama")}
 MANUAL_LONG = f"{ROOT}/examples/nanogpt.py:make_long_manual"
 SEQ = {"schedule": "seq1f1b"}

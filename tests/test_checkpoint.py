@@ -100,7 +100,14 @@ def _rel(got: float, ref: float) -> float:
     return abs(got - ref) / abs(ref)
 
 
-@pytest.mark.parametrize("layout", ["pp4", "dp4", "tp4"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "pp4",
+        pytest.param("dp4", marks=pytest.mark.slow),
+        pytest.param("tp4", marks=pytest.mark.slow),
+    ],
+)
 def test_reshard_from_tp2_pp2(layout: str, programs, trained, tmp_path: Path) -> None:
     """Load the tp=2 × pp=2 checkpoint of step 1 under another layout and run steps 1 and 2:
     the same losses as the uninterrupted run, to float64 rounding (step 2 also checks that the
@@ -321,6 +328,7 @@ def test_refusals(trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "--checkpoint-every needs --checkpoint-dir" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # suite time (tests/test_checkpoint_hostile.py resumes past a damaged step)
 def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
     """torchrun --max-restarts 1: rank 1 SIGKILLs itself as step 3 starts (first attempt only);
     the job restarts, resumes from step 2's checkpoint and ends with the parameters of an

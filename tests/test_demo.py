@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # suite time (CI also runs `autopart demo --steps 2` from the wheel)
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     proc = subprocess.run(

@@ -113,6 +113,7 @@ CPU_ONLY = pytest.mark.skipif(
 
 @CPU_ONLY
 @pytest.mark.multirank
+@pytest.mark.slow  # suite time; it ran on an H200 (docs/runtime.md)
 def test_host_staging_path_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every message through a host copy, as ranks sharing a GPU send theirs (CPU tensors
     staged too): float64 parity for each kind of message — dp buckets and loss, tp collectives

@@ -111,6 +111,7 @@ def test_cli_verify_several_plans_in_one_launch_per_world_size(
     assert "2 of 3 plans pass, 0 fail, 1 errors" in out, out
 
 
+@pytest.mark.slow  # suite time
 def test_saved_checks_go_on_after_a_failing_one(tmp_path: Path) -> None:
     """In one torchrun launch the ranks load and run saved programs one after another; when one
     fails (here a damaged file), it is reported with the ranks' error and the checks after it
@@ -134,6 +135,7 @@ def test_saved_checks_go_on_after_a_failing_one(tmp_path: Path) -> None:
     assert "check damaged" in str(results["damaged"]) and "checksum" in str(results["damaged"])
 
 
+@pytest.mark.slow  # suite time (four compiles on two ranks)
 def test_tensor_parallel_collectives_as_run() -> None:
     """One tp=2 step of the 2-block nanoGPT (b=8, s=32, h=32, V=96), collectives as executed."""
     out = launch_forked(2, [str(ROOT / "tests" / "tp_count_script.py")], timeout_s=120)
@@ -198,6 +200,7 @@ def test_collectives_on_every_transport() -> None:
     assert all(v for k, v in res["gloo"].items() if k != "sum_is_rank_order"), res["gloo"]
 
 
+@pytest.mark.slow  # suite time
 def test_two_torchrun_agents_meet_by_c10d_rendezvous() -> None:
     """Multi-node: two torchrun agents (2 ranks each) run one tp × pp Seq1F1B program together."""
     kwargs = {**SEQ, "tp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2}

@@ -14,17 +14,31 @@ from autopart.parity.verify import Check, Report
 pytestmark = pytest.mark.multirank
 
 
+# the default suite's cross-section (every mode, both attention forms, on nanoGPT); the whole
+# matrix (HF GPT-2 and Llama too) runs with -m slow: suite time
+DEFAULT = [c for c in RECOMPUTE_CASES if c.startswith("nanogpt")]
+SLOW = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
-def recompute_reports() -> dict[str, Report | AutopartError]:
-    return batch({name: Check(spec, **kw) for name, (spec, kw) in RECOMPUTE_CASES.items()})
+def recompute_reports(request: pytest.FixtureRequest) -> dict[str, Report | AutopartError]:
+    whole = "not slow" not in request.config.getoption("-m")  # a run that selects slow tests
+    names = list(RECOMPUTE_CASES) if whole else DEFAULT
+    return batch(
+        {name: Check(RECOMPUTE_CASES[name][0], **RECOMPUTE_CASES[name][1]) for name in names}
+    )
 
 
-@pytest.mark.parametrize("case", list(RECOMPUTE_CASES))
+@pytest.mark.parametrize(
+    "case", [c if c in DEFAULT else pytest.param(c, marks=SLOW) for c in RECOMPUTE_CASES]
+)
 def test_recompute_float64_parity(case: str, recompute_reports: dict) -> None:
     assert_passes(recompute_reports[case])
 
 
-@pytest.mark.parametrize("model", ["nanogpt", "hf_gpt2", "hf_llama"])
+@pytest.mark.parametrize(
+    "model", ["nanogpt", pytest.param("hf_gpt2", marks=SLOW), pytest.param("hf_llama", marks=SLOW)]
+)
 def test_recompute_saves_less(model: str, recompute_reports: dict) -> None:
     """Full recomputation keeps each block's input only: every rank saves under a third of what
     it saves without. Selective drops nothing s²-sized where attention is one fused kernel
@@ -82,7 +96,13 @@ def test_recompute_is_exact_under_dropout(attention: str, plan: dict, tmp_path) 
 
 
 @pytest.mark.parametrize(
-    "case", ["nanogpt-none", "hf_gpt2-selective", "hf_llama-full", "nanogpt_manual-1f1b-selective"]
+    "case",
+    [
+        "nanogpt-none",
+        pytest.param("hf_gpt2-selective", marks=SLOW),
+        pytest.param("hf_llama-full", marks=SLOW),
+        "nanogpt_manual-1f1b-selective",
+    ],
 )
 def test_simulator_predicts_saved_bytes(case: str, recompute_reports: dict) -> None:
     """The simulator's activation-memory prediction for a captured model (each unit's bytes read

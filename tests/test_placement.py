@@ -45,25 +45,42 @@ def _dry_run(program, batch, folder: Path) -> list[dict]:
     return [torch.load(folder / f"rank{r:05d}.pt") for r in range(program.mesh.size)]
 
 
-def test_every_schedule_runs_on_meta(tmp_path: Path) -> None:
-    """nanoGPT under every schedule (HF Llama: the next test)."""
+@pytest.fixture(scope="module")
+def nano():
+    return _captured("nanogpt")
+
+
+def test_every_schedule_has_a_plan() -> None:
     assert set(PLANS) == set(SCHEDULES)
-    captured, batch = _captured("nanogpt")
-    for name, kw in PLANS.items():
-        program = parallelize(captured, Mesh(tp=2, pp=2), schedule=name, **kw)
-        for r in range(program.mesh.size):
-            for st in program.rank(r).stages:
-                assert "device" not in st.graph.code, (name, r, st.stage)
-        dumps = _dry_run(program, batch, tmp_path / name)
-        for d in dumps:  # every gradient shard came back, shaped, on meta
-            assert d["grads"] and all(g is not None for g in d["grads"].values()), name
-            for fqn, g in d["grads"].items():
-                assert g.device.type == "meta"
-                shard = d["shards"][fqn]
-                assert g.dim() == len(shard["shape"])
-                assert g.shape[shard["dim"] or 0] == shard["shape"][shard["dim"] or 0] // (
-                    shard["parts"] if shard["dim"] is not None else 1
-                )
+
+
+@pytest.mark.parametrize(  # three by default (suite time), every schedule with -m slow
+    "name",
+    [
+        n
+        if n in ("1f1b", "seq1f1b-zb", "seq1f1b-interleaved")
+        else pytest.param(n, marks=pytest.mark.slow)
+        for n in PLANS
+    ],
+)
+def test_every_schedule_runs_on_meta(name: str, nano, tmp_path: Path) -> None:
+    """nanoGPT under every schedule (HF Llama: the next test)."""
+    captured, batch = nano
+    kw = PLANS[name]
+    program = parallelize(captured, Mesh(tp=2, pp=2), schedule=name, **kw)
+    for r in range(program.mesh.size):
+        for st in program.rank(r).stages:
+            assert "device" not in st.graph.code, (name, r, st.stage)
+    dumps = _dry_run(program, batch, tmp_path / name)
+    for d in dumps:  # every gradient shard came back, shaped, on meta
+        assert d["grads"] and all(g is not None for g in d["grads"].values()), name
+        for fqn, g in d["grads"].items():
+            assert g.device.type == "meta"
+            shard = d["shards"][fqn]
+            assert g.dim() == len(shard["shape"])
+            assert g.shape[shard["dim"] or 0] == shard["shape"][shard["dim"] or 0] // (
+                shard["parts"] if shard["dim"] is not None else 1
+            )
 
 
 @pytest.mark.slow  # the nanoGPT schedules above run on meta by default

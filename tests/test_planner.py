@@ -38,6 +38,7 @@ A100 = PRESETS["dgx-a100-80gb"]
 SMALL = GPTShape(24, 2048, 16, 50304, 2048, name="small")
 
 
+@pytest.mark.slow  # suite time; benchmarks/plan_1t.py times it
 def test_1t_on_3072_gpus() -> None:
     """The timed run is benchmarks/plan_1t.py; here: it completes and every plan fits (the
     five schedules without a split backward, to keep the suite short: the zero-bubble ones add
