@@ -271,6 +271,16 @@ class Plan:
             )
         return cls(mesh, microbatches=global_batch // parts, micro_batch=micro_batch, **rest)
 
+    @classmethod
+    def of(cls, dp: int = 1, pp: int = 1, tp: int = 1, **fields: Any) -> Plan:
+        """The plan with these mesh sizes and fields: ``Plan.of(pp=2, microbatches=4)``."""
+        return cls(Mesh(dp=dp, pp=pp, tp=tp), **fields)
+
+    def keywords(self) -> dict[str, Any]:
+        """The plan as ``Plan.of``'s keywords (``Plan.of(**plan.keywords()) == plan``)."""
+        fields = asdict(self)
+        return {**fields.pop("mesh"), **fields}
+
     def changed(self, **changes: Any) -> Plan:
         """This plan with some fields (or ``tp``/``pp``/``dp``) changed, same global batch."""
         dims = {d: changes.pop(d) for d in DIMS if d in changes}

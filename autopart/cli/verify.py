@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from autopart.cli.common import plan_flags, plan_kwargs, spec_flag
 from autopart.errors import AutopartError
@@ -59,19 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _saved_plan(folder: Path) -> dict:
-    """The ``Check`` fields of the plan a saved program was compiled for."""
+def _saved_plan(folder: Path) -> dict[str, Any]:
+    """The ``Check`` keywords of the plan a saved program was compiled for."""
     from autopart.layout import Plan
-    from autopart.parity.verify import PLAN_KEYS
     from autopart.program.format import read_head
 
-    plan = Plan.from_json(read_head(folder)["plan"])
-    return {
-        "dp": plan.dp,
-        "tp": plan.tp,
-        "pp": plan.pp,
-        **{k: getattr(plan, k) for k in PLAN_KEYS},
-    }
+    return Plan.from_json(read_head(folder)["plan"]).keywords()
 
 
 def main(a: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ from autopart.frontend.capture import (
     to_sympy,
 )
 from autopart.frontend.spec import Factory, build
-from autopart.layout import SCHEDULES, Mesh, Plan
+from autopart.layout import SCHEDULES, Plan
 from autopart.parity.checks import fork_ranks
 from autopart.program.format import Shard
 from autopart.runtime.launch import launch, launch_forked  # noqa: F401 - verify's API
@@ -235,59 +235,44 @@ def gather(dumps: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Check:
-    """One parity check: a model SPEC (or factory) and the plan to run it on."""
+    """One parity check: a model SPEC (or factory) and the ``Plan`` to run it on.
+
+    ``Check(spec, plan)``, or ``Check(spec, pp=2, schedule="seq1f1b", seq_chunks=2)``: the mesh
+    sizes ``dp``/``pp``/``tp`` and ``Plan``'s other fields by keyword, as ``parallelize`` takes
+    them. The plan is built (and so checked) here: a bad plan is refused on construction.
+    """
 
     spec: str | Factory
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    seq_chunks: int = 1
-    seq_split: str = "balanced"
-    sequence_parallel: bool = False
-    max_stage_memory_gb: float | None = None
-    recompute: str = "none"
+    plan: Plan
 
-    @property
-    def plan(self) -> Plan:
-        """The check's ``Plan`` (built and checked here: a bad plan is refused by it)."""
-        return Plan(Mesh(dp=self.dp, pp=self.pp, tp=self.tp), **self.plan_kwargs())
-
-    def plan_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``parallelize`` this check sets (all but the mesh)."""
-        return {k: getattr(self, k) for k in PLAN_KEYS}
+    def __init__(self, spec: str | Factory, plan: Plan | None = None, **fields: Any) -> None:
+        if plan is None:
+            plan = Plan.of(**fields)
+        elif fields:
+            raise AutopartError(f"Check({spec!r}): give a Plan or plan keywords, not both")
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "plan", plan)
 
     def __str__(self) -> str:
         """The plan in ``--plans`` syntax, e.g. ``pp=2,seq1f1b,k=2,m=4``."""
-        parts = [f"{d}={getattr(self, d)}" for d in ("dp", "tp", "pp") if getattr(self, d) > 1]
-        parts.append(self.schedule)
+        plan = self.plan
+        parts = [f"{d}={getattr(plan, d)}" for d in ("dp", "tp", "pp") if getattr(plan, d) > 1]
+        parts.append(plan.schedule)
         short = {"microbatches": "m", "virtual_stages": "v", "seq_chunks": "k"}
-        parts += [f"{s}={getattr(self, k)}" for k, s in short.items() if getattr(self, k) > 1]
-        if self.seq_split != "balanced":
-            parts.append(self.seq_split)
-        if self.sequence_parallel:
+        parts += [f"{s}={getattr(plan, k)}" for k, s in short.items() if getattr(plan, k) > 1]
+        if plan.seq_split != "balanced":
+            parts.append(plan.seq_split)
+        if plan.sequence_parallel:
             parts.append("sp")
-        if self.max_stage_memory_gb is not None:
-            parts.append(f"mem={self.max_stage_memory_gb:g}")
-        if self.recompute != "none":
-            parts.append(f"recompute={self.recompute}")
+        if plan.max_stage_memory_gb is not None:
+            parts.append(f"mem={plan.max_stage_memory_gb:g}")
+        if plan.recompute != "none":
+            parts.append(f"recompute={plan.recompute}")
         return ",".join(parts)
 
 
-PLAN_KEYS = (
-    "schedule",
-    "microbatches",
-    "virtual_stages",
-    "seq_chunks",
-    "seq_split",
-    "sequence_parallel",
-    "max_stage_memory_gb",
-    "recompute",
-)
 _PLAN_WORDS = {
     "dp": "dp",
     "tp": "tp",
@@ -650,17 +635,17 @@ def verify(
     raises the ``AutopartError`` of a refused plan or a failing rank."""
     check = Check(
         spec,
-        dp,
-        pp,
-        tp,
-        schedule,
-        microbatches,
-        virtual_stages,
-        seq_chunks,
-        seq_split,
-        sequence_parallel,
-        max_stage_memory_gb,
-        recompute,
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+        seq_chunks=seq_chunks,
+        seq_split=seq_split,
+        sequence_parallel=sequence_parallel,
+        max_stage_memory_gb=max_stage_memory_gb,
+        recompute=recompute,
     )
     (result,) = verify_many(
         [check],

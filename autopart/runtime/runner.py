@@ -335,22 +335,20 @@ class Runner:
         device: torch.device | str | None = None,
     ) -> Runner:
         """The local rank's runner of a compiled program (joins the distributed job)."""
-        device = pick_device(device)
-        rank, world = init_distributed(timeout_s, backend_for(device))
+        rank, world = init_distributed(timeout_s, backend_for(pick_device(device)))
         program.mesh.check_world(world)
         rp = program.rank(rank)
-        groups = _groups_of(program.plan, rank, mesh, program.pipeline_ties)
-        runner = cls(
+        head = {"ties": program.pipeline_ties, "tied": program.tied}
+        return cls.from_rank(
             rp,
             program.plan,
             local_weights(program, rp),
-            groups,
+            head,
+            mesh,
             timeout_s=timeout_s,
             compile=compile,
             device=device,
         )
-        runner.tied = dict(program.tied)
-        return runner
 
     @classmethod
     def from_rank(
@@ -365,8 +363,10 @@ class Runner:
         compile: bool = False,
         device: torch.device | str | None = None,
     ) -> Runner:
-        """The runner of one rank's program as loaded from a folder (``load_rank``,
-        ``load_weights``, ``read_head``): the live API's ranks after the hand-over from rank 0."""
+        """The runner of one rank's program, its weights and ``head`` (plan.json's ``ties``, the
+        whole pipeline's, and ``tied``): a folder's (``load_rank``, ``load_weights``,
+        ``read_head``: the live API's ranks after the hand-over from rank 0) or a ``Program``'s
+        (``from_program``)."""
         device = pick_device(device)
         rank, world = init_distributed(timeout_s, backend_for(device))
         plan.mesh.check_world(world)
