@@ -22,16 +22,17 @@ def test_round_off_in_a_zero_gradient_is_not_an_error_but_a_real_one_is() -> Non
 
 def test_plans_parse_into_checks_and_print_back() -> None:
     checks = parse_plans(
-        "tp=2; pp=2,1f1b,m=4 ;dp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;", "x:make", {"microbatches": 2}
+        "tp=2; pp=2,1f1b,m=4 ;dp=2,tp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;", "x:make", {"microbatches": 2}
     )
     assert [str(c) for c in checks] == [
         "tp=2,1f1b,m=2",
         "pp=2,1f1b,m=4",
-        "dp=2,pp=2,seq1f1b,m=2,k=2,uniform,sp",
+        "dp=2,tp=2,pp=2,seq1f1b,m=2,k=2,uniform,sp",
     ]
     assert checks[2] == Check(
         "x:make",
         dp=2,
+        tp=2,
         pp=2,
         schedule="seq1f1b",
         microbatches=2,
@@ -44,10 +45,12 @@ def test_plans_parse_into_checks_and_print_back() -> None:
         ("tp=two", "needs a number"),
         ("pp=2,fast", "cannot read 'fast'"),
         (" ; ", "no plan"),
+        ("pp=2,sp", "needs tensor parallelism"),  # a Check's Plan is checked as it is read
     ):
         with pytest.raises(AutopartError) as err:
             parse_plans(bad, "x:make")
-        assert said in err.value.message and "dp=N" in (err.value.hint or "")
+        assert said in err.value.message
+        assert "dp=N" in (err.value.hint or "") or "tp ≥ 2" in (err.value.hint or "")
 
 
 class _Islands(torch.nn.Module):

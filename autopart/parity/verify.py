@@ -315,7 +315,10 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
                 fields["seq_split"] = word
             else:
                 raise AutopartError(f"plan {plan!r}: cannot read {word!r}", hint=PLANS_HELP)
-        checks.append(Check(spec, **fields))
+        try:
+            checks.append(Check(spec, **fields))
+        except AutopartError as exc:  # name the plan of several
+            raise AutopartError(f"plan {plan!r}: {exc.message}", hint=exc.hint) from None
     if not checks:
         raise AutopartError(f"no plan in {text!r}", hint=PLANS_HELP)
     return checks
