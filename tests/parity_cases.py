@@ -6,6 +6,9 @@ Shared by tests/test_parity*.py and tests/test_multirank.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from autopart import AutopartError
 from autopart.parity.verify import Check, Report, verify_many
@@ -22,6 +25,17 @@ DP_CASES = {
     for name, spec in (("nanogpt-sdpa", NANO), ("nanogpt-manual", MANUAL), ("hf-gpt2", GPT2))
     for dp in (2, 4)
 }
+
+
+def selects_slow(config: Any) -> bool:
+    """Whether this run selects ``slow`` tests (``-m slow``, or no ``not slow``): a matrix's
+    fixture then runs its whole batch, else the default suite's cross-section."""
+    return "not slow" not in config.getoption("-m")
+
+
+def cross_section(cases: list[str], default: list[str]) -> list[Any]:
+    """``cases`` as pytest parameters, those outside ``default`` marked ``slow``."""
+    return [c if c in default else pytest.param(c, marks=pytest.mark.slow) for c in cases]
 
 
 def batch(cases: dict[str, Check]) -> dict[str, Report | AutopartError]:
@@ -63,16 +77,12 @@ TP_CASES = {  # the whole matrix runs with -m slow; TP_DEFAULT is the default su
 }
 
 
-# every model, every mesh and SP on and off at least once
+# every model, every mesh and SP on and off at least once (suite time: 4 of 24)
 TP_DEFAULT = [
-    "nanogpt-sdpa-tp2-sp-off",
     "nanogpt-sdpa-dp2xtp2-sp-on",
     "nanogpt-manual-tp4-sp-on",
-    "hf-gpt2-tp2-sp-on",
-    "hf-gpt2-dp2xtp2-sp-off",
-    "hf-llama-gqa-tp4-sp-off",
+    "hf-gpt2-tp2-sp-off",
     "hf-llama-gqa-tp2-sp-on",
-    "hf-llama-gqa-dp2xtp2-sp-on",
 ]
 
 

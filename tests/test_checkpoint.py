@@ -241,6 +241,7 @@ def test_checkpoint_of_another_model_names_what_is_missing(trained, world1, tmp_
     assert "has no entry for" in msg and "transformer.h.4." in msg and "different model" in msg
 
 
+@pytest.mark.slow  # suite time (another model's checkpoint is refused by default)
 def test_checkpoint_of_a_deeper_model_or_another_optimizer_is_refused(trained, world1, tmp_path):
     """A 2-block GPT-2 of the same width used to load the 4-block checkpoint silently (blocks 2
     and 3 ignored); an SGD run used to take AdamW state. Both are refused, naming the
@@ -391,6 +392,7 @@ def test_killed_rank_recovers_bitwise(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow  # suite time (the bf16 ZeRO-1 checkpoint below resumes by default)
 def test_zero1_checkpoints_resume_and_reshard(tmp_path: Path) -> None:
     """ZeRO-1 (--zero, dp=2 × pp=2): each dp rank saves the AdamW states it owns. A run resumed
     from step 2 ends bit for bit like an uninterrupted one; the same checkpoint loads into plain

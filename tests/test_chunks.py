@@ -19,6 +19,7 @@ def seven_b():
     return capture(model, batch)
 
 
+@pytest.mark.slow  # suite time: capturing the 7B shape on meta
 def test_seven_b_at_32k_tokens_balanced_vs_uniform(seven_b) -> None:
     rows = {r["split"]: r for r in chunks.chunk_table(seven_b, 32768, 4)}
     assert rows["balanced"]["max_over_min"] <= 1.02  # target: within 2 %

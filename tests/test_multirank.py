@@ -97,6 +97,7 @@ def test_cli_verify_pass_and_refusals(capsys: pytest.CaptureFixture[str]) -> Non
     assert "did you mean '1f1b'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # suite time (tests/test_plan_emit.py runs verify through torchrun)
 def test_cli_verify_several_plans_in_one_launch_per_world_size(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_cases import GPT2, LLAMA, LONG, NANO
+from parity_cases import GPT2, LLAMA, LONG, NANO, cross_section, selects_slow
 
 from autopart import AutopartError, Mesh, parallelize
 from autopart.frontend.capture import capture, capture_mixed
@@ -27,12 +27,16 @@ CASES = {
 }
 
 
+DEFAULT = ["gpt2-tp2-sp", "gpt2-pp2-seq1f1b-k2", "llama-tp2xpp2"]  # all with -m slow
+
+
 @pytest.fixture(scope="module")
-def reports() -> dict[str, Report | AutopartError]:
-    return verify_many(CASES, dtype="bfloat16", timeout_s=120, via="fork")
+def reports(request: pytest.FixtureRequest) -> dict[str, Report | AutopartError]:
+    names = list(CASES) if selects_slow(request.config) else DEFAULT
+    return verify_many({n: CASES[n] for n in names}, dtype="bfloat16", timeout_s=120, via="fork")
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", cross_section(list(CASES), DEFAULT))
 def test_bf16_parity(case: str, reports: dict) -> None:
     r = reports[case]
     if isinstance(r, AutopartError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity_cases import RECOMPUTE_CASES, assert_passes, batch
+from parity_cases import RECOMPUTE_CASES, assert_passes, batch, cross_section, selects_slow
 
 from autopart import AutopartError
 from autopart.parity.verify import Check, Report
@@ -22,16 +22,13 @@ SLOW = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def recompute_reports(request: pytest.FixtureRequest) -> dict[str, Report | AutopartError]:
-    whole = "not slow" not in request.config.getoption("-m")  # a run that selects slow tests
-    names = list(RECOMPUTE_CASES) if whole else DEFAULT
+    names = list(RECOMPUTE_CASES) if selects_slow(request.config) else DEFAULT
     return batch(
         {name: Check(RECOMPUTE_CASES[name][0], **RECOMPUTE_CASES[name][1]) for name in names}
     )
 
 
-@pytest.mark.parametrize(
-    "case", [c if c in DEFAULT else pytest.param(c, marks=SLOW) for c in RECOMPUTE_CASES]
-)
+@pytest.mark.parametrize("case", cross_section(list(RECOMPUTE_CASES), DEFAULT))
 def test_recompute_float64_parity(case: str, recompute_reports: dict) -> None:
     assert_passes(recompute_reports[case])
 
@@ -67,6 +64,7 @@ def test_selective_recompute_drops_materialized_scores(recompute_reports: dict) 
         ("manual", {"tp": 2, "pp": 2, "microbatches": 2, "sequence_parallel": True}),
     ],
 )
+@SLOW  # suite time
 def test_recompute_is_exact_under_dropout(attention: str, plan: dict, tmp_path) -> None:
     """With dropout (p = 0.2) the recomputed forward draws the masks the first forward drew:
     loss and every gradient of selective and full recomputation equal those without."""

@@ -1,5 +1,5 @@
 """Float64 parity of tensor parallelism: 4 models × (tp=2, tp=4, dp=2 × tp=2) × sequence parallel off/on
-(8 of the 24 in the default run, every model, mesh and SP setting at least once; all with -m slow).
+(4 of the 24 in the default run, every model, mesh and SP setting at least once; all with -m slow).
 
 Each matrix runs as one batch (``verify_many``): each model is built, run on one device and
 captured once, and each case's ranks are real processes forked from this one with the compiled

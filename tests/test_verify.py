@@ -22,7 +22,9 @@ def test_round_off_in_a_zero_gradient_is_not_an_error_but_a_real_one_is() -> Non
 
 def test_plans_parse_into_checks_and_print_back() -> None:
     checks = parse_plans(
-        "tp=2; pp=2,1f1b,m=4 ;dp=2,tp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;", "x:make", {"microbatches": 2}
+        "tp=2; pp=2,1f1b,m=4 ;dp=2,tp=2,pp=2,seq1f1b,k=2,m=2,sp,uniform;",
+        "x:make",
+        {"microbatches": 2},
     )
     assert [str(c) for c in checks] == [
         "tp=2,1f1b,m=2",

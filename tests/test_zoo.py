@@ -107,6 +107,7 @@ def test_seq1f1b_refuses_what_it_cannot_chunk(arch: str, why: str, slow_matrix) 
     assert_passes(matrix[arch][1]["pp=2 1F1B"])
 
 
+@pytest.mark.slow  # suite time
 def test_falcon_in_place_adds_are_functionalized() -> None:
     """Falcon's forward adds in place: every plan failed to save before capture functionalized
     it; Seq1F1B also needed views of the prefixed attention to become reshapes."""
@@ -115,6 +116,7 @@ def test_falcon_in_place_adds_are_functionalized() -> None:
         assert_passes(result)
 
 
+@pytest.mark.slow  # suite time (tests/test_verify.py checks the islands on a small model)
 def test_lower_precision_islands_set_the_tolerance_and_real_errors_still_fail() -> None:
     """Gemma 3 computes its norms in float32 inside a float64 model: verify says so and holds it
     to float32's tolerance (its float32 round-off, ~2e-7, is not a FAIL). The same model with a
