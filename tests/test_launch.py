@@ -129,6 +129,7 @@ def test_a_bad_flag_is_refused_once_before_launch(saved: Path) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # suite time (a damaged tied copy is refused by default, below)
 def test_replicas_whose_weights_differ_are_refused(saved: Path, tmp_path: Path) -> None:
     """dp replicas whose weights differ (one replica's weights.pt changed in one element, the
     folder's hashes made consistent) used to train apart silently; now the run is refused

@@ -46,6 +46,7 @@ def test_live_device_mesh_api() -> None:
     assert sorted(verdicts) == [("0", "OK"), ("1", "OK")], out
 
 
+@pytest.mark.slow  # suite time (the live dp mesh runs by default)
 def test_live_pipeline_mesh_with_a_tied_embedding_on_four_ranks() -> None:
     """pp=4 on a live DeviceMesh: the middle stages hold no tied parameter but must create the
     tie's process group with the others (they used to skip it, and every rank hung). A tp=4
@@ -56,6 +57,7 @@ def test_live_pipeline_mesh_with_a_tied_embedding_on_four_ranks() -> None:
     assert sorted(verdicts) == [(str(r), "OK") for r in range(4)], out
 
 
+@pytest.mark.slow  # suite time (tests/test_launch.py and the checkpoint tests run `autopart run`)
 def test_cli_run_launches_ranks_and_trains(tmp_path: Path) -> None:
     import nanogpt
 

@@ -99,7 +99,7 @@ def test_recompute_is_exact_under_dropout(attention: str, plan: dict, tmp_path) 
         "nanogpt-none",
         pytest.param("hf_gpt2-selective", marks=SLOW),
         pytest.param("hf_llama-full", marks=SLOW),
-        "nanogpt_manual-1f1b-selective",
+        pytest.param("nanogpt_manual-1f1b-selective", marks=SLOW),
     ],
 )
 def test_simulator_predicts_saved_bytes(case: str, recompute_reports: dict) -> None:

@@ -54,14 +54,9 @@ def test_every_schedule_has_a_plan() -> None:
     assert set(PLANS) == set(SCHEDULES)
 
 
-@pytest.mark.parametrize(  # three by default (suite time), every schedule with -m slow
+@pytest.mark.parametrize(  # two by default (suite time), every schedule with -m slow
     "name",
-    [
-        n
-        if n in ("1f1b", "seq1f1b-zb", "seq1f1b-interleaved")
-        else pytest.param(n, marks=pytest.mark.slow)
-        for n in PLANS
-    ],
+    [n if n in ("1f1b", "seq1f1b-zb") else pytest.param(n, marks=pytest.mark.slow) for n in PLANS],
 )
 def test_every_schedule_runs_on_meta(name: str, nano, tmp_path: Path) -> None:
     """nanoGPT under every schedule (HF Llama: the next test)."""

@@ -23,6 +23,7 @@ from autopart.program.format import read_head
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # suite time
 def test_plan_emit_run_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "best"
     plan_args = ["--model", LONG["nanogpt"], "--gpus", "2", "--global-batch", "4"]
