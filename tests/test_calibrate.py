@@ -5,6 +5,7 @@ predict. (A real run's trace is read in tests/test_multirank.py::test_pipeline_t
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -88,10 +89,10 @@ def test_measure_recovers_the_costs_and_predict_the_step(schedule: str, k: int, 
     assert m.tied_pp_ranks == {0, P - 1}
     assert m.overhead_s == pytest.approx(OVERHEAD, abs=1e-6)
     same = predict(m)
-    assert same.summary["iteration_s"] == pytest.approx(span + OVERHEAD, abs=1e-5)
+    assert same.summary.iteration_s == pytest.approx(span + OVERHEAD, abs=1e-5)
     more = predict(m, microbatches=12)
-    assert more.summary["iteration_s"] > same.summary["iteration_s"]
-    assert more.summary["bubble_fraction"] < same.summary["bubble_fraction"]  # the bubble amortizes
+    assert more.summary.iteration_s > same.summary.iteration_s
+    assert more.summary.bubble_fraction < same.summary.bubble_fraction  # the bubble amortizes
 
 
 def test_a_w_run_in_pieces_costs_their_sum() -> None:
@@ -118,28 +119,26 @@ def test_dp_reduce_wait_is_reproduced(schedule: str, v: int, dp_cost: float) -> 
     m = measure(doc["traceEvents"], doc["autopart"])
     assert len(m.dp_reduce) == P  # one stage per pipeline rank carries its wait
     same = predict(m).summary
-    assert same["iteration_s"] == pytest.approx(span + OVERHEAD, abs=1e-5)
+    assert same.iteration_s == pytest.approx(span + OVERHEAD, abs=1e-5)
     waits = [e["dur"] * 1e-6 for e in doc["traceEvents"] if e.get("cat") == "DP_REDUCE"]
-    assert same["breakdown"]["dp_comm_s"] == pytest.approx(sum(waits) / P, abs=1e-5)
+    assert same.breakdown.dp_comm_s == pytest.approx(sum(waits) / P, abs=1e-5)
     if dp_cost > 0.021:  # longer than any B: the wait shows
-        assert same["breakdown"]["dp_comm_s"] > 0.01
+        assert same.breakdown.dp_comm_s > 0.01
 
 
 def test_breakdown_adds_up() -> None:
     doc, _ = _fake_trace("1f1b", 4, dp=2, dp_cost=0.05)
     s = predict(measure(doc["traceEvents"], doc["autopart"]), microbatches=8).summary
-    assert sum(s["breakdown"].values()) == pytest.approx(s["iteration_s"], abs=1e-9)
-    assert min(s["breakdown"].values()) >= 0
-    assert s["bubble_fraction"] == pytest.approx(s["breakdown"]["bubble_s"] / s["iteration_s"])
+    assert sum(asdict(s.breakdown).values()) == pytest.approx(s.iteration_s, abs=1e-9)
+    assert min(asdict(s.breakdown).values()) >= 0
+    assert s.bubble_fraction == pytest.approx(s.breakdown.bubble_s / s.iteration_s)
 
 
 def test_gpipe_from_a_1f1b_trace_has_the_same_work() -> None:
     doc, _ = _fake_trace("1f1b", 6)
     m = measure(doc["traceEvents"], doc["autopart"])
     g = predict(m, schedule="gpipe").summary
-    assert g["breakdown"]["compute_s"] == pytest.approx(
-        predict(m).summary["breakdown"]["compute_s"]
-    )
+    assert g.breakdown.compute_s == pytest.approx(predict(m).summary.breakdown.compute_s)
 
 
 def test_refusals(tmp_path: Path) -> None:

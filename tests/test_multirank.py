@@ -248,8 +248,8 @@ def test_pipeline_trace_and_saved_bytes(tmp_path: Path) -> None:
     assert measured.microbatch_tokens == batch[0].numel() // 4
     four, eight = predict(measured).summary, predict(measured, microbatches=8).summary
     per_rank = [4 * (measured.compute["F", s, 0] + measured.compute["B", s, 0]) for s in (0, 1)]
-    assert four["breakdown"]["compute_s"] == pytest.approx(sum(per_rank) / 2)  # mean over ranks
-    assert eight["iteration_s"] > four["iteration_s"]
+    assert four.breakdown.compute_s == pytest.approx(sum(per_rank) / 2)  # mean over ranks
+    assert eight.iteration_s > four.iteration_s
 
 
 def test_zero1_matches_the_unsharded_optimizer(tmp_path: Path) -> None:

@@ -274,7 +274,7 @@ def measured(a: argparse.Namespace) -> int:
         with open(a.trace, "w") as f:
             json.dump({"traceEvents": to_chrome_trace(pred.timeline.events)}, f)
     if a.json:
-        print(json.dumps(pred.summary))
+        print(json.dumps(pred.summary.to_json()))
     else:
         con = Console()
         print_prediction(pred.summary, con)

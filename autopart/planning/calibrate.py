@@ -32,7 +32,7 @@ TRACE`` is the command line for it; ``benchmarks/calibration.py`` checks it agai
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +173,54 @@ def measure(
 
 
 @dataclass(frozen=True)
+class Breakdown:
+    """A predicted step's seconds, means over the pipeline ranks: they add up to the step."""
+
+    compute_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    tie_comm_s: float
+    bubble_s: float
+    overhead_s: float
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """The run the costs were measured on."""
+
+    microbatches: int
+    schedule: str
+    iteration_s: float
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """``predict``'s summary: the layout, its predicted step and what it was measured on
+    (``to_json()`` is ``autopart simulate --measured --json``'s output)."""
+
+    schedule: str
+    pp: int
+    dp: int
+    tp: int
+    virtual_stages: int
+    seq_chunks: int
+    microbatches: int
+    iteration_s: float
+    tokens_per_s: float | None
+    bubble_fraction: float
+    breakdown: Breakdown
+    measured: MeasuredStep
+
+    def to_json(self) -> dict[str, Any]:
+        return {"calibrated": True, **asdict(self)}
+
+
+@dataclass(frozen=True)
 class Prediction:
     """``predict``'s answer: the simulated step and its summary."""
 
     timeline: Timeline
-    summary: dict[str, Any]
+    summary: Calibrated
 
 
 def predict(
@@ -245,63 +288,50 @@ def predict(
     tl = simulate_actions(actions, cost, transfer, record=record)
     step = tl.span + m.overhead_s
     ranks = tl.ranks.values()
-    parts = {  # means over the pipeline ranks: with the bubble and the overhead, they add up
-        "compute_s": sum(rt.busy for rt in ranks) / m.pp,
-        "pp_comm_s": sum(rt.recv_exposed for rt in ranks) / m.pp,
-        "dp_comm_s": sum(rt.dp_wait for rt in ranks) / m.pp,
-        "tie_comm_s": sum(rt.tie_wait for rt in ranks) / m.pp,
-    }
-    parts["bubble_s"] = tl.span - sum(parts.values())
-    parts["overhead_s"] = m.overhead_s
-    summary = {
-        "calibrated": True,
-        "schedule": name,
-        "pp": m.pp,
-        "dp": m.dp,
-        "tp": m.tp,
-        "virtual_stages": m.virtual_stages,
-        "seq_chunks": m.seq_chunks,
-        "microbatches": mb,
-        "iteration_s": step,
-        "tokens_per_s": mb * m.microbatch_tokens * m.dp / step if m.microbatch_tokens else None,
-        "bubble_fraction": parts["bubble_s"] / step,
-        "breakdown": parts,
-        "measured": {
-            "microbatches": m.microbatches,
-            "schedule": m.schedule,
-            "iteration_s": m.step_s,
-        },
-    }
+    n = m.pp  # means over the pipeline ranks: with the bubble and the overhead, they add up
+    busy, exposed = sum(rt.busy for rt in ranks) / n, sum(rt.recv_exposed for rt in ranks) / n
+    dp_wait, tie_wait = sum(rt.dp_wait for rt in ranks) / n, sum(rt.tie_wait for rt in ranks) / n
+    bubble = tl.span - (busy + exposed + dp_wait + tie_wait)
+    summary = Calibrated(
+        schedule=name,
+        pp=m.pp,
+        dp=m.dp,
+        tp=m.tp,
+        virtual_stages=m.virtual_stages,
+        seq_chunks=m.seq_chunks,
+        microbatches=mb,
+        iteration_s=step,
+        tokens_per_s=mb * m.microbatch_tokens * m.dp / step if m.microbatch_tokens else None,
+        bubble_fraction=bubble / step,
+        breakdown=Breakdown(busy, exposed, dp_wait, tie_wait, bubble, m.overhead_s),
+        measured=MeasuredStep(m.microbatches, m.schedule, m.step_s),
+    )
     return Prediction(tl, summary)
 
 
-def print_prediction(summary: dict[str, Any], console: Any) -> None:
+def print_prediction(s: Calibrated, console: Any) -> None:
     """The human-readable form of ``predict``'s summary (``autopart simulate --measured``)."""
     from rich.table import Table
 
-    s, meas = summary, summary["measured"]
-    chunks = f", {s['seq_chunks']} chunks" if s["seq_chunks"] > 1 else ""
-    virtual = f", v={s['virtual_stages']}" if s["virtual_stages"] > 1 else ""
+    meas = s.measured
+    chunks = f", {s.seq_chunks} chunks" if s.seq_chunks > 1 else ""
+    virtual = f", v={s.virtual_stages}" if s.virtual_stages > 1 else ""
     console.print(
-        f"calibrated prediction: {s['schedule']}, pp={s['pp']} tp={s['tp']} dp={s['dp']}{virtual}"
-        f"{chunks}, {s['microbatches']} micro-batches (costs measured on "
-        f"{meas['schedule']}, {meas['microbatches']} micro-batches)"
+        f"calibrated prediction: {s.schedule}, pp={s.pp} tp={s.tp} dp={s.dp}{virtual}"
+        f"{chunks}, {s.microbatches} micro-batches (costs measured on "
+        f"{meas.schedule}, {meas.microbatches} micro-batches)"
     )
     t = Table(show_header=False, box=None)
-    t.add_row("step time", f"{s['iteration_s'] * 1e3:.1f} ms")
-    if s["tokens_per_s"]:
-        t.add_row("tokens/s", f"{s['tokens_per_s']:.0f}")
-    t.add_row("bubble fraction", f"{s['bubble_fraction']:.3f}")
-    for k, v in s["breakdown"].items():
+    t.add_row("step time", f"{s.iteration_s * 1e3:.1f} ms")
+    if s.tokens_per_s:
+        t.add_row("tokens/s", f"{s.tokens_per_s:.0f}")
+    t.add_row("bubble fraction", f"{s.bubble_fraction:.3f}")
+    for k, v in asdict(s.breakdown).items():
         t.add_row(f"  {k[:-2].replace('_', ' ')}", f"{v * 1e3:.1f} ms")
-    same = s["microbatches"] == meas["microbatches"] and s["schedule"] == meas["schedule"]
+    same = s.microbatches == meas.microbatches and s.schedule == meas.schedule
     t.add_row(
         "measured step"
-        + (
-            " (the same run)"
-            if same
-            else f" ({meas['schedule']}, {meas['microbatches']} micro-batches)"
-        ),
-        f"{meas['iteration_s'] * 1e3:.1f} ms",
+        + (" (the same run)" if same else f" ({meas.schedule}, {meas.microbatches} micro-batches)"),
+        f"{meas.iteration_s * 1e3:.1f} ms",
     )
     console.print(t)
