@@ -685,6 +685,7 @@ def _fuzz(program: Path, saved: dict, tmp: Path, examples: int) -> None:
         @settings(
             max_examples=examples,
             deadline=None,
+            derandomize=True,  # the same examples every run (CI lands or not on the code alone)
             database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         )
