@@ -424,6 +424,25 @@ def test_actions_must_be_the_plans_schedule(saved: Path, tmp_path: Path, edit) -
         load_rank(crafted, 0)
 
 
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [  # the first found by a random fuzz run: a tie dropped, the folder loaded untied
+        (lambda d: d["ties"].__setitem__("transformer.wte.weight", []), "not plan.json's ties"),
+        (lambda d: d["ties"].clear(), "not plan.json's ties"),
+        (lambda d: d["buckets"].append([next(iter(d["shards"]))]), "are not empty"),
+    ],
+    ids=["tie-emptied", "ties-dropped", "bucket-at-dp1"],
+)
+def test_ties_and_buckets_must_be_the_plans(saved: Path, tmp_path: Path, edit, said: str) -> None:
+    """A rank's ties are plan.json's ties of its shards, and its buckets hold every shard once
+    (dp > 1) or none (dp = 1): a dropped tie would train the copies apart, a dropped bucket
+    leave a gradient unreduced."""
+    crafted = copy_program(saved, tmp_path)
+    edit_json(crafted, "rank00000/program.json", edit)
+    with pytest.raises(AutopartError, match=said):
+        load_rank(crafted, 0)
+
+
 def test_a_huge_kv_shape_is_refused(saved: Path, tmp_path: Path) -> None:
     """Break 3: a declared K/V prefix of 1e13 elements was accepted (the runtime would then
     allocate it as zeros for the first chunk)."""

@@ -13,7 +13,8 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   its pipeline coordinate runs; each stage's file is ``stage{k}.pt2``; its actions refer to its
   own stages, the plan's micro-batches and chunks, and ranks of the world, and are exactly the
   list the plan's schedule generates for that rank (``schedule.generate``: a dropped, added or
-  reordered action would deadlock or skip work);
+  reordered action would deadlock or skip work); its gradient buckets hold every shard once when
+  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards;
 - a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
   0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
   zeros the runtime makes from it are empty.
@@ -209,13 +210,28 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
             raise Invalid(f"{where}.dim", f"= {shard['dim']} is not a dim of the parameter")
         if shard["index"] >= shard["parts"] or shard["parts"] > mesh.tp:
             raise Invalid(f"{where}.index", "is not a slice of at most tp parts")
+    seen: set[str] = set()
     for i, bucket in enumerate(doc["buckets"]):
         for fqn in bucket:
-            if fqn not in doc["shards"]:
-                raise Invalid(f"buckets[{i}]", f"names {fqn!r}, which is not a shard of this rank")
+            if fqn not in doc["shards"] or fqn in seen:
+                raise Invalid(
+                    f"buckets[{i}]", f"names {fqn!r}, which is not a shard of this rank or is twice"
+                )
+            seen.add(fqn)
+    if seen != (set(doc["shards"]) if mesh.dp > 1 else set()):  # data_parallel's invariant
+        raise Invalid(
+            "buckets",
+            "are not every shard of this rank, each once"
+            if mesh.dp > 1
+            else "are not empty (dp = 1: no gradient is reduced over data-parallel replicas)",
+        )
     for fqn, pps in doc["ties"].items():
         if fqn not in doc["shards"] or any(p >= mesh.pp for p in pps):
             raise Invalid(f"ties.{fqn}", "is not a shard of this rank tied over pipeline ranks")
+    if "ties" in head:  # the whole pipeline's ties (plan.json): this rank's are its shards' ones
+        want = {f: pps for f, pps in head["ties"].items() if f in doc["shards"]}
+        if doc["ties"] != want:
+            raise Invalid("ties", f"= {doc['ties']} are not plan.json's ties of this rank's shards")
     mine = [k for k in range(n_stages) if k % mesh.pp == doc["coords"]["pp"]]
     stages = [st["stage"] for st in doc["stages"]]
     if stages != mine:
