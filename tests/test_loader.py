@@ -430,10 +430,15 @@ def test_actions_must_be_the_plans_schedule(saved: Path, tmp_path: Path, edit) -
         (lambda d: d["ties"].__setitem__("transformer.wte.weight", []), "not plan.json's ties"),
         (lambda d: d["ties"].clear(), "not plan.json's ties"),
         (lambda d: d["buckets"].append([next(iter(d["shards"]))]), "are not empty"),
+        # and the chunk-boundary coefficients, which every rank must share (found the same way)
+        (lambda d: d.__setitem__("chunk_cost", None), "does not fit a 'seq1f1b' plan"),
+        (lambda d: d["chunk_cost"].__setitem__(0, 2.5), "differs from plan.json's"),
     ],
-    ids=["tie-emptied", "ties-dropped", "bucket-at-dp1"],
+    ids=["tie-emptied", "ties-dropped", "bucket-at-dp1", "no-chunk-cost", "other-chunk-cost"],
 )
-def test_ties_and_buckets_must_be_the_plans(saved: Path, tmp_path: Path, edit, said: str) -> None:
+def test_ties_buckets_and_chunk_costs_must_be_the_plans(
+    saved: Path, tmp_path: Path, edit, said: str
+) -> None:
     """A rank's ties are plan.json's ties of its shards, and its buckets hold every shard once
     (dp > 1) or none (dp = 1): a dropped tie would train the copies apart, a dropped bucket
     leave a gradient unreduced."""

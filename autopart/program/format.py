@@ -227,6 +227,7 @@ class Program:
             "vocab_size": self.vocab_size,
             "tied": self.tied,
             "ties": self.pipeline_ties,
+            "chunk_cost": self.ranks[0].chunk_cost,  # every rank splits the sequence alike
             "params": {
                 f: {"shape": list(t.shape), "dtype": str(t.dtype)} for f, t in self.params.items()
             },

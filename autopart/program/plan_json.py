@@ -14,7 +14,8 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   own stages, the plan's micro-batches and chunks, and ranks of the world, and are exactly the
   list the plan's schedule generates for that rank (``schedule.generate``: a dropped, added or
   reordered action would deadlock or skip work); its gradient buckets hold every shard once when
-  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards;
+  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards; its ``chunk_cost``
+  is set exactly for a Seq1F1B plan and equals plan.json's;
 - a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
   0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
   zeros the runtime makes from it are empty.
@@ -89,7 +90,11 @@ HEAD = obj(
         "buffers": list_of(_FQN),
         "files": dict_of(_SHA256, key=string(NAMES)),
     },
-    {"passes": list_of(_TEXT, 1024), "ties": dict_of(list_of(integer(0, MAX_STAGES)), key=_FQN)},
+    {
+        "passes": list_of(_TEXT, 1024),
+        "ties": dict_of(list_of(integer(0, MAX_STAGES)), key=_FQN),
+        "chunk_cost": nullable(list_of(number(-1e300, 1e300), 2, 2)),
+    },
 )
 
 
@@ -194,6 +199,11 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
     n_stages = mesh.pp * plan.virtual_stages
     if doc["n_stages"] != n_stages:
         raise Invalid("n_stages", f"= {doc['n_stages']}, not pp × virtual_stages = {n_stages}")
+    cost = doc.get("chunk_cost")
+    if (cost is not None) != plan.chunked:  # Seq1F1B's chunk boundaries, no other schedule's
+        raise Invalid("chunk_cost", f"= {cost} does not fit a {plan.schedule!r} plan")
+    if cost != head.get("chunk_cost", cost):
+        raise Invalid("chunk_cost", "differs from plan.json's (every rank splits alike)")
     if doc.get("vocab_size") not in (None, head["vocab_size"]):
         raise Invalid("vocab_size", "differs from plan.json's")
     batch = doc.get("batch", list(DATA_NAMES[:2]))
@@ -229,8 +239,8 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
         if fqn not in doc["shards"] or any(p >= mesh.pp for p in pps):
             raise Invalid(f"ties.{fqn}", "is not a shard of this rank tied over pipeline ranks")
     if "ties" in head:  # the whole pipeline's ties (plan.json): this rank's are its shards' ones
-        want = {f: pps for f, pps in head["ties"].items() if f in doc["shards"]}
-        if doc["ties"] != want:
+        tied = {f: pps for f, pps in head["ties"].items() if f in doc["shards"]}
+        if doc["ties"] != tied:
             raise Invalid("ties", f"= {doc['ties']} are not plan.json's ties of this rank's shards")
     mine = [k for k in range(n_stages) if k % mesh.pp == doc["coords"]["pp"]]
     stages = [st["stage"] for st in doc["stages"]]
