@@ -448,6 +448,21 @@ def test_ties_buckets_and_chunk_costs_must_be_the_plans(
         load_rank(crafted, 0)
 
 
+@pytest.mark.parametrize("kind", [None, 0, 3, True])
+def test_an_argument_kind_torch_would_guess_is_refused(saved: Path, tmp_path: Path, kind) -> None:
+    """An input's ``kind`` (1 positional, 2 keyword) left to torch's guess from the op schema
+    loaded another graph than was saved (a random fuzz run); only 1 and 2 are read."""
+    crafted = copy_program(saved, tmp_path)
+
+    def plant(model: dict) -> None:
+        node = next(n for n in model["graph_module"]["graph"]["nodes"] if n["inputs"])
+        node["inputs"][0]["kind"] = kind
+
+    edit_model(crafted, plant)
+    with pytest.raises(AutopartError, match=r"inputs\[0\]\.kind = .* is not one of \[1, 2\]"):
+        load_rank(crafted, 0)
+
+
 def test_a_huge_kv_shape_is_refused(saved: Path, tmp_path: Path) -> None:
     """Break 3: a declared K/V prefix of 1e13 elements was accepted (the runtime would then
     allocate it as zeros for the first chunk)."""
