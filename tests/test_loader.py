@@ -463,6 +463,21 @@ def test_an_argument_kind_torch_would_guess_is_refused(saved: Path, tmp_path: Pa
         load_rank(crafted, 0)
 
 
+def test_a_stage_input_naming_another_parameter_is_refused(saved: Path, tmp_path: Path) -> None:
+    """One flipped byte (``ln_1`` → ``ln_2``, a random fuzz run) fed a stage the wrong weight of
+    the same shape; a parameter input must name the placeholder it feeds."""
+
+    def swap(doc: dict) -> None:
+        inputs = doc["stages"][0]["inputs"]
+        j = inputs.index(["param", "transformer.h.0.ln_1.weight"])
+        inputs[j] = ["param", "transformer.h.0.ln_2.weight"]
+
+    crafted = copy_program(saved, tmp_path)
+    edit_json(crafted, "rank00000/program.json", swap)
+    with pytest.raises(AutopartError, match=r"placeholder transformer_h_0_ln_1_weight .* another"):
+        load_rank(crafted, 0)
+
+
 def test_a_huge_kv_shape_is_refused(saved: Path, tmp_path: Path) -> None:
     """Break 3: a declared K/V prefix of 1e13 elements was accepted (the runtime would then
     allocate it as zeros for the first chunk)."""

@@ -33,6 +33,7 @@ import io
 import json
 import logging
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -478,6 +479,16 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
     )
 
 
+def _named_for(placeholder: str, fqn: str) -> bool:
+    """Whether a parameter placeholder is named for ``fqn`` as capture names it (torch.export's
+    lower-case name with ``_`` for every other character, ``_N`` added where two collide), so
+    that a ``program.json`` cannot feed a stage another parameter of the same shape."""
+    name = re.sub(r"[^0-9a-z_]", "_", fqn.lower())
+    return (
+        placeholder == name or re.fullmatch(re.escape(name) + r"_[0-9]+", placeholder) is not None
+    )
+
+
 def _load_stage(
     folder: ProgramFolder, head: dict[str, Any], rank: int, st: dict[str, Any], where: str
 ) -> StageProgram:
@@ -507,6 +518,16 @@ def _load_stage(
                 f"lists {len(inputs)} inputs for {len(placeholders)} placeholders of {st['file']}",
             ),
         )
+    for j, (node, ref) in enumerate(zip(placeholders, inputs, strict=True)):
+        if ref.kind == "param" and not _named_for(node.name, ref.name):
+            raise _layout(
+                program_json,
+                Invalid(
+                    f"{where}.inputs[{j}]",
+                    f"names parameter {ref.name!r}, but placeholder {node.name} of {st['file']} "
+                    "is another parameter's",
+                ),
+            )
     kv = [n for n, ref in zip(placeholders, inputs, strict=True) if ref.kind == "kv"]
     for j, (node, shape) in enumerate(zip(kv, st["kv_shapes"], strict=True)):
         if not _kv_matches(node, shape):
