@@ -922,6 +922,16 @@ def _loss(p: _Prover, n: fx.Node) -> Any:
     return SUMMED
 
 
+def _carry_unless_along(p: _Prover, n: fx.Node, uses: Any) -> Any:
+    """Refuse the first ``(value, dims, construct)`` of ``uses`` whose value carries the sequence
+    in one of ``dims`` (the op mixes tokens there); else ``n`` carries its inputs' sequence dim."""
+    for y, dims, what in uses:
+        w = p.env.get(y)
+        if isinstance(w, Seq) and w.dim % _ndim(y) in {d % _ndim(y) for d in dims}:
+            raise Mixes(what)
+    return p._carry(n)
+
+
 def _sum_all(p: _Prover, n: fx.Node) -> Any:
     """A sum over every token reaching the loss (chunk sums add up); over other dims, local."""
     x = node_arg(n, 0)
@@ -930,11 +940,7 @@ def _sum_all(p: _Prover, n: fx.Node) -> Any:
         dims = _dims_arg(n, 1) if n.target == aten.sum.dim_IntList else list(range(_ndim(x)))
         if n.meta["val"].dim() == 0 and v.dim % _ndim(x) in {d % _ndim(x) for d in dims}:
             return SUMMED
-    for y, dims, what in _reduction(n):
-        w = p.env.get(y)
-        if isinstance(w, Seq) and w.dim % _ndim(y) in {d % _ndim(y) for d in dims}:
-            raise Mixes(what)
-    return p._carry(n)
+    return _carry_unless_along(p, n, _reduction(n))
 
 
 def _view(p: _Prover, n: fx.Node) -> Any:
@@ -1139,11 +1145,7 @@ def _padding(p: _Prover, n: fx.Node) -> Any:
         and all(u.target in CONVS and u.args[0] is n for u in users)
     ):
         return PADDED
-    for y, dims, what in _pad(n):
-        w = p.env.get(y)
-        if isinstance(w, Seq) and w.dim % _ndim(y) in {d % _ndim(y) for d in dims}:
-            raise Mixes(what)
-    return p._carry(n)
+    return _carry_unless_along(p, n, _pad(n))
 
 
 def _window_user(p: _Prover, n: fx.Node) -> Any:
