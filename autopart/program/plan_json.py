@@ -28,6 +28,7 @@ import math
 import re
 from typing import Any
 
+from autopart.frontend.capture import DATA_NAMES
 from autopart.layout import Mesh, Plan
 from autopart.meta import INPUT_KINDS
 from autopart.program.folder import NAMES
@@ -53,12 +54,12 @@ MAX_DIM = 1 << 40
 MAX_NUMEL = 1 << 44  # elements of one parameter (16 T: far beyond any model)
 MAX_KV_ROW = 1 << 24  # elements of one sequence position of one K/V prefix
 MAX_STAGES = 1 << 12
-DATA_NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # capture's batch names
 DTYPES = ("torch.float64", "torch.float32", "torch.bfloat16", "torch.float16")
 
 _FQN = string(DOTTED, 1024)
 _SHA256 = string(re.compile(r"[0-9a-f]{64}"))
 _TEXT = string(max_len=256)
+_CHUNK_COST = nullable(list_of(number(-1e300, 1e300), 2, 2))  # Seq1F1B: (c1, c2)
 
 PLAN_FIELDS: dict[str, Spec] = {
     "mesh": obj({d: integer(1, MAX_WORLD) for d in ("dp", "pp", "tp")}),
@@ -93,7 +94,7 @@ HEAD = obj(
     {
         "passes": list_of(_TEXT, 1024),
         "ties": dict_of(list_of(integer(0, MAX_STAGES)), key=_FQN),
-        "chunk_cost": nullable(list_of(number(-1e300, 1e300), 2, 2)),
+        "chunk_cost": _CHUNK_COST,
     },
 )
 
@@ -178,7 +179,7 @@ RANK = obj(
         "n_stages": integer(1, MAX_STAGES),
     },
     {
-        "chunk_cost": nullable(list_of(number(-1e300, 1e300), 2, 2)),
+        "chunk_cost": _CHUNK_COST,
         "vocab_size": nullable(integer(1, 1 << 31)),
         "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
     },
