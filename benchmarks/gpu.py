@@ -160,6 +160,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
             return loss
 
     prepare_s = time.perf_counter() - start
+    print(f"{a.mode}: prepared in {prepare_s:.1f} s", file=sys.stderr, flush=True)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=cuda)
 
     def sync() -> None:
@@ -178,6 +179,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
         sync()
         times.append(time.perf_counter() - t)
         losses.append(float(loss))
+        print(f"{a.mode}: step {i} {times[-1]:.3f} s", file=sys.stderr, flush=True)
     profile = _profile(lambda: (step(), opt.step(), opt.zero_grad(set_to_none=True), sync()))
     timed = sorted(times[a.warmup :])
     step_s = timed[len(timed) // 2]  # the median step
@@ -454,8 +456,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"throughput: {key}: {mode} ...", flush=True)
             try:
                 r = _run_mode(a, mode, seq, batch, chunks if mode == "autopart" else 1)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as exc:  # what it printed says how far it got
+                err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
                 r = {"mode": mode, "error": f"timed out after {a.mode_timeout} s"}
+                r["output"] = err[-3000:]
             res["throughput"][key][mode] = r
             save()
     lines = _summary(res)
