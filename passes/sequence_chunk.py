@@ -34,7 +34,11 @@ What changes in the graph:
   window is the last (k − 1)·d entries of [zeros; carried inputs] — the zero padding for the
   first chunk, the previous chunk's last inputs after it — so its output has the chunk's
   length and equals the whole sequence's at these tokens;
-- **outputs**: the stage's outputs, then the full K, V of every attention layer, in order,
+- **sliding windows**: a layer with a window of W keys hands on only the last W − 1 positions
+  of its [prefix; chunk] K and V (all a later query sees), and its prefix input has a symbolic
+  length of its own;
+- **outputs**: the stage's outputs, then the K, V of every attention layer (whole, or trimmed
+  to the window), in order,
   then each convolution's last (k − 1)·d inputs of [window; chunk] (some the carry's when the
   chunk is shorter than the window) (prefixes are in the model's dtype: K/V an attention
   computes in another are cast);
@@ -131,7 +135,14 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         offset.meta[META_INPUT] = InputRef("offset", "")
         new_refs.append(offset.meta[META_INPUT])
         anchor = offset
-    prefix_len = _prefix_symint(mode) if attention else None
+    # a sliding window of W keys needs only the last W − 1 of them from earlier chunks: such a
+    # layer's prefix has a length of its own (trimmed), every other layer's the shared P
+    trimmed = {
+        i: _prefix_symint(cast(Any, mode), f"autopart_kv_window_{i}")
+        for i, sdpa in enumerate(attention)
+        if (sdpa.meta.get(META_WINDOW) or 0) > 1 and not sdpa.meta.get(META_DATA_MASK)
+    }
+    prefix_len = _prefix_symint(mode) if len(trimmed) < len(attention) else None
     # prefixes travel in the model's dtype (the runtime's zeros for the first chunk); K/V that an
     # attention computes in another (GPT-J's float32 keys in a float64 model) are cast to it
     dtype = next(
@@ -150,7 +161,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             with g.inserting_after(anchor):
                 ph = g.placeholder(f"kv_prefix_{i}_{'kv'[j]}")
             val = src.meta["val"]
-            shape = [*val.shape[:-2], prefix_len, val.shape[-1]]
+            shape = [*val.shape[:-2], trimmed.get(i, prefix_len), val.shape[-1]]
             assert mode is not None
             with mode:
                 ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
@@ -218,8 +229,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             n.target = aten.reshape.default
     kv_out: list[fx.Node] = []
     masks: dict[tuple[str, ...], fx.Node] = {}  # one document mask per stage, shared by layers
-    for sdpa, (kp, vp) in zip(attention, prefixes, strict=True):
-        kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks)
+    for i, (sdpa, (kp, vp)) in enumerate(zip(attention, prefixes, strict=True)):
+        kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks, trim=i in trimmed)
     for conv, ph, _ in carries:
         kv_out.append(_convolve_with_carry(g, conv, ph))
 
@@ -229,13 +240,14 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     if refs is not None:
         gm.meta[META_INPUTS] = [*refs, *new_refs]
     gm.meta[META_KV] = len(kv_out)
-    kv_shapes = (
-        [_empty_prefix(ph, prefix_len, gm) for pair in prefixes for ph in pair]
-        if prefix_len is not None  # prefixes are made only with it
-        else []
-    )
+    kv_shapes = [
+        _empty_prefix(ph, cast(torch.SymInt, trimmed.get(i, prefix_len)), gm)
+        for i, pair in enumerate(prefixes)
+        for ph in pair
+    ]
     gm.meta[META_KV_SHAPES] = kv_shapes + [_empty_prefix(ph, n, gm) for _, ph, n in carries]
     lengths = [(prefix_len, P)] if prefix_len is not None else []
+    lengths += [(length, _window_symbol(i)) for i, length in trimmed.items()]
     lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
     if lengths:
         rc = dict(gm.meta.get(META_RANGES, {}))
@@ -306,6 +318,11 @@ def _prefix_symint(mode, name: str = "autopart_kv_prefix") -> torch.SymInt:
     env = mode.shape_env
     sym = env.create_symbol(16, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
     return env.create_symintnode(sym, hint=16)
+
+
+def _window_symbol(i: int) -> sympy.Symbol:
+    """The prefix length of windowed attention ``i`` for cost formulas (0, then < its window)."""
+    return sympy.Symbol(f"p{i}", nonnegative=True, integer=True)
 
 
 def _carry_symbol(i: int) -> sympy.Symbol:
@@ -409,10 +426,12 @@ def _attend_with_prefix(
     vp: fx.Node,
     keys: dict[str, fx.Node] | None = None,
     masks: dict[tuple[str, ...], fx.Node] | None = None,
+    trim: bool = False,
 ) -> list[fx.Node]:
     """SDPA over [prefix; chunk] keys with the lower-right causal mask (and, for a mask of the
     batch's, ``META_DATA_MASK``, its padding and documents from the key columns ``keys``, built
-    once into ``masks``); returns (K, V) full."""
+    once into ``masks``); returns (K, V) full, or with ``trim`` (a sliding window of W keys) their
+    last W − 1 positions: all a later query sees of them."""
     q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
     dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
@@ -441,7 +460,12 @@ def _attend_with_prefix(
         else:
             mask = lower_right_mask(g, q, k_full, sdpa.meta.get(META_WINDOW))
         new = g.call_function(SDPA, (q, k_full, v_full, mask, float(dropout), False), kwargs)
-        outs = [cast(k_full, k, kp), cast(v_full, v, vp)]
+        kept = [k_full, v_full]
+        if trim:
+            last = 1 - int(sdpa.meta[META_WINDOW])  # -(W - 1)
+            kept = [g.call_function(aten.slice.Tensor, (x, -2, last, _END)) for x in kept]
+            made += kept
+        outs = [cast(kept[0], k, kp), cast(kept[1], v, vp)]
     for n in (k_full, v_full, new, *made):
         n.meta[META_MODULE], n.meta[META_LAYER] = (
             sdpa.meta.get(META_MODULE, ""),

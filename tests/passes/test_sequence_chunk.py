@@ -327,29 +327,49 @@ def test_a_causal_convolution_carries_its_window(mix: str, window: int) -> None:
 
 
 def test_a_sliding_window_reaches_across_chunks(monkeypatch) -> None:
-    """A window of 20 keys over 40 tokens cut 16 + 24: chunk 2's queries see only the last 20
-    keys, some in chunk 1's prefix. The chunks give the whole sequence's loss and gradients;
-    the same chunks with the window dropped from the chunked mask do not (negative control)."""
+    """A window of 20 keys over 40 tokens, cut 16 + 24, 24 + 16 and 10 + 10 + 20: a chunk's
+    queries see only the last 20 keys, some in earlier chunks. The K/V a chunk hands on is
+    trimmed to the last 19 positions (all a later query sees), its prefix input has a length of
+    its own, and the chunks give the whole sequence's loss and gradients (24 + 16: the second
+    chunk's first query needs exactly the 19 kept). Negative controls: the window dropped from
+    the chunked mask, and a prefix trimmed one position shorter, do not match."""
     import sys
 
     ids = torch.randint(1, 50, (2, 40))
     captured = capture(_Masked("window").double(), (ids, ids))
     ref_loss, ref_grads = _reference(captured, (ids, ids))
 
-    def chunked_loss() -> tuple[torch.Tensor, dict]:
-        gm = copy_graph(captured.graph)
-        gm.meta.update(captured.graph.meta)
-        gm = sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
-        return run_chunks(captured, gm, (ids, ids), [16, 24])
+    def chunked(lengths: list[int], keep: int = 19) -> tuple[torch.Tensor, dict]:
+        gm = gm_of(captured)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        trims = out[-gm.meta[META_KV] :]
+        assert len(trims) == 2
+        for t in trims:  # the K/V handed on: a slice of [prefix; chunk] from -19
+            assert t.target == torch.ops.aten.slice.Tensor and t.args[1:3] == (-2, -19)
+            t.args = (t.args[0], -2, -keep, *t.args[3:])
+        gm.recompile()
+        return run_chunks(captured, gm, (ids, ids), lengths)
 
-    loss, grads = chunked_loss()
-    assert torch.allclose(loss, ref_loss, rtol=1e-12)
-    assert all(torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12) for f in grads)
+    kv_in = [n for n in gm_of(captured).graph.nodes if n.name.startswith("kv_prefix")]
+    assert str(kv_in[0].meta["val"].shape[-2]) == str(kv_in[1].meta["val"].shape[-2])
+    for lengths in ([16, 24], [24, 16], [10, 10, 20]):
+        loss, grads = chunked(lengths)
+        assert torch.allclose(loss, ref_loss, rtol=1e-12)
+        assert all(torch.allclose(grads[f], ref_grads[f], rtol=1e-10, atol=1e-12) for f in grads)
     chunk_pass = sys.modules["autopart.passes.sequence_chunk"]
     whole = chunk_pass.lower_right_mask
-    monkeypatch.setattr(chunk_pass, "lower_right_mask", lambda g, q, k, w=None: whole(g, q, k))
-    wrong, _ = chunked_loss()
+    with monkeypatch.context() as m:
+        m.setattr(chunk_pass, "lower_right_mask", lambda g, q, k, w=None: whole(g, q, k))
+        wrong, _ = chunked([16, 24])
     assert not torch.allclose(wrong, ref_loss, rtol=1e-6)
+    wrong, _ = chunked([24, 16], keep=18)
+    assert not torch.allclose(wrong, ref_loss, rtol=1e-6)
+
+
+def gm_of(captured: Captured) -> fx.GraphModule:
+    gm = copy_graph(captured.graph)
+    gm.meta.update(captured.graph.meta)
+    return sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
 
 
 def test_other_schedules_leave_the_graph_alone(chunked) -> None:
