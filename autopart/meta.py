@@ -21,6 +21,9 @@ META_COST = "autopart.cost"  # Cost: symbolic FLOPs / bytes of a call node
 # canonicalize_attention
 META_ATTENTION = "autopart.attention"  # str: "causal" on a canonical causal SDPA
 META_WINDOW = "autopart.window"  # int | None: a canonical SDPA's sliding window in keys
+# True on a canonical SDPA whose mask is a rebuilt function of positions and on that mask's
+# nodes; "keys" on its key-length sizes (passes/position_masks.py)
+META_MASK_FN = "autopart.mask_fn"
 # tuple[str, ...]: a causal SDPA whose mask is the batch's (padding: "attention_mask", packed
 # documents: "position_ids"), proven to be the document-causal form (Seq1F1B plans only)
 META_DATA_MASK = "autopart.data_mask"

@@ -35,11 +35,12 @@ from __future__ import annotations
 import operator
 from typing import cast
 
+import sympy
 import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import OPTIONAL
+from autopart.frontend.capture import OPTIONAL, B, S, to_sympy
 from autopart.frontend.shapes import propagate
 from autopart.graph import remove_dead
 from autopart.layout import Plan
@@ -48,10 +49,12 @@ from autopart.meta import (
     META_BUFFERS,
     META_DATA_MASK,
     META_INPUT,
+    META_MASK_FN,
     META_MODULE,
     META_WINDOW,
 )
 from autopart.node_args import float_arg, int_arg, node_arg
+from autopart.passes.position_masks import discard, local_mask, place, prove, sym_size
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -67,7 +70,7 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if n.target == SDPA:
             changed |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
-            changed |= _manual(gm, n, proofs)
+            changed |= _manual(gm, n, proofs) or _scored(gm, n)
     if changed:
         remove_dead(gm)
         propagate(gm)
@@ -105,6 +108,8 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
     why, window = _causal_window(
         gm, proofs, mask, keep_is_true=mask.meta["val"].dtype == torch.bool
     )
+    if why and windows:  # a causal function of positions (chunked, ...), rebuilt in place
+        return _position_mask(gm, n, mask, why)
     n.meta[META_ATTENTION] = why or "causal"
     if why or (window is not None and not windows):
         return False
@@ -173,6 +178,270 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
         return False
     _replace(gm, user, q, k, user.args[1], dropout, scale, window)
     return True
+
+
+def _position_mask(gm: fx.GraphModule, n: fx.Node, mask: fx.Node, why: str) -> bool:
+    """An SDPA whose mask is neither causal nor a window, but a causal function of positions
+    (Llama 4's chunked attention, a bias): the mask rebuilt from q's and k's sizes
+    (``position_masks``), if ``prove`` holds; else the SDPA keeps ``why``."""
+    q, k = node_arg(n, 0), node_arg(n, 1)
+    additive = mask.meta["val"].dtype != torch.bool
+    local = local_mask(gm, mask, q, k, before=n)
+    proof = local if isinstance(local, str) else prove(gm, local, additive)
+    if proof is not None:
+        if not isinstance(local, str):
+            discard(gm, local)
+        n.meta[META_ATTENTION] = f"{why}, and not a causal function of positions: {proof}"
+        return False
+    assert not isinstance(local, str)
+    n.replace_input_with(mask, local)
+    place(_marked(local), n)
+    n.meta[META_ATTENTION], n.meta[META_MASK_FN] = "causal", True
+    return True
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default)
+
+
+def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
+    """softmax(scores · c + position terms) [→ casts] [→ dropout] [→ casts] [→ views] →
+    matmul/bmm(·, v), where the terms are biases and masks added, filled or clamped at
+    ≤ ``MASKED`` (BLOOM's and MPT's ALiBi, XGLM's clamp at the float minimum; heads may be
+    folded into the batch), becomes SDPA with an additive mask: the terms evaluated with the
+    scores at 0, rebuilt from q's and k's sizes and proven a causal function of positions
+    (``position_masks``). Exact: softmax(x · c + m) for the additive m the chain adds. A
+    multiplicative or nonlinear term (GPT-1's scores × mask, soft-capping's tanh) is not such
+    a chain, and the softmax keeps why."""
+    x = node_arg(sm, 0)
+    if sm.args[1] not in (-1, x.meta["val"].dim() - 1):
+        return False
+    scaled, why = _chain(x)
+    if scaled is None:
+        if why and META_ATTENTION not in sm.meta:
+            sm.meta[META_ATTENTION] = f"not a recognized attention: {why}"
+        return False
+    product, scale = scaled, 1.0
+    if scaled.target in (aten.mul.Tensor, aten.div.Tensor):
+        c = float(cast(float, scaled.args[1]))
+        product, scale = node_arg(scaled, 0), (c if scaled.target == aten.mul.Tensor else 1 / c)
+    q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
+    pv, probs, dropout = _probabilities(sm)
+    if pv is None:
+        return False
+    v = node_arg(pv, 1)
+    g = gm.graph
+    made: list[fx.Node] = []
+    with g.inserting_before(pv):
+        if q.meta["val"].dim() == 3:  # heads folded into the batch: [h·b, s, d] → [b, h, s, d]
+            unfolded = _unfold(gm, (q, k, v), made)
+            if unfolded is None:
+                sm.meta[META_ATTENTION] = "an attention whose heads are folded unevenly"
+                return False
+            q4, k4, v4 = unfolded
+        else:
+            q4, k4, v4 = q, k, v
+    zeros = _zeros_like(gm, scaled, q4, k4, before=pv)
+    mask = local_mask(gm, x, q4, k4, before=pv, replace={scaled: zeros})
+    if not isinstance(mask, str):
+        with g.inserting_before(pv):
+            if x.meta["val"].dim() == 3:  # the folded scores' mask, per head
+                b, h = _sym(g, q4, 0), q4.meta["val"].shape[1]
+                shape = [b, int(h), _sym(g, q4, -2), sym_size(g, k4, -2, "keys")]
+                mask = g.call_function(aten.reshape.default, (mask, shape))
+                mask.meta[META_MASK_FN] = True
+            dtype = q.meta["val"].dtype
+            if x.meta["val"].dtype != dtype:
+                mask = g.call_function(aten._to_copy.default, (mask,), {"dtype": dtype})
+                mask.meta[META_MASK_FN] = True
+    proof = mask if isinstance(mask, str) else prove(gm, mask, additive=True)
+    if proof is not None:
+        if not isinstance(mask, str):
+            discard(gm, mask)
+        discard(gm, zeros)
+        for m in reversed(made):
+            if not m.users:
+                g.erase_node(m)
+        sm.meta[META_ATTENTION] = f"not a causal function of positions: {proof}"
+        return False
+    assert not isinstance(mask, str)
+    with g.inserting_before(pv):
+        vv = v4
+        if v4.meta["val"].dtype != q.meta["val"].dtype:
+            vv = g.call_function(aten._to_copy.default, (v4,), {"dtype": q.meta["val"].dtype})
+        new = g.call_function(SDPA, (q4, k4, vv, mask, float(dropout), False), {"scale": scale})
+        new.meta.update({key: val for key, val in pv.meta.items() if key != "val"})
+        out = new
+        if pv.meta["val"].dtype != q.meta["val"].dtype:
+            out = g.call_function(aten._to_copy.default, (out,), {"dtype": pv.meta["val"].dtype})
+        if q.meta["val"].dim() == 3:
+            shape = [_sym(g, q, 0), _sym(g, q, 1), int(v.meta["val"].shape[-1])]
+            out = g.call_function(aten.reshape.default, (out, shape))
+    new.meta[META_ATTENTION], new.meta[META_MASK_FN], new.meta[META_WINDOW] = "causal", True, None
+    place([*made, new, out, vv, *_marked(mask)], pv)
+    pv.replace_all_uses_with(out)
+    stack = [pv]
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and not n.users:
+            stack.extend(n.all_input_nodes)
+            g.erase_node(n)
+    return True
+
+
+def _marked(mask: fx.Node) -> list[fx.Node]:
+    """The nodes of a rebuilt mask (``META_MASK_FN``)."""
+    seen, stack = [], [mask]
+    while stack:
+        n = stack.pop()
+        if n.meta.get(META_MASK_FN) and n not in seen:
+            seen.append(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _sym(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
+    return sym_size(g, x, dim)
+
+
+def _chain(x: fx.Node) -> tuple[fx.Node | None, str | None]:
+    """Walk from a softmax's input down to the scores: (the scaled product, None), or
+    (None, why the chain is not additive) — (None, None) when no product is found."""
+    n = x
+    for _ in range(32):
+        if _is_product(n):
+            return n, None
+        if n.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(n.args[1], (int, float)):
+            if _is_product(node_arg(n, 0)):
+                return n, None
+            return None, f"{n.name} scales the scores after a bias was added"
+        if n.target in _CASTS or n.target in _VIEWS:
+            n = node_arg(n, 0)
+            continue
+        paths = [a for a in n.all_input_nodes if _reaches_product(a)]
+        if len(paths) != 1:
+            return None, None if not paths else f"{n.name} combines two score paths"
+        if not _adds_a_term(n, paths[0]):
+            return None, f"{n.name} ({_name(n)}) modifies the scores other than by adding a mask"
+        n = paths[0]
+    return None, None
+
+
+def _adds_a_term(n: fx.Node, path: fx.Node) -> bool:
+    """``n`` adds a term to the scores ``path``, fills it at ≤ ``MASKED`` or clamps it there."""
+    t, args = n.target, n.args
+    if t == aten.add.Tensor:
+        return n.kwargs.get("alpha", 1) == 1
+    if t == aten.sub.Tensor:
+        return args[0] is path and n.kwargs.get("alpha", 1) == 1
+    if t == aten.masked_fill.Scalar:
+        return args[0] is path and _low(args[2])
+    if t == aten.where.ScalarOther:
+        return args[1] is path and _low(args[2])
+    if t in (aten.max.other, aten.maximum.default):
+        return _low_full(args[1] if args[0] is path else args[0])
+    if t == aten.clamp_min.default:
+        return args[0] is path and _low(args[1])
+    return False
+
+
+def _name(n: fx.Node) -> str:
+    return str(getattr(n.target, "__name__", n.target))
+
+
+def _low(v: object) -> bool:
+    return isinstance(v, (int, float)) and float(v) <= MASKED
+
+
+def _low_full(x: object) -> bool:
+    return isinstance(x, fx.Node) and x.target == aten.full.default and _low(x.args[1])
+
+
+def _is_product(n: fx.Node) -> bool:
+    if n.target not in _PRODUCTS or len(n.all_input_nodes) != 2:
+        return False
+    kt = node_arg(n, 1)
+    return kt.target == aten.transpose.int and sorted(
+        int_arg(kt, d) % kt.meta["val"].dim() for d in (1, 2)
+    ) == [kt.meta["val"].dim() - 2, kt.meta["val"].dim() - 1]
+
+
+def _reaches_product(x: fx.Node, depth: int = 24) -> bool:
+    """Whether ``x`` is computed from a q·kᵀ product (a few elementwise steps up)."""
+    stack, seen = [(x, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        if n in seen or d > depth or n.op != "call_function":
+            continue
+        seen.add(n)
+        if _is_product(n):
+            return True
+        stack.extend((a, d + 1) for a in n.all_input_nodes)
+    return False
+
+
+def _probabilities(sm: fx.Node) -> tuple[fx.Node | None, fx.Node, float]:
+    """From a softmax through casts, one dropout and views to the product with v:
+    (that product, the probabilities it takes, dropout p), or (None, …) when there is none."""
+    probs, dropout = sm, 0.0
+    user = _only_user(probs)
+    while user is not None and (user.target in _CASTS or user.target in _VIEWS):
+        probs, user = user, _only_user(user)
+    if user is not None and user.target == aten.dropout.default:
+        probs, dropout = user, (float_arg(user, 1) if user.args[2] else 0.0)
+        user = _only_user(probs)
+    while user is not None and (user.target in _CASTS or user.target in _VIEWS):
+        probs, user = user, _only_user(user)
+    if user is None or user.target not in _PRODUCTS or user.args[0] is not probs:
+        return None, probs, dropout
+    return user, probs, dropout
+
+
+def _unfold(gm: fx.GraphModule, xs: tuple, made: list[fx.Node]) -> tuple | None:
+    """[h·b, s, d] tensors as [b, h, s, d] (h from their sizes), or None."""
+    g = gm.graph
+    out = []
+    for x in xs:
+        expr = to_sympy(x.meta["val"].shape[0], gm)
+        h = sympy.Poly(expr, B).coeff_monomial(B) if expr.free_symbols == {B} else 0
+        if not h or sympy.expand(expr - h * B) != 0:
+            return None
+        first = _sym(g, x, 0)
+        b = g.call_function(operator.floordiv, (first, int(h)))
+        shape = [b, int(h), _sym(g, x, 1), int(x.meta["val"].shape[-1])]
+        r = g.call_function(aten.reshape.default, (x, shape))
+        v = x.meta["val"]
+        r.meta["val"] = v.reshape(v.shape[0] // int(h), int(h), v.shape[1], v.shape[2])
+        made += [first, b, shape[2], r]
+        out.append(r)
+    return tuple(out)
+
+
+def _zeros_like(gm: fx.GraphModule, x: fx.Node, q: fx.Node, k: fx.Node, before: fx.Node) -> fx.Node:
+    """Zeros of ``x``'s shape and dtype, sized from q's and k's sizes (not from ``x``), marked
+    as a rebuilt mask's nodes (the key length "keys")."""
+    g = gm.graph
+    val = x.meta["val"]
+    made: list[fx.Node] = []
+
+    def call(target, *args, **kwargs) -> fx.Node:
+        made.append(g.call_function(target, args, kwargs))
+        made[-1].meta[META_MASK_FN] = True
+        return made[-1]
+
+    with g.inserting_before(before):
+        sizes: list = []
+        for d in val.shape:
+            e = to_sympy(d, gm)
+            if e == S:
+                sizes.append(sym_size(g, k, -2, "keys"))
+            elif e.free_symbols:
+                a = int(sympy.Poly(e, B).coeff_monomial(B))
+                b = sym_size(g, q, 0)
+                sizes.append(call(operator.mul, b, a) if a != 1 else b)
+            else:
+                sizes.append(int(e))
+        return call(aten.zeros.default, sizes, dtype=val.dtype, device=val.device)
 
 
 def _qk(scores: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:

@@ -48,7 +48,7 @@ import torch
 from torch import fx
 
 from autopart.frontend.capture import S, to_sympy
-from autopart.meta import META_ATTENTION, META_INPUT, META_SYMBOLS
+from autopart.meta import META_ATTENTION, META_INPUT, META_MASK_FN, META_SYMBOLS
 from autopart.node_args import int_arg, node_arg, seq_arg
 
 aten = torch.ops.aten
@@ -832,7 +832,7 @@ def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
     attention mask Hugging Face makes when none is given), whose value at global token t is
     c·(t + 1); over a chunk, the chunk's own cumsum plus c · offset. (A running count along
     another dim is the same in every chunk and needs nothing.)"""
-    if n.target != aten.cumsum.default:
+    if n.target != aten.cumsum.default or n.meta.get(META_MASK_FN):
         return None
     x = n.args[0]
     dim = int_arg(n, 1, "dim")
@@ -845,7 +845,10 @@ def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
 
 
 def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
-    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions."""
+    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions (not the
+    key positions of a mask rebuilt by ``position_masks``, which the chunk pass sizes itself)."""
+    if n.meta.get(META_MASK_FN):
+        return False
     if n.target == aten.arange.default:
         start: object = 0
     elif n.target == aten.arange.start:

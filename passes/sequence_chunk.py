@@ -75,6 +75,7 @@ from autopart.meta import (
     META_KV,
     META_KV_SHAPES,
     META_LAYER,
+    META_MASK_FN,
     META_MODULE,
     META_RANGES,
     META_RECOMPUTE,
@@ -452,7 +453,10 @@ def _attend_with_prefix(
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
         v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
         names = tuple(sdpa.meta.get(META_DATA_MASK) or ())
-        if names and masks is not None and names in masks:
+        if sdpa.meta.get(META_MASK_FN):  # a function of positions: its key length is Lk now
+            mask = node_arg(sdpa, 3)
+            _keys_from(g, mask, k, kp)
+        elif names and masks is not None and names in masks:
             mask = masks[names]
         elif names:
             assert keys is not None and masks is not None, "a batch mask needs its key columns"
@@ -475,7 +479,7 @@ def _attend_with_prefix(
     new.meta[META_WINDOW] = sdpa.meta.get(META_WINDOW)
     if META_RECOMPUTE in sdpa.meta:  # the attention core it replaces is recomputed
         new.meta[META_RECOMPUTE] = sdpa.meta[META_RECOMPUTE]
-    old_mask = sdpa.args[3] if len(sdpa.args) > 3 else None
+    old_mask = sdpa.args[3] if len(sdpa.args) > 3 and not sdpa.meta.get(META_MASK_FN) else None
     sdpa.replace_all_uses_with(new)
     g.erase_node(sdpa)
     stack = [old_mask] if isinstance(old_mask, fx.Node) else []  # the unchunked window mask
@@ -485,6 +489,29 @@ def _attend_with_prefix(
             stack.extend(n.all_input_nodes)
             g.erase_node(n)
     return outs
+
+
+def _keys_from(g: fx.Graph, mask: fx.Node, k: fx.Node, kp: fx.Node) -> None:
+    """Lengthen the key-length sizes of a rebuilt position mask (``position_masks.local_mask``)
+    by the prefix's: its rows are then the chunk's queries over every key they see."""
+    seen, stack, keys = set(), [mask], []
+    while stack:
+        n = stack.pop()
+        if n in seen or not n.meta.get(META_MASK_FN):
+            continue
+        seen.add(n)
+        if n.meta[META_MASK_FN] == "keys" and n.args[0] is k:
+            keys.append(n)
+        stack.extend(n.all_input_nodes)
+    for n in keys:
+        with g.inserting_after(n):
+            p = g.call_function(aten.sym_size.int, (kp, -2))
+        with g.inserting_after(p):
+            total = g.call_function(operator.add, (p, n))
+        for m in (p, total):
+            m.meta.update({META_MASK_FN: True, META_MODULE: n.meta.get(META_MODULE, "")})
+            m.meta[META_LAYER] = n.meta.get(META_LAYER)
+        n.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
 
 
 def document_chunk_mask(g: fx.Graph, q: fx.Node, k: fx.Node, keys: dict[str, fx.Node]) -> fx.Node:

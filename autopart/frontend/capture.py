@@ -526,7 +526,8 @@ def from_parameters(gm: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+        vals = val if isinstance(val, (list, tuple)) else [val]  # a chunk or split: its pieces
+        if not any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals):
             continue
         ref = n.meta.get(META_INPUT)
         if (ref is not None and ref.kind == "param") or any(a in out for a in n.all_input_nodes):

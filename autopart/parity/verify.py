@@ -135,7 +135,11 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     found: dict[tuple[str, torch.dtype], None] = {}
     trained = from_parameters(gm)
     for n in gm.graph.nodes:  # in graph order
-        if n not in trained or n.op != "call_function":
+        if (
+            n not in trained
+            or n.op != "call_function"
+            or not isinstance(n.meta["val"], torch.Tensor)
+        ):
             continue
         low = n.meta["val"].dtype
         if torch.finfo(low).eps <= eps:
