@@ -24,6 +24,9 @@ META_WINDOW = "autopart.window"  # int | None: a canonical SDPA's sliding window
 # True on a canonical SDPA whose mask is a rebuilt function of positions and on that mask's
 # nodes; "keys" on its key-length sizes (passes/position_masks.py)
 META_MASK_FN = "autopart.mask_fn"
+# a general-form attention's nodes (canonicalize_attention._score_function): "qk" (q·kᵀ),
+# "mod" (the score function, the softmax and what follows it), "pv" (the product with v)
+META_SCORES = "autopart.scores"
 # tuple[str, ...]: a causal SDPA whose mask is the batch's (padding: "attention_mask", packed
 # documents: "position_ids"), proven to be the document-causal form (Seq1F1B plans only)
 META_DATA_MASK = "autopart.data_mask"

@@ -51,10 +51,18 @@ from autopart.meta import (
     META_INPUT,
     META_MASK_FN,
     META_MODULE,
+    META_SCORES,
     META_WINDOW,
 )
 from autopart.node_args import float_arg, int_arg, node_arg
-from autopart.passes.position_masks import discard, local_mask, place, prove, sym_size
+from autopart.passes.position_masks import (
+    discard,
+    local_mask,
+    place,
+    prove,
+    prove_scores,
+    sym_size,
+)
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -216,15 +224,18 @@ def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
     x = node_arg(sm, 0)
     if sm.args[1] not in (-1, x.meta["val"].dim() - 1):
         return False
-    scaled, why = _chain(x)
+    scaled, why = _chain(gm, x)
     if scaled is None:
-        if why and META_ATTENTION not in sm.meta:
-            sm.meta[META_ATTENTION] = f"not a recognized attention: {why}"
+        if why:
+            return _score_function(gm, sm, why)
         return False
     product, scale = scaled, 1.0
     if scaled.target in (aten.mul.Tensor, aten.div.Tensor):
         c = float(cast(float, scaled.args[1]))
-        product, scale = node_arg(scaled, 0), (c if scaled.target == aten.mul.Tensor else 1 / c)
+        product, scale = (
+            _below(node_arg(scaled, 0)),
+            (c if scaled.target == aten.mul.Tensor else 1 / c),
+        )
     q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
     pv, probs, dropout = _probabilities(sm)
     if pv is None:
@@ -300,34 +311,154 @@ def _marked(mask: fx.Node) -> list[fx.Node]:
     return seen
 
 
+_UNARY = (aten.tanh.default, aten.neg.default)
+_SCALAR_OPS = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor)
+_TERM_OPS = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.masked_fill.Scalar,
+    aten.where.ScalarOther,
+    aten.max.other,
+    aten.maximum.default,
+)
+
+
+def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
+    """The general form: softmax(f(q·kᵀ)) → [casts, dropout, the sink column cut off] →
+    matmul(·, v), with f elementwise in the scores — scalar arithmetic, ``tanh`` (Gemma 2's
+    soft-capping), terms added, multiplied, filled or clamped from position tensors — and at
+    most one sink column (gpt-oss: ``cat([scores, sinks], -1)``; its row max subtracted is
+    dropped, softmax subtracts its own). The model's nodes stay; each term is rebuilt from q's
+    and k's sizes (``position_masks.local_mask``), and f is proven, on random scores, to hide
+    every later key and to be a function of positions (``position_masks.prove_scores``). The
+    nodes are marked ``META_SCORES`` ("qk", "mod", "pv"), the product with v ``"causal"``: the
+    chunk pass gives it a K/V prefix like an SDPA."""
+    x = node_arg(sm, 0)
+    if x.meta["val"].dim() != 4:
+        sm.meta[META_ATTENTION] = f"not a recognized attention: {why}"
+        return False
+    mods, terms, sink, shift, product, fail = [], [], None, None, None, None
+    n = x
+    for _ in range(48):
+        if _is_product(n) and n.meta["val"].dim() == 4:
+            product = n
+            break
+        mods.append(n)
+        if n.target in _CASTS or n.target in _UNARY:
+            n = node_arg(n, 0)
+            continue
+        if n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node):
+            n = node_arg(n, 0)
+            continue
+        if n.target == aten.cat.default and len(n.args[0]) == 2 and int_arg(n, 1) in (-1, 3):
+            path, extra = n.args[0]
+            if sink is not None or _reaches_product(extra) or extra.meta["val"].shape[-1] != 1:
+                fail = f"{n.name} joins more than one sink column to the scores"
+                break
+            sink, n = extra, path
+            continue
+        paths = [a for a in n.all_input_nodes if _reaches_product(a)]
+        if n.target == aten.sub.Tensor and _row_max_of(n.args[1], n.args[0]):
+            shift, n = n, node_arg(n, 0)
+            continue
+        if len(paths) != 1 or n.target not in _TERM_OPS:
+            fail = f"{n.name} ({_name(n)}) is not elementwise in the scores"
+            break
+        terms += [(n, a) for a in n.all_input_nodes if a is not paths[0]]
+        n = paths[0]
+    pv, probs, dropout = _probabilities(sm, sink_column=sink is not None)
+    if product is None or fail or pv is None or pv.meta["val"].dim() != 4:
+        sm.meta[META_ATTENTION] = f"not a recognized attention: {fail or why}"
+        return False
+    q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
+    rebuilt: dict[fx.Node, fx.Node] = {}
+    for user, t in terms:
+        if t not in rebuilt:
+            local = local_mask(gm, t, q, k, before=product)
+            if isinstance(local, str):
+                _restore(gm, rebuilt, terms)
+                sm.meta[META_ATTENTION] = f"not a causal function of positions: {local}"
+                return False
+            rebuilt[t] = local
+        user.replace_input_with(t, rebuilt[t])
+    proof = prove_scores(gm, x, product, sink)
+    if proof is not None:
+        _restore(gm, rebuilt, terms)
+        sm.meta[META_ATTENTION] = f"not a causal function of positions: {proof}"
+        return False
+    if shift is not None:  # softmax subtracts its own row max
+        shift.replace_all_uses_with(node_arg(shift, 0))
+    for m in rebuilt.values():
+        place(_marked(m), product)
+    product.meta[META_SCORES] = "qk"
+    for m in (*mods, sm, *_between(sm, pv)):
+        m.meta[META_SCORES] = "mod"
+    pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
+    return True
+
+
+def _restore(gm: fx.GraphModule, rebuilt: dict[fx.Node, fx.Node], terms: list) -> None:
+    """Undo ``_score_function``'s rebuilt terms: the model's own back in, the copies gone."""
+    for user, t in terms:
+        if t in rebuilt:
+            user.replace_input_with(rebuilt[t], t)
+    for m in rebuilt.values():
+        discard(gm, m)
+
+
+def _row_max_of(m: object, x: object) -> bool:
+    """``m`` is ``max(x, -1, keepdim=True)[0]`` (a row's max, subtracted before a softmax)."""
+    if not isinstance(m, fx.Node) or m.target is not operator.getitem or m.args[1] != 0:
+        return False
+    mx = node_arg(m, 0)
+    return mx.target == aten.max.dim and mx.args[0] is x and int_arg(mx, 1) in (-1, 3)
+
+
+def _between(sm: fx.Node, pv: fx.Node) -> list[fx.Node]:
+    """The nodes from a softmax to the product with v (casts, dropout, the sink's slice)."""
+    out, n = [], _only_user(sm)
+    while n is not None and n is not pv:
+        out.append(n)
+        n = _only_user(n)
+    return out
+
+
 def _sym(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
     return sym_size(g, x, dim)
 
 
-def _chain(x: fx.Node) -> tuple[fx.Node | None, str | None]:
+def _chain(gm: fx.GraphModule, x: fx.Node) -> tuple[fx.Node | None, str | None]:
     """Walk from a softmax's input down to the scores: (the scaled product, None), or
     (None, why the chain is not additive) — (None, None) when no product is found."""
-    n = x
+    n, terms = x, 0
     for _ in range(32):
-        if _is_product(n):
+        if _is_product(n) and terms:
             return n, None
         if n.target in (aten.mul.Tensor, aten.div.Tensor) and isinstance(n.args[1], (int, float)):
-            if _is_product(node_arg(n, 0)):
-                return n, None
-            return None, f"{n.name} scales the scores after a bias was added"
+            if _is_product(_below(node_arg(n, 0))):
+                return (n, None) if terms else (None, None)  # no mask: not an attention here
+            return None, f"{n.name} scales the scores after a term was added (soft-capping?)"
         if n.target in _CASTS or n.target in _VIEWS:
             n = node_arg(n, 0)
             continue
         paths = [a for a in n.all_input_nodes if _reaches_product(a)]
         if len(paths) != 1:
             return None, None if not paths else f"{n.name} combines two score paths"
-        if not _adds_a_term(n, paths[0]):
+        if not _adds_a_term(gm, n, paths[0]):
             return None, f"{n.name} ({_name(n)}) modifies the scores other than by adding a mask"
-        n = paths[0]
+        n, terms = paths[0], terms + 1
     return None, None
 
 
-def _adds_a_term(n: fx.Node, path: fx.Node) -> bool:
+def _below(n: fx.Node) -> fx.Node:
+    """``n`` with the casts and views on it looked through."""
+    while n.target in _CASTS or n.target in _VIEWS:
+        n = node_arg(n, 0)
+    return n
+
+
+def _adds_a_term(gm: fx.GraphModule, n: fx.Node, path: fx.Node) -> bool:
     """``n`` adds a term to the scores ``path``, fills it at ≤ ``MASKED`` or clamps it there."""
     t, args = n.target, n.args
     if t == aten.add.Tensor:
@@ -339,7 +470,7 @@ def _adds_a_term(n: fx.Node, path: fx.Node) -> bool:
     if t == aten.where.ScalarOther:
         return args[1] is path and _low(args[2])
     if t in (aten.max.other, aten.maximum.default):
-        return _low_full(args[1] if args[0] is path else args[0])
+        return _low_full(gm, args[1] if args[0] is path else args[0])
     if t == aten.clamp_min.default:
         return args[0] is path and _low(args[1])
     return False
@@ -353,8 +484,23 @@ def _low(v: object) -> bool:
     return isinstance(v, (int, float)) and float(v) <= MASKED
 
 
-def _low_full(x: object) -> bool:
-    return isinstance(x, fx.Node) and x.target == aten.full.default and _low(x.args[1])
+def _low_full(gm: fx.GraphModule, x: object) -> bool:
+    """``x`` is a tensor filled with one value ≤ ``MASKED`` (``full``, or a constant)."""
+    if not isinstance(x, fx.Node):
+        return False
+    while x.target in (*_CASTS, aten.clone.default, aten.lift_fresh_copy.default):
+        x = node_arg(x, 0)
+    if x.target == aten.full.default:
+        return _low(x.args[1])
+    ref = x.meta.get(META_INPUT)
+    value = gm.meta.get(META_BUFFERS, {}).get(ref.name) if ref is not None else None
+    return (
+        ref is not None
+        and ref.kind == "constant"
+        and isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and _low(float(value))
+    )
 
 
 def _is_product(n: fx.Node) -> bool:
@@ -380,13 +526,20 @@ def _reaches_product(x: fx.Node, depth: int = 24) -> bool:
     return False
 
 
-def _probabilities(sm: fx.Node) -> tuple[fx.Node | None, fx.Node, float]:
+def _probabilities(sm: fx.Node, sink_column: bool = False) -> tuple[fx.Node | None, fx.Node, float]:
     """From a softmax through casts, one dropout and views to the product with v:
-    (that product, the probabilities it takes, dropout p), or (None, …) when there is none."""
+    (that product, the probabilities it takes, dropout p), or (None, …) when there is none.
+    With a ``sink_column``, the slice cutting it off (``[..., :-1]``) first."""
     probs, dropout = sm, 0.0
     user = _only_user(probs)
     while user is not None and (user.target in _CASTS or user.target in _VIEWS):
         probs, user = user, _only_user(user)
+    if sink_column:
+        if user is None or not _cuts_last_column(user):
+            return None, probs, dropout
+        probs, user = user, _only_user(user)
+        while user is not None and (user.target in _CASTS or user.target in _VIEWS):
+            probs, user = user, _only_user(user)
     if user is not None and user.target == aten.dropout.default:
         probs, dropout = user, (float_arg(user, 1) if user.args[2] else 0.0)
         user = _only_user(probs)
@@ -395,6 +548,14 @@ def _probabilities(sm: fx.Node) -> tuple[fx.Node | None, fx.Node, float]:
     if user is None or user.target not in _PRODUCTS or user.args[0] is not probs:
         return None, probs, dropout
     return user, probs, dropout
+
+
+def _cuts_last_column(n: fx.Node) -> bool:
+    """``n`` is ``x[..., :-1]`` (an ``aten.slice`` of the last dim from 0 to −1)."""
+    if n.target != aten.slice.Tensor:
+        return False
+    dim, start, end = (list(n.args[1:4]) + [None, None, None])[:3]
+    return int(dim or 0) in (-1, 3) and start in (None, 0) and end == -1
 
 
 def _unfold(gm: fx.GraphModule, xs: tuple, made: list[fx.Node]) -> tuple | None:

@@ -107,6 +107,9 @@ def local_mask(
         for n in order:
             if n in env:
                 continue
+            if n.op == "placeholder":  # a buffer: read where it is
+                env[n] = n
+                continue
             env[n] = g.node_copy(n, lambda a: env[a])
             env[n].meta[META_MASK_FN] = True
             made.append(env[n])
@@ -172,12 +175,14 @@ def _erase(g: fx.Graph, made: list[fx.Node]) -> None:
 
 def discard(gm: fx.GraphModule, mask: fx.Node) -> None:
     """Remove a rebuilt mask that was not proven (and every node made for it)."""
-    stack = [mask]
+    stack, gone = [mask], set()
     while stack:
         n = stack.pop()
-        if n.meta.get(META_MASK_FN) and not n.users and n.op == "call_function":
-            stack.extend(n.all_input_nodes)
-            gm.graph.erase_node(n)
+        if n in gone or not n.meta.get(META_MASK_FN) or n.users or n.op != "call_function":
+            continue
+        stack.extend(n.all_input_nodes)
+        gm.graph.erase_node(n)
+        gone.add(n)
 
 
 def prove(
@@ -250,7 +255,10 @@ def prove(
 def _consistent(small: torch.Tensor, big: torch.Tensor, t: int, additive: bool, keep: bool) -> bool:
     """``big``'s top-left t × t corner equals ``small`` (additive: kept entries up to one
     constant per row; masked ones masked in both)."""
-    corner = big[..., :t] if big.dim() < 2 or big.shape[-2] == 1 else big[..., :t, :t]
+    if big.dim() >= 2 and big.shape[-2] > 1:
+        corner = big[..., :t, :t] if big.shape[-2] != small.shape[-2] else big[..., :t]
+    else:
+        corner = big[..., :t]
     small, corner = torch.broadcast_tensors(small, corner)
     if not additive:
         return bool((small == corner).all())
@@ -262,3 +270,69 @@ def _consistent(small: torch.Tensor, big: torch.Tensor, t: int, additive: bool, 
     lo = torch.nan_to_num(diff, nan=torch.inf).amin(-1)
     scale = torch.where(kept, small.double().abs(), 0.0).amax() + 1.0
     return bool(((hi - lo)[torch.isfinite(hi)] <= 1e-12 * scale).all())
+
+
+def prove_scores(
+    gm: fx.GraphModule, x: fx.Node, scores: fx.Node, sink: fx.Node | None = None
+) -> str | None:
+    """None if ``x`` (a softmax's input), as a function of random ``scores`` [b, h, s, s] (and a
+    random ``sink`` column), hides every later key, keeps each query's own, and is a function
+    of positions: at a shorter length, on the first rows and columns of the same scores, it
+    equals the longer length's up to one constant per row (the sink column included)."""
+    given = frozenset(n for n in (scores, sink) if n is not None)
+    order, leaves, why = construction(x, given)
+    if why:
+        return why
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = [scores, *([sink] if sink is not None else [])]
+    for n in (*inputs, *leaves):
+        env[n] = sub.placeholder(n.name)
+    for n in order:
+        if n.op == "placeholder":
+            env[n] = sub.placeholder(n.name)
+        else:
+            env[n] = sub.node_copy(n, lambda a: env[a])
+            if "device" in n.kwargs:
+                env[n].kwargs = {**n.kwargs, "device": torch.device("cpu")}
+    sub.output(env[x])
+    run = fx.GraphModule(gm, sub)
+    buffers = gm.meta.get(META_BUFFERS, {})
+    size_exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
+    shapes = [[to_sympy(d, gm) for d in t.meta["val"].shape] for t in inputs]
+    g = torch.Generator().manual_seed(0)
+    big = None
+    for s in (21, *LENGTHS[:-1]):  # the longest first: the shorter ones are its corners
+        at = {B: 2, S: s}
+        values = [
+            3
+            * torch.randn([int(e.subs(at)) for e in shape], generator=g, dtype=t.meta["val"].dtype)
+            for shape, t in zip(shapes, inputs, strict=True)
+        ]
+        if big is not None:  # the same scores (and sinks): the first rows and columns
+            values = [big[0][..., :s, :s], *([big[1][..., :s, :]] if sink is not None else [])]
+        feeds = [*values, *(int(e.subs(at)) for e in size_exprs)]
+        feeds += [buffers[n.meta[META_INPUT].name] for n in order if n.op == "placeholder"]
+        try:
+            got = run(*feeds)
+        except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
+            return f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
+        keys = got[..., :s]
+        keep = keys > MASKED
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        if bool((keep & (j > i)).any()):
+            return f"it lets a query see later keys at sequence {s}"
+        if not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
+            return f"it hides a query's own key at sequence {s}"
+        if big is None:
+            big, whole = values, got
+            continue
+        corner = whole[..., :s, :s]
+        if sink is not None:  # the sink column compares with the longer one's
+            corner = torch.cat([corner, whole[..., :s, -1:]], -1)
+        if not _consistent(got, corner, s + (sink is not None), additive=True, keep=True):
+            return (
+                f"it is not a function of positions: at sequence {s} its scores differ from "
+                f"the first {s} rows and columns of the same scores at sequence 21"
+            )
+    return None

@@ -48,7 +48,7 @@ import torch
 from torch import fx
 
 from autopart.frontend.capture import S, to_sympy
-from autopart.meta import META_ATTENTION, META_INPUT, META_MASK_FN, META_SYMBOLS
+from autopart.meta import META_ATTENTION, META_INPUT, META_MASK_FN, META_SCORES, META_SYMBOLS
 from autopart.node_args import int_arg, node_arg, seq_arg
 
 aten = torch.ops.aten
@@ -242,6 +242,8 @@ class _Prover:
         if target is operator.getitem:
             src = self.env.get(node_arg(n, 0))
             return src[int_arg(n, 1)] if isinstance(src, tuple) else src
+        if is_scored(n):  # a general-form attention: its q, k, v only (live_nodes)
+            return _attention(self, n)
         if _share_part(n) is not None:
             return SHARE
         if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
@@ -896,7 +898,8 @@ def _cumsum(p: _Prover, n: fx.Node) -> Any:
 def _attention(p: _Prover, n: fx.Node) -> Any:
     if n.meta.get(META_ATTENTION) != "causal":
         raise Mixes("an attention not proven causal")
-    for x in (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2)):  # q, k, v
+    qkv = scored_qkv(n) if is_scored(n) else (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2))
+    for x in qkv:
         val = p.env.get(x)
         if not (
             isinstance(val, Seq)
@@ -1281,9 +1284,25 @@ def live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         live.add(n)
         if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal":
             stack.extend(a for a in n.args[:3] if isinstance(a, fx.Node))
+        elif is_scored(n):
+            stack.extend(scored_qkv(n))
         else:
             stack.extend(n.all_input_nodes)
     return live
+
+
+def is_scored(n: fx.Node) -> bool:
+    """The product with v of a causal general-form attention (``canonicalize_attention``)."""
+    return n.meta.get(META_SCORES) == "pv" and n.meta.get(META_ATTENTION) == "causal"
+
+
+def scored_qkv(pv: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q, k, v of a general-form attention, from its product with v: back through the nodes
+    marked "mod" to the one marked "qk" (q·kᵀ)."""
+    n = node_arg(pv, 0)
+    while n.meta.get(META_SCORES) != "qk":
+        n = next(a for a in n.all_input_nodes if a.meta.get(META_SCORES) in ("mod", "qk"))
+    return node_arg(n, 0), node_arg(node_arg(n, 1), 0), node_arg(pv, 1)
 
 
 def _is_softmax(n: fx.Node) -> bool:

@@ -79,6 +79,7 @@ from autopart.meta import (
     META_MODULE,
     META_RANGES,
     META_RECOMPUTE,
+    META_SCORES,
     META_SEQ_DIM,
     META_SYMBOLS,
     META_WINDOW,
@@ -94,7 +95,9 @@ from autopart.passes.seq_rules import (
     causal_conv,
     fill_value,
     is_positions,
+    is_scored,
     live_nodes,
+    scored_qkv,
     seq_dims,
 )
 
@@ -119,7 +122,11 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     last_ph = placeholders[-1]
     output = next(n for n in g.nodes if n.op == "output")
-    attention = [n for n in g.nodes if n.target == SDPA and n.meta.get(META_ATTENTION) == "causal"]
+    attention = [
+        n
+        for n in g.nodes
+        if (n.target == SDPA and n.meta.get(META_ATTENTION) == "causal") or is_scored(n)
+    ]
     positions = [n for n in g.nodes if is_positions(n, gm)]
     counts = {n: c for n in g.nodes if (c := fill_value(n, gm)) is not None}
 
@@ -158,7 +165,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     prefixes: list[tuple[fx.Node, fx.Node]] = []
     for i, sdpa in enumerate(attention):
         pair = []
-        for j, src in enumerate(sdpa.args[1:3]):
+        for j, src in enumerate(_qkv(sdpa)[1:]):
             with g.inserting_after(anchor):
                 ph = g.placeholder(f"kv_prefix_{i}_{'kv'[j]}")
             val = src.meta["val"]
@@ -429,10 +436,13 @@ def _attend_with_prefix(
     masks: dict[tuple[str, ...], fx.Node] | None = None,
     trim: bool = False,
 ) -> list[fx.Node]:
-    """SDPA over [prefix; chunk] keys with the lower-right causal mask (and, for a mask of the
+    """SDPA (or a general-form attention, ``_score_with_prefix``) over [prefix; chunk] keys with
+    the lower-right causal mask (and, for a mask of the
     batch's, ``META_DATA_MASK``, its padding and documents from the key columns ``keys``, built
     once into ``masks``); returns (K, V) full, or with ``trim`` (a sliding window of W keys) their
     last W − 1 positions: all a later query sees of them."""
+    if is_scored(sdpa):
+        return _score_with_prefix(g, sdpa, kp, vp)
     q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
     dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
@@ -489,6 +499,55 @@ def _attend_with_prefix(
             stack.extend(n.all_input_nodes)
             g.erase_node(n)
     return outs
+
+
+def _qkv(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """q, k, v of a canonical attention: an SDPA's first arguments, or a general form's."""
+    return scored_qkv(n) if is_scored(n) else (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2))
+
+
+def _score_with_prefix(g: fx.Graph, pv: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
+    """A general-form attention over [prefix; chunk]: K joined to its prefix before kᵀ, V
+    before the product with v, and the rebuilt terms' key lengths lengthened by the prefix's
+    (the score function is elementwise, so the chunk's rows of it are the same function of
+    the positions); returns (K, V) whole, in the prefixes' dtype."""
+    q, k, v = scored_qkv(pv)
+    group, stack = [], [node_arg(pv, 0)]
+    while stack:  # the score function's nodes, back to q·kᵀ
+        n = stack.pop()
+        if n.meta.get(META_SCORES) in ("mod", "qk") and n not in group:
+            group.append(n)
+            stack.extend(n.all_input_nodes)
+    qk = next(n for n in group if n.meta[META_SCORES] == "qk")
+    kt = node_arg(qk, 1)  # kᵀ
+    made: list[fx.Node] = []
+
+    def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
+        """``x`` (of ``src``'s dtype) in ``to``'s dtype."""
+        if src.meta["val"].dtype == to.meta["val"].dtype:
+            return x
+        made.append(g.call_function(aten._to_copy.default, (x,), {"dtype": to.meta["val"].dtype}))
+        return made[-1]
+
+    with g.inserting_before(kt):
+        k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
+        k_out = cast(k_full, k, kp)
+    with g.inserting_before(pv):
+        v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
+        v_out = cast(v_full, v, vp)
+    kt.replace_input_with(k, k_full)
+    pv.replace_input_with(v, v_full)
+    for m in group:
+        for a in m.all_input_nodes:
+            if a.meta.get(META_MASK_FN):
+                _keys_from(g, a, k, kp)
+    for m in (k_full, v_full, *made):
+        m.meta[META_MODULE], m.meta[META_LAYER] = (
+            pv.meta.get(META_MODULE, ""),
+            pv.meta.get(META_LAYER),
+        )
+    pv.meta[META_ATTENTION] = "causal, chunked"
+    return [k_out, v_out]
 
 
 def _keys_from(g: fx.Graph, mask: fx.Node, k: fx.Node, kp: fx.Node) -> None:

@@ -144,22 +144,26 @@ class _Additive(nn.Module):
 
 @pytest.mark.parametrize(
     ("kind", "causal"),
-    [("causal", True), ("unscaled", True), ("soft", False), ("capped", False), ("alibi", False)],
+    [("causal", True), ("unscaled", True), ("soft", False), ("capped", True), ("alibi", True)],
 )
 def test_additive_masks_with_casts(kind: str, causal: bool) -> None:
     """A proven additive causal mask becomes SDPA in the scores' dtype (float32 here), with its
-    scale (1 when unscaled) and casts, computing the same loss to float32 round-off; a bias that
-    is not −inf where masked, soft-capped scores and ALiBi stay as they are (Seq1F1B then refuses
-    them)."""
+    scale (1 when unscaled) and casts, computing the same loss to float32 round-off; so does an
+    ALiBi bias on it (its mask then a rebuilt function of positions). Soft-capped scores stay
+    the model's nodes, marked one attention (``autopart.scores``). A bias that is not −inf where
+    masked stays as it is (Seq1F1B then refuses it)."""
     ids = torch.randint(1, 50, (2, 12))
     captured = capture(_Additive(kind).double(), (ids, ids))
     gm = _run(captured)
     sdpa = [n for n in gm.graph.nodes if n.target == SDPA]
-    assert len(sdpa) == int(causal), gm.code
+    assert len(sdpa) == int(causal and kind != "capped"), gm.code
     (before,) = captured.graph(*feed(captured, (ids, ids)))
     (after,) = gm(*feed(captured, (ids, ids)))
     assert torch.allclose(after, before, rtol=1e-6, atol=0)
-    if causal:
+    if kind == "capped":
+        assert [n.meta.get("autopart.scores") for n in gm.graph.nodes].count("pv") == 1
+        require_causal(gm)
+    elif causal:
         (n,) = sdpa
         assert n.meta["val"].dtype == torch.float32 and n.kwargs["scale"] == (
             1.0 if kind == "unscaled" else pytest.approx(8**-0.5)

@@ -1,0 +1,146 @@
+"""Attention whose scores are modified by functions of positions (``passes/position_masks.py``,
+``canonicalize_attention``'s ``_position_mask``, ``_scored`` and ``_score_function``): each
+chunkable construct chunks exactly under Seq1F1B (loss and every gradient, float64, several
+cuts), and each construct that is not a causal function of positions is refused before any
+rank runs, naming the node and why (negative controls: the same model with the construct
+swapped for a chunkable one passes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_sequence_chunk import _chunked_exactly
+from torch import nn
+
+from autopart import Mesh, parallelize
+from autopart.errors import AutopartError
+from autopart.frontend.capture import capture
+from autopart.meta import META_ATTENTION, META_MASK_FN, META_SCORES
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+LOW = torch.finfo(torch.float32).min  # a float64 one overflows where() of Python floats
+
+
+class _Scores(nn.Module):
+    """Embedding, one attention layer of 2 heads (width 8) whose scores get ``kind``'s
+    modification, and a head. Chunkable kinds: "causal" (the control), "alibi" (a per-head
+    slope × key position, BLOOM), "alibi-end" (slope × (j − s + 1), MPT), "capped" (tanh
+    soft-capping, Gemma 2), "sink" (a learned sink column per head, its row max subtracted,
+    gpt-oss), "chunked" (an SDPA mask: causal within blocks of 4, Llama 4), "folded" (heads
+    folded into the batch, a clamp at the float minimum, XGLM). Refused kinds: "soft" (−1 where
+    masked), "gpt1" (scores × mask − 1e4 where masked), "capped-end" (MPT's bias under the
+    soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
+    not see itself), "blocks" (an SDPA mask of whole blocks: later keys)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
+        if kind == "sink":
+            self.sinks = nn.Parameter(torch.tensor([0.5, -1.0]))
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25]).view(1, 2, 1, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        keep = j <= i
+        mask = torch.where(keep, 0.0, LOW)
+        if self.kind in ("chunked", "blocks"):
+            allowed = (i // 4 == j // 4) & (keep if self.kind == "chunked" else True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+            return self.out(y.transpose(1, 2).reshape(b, s, 16))
+        if self.kind == "folded":
+            scores = torch.bmm(q.reshape(b * 2, s, 8), k.reshape(b * 2, s, 8).transpose(1, 2))
+            scores = scores.view(b, 2, s, s) * 8**-0.5 + mask
+            scores = torch.max(scores, torch.tensor(LOW)).view(b * 2, s, s)
+            y = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(b * 2, s, 8))
+            return self.out(y.view(b, 2, s, 8).transpose(1, 2).reshape(b, s, 16))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * 8**-0.5
+        if self.kind == "alibi":
+            scores = scores + self.slopes * j
+        elif self.kind == "alibi-end":
+            scores = scores + self.slopes * (j - s + 1)
+        elif self.kind == "capped":
+            scores = torch.tanh(scores / 3.0) * 3.0
+        elif self.kind == "capped-end":
+            scores = torch.tanh((scores + self.slopes * (j - s + 1)) / 3.0) * 3.0
+        elif self.kind == "length":
+            scores = scores + j / s
+        if self.kind == "soft":
+            scores = scores + torch.where(keep, 0.0, -1.0)
+        elif self.kind == "gpt1":
+            scores = scores * keep + -1e4 * (~keep)
+        elif self.kind == "strict":
+            scores = scores + torch.where(j < i, 0.0, LOW)
+        else:
+            scores = scores + mask
+        if self.kind == "sink":
+            sinks = self.sinks.view(1, 2, 1, 1).expand(b, 2, s, 1)
+            scores = torch.cat([scores, sinks], dim=-1)
+            scores = scores - scores.max(dim=-1, keepdim=True)[0]
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return self.out(torch.matmul(probs, v).transpose(1, 2).reshape(b, s, 16))
+
+
+CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("kind", "form"),
+    [
+        ("causal", "sdpa"),
+        ("alibi", "sdpa"),
+        ("alibi-end", "sdpa"),
+        ("folded", "sdpa"),
+        ("chunked", "sdpa"),
+        ("capped", "scores"),
+        ("sink", "scores"),
+    ],
+)
+def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
+    """Each chunkable kind becomes a canonical attention — SDPA with its mask rebuilt from the
+    sizes of q and k (``autopart.mask_fn``), or, for a soft-cap or a sink, the model's own nodes
+    marked as one attention (``autopart.scores``) — and its chunks (three cuts, one of a single
+    token) give the whole sequence's loss and every gradient."""
+    ids = torch.randint(1, 50, (2, 16))
+    _, gm = _chunked_exactly(_Scores(kind), ids, CUTS)
+    attention = [
+        n
+        for n in gm.graph.nodes
+        if str(n.meta.get(META_ATTENTION, "")).startswith("causal")
+        and (n.target == SDPA or n.meta.get(META_SCORES) == "pv")
+    ]
+    assert len(attention) == 1
+    (n,) = attention
+    if form == "sdpa":
+        assert n.target == SDPA
+        if kind != "causal":  # its mask: rebuilt, with the key length of [prefix; chunk]
+            assert n.args[3].meta.get(META_MASK_FN)
+            assert any(m.meta.get(META_MASK_FN) == "keys" for m in gm.graph.nodes)
+    else:
+        assert n.meta[META_SCORES] == "pv" and n.target == torch.ops.aten.matmul.default
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("soft", "lets a query see later keys"),
+        ("gpt1", "lets a query see later keys"),
+        ("capped-end", "not a function of positions"),
+        ("length", "not a function of positions"),
+        ("strict", "hides a query's own key"),
+        ("blocks", "lets a query see later keys"),
+    ],
+)
+def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: str) -> None:
+    """Negative controls: refused at compile time, naming the attention and the reason (the
+    chunkable kinds above are the same model with the construct swapped)."""
+    ids = torch.randint(1, 50, (2, 16))
+    with pytest.raises(AutopartError) as err:
+        parallelize(capture(_Scores(kind).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
+    assert why in err.value.message and "not a causal function of positions" in err.value.message
+    assert "1f1b" in err.value.hint
