@@ -222,7 +222,7 @@ def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
     multiplicative or nonlinear term (GPT-1's scores × mask, soft-capping's tanh) is not such
     a chain, and the softmax keeps why."""
     x = node_arg(sm, 0)
-    if sm.args[1] not in (-1, x.meta["val"].dim() - 1):
+    if sm.args[1] not in (-1, x.meta["val"].dim() - 1) or not _over_keys(gm, x):
         return False
     scaled, why = _chain(gm, x)
     if scaled is None:
@@ -449,6 +449,17 @@ def _chain(gm: fx.GraphModule, x: fx.Node) -> tuple[fx.Node | None, str | None]:
             return None, f"{n.name} ({_name(n)}) modifies the scores other than by adding a mask"
         n, terms = paths[0], terms + 1
     return None, None
+
+
+def _over_keys(gm: fx.GraphModule, x: fx.Node) -> bool:
+    """``x`` is [..., s, keys]: one row per query, its last dim sized by the sequence (s, or
+    s + 1 with a sink column); a softmax over anything else (a router's experts) is no
+    attention."""
+    val = x.meta["val"]
+    if val.dim() < 3:
+        return False
+    rows, keys = to_sympy(val.shape[-2], gm), to_sympy(val.shape[-1], gm)
+    return rows == S and S in keys.free_symbols
 
 
 def _below(n: fx.Node) -> fx.Node:

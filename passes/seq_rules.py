@@ -489,8 +489,9 @@ def _along(what: str, pick: Callable[[fx.Node], list[int]], arg: int = 0) -> Cal
 
 
 SOFTMAX = (
-    "a softmax over the sequence that is not a recognized causal attention "
-    "(soft-capped scores and position biases such as ALiBi are not)"
+    "a softmax over the sequence that is not a recognized causal attention (its scores are "
+    "not q·kᵀ from a product canonicalize_attention knows, or a key's weight depends on more "
+    "than the positions)"
 )
 _REDUCE = "a reduction over the sequence"
 
@@ -723,6 +724,9 @@ _POINTWISE = frozenset(
         aten.__and__.Tensor,
         aten.__or__.Tensor,
         aten.__xor__.Tensor,
+        aten.polar.default,  # Llama 4's complex rotary
+        aten.view_as_complex.default,  # the pairs of the last dim, which is never the sequence
+        aten.view_as_real.default,
     }
 )
 _ROUTING_ENTRY = frozenset({aten.sort.default})

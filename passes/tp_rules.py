@@ -61,9 +61,13 @@ def _pointwise(n: fx.Node, dims: dict[fx.Node, int]) -> int:
     if len(found) != 1:
         raise Illegal(f"operands split along different dims {sorted(found)}")
     d = found.pop()
+    if not 0 <= d < out:
+        raise Illegal(f"an operand's split dim {d} is not a dim of the {out}-d output")
     for a in tensors:
         if a not in dims:
             pos = d - (out - _ndim(a))
+            if pos >= len(tensor_of(a).shape):
+                raise Illegal(f"operand {a.name} has more dims than the output")
             if pos >= 0 and tensor_of(a).shape[pos] != 1:
                 raise Illegal(f"replicated operand {a.name} spans the split dim {d}")
     return d

@@ -86,14 +86,24 @@ def test_gptj_and_bloom_pass_where_they_were_wrong_or_crashed(slow_matrix) -> No
 
 
 @pytest.mark.slow
+def test_scores_as_functions_of_positions_pass_seq1f1b(slow_matrix) -> None:
+    """ALiBi (BLOOM, MPT), XGLM's folded clamp, soft-capping (Gemma 2, VaultGemma), sinks
+    (gpt-oss), chunked attention (Llama 4) and windows trimmed at k = 4 (Mistral): refused
+    before passes/position_masks.py, exact now."""
+    for arch in ("bloom", "mpt", "xglm", "gemma2", "vaultgemma", "gpt_oss", "llama4_text"):
+        for plan in (SEQ, BOTH, "pp=2 Seq1F1B k=4"):
+            assert_passes(slow_matrix[arch][1][plan])
+    assert_passes(slow_matrix["mistral"][1]["pp=2 Seq1F1B k=4"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "why"),
     [
         (
-            "bloom",
-            "node softmax (transformer.h.0.self_attention): a softmax over the sequence that "
-            "is not a recognized causal attention (soft-capped scores and position biases "
-            "such as ALiBi are not)",
+            "openai-gpt",
+            "node softmax (transformer.h.0.attn): a softmax over the sequence that is not a "
+            "recognized causal attention",
         ),
     ],
 )

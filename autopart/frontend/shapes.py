@@ -33,8 +33,8 @@ class _Prop(FakeTensorProp):
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         # torch 2.11's C++ matmul reads plain sizes, and its fake ``aten.size`` casts each to
-        # int: either pins a symbolic batch or sequence to its example value. These compute
-        # the same values with the sizes kept symbolic.
+        # int: either pins a symbolic batch or sequence to its example value (so does 2.13's
+        # fake ``polar``). These compute the same values with the sizes kept symbolic.
         if target in _SYMBOLIC:
             return _SYMBOLIC[target](*args, **kwargs)
         return super().call_function(target, args, kwargs)
@@ -49,7 +49,25 @@ _SYMBOLIC: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.size.default: lambda x: tuple(x.shape),
     torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
     torch.ops.aten.linear.default: _linear,
+    # Llama 4's complex rotary: torch 2.13's fake ``polar`` (and ``complex``) pins the sequence
+    # to its example; only the shape and dtype are needed here
+    torch.ops.aten.polar.default: lambda r, a: r.new_empty(
+        torch.broadcast_shapes(r.shape, a.shape), dtype=_COMPLEX[r.dtype]
+    ),
 }
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _pad(x: torch.Tensor, pad: list, mode: str = "constant", value: Any = None) -> torch.Tensor:
+    """``aten.pad``'s shape: a pad by an amount computed from the length (a Mamba-2 scan's
+    padding to a multiple of its chunk) fails torch's fake kernel."""
+    shape = list(x.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] = shape[-1 - i] + pad[2 * i] + pad[2 * i + 1]
+    return x.new_empty(shape)
+
+
+_SYMBOLIC[torch.ops.aten.pad.default] = _pad
 
 
 def fake_mode(vals: list[Any]) -> FakeTensorMode:

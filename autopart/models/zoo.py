@@ -66,17 +66,17 @@ _MLA = {
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("learned positions, fused QKV Conv1D, tied embeddings", {}),
     "llama": ("rotary, grouped-query attention, RMSNorm, SwiGLU", {}),
-    "mistral": ("Llama with sliding-window attention (4096 keys)", {}),
+    "mistral": ("Llama with sliding-window attention (8 keys)", {"sliding_window": 8}),
     "qwen2": ("Llama with QKV biases", {}),
     "qwen3": ("per-head RMSNorm on Q and K", {"head_dim": 8}),
     "gemma": ("RMSNorm computed in float32 (1 + w), scaled embeddings, GeGLU", {"head_dim": 8}),
     "gemma2": (
-        "logit soft-capping, sandwich norms, alternating local/global attention",
-        {"head_dim": 8},
+        "logit soft-capping, sandwich norms, alternating local (8 keys) and global attention",
+        {"head_dim": 8, "sliding_window": 8},
     ),
     "gemma3_text": (
-        "Gemma 3: per-head q/k norms in float32, sliding-window and global layers",
-        {"head_dim": 8},
+        "Gemma 3: per-head q/k norms in float32, sliding-window (8 keys) and global layers",
+        {"head_dim": 8, "sliding_window": 8},
     ),
     "phi": ("parallel attention + MLP, partial rotary, dense bias", {}),
     "phi3": ("fused QKV and gate-up projections", {}),
@@ -138,8 +138,14 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "jetmoe": ("mixture of experts in attention and MLP", {"head_dim": 8}),
     "diffllama": ("differential attention with float32 lambdas", {"head_dim": 8}),
     "bitnet": ("ternary-style weights, sub-layer norms", {"head_dim": 8}),
-    "cohere2": ("Cohere 2: sliding-window and global layers", {"head_dim": 8}),
-    "exaone4": ("sliding-window layers, Q/K norms, post-norms", {"head_dim": 8}),
+    "cohere2": (
+        "Cohere 2: sliding-window (8 keys) and global layers",
+        {"head_dim": 8, "sliding_window": 8},
+    ),
+    "exaone4": (
+        "sliding-window layers (8 keys), Q/K norms, post-norms",
+        {"head_dim": 8, "sliding_window": 8},
+    ),
     "glm4": ("partial rotary (interleaved), sandwich norms, fused gate-up", {"head_dim": 8}),
     "apertus": ("xIELU activation, Q/K norms", {"head_dim": 8}),
     "helium": ("Llama-like with its own RMSNorm", {"head_dim": 8}),
@@ -156,12 +162,60 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "minicpm3": ("multi-head latent attention, scaled embeddings and residuals", _MLA),
     "recurrent_gemma": (
         "Griffin: a temporal convolution and a linear recurrence (RG-LRU) along the sequence",
-        {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 16},
+        {"block_types": ["recurrent", "attention"], "lru_width": 32, "attention_window_size": 8},
     ),
     "falcon_h1": (
         "a Mamba-2 mixer (padded causal convolution, chunked scan) beside attention",
         {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8}
         | {"mamba_n_groups": 1, "mamba_chunk_size": 8, "head_dim": 8},
+    ),
+    "gpt_oss": (
+        "attention sinks, sliding-window (8 keys) and global layers, top-2 of 4 experts",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "head_dim": 8},
+    ),
+    "vaultgemma": ("Gemma with logit soft-capping on every layer", {"head_dim": 8}),
+    "llama4_text": (
+        "Llama 4: chunked attention (blocks of 8 tokens), NoPE layers, routed + shared experts",
+        {"attention_chunk_size": 8, "num_local_experts": 4, "intermediate_size_mlp": 64}
+        | {"head_dim": 8},
+    ),
+    "olmo3": ("sliding-window layers (8 keys), Q/K norms, post-norms", {"sliding_window": 8}),
+    "qwen3_moe": (
+        "mixture of experts with Q/K norms, top-2 of 4 experts",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8},
+    ),
+    "glm4_moe": (
+        "routed + shared experts (group-limited top-k), partial rotary",
+        {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        | {"n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "head_dim": 8},
+    ),
+    "ernie4_5_moe": (
+        "mixture of experts with a shared expert and a bias on the routing scores",
+        {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "head_dim": 8},
+    ),
+    "seed_oss": ("Llama-like with QKV biases and an output bias", {"head_dim": 8}),
+    "arcee": ("squared-ReLU MLP without a gate", {"head_dim": 8}),
+    "ernie4_5": ("interleaved rotary, no biases", {"head_dim": 8}),
+    "glm": ("GLM: partial interleaved rotary, fused gate-up", {"head_dim": 8}),
+    "flex_olmo": (
+        "OLMo-style experts, Q/K norms",
+        {"num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8},
+    ),
+    "doge": ("dynamic mask attention, a gated MLP", {"head_dim": 8}),
+    "jamba": (
+        "Mamba layers (a selective scan along the sequence) beside attention, experts",
+        {"num_experts": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2}
+        | {"mamba_d_state": 8, "mamba_expand": 2},
+    ),
+    "mamba": ("a pure state-space model: a selective scan, no attention", {"state_size": 8}),
+    "nemotron_h": (
+        "Mamba-2 heads, attention and MLP layers in a hybrid pattern",
+        {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 16}
+        | {"ssm_state_size": 8, "n_groups": 1, "head_dim": 8},
+    ),
+    "minimax": (
+        "lightning (linear) attention layers beside softmax attention, experts",
+        {"num_local_experts": 4, "head_dim": 8},
     ),
 }
 
@@ -178,6 +232,8 @@ PLANS: dict[str, dict[str, Any]] = {
         "seq_chunks": 2,
         "microbatches": 2,
     },
+    # four chunks of 8 tokens: as long as the zoo's windows, so a K/V prefix is trimmed
+    "pp=2 Seq1F1B k=4": {"pp": 2, "schedule": "seq1f1b", "seq_chunks": 4, "microbatches": 2},
 }
 
 

@@ -261,13 +261,17 @@ class Runner:
             t = weights[fqn]
             if isinstance(t, nn.Parameter) and t.device == self.device:
                 self.params[fqn] = t
-            else:
-                self.params[fqn] = nn.Parameter(t.detach().to(self.device))
+            else:  # a frozen parameter of the model stays frozen
+                frozen = isinstance(t, nn.Parameter) and not t.requires_grad
+                self.params[fqn] = nn.Parameter(t.detach().to(self.device), not frozen)
         # precision="bf16": parameters (masters) enter the graph cast, inside autograd, so their
         # gradients come back, and add up over micro-batches, in the masters' dtype
         self._compute = plan.compute_dtype
         self.buffers = {k: v.to(self.device) for k, v in weights.items() if k not in program.shards}
-        self._buckets = [[self.params[f] for f in b] for b in program.buckets]
+        # a frozen parameter (no gradient: ERNIE 4.5's routing-score bias) has nothing to reduce
+        self._buckets = [
+            [self.params[f] for f in b if self.params[f].requires_grad] for b in program.buckets
+        ]
         # parameters whose gradient is a tp rank's partial (sequence-parallel norms, position
         # tables: tp_all_reduce_grad): all-reduced once per step, after the backwards
         self._tp_partial = _tp_partial_params(program) if groups.get("tp") is not None else []
@@ -1201,7 +1205,7 @@ class Runner:
         for b, fqns in enumerate(self.program.buckets):
             for fqn in fqns:
                 ends = [last_b[s] for s in users.get(fqn, []) if s in last_b]
-                if ends:
+                if ends and self.params[fqn].requires_grad:
                     arm.setdefault(max(ends), []).append((b, self.params[fqn]))
         return arm
 
@@ -1226,6 +1230,8 @@ class Runner:
 
     def _launch(self, i: int) -> None:
         bucket = self._buckets[i]
+        if not bucket:  # only frozen parameters
+            return
         flat = torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
         )
