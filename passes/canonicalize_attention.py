@@ -13,6 +13,15 @@ Recognized forms:
    softmax → [casts] [dropout] [casts] → matmul(·, v)`` (nanoGPT, GPT-J, eager Hugging Face
    attention), replaced by SDPA in q's dtype with the graph's scale (1 when unscaled).
 
+Seq1F1B plans also get attention whose scores are modified by causal functions of positions
+(``position_masks`` proves each by evaluation and rebuilds its terms from q's and k's sizes):
+
+4. an SDPA whose mask is such a function (Llama 4's chunked attention): the mask rebuilt;
+5. ``softmax(q·kᵀ · c + terms)`` with additive terms, fills and clamps at ≤ −1e30 (ALiBi,
+   XGLM's clamp; heads may be folded into the batch): SDPA with the terms as its mask;
+6. ``softmax(f(q·kᵀ))`` with f elementwise (soft-capping) and at most one sink column: the
+   model's nodes, marked ``meta["autopart.scores"]``; the product with v is the attention.
+
 A mask is proven causal by evaluation, not by pattern: its construction (which must not
 depend on parameters) is cut out of the graph and run at several sequence lengths with
 random token ids, and just past every length the construction names (a sliding window of
@@ -20,8 +29,8 @@ random token ids, and just past every length the construction names (a sliding w
 the mask is not proven); only if it equals the lower-triangular causal mask every time, or that
 mask within the window of W keys it shows at the longest length tried, is it replaced. A
 padding or bidirectional mask fails that test and stays; so does a softmax over scores the
-forms above do not cover (soft-capping, ALiBi biases). ``require_causal`` refuses a graph
-with attention it could not prove causal.
+forms above do not cover. ``require_causal`` refuses a graph with attention it could not
+prove causal.
 
 Which plans: the Seq1F1B schedules (which need one attention form) get all of the above. Every
 other plan gets form 2 only, without windows: an SDPA whose mask is proven plainly causal drops
@@ -33,7 +42,7 @@ autopart's explicit, reproducible one; SDPA's would draw from torch's generator)
 from __future__ import annotations
 
 import operator
-from typing import cast
+from typing import Any, cast
 
 import sympy
 import torch
@@ -258,7 +267,7 @@ def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
         with g.inserting_before(pv):
             if x.meta["val"].dim() == 3:  # the folded scores' mask, per head
                 b, h = _sym(g, q4, 0), q4.meta["val"].shape[1]
-                shape = [b, int(h), _sym(g, q4, -2), sym_size(g, k4, -2, "keys")]
+                shape: list[Any] = [b, int(h), _sym(g, q4, -2), sym_size(g, k4, -2, "keys")]
                 mask = g.call_function(aten.reshape.default, (mask, shape))
                 mask.meta[META_MASK_FN] = True
             dtype = q.meta["val"].dtype
@@ -286,8 +295,8 @@ def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
         if pv.meta["val"].dtype != q.meta["val"].dtype:
             out = g.call_function(aten._to_copy.default, (out,), {"dtype": pv.meta["val"].dtype})
         if q.meta["val"].dim() == 3:
-            shape = [_sym(g, q, 0), _sym(g, q, 1), int(v.meta["val"].shape[-1])]
-            out = g.call_function(aten.reshape.default, (out, shape))
+            folded: list[Any] = [_sym(g, q, 0), _sym(g, q, 1), int(v.meta["val"].shape[-1])]
+            out = g.call_function(aten.reshape.default, (out, folded))
     new.meta[META_ATTENTION], new.meta[META_MASK_FN], new.meta[META_WINDOW] = "causal", True, None
     place([*made, new, out, vv, *_marked(mask)], pv)
     pv.replace_all_uses_with(out)
@@ -351,8 +360,9 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
         if n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node):
             n = node_arg(n, 0)
             continue
-        if n.target == aten.cat.default and len(n.args[0]) == 2 and int_arg(n, 1) in (-1, 3):
-            path, extra = n.args[0]
+        joined = n.args[0] if n.target == aten.cat.default else None
+        if isinstance(joined, (list, tuple)) and len(joined) == 2 and int_arg(n, 1) in (-1, 3):
+            path, extra = cast("tuple[fx.Node, fx.Node]", tuple(joined))
             if sink is not None or _reaches_product(extra) or extra.meta["val"].shape[-1] != 1:
                 fail = f"{n.name} joins more than one sink column to the scores"
                 break
@@ -473,9 +483,9 @@ def _adds_a_term(gm: fx.GraphModule, n: fx.Node, path: fx.Node) -> bool:
     """``n`` adds a term to the scores ``path``, fills it at ≤ ``MASKED`` or clamps it there."""
     t, args = n.target, n.args
     if t == aten.add.Tensor:
-        return n.kwargs.get("alpha", 1) == 1
+        return bool(n.kwargs.get("alpha", 1) == 1)
     if t == aten.sub.Tensor:
-        return args[0] is path and n.kwargs.get("alpha", 1) == 1
+        return args[0] is path and bool(n.kwargs.get("alpha", 1) == 1)
     if t == aten.masked_fill.Scalar:
         return args[0] is path and _low(args[2])
     if t == aten.where.ScalarOther:
@@ -566,13 +576,14 @@ def _cuts_last_column(n: fx.Node) -> bool:
     if n.target != aten.slice.Tensor:
         return False
     dim, start, end = (list(n.args[1:4]) + [None, None, None])[:3]
-    return int(dim or 0) in (-1, 3) and start in (None, 0) and end == -1
+    return bool(dim in (-1, 3) and start in (None, 0) and end == -1)
 
 
 def _unfold(gm: fx.GraphModule, xs: tuple, made: list[fx.Node]) -> tuple | None:
     """[h·b, s, d] tensors as [b, h, s, d] (h from their sizes), or None."""
     g = gm.graph
     out = []
+    shape: list[Any]
     for x in xs:
         expr = to_sympy(x.meta["val"].shape[0], gm)
         h = sympy.Poly(expr, B).coeff_monomial(B) if expr.free_symbols == {B} else 0

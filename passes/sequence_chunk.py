@@ -570,7 +570,12 @@ def _keys_from(g: fx.Graph, mask: fx.Node, k: fx.Node, kp: fx.Node) -> None:
         for m in (p, total):
             m.meta.update({META_MASK_FN: True, META_MODULE: n.meta.get(META_MODULE, "")})
             m.meta[META_LAYER] = n.meta.get(META_LAYER)
-        n.replace_all_uses_with(total, delete_user_cb=lambda u, t=total: u is not t)
+        n.replace_all_uses_with(total, delete_user_cb=_other_than(total))
+
+
+def _other_than(node: fx.Node):
+    """A ``delete_user_cb`` keeping ``node`` itself on its input."""
+    return lambda user: user is not node
 
 
 def document_chunk_mask(g: fx.Graph, q: fx.Node, k: fx.Node, keys: dict[str, fx.Node]) -> fx.Node:

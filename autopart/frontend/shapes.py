@@ -45,6 +45,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return out if b is None else out + b
 
 
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 _SYMBOLIC: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.size.default: lambda x: tuple(x.shape),
     torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
@@ -55,7 +56,6 @@ _SYMBOLIC: dict[Any, Callable[..., Any]] = {
         torch.broadcast_shapes(r.shape, a.shape), dtype=_COMPLEX[r.dtype]
     ),
 }
-_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
 def _pad(x: torch.Tensor, pad: list, mode: str = "constant", value: Any = None) -> torch.Tensor:
