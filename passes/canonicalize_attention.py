@@ -83,6 +83,8 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     every_form = plan.chunked  # else: masked SDPA only (docstring)
     changed = False
     proofs: dict = {}  # mask → its proof: the layers of a Hugging Face model share one mask
+    if every_form:
+        changed |= _key_transposes(gm)
     for n in list(gm.graph.nodes):
         if n.target == SDPA:
             changed |= _sdpa(gm, n, proofs, windows=every_form)
@@ -92,6 +94,34 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         remove_dead(gm)
         propagate(gm)
     return gm
+
+
+def _key_transposes(gm: fx.GraphModule) -> bool:
+    """Write a q·kᵀ whose kᵀ is one permute of the projection (GPT-1's
+    ``k.permute(0, 2, 3, 1)``) as a permute to [b, h, s, d] and a transpose of its last two
+    dims: the same values, with a K the chunk pass can extend by a prefix."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        kt = n.args[1] if n.target == aten.matmul.default and len(n.args) == 2 else None
+        if not isinstance(kt, fx.Node) or kt.target != aten.permute.default:
+            continue
+        perm = [int(d) for d in cast("list[int]", kt.args[1])]
+        if len(perm) != 4 or not _over_keys(gm, n):
+            continue
+        g = gm.graph
+        with g.inserting_before(n):
+            k = g.call_function(aten.permute.default, (kt.args[0], [*perm[:2], perm[3], perm[2]]))
+            t = g.call_function(aten.transpose.int, (k, -2, -1))
+        for m in (k, t):
+            m.meta.update({key: v for key, v in kt.meta.items() if key != "val"})
+        v = kt.args[0].meta["val"] if isinstance(kt.args[0], fx.Node) else None
+        if v is None:
+            continue
+        k.meta["val"] = v.permute(*perm[:2], perm[3], perm[2])
+        t.meta["val"] = k.meta["val"].transpose(-2, -1)
+        n.replace_input_with(kt, t)
+        changed = True
+    return changed
 
 
 def require_causal(gm: fx.GraphModule) -> None:

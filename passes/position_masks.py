@@ -321,7 +321,11 @@ def prove_scores(
         keep = keys > MASKED
         i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
         if bool((keep & (j > i)).any()):
-            return f"it lets a query see later keys at sequence {s}"
+            worst = float(keys[..., j > i].max())
+            return (
+                f"it lets a query see later keys at sequence {s} (a later key's score is "
+                f"{worst:.3g}, above {MASKED:g}: its softmax weight is not exactly 0)"
+            )
         if not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
             return f"it hides a query's own key at sequence {s}"
         if big is None:

@@ -123,8 +123,8 @@ def test_scores_as_functions_of_positions_pass_seq1f1b(slow_matrix) -> None:
     [
         (
             "openai-gpt",
-            "node softmax (transformer.h.0.attn): a softmax over the sequence that is not a "
-            "recognized causal attention",
+            "attention softmax (transformer.h.0.attn) is not a causal function of positions: "
+            "it lets a query see later keys at sequence 21 (a later key's score is -1e+04",
         ),
     ],
 )
