@@ -185,6 +185,23 @@ def discard(gm: fx.GraphModule, mask: fx.Node) -> None:
         gone.add(n)
 
 
+def _copy_for_evaluation(sub: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node]) -> fx.Node:
+    """``n`` copied into ``sub`` to run on the CPU, a factory given the dtype the capture saw
+    (``full([], finfo(float64).min)`` has none: under float32 defaults it overflows)."""
+    out = sub.node_copy(n, lambda a: env[a])
+    kwargs = dict(n.kwargs)
+    if "device" in kwargs:
+        kwargs["device"] = torch.device("cpu")
+    val = n.meta.get("val")
+    if n.target in _FACTORIES and "dtype" not in kwargs and isinstance(val, torch.Tensor):
+        kwargs["dtype"] = val.dtype
+    out.kwargs = kwargs
+    return out
+
+
+_FACTORIES = (aten.full.default, aten.zeros.default, aten.ones.default, aten.scalar_tensor.default)
+
+
 def prove(
     gm: fx.GraphModule, mask: fx.Node, additive: bool, keep_is_true: bool = True
 ) -> str | None:
@@ -203,9 +220,7 @@ def prove(
         if n.op == "placeholder":
             env[n] = sub.placeholder(n.name)
         else:
-            env[n] = sub.node_copy(n, lambda a: env[a])
-            if "device" in n.kwargs:
-                env[n].kwargs = {**n.kwargs, "device": torch.device("cpu")}
+            env[n] = _copy_for_evaluation(sub, n, env)
     sub.output(env[mask])
     run = fx.GraphModule(gm, sub)
     exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
@@ -292,9 +307,7 @@ def prove_scores(
         if n.op == "placeholder":
             env[n] = sub.placeholder(n.name)
         else:
-            env[n] = sub.node_copy(n, lambda a: env[a])
-            if "device" in n.kwargs:
-                env[n].kwargs = {**n.kwargs, "device": torch.device("cpu")}
+            env[n] = _copy_for_evaluation(sub, n, env)
     sub.output(env[x])
     run = fx.GraphModule(gm, sub)
     buffers = gm.meta.get(META_BUFFERS, {})

@@ -14,8 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="verify Hugging Face architectures (random small configs) under the standard plans",
         description="Build each architecture of autopart.models.zoo from a small random config "
         "(needs transformers; nothing is downloaded), verify it under dp=2, tp=2, pp=2 1F1B, "
-        "pp=2 Seq1F1B k=2 and tp=2×pp=2 Seq1F1B k=2 with forked gloo ranks, print one line per "
-        "cell and write the compatibility matrix as Markdown.",
+        "pp=2 Seq1F1B k=2, tp=2×pp=2 Seq1F1B k=2 and pp=2 Seq1F1B k=4 with forked gloo ranks, "
+        "print one line per cell and write the compatibility matrix as Markdown.",
     )
     z.add_argument(
         "--models",

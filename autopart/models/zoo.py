@@ -3,8 +3,9 @@ configs (nothing downloaded), and the compatibility matrix of plans over them.
 
 ``autopart.models.zoo:<arch>`` is a model spec for any architecture in ``ARCHITECTURES`` (``autopart
 verify --model autopart.models.zoo:gemma``): a 2-block model, hidden 32, 4 heads (2 K/V heads where
-the architecture has grouped queries), vocabulary 96, no dropout, and a 4 × 32 batch of random
-tokens. ``autopart zoo`` checks every architecture under every plan of ``PLANS`` with
+the architecture has grouped queries), vocabulary 96, no dropout, sliding windows and
+attention chunks of 8 tokens where the architecture has them (so a 32-token sequence in four
+Seq1F1B chunks of 8 trims its K/V prefix to the window), and a 4 × 32 batch of random tokens. ``autopart zoo`` checks every architecture under every plan of ``PLANS`` with
 ``verify_many`` and writes the table (``docs/compatibility.md``).
 
 Needs ``transformers`` (a test dependency of autopart).
