@@ -125,27 +125,43 @@ def run_chunks(
     return total, rows
 
 
+def measure(seq: int, window: int, chunks: int) -> dict[str, Any]:
+    """Both runs on one model: the unchunked loss, each run's loss and per-chunk rows."""
+    import autopart
+
+    model, ids, labels = build(seq, window)
+    with torch.no_grad():
+        logits = model(ids).logits
+    want = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    program = autopart.parallelize(
+        model, autopart.Mesh(), (ids, labels), schedule="seq1f1b", seq_chunks=chunks
+    )
+    (st,) = program.rank(0).stages
+    trimmed, rows_t = run_chunks(program, st.graph, ids, labels)
+    full, rows_f = run_chunks(program, untrimmed(st.graph), ids, labels)
+    return {
+        "want": want,
+        "trimmed": trimmed,
+        "full": full,
+        "rows_t": rows_t,
+        "rows_f": rows_f,
+        "split": program.plan.seq_split,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=1024, help="tokens (default 1024)")
     ap.add_argument("--window", type=int, default=64, help="sliding window (default 64)")
     ap.add_argument("--chunks", type=int, default=4, help="Seq1F1B chunks (default 4)")
     a = ap.parse_args(argv)
-    import autopart
-
-    model, ids, labels = build(a.seq, a.window)
-    with torch.no_grad():
-        logits = model(ids).logits
-    want = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
-    program = autopart.parallelize(
-        model, autopart.Mesh(), (ids, labels), schedule="seq1f1b", seq_chunks=a.chunks
+    m = measure(a.seq, a.window, a.chunks)
+    want, trimmed, full, rows_t, rows_f = (
+        m[k] for k in ("want", "trimmed", "full", "rows_t", "rows_f")
     )
-    (st,) = program.rank(0).stages
-    trimmed, rows_t = run_chunks(program, st.graph, ids, labels)
-    full, rows_f = run_chunks(program, untrimmed(st.graph), ids, labels)
     print(
         f"Mistral-shaped, 4 blocks, width 256, window {a.window}, seq {a.seq}, "
-        f"Seq1F1B k={a.chunks} ({program.plan.seq_split} chunks), float32, one rank"
+        f"Seq1F1B k={a.chunks} ({m['split']} chunks), float32, one rank"
     )
     print(f"loss (summed): unchunked {want:.6f}, trimmed {trimmed:.6f}, full prefix {full:.6f}")
     print("chunk  tokens   saved MiB: trimmed   full prefix   ratio |  prefix KiB: trimmed   full")
