@@ -65,6 +65,7 @@ from autopart.meta import (
 )
 from autopart.node_args import float_arg, int_arg, node_arg
 from autopart.passes.position_masks import (
+    MASKED,
     discard,
     local_mask,
     place,
@@ -167,7 +168,6 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
 
 
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
-MASKED = -1e30  # an additive mask entry at or below this zeroes its softmax weight exactly
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:

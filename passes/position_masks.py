@@ -20,6 +20,11 @@ sequence lengths (every size substituted), and must, at every length:
   per row, which softmax ignores: MPT's ALiBi is slope · (j − s + 1)): the mask of a shorter
   sequence is the top-left corner of a longer one's, so a position function of (i, j).
 
+``prove_scores`` is the same condition for a score function f (``canonicalize_attention``'s
+general form): f is evaluated on random scores (and a random sink column), and its output must
+hide later keys, keep each query's own, and agree with the longer length's on the first rows
+and columns up to one constant per row (the sink column included).
+
 Anything else is refused by the caller, with the reason returned here.
 """
 
