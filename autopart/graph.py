@@ -80,4 +80,17 @@ def remove_dead(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(n)
 
 
-__all__ = ["copy_graph", "device_free", "remove_dead"]
+def erase_unused(g: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` if nothing uses it, then each of its inputs that is left unused, and so
+    on up (call nodes only: a replaced chain, with the impure dropout fx would keep)."""
+    stack, gone = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in gone or n.op != "call_function" or n.users:
+            continue
+        stack.extend(n.all_input_nodes)
+        g.erase_node(n)
+        gone.add(n)
+
+
+__all__ = ["copy_graph", "device_free", "erase_unused", "remove_dead"]

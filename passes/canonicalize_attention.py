@@ -51,7 +51,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import OPTIONAL, B, S, to_sympy
 from autopart.frontend.shapes import propagate
-from autopart.graph import remove_dead
+from autopart.graph import erase_unused, remove_dead
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -330,12 +330,7 @@ def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
     new.meta[META_ATTENTION], new.meta[META_MASK_FN], new.meta[META_WINDOW] = "causal", True, None
     place([*made, new, out, vv, *_marked(mask)], pv)
     pv.replace_all_uses_with(out)
-    stack = [pv]
-    while stack:
-        n = stack.pop()
-        if n.op == "call_function" and not n.users:
-            stack.extend(n.all_input_nodes)
-            g.erase_node(n)
+    erase_unused(g, pv)
     return True
 
 
@@ -723,12 +718,7 @@ def _replace(
             out.meta.update({k_: x for k_, x in old.meta.items() if k_ != "val"})
     new.meta[META_ATTENTION] = "causal"
     old.replace_all_uses_with(out)
-    stack = [old]  # the replaced chain (dropout is impure to fx: remove it by hand)
-    while stack:
-        n = stack.pop()
-        if n.op == "call_function" and not n.users:
-            stack.extend(n.all_input_nodes)
-            gm.graph.erase_node(n)
+    erase_unused(gm.graph, old)  # the replaced chain (dropout is impure to fx)
 
 
 def lower_right_mask(g: fx.Graph, q: fx.Node, k: fx.Node, window: int | None = None) -> fx.Node:

@@ -190,6 +190,24 @@ def discard(gm: fx.GraphModule, mask: fx.Node) -> None:
         gone.add(n)
 
 
+def _evaluator(
+    gm: fx.GraphModule, root: fx.Node, inputs: list[fx.Node], leaves: list[fx.Node], order: list
+) -> fx.GraphModule:
+    """``root``'s construction as a module to run on the CPU: its arguments are ``inputs``,
+    then the size ``leaves``, then the buffers ``order`` reads."""
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in (*inputs, *leaves):
+        env[n] = sub.placeholder(n.name)
+    for n in order:
+        if n.op == "placeholder":
+            env[n] = sub.placeholder(n.name)
+        else:
+            env[n] = _copy_for_evaluation(sub, n, env)
+    sub.output(env[root])
+    return fx.GraphModule(gm, sub)
+
+
 def _copy_for_evaluation(sub: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node]) -> fx.Node:
     """``n`` copied into ``sub`` to run on the CPU, a factory given the dtype the capture saw
     (``full([], finfo(float64).min)`` has none: under float32 defaults it overflows)."""
@@ -216,18 +234,8 @@ def prove(
     order, leaves, why = construction(mask)
     if why:
         return why
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for leaf in leaves:
-        env[leaf] = sub.placeholder(leaf.name)
+    run = _evaluator(gm, mask, [], leaves, order)
     buffers = gm.meta.get(META_BUFFERS, {})
-    for n in order:
-        if n.op == "placeholder":
-            env[n] = sub.placeholder(n.name)
-        else:
-            env[n] = _copy_for_evaluation(sub, n, env)
-    sub.output(env[mask])
-    run = fx.GraphModule(gm, sub)
     exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
     constants = sorted(
         {
@@ -303,18 +311,8 @@ def prove_scores(
     order, leaves, why = construction(x, given)
     if why:
         return why
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
     inputs = [scores, *([sink] if sink is not None else [])]
-    for n in (*inputs, *leaves):
-        env[n] = sub.placeholder(n.name)
-    for n in order:
-        if n.op == "placeholder":
-            env[n] = sub.placeholder(n.name)
-        else:
-            env[n] = _copy_for_evaluation(sub, n, env)
-    sub.output(env[x])
-    run = fx.GraphModule(gm, sub)
+    run = _evaluator(gm, x, inputs, leaves, order)
     buffers = gm.meta.get(META_BUFFERS, {})
     size_exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
     shapes = [[to_sympy(d, gm) for d in t.meta["val"].shape] for t in inputs]

@@ -65,7 +65,7 @@ from torch.utils._sympy.value_ranges import ValueRanges
 from autopart.errors import AutopartError
 from autopart.frontend.capture import B, InputRef
 from autopart.frontend.shapes import propagate
-from autopart.graph import remove_dead
+from autopart.graph import erase_unused, remove_dead
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -492,12 +492,8 @@ def _attend_with_prefix(
     old_mask = sdpa.args[3] if len(sdpa.args) > 3 and not sdpa.meta.get(META_MASK_FN) else None
     sdpa.replace_all_uses_with(new)
     g.erase_node(sdpa)
-    stack = [old_mask] if isinstance(old_mask, fx.Node) else []  # the unchunked window mask
-    while stack:
-        n = stack.pop()
-        if n.op == "call_function" and not n.users:
-            stack.extend(n.all_input_nodes)
-            g.erase_node(n)
+    if isinstance(old_mask, fx.Node):  # the unchunked window mask
+        erase_unused(g, old_mask)
     return outs
 
 
