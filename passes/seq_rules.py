@@ -665,6 +665,7 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.split_with_sizes.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.cat.default: _cat,
+    aten.concat.default: _cat,  # an alias (PhiMoE's router)
     aten.repeat.default: _repeat,
     aten.repeat_interleave.self_int: _along(
         "a repeat along the sequence", lambda n: [_dim_arg(n, 2, 0)]

@@ -66,6 +66,35 @@ def test_rows_match_the_written_matrix(arch: str, matrix) -> None:
     assert fresh[arch] == written[arch]
 
 
+def test_update_replaces_rows_and_redoes_the_counts() -> None:
+    """``autopart zoo --update``: a checked row replaced, a new one appended, the refusals
+    renumbered and the counts redone; the rest of the written table unchanged."""
+    from types import SimpleNamespace
+
+    written = DOCS.read_text()
+    before = zoo.parse_table(written)
+    ok = SimpleNamespace(ok=True, tolerance=1e-9, precision=None)
+    refused = AutopartError("a new refusal", hint="")
+    plans = list(next(iter(before.values())))[2:]
+    fresh = {
+        "gpt2": ("float64", {p: refused if p == plans[0] else ok for p in plans}),
+        "newarch": ("float64", {p: ok for p in plans}),
+    }
+    after = zoo.parse_table(zoo.merge(written, fresh))
+    assert after["gpt2"][plans[0]] == "refused: a new refusal"
+    assert after["newarch"] == {
+        "dtype": "float64",
+        "tolerance": "1e-09",
+        **dict.fromkeys(plans, "PASS"),
+    }
+    assert {k: v for k, v in after.items() if k not in fresh} == {
+        k: v for k, v in before.items() if k not in fresh
+    }
+    words = [w for row in after.values() for k, w in row.items() if k in plans]
+    summary = next(line for line in zoo.merge(written, fresh).splitlines() if "cells PASS" in line)
+    assert f"**{words.count('PASS')} of {len(words)} cells PASS" in summary
+
+
 def test_what_was_wrong_or_crashed_now_passes(matrix) -> None:
     for plan in ("tp=2", BOTH):
         assert_passes(matrix["qwen3"][1][plan])

@@ -31,6 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write the Markdown table there (e.g. docs/compatibility.md)",
     )
     z.add_argument(
+        "--update",
+        metavar="FILE",
+        default=None,
+        help="replace only the checked architectures' rows in that written table (and redo its "
+        "counts), e.g. after fixing one model: --models phimoe --update docs/compatibility.md",
+    )
+    z.add_argument(
         "--timeout",
         type=float,
         default=120.0,
@@ -57,6 +64,9 @@ def main(a: argparse.Namespace) -> int:
             f"no architecture {', '.join(unknown)} in autopart.models.zoo",
             hint=f"choose from {', '.join(zoo.ARCHITECTURES)}",
         )
+    target = Path(a.update) if a.update else None
+    if target is not None and not target.is_file():  # before any work
+        raise AutopartError(f"--update {a.update}: no such table", hint="write one with --write")
     con = Console()
     total, done = len(archs) * len(zoo.PLANS), [0]
 
@@ -85,6 +95,9 @@ def main(a: argparse.Namespace) -> int:
     if a.write:
         Path(a.write).write_text(text)
         con.print(f"wrote {a.write}", highlight=False)
+    if target is not None:
+        target.write_text(zoo.merge(target.read_text(), results))
+        con.print(f"updated {len(results)} rows of {a.update}", highlight=False)
     return (
         1
         if any(zoo.verdict(c) == "FAIL" for _, cells in results.values() for c in cells.values())

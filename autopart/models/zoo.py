@@ -326,39 +326,98 @@ def verdict(cell: Cell) -> str:
     return "PASS" if cell.ok else "FAIL"
 
 
+Row = list[str]  # architecture, what it brings, dtype, tolerance, then each plan's verdict or
+# "refused: <message>"
+
+
 def table(results: dict[str, tuple[str, dict[str, Cell]]]) -> str:
     """The compatibility matrix as Markdown: one row per architecture, one column per plan,
     the refusals' messages numbered below it."""
+    plans = list(next(iter(results.values()))[1]) if results else list(PLANS)
+    rows = [_row(arch, dtype, cells, plans) for arch, (dtype, cells) in results.items()]
+    return _render(rows, plans)
+
+
+def merge(text: str, results: dict[str, tuple[str, dict[str, Cell]]]) -> str:
+    """The written matrix ``text`` with the rows of ``results`` run afresh (a new architecture's
+    appended), the counts and the numbered refusals redone: ``autopart zoo --update``."""
+    plans, rows = _rows(text)
+    fresh = {arch: _row(arch, dtype, cells, plans) for arch, (dtype, cells) in results.items()}
+    merged = [fresh.pop(r[0], r) for r in rows] + list(fresh.values())
+    return _render(merged, plans)
+
+
+def parse_table(text: str) -> dict[str, dict[str, str]]:
+    """A written matrix back to arch → {"dtype", "tolerance", plan: verdict or refusal text}
+    (to compare a fresh run with ``docs/compatibility.md``)."""
+    plans, rows = _rows(text)
+    return {
+        row[0]: {"dtype": row[2], "tolerance": row[3], **dict(zip(plans, row[4:], strict=True))}
+        for row in rows
+    }
+
+
+def _row(arch: str, dtype: str, cells: dict[str, Cell], plans: list[str]) -> Row:
+    tolerance = {
+        (c.tolerance, c.precision or dtype)
+        for c in cells.values()
+        if not isinstance(c, AutopartError)
+    }
+    tol = ", ".join(
+        f"{t:.0e}" + (f" ({d} inside)" if d != dtype else "") for t, d in sorted(tolerance)
+    )
+    words = [
+        f"refused: {str(cells[p].message).splitlines()[0]}"
+        if verdict(cells[p]) == "refused"
+        else verdict(cells[p])
+        for p in plans
+    ]
+    return [arch, ARCHITECTURES.get(arch, ("",))[0], dtype, tol or "–", *words]
+
+
+def _rows(text: str) -> tuple[list[str], list[Row]]:
+    """A written matrix's plan columns and rows (refusals with their messages)."""
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| architecture |"))
+    columns = [c.strip() for c in lines[head].strip("|").split("|")]
+    notes = {}
+    for line in lines:
+        number, dot, rest = line.partition(". ")
+        if dot and number.isdigit():
+            notes[number] = rest
+    rows = []
+    for line in lines[head + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for i in range(4, len(cells)):
+            word, _, number = cells[i].partition(" (")
+            if word == "refused":
+                cells[i] = f"refused: {notes[number.rstrip(')')]}"
+        rows.append(cells)
+    return columns[4:], rows
+
+
+def _render(rows: list[Row], plans: list[str]) -> str:
     import torch
     import transformers
 
-    plans = list(next(iter(results.values()))[1]) if results else list(PLANS)
     notes: list[str] = []
-    rows = []
-    for arch, (dtype, cells) in results.items():
-        what = ARCHITECTURES.get(arch, ("",))[0]
-        tolerance = {
-            (c.tolerance, c.precision or dtype)
-            for c in cells.values()
-            if not isinstance(c, AutopartError)
-        }
-        tol = ", ".join(
-            f"{t:.0e}" + (f" ({d} inside)" if d != dtype else "") for t, d in sorted(tolerance)
-        )
+    body = []
+    words = [w for row in rows for w in row[4:]]
+    for row in rows:
         out = []
-        for plan in plans:
-            word = verdict(cells[plan])
-            if word == "refused":
-                text = str(cells[plan].message).splitlines()[0]
+        for word in row[4:]:
+            if word.startswith("refused: "):
+                text = word.removeprefix("refused: ")
                 if text not in notes:
                     notes.append(text)
                 word = f"refused ({notes.index(text) + 1})"
             out.append(word)
-        rows.append(f"| {arch} | {what} | {dtype} | {tol or '–'} | " + " | ".join(out) + " |")
-    cells_all = [c for _, cells in results.values() for c in cells.values()]
-    passed = sum(verdict(c) == "PASS" for c in cells_all)
-    refused = sum(verdict(c) == "refused" for c in cells_all)
-    failed = len(cells_all) - passed - refused
+        body.append(f"| {' | '.join(row[:4])} | " + " | ".join(out) + " |")
+    passed = words.count("PASS")
+    refused = sum(w.startswith("refused") for w in words)
+    failed = len(words) - passed - refused
     lines = [
         "# Compatibility matrix",
         "",
@@ -373,37 +432,14 @@ def table(results: dict[str, tuple[str, dict[str, Cell]]]) -> str:
         "before any wrong result.",
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}: **{passed} of "
-        f"{len(cells_all)} cells PASS ({100 * passed / max(len(cells_all), 1):.0f} %)**, "
+        f"{len(words)} cells PASS ({100 * passed / max(len(words), 1):.0f} %)**, "
         f"{refused} refused, {failed} FAIL.",
         "",
         "| architecture | what it brings | dtype | tolerance | " + " | ".join(plans) + " |",
         "|---|---|---|---|" + "---|" * len(plans),
-        *rows,
+        *body,
         "",
         *(f"{i}. {text}" for i, text in enumerate(notes, 1)),
         "",
     ]
     return "\n".join(lines)
-
-
-def parse_table(text: str) -> dict[str, dict[str, str]]:
-    """A written matrix back to arch → {"dtype", "tolerance", plan: verdict or refusal text}
-    (to compare a fresh run with ``docs/compatibility.md``)."""
-    lines = text.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("| architecture |"))
-    columns = [c.strip() for c in lines[head].strip("|").split("|")]
-    notes = {}
-    for line in lines:
-        number, dot, rest = line.partition(". ")
-        if dot and number.isdigit():
-            notes[number] = rest
-    out = {}
-    for line in lines[head + 2 :]:
-        if not line.startswith("|"):
-            break
-        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|")), strict=True))
-        for plan in columns[4:]:
-            word, _, number = cells[plan].partition(" (")
-            cells[plan] = f"refused: {notes[number.rstrip(')')]}" if word == "refused" else word
-        out[cells.pop("architecture")] = {k: v for k, v in cells.items() if k != "what it brings"}
-    return out
