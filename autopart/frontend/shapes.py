@@ -45,20 +45,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     return out if b is None else out + b
 
 
-_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
-_SYMBOLIC: dict[Any, Callable[..., Any]] = {
-    torch.ops.aten.size.default: lambda x: tuple(x.shape),
-    torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
-    torch.ops.aten.linear.default: _linear,
-    # Llama 4's complex rotary: torch 2.13's fake ``polar`` (and ``complex``) pins the sequence
-    # to its example; only the shape and dtype are needed here
-    torch.ops.aten.polar.default: lambda r, a: r.new_empty(
-        torch.broadcast_shapes(r.shape, a.shape), dtype=_COMPLEX[r.dtype]
-    ),
-}
-
-
-def _pad(x: torch.Tensor, pad: list, mode: str = "constant", value: Any = None) -> torch.Tensor:
+def _pad(x: torch.Tensor, pad: list) -> torch.Tensor:
     """``aten.pad``'s shape: a pad by an amount computed from the length (a Mamba-2 scan's
     padding to a multiple of its chunk) fails torch's fake kernel."""
     shape = list(x.shape)
@@ -67,7 +54,18 @@ def _pad(x: torch.Tensor, pad: list, mode: str = "constant", value: Any = None) 
     return x.new_empty(shape)
 
 
-_SYMBOLIC[torch.ops.aten.pad.default] = _pad
+_SYMBOLIC: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.size.default: lambda x: tuple(x.shape),
+    torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
+    torch.ops.aten.linear.default: _linear,
+    # Llama 4's complex rotary: torch 2.13's fake ``polar`` (and ``complex``) pins the sequence
+    # to its example; only the shape and dtype are needed here
+    torch.ops.aten.polar.default: lambda r, a: r.new_empty(
+        torch.broadcast_shapes(r.shape, a.shape),
+        dtype=torch.complex128 if r.dtype == torch.float64 else torch.complex64,
+    ),
+    torch.ops.aten.pad.default: lambda x, pad, mode="constant", value=None: _pad(x, pad),
+}
 
 
 def fake_mode(vals: list[Any]) -> FakeTensorMode:
