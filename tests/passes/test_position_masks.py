@@ -95,8 +95,8 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
 @pytest.mark.parametrize(
     ("kind", "form"),
     [
-        ("causal", "sdpa"),
-        ("alibi", "sdpa"),
+        pytest.param("causal", "sdpa", marks=pytest.mark.slow),  # suite time: the zoo's BLOOM,
+        pytest.param("alibi", "sdpa", marks=pytest.mark.slow),  # MPT and every causal model
         ("alibi-end", "sdpa"),
         ("folded", "sdpa"),
         ("chunked", "sdpa"),
