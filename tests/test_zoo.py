@@ -123,9 +123,12 @@ def test_scores_as_functions_of_positions_pass_seq1f1b(slow_matrix) -> None:
     """ALiBi (BLOOM, MPT), XGLM's folded clamp, soft-capping (Gemma 2, VaultGemma) and windows
     trimmed at k = 4 (Mistral): refused before passes/position_masks.py, exact now; and the
     plans the new rows crashed or failed in before their fixes."""
-    for arch in ("bloom", "mpt", "xglm", "gemma2", "vaultgemma"):
+    for arch in ("bloom", "mpt", "gemma2", "vaultgemma"):
         for plan in (SEQ, BOTH, "pp=2 Seq1F1B k=4"):
             assert_passes(slow_matrix[arch][1][plan])
+    for plan in (SEQ, BOTH, "pp=2 Seq1F1B k=4"):  # XGLM runs in float32: float32's tolerance
+        cell = slow_matrix["xglm"][1][plan]
+        assert not isinstance(cell, AutopartError) and cell.ok and cell.tolerance == 1e-5, cell
     assert_passes(slow_matrix["mistral"][1]["pp=2 Seq1F1B k=4"])
     for arch in ("ernie4_5_moe", "nemotron_h", "mamba"):  # dp with a frozen parameter, ...
         for plan in ("dp=2", "tp=2", "pp=2 1F1B"):
