@@ -453,11 +453,7 @@ def _attend_with_prefix(
     made = []
 
     def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
-        """``x`` (of ``src``'s dtype) in ``to``'s dtype."""
-        if src.meta["val"].dtype == to.meta["val"].dtype:
-            return x
-        made.append(g.call_function(aten._to_copy.default, (x,), {"dtype": to.meta["val"].dtype}))
-        return made[-1]
+        return _cast(g, x, src, to, made)
 
     with g.inserting_before(sdpa):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
@@ -497,6 +493,14 @@ def _attend_with_prefix(
     return outs
 
 
+def _cast(g: fx.Graph, x: fx.Node, src: fx.Node, to: fx.Node, made: list[fx.Node]) -> fx.Node:
+    """``x`` (of ``src``'s dtype) in ``to``'s dtype; a cast made is appended to ``made``."""
+    if src.meta["val"].dtype == to.meta["val"].dtype:
+        return x
+    made.append(g.call_function(aten._to_copy.default, (x,), {"dtype": to.meta["val"].dtype}))
+    return made[-1]
+
+
 def _qkv(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     """q, k, v of a canonical attention: an SDPA's first arguments, or a general form's."""
     return scored_qkv(n) if is_scored(n) else (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2))
@@ -519,11 +523,7 @@ def _score_with_prefix(g: fx.Graph, pv: fx.Node, kp: fx.Node, vp: fx.Node) -> li
     made: list[fx.Node] = []
 
     def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
-        """``x`` (of ``src``'s dtype) in ``to``'s dtype."""
-        if src.meta["val"].dtype == to.meta["val"].dtype:
-            return x
-        made.append(g.call_function(aten._to_copy.default, (x,), {"dtype": to.meta["val"].dtype}))
-        return made[-1]
+        return _cast(g, x, src, to, made)
 
     with g.inserting_before(kt):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
