@@ -450,7 +450,7 @@ def _attend_with_prefix(
         for key, val in sdpa.kwargs.items()
         if key not in ("attn_mask", "dropout_p", "is_causal")
     }
-    made = []
+    made: list[fx.Node] = []
 
     def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
         return _cast(g, x, src, to, made)
