@@ -17,7 +17,7 @@ Seq1F1B plans also get attention whose scores are modified by causal functions o
 (``position_masks`` proves each by evaluation and rebuilds its terms from q's and k's sizes):
 
 4. an SDPA whose mask is such a function (Llama 4's chunked attention): the mask rebuilt;
-5. ``softmax(q·kᵀ · c + terms)`` with additive terms, fills and clamps at ≤ −1e30 (ALiBi,
+5. ``softmax(q·kᵀ · c + terms)`` with additive terms, fills and clamps at ≤ −1e4 (ALiBi,
    XGLM's clamp; heads may be folded into the batch): SDPA with the terms as its mask;
 6. ``softmax(f(q·kᵀ))`` with f elementwise (soft-capping) and at most one sink column: the
    model's nodes, marked ``meta["autopart.scores"]``; the product with v is the attention.
@@ -179,7 +179,7 @@ def _only_user(n: fx.Node) -> fx.Node | None:
 def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     """softmax(mask(matmul(q, kᵀ) [·/÷ c])) [→ casts] [→ dropout] [→ casts] → matmul(·, v),
     where mask is ``masked_fill(·, m, −inf)`` or ``· + m`` with an additive mask (0 where kept,
-    ≤ −1e30 where not: GPT-J, GPT-2's eager path). A softmax of anything else (soft-capped
+    ≤ −1e4 where not: GPT-J, GPT-2's eager path). A softmax of anything else (soft-capped
     logits, ALiBi biases) is left as it is."""
     filled = node_arg(sm, 0)
     if sm.args[1] not in (-1, filled.meta["val"].dim() - 1):

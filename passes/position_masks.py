@@ -41,7 +41,11 @@ from autopart.frontend.capture import B, S, to_sympy
 from autopart.meta import META_BUFFERS, META_INPUT, META_LAYER, META_MASK_FN, META_MODULE
 
 aten = torch.ops.aten
-MASKED = -1e30  # an additive entry at or below this zeroes its softmax weight exactly
+# An additive entry at or below MASKED hides its key: the model's own softmax weight there,
+# exp(entry - row max), is exactly 0 (it underflows) in float64 whenever the row's largest score
+# is above MASKED + 746 (float32 and bfloat16: + 104), i.e. unless the query's own key scores
+# below -9254. GPT-1's and BERT-era masks of -1e4 and the float minimum both qualify.
+MASKED = -1e4
 LENGTHS = (3, 5, 8, 13, 21)
 LONGEST = 8192
 _END = 9223372036854775807

@@ -48,7 +48,14 @@ import torch
 from torch import fx
 
 from autopart.frontend.capture import S, to_sympy
-from autopart.meta import META_ATTENTION, META_INPUT, META_MASK_FN, META_SCORES, META_SYMBOLS
+from autopart.meta import (
+    META_ATTENTION,
+    META_BUFFERS,
+    META_INPUT,
+    META_MASK_FN,
+    META_SCORES,
+    META_SYMBOLS,
+)
 from autopart.node_args import int_arg, node_arg, seq_arg
 
 aten = torch.ops.aten
@@ -244,6 +251,8 @@ class _Prover:
             return src[int_arg(n, 1)] if isinstance(src, tuple) else src
         if is_scored(n):  # a general-form attention: its q, k, v only (live_nodes)
             return _attention(self, n)
+        if target == aten.slice.Tensor and (d := _position_slice(n, self.gm)) is not None:
+            return Seq(d, ONE)  # positions read from a buffer: shifted by the chunk's offset
         if _share_part(n) is not None:
             return SHARE
         if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
@@ -852,10 +861,14 @@ def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
 
 
 def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
-    """``arange(s)`` or ``arange(0, s)`` over the sequence length: token positions (not the
-    key positions of a mask rebuilt by ``position_masks``, which the chunk pass sizes itself)."""
+    """``arange(s)`` or ``arange(0, s)`` over the sequence length, or the first s entries of a
+    buffer holding 0, 1, 2, … along the sliced dim (GPT-1's ``position_ids``): token positions
+    (not the key positions of a mask rebuilt by ``position_masks``, which the chunk pass sizes
+    itself)."""
     if n.meta.get(META_MASK_FN):
         return False
+    if n.target == aten.slice.Tensor:
+        return _position_slice(n, gm) is not None
     if n.target == aten.arange.default:
         start: object = 0
     elif n.target == aten.arange.start:
@@ -867,6 +880,38 @@ def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
         return False
     expr = val.shape[0].node.expr
     return gm.meta.get(META_SYMBOLS, {}).get(expr) == S
+
+
+def _position_slice(n: fx.Node, gm: fx.GraphModule) -> int | None:
+    """The sliced dim, when ``n`` is ``buffer[..., 0:s]`` (step 1, s the sequence length) of a
+    buffer whose entries are their own index along that dim (the same along every other)."""
+    value = _buffer_value(node_arg(n, 0), gm)
+    val = n.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not _is_tensor(val) or value.dim() == 0:
+        return None
+    dim = _dim_arg(n, 1, 0) % value.dim()
+    start = n.args[2] if len(n.args) > 2 else None
+    step = n.args[4] if len(n.args) > 4 else 1
+    size = val.shape[dim]
+    if start not in (None, 0) or step != 1 or not isinstance(size, torch.SymInt):
+        return None
+    if gm.meta.get(META_SYMBOLS, {}).get(size.node.expr) != S or value.is_floating_point():
+        return None
+    index = torch.arange(value.shape[dim]).view([-1 if d == dim else 1 for d in range(value.dim())])
+    return dim if bool((value == index).all()) else None
+
+
+def _buffer_value(x: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:
+    """The value of a buffer, or of fixed-size views of one (``unsqueeze``, ``view``)."""
+    if x.op == "placeholder":
+        ref = x.meta.get(META_INPUT)
+        return gm.meta.get(META_BUFFERS, {}).get(ref.name) if ref is not None else None
+    if x.target not in (aten.unsqueeze.default, aten.view.default, aten.reshape.default):
+        return None
+    if not all(isinstance(a, int) for a in _flat(list(x.args[1:]))):
+        return None
+    value = _buffer_value(node_arg(x, 0), gm)
+    return None if value is None else x.target(value, *x.args[1:])
 
 
 def _arange(p: _Prover, n: fx.Node) -> Any:

@@ -28,8 +28,10 @@ class _Scores(nn.Module):
     slope × key position, BLOOM), "alibi-end" (slope × (j − s + 1), MPT), "capped" (tanh
     soft-capping, Gemma 2), "sink" (a learned sink column per head, its row max subtracted,
     gpt-oss), "chunked" (an SDPA mask: causal within blocks of 4, Llama 4), "folded" (heads
-    folded into the batch, a clamp at the float minimum, XGLM). Refused kinds: "soft" (−1 where
-    masked), "gpt1" (scores × mask − 1e4 where masked), "capped-end" (MPT's bias under the
+    folded into the batch, a clamp at the float minimum, XGLM), "gpt1" (scores × mask − 1e4
+    where masked: a weight exp(−1e4 − max) is exactly 0). Refused kinds: "soft" (−1 where
+    masked), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
+    (MPT's bias under the
     soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
     not see itself), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
     column from a running sum over the sequence)."""
@@ -71,8 +73,8 @@ class _Scores(nn.Module):
             scores = scores + j / s
         if self.kind == "soft":
             scores = scores + torch.where(keep, 0.0, -1.0)
-        elif self.kind == "gpt1":
-            scores = scores * keep + -1e4 * (~keep)
+        elif self.kind in ("gpt1", "shallow"):
+            scores = scores * keep + (-1e4 if self.kind == "gpt1" else -100.0) * (~keep)
         elif self.kind == "strict":
             scores = scores + torch.where(j < i, 0.0, LOW)
         else:
@@ -102,6 +104,7 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
         ("chunked", "sdpa"),
         ("capped", "scores"),
         ("sink", "scores"),
+        ("gpt1", "scores"),
     ],
 )
 def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
@@ -132,7 +135,7 @@ def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
     ("kind", "why"),
     [
         ("soft", "lets a query see later keys"),
-        ("gpt1", "lets a query see later keys"),
+        ("shallow", "a later key's score is -100, above -10000"),
         ("capped-end", "not a function of positions"),
         ("length", "not a function of positions"),
         ("strict", "hides a query's own key"),
