@@ -405,6 +405,8 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
             return Routed("rows", idx.key, idx.seq)
         if isinstance(idx, Routed) and idx.kind == "inverse" and _rows(x) and x.key is idx.key:
             return idx.seq
+        if _rows(idx) and x is None:  # a table read per row (gpt-oss's per-expert biases)
+            return _rows_of(idx)
     if t == aten.histc.default and kinds == {"rows"} and n.args[0] in _sorted_values(r0.key):
         return Routed("counts", r0.key, r0.seq)
     if t == aten.cumsum.default and kinds == {"counts"}:
@@ -436,7 +438,7 @@ def _rows_of(r: Routed) -> Routed:
 
 def _row_wise(n: fx.Node, p: _Prover) -> bool:
     """An op on the rows that keeps each row to itself: elementwise, a matmul by weights free of
-    the sequence, a view or split keeping the row dim, or choosing between two rows' values."""
+    the sequence, a view, split or slice keeping the row dim, or choosing between two rows' values."""
     t = n.target
     if t in _POINTWISE or torch.Tag.pointwise in getattr(t, "tags", ()):
         return True
@@ -446,6 +448,8 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
         return str(n.meta["val"].shape[0]) == str(node_arg(n, 0).meta["val"].shape[0])
     if t in (aten.split.Tensor, aten.split_with_sizes.default):
         return _dim_arg(n, 2, 0) % _ndim(n.args[0]) != 0
+    if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):  # of another dim
+        return _dim_arg(n, 1, 0) % _ndim(n.args[0]) != 0
     return False
 
 
@@ -581,11 +585,6 @@ def _slice_scatter(n: fx.Node) -> list:
     return [(n.args[0], [d], "a write into a slice of the sequence"), (n.args[1], [d], "")]
 
 
-def _repeat(n: fx.Node) -> list:
-    reps = seq_arg(n, 1)
-    off = len(reps) - _ndim(n.args[0])
-    dims = [i - off for i, r in enumerate(reps) if r != 1 and i >= off]
-    return [(n.args[0], dims, "a repeat along the sequence")]
 
 
 def _cat(n: fx.Node) -> list:
@@ -675,7 +674,6 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.cat.default: _cat,
     aten.concat.default: _cat,  # an alias (PhiMoE's router)
-    aten.repeat.default: _repeat,
     aten.repeat_interleave.self_int: _along(
         "a repeat along the sequence", lambda n: [_dim_arg(n, 2, 0)]
     ),
@@ -999,6 +997,22 @@ def _sum_all(p: _Prover, n: fx.Node) -> Any:
     return _carry_unless_along(p, n, _reduction(n))
 
 
+def _repeat(p: _Prover, n: fx.Node) -> Any:
+    """Copies along other dims; along a dim in which the tokens are merged with an outer dim
+    (``[b·s, h]`` → ``[E·b·s, h]``: Llama 4's dense experts), whole copies of every token's
+    rows, so token t is still at index t (times ``inner``) modulo the chunk."""
+    x = node_arg(n, 0)
+    v = p.env.get(x)
+    if isinstance(v, Seq):
+        reps, nd = seq_arg(n, 1), _ndim(x)
+        if reps[len(reps) - nd + v.dim % nd] != 1:
+            sizes = p.at(x.meta["val"].shape[v.dim])
+            tokens = [whole // v.part * i for (_, whole), i in zip(_SAMPLES, v.inner, strict=True)]
+            if any(size <= t for size, t in zip(sizes, tokens, strict=True)):
+                raise Mixes("a repeat along the sequence")
+    return p._carry(n)
+
+
 def _view(p: _Prover, n: fx.Node) -> Any:
     """A view keeps the elements' order: the token index keeps its stride, which must fall
     inside one output dim (``[b, s, h]`` ↔ ``[b·s, h]`` ↔ ``[b, s, heads, d]``)."""
@@ -1216,6 +1230,7 @@ def _window_user(p: _Prover, n: fx.Node) -> Any:
 
 
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
+    aten.repeat.default: _repeat,
     **dict.fromkeys(
         (
             aten.zeros.default,
