@@ -46,6 +46,7 @@ from typing import Any, TypeGuard, cast
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopart.frontend.capture import S, to_sympy
 from autopart.meta import (
@@ -77,11 +78,14 @@ class Seq:
 class Routed:
     """Token routing of a mixture of experts, tied to its ``sort`` node ``key``: ``rows`` (the
     tokens' rows in the sorted order), ``perm`` (the sort's indices), ``inverse`` (the inverse
-    permutation), ``counts`` / ``offsets`` (tokens per expert, their running sum)."""
+    permutation), ``counts`` / ``offsets`` (tokens per expert, their running sum), ``count``
+    (expert ``index[0]``'s count as a number) and ``piece`` (expert ``index[1]``'s group of
+    rows, cut from the rows by split node ``index[0]``)."""
 
     kind: str
     key: fx.Node
     seq: Seq  # the alignment of the sorted (slot) dim before sorting
+    index: tuple[Any, ...] = ()
 
 
 LENGTH, SUMMED, MIXED, SLOTS = "length", "summed", "mixed", "slots"
@@ -221,6 +225,8 @@ class _Prover:
     def _agree(self, value: Any, val: Any) -> None:
         if not _is_tensor(val) or value in (SLOTS, SHARE, PADDED, WINDOWED):
             return
+        if _rows(value) and free_unbacked_symbols(val.shape[value.seq.dim]):
+            return  # the experts' groups joined: counted from the data (JetMoE), summing to b·s·k
         grow = self.growing(val)
         if len(grow) > 1:
             raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
@@ -271,6 +277,8 @@ class _Prover:
             routed = [*routed, *(Routed("slots", routed[0].key, routed[0].seq),)]
         if routed or target in _ROUTING_ENTRY and self._routing_entry(n):
             return _route(self, n, routed)
+        if target == aten.sum.dim_IntList and (counts := _one_hot_counts(self, n)) is not None:
+            return counts
         if target in _SPECIAL:
             return _SPECIAL[target](self, n)
         if (
@@ -387,14 +395,38 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     local = kinds <= {"rows", "group"} and "rows" in kinds or kinds == {"group"}
     if local and all(v is None for v in others) and _row_wise(n, p):
         return Routed("group", r0.key, r0.seq) if kinds == {"group"} else _rows_of(r0)
+    if kinds == {"piece"} and len({r.index for r in routed}) == 1 and all(v is None for v in others):
+        if _row_wise(n, p):  # one expert's rows: row by row, that expert's weights
+            return r0
+    if (by_counts := _split_by_counts(p, n, routed)) is not None:
+        return by_counts
+    if t == aten.cat.default and kinds == {"piece"} and _dim_arg(n, 1, 0) == 0:
+        pieces = [p.env.get(a) for a in seq_arg(n, 0)]
+        split = r0.index[0]
+        if [getattr(v, "index", None) for v in pieces] == [(split, i) for i in range(len(pieces))]:
+            if len(pieces) == len(split.meta["val"]):  # every expert's rows, in order
+                return _rows_of(r0)
+    if t == aten.unbind.int and kinds == {"counts"} and _dim_arg(n, 1, 0) == 0:
+        return tuple(Routed("count", r0.key, r0.seq, (i,)) for i in range(len(n.meta["val"])))
+    if t == aten.item.default and kinds == {"count"}:
+        return r0
     # slot j of k choices per token belongs to token j // k: the key's token stride is k
     k = n.args[1] if len(n.args) > 1 else None
-    if (
-        kinds == {"perm"}
-        and t == aten.floor_divide.default
-        and r0.seq.inner == (k,) * len(r0.seq.inner)
-    ):
+    floor = t == aten.floor_divide.default or (
+        t == aten.div.Tensor_mode and n.kwargs.get("rounding_mode") in ("floor", "trunc")
+    )  # of the sort's indices, which are not negative: floor and trunc agree
+    if kinds == {"perm"} and floor and r0.seq.inner == (k,) * len(r0.seq.inner):
         return Routed("token", r0.key, r0.seq)
+    if t == aten.index_add.default and _dim_arg(n, 1, 0) == 0 and len(n.args) == 4:
+        out, idx, rows = (p.env.get(node_arg(n, i)) for i in (0, 2, 3))
+        fresh = node_arg(n, 0).target in (aten.zeros.default, aten.zeros_like.default)
+        if fresh and _rows(rows) and isinstance(idx, Routed) and idx.key is rows.key:
+            # each sorted row added back where it came from: its token (JetMoE's experts'
+            # outputs, k per token, summed) or its slot (its attention heads' queries)
+            if idx.kind == "token" and isinstance(out, Seq) and out.dim == 0 and out.inner == ONE:
+                return out
+            if idx.kind == "perm" and isinstance(out, Seq) and out.dim == 0:
+                return idx.seq
     if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
         return Routed("group", r0.key, r0.seq)
     if t == aten.index.Tensor and len(seq_arg(n, 1)) == 1:
@@ -436,6 +468,45 @@ def _rows_of(r: Routed) -> Routed:
     return Routed("rows", r.key, r.seq)
 
 
+def _one_hot_counts(p: _Prover, n: fx.Node) -> Routed | None:
+    """``sum(one_hot(ids), 0)``, ``one_hot(ids)`` being ``scatter(zeros[t, E], 1, ids, 1)`` of
+    the expert ids a ``topk`` chose per token and ``sort`` sorting them flattened (JetMoE): the
+    slots per expert, as ``histc`` of the sorted ids counts them (``_route``)."""
+    x = node_arg(n, 0)
+    while x.target in (aten._to_copy.default, aten.to.dtype):
+        x = node_arg(x, 0)
+    if x.target != aten.scatter.value or x.args[1:2] != (1,) or x.args[3:] != (1,):
+        return None
+    zeros, ids = node_arg(x, 0), node_arg(x, 2)
+    v = p.env.get(ids)
+    chosen = ids.target is operator.getitem and node_arg(ids, 0).target == aten.topk.default
+    if not (chosen and ids.args[1] == 1 and zeros.target == aten.zeros.default):
+        return None
+    if not (isinstance(v, Seq) and v.dim == 0 and _ndim(ids) == 2 and _dims_arg(n, 1) == [0]):
+        return None
+    k = ids.meta["val"].shape[1]
+    flat = [u for u in ids.users if u.target in (aten.flatten.using_ints, aten.view.default)]
+    sorts = [u for f in flat for u in f.users if u.target == aten.sort.default]
+    if len(sorts) != 1 or not isinstance(k, int) or len(n.meta["val"].shape) != 1:
+        return None
+    if _ndim(node_arg(sorts[0], 0)) != 1:
+        return None
+    return Routed("counts", sorts[0], Seq(0, tuple(k * i for i in v.inner), v.part))
+
+
+def _split_by_counts(p: _Prover, n: fx.Node, routed: list[Routed]) -> tuple | None:
+    """``split_with_sizes(rows, [count_0, …, count_{E−1}])``: the rows cut into each expert's
+    group by the counts of the same sort (JetMoE)."""
+    if n.target != aten.split_with_sizes.default or _dim_arg(n, 2, 0) != 0:
+        return None
+    rows, sizes = p.env.get(node_arg(n, 0)), [p.env.get(a) for a in seq_arg(n, 1)]
+    if not _rows(rows) or len({r.key for r in routed}) != 1:
+        return None
+    if sizes != [Routed("count", rows.key, rows.seq, (i,)) for i in range(len(sizes))]:
+        return None
+    return tuple(Routed("piece", rows.key, rows.seq, (n, i)) for i in range(len(sizes)))
+
+
 def _row_wise(n: fx.Node, p: _Prover) -> bool:
     """An op on the rows that keeps each row to itself: elementwise, a matmul by weights free of
     the sequence, a view, split or slice keeping the row dim, or choosing between two rows' values."""
@@ -443,14 +514,25 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
     if t in _POINTWISE or torch.Tag.pointwise in getattr(t, "tags", ()):
         return True
     if t in (aten.mm.default, aten.matmul.default, aten.linear.default):
-        return _rows(p.env.get(node_arg(n, 0))) and p.env.get(node_arg(n, 1)) is None  # rows @ w
+        rows = p.env.get(node_arg(n, 0))  # rows @ w
+        rowlike = isinstance(rows, Routed) and rows.kind in ("rows", "piece")
+        weights = [a for a in n.all_input_nodes if a is not node_arg(n, 0)]
+        return rowlike and all(p.env.get(a) is None for a in weights)
     if t in (aten.view.default, aten.reshape.default, aten.unsqueeze.default):
         return str(n.meta["val"].shape[0]) == str(node_arg(n, 0).meta["val"].shape[0])
-    if t in (aten.split.Tensor, aten.split_with_sizes.default):
+    if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
         return _dim_arg(n, 2, 0) % _ndim(n.args[0]) != 0
     if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):  # of another dim
-        return _dim_arg(n, 1, 0) % _ndim(n.args[0]) != 0
+        return _dim_arg(n, 1, 0) % _ndim(n.args[0]) != 0 or _whole_slice(n)
     return False
+
+
+def _whole_slice(n: fx.Node) -> bool:
+    """``x[0:end]`` with ``end`` past every row: all of them, in order."""
+    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
+    return n.target == aten.slice.Tensor and start in (None, 0) and step == 1 and (
+        end is None or (isinstance(end, int) and end >= 2**62)
+    )
 
 
 _SLOT_USERS = frozenset(
