@@ -79,7 +79,7 @@ def run_chunks(
                 prefix.append(t.detach().requires_grad_())
                 args.append(prefix[-1])
         out = gm(*args)
-        kv = out[-n_kv:]
+        kv = out[len(out) - n_kv :]  # none without attention or convolutions
         done.append((out[0], kv, prefix))
         start += n
     back = None
