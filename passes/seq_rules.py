@@ -395,17 +395,17 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     local = kinds <= {"rows", "group"} and "rows" in kinds or kinds == {"group"}
     if local and all(v is None for v in others) and _row_wise(n, p):
         return Routed("group", r0.key, r0.seq) if kinds == {"group"} else _rows_of(r0)
-    if kinds == {"piece"} and len({r.index for r in routed}) == 1 and all(v is None for v in others):
-        if _row_wise(n, p):  # one expert's rows: row by row, that expert's weights
-            return r0
+    one_piece = kinds == {"piece"} and len({r.index for r in routed}) == 1
+    if one_piece and all(v is None for v in others) and _row_wise(n, p):
+        return r0  # one expert's rows: row by row, that expert's weights
     if (by_counts := _split_by_counts(p, n, routed)) is not None:
         return by_counts
     if t == aten.cat.default and kinds == {"piece"} and _dim_arg(n, 1, 0) == 0:
         pieces = [p.env.get(a) for a in seq_arg(n, 0)]
         split = r0.index[0]
-        if [getattr(v, "index", None) for v in pieces] == [(split, i) for i in range(len(pieces))]:
-            if len(pieces) == len(split.meta["val"]):  # every expert's rows, in order
-                return _rows_of(r0)
+        order = [getattr(v, "index", None) for v in pieces]
+        if order == [(split, i) for i in range(len(split.meta["val"]))]:  # every expert, in order
+            return _rows_of(r0)
     if t == aten.unbind.int and kinds == {"counts"} and _dim_arg(n, 1, 0) == 0:
         return tuple(Routed("count", r0.key, r0.seq, (i,)) for i in range(len(n.meta["val"])))
     if t == aten.item.default and kinds == {"count"}:
@@ -530,9 +530,8 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
 def _whole_slice(n: fx.Node) -> bool:
     """``x[0:end]`` with ``end`` past every row: all of them, in order."""
     start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
-    return n.target == aten.slice.Tensor and start in (None, 0) and step == 1 and (
-        end is None or (isinstance(end, int) and end >= 2**62)
-    )
+    whole = end is None or (isinstance(end, int) and end >= 2**62)
+    return bool(n.target == aten.slice.Tensor and start in (None, 0) and step == 1 and whole)
 
 
 _SLOT_USERS = frozenset(
@@ -665,8 +664,6 @@ def _scatter_like(dim_arg: int, src_arg: int) -> Callable:
 def _slice_scatter(n: fx.Node) -> list:
     d = _dim_arg(n, 2, 0)
     return [(n.args[0], [d], "a write into a slice of the sequence"), (n.args[1], [d], "")]
-
-
 
 
 def _cat(n: fx.Node) -> list:

@@ -10,7 +10,7 @@ import autopart
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
 from autopart.lowering import chunks
-from autopart.schedule.chunks import chunk_cost, fit_coefficients
+from autopart.schedule.chunks import attention_work, chunk_cost, chunk_lengths, fit_coefficients
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +84,42 @@ def test_fit_coefficients_recovers_a_cost_and_refuses_too_little() -> None:
     # a later chunk timed faster than an earlier, equally long one (noise): no negative cost
     c1_only = fit_coefficients([(0, 128, 10.0), (128, 256, 9.0)])
     assert c1_only is not None and c1_only[1] == 0.0 and c1_only[0] > 0
+
+
+def test_windowed_attention_costs_its_window_per_query() -> None:
+    """A layer with a sliding window of W keys does W keys' work per query past W: its part of
+    the attention term grows linearly there (continuous at W), chunk costs still add up, and
+    the balanced split of a model whose attention is all windowed (W ≪ s) is nearly uniform,
+    while W ≥ s is the causal split; measured times fit with the windows kept."""
+    windows = ((64.0, 1.0),)
+    assert attention_work(64, windows) == 64 * 64
+    assert attention_work(65, windows) - attention_work(64, windows) == 128  # 2W per query
+    assert attention_work(100, ((1e6, 0.5),)) == 100 * 100  # a window longer than the sequence
+    c1, c2 = 50.0, 1.0
+    whole = chunk_cost(c1, c2, 0, 4096, windows)
+    parts = chunk_cost(c1, c2, 0, 1000, windows) + chunk_cost(c1, c2, 1000, 4096, windows)
+    assert parts == pytest.approx(whole)
+    causal = chunk_lengths((c1, c2), 4096, 4)
+    windowed = chunk_lengths((c1, c2, *windows[0]), 4096, 4)
+    assert causal == [2032, 856, 656, 552] and windowed == [1040, 1016, 1024, 1016]
+    for lengths, spread in ((causal, 3.5), (windowed, 1.01)):  # the work each chunk really does
+        ends = [sum(lengths[: j + 1]) for j in range(4)]
+        work = [chunk_cost(c1, c2, a, e, windows) for a, e in zip([0, *ends], ends, strict=False)]
+        assert (max(work) / min(work) > spread) == (spread > 2), (lengths, work)
+    assert chunk_lengths((c1, c2, 8192.0, 1.0), 4096, 4) == causal
+    half = chunk_lengths((c1, c2, 64.0, 0.5), 4096, 4)  # half the layers windowed: between
+    assert causal[0] > half[0] > windowed[0]
+    samples = [(a, e, chunk_cost(3.0, 0.01, a, e, windows)) for a, e in [(0, 96), (96, 256)]]
+    assert fit_coefficients(samples, windows) == pytest.approx((3.0, 0.01, 64.0, 1.0))
+
+
+def test_cost_coefficients_find_the_windows() -> None:
+    """Mistral's layers (a window of 8 keys in the zoo's config) give their share of c2 with
+    W = 8; Llama's none; at 256 tokens in 4 chunks Mistral's balanced split is uniform."""
+    from autopart.models import zoo
+
+    mistral = capture(*zoo.make("mistral"))
+    coeffs = chunks.cost_coefficients(mistral)
+    assert coeffs[2] == 8.0 and 0.9 < coeffs[3] <= 1.0 and len(coeffs) == 4
+    assert len(chunks.cost_coefficients(capture(*zoo.make("llama")))) == 2
+    assert chunks.sequence_chunks(mistral, 256, 4) == [64, 64, 64, 64]

@@ -375,6 +375,21 @@ _WRONG_TYPES = {
         lambda d: d.update(chunk_cost=["a", "b"]),
         "chunk_cost[0]",
     ),
+    "chunk-cost-odd-window": (
+        "rank00000/program.json",
+        lambda d: d.update(chunk_cost=[1.0, 2.0, 8.0]),
+        "(window, share) pairs",
+    ),
+    "chunk-cost-window-shares": (
+        "rank00000/program.json",
+        lambda d: d.update(chunk_cost=[1.0, 2.0, 8.0, 0.75, 16.0, 0.5]),
+        "add up to more than 1",
+    ),
+    "chunk-cost-window-fraction": (
+        "rank00000/program.json",
+        lambda d: d.update(chunk_cost=[1.0, 2.0, 8.5, 0.5]),
+        "chunk_cost[2]",
+    ),
     "kv-shape-float": (
         "rank00000/program.json",
         lambda d: d["stages"][0]["kv_shapes"].__setitem__(0, ["b", 2.5, 0, 4]),

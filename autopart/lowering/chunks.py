@@ -22,16 +22,19 @@ import sympy
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import B, Captured, S
-from autopart.frontend.cost import analyze, total
+from autopart.frontend.cost import analyze, node_cost, total
 from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
+from autopart.meta import META_WINDOW
 from autopart.passes.canonicalize_attention import canonicalize_attention
-from autopart.schedule.chunks import SPLITS, chunk_cost, chunk_lengths
+from autopart.schedule.chunks import SPLITS, chunk_cost, chunk_lengths, windows_of
 
 
-def cost_coefficients(captured: Captured) -> tuple[float, float]:
-    """(c1, c2): the model's forward FLOPs per sequence are c1·s + c2·s² (+ constants), attention
-    counted as the canonical causal kernel Seq1F1B runs (see the module docstring)."""
+def cost_coefficients(captured: Captured) -> tuple[float, ...]:
+    """(c1, c2, W1, f1, …): the model's forward FLOPs per sequence are c1·s + c2·s² (+ constants),
+    attention counted as the canonical causal kernel Seq1F1B runs (see the module docstring);
+    f_i is the share of c2 computed by attention with a sliding window of W_i keys (none
+    without windows), which ``autopart.schedule.chunks`` counts as W_i keys per query."""
     gm = canonicalize_attention(copy_graph(captured.graph), Plan(Mesh(), schedule="seq1f1b"))
     flops = sympy.expand(
         total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
@@ -39,7 +42,16 @@ def cost_coefficients(captured: Captured) -> tuple[float, float]:
     poly = sympy.Poly(flops, S)
     if poly.degree() > 2:
         raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
-    return float(poly.coeff_monomial(S)), float(poly.coeff_monomial(S**2))
+    c1, c2 = float(poly.coeff_monomial(S)), float(poly.coeff_monomial(S**2))
+    shares: dict[int, float] = {}
+    for n in gm.graph.nodes:
+        window = n.meta.get(META_WINDOW)
+        if n.op == "call_function" and isinstance(window, int) and window > 0 and c2 > 0:
+            own = sympy.expand(node_cost(n, gm).flops.subs(B, 1))
+            shares[window] = shares.get(window, 0.0) + float(
+                sympy.Poly(own, S).coeff_monomial(S**2) / c2
+            )
+    return (c1, c2, *(v for w in sorted(shares) for v in (float(w), min(shares[w], 1.0))))
 
 
 def sequence_chunks(
@@ -52,12 +64,13 @@ def sequence_chunks(
 
 def chunk_table(captured: Captured, seq_len: int, k: int, multiple: int = 8) -> list[dict]:
     """Both splits with each chunk's forward FLOPs and the max/min ratio (for inspect)."""
-    c1, c2 = cost_coefficients(captured)
+    coeffs = cost_coefficients(captured)
+    c1, c2, windows = coeffs[0], coeffs[1], windows_of(coeffs)
     rows = []
     for split in SPLITS:
         lengths = sequence_chunks(captured, seq_len, k, split, multiple)
         edges = [0, *[sum(lengths[: j + 1]) for j in range(k)]]
-        costs = [chunk_cost(c1, c2, a, e) for a, e in zip(edges, edges[1:], strict=False)]
+        costs = [chunk_cost(c1, c2, a, e, windows) for a, e in zip(edges, edges[1:], strict=False)]
         rows.append(
             {
                 "split": split,

@@ -135,7 +135,7 @@ def tied_across(inputs: list[list[InputRef]], pp: int) -> dict[str, list[int]]:
     return {f: sorted(pps) for f, pps in holders.items() if len(pps) > 1}
 
 
-def chunk_costs(captured: Captured, plan: Plan) -> tuple[float, float] | None:
+def chunk_costs(captured: Captured, plan: Plan) -> tuple[float, ...] | None:
     """Seq1F1B's chunk-boundary cost coefficients, refused now if the example sequence cannot
     hold the chunks (not at the first step); ``None`` for other schedules."""
     if not plan.chunked:
@@ -163,7 +163,7 @@ def rank_program(
     stages: list[fx.GraphModule],
     inputs: list[list[InputRef]],
     ties: dict[str, list[int]],
-    chunk_cost: tuple[float, float] | None,
+    chunk_cost: tuple[float, ...] | None,
 ) -> RankProgram:
     """Rank ``r``'s program: stage ``k`` runs on pipeline rank ``k mod pp``."""
     mesh = plan.mesh

@@ -46,7 +46,7 @@ def dry_run(
     inputs: list[list[InputRef]],
     captured: Captured,
     plan: Plan,
-    chunk_cost: tuple[float, float] | None,
+    chunk_cost: tuple[float, ...] | None,
 ) -> None:
     """Run every stage's forward and backward once on fake tensors; raise ``AutopartError``
     naming the stage and node of the first failure (see the module docstring)."""

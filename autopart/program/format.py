@@ -114,7 +114,7 @@ class RankProgram:
     buckets: list[list[str]] = field(default_factory=list)
     ties: dict[str, list[int]] = field(default_factory=dict)  # FQN → pipeline ranks holding it
     n_stages: int = 1
-    chunk_cost: tuple[float, float] | None = None  # Seq1F1B: (c1, c2) for the chunk boundaries
+    chunk_cost: tuple[float, ...] | None = None  # Seq1F1B: (c1, c2, *windows): chunk boundaries
     vocab_size: int | None = None  # token ids and labels are checked against it at every step
     # the batch tensors the program takes (capture's): a step must pass exactly these
     batch_names: tuple[str, ...] = ("input_ids", "labels")

@@ -59,7 +59,27 @@ DTYPES = ("torch.float64", "torch.float32", "torch.bfloat16", "torch.float16")
 _FQN = string(DOTTED, 1024)
 _SHA256 = string(re.compile(r"[0-9a-f]{64}"))
 _TEXT = string(max_len=256)
-_CHUNK_COST = nullable(list_of(number(-1e300, 1e300), 2, 2))  # Seq1F1B: (c1, c2)
+_MAX_WINDOWS = 64  # distinct sliding-window sizes in one model
+
+
+def _chunk_cost(value: Any, where: str) -> None:
+    """Seq1F1B: ``[c1, c2]``, then ``W, f`` per window size (``autopart.schedule.chunks``): W a
+    whole number of keys, f a share of c2 in [0, 1], the shares summing to at most 1."""
+    list_of(number(-1e300, 1e300), 2 + 2 * _MAX_WINDOWS, 2)(value, where)
+    windows = value[2:]
+    if len(windows) % 2:
+        raise Invalid(where, "must be [c1, c2] then (window, share) pairs")
+    for i in range(0, len(windows), 2):
+        w, f = windows[i], windows[i + 1]
+        if w != int(w) or not 1 <= w <= MAX_DIM:
+            raise Invalid(f"{where}[{i + 2}]", f"= {w} is not a window of keys")
+        if not 0 <= f <= 1:
+            raise Invalid(f"{where}[{i + 3}]", f"= {f} is not a share in [0, 1]")
+    if sum(windows[1::2]) > 1 + 1e-9:
+        raise Invalid(where, "its windows' shares add up to more than 1")
+
+
+_CHUNK_COST = nullable(_chunk_cost)
 
 PLAN_FIELDS: dict[str, Spec] = {
     "mesh": obj({d: integer(1, MAX_WORLD) for d in ("dp", "pp", "tp")}),

@@ -44,7 +44,7 @@ from autopart.runtime.copies import check_copies
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
-from autopart.schedule.chunks import chunk_bounds, fit_coefficients
+from autopart.schedule.chunks import chunk_bounds, fit_coefficients, windows_of
 from autopart.schedule.ir import Action
 
 COMPILE_CACHE = (
@@ -931,13 +931,15 @@ class Runner:
         if dist.is_initialized() and dist.get_world_size() > 1:
             work = staging.all_reduce(t)
             self._wait(work, f"step {self.steps}: adding up the chunks' measured forward times")
-        fit = fit_coefficients([(a, e, float(x)) for (a, e), x in zip(s.bounds, t, strict=True)])
+        windows = windows_of(self.chunk_cost or ())  # the graph's windows: kept
+        samples = [(a, e, float(x)) for (a, e), x in zip(s.bounds, t, strict=True)]
+        fit = fit_coefficients(samples, windows)
         if fit is not None:
             self.chunk_cost, self._bounds = fit, {}
 
     def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
-        if seq_len not in self._bounds:  # solved once per length (sympy), not at every step
+        if seq_len not in self._bounds:  # solved once per length, not at every step
             p = self.plan
             try:
                 self._bounds[seq_len] = chunk_bounds(
