@@ -224,3 +224,19 @@ def test_new_architectures_pass_or_are_refused_before_launch(arch: str) -> None:
         assert isinstance(cell, AutopartError) or cell.ok, str(cell)
     written = zoo.parse_table(DOCS.read_text())
     assert zoo.parse_table(zoo.table(result))[arch] == written[arch]
+
+
+def test_check_names_every_cell_that_differs_from_the_written_matrix() -> None:
+    """``autopart zoo --check``: a fresh row equal to the written one has no difference; a FAIL
+    where the table says PASS, and another tolerance, are each named."""
+    written = zoo.parse_table(DOCS.read_text())["gpt2"]
+    plans = [p for p in zoo.PLANS if p in written]
+    ok = Report(loss=1.0, ref_loss=1.0, loss_error=0.0, grad_error=0.0, worst="w", tolerance=1e-9)
+    fresh = {"gpt2": ("float64", dict.fromkeys(plans, ok))}
+    assert zoo.differences(DOCS.read_text(), fresh) == []
+    bad = Report(loss=1.0, ref_loss=1.0, loss_error=0.0, grad_error=1.0, worst="w", tolerance=1e-9)
+    fresh["gpt2"][1]["tp=2"] = bad
+    assert zoo.differences(DOCS.read_text(), fresh) == ["gpt2 tp=2: written 'PASS', now 'FAIL'"]
+    fresh["gpt2"][1]["tp=2"] = Report(1.0, 1.0, 0.0, 0.0, "w", 1e-5)
+    (line,) = zoo.differences(DOCS.read_text(), fresh)
+    assert line.startswith("gpt2 tolerance: written '1e-09'"), line

@@ -38,6 +38,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "counts), e.g. after fixing one model: --models phimoe --update docs/compatibility.md",
     )
     z.add_argument(
+        "--check",
+        metavar="FILE",
+        default=None,
+        help="compare the checked architectures' rows with that written table and exit 1 on "
+        "any difference (dtype, tolerance, a verdict or a refusal), e.g. under another "
+        "transformers release: --models mixtral --check docs/compatibility.md",
+    )
+    z.add_argument(
         "--timeout",
         type=float,
         default=120.0,
@@ -65,8 +73,9 @@ def main(a: argparse.Namespace) -> int:
             hint=f"choose from {', '.join(zoo.ARCHITECTURES)}",
         )
     target = Path(a.update) if a.update else None
-    if target is not None and not target.is_file():  # before any work
-        raise AutopartError(f"--update {a.update}: no such table", hint="write one with --write")
+    for flag, name in (("--update", a.update), ("--check", a.check)):
+        if name and not Path(name).is_file():  # before any work
+            raise AutopartError(f"{flag} {name}: no such table", hint="write one with --write")
     con = Console()
     total, done = len(archs) * len(zoo.PLANS), [0]
 
@@ -98,8 +107,13 @@ def main(a: argparse.Namespace) -> int:
     if target is not None:
         target.write_text(zoo.merge(target.read_text(), results))
         con.print(f"updated {len(results)} rows of {a.update}", highlight=False)
-    return (
-        1
-        if any(zoo.verdict(c) == "FAIL" for _, cells in results.values() for c in cells.values())
-        else 0
-    )
+    differ = zoo.differences(Path(a.check).read_text(), results) if a.check else []
+    for line in differ:
+        con.print(f"[red]differs[/] {line}", highlight=False, soft_wrap=True)
+    if a.check:
+        con.print(
+            f"{len(differ)} differences from {a.check}" if differ else f"every row as in {a.check}",
+            highlight=False,
+        )
+    failed = any(zoo.verdict(c) == "FAIL" for _, cells in results.values() for c in cells.values())
+    return 1 if failed or differ else 0

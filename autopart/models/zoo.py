@@ -347,6 +347,23 @@ def merge(text: str, results: dict[str, tuple[str, dict[str, Cell]]]) -> str:
     return _render(merged, plans)
 
 
+def differences(text: str, results: dict[str, tuple[str, dict[str, Cell]]]) -> list[str]:
+    """Where a fresh run's rows differ from the written matrix ``text`` (dtype, tolerance or a
+    cell's verdict and refusal): ``autopart zoo --check``, one line each."""
+    plans, rows = _rows(text)
+    written = {r[0]: r for r in rows}
+    out = []
+    for arch, (dtype, cells) in results.items():
+        fresh, old = _row(arch, dtype, cells, plans), written.get(arch)
+        if old is None:
+            out.append(f"{arch}: not in the written matrix")
+            continue
+        for name, was, now in zip(["", "", "dtype", "tolerance", *plans], old, fresh, strict=True):
+            if name and was != now:
+                out.append(f"{arch} {name}: written {was!r}, now {now!r}")
+    return out
+
+
 def parse_table(text: str) -> dict[str, dict[str, str]]:
     """A written matrix back to arch → {"dtype", "tolerance", plan: verdict or refusal text}
     (to compare a fresh run with ``docs/compatibility.md``)."""
