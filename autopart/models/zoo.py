@@ -214,6 +214,27 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 16}
         | {"ssm_state_size": 8, "n_groups": 1, "head_dim": 8},
     ),
+    "mamba2": (
+        "a pure Mamba-2 model: padded causal convolution, chunked scan (SSD), gated norm",
+        {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 8},
+    ),
+    "bamba": (
+        "Mamba-2 layers with one attention layer",
+        {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1}
+        | {"mamba_chunk_size": 8, "attn_layer_indices": [1]},
+    ),
+    "granitemoehybrid": (
+        "Granite 4: Mamba-2 and attention layers, top-2 of 4 experts and a shared expert",
+        {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1}
+        | {"mamba_chunk_size": 8, "layer_types": ["mamba", "attention"]}
+        | {"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "zamba2": (
+        "Mamba-2 layers and a shared attention block applied with per-layer LoRA adapters",
+        {"mamba_d_state": 8, "mamba_ngroups": 1, "n_mamba_heads": 8, "chunk_size": 8}
+        | {"num_mem_blocks": 1, "layers_block_type": ["linear_attention", "hybrid"]}
+        | {"use_mem_rope": True, "adapter_rank": 8, "use_mamba_kernels": False},
+    ),
     "minimax": (
         "lightning (linear) attention layers beside softmax attention, experts",
         {"num_local_experts": 4, "head_dim": 8},
