@@ -20,7 +20,11 @@ Seq1F1B plans also get attention whose scores are modified by causal functions o
 5. ``softmax(q·kᵀ · c + terms)`` with additive terms, fills and clamps at ≤ −1e4 (ALiBi,
    XGLM's clamp; heads may be folded into the batch): SDPA with the terms as its mask;
 6. ``softmax(f(q·kᵀ))`` with f elementwise (soft-capping) and at most one sink column: the
-   model's nodes, marked ``meta["autopart.scores"]``; the product with v is the attention.
+   model's nodes, marked ``meta["autopart.scores"]``; the product with v is the attention;
+7. an SDPA whose mask is a per-key bias computed from the keys' tokens, filled at ≤ −1e4 where
+   a position mask hides the key (Doge's dynamic mask): the bias becomes one more column of k
+   (and a column 1/scale of q), the mask the position mask alone (``_key_bias``), so the K
+   prefix carries the earlier keys' biases.
 
 A mask is proven causal by evaluation, not by pattern: its construction (which must not
 depend on parameters) is cut out of the graph and run at several sequence lengths with
@@ -41,6 +45,7 @@ autopart's explicit, reproducible one; SDPA's would draw from torch's generator)
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, cast
 
@@ -88,6 +93,9 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         changed |= _key_transposes(gm)
     for n in list(gm.graph.nodes):
         if n.target == SDPA:
+            if every_form and _key_bias(gm, n):
+                changed = True
+                propagate(gm)  # the new nodes' values, before the mask is proven
             changed |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
             changed |= _manual(gm, n, proofs) or _scored(gm, n)
@@ -168,6 +176,98 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
 
 
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
+# ops that copy or repeat a mask along its batch and head dims (a GQA repeat, a whole slice)
+_HEAD_CHAIN = (
+    aten.unsqueeze.default,
+    aten.expand.default,
+    aten.reshape.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.slice.Tensor,
+)
+
+
+def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Form 7: SDPA(q, k, v, chain(masked_fill(expand(X), C, low))), X ``[..., 1, Lk]`` one bias
+    per key (and head) and ``chain`` a repeat over batch and heads, becomes
+    SDPA([q, 1/scale], [k, chain(X)ᵀ], v, chain(~C), scale): the same scores where C keeps a
+    key (q·kᵀ·scale + X_j), −inf where the original had ``low`` (both weight 0: ``MASKED``).
+    The bias then travels with k, so a chunk's K prefix holds the earlier keys' biases; the
+    boolean position mask ~C is proven and rebuilt by ``_sdpa`` like any other."""
+    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    if not isinstance(mask, fx.Node) or len(n.args) > 5 and n.args[5]:
+        return False
+    chain, x = [], mask
+    while x.target in _HEAD_CHAIN and not _fill_of(x):
+        if x.target == aten.slice.Tensor and not _whole(x):
+            return False
+        chain.append(x)
+        x = node_arg(x, 0)
+    filled = _fill_of(x)
+    if filled is None:
+        return False
+    e, hidden = filled
+    bias = e
+    while bias.target in (aten.expand.default, aten.slice.Tensor) and (
+        bias.target != aten.slice.Tensor or _whole(bias)
+    ):
+        bias = node_arg(bias, 0)
+    val, q, k = bias.meta.get("val"), node_arg(n, 0), node_arg(n, 1)
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.shape[-2] != 1:
+        return False  # not one value per key: the query dim is not broadcast
+    if e.meta["val"].dim() != val.dim() or val.shape[-1] != e.meta["val"].shape[-1]:
+        return False
+    qd = q.meta["val"].shape[-1]
+    scale = n.kwargs.get("scale") or 1.0 / math.sqrt(int(qd))
+    g = gm.graph
+    with g.inserting_before(n):
+        keep = g.call_function(aten.bitwise_not.default, (hidden,))
+        column = bias
+        for c in reversed(chain):  # the same repeat over heads, with one query row
+            args = list(c.args)
+            if c.target in (aten.expand.default, aten.reshape.default, aten.view.default):
+                args[1] = [*list(args[1])[:-2], 1, list(args[1])[-1]]
+            elif c.target == aten._unsafe_view.default:
+                args[0:2] = [args[0], [*list(args[1])[:-2], 1, list(args[1])[-1]]]
+            column = g.call_function(c.target, (column, *args[1:]), dict(c.kwargs))
+        for c in reversed(chain):
+            keep = g.call_function(c.target, (keep, *c.args[1:]), dict(c.kwargs))
+        column = g.call_function(aten.squeeze.dim, (column, -2))
+        column = g.call_function(aten.unsqueeze.default, (column, -1))
+        column = g.call_function(aten._to_copy.default, (column,), {"dtype": k.meta["val"].dtype})
+        k2 = g.call_function(aten.cat.default, ([k, column], -1))
+        one = g.call_function(aten.slice.Tensor, (q, -1, 0, 1))
+        one = g.call_function(aten.full_like.default, (one, 1.0 / scale))
+        q2 = g.call_function(aten.cat.default, ([q, one], -1))
+    for m in g.nodes:
+        if m.op == "call_function" and "val" not in m.meta:
+            m.meta.update({key: v for key, v in n.meta.items() if key != "val"})
+    n.args = (q2, k2, *n.args[2:3], keep, *n.args[4:])
+    n.kwargs = {**n.kwargs, "scale": scale}
+    if "attn_mask" in n.kwargs:
+        n.kwargs = {key: v for key, v in n.kwargs.items() if key != "attn_mask"}
+    return True
+
+
+def _fill_of(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(values, hidden) when ``x`` is ``masked_fill(values, hidden, low)`` or
+    ``where(hidden, low, values)``, low ≤ ``MASKED``."""
+    if x.target == aten.masked_fill.Scalar and _low(x.args[2]):
+        return node_arg(x, 0), node_arg(x, 1)
+    if x.target == aten.where.ScalarSelf and _low(x.args[1]):
+        return node_arg(x, 2), node_arg(x, 0)
+    return None
+
+
+def _whole(x: fx.Node) -> bool:
+    """A slice of every index (``x[:, :, :]``)."""
+    start, end = (list(x.args[2:4]) + [None, None])[:2]
+    step = x.args[4] if len(x.args) > 4 else 1
+    size = node_arg(x, 0).meta["val"].shape[int_arg(x, 1) if len(x.args) > 1 else 0]
+    big = end is None or (isinstance(end, int) and end >= 2**62)
+    same = isinstance(end, fx.Node) and str(end.meta.get("val")) == str(size)
+    return start in (None, 0) and step == 1 and (big or same)
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:

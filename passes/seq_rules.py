@@ -422,10 +422,15 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         fresh = node_arg(n, 0).target in (aten.zeros.default, aten.zeros_like.default)
         if fresh and _rows(rows) and isinstance(idx, Routed) and idx.key is rows.key:
             # each sorted row added back where it came from: its token (JetMoE's experts'
-            # outputs, k per token, summed) or its slot (its attention heads' queries)
-            if idx.kind == "token" and isinstance(out, Seq) and out.dim == 0 and out.inner == ONE:
+            # outputs, k per token, summed) or its slot (its attention heads' queries), into
+            # zeros with exactly one row per token (per slot)
+            size = p.at(node_arg(n, 0).meta["val"].shape[0])
+            slots = p.at(node_arg(idx.key, 0).meta["val"].shape[0])
+            tokens = tuple(s // i for s, i in zip(slots, idx.seq.inner, strict=True))
+            along = isinstance(out, Seq) and out.dim == 0
+            if idx.kind == "token" and along and out.inner == ONE and size == tokens:
                 return out
-            if idx.kind == "perm" and isinstance(out, Seq) and out.dim == 0:
+            if idx.kind == "perm" and along and size == slots:
                 return idx.seq
     if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
         return Routed("group", r0.key, r0.seq)

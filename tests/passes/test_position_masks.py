@@ -29,12 +29,15 @@ class _Scores(nn.Module):
     soft-capping, Gemma 2), "sink" (a learned sink column per head, its row max subtracted,
     gpt-oss), "chunked" (an SDPA mask: causal within blocks of 4, Llama 4), "folded" (heads
     folded into the batch, a clamp at the float minimum, XGLM), "gpt1" (scores × mask − 1e4
-    where masked: a weight exp(−1e4 − max) is exactly 0). Refused kinds: "soft" (−1 where
+    where masked: a weight exp(−1e4 − max) is exactly 0), "key-bias" (an SDPA mask of one bias
+    per key computed from its token, filled where the causal mask hides the key: Doge).
+    Refused kinds: "soft" (−1 where
     masked), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
     (MPT's bias under the
     soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
     not see itself), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
-    column from a running sum over the sequence)."""
+    column from a running sum over the sequence), "key-bias-open" (the per-key bias with no
+    causal fill: later keys seen), "pair-bias" (a bias per query and key from their tokens)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -42,6 +45,8 @@ class _Scores(nn.Module):
         self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
         if kind.startswith("sink"):
             self.sinks = nn.Parameter(torch.tensor([0.5, -1.0]))
+        if kind.endswith("-bias") or kind == "key-bias-open":
+            self.gate = nn.Linear(16, 2)
         self.register_buffer("slopes", torch.tensor([0.5, 0.25]).view(1, 2, 1, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,14 @@ class _Scores(nn.Module):
         i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
         keep = j <= i
         mask = torch.where(keep, 0.0, LOW)
+        if self.kind in ("key-bias", "key-bias-open", "pair-bias"):
+            bias = self.gate(self.emb(ids)).transpose(1, 2)[:, :, None, :]  # [b, 2, 1, s]
+            if self.kind == "pair-bias":  # query i's row scaled by its own token's gate
+                bias = bias * bias.transpose(-1, -2)
+            hide = torch.zeros_like(keep) if self.kind == "key-bias-open" else ~keep
+            mask = bias.expand(b, 2, s, s).masked_fill(hide, LOW)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(y.transpose(1, 2).reshape(b, s, 16))
         if self.kind in ("chunked", "blocks"):
             allowed = (i // 4 == j // 4) & (keep if self.kind == "chunked" else True)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
@@ -105,6 +118,7 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
         ("capped", "scores"),
         ("sink", "scores"),
         ("gpt1", "scores"),
+        ("key-bias", "sdpa"),
     ],
 )
 def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
@@ -124,7 +138,9 @@ def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
     (n,) = attention
     if form == "sdpa":
         assert n.target == SDPA
-        if kind != "causal":  # its mask: rebuilt, with the key length of [prefix; chunk]
+        if kind == "key-bias":  # the bias is k's last column (and q's a column of 1/scale)
+            assert n.args[0].meta["val"].shape[-1] == n.args[1].meta["val"].shape[-1] == 9
+        elif kind != "causal":  # its mask: rebuilt, with the key length of [prefix; chunk]
             assert n.args[3].meta.get(META_MASK_FN)
             assert any(m.meta.get(META_MASK_FN) == "keys" for m in gm.graph.nodes)
     else:
@@ -141,6 +157,8 @@ def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
         ("strict", "hides a query's own key"),
         ("blocks", "lets a query see later keys"),
         ("sink-tokens", "a sink column computed from the tokens"),
+        ("key-bias-open", "lets a query see later keys"),
+        ("pair-bias", "its mask depends on"),
     ],
 )
 def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: str) -> None:
