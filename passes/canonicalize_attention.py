@@ -68,7 +68,7 @@ from autopart.meta import (
     META_SCORES,
     META_WINDOW,
 )
-from autopart.node_args import float_arg, int_arg, node_arg
+from autopart.node_args import float_arg, int_arg, node_arg, seq_arg
 from autopart.passes.position_masks import (
     MASKED,
     discard,
@@ -219,20 +219,26 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
     if e.meta["val"].dim() != val.dim() or val.shape[-1] != e.meta["val"].shape[-1]:
         return False
     qd = q.meta["val"].shape[-1]
-    scale = n.kwargs.get("scale") or 1.0 / math.sqrt(int(qd))
+    given = n.kwargs.get("scale")
+    scale = float(given) if isinstance(given, (int, float)) else 1.0 / math.sqrt(int(qd))
     g = gm.graph
+    sized = (
+        aten.expand.default,
+        aten.reshape.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+    )
     with g.inserting_before(n):
         keep = g.call_function(aten.bitwise_not.default, (hidden,))
         column = bias
         for c in reversed(chain):  # the same repeat over heads, with one query row
-            args = list(c.args)
-            if c.target in (aten.expand.default, aten.reshape.default, aten.view.default):
-                args[1] = [*list(args[1])[:-2], 1, list(args[1])[-1]]
-            elif c.target == aten._unsafe_view.default:
-                args[0:2] = [args[0], [*list(args[1])[:-2], 1, list(args[1])[-1]]]
-            column = g.call_function(c.target, (column, *args[1:]), dict(c.kwargs))
-        for c in reversed(chain):
-            keep = g.call_function(c.target, (keep, *c.args[1:]), dict(c.kwargs))
+            target = cast("Any", c.target)
+            args = list(c.args[1:])
+            if target in sized:
+                shape = list(seq_arg(c, 1))
+                args[0] = [*shape[:-2], 1, shape[-1]]
+            column = g.call_function(target, (column, *args), dict(c.kwargs))
+            keep = g.call_function(target, (keep, *c.args[1:]), dict(c.kwargs))
         column = g.call_function(aten.squeeze.dim, (column, -2))
         column = g.call_function(aten.unsqueeze.default, (column, -1))
         column = g.call_function(aten._to_copy.default, (column,), {"dtype": k.meta["val"].dtype})
@@ -267,7 +273,7 @@ def _whole(x: fx.Node) -> bool:
     size = node_arg(x, 0).meta["val"].shape[int_arg(x, 1) if len(x.args) > 1 else 0]
     big = end is None or (isinstance(end, int) and end >= 2**62)
     same = isinstance(end, fx.Node) and str(end.meta.get("val")) == str(size)
-    return start in (None, 0) and step == 1 and (big or same)
+    return bool(start in (None, 0) and step == 1 and (big or same))
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:

@@ -427,11 +427,11 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
             size = p.at(node_arg(n, 0).meta["val"].shape[0])
             slots = p.at(node_arg(idx.key, 0).meta["val"].shape[0])
             tokens = tuple(s // i for s, i in zip(slots, idx.seq.inner, strict=True))
-            along = isinstance(out, Seq) and out.dim == 0
-            if idx.kind == "token" and along and out.inner == ONE and size == tokens:
-                return out
-            if idx.kind == "perm" and along and size == slots:
-                return idx.seq
+            if isinstance(out, Seq) and out.dim == 0:
+                if idx.kind == "token" and out.inner == ONE and size == tokens:
+                    return out
+                if idx.kind == "perm" and size == slots:
+                    return idx.seq
     if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
         return Routed("group", r0.key, r0.seq)
     if t == aten.index.Tensor and len(seq_arg(n, 1)) == 1:

@@ -123,9 +123,10 @@ def test_gptj_and_bloom_pass_where_they_were_wrong_or_crashed(slow_matrix) -> No
 @pytest.mark.slow
 def test_scores_as_functions_of_positions_pass_seq1f1b(slow_matrix) -> None:
     """ALiBi (BLOOM, MPT), XGLM's folded clamp, soft-capping (Gemma 2, VaultGemma), GPT-1's −1e4
-    mask and windows trimmed at k = 4 (Mistral): refused before passes/position_masks.py, exact
-    now; and the plans the new rows crashed or failed in before their fixes."""
-    for arch in ("bloom", "mpt", "gemma2", "vaultgemma", "openai-gpt"):  # GPT-1: −1e4 masks
+    mask, Doge's per-key bias and windows trimmed at k = 4 (Mistral): refused before
+    passes/position_masks.py, exact now; and the plans the new rows crashed or failed in before
+    their fixes."""
+    for arch in ("bloom", "mpt", "gemma2", "vaultgemma", "openai-gpt", "doge"):  # GPT-1: −1e4
         for plan in (SEQ, BOTH, "pp=2 Seq1F1B k=4"):
             assert_passes(slow_matrix[arch][1][plan])
     for plan in (SEQ, BOTH, "pp=2 Seq1F1B k=4"):  # XGLM runs in float32: float32's tolerance
@@ -141,9 +142,9 @@ def test_scores_as_functions_of_positions_pass_seq1f1b(slow_matrix) -> None:
     ("arch", "why"),
     [
         (
-            "doge",
-            "attention scaled_dot_product_attention (model.layers.0.self_attn) is not causal: "
-            "its mask depends on model.embed_tokens.weight",
+            "falcon_h1",
+            "Seq1F1B cannot chunk node pad (model.layers.0.mamba): the sequence length used as "
+            "a value (each chunk has its own)",
         ),
     ],
 )
