@@ -18,3 +18,19 @@ def test_a_trimmed_prefix_saves_less_and_computes_the_same() -> None:
     assert first[0]["saved"] == first[1]["saved"]  # no earlier tokens: nothing to trim
     for t, f in later:  # 16+ earlier tokens, a window of 8: at most 7 kept
         assert t["saved"] < f["saved"] and t["prefix"] < f["prefix"]
+
+
+@pytest.mark.slow  # an HF model compiled and run three times over
+def test_the_window_aware_split_is_found_and_every_split_computes_the_same() -> None:
+    """The split benchmark at 256 tokens (a window of 8): the program's chunk cost carries the
+    window, its balanced chunks are nearly equal while the causal-only ones shrink, and every
+    split's chunks sum to the unchunked loss."""
+    from benchmarks.seq1f1b_window_split import measure as split
+
+    m = split(seq=256, window=8, chunks=4, repeats=1)
+    assert m["coeffs"][2] == 8.0
+    lengths = {n: [e - a for a, e in s["bounds"]] for n, s in m["splits"].items()}
+    assert lengths["window-aware"] == [64, 64, 64, 64] != lengths["causal-only"]
+    assert lengths["causal-only"] == sorted(lengths["causal-only"], reverse=True)
+    for s in m["splits"].values():
+        assert abs(s["loss"] - m["want"]) <= 1e-5 * abs(m["want"])
