@@ -31,19 +31,29 @@ from torch import fx
 
 from autopart import collectives  # noqa: F401 - registers the autopart:: ops
 from autopart.errors import AutopartError
-from autopart.frontend.capture import from_parameters
-from autopart.frontend.shapes import fake_like, propagate
+from autopart.frontend.capture import InputRef, from_parameters
+from autopart.frontend.shapes import fake_like, fake_mode, propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_GLOBAL_VAL,
     META_INPUT,
+    META_LAYER,
+    META_MASK_FN,
     META_MODULE,
     META_ROLE,
     META_SHARD,
     META_TP_SPLIT,
 )
 from autopart.node_args import int_arg, node_arg, seq_arg
-from autopart.passes.tp_rules import Matmul, matmul_form, spread, tensor_of, tensor_val, view_map
+from autopart.passes.tp_rules import (
+    Matmul,
+    matmul_form,
+    per_head_mask,
+    spread,
+    tensor_of,
+    tensor_val,
+    view_map,
+)
 
 log = logging.getLogger("autopart")
 aten, ops = torch.ops.aten, torch.ops.autopart
@@ -92,8 +102,71 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         _rewrite_constants(n, sp.dims, tp)
         n.meta[META_TP_SPLIT] = sp.dims[n]
     _sum_partial_grads(gm, sp)
+    _mask_heads(gm, sp, tp)
     localize(gm, tp)
     return propagate(gm)
+
+
+def _mask_heads(gm: fx.GraphModule, sp, tp: int) -> None:
+    """An SDPA split by heads whose rebuilt mask differs per head (``tp_rules.per_head_mask``:
+    ALiBi's slopes) reads this rank's heads of it: ``index_select`` of rows
+    ``tp_rank · h/tp + arange(h/tp)`` along the mask's head dim (marked part of the mask
+    function, so the chunk pass treats it like the mask it selects from)."""
+    rank = None
+    for n in list(gm.graph.nodes):
+        if n.target != aten.scaled_dot_product_attention.default or n not in sp.dims:
+            continue
+        pos = per_head_mask(n)
+        if pos is None:
+            continue
+        mask = node_arg(n, 3)
+        heads = tensor_of(mask).shape[pos]
+        if not isinstance(heads, int) or heads % tp:
+            raise AutopartError(
+                f"attention {n.name} ({n.meta.get(META_MODULE) or '<root>'}) has a mask of "
+                f"{heads} heads, which tp = {tp} does not divide",
+                hint="choose a tp that divides the number of attention heads",
+            )
+        rank = rank or _tp_rank(gm)
+        g = gm.graph
+        with g.inserting_before(n):
+            first = g.call_function(aten.mul.Tensor, (rank, heads // tp))
+            rows = g.call_function(
+                aten.arange.default, (heads // tp,), {"device": tensor_of(mask).device}
+            )
+            index = g.call_function(aten.add.Tensor, (rows, first))
+            mine = g.call_function(aten.index_select.default, (mask, pos, index))
+        for new in (first, rows, index, mine):
+            new.meta.update({k: v for k, v in mask.meta.items() if k != "val"})
+            new.meta[META_MASK_FN] = True
+        n.replace_input_with(mask, mine)
+
+
+def _tp_rank(gm: fx.GraphModule) -> fx.Node:
+    """The graph's ``tp_rank`` input (``InputRef("rank", "tp")``), added if missing."""
+    for n in gm.graph.nodes:
+        ref = n.meta.get(META_INPUT) if n.op == "placeholder" else None
+        if ref is not None and ref.kind == "rank" and ref.name == "tp":
+            return n
+    return rank_input(gm)
+
+
+def rank_input(gm: fx.GraphModule) -> fx.Node:
+    """A new ``tp_rank`` input (``InputRef(\"rank\", \"tp\")``), after the last placeholder."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        rank = gm.graph.placeholder("tp_rank")
+    with fake_mode([last.meta["val"]]):
+        rank.meta["val"] = torch.empty((), dtype=torch.int64)
+    rank.meta.update(
+        {
+            META_INPUT: InputRef("rank", "tp"),
+            META_MODULE: "",
+            META_LAYER: None,
+            META_SHARD: None,
+        }
+    )
+    return rank
 
 
 def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:

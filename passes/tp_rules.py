@@ -16,7 +16,7 @@ import sympy
 import torch
 from torch import fx
 
-from autopart.meta import META_INPUT
+from autopart.meta import META_INPUT, META_MASK_FN
 from autopart.node_args import node_arg, optional_node_arg
 
 aten = torch.ops.aten
@@ -209,9 +209,23 @@ def _attention(n, dims):
             raise Illegal("split attention mask")
         m = tensor_val(mask)
         pos = heads - (_ndim(q) - m.dim())
-        if pos >= 0 and m.shape[pos] != 1:
+        if pos >= 0 and m.shape[pos] != 1 and not per_head_mask(n):
             raise Illegal("attention mask differs per head")
     return heads
+
+
+def per_head_mask(n: fx.Node) -> int | None:
+    """The head dim of an SDPA's mask that differs per head and that ``position_masks`` rebuilt
+    from sizes and buffers (ALiBi's slopes): the same on every rank, so each rank may take its
+    own heads' rows of it (``tensor_parallel._mask_heads``); None for any other mask."""
+    mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    q, m = tensor_val(n.args[0]), tensor_val(mask)
+    if q is None or m is None or not isinstance(mask, fx.Node) or not mask.meta.get(META_MASK_FN):
+        return None
+    pos = m.dim() - 3  # q is [..., heads, L, E]: the mask's dim aligned with the heads
+    if pos < 0 or m.shape[pos] == 1 or str(m.shape[pos]) != str(q.shape[-3]):
+        return None
+    return pos
 
 
 def _batched_matmul(n, dims):

@@ -19,14 +19,11 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import InputRef
-from autopart.frontend.shapes import fake_mode, propagate
+from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import (
     META_INPUT,
-    META_LAYER,
-    META_MODULE,
     META_ROLE,
-    META_SHARD,
     META_VOCAB_DIMS,
 )
 from autopart.node_args import node_arg
@@ -35,6 +32,7 @@ from autopart.passes.tensor_parallel import (
     _rewrite_constants,
     _set_shard,
     localize,
+    rank_input,
     tp_copy_of,
 )
 from autopart.passes.tp_rules import matmul_form, spread, tensor_of
@@ -53,7 +51,7 @@ def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             f"vocabulary size {vocab} is not divisible by tp={tp}",
             hint=f"pad the vocabulary to a multiple of {tp} (nanoGPT pads 50257 to 50304) or pick tp dividing {vocab}",
         )
-    rank = _rank_input(gm)
+    rank = rank_input(gm)
     head = _head(gm, ce)
     if head is not None:
         _split_head(gm, head, ce, rank, tp)
@@ -80,23 +78,6 @@ def _loss(gm: fx.GraphModule) -> fx.Node:
             hint="capture adds the loss as summed CE with ignore_index=-100, no class weights, no label smoothing; pass a graph from autopart.frontend.capture unchanged, or run without vocabulary parallelism",
         )
     return ce
-
-
-def _rank_input(gm: fx.GraphModule) -> fx.Node:
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
-        rank = gm.graph.placeholder("tp_rank")
-    with fake_mode([last.meta["val"]]):
-        rank.meta["val"] = torch.empty((), dtype=torch.int64)
-    rank.meta.update(
-        {
-            META_INPUT: InputRef("rank", "tp"),
-            META_MODULE: "",
-            META_LAYER: None,
-            META_SHARD: None,
-        }
-    )
-    return rank
 
 
 def _head(gm: fx.GraphModule, ce: fx.Node) -> fx.Node | None:
