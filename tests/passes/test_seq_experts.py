@@ -28,7 +28,8 @@ class _Experts(nn.Module):
     expert, the tokens repeated once per expert along the merged batch·sequence dim, weighted
     by the router's scores and summed over the experts). Broken: "shuffled" (the experts'
     outputs joined in another order: rows land on other tokens), "folded" (the repeat viewed
-    so that one row holds two tokens' copies). ``positions``: "arange" or "buffer" (GPT-1's
+    so that one row holds two tokens' copies), "tiled" (a repeat along a dim that is the
+    sequence alone, read back as pairs of tokens). ``positions``: "arange" or "buffer" (GPT-1's
     ``position_ids[:, :s]``), broken: "shifted" (a buffer of 1, 2, 3, …: not positions)."""
 
     def __init__(self, kind: str, positions: str = "arange") -> None:
@@ -47,11 +48,14 @@ class _Experts(nn.Module):
         x = (self.emb(ids) + self.pos(where)).view(-1, H)
         logits = self.router(x)
         top, chosen = logits.topk(K, dim=-1)
-        if self.kind in ("dense", "folded"):
+        if self.kind in ("dense", "folded", "tiled"):
             scores = torch.full_like(logits, float("-inf")).scatter(1, chosen, top).sigmoid()
             rows = x.repeat(E, 1) * scores.t().reshape(-1, 1)
             if self.kind == "folded":  # [E·b·s, H] viewed as [E·b·s / 2, 2H]: tokens paired
                 rows = rows.view(-1, 2 * H).flip(-1).reshape(-1, H)
+            if self.kind == "tiled":  # [b, s, H] tiled along s itself, then read as pairs
+                pairs = x.view(b, s, H).repeat(1, 2, 1).view(b, s, 2, H)
+                rows = rows + pairs.sum(2).reshape(-1, H).repeat(E, 1)
             y = (torch.bmm(rows.view(E, -1, H), self.w) + self.bias[:, None]).sum(0)
             return self.out(y.view(b, s, H))
         weights = top.softmax(-1)
@@ -81,6 +85,7 @@ def test_experts_chunk_exactly(kind: str, positions: str) -> None:
     [
         ("shuffled", "arange", "cat", "on routed tokens, which the routing rule does not cover"),
         ("folded", "arange", "view", "a view that cuts the sequence across dims"),
+        ("tiled", "arange", "repeat", "a repeat along the sequence"),
         ("split", "shifted", "slice", "a value sized by the sequence computed from no token"),
     ],
 )
