@@ -93,9 +93,7 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         changed |= _key_transposes(gm)
     for n in list(gm.graph.nodes):
         if n.target == SDPA:
-            if every_form and _key_bias(gm, n):
-                changed = True
-                propagate(gm)  # the new nodes' values, before the mask is proven
+            changed |= every_form and _key_bias(gm, n)
             changed |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
             changed |= _manual(gm, n, proofs) or _scored(gm, n)
@@ -202,6 +200,8 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
     while x.target in _HEAD_CHAIN and not _fill_of(x):
         if x.target == aten.slice.Tensor and not _whole(x):
             return False
+        if _last_two(x) != _last_two(node_arg(x, 0)):
+            return False  # it moves the query or key dim: not a repeat over batch and heads
         chain.append(x)
         x = node_arg(x, 0)
     filled = _fill_of(x)
@@ -246,14 +246,26 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
         one = g.call_function(aten.slice.Tensor, (q, -1, 0, 1))
         one = g.call_function(aten.full_like.default, (one, 1.0 / scale))
         q2 = g.call_function(aten.cat.default, ([q, one], -1))
-    for m in g.nodes:
-        if m.op == "call_function" and "val" not in m.meta:
-            m.meta.update({key: v for key, v in n.meta.items() if key != "val"})
+    made = [m for m in g.nodes if m.op == "call_function" and "val" not in m.meta]
+    for m in made:
+        m.meta.update({key: v for key, v in n.meta.items() if key != "val"})
+    before = (n.args, n.kwargs)
     n.args = (q2, k2, *n.args[2:3], keep, *n.args[4:])
-    n.kwargs = {**n.kwargs, "scale": scale}
-    if "attn_mask" in n.kwargs:
-        n.kwargs = {key: v for key, v in n.kwargs.items() if key != "attn_mask"}
+    n.kwargs = {key: v for key, v in n.kwargs.items() if key != "attn_mask"} | {"scale": scale}
+    try:
+        propagate(gm)  # the new nodes' values, before the mask is proven
+    except Exception:  # noqa: BLE001 - the repeat does not apply to one query row: not this form
+        n.args, n.kwargs = before
+        for m in reversed(made):
+            g.erase_node(m)
+        propagate(gm)
+        return False
     return True
+
+
+def _last_two(x: fx.Node) -> str:
+    val = x.meta.get("val")
+    return str(tuple(val.shape[-2:])) if isinstance(val, torch.Tensor) and val.dim() >= 2 else ""
 
 
 def _fill_of(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
