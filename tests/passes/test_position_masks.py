@@ -176,10 +176,10 @@ def test_a_per_head_mask_is_split_with_the_heads_under_tp() -> None:
     """MPT's ALiBi (slope · (j − s + 1), one slope per head) under tp = 2 and Seq1F1B: the
     attention is split by heads (it was left replicated: "attention mask differs per head"),
     each rank reading its own heads' rows of the rebuilt mask (``index_select`` by
-    ``tp_rank``), and the loss and every gradient match one device."""
+    ``tp_rank``). Its loss and every gradient match one device on real ranks in the zoo's MPT
+    row (tp=2×pp=2 Seq1F1B k=2, under -m slow with the whole matrix)."""
     from autopart.meta import META_INPUT
     from autopart.models import zoo
-    from autopart.parity.verify import Check, verify_many
 
     model, batch = zoo.make("mpt")
     program = parallelize(
@@ -193,7 +193,3 @@ def test_a_per_head_mask_is_split_with_the_heads_under_tp() -> None:
     assert len(picks) == 2 and all(
         p.args[2].args[1].args[0].meta[META_INPUT].kind == "rank" for p in picks
     )
-    (report,) = verify_many(
-        [Check("autopart.models.zoo:mpt", tp=2, schedule="seq1f1b", seq_chunks=2)], via="fork"
-    ).values()
-    assert not isinstance(report, AutopartError) and report.ok, str(report)
