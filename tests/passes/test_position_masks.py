@@ -193,3 +193,40 @@ def test_a_per_head_mask_is_split_with_the_heads_under_tp() -> None:
     assert len(picks) == 2 and all(
         p.args[2].args[1].args[0].meta[META_INPUT].kind == "rank" for p in picks
     )
+
+
+class _LearnedSlopes(nn.Module):
+    """One attention layer (q, k, v, o projections, 2 heads) whose SDPA mask is ALiBi with
+    learned slopes: a per-head mask read from a parameter, which no pass rebuilds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, 16), nn.Linear(16, 50)
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.slopes = nn.Parameter(torch.tensor([0.5, 0.25]))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.emb(ids)
+        q, k, v = (f(x).view(b, s, 2, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        bias = self.slopes.view(1, 2, 1, 1) * (j - i).clamp(max=0)
+        mask = bias.masked_fill(j > i, LOW)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(self.o(y.transpose(1, 2).reshape(b, s, 16)))
+
+
+def test_a_per_head_mask_from_parameters_stays_replicated_under_tp(caplog) -> None:
+    """Negative control: the same per-head mask read from a parameter (learned slopes) is not
+    the same on every rank by construction, so tp leaves the attention replicated, saying so."""
+    import logging
+
+    ids = torch.randint(1, 50, (2, 16))
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        program = parallelize(capture(_LearnedSlopes().double(), (ids, ids)), Mesh(tp=2))
+    assert any("attention mask differs per head" in r.getMessage() for r in caplog.records)
+    (stage,) = program.rank(0).stages
+    nodes = list(stage.graph.graph.nodes)
+    assert not any(n.target == torch.ops.aten.index_select.default for n in nodes)
+    (sdpa,) = [n for n in nodes if n.target == SDPA]
+    assert sdpa.args[0].meta["val"].shape[1] == 2  # both heads on every rank
