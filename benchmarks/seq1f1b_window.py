@@ -68,14 +68,44 @@ def untrimmed(gm: Any) -> Any:
     return out
 
 
+def chunk_inputs(
+    inputs: Any,
+    params: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    bounds: tuple[int, int],
+    prefix: list[torch.Tensor],
+) -> list[Any]:
+    """The one-rank stage's arguments for the chunk of tokens ``bounds`` = [a, e), fed
+    ``prefix`` (what the runtime's ``stage_inputs`` gives it)."""
+    from autopart.layout import Coords
+    from autopart.program.feeds import chunk_feeds, stage_inputs
+
+    a, e = bounds
+    data, keys = chunk_feeds({"input_ids": ids, "labels": labels}, a, e)
+    return stage_inputs(
+        inputs,
+        params=params,
+        buffers={k: v for k, v in weights.items() if k not in params},
+        data=data,
+        keys=keys,
+        coords=Coords(pp=0, dp=0, tp=0),
+        acts=[],
+        prefix=prefix,
+        offset=a,
+        seed=torch.tensor(0),
+        compute=None,
+        device=torch.device("cpu"),
+    )
+
+
 def run_chunks(
     program: Any, gm: Any, ids: torch.Tensor, labels: torch.Tensor
 ) -> tuple[float, list[dict[str, int]]]:
     """Forward every chunk of the one-rank program's stage, run as ``gm`` (no backward: the
     bytes saved for it are what is measured); the summed loss and, per chunk, saved and prefix
     bytes."""
-    from autopart.layout import Coords
-    from autopart.program.feeds import chunk_feeds, stage_inputs
     from autopart.runtime.runner import local_weights
     from autopart.schedule.chunks import chunk_bounds
 
@@ -102,21 +132,7 @@ def run_chunks(
                 saved[0] += t.untyped_storage().nbytes()
             return t
 
-        data, keys = chunk_feeds({"input_ids": ids, "labels": labels}, a, e)
-        args = stage_inputs(
-            st.inputs,
-            params=params,
-            buffers={k: v for k, v in weights.items() if k not in params},
-            data=data,
-            keys=keys,
-            coords=Coords(pp=0, dp=0, tp=0),
-            acts=[],
-            prefix=prefix,
-            offset=a,
-            seed=torch.tensor(0),
-            compute=None,
-            device=torch.device("cpu"),
-        )
+        args = chunk_inputs(st.inputs, params, weights, ids, labels, (a, e), prefix)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = gm(*args)
         total += float(out[0])

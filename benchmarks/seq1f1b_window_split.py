@@ -47,8 +47,8 @@ def chunk_times(
 ) -> tuple[float, list[float]]:
     """The summed loss and each chunk's median forward + backward seconds (its prefix the one
     the chunk before handed on, as the runtime does)."""
-    from autopart.layout import Coords
-    from autopart.program.feeds import chunk_feeds, stage_inputs
+    from seq1f1b_window import chunk_inputs
+
     from autopart.runtime.runner import local_weights
 
     rp = program.rank(0)
@@ -61,21 +61,7 @@ def chunk_times(
     prefix = [torch.zeros([1 if d == "b" else d for d in s]) for s in shapes]
     total, seconds = 0.0, []
     for a, e in bounds:
-        data, keys = chunk_feeds({"input_ids": ids, "labels": labels}, a, e)
-        args = stage_inputs(
-            st.inputs,
-            params=params,
-            buffers={k: v for k, v in weights.items() if k not in params},
-            data=data,
-            keys=keys,
-            coords=Coords(pp=0, dp=0, tp=0),
-            acts=[],
-            prefix=prefix,
-            offset=a,
-            seed=torch.tensor(0),
-            compute=None,
-            device=torch.device("cpu"),
-        )
+        args = chunk_inputs(st.inputs, params, weights, ids, labels, (a, e), prefix)
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
