@@ -204,6 +204,14 @@ class _Mixer(torch.nn.Module):
             x = x * ids.shape[1]
         elif self.mix == "mean":  # centred over the sequence
             x = x - x.mean(dim=1, keepdim=True)
+        elif self.mix == "scan":  # a recurrence looped over the tokens in Python (Mamba's)
+            h, outs = torch.zeros_like(x[:, 0]), []
+            for t in range(ids.shape[1]):
+                h = 0.5 * h + x[:, t]
+                outs.append(h)
+            x = x + torch.stack(outs, 1)
+        elif self.mix == "blocks":  # the first block of tokens read by all (lightning's blocks)
+            x = x + x[:, :4].mean(dim=1, keepdim=True)
         elif self.mix == "assign":  # a slice assignment on the hidden dim: per token, chunkable
             x = x.clone()
             x[..., :4] = x[..., 4:8] * 2
@@ -224,6 +232,8 @@ class _Mixer(torch.nn.Module):
         ),
         ("length", "the sequence length used as a value"),
         ("mean", "node mean (<root>): a reduction over the sequence"),
+        ("scan", "was fixed at capture to 16 tokens (torch.export specialized it)"),
+        ("blocks", "a slice of the sequence"),
     ],
 )
 def test_tokens_meeting_along_the_sequence_are_refused(mix: str, node: str) -> None:
