@@ -13,7 +13,9 @@ attention, head reshapes, rotary slicing, GQA repeats) — runs on tp ranks with
   ``expand`` sizes, ``split`` sizes); ``meta["val"]`` holds the local shapes;
 - one ``autopart::tp_all_reduce_grad`` on each replicated operand that carries a gradient into
   a split op (a per-head norm weight, as Qwen3's q/k norms): that op sees only this rank's
-  heads, so the gradient it sends back is this rank's share and the ranks' shares are summed.
+  heads, so the gradient it sends back is this rank's share and the ranks' shares are summed;
+- an attention split by heads whose mask was rebuilt from sizes and buffers and differs per
+  head (ALiBi) reads this rank's heads of it (``index_select`` by ``tp_rank``).
 
 Parameter placeholders get ``meta["autopart.shard"]`` = ``TPShard(dim, strided)`` or keep
 ``None`` (replicated). A region the rules cannot prove is left replicated with a warning naming
