@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import fx
 
-__all__ = ["float_arg", "int_arg", "node_arg", "optional_node_arg", "seq_arg"]
+__all__ = ["float_arg", "int_arg", "node_arg", "optional_node_arg", "seq_arg", "whole_slice"]
 
 
 def node_arg(n: fx.Node, i: int) -> fx.Node:
@@ -62,3 +63,19 @@ def seq_arg(n: fx.Node, i: int) -> Sequence[Any]:
         f"{n.name}: argument {i} is {type(a).__name__}, not a sequence"
     )
     return a
+
+
+def whole_slice(n: fx.Node) -> bool:
+    """``n`` is ``aten.slice`` keeping every index of its dim, in order: start 0, step 1, and an
+    end past the dim (``x[:, 0:MAX]``, Hugging Face's ``logits_to_keep=0``) or the dim's own
+    size (``x[:, :s]`` of an ``s``-long dim)."""
+    if n.target != torch.ops.aten.slice.Tensor:
+        return False
+    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
+    x, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
+    size = x.meta["val"].shape[dim] if isinstance(x, fx.Node) and isinstance(dim, int) else None
+    past = end is None or (isinstance(end, int) and end >= 2**62)
+    same = size is not None and str(end.meta["val"] if isinstance(end, fx.Node) else end) == str(
+        size
+    )
+    return bool(start in (None, 0) and step == 1 and (past or same))

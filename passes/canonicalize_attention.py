@@ -68,7 +68,7 @@ from autopart.meta import (
     META_SCORES,
     META_WINDOW,
 )
-from autopart.node_args import float_arg, int_arg, node_arg, seq_arg
+from autopart.node_args import float_arg, int_arg, node_arg, seq_arg, whole_slice
 from autopart.passes.position_masks import (
     MASKED,
     discard,
@@ -198,7 +198,7 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
         return False
     chain, x = [], mask
     while x.target in _HEAD_CHAIN and not _fill_of(x):
-        if x.target == aten.slice.Tensor and not _whole(x):
+        if x.target == aten.slice.Tensor and not whole_slice(x):
             return False
         if _last_two(x) != _last_two(node_arg(x, 0)):
             return False  # it moves the query or key dim: not a repeat over batch and heads
@@ -210,7 +210,7 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
     e, hidden = filled
     bias = e
     while bias.target in (aten.expand.default, aten.slice.Tensor) and (
-        bias.target != aten.slice.Tensor or _whole(bias)
+        bias.target != aten.slice.Tensor or whole_slice(bias)
     ):
         bias = node_arg(bias, 0)
     val, q, k = bias.meta.get("val"), node_arg(n, 0), node_arg(n, 1)
@@ -276,16 +276,6 @@ def _fill_of(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     if x.target == aten.where.ScalarSelf and _low(x.args[1]):
         return node_arg(x, 2), node_arg(x, 0)
     return None
-
-
-def _whole(x: fx.Node) -> bool:
-    """A slice of every index (``x[:, :, :]``)."""
-    start, end = (list(x.args[2:4]) + [None, None])[:2]
-    step = x.args[4] if len(x.args) > 4 else 1
-    size = node_arg(x, 0).meta["val"].shape[int_arg(x, 1) if len(x.args) > 1 else 0]
-    big = end is None or (isinstance(end, int) and end >= 2**62)
-    same = isinstance(end, fx.Node) and str(end.meta.get("val")) == str(size)
-    return bool(start in (None, 0) and step == 1 and (big or same))
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:

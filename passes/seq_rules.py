@@ -57,7 +57,7 @@ from autopart.meta import (
     META_SCORES,
     META_SYMBOLS,
 )
-from autopart.node_args import int_arg, node_arg, seq_arg
+from autopart.node_args import int_arg, node_arg, seq_arg, whole_slice
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -528,15 +528,8 @@ def _row_wise(n: fx.Node, p: _Prover) -> bool:
     if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
         return _dim_arg(n, 2, 0) % _ndim(n.args[0]) != 0
     if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default):  # of another dim
-        return _dim_arg(n, 1, 0) % _ndim(n.args[0]) != 0 or _whole_slice(n)
+        return _dim_arg(n, 1, 0) % _ndim(n.args[0]) != 0 or whole_slice(n)
     return False
-
-
-def _whole_slice(n: fx.Node) -> bool:
-    """``x[0:end]`` with ``end`` past every row: all of them, in order."""
-    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
-    whole = end is None or (isinstance(end, int) and end >= 2**62)
-    return bool(n.target == aten.slice.Tensor and start in (None, 0) and step == 1 and whole)
 
 
 _SLOT_USERS = frozenset(
@@ -606,14 +599,7 @@ def _scan(name: str) -> Callable:
 def _slice(n: fx.Node) -> list:
     x = node_arg(n, 0)
     dim = _dim_arg(n, 1, 0)
-    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
-    size = x.meta["val"].shape[dim]
-    whole = start in (None, 0) and step == 1
-    whole = whole and (
-        end is None
-        or (isinstance(end, int) and end >= 2**62)
-        or (str(end.meta["val"] if isinstance(end, fx.Node) else end) == str(size))
-    )
+    whole = whole_slice(n)
     return [] if whole else [(x, [dim], "a slice of the sequence")]
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from autopart.meta import META_INPUT, META_MASK_FN
-from autopart.node_args import node_arg, optional_node_arg
+from autopart.node_args import node_arg, optional_node_arg, whole_slice
 
 aten = torch.ops.aten
 
@@ -115,23 +115,11 @@ def _expand(n, dims):
     return d + len(n.args[1]) - _ndim(n.args[0])
 
 
-def _whole_slice(n: fx.Node) -> bool:
-    """``x[:, 0:MAX]`` — a slice that keeps everything (Hugging Face's logits_to_keep=0)."""
-    if n.target != aten.slice.Tensor:
-        return False
-    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
-    return bool(
-        (start in (None, 0))
-        and (end is None or (isinstance(end, int) and end >= 2**62))
-        and step == 1
-    )
-
-
 def _not_along(arg: int):
     def rule(n, dims):
         d = _first(n, dims)
         dim = n.args[arg] if len(n.args) > arg else n.kwargs.get("dim", 0)
-        if _norm(dim, _ndim(n.args[0])) == d and not _whole_slice(n):
+        if _norm(dim, _ndim(n.args[0])) == d and not whole_slice(n):
             raise Illegal(f"{n.target} works along the split dim")
         return d
 
