@@ -85,6 +85,37 @@ def test_one_gpu_inductor_float64_parity() -> None:
         assert_passes(report)
 
 
+def _zoo(arch: str, plan: str) -> Check:
+    from autopart.models import zoo
+
+    return Check(f"autopart.models.zoo:{arch}", **zoo.PLANS[plan])
+
+
+@ONE_GPU
+@pytest.mark.multirank
+def test_one_gpu_sequence_constructs() -> None:
+    """Seq1F1B's newer constructs and multi-head latent attention on ranks sharing one GPU:
+    a window-trimmed K/V prefix, a convolution carry, routed experts with data-dependent group
+    sizes, soft-capped and chunked attention, ALiBi split by heads under tp, sinks, MLA."""
+    float64 = {
+        "mistral-window": _zoo("mistral", "pp=2 Seq1F1B k=4"),
+        "lfm2-conv-carry": _zoo("lfm2", "pp=2 Seq1F1B k=2"),
+        "jetmoe-split-experts": _zoo("jetmoe", "pp=2 Seq1F1B k=2"),
+        "gemma2-soft-cap": _zoo("gemma2", "pp=2 Seq1F1B k=2"),
+        "llama4-chunked": _zoo("llama4_text", "pp=2 Seq1F1B k=2"),
+        "mpt-alibi-per-head": _zoo("mpt", "tp=2×pp=2 Seq1F1B k=2"),
+    }
+    float32 = {  # grouped matmuls have no float64 CUDA kernel
+        "gpt_oss-sinks": _zoo("gpt_oss", "pp=2 Seq1F1B k=2"),
+        "deepseek_v3-mla-tp2": _zoo("deepseek_v3", "tp=2"),
+        "minicpm3-mla-tp2-pp2": _zoo("minicpm3", "tp=2×pp=2 Seq1F1B k=2"),
+    }
+    for dtype, checks in (("float64", float64), ("float32", float32)):
+        reports = verify_many(checks, dtype=dtype, timeout_s=300, device="cuda")
+        bad = {n: str(r) for n, r in reports.items() if isinstance(r, Exception) or not r.ok}
+        assert not bad, bad  # each within its own tolerance (float32 islands: 1e-5)
+
+
 # -- two GPUs, NCCL ----------------------------------------------------------------------------
 
 NCCL = {
