@@ -40,6 +40,7 @@ META_GLOBAL_VAL = "autopart.global_val"  # FakeTensor: a split placeholder's uns
 META_SEQ = "autopart.seq_split"  # int | None: the dim split along the sequence, or absent
 # sequence_chunk
 META_SEQ_DIM = "autopart.seq_dim"  # int | None: the dim carrying the sequence (proven per node)
+META_SEQ_BLOCK = "autopart.seq_block"  # int: chunk lengths must be multiples of it (a scan's block)
 # dropout_rng
 META_DROPOUT_SPLIT = "autopart.dropout_split"  # bool: the dropout mask differs per tp rank
 # recompute

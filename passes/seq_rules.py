@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard, cast
 
+import sympy
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -72,6 +73,7 @@ class Seq:
     dim: int
     inner: tuple[int, ...]
     part: int = 1  # 1: the whole chunk; p: a tp rank's 1/p of it (sequence parallelism)
+    block: int = 1  # tokens per index: a scan's blocks of Q consecutive tokens (``BLOCKS``)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,19 @@ SHARE = "share"  # the index of a tp rank's rows under sequence parallelism (``_
 # a causal convolution's input padded on the left by its window (read only by such convs), and
 # the output of one padded on both sides (read only by slices keeping its first s outputs)
 PADDED, WINDOWED = "padded", "windowed"
+
+
+@dataclass(frozen=True)
+class Round:
+    """A size that is 0 whenever the length is a multiple of ``block`` (a scan's padding to
+    whole blocks, ``(Q − s mod Q) mod Q``): with chunks cut at multiples of Q, a pad by it at
+    the end of the sequence adds nothing to any chunk but the last, and to the last what it adds
+    to the whole sequence."""
+
+    block: int
+
+
+SCAN = "scan"  # a value inside a recognized state scan (``StateScan``), read only by the scan
 
 
 class Mixes(Exception):
@@ -119,14 +134,25 @@ class Unproven(Mixes):
 ONE = (1,) * len(_SAMPLES)
 
 
-def seq_dims(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]]]:
-    """Every live node's abstract value, and the nodes that mix tokens, each with how."""
-    return _Prover(gm).run()
+def seq_dims(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]], int]:
+    """Every live node's abstract value, the nodes that mix tokens (each with how), and the
+    multiple every chunk length must be (a scan's block Q, else 1). Sizes are evaluated at
+    lengths that are multiples of Q (the proof is redone at such lengths when the first found
+    a Q that the default ones are not multiples of)."""
+    p = _Prover(gm)
+    env, found = p.run()
+    if any(s % p.block for _, s in p.samples):
+        p = _Prover(gm, tuple((b, math.lcm(s, p.block)) for b, s in _SAMPLES))
+        env, found = p.run()
+    return env, found, p.block
 
 
 class _Prover:
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, samples: tuple[tuple[int, int], ...] = _SAMPLES) -> None:
         self.gm = gm
+        self.samples = samples  # (b, s): multiples of every scan block (``_block_samples``)
+        self.block = 1  # chunks must be multiples of this: the scans' blocks (``round_up``)
+        self.scans: dict[fx.Node, tuple[str, StateScan]] = {}  # node → its role in a scan
         self.env: dict[fx.Node, Any] = {}
         self.found: list[tuple[fx.Node, str]] = []
         self._memo: dict[Any, tuple[int, ...]] = {}
@@ -144,7 +170,7 @@ class _Prover:
             others = {sym: 4 for sym in expr.free_symbols - {S, b}}
             self._memo[key] = tuple(
                 int(expr.xreplace({**others, S: s, **({b: bb} if b is not None else {})}))
-                for bb, s in _SAMPLES
+                for bb, s in self.samples
             )
         return self._memo[key]
 
@@ -153,7 +179,7 @@ class _Prover:
         share under sequence parallelism: tp), else None."""
         parts = {
             s // v if v and s % v == 0 else 0
-            for v, (_, s) in zip(self.at(x), _SAMPLES, strict=True)
+            for v, (_, s) in zip(self.at(x), self.samples, strict=True)
         }
         return None if len(parts) != 1 or 0 in parts else parts.pop()
 
@@ -167,6 +193,9 @@ class _Prover:
     # -- the walk -------------------------------------------------------------------------------
     def run(self) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]]]:
         live = self.live = live_nodes(self.gm)
+        for n in self.gm.graph.nodes:
+            if n in live and isinstance(scan := state_scan(n, live), StateScan):
+                self.scans.update({m: (role, scan) for role, ms in scan.roles() for m in ms})
         for n in self.gm.graph.nodes:
             if n not in live:
                 continue
@@ -223,7 +252,7 @@ class _Prover:
         return value
 
     def _agree(self, value: Any, val: Any) -> None:
-        if not _is_tensor(val) or value in (SLOTS, SHARE, PADDED, WINDOWED):
+        if not _is_tensor(val) or value in (SLOTS, SHARE, PADDED, WINDOWED, SCAN):
             return
         if _rows(value) and free_unbacked_symbols(val.shape[value.seq.dim]):
             return  # the experts' groups joined: counted from the data (JetMoE), summing to b·s·k
@@ -245,13 +274,30 @@ class _Prover:
         if n.op != "call_function":
             raise Mixes(f"a {n.op} node")
         target = n.target
+        if n in self.scans:
+            return _scan_part(self, n)
+        if any(self.env.get(a) is SCAN for a in n.all_input_nodes):
+            raise Mixes("a value inside a state scan read other than by the scan")
         if target in _SYM_OPS or target is operator.getitem and not _is_tensor_list(n.args[0]):
             if target is operator.getitem:
                 src = self.env.get(node_arg(n, 0))
                 return src[int_arg(n, 1)] if isinstance(src, tuple) else src
             val = n.meta.get("val")
             grows = isinstance(val, torch.SymInt) and self.grows(val)
-            return LENGTH if grows or any(self._length(a) for a in _flat(n.args)) else None
+            if grows:
+                return LENGTH
+            if any(self._length(a) or isinstance(self.env.get(a), Round) for a in _flat(n.args)):
+                q = _round_block(val, self.gm)
+                return Round(q) if q is not None else LENGTH
+            return None
+        if any(isinstance(self.env.get(a), Round) for a in n.all_input_nodes):
+            if target not in _PADS:
+                raise Mixes("the sequence length used as a value (each chunk has its own)")
+            return _round_pad(self, n)
+        if any(
+            isinstance(v := self.env.get(a), Seq) and v.block > 1 for a in n.all_input_nodes
+        ) and (target in _SPECIAL and target not in _BLOCK_RULES or is_scored(n)):
+            raise Mixes(f"{_op_name(target)} of a scan's blocks of the sequence")
         if target is operator.getitem:
             src = self.env.get(node_arg(n, 0))
             return src[int_arg(n, 1)] if isinstance(src, tuple) else src
@@ -311,6 +357,10 @@ class _Prover:
         inners = {s.inner for s in seqs}
         if len(inners) > 1:
             raise Mixes("tokens laid out with different strides combined")
+        blocks = {s.block for s in seqs}
+        if len(blocks) > 1:
+            raise Mixes("tokens combined with a scan's blocks of them")
+        block = next(iter(blocks), 1)
         parts = {s.part for s in seqs}
         if len(parts) > 1:
             raise Mixes("the whole chunk combined with a tp rank's share of it")
@@ -323,10 +373,12 @@ class _Prover:
                 part = part * size if opname == "tp_scatter_reduce" else part // size
         vals = n.meta.get("val")
         if isinstance(vals, (tuple, list)):
-            return tuple(self._one(v, inner, bool(seqs), part) for v in vals)
-        return self._one(vals, inner, bool(seqs), part)
+            return tuple(self._one(v, inner, bool(seqs), part, block) for v in vals)
+        return self._one(vals, inner, bool(seqs), part, block)
 
-    def _one(self, val: Any, inner: tuple[int, ...], from_seq: bool, part: int = 1) -> Any:
+    def _one(
+        self, val: Any, inner: tuple[int, ...], from_seq: bool, part: int = 1, block: int = 1
+    ) -> Any:
         grow = self.growing(val)
         if not grow:
             if from_seq and _is_tensor(val):
@@ -336,7 +388,7 @@ class _Prover:
             raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
         if not from_seq:
             raise Mixes("a value sized by the sequence computed from no token")
-        return Seq(grow[0], inner, part)
+        return Seq(grow[0], inner, part, block)
 
     def _length(self, a: Any) -> bool:
         return (isinstance(a, fx.Node) and self.env.get(a) is LENGTH) or (
@@ -1077,7 +1129,7 @@ def _repeat(p: _Prover, n: fx.Node) -> Any:
         reps, nd = seq_arg(n, 1), _ndim(x)
         if reps[len(reps) - nd + v.dim % nd] != 1:
             sizes = p.at(x.meta["val"].shape[v.dim])
-            tokens = [whole // v.part * i for (_, whole), i in zip(_SAMPLES, v.inner, strict=True)]
+            tokens = [whole // v.part * i for (_, whole), i in zip(p.samples, v.inner, strict=True)]
             if any(size <= t for size, t in zip(sizes, tokens, strict=True)):
                 raise Mixes("a repeat along the sequence")
     return p._carry(n)
@@ -1085,19 +1137,45 @@ def _repeat(p: _Prover, n: fx.Node) -> Any:
 
 def _view(p: _Prover, n: fx.Node) -> Any:
     """A view keeps the elements' order: the token index keeps its stride, which must fall
-    inside one output dim (``[b, s, h]`` ↔ ``[b·s, h]`` ↔ ``[b, s, heads, d]``)."""
+    inside one output dim (``[b, s, h]`` ↔ ``[b·s, h]`` ↔ ``[b, s, heads, d]``). A scan's
+    blocks: ``[b, s, h]`` → ``[b, s/Q, Q, h]`` lays the tokens out as blocks of a constant Q
+    (``Seq.block``), and ``[b, s/Q, Q', h]`` → ``[b, s, h]`` (Q' = Q: any order inside a block)
+    lays them out as tokens again."""
     x = node_arg(n, 0)
     v = p.env.get(x)
     if not isinstance(v, Seq):
         return p._carry(n)
-    src, dst = x.meta["val"].shape, n.meta["val"].shape
+    src = x.meta["val"].shape
+    if v.block > 1:
+        if v.inner != ONE:
+            raise Mixes("a view of blocks of the sequence merged with another dim")
+        d = v.dim % len(src)
+        if d + 1 < len(src) and all(q == v.block for q in p.at(src[d + 1])):  # blocks → tokens
+            return _view_search(p, n, v, lambda k: math.prod(p.at(e)[k] for e in src[d + 2 :]))
+        return _view_search(p, n, v, None)  # blocks stay blocks
+    try:
+        return _view_search(p, n, v, None)
+    except Mixes:
+        if v.inner != ONE:
+            raise
+        return _view_blocks(p, n, v)
+
+
+def _view_search(p: _Prover, n: fx.Node, v: Seq, token_stride: Callable | None) -> Seq:
+    """The output dim holding the token index (or, for ``v``'s blocks, the block index) at the
+    same stride as in ``v``; ``token_stride``: view ``v``'s blocks as tokens with this stride."""
+    src, dst = node_arg(n, 0).meta["val"].shape, n.meta["val"].shape
     found: set[int] = set()
     inner: list[int] = []
-    for k, (_, whole) in enumerate(_SAMPLES):
-        s = whole // v.part  # the tokens this rank holds
+    block = 1 if token_stride is not None else v.block
+    for k, (_, whole) in enumerate(p.samples):
+        s = whole // v.part // block  # the tokens (blocks) this rank holds
         src_k = [p.at(d)[k] for d in src]
         dst_k = [p.at(d)[k] for d in dst]
-        stride = v.inner[k] * math.prod(src_k[v.dim % len(src_k) + 1 :])
+        if token_stride is not None:
+            stride = token_stride(k)
+        else:
+            stride = v.inner[k] * math.prod(src_k[v.dim % len(src_k) + 1 :])
         for j in range(len(dst_k)):
             right = math.prod(dst_k[j + 1 :])
             if dst_k[j] >= s and stride % right == 0 and (right * dst_k[j]) % (stride * s) == 0:
@@ -1108,7 +1186,33 @@ def _view(p: _Prover, n: fx.Node) -> Any:
             raise Mixes("a view that cuts the sequence across dims")
     if len(found) != 1:
         raise Mixes("a view that moves the sequence between dims")
-    return Seq(found.pop(), tuple(inner), v.part)
+    return Seq(found.pop(), tuple(inner), v.part, block)
+
+
+def _view_blocks(p: _Prover, n: fx.Node, v: Seq) -> Seq:
+    """``[.., s, rest]`` → ``[.., s/Q, Q·rest/r, r]``-like views: the tokens in blocks of a
+    constant Q > 1, one block per index of the output dim (a chunked scan's layout)."""
+    src, dst = node_arg(n, 0).meta["val"].shape, n.meta["val"].shape
+    found: set[tuple[int, int]] = set()
+    for k, (_, whole) in enumerate(p.samples):
+        s = whole // v.part
+        src_k = [p.at(d)[k] for d in src]
+        dst_k = [p.at(d)[k] for d in dst]
+        stride = math.prod(src_k[v.dim % len(src_k) + 1 :])
+        hits = [
+            (j, right // stride)
+            for j in range(len(dst_k))
+            if (right := math.prod(dst_k[j + 1 :])) % stride == 0
+            and right // stride > 1
+            and dst_k[j] * (right // stride) == s
+        ]
+        if len(hits) != 1:
+            raise Mixes("a view that cuts the sequence across dims")
+        found.add(hits[0])
+    if len(found) != 1:
+        raise Mixes("a view that cuts the sequence across dims")
+    j, q = found.pop()
+    return Seq(j, ONE, v.part, q)
 
 
 # -- causal convolutions along the sequence ---------------------------------------------------
@@ -1280,6 +1384,7 @@ def _padding(p: _Prover, n: fx.Node) -> Any:
         and v.dim % _ndim(x) == _ndim(x) - 1
         and v.inner == ONE
         and v.part == 1
+        and v.block == 1
         and _left_pad(n) is not None
         and users
         and all(u.target in CONVS and u.args[0] is n for u in users)
@@ -1299,8 +1404,313 @@ def _window_user(p: _Prover, n: fx.Node) -> Any:
     raise Mixes(f"a padded value of {CONV} read other than by it")
 
 
+# -- state scans: a linear recurrence over blocks of the sequence, its state carried ----------
+
+
+def _einsum(p: _Prover, n: fx.Node) -> Any:
+    """``einsum`` with an explicit output: the sequence's letter stays in the output (a
+    product over other dims); summing over it is mixing (a recognized ``StateScan`` is not
+    this rule's)."""
+    eq, ops = n.args[0], n.args[1]
+    if not isinstance(eq, str) or "->" not in eq or "..." in eq:
+        raise Unproven(f"einsum {eq!r} (an implicit output or an ellipsis)")
+    ins, out = eq.replace(" ", "").split("->")
+    for x, letters in zip(ops, ins.split(","), strict=True):
+        v = p.env.get(x)
+        if isinstance(v, Seq):
+            letter = letters[v.dim % len(letters)]
+            if letter not in out or letters.count(letter) > 1:
+                raise Mixes("a product summing over the sequence outside causal attention")
+    return p._carry(n)
+
+
+def moduli(expr: sympy.Expr) -> set[int]:
+    """The integer moduli of an expression's ``Mod`` terms (sympy's and torch's own)."""
+    return {
+        int(m.args[1])
+        for m in sympy.preorder_traversal(expr)
+        if "Mod" in type(m).__name__ and len(m.args) == 2 and m.args[1].is_Integer
+    }
+
+
+def _round_block(val: Any, gm: fx.GraphModule) -> int | None:
+    """Q when the size ``val`` is 0 at every length that is a multiple of Q (the smallest such Q
+    among the moduli in its expression), else None."""
+    if not isinstance(val, torch.SymInt):
+        return None
+    expr = to_sympy(val, gm)
+    if S not in expr.free_symbols:
+        return None
+    others = {sym: 4 for sym in expr.free_symbols - {S}}
+    for q in sorted(m for m in moduli(expr) if m > 1):
+        if all(expr.xreplace({**others, S: q * k}) == 0 for k in (1, 2, 3, 5, 8)):
+            return q
+    return None
+
+
+def _round_pad(p: _Prover, n: fx.Node) -> Any:
+    """A constant pad at the end of the sequence by ``Round(Q)`` (to whole blocks): with chunk
+    lengths multiples of Q it pads nothing but the last chunk, by what it pads the sequence.
+    Every chunk length must then be a multiple of Q (``_Prover.block``)."""
+    a = _bound(n)
+    x = node_arg(n, 0)
+    v, nd = p.env.get(x), _ndim(x)
+    if (n.target == aten.pad.default and a.get("mode") != "constant") or not (
+        isinstance(v, Seq) and v.block == 1 and v.inner == ONE and v.part == 1
+    ):
+        raise Mixes("a pad to whole blocks of a value not laid out as the sequence's tokens")
+    for i, amount in enumerate(a["pad"]):
+        dim = nd - 1 - i // 2
+        r = p.env.get(amount) if isinstance(amount, fx.Node) else None
+        if isinstance(r, Round) and dim == v.dim % nd and i % 2 == 1:
+            p.block = math.lcm(p.block, r.block)
+        elif isinstance(amount, fx.Node) and r is not None:
+            raise Mixes("the sequence length used as a value (each chunk has its own)")
+        elif dim == v.dim % nd and not (isinstance(amount, int) and amount == 0):
+            raise Mixes("a pad along the sequence (a convolution's window, say)")
+    return Seq(v.dim % nd, ONE)
+
+
+@dataclass(frozen=True)
+class StateScan:
+    """``einsum(eq, [D, cat([Z, X], z)])`` over blocks of the sequence, as Mamba-2's SSD hands
+    its state from block to block (Hugging Face's ``mamba2_chunk_scan``):
+
+    - ``X``: one state per block (``Seq`` with blocks, along dim ``z``); ``Z``: zeros, one
+      block long — the state before the first block;
+    - ``D = exp(segsum(pad(u, [1, 0])))`` permuted: u one decay per block (``Seq`` with blocks,
+      its last dim), ``segsum`` = ``masked_fill(cumsum(masked_fill(expand(T[..., None]),
+      ~tril(ones(N, N), -1), 0), -2), ~tril(ones(N, N)), -inf)``, so D[i, j] = exp(T[j+1] + …
+      + T[i]) for j ≤ i and 0 above;
+    - the einsum contracts D's source index j with X's block dim and keeps the target i:
+      out[i] = Σ_{j≤i} D[i, j]·[Z; X][j] = the state before block i (out[0] = Z), that is
+      out[i] = exp(T[i])·out[i−1] + [Z; X][i], a linear recurrence;
+    - read by ``out[:, :-1]`` (the state before each block) and ``out[:, -1]`` (after the last).
+
+    With chunks cut at whole blocks, a chunk that starts from Z = the previous chunk's
+    ``out[:, -1]`` computes exactly the states of the whole sequence: the chunk pass carries it
+    (``StateScan.roles`` names the nodes the prover assigns)."""
+
+    einsum: fx.Node
+    cat: fx.Node
+    zeros: fx.Node
+    states: fx.Node
+    dim: int  # the block dim of X and of the cat
+    pad: fx.Node
+    totals: fx.Node  # u
+    chain: tuple[fx.Node, ...]  # from the pad's unsqueeze to D
+    masks: tuple[fx.Node, ...]  # the two triangles' ones, tril and not
+    shape: tuple[fx.Node, ...]  # slices only Z's shape reads
+    out_dim: int
+    head: tuple[fx.Node, ...]  # out[:, :-1]
+    final: tuple[fx.Node, ...]  # out[:, -1] (or out[:, -1:])
+    passes: tuple[fx.Node, ...]  # whole slices between the einsum and its readers
+
+    def roles(self) -> list[tuple[str, tuple[fx.Node, ...]]]:
+        return [
+            ("shape", self.shape),
+            ("states", (self.cat,)),
+            ("totals", (self.pad,)),
+            ("inside", self.chain + self.masks),
+            ("scan", (self.einsum, *self.passes)),
+            ("head", self.head),
+            ("final", self.final),
+        ]
+
+
+_ZEROS = frozenset((aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default))
+_NOT = frozenset((aten.bitwise_not.default, aten.logical_not.default))
+_PERMUTES = frozenset((aten.permute.default, aten.transpose.int))
+
+
+def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
+    """The ``StateScan`` whose einsum is ``n``, or why ``n`` is not one."""
+    if n.target != aten.einsum.default or not isinstance(n.args[0], str):
+        return "not an einsum"
+    eq, ops = n.args[0].replace(" ", ""), n.args[1]
+    if "->" not in eq or "..." in eq or not isinstance(ops, (list, tuple)) or len(ops) != 2:
+        return "not an einsum of two operands with an explicit output"
+    ins, out = eq.split("->")
+    terms = ins.split(",")
+    ci = next((i for i, x in enumerate(ops) if getattr(x, "target", None) == aten.cat.default), -1)
+    if ci < 0 or any(len(set(t)) != len(t) for t in terms):
+        return "no concatenated states"
+    cat, d_op = ops[ci], ops[1 - ci]
+    parts = cat.args[0]
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2):
+        return "the states are not [zeros; states]"
+    z, x = parts
+    nd = _ndim(cat)
+    dim = _dim_arg(cat, 1, 0) % nd
+    zval = z.meta.get("val")
+    if z.target not in _ZEROS or not _is_tensor(zval) or zval.shape[dim] != 1:
+        return "the state before the first block is not zeros, one block long"
+    if z.target != aten.zeros.default and not _is_tensor(node_arg(z, 0).meta.get("val")):
+        return "the zeros' shape is not a tensor's"
+    # D, back through its permutations to exp(segsum(T))
+    order = list(range(_ndim(d_op)))  # D's dim k is the segsum's dim order[k]
+    node, chain = d_op, []
+    while node.target in _PERMUTES:
+        chain.append(node)
+        m = _ndim(node)
+        if node.target == aten.transpose.int:
+            a, b = int_arg(node, 1) % m, int_arg(node, 2) % m
+            order[a], order[b] = order[b], order[a]
+        else:
+            order = [order[k % m] for k in seq_arg(node, 1)]
+        node = node_arg(node, 0)
+    found = _segsum(node)
+    if isinstance(found, str):
+        return found
+    pad, u, nodes, masks = found
+    chain += nodes
+    m = _ndim(node)
+    i_pos, j_pos = order.index(m - 2), order.index(m - 1)  # target i, source j in D
+    letters_d, letters_x = terms[1 - ci], terms[ci]
+    li, lj = letters_d[i_pos], letters_d[j_pos]
+    if letters_x[dim] != lj or lj in out or li not in out or li in letters_x:
+        return "the product does not sum the states over the source block into the target"
+    if str(pad.meta["val"].shape[-1]) != str(cat.meta["val"].shape[dim]):
+        return "the decays and the states count different blocks"
+    out_dim = out.index(li)
+    head: list[fx.Node] = []
+    final: list[fx.Node] = []
+    passes: list[fx.Node] = []
+    stack = [u for u in n.users if live is None or u in live]
+    while stack:
+        r = stack.pop()
+        if r.target == aten.slice.Tensor and whole_slice(r) and int_arg(r, 1) % nd != out_dim:
+            passes.append(r)
+            stack += [u for u in r.users if live is None or u in live]
+        elif _cut(r, out_dim, nd) == "head":
+            head.append(r)
+        elif _cut(r, out_dim, nd) == "final":
+            final.append(r)
+        else:
+            return f"the scan's states are read by {r.name}, not as out[:, :-1] or out[:, -1]"
+    w = node_arg(z, 0) if z.target != aten.zeros.default else None
+    shape = (
+        (w,)
+        if w is not None
+        and w.target == aten.slice.Tensor
+        and all(u.target in _ZEROS for u in w.users)
+        else ()
+    )
+    return StateScan(
+        n, cat, z, x, dim, pad, u, tuple(chain), masks, shape, out_dim,
+        tuple(head), tuple(final), tuple(passes),
+    )  # fmt: skip
+
+
+def _cut(r: fx.Node, dim: int, nd: int) -> str | None:
+    """ "head" for ``r = out[:, :-1]``, "final" for ``out[:, -1]`` / ``out[:, -1:]`` (along
+    ``dim``), else None."""
+    if r.target == aten.select.int and int_arg(r, 1) % nd == dim and r.args[2] == -1:
+        return "final"
+    if r.target != aten.slice.Tensor or int_arg(r, 1) % nd != dim:
+        return None
+    start, end, step = (list(r.args[2:]) + [None, None, 1][len(r.args) - 2 :])[:3]
+    if step != 1:
+        return None
+    if start in (None, 0) and end == -1:
+        return "head"
+    if start == -1 and (end is None or (isinstance(end, int) and end >= 2**62)):
+        return "final"
+    return None
+
+
+def _segsum(e: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], tuple[fx.Node, ...]] | str:
+    """``exp(segsum(pad(u, [1, 0])))`` as ``StateScan`` spells it: (the pad, u, the nodes from
+    the pad's unsqueeze to the exp, the masks' nodes), or what differs."""
+    what = "the decays are not exp of a segment sum of per-block values"
+    if e.target != aten.exp.default:
+        return what
+    hi = node_arg(e, 0)
+    if hi.target != aten.masked_fill.Scalar or float(hi.args[2]) != float("-inf"):
+        return what
+    cum = node_arg(hi, 0)
+    if cum.target != aten.cumsum.default or int_arg(cum, 1) % _ndim(cum) != _ndim(cum) - 2:
+        return what
+    lo = node_arg(cum, 0)
+    if lo.target != aten.masked_fill.Scalar or float(lo.args[2]) != 0.0:
+        return what
+    ex = node_arg(lo, 0)
+    if ex.target != aten.expand.default:
+        return what
+    un = node_arg(ex, 0)
+    if un.target != aten.unsqueeze.default or int_arg(un, 1) % _ndim(ex) != _ndim(ex) - 1:
+        return what
+    pad = node_arg(un, 0)
+    mask_hi, mask_lo = _triangle_mask(hi.args[1], 0), _triangle_mask(lo.args[1], -1)
+    if mask_hi is None or mask_lo is None:
+        return "the segment sum's masks are not the triangles below the diagonal"
+    a = _bound(pad) if pad.target in _PADS else {}
+    if (
+        pad.target not in _PADS
+        or list(a.get("pad", ())) != [1, 0]
+        or (pad.target == aten.pad.default and (a.get("mode") != "constant" or a.get("value")))
+        or (pad.target == aten.constant_pad_nd.default and a.get("value") != 0)
+    ):
+        return "the decays do not start with a zero (pad(u, [1, 0]))"
+    shape_ex, shape_pad = ex.meta["val"].shape, pad.meta["val"].shape
+    if [str(x) for x in shape_ex] != [str(x) for x in (*shape_pad, shape_pad[-1])]:
+        return what
+    return pad, node_arg(pad, 0), [un, ex, lo, cum, hi, e], mask_hi + mask_lo
+
+
+def _triangle_mask(m: Any, diagonal: int) -> tuple[fx.Node, ...] | None:
+    """The nodes of ``~tril(ones(N, N, dtype=bool), diagonal)``, or None."""
+    if not isinstance(m, fx.Node) or m.target not in _NOT:
+        return None
+    t = node_arg(m, 0)
+    if t.target != aten.tril.default or (t.args[1] if len(t.args) > 1 else 0) != diagonal:
+        return None
+    o = node_arg(t, 0)
+    val = o.meta.get("val")
+    if o.target != aten.ones.default or not _is_tensor(val) or val.dtype != torch.bool:
+        return None
+    if val.dim() != 2 or str(val.shape[0]) != str(val.shape[1]):
+        return None
+    return (m, t, o)
+
+
+def _scan_part(p: _Prover, n: fx.Node) -> Any:
+    """A node of a recognized ``StateScan``, by its role."""
+    role, scan = p.scans[n]
+    if role == "shape":  # only the zeros' shape reads it (one block: a constant)
+        return None
+    if role == "states":
+        v = p.env.get(scan.states)
+        if not (isinstance(v, Seq) and v.dim % _ndim(scan.states) == scan.dim and v.inner == ONE):
+            raise Mixes("a state scan whose states are not one per block of the sequence")
+        if p.env.get(scan.zeros) is not None:
+            raise Mixes("a state scan whose first state depends on the sequence")
+        return SCAN
+    if role == "totals":
+        v, w = p.env.get(scan.totals), p.env.get(scan.states)
+        if not (
+            isinstance(v, Seq)
+            and v.dim % _ndim(scan.totals) == _ndim(scan.totals) - 1
+            and isinstance(w, Seq)
+            and (v.inner, v.part, v.block) == (w.inner, w.part, w.block)
+        ):
+            raise Mixes("a state scan whose decays are not one per block of its states")
+        return SCAN
+    if role == "inside":
+        if any(a not in p.scans and p.env.get(a) not in (None, LENGTH) for a in n.all_input_nodes):
+            raise Mixes("a state scan's decays computed from other values")
+        return SCAN
+    if role == "scan":
+        return SCAN
+    if role == "head":
+        w = p.env[scan.states]
+        return Seq(scan.out_dim, ONE, w.part, w.block)
+    raise Mixes("the state after a scan's last block read (it depends on every chunk)")
+
+
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.repeat.default: _repeat,
+    aten.einsum.default: _einsum,
     **dict.fromkeys(
         (
             aten.zeros.default,
@@ -1339,6 +1749,24 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
         _view,
     ),
 }
+
+# the rules above that take a scan's blocks of the sequence (the others need tokens)
+_BLOCK_RULES = frozenset(
+    (
+        aten.einsum.default,
+        aten.sum.dim_IntList,
+        aten.sum.default,
+        aten.cumsum.default,
+        *_PADS,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.flatten.using_ints,
+        aten.unflatten.int,
+        aten.view_as.default,
+        aten.reshape_as.default,
+    )
+)
 
 _LINEAR_ON_SUMS = frozenset(
     {

@@ -51,6 +51,7 @@ and so is one where tokens meet along the sequence anywhere else (``refuse_seque
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, cast
 
@@ -80,6 +81,7 @@ from autopart.meta import (
     META_RANGES,
     META_RECOMPUTE,
     META_SCORES,
+    META_SEQ_BLOCK,
     META_SEQ_DIM,
     META_SYMBOLS,
     META_WINDOW,
@@ -92,6 +94,7 @@ from autopart.passes.seq_rules import (
     SOFTMAX,
     CausalConv,
     Seq,
+    StateScan,
     causal_conv,
     fill_value,
     is_positions,
@@ -99,6 +102,7 @@ from autopart.passes.seq_rules import (
     live_nodes,
     scored_qkv,
     seq_dims,
+    state_scan,
 )
 
 aten = torch.ops.aten
@@ -108,10 +112,13 @@ P = sympy.Symbol("p", nonnegative=True, integer=True)  # KV prefix length, for c
 def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not plan.chunked:
         return gm
+    block = 1
     for st in stage_graphs(gm):
         require_causal(st)
         refuse_sequence_mixing(st)
+        block = math.lcm(block, st.meta[META_SEQ_BLOCK])
         chunk_stage(st)
+    gm.meta[META_SEQ_BLOCK] = block  # compile makes the plan's chunk boundaries multiples of it
     return gm
 
 
@@ -217,6 +224,24 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         new_refs.append(ph.meta[META_INPUT])
         carries.append((conv, ph, length))
         anchor = ph
+    states: list[tuple[StateScan, fx.Node, torch.SymInt]] = []
+    for i, scan in enumerate(_state_scans(gm)):
+        with g.inserting_after(anchor):
+            ph = g.placeholder(f"scan_state_{i}")
+        val = scan.zeros.meta["val"]
+        assert mode is not None  # export's graphs carry fake values
+        length = _prefix_symint(mode, f"autopart_scan_state_{i}")
+        shape = [*val.shape[: scan.dim], length, *val.shape[scan.dim + 1 :]]
+        with mode:
+            ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+        ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + len(carries) + i))
+        ph.meta[META_MODULE], ph.meta[META_LAYER] = (
+            scan.einsum.meta.get(META_MODULE, ""),
+            scan.einsum.meta.get(META_LAYER),
+        )
+        new_refs.append(ph.meta[META_INPUT])
+        states.append((scan, ph, length))
+        anchor = ph
 
     for n in positions:
         with g.inserting_after(n):
@@ -241,6 +266,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks, trim=i in trimmed)
     for conv, ph, _ in carries:
         kv_out.append(_convolve_with_carry(g, conv, ph))
+    for scan, ph, _ in states:
+        kv_out.append(_scan_from_state(g, scan, ph))
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -253,10 +280,13 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         for i, pair in enumerate(prefixes)
         for ph in pair
     ]
-    gm.meta[META_KV_SHAPES] = kv_shapes + [_empty_prefix(ph, n, gm) for _, ph, n in carries]
+    gm.meta[META_KV_SHAPES] = kv_shapes + [
+        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *states]
+    ]
     lengths = [(prefix_len, P)] if prefix_len is not None else []
     lengths += [(length, _window_symbol(i)) for i, length in trimmed.items()]
     lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
+    lengths += [(length, _state_symbol(i)) for i, (_, _, length) in enumerate(states)]
     if lengths:
         rc = dict(gm.meta.get(META_RANGES, {}))
         names = dict(gm.meta.get(META_SYMBOLS, {}))
@@ -285,7 +315,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
     mask's construction scans them). Each proven node keeps its sequence dim in
     ``meta["autopart.seq_dim"]``.
     """
-    env, found = seq_dims(gm)
+    env, found, block = seq_dims(gm)
+    gm.meta[META_SEQ_BLOCK] = block
     for n, value in env.items():
         n.meta[META_SEQ_DIM] = value.dim if isinstance(value, Seq) else None
     if found:
@@ -336,6 +367,53 @@ def _window_symbol(i: int) -> sympy.Symbol:
 def _carry_symbol(i: int) -> sympy.Symbol:
     """The length of conv ``i``'s carried inputs, for cost formulas (0, then its window)."""
     return sympy.Symbol(f"w{i}", nonnegative=True, integer=True)
+
+
+def _state_symbol(i: int) -> sympy.Symbol:
+    """The length of scan ``i``'s carried state, for cost formulas (0, then 1)."""
+    return sympy.Symbol(f"z{i}", nonnegative=True, integer=True)
+
+
+def _state_scans(gm: fx.GraphModule) -> list[StateScan]:
+    """The live state scans (``refuse_sequence_mixing`` proved each), in graph order."""
+    live = live_nodes(gm)
+    return [
+        scan
+        for n in gm.graph.nodes
+        if n in live and isinstance(scan := state_scan(n, live), StateScan)
+    ]
+
+
+def _scan_from_state(g: fx.Graph, scan: StateScan, carry: fx.Node) -> fx.Node:
+    """The scan starts from the last block of [zeros; carry] (zeros for the first chunk, whose
+    carry is empty; the state the previous chunk ended with after it) instead of its zeros.
+    Returns the next chunk's carry: the state after this chunk's last block, ``out[:, -1:]``."""
+    z, d = scan.zeros, scan.dim
+    dtype = z.meta["val"].dtype
+    made = []
+
+    def call(target, *args, **kwargs) -> fx.Node:
+        made.append(g.call_function(target, args, kwargs))
+        return made[-1]
+
+    with g.inserting_before(scan.cat):
+        c = carry
+        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
+            c = call(aten._to_copy.default, carry, dtype=dtype)
+        history = call(aten.cat.default, [z, c], d)
+        start = call(aten.slice.Tensor, history, d, -1, _END)
+    scan.cat.replace_input_with(z, start)
+    with g.inserting_after(scan.einsum):
+        out = call(aten.slice.Tensor, scan.einsum, scan.out_dim, -1, _END)
+    if carry.meta["val"].dtype != dtype:  # back in the model's dtype
+        with g.inserting_after(out):
+            out = call(aten._to_copy.default, out, dtype=carry.meta["val"].dtype)
+    for m in made:
+        m.meta[META_MODULE], m.meta[META_LAYER] = (
+            scan.einsum.meta.get(META_MODULE, ""),
+            scan.einsum.meta.get(META_LAYER),
+        )
+    return out
 
 
 def _causal_convs(gm: fx.GraphModule) -> list[CausalConv]:

@@ -16,6 +16,7 @@ balanced chunks from [12568, 8128, 6496, 5576] (the full square) to [11064, 8416
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import sympy
@@ -27,6 +28,7 @@ from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
 from autopart.meta import META_WINDOW
 from autopart.passes.canonicalize_attention import canonicalize_attention
+from autopart.passes.seq_rules import moduli
 from autopart.schedule.chunks import SPLITS, chunk_cost, chunk_lengths, windows_of
 
 
@@ -39,10 +41,7 @@ def cost_coefficients(captured: Captured) -> tuple[float, ...]:
     flops = sympy.expand(
         total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
     )
-    poly = sympy.Poly(flops, S)
-    if poly.degree() > 2:
-        raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
-    c1, c2 = float(poly.coeff_monomial(S)), float(poly.coeff_monomial(S**2))
+    c1, c2 = _quadratic(flops)
     shares: dict[int, float] = {}
     for n in gm.graph.nodes:
         window = n.meta.get(META_WINDOW)
@@ -52,6 +51,28 @@ def cost_coefficients(captured: Captured) -> tuple[float, ...]:
                 sympy.Poly(own, S).coeff_monomial(S**2) / c2
             )
     return (c1, c2, *(v for w in sorted(shares) for v in (float(w), min(shares[w], 1.0))))
+
+
+def _quadratic(flops: sympy.Expr) -> tuple[float, float]:
+    """(c1, c2) of FLOPs c0 + c1·s + c2·s². A scan's padding to whole blocks of Q tokens writes
+    sizes with ``Mod`` and floor division of s; chunks are multiples of Q, so such FLOPs are
+    read at multiples of Q (exactly, through three lengths, checked at two more)."""
+    try:
+        poly = sympy.Poly(flops, S)
+    except sympy.PolynomialError:
+        poly = None
+    if poly is not None:
+        if poly.degree() > 2:
+            raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
+        return float(poly.coeff_monomial(S)), float(poly.coeff_monomial(S**2))
+    q = math.lcm(1, *moduli(flops))
+    xs = [q * m * 64 for m in (1, 2, 3, 5, 8)]
+    ys = [sympy.nsimplify(flops.xreplace({S: x})) for x in xs]
+    t = sympy.Symbol("t")
+    fit = sympy.expand(sympy.interpolate(list(zip(xs[:3], ys[:3], strict=True)), t))
+    if any(fit.subs(t, x) != y for x, y in zip(xs[3:], ys[3:], strict=True)):
+        raise AutopartError(f"the cost model is not quadratic in the sequence length: {flops}")
+    return float(fit.coeff(t, 1)), float(fit.coeff(t, 2))
 
 
 def sequence_chunks(
