@@ -142,7 +142,8 @@ def seq_dims(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node
     p = _Prover(gm)
     env, found = p.run()
     if any(s % p.block for _, s in p.samples):
-        p = _Prover(gm, tuple((b, math.lcm(s, p.block)) for b, s in _SAMPLES))
+        scale = p.block // math.gcd(p.block, *(s for _, s in _SAMPLES))
+        p = _Prover(gm, tuple((b, s * scale) for b, s in _SAMPLES))
         env, found = p.run()
     return env, found, p.block
 
@@ -283,13 +284,10 @@ class _Prover:
                 src = self.env.get(node_arg(n, 0))
                 return src[int_arg(n, 1)] if isinstance(src, tuple) else src
             val = n.meta.get("val")
-            grows = isinstance(val, torch.SymInt) and self.grows(val)
-            if grows:
-                return LENGTH
             if any(self._length(a) or isinstance(self.env.get(a), Round) for a in _flat(n.args)):
-                q = _round_block(val, self.gm)
+                q = _round_block(val, self.gm)  # checked at multiples of Q, not at the samples
                 return Round(q) if q is not None else LENGTH
-            return None
+            return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None
         if any(isinstance(self.env.get(a), Round) for a in n.all_input_nodes):
             if target not in _PADS:
                 raise Mixes("the sequence length used as a value (each chunk has its own)")
@@ -796,6 +794,7 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.chunk.default: _along("a split of the sequence", lambda n: [_dim_arg(n, 2, 0)]),
     aten.cat.default: _cat,
     aten.concat.default: _cat,  # an alias (PhiMoE's router)
+    aten.concatenate.default: _cat,  # another (Zamba2's shared block)
     aten.repeat_interleave.self_int: _along(
         "a repeat along the sequence", lambda n: [_dim_arg(n, 2, 0)]
     ),

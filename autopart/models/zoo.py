@@ -212,7 +212,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron_h": (
         "Mamba-2 heads, attention and MLP layers in a hybrid pattern",
         {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 16}
-        | {"ssm_state_size": 8, "n_groups": 1, "head_dim": 8},
+        | {"ssm_state_size": 8, "n_groups": 1, "head_dim": 8, "chunk_size": 8},
     ),
     "mamba2": (
         "a pure Mamba-2 model: padded causal convolution, chunked scan (SSD), gated norm",
