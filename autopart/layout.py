@@ -180,6 +180,9 @@ class Plan:
     )
     distributed_optimizer: bool = False  # optimizer state sharded over dp (ZeRO-1)
     micro_batch: int | None = None  # sequences per micro-batch (None: what the batch gives)
+    # Seq1F1B chunk lengths are multiples of this too: the block of tokens a model's scan hands
+    # its state on by (Mamba-2's SSD); compile sets it from the model
+    seq_block: int = 1
     precision: str | None = None  # "bf16": bf16 compute, fp32 master weights and gradients
 
     def __post_init__(self) -> None:
@@ -190,7 +193,7 @@ class Plan:
                 f"unknown schedule {self.schedule!r}",
                 hint=f"{hint}choose one of: {', '.join(SCHEDULES)}",
             )
-        for name in ("microbatches", "virtual_stages", "seq_chunks", "micro_batch"):
+        for name in ("microbatches", "virtual_stages", "seq_chunks", "micro_batch", "seq_block"):
             value = getattr(self, name)
             if name == "micro_batch" and value is None:
                 continue
@@ -318,8 +321,9 @@ class Plan:
 
     @property
     def chunk_multiple(self) -> int:
-        """Chunk boundaries are multiples of this: 8, and of tp under sequence parallelism."""
-        return math.lcm(8, self.mesh.tp) if self.sequence_parallel else 8
+        """Chunk boundaries are multiples of this: 8, a scan's block (``seq_block``), and tp
+        under sequence parallelism."""
+        return math.lcm(8, self.seq_block, self.mesh.tp if self.sequence_parallel else 1)
 
     def check_batch(self, batch_size: int) -> int:
         """Micro-batch size for a global batch; refuses a batch that does not split evenly."""

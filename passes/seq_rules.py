@@ -216,7 +216,17 @@ class _Prover:
                 self.found.append((n, exc.sentence()))
                 value = MIXED
             self.env[n] = value
-        return self.env, self.found
+        # a scan-like product (an einsum of concatenated states) that was not recognized: name
+        # why first, when its concatenation is what mixed
+        missed = [
+            (n, f"a state scan autopart does not chunk ({why}) mixes tokens of different chunks")
+            for n in self.gm.graph.nodes
+            if n in live
+            and n not in self.scans
+            and isinstance(why := state_scan(n, live), str)
+            and any(self.env.get(x) is MIXED for x in _scan_states(n))
+        ]
+        return self.env, missed + self.found
 
     def placeholder(self, n: fx.Node) -> Any:
         ref = n.meta.get(META_INPUT)
@@ -1599,6 +1609,12 @@ def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
         n, cat, z, x, dim, pad, u, tuple(chain), masks, shape, out_dim,
         tuple(head), tuple(final), tuple(passes),
     )  # fmt: skip
+
+
+def _scan_states(n: fx.Node) -> list[fx.Node]:
+    """The concatenations an einsum ``n`` reads (a state scan's states), if any."""
+    ops = n.args[1] if n.target == aten.einsum.default and len(n.args) > 1 else ()
+    return [x for x in ops if getattr(x, "target", None) == aten.cat.default]
 
 
 def _cut(r: fx.Node, dim: int, nd: int) -> str | None:

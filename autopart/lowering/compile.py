@@ -21,6 +21,9 @@ places a program on its rank's device (``autopart/runtime/placement.py``).
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 from torch import fx
 
@@ -38,6 +41,7 @@ from autopart.meta import (
     META_INPUTS,
     META_MODULE,
     META_PASSES,
+    META_SEQ_BLOCK,
     META_SHARD,
     META_UNIT_COSTS,
 )
@@ -54,6 +58,9 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     refuse_library_ops(captured.graph)
     gm, history = apply_passes(captured, plan)
+    block = gm.meta.get(META_SEQ_BLOCK, 1)  # a scan's block: chunks are whole blocks
+    if plan.chunked and plan.chunk_multiple % block:
+        plan = replace(plan, seq_block=math.lcm(plan.seq_block, block))
     stages, inputs = split_stages(gm)
     ties = tied_across(inputs, plan.mesh.pp)
     chunk_cost = chunk_costs(captured, plan)

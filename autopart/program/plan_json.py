@@ -100,7 +100,7 @@ PLAN_FIELDS: dict[str, Spec] = {
 HEAD = obj(
     {
         "format": integer(),
-        "plan": obj(PLAN_FIELDS),
+        "plan": obj(PLAN_FIELDS, {"seq_block": integer(1, 1 << 20)}),
         "world_size": integer(1, MAX_WORLD),
         "example_shape": list_of(integer(1, 1 << 31), 2, 2),
         "vocab_size": integer(1, 1 << 31),
