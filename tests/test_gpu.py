@@ -96,7 +96,8 @@ def _zoo(arch: str, plan: str) -> Check:
 def test_one_gpu_sequence_constructs() -> None:
     """Seq1F1B's newer constructs and multi-head latent attention on ranks sharing one GPU:
     a window-trimmed K/V prefix, a convolution carry, routed experts with data-dependent group
-    sizes, soft-capped and chunked attention, ALiBi split by heads under tp, sinks, MLA."""
+    sizes, soft-capped and chunked attention, ALiBi split by heads under tp, Mamba-2's carried
+    scan state, sinks, MLA."""
     float64 = {
         "mistral-window": _zoo("mistral", "pp=2 Seq1F1B k=4"),
         "lfm2-conv-carry": _zoo("lfm2", "pp=2 Seq1F1B k=2"),
@@ -104,6 +105,8 @@ def test_one_gpu_sequence_constructs() -> None:
         "gemma2-soft-cap": _zoo("gemma2", "pp=2 Seq1F1B k=2"),
         "llama4-chunked": _zoo("llama4_text", "pp=2 Seq1F1B k=2"),
         "mpt-alibi-per-head": _zoo("mpt", "tp=2×pp=2 Seq1F1B k=2"),
+        "mamba2-ssd-state": _zoo("mamba2", "pp=2 Seq1F1B k=4"),
+        "falcon_h1-ssd-state": _zoo("falcon_h1", "tp=2×pp=2 Seq1F1B k=2"),
     }
     float32 = {  # grouped matmuls have no float64 CUDA kernel
         "gpt_oss-sinks": _zoo("gpt_oss", "pp=2 Seq1F1B k=2"),
