@@ -397,6 +397,7 @@ _WRONG_TYPES = {
     ),
     "params-int": ("plan.json", lambda d: d.update(params={"x": 1}), "params.x"),
     "plan-mesh-int": ("plan.json", lambda d: d["plan"].update(mesh=1), "plan.mesh"),
+    "plan-seq-block-zero": ("plan.json", lambda d: d["plan"].update(seq_block=0), "plan.seq_block"),
     "tied-list": ("plan.json", lambda d: d.update(tied=[]), "tied"),
     "param-shape-strings": (
         "plan.json",
