@@ -1420,7 +1420,7 @@ def _einsum(p: _Prover, n: fx.Node) -> Any:
     """``einsum`` with an explicit output: the sequence's letter stays in the output (a
     product over other dims); summing over it is mixing (a recognized ``StateScan`` is not
     this rule's)."""
-    eq, ops = n.args[0], n.args[1]
+    eq, ops = n.args[0], cast(Any, n.args[1])
     if not isinstance(eq, str) or "->" not in eq or "..." in eq:
         raise Unproven(f"einsum {eq!r} (an implicit output or an ellipsis)")
     ins, out = eq.replace(" ", "").split("->")
@@ -1536,7 +1536,7 @@ def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
     """The ``StateScan`` whose einsum is ``n``, or why ``n`` is not one."""
     if n.target != aten.einsum.default or not isinstance(n.args[0], str):
         return "not an einsum"
-    eq, ops = n.args[0].replace(" ", ""), n.args[1]
+    eq, ops = n.args[0].replace(" ", ""), cast(Any, n.args[1])
     if "->" not in eq or "..." in eq or not isinstance(ops, (list, tuple)) or len(ops) != 2:
         return "not an einsum of two operands with an explicit output"
     ins, out = eq.split("->")
@@ -1544,8 +1544,8 @@ def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
     ci = next((i for i, x in enumerate(ops) if getattr(x, "target", None) == aten.cat.default), -1)
     if ci < 0 or any(len(set(t)) != len(t) for t in terms):
         return "no concatenated states"
-    cat, d_op = ops[ci], ops[1 - ci]
-    parts = cat.args[0]
+    cat, d_op = cast(fx.Node, ops[ci]), cast(fx.Node, ops[1 - ci])
+    parts: Any = cat.args[0]
     if not (isinstance(parts, (list, tuple)) and len(parts) == 2):
         return "the states are not [zeros; states]"
     z, x = parts
@@ -1613,7 +1613,7 @@ def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
 
 def _scan_states(n: fx.Node) -> list[fx.Node]:
     """The concatenations an einsum ``n`` reads (a state scan's states), if any."""
-    ops = n.args[1] if n.target == aten.einsum.default and len(n.args) > 1 else ()
+    ops: Any = n.args[1] if n.target == aten.einsum.default and len(n.args) > 1 else ()
     return [x for x in ops if getattr(x, "target", None) == aten.cat.default]
 
 
@@ -1641,13 +1641,13 @@ def _segsum(e: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], tuple[fx.Node,
     if e.target != aten.exp.default:
         return what
     hi = node_arg(e, 0)
-    if hi.target != aten.masked_fill.Scalar or float(hi.args[2]) != float("-inf"):
+    if hi.target != aten.masked_fill.Scalar or float(cast(Any, hi.args[2])) != float("-inf"):
         return what
     cum = node_arg(hi, 0)
     if cum.target != aten.cumsum.default or int_arg(cum, 1) % _ndim(cum) != _ndim(cum) - 2:
         return what
     lo = node_arg(cum, 0)
-    if lo.target != aten.masked_fill.Scalar or float(lo.args[2]) != 0.0:
+    if lo.target != aten.masked_fill.Scalar or float(cast(Any, lo.args[2])) != 0.0:
         return what
     ex = node_arg(lo, 0)
     if ex.target != aten.expand.default:
