@@ -304,7 +304,11 @@ class _Prover:
             return _round_pad(self, n)
         if any(
             isinstance(v := self.env.get(a), Seq) and v.block > 1 for a in n.all_input_nodes
-        ) and (target in _SPECIAL and target not in _BLOCK_RULES or is_scored(n)):
+        ) and (
+            (target in _SPECIAL and target not in _BLOCK_RULES)
+            or target in _ROUTING_ENTRY
+            or is_scored(n)
+        ):
             raise Mixes(f"{_op_name(target)} of a scan's blocks of the sequence")
         if target is operator.getitem:
             src = self.env.get(node_arg(n, 0))
