@@ -1727,6 +1727,15 @@ def _scan_part(p: _Prover, n: fx.Node) -> Any:
     raise Mixes("the state after a scan's last block read (it depends on every chunk)")
 
 
+_VIEWS = (
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    aten.view_as.default,
+    aten.reshape_as.default,
+)
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.repeat.default: _repeat,
     aten.einsum.default: _einsum,
@@ -1755,18 +1764,7 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.cross_entropy_loss.default: _loss,
     aten.sum.dim_IntList: _sum_all,
     aten.sum.default: _sum_all,
-    **dict.fromkeys(
-        (
-            aten.view.default,
-            aten.reshape.default,
-            aten._unsafe_view.default,
-            aten.flatten.using_ints,
-            aten.unflatten.int,
-            aten.view_as.default,
-            aten.reshape_as.default,
-        ),
-        _view,
-    ),
+    **dict.fromkeys(_VIEWS, _view),
 }
 
 # the rules above that take a scan's blocks of the sequence (the others need tokens)
@@ -1777,13 +1775,7 @@ _BLOCK_RULES = frozenset(
         aten.sum.default,
         aten.cumsum.default,
         *_PADS,
-        aten.view.default,
-        aten.reshape.default,
-        aten._unsafe_view.default,
-        aten.flatten.using_ints,
-        aten.unflatten.int,
-        aten.view_as.default,
-        aten.reshape_as.default,
+        *_VIEWS,
     )
 )
 

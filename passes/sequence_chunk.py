@@ -206,42 +206,32 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         new_refs.append(ph.meta[META_INPUT])
         keys[name] = ph
         anchor = ph
-    carries: list[tuple[CausalConv, fx.Node, torch.SymInt]] = []
-    for i, conv in enumerate(_causal_convs(gm)):
+    # a causal convolution's carried inputs, then a state scan's carried state: each a ``kv``
+    # input whose dim ``dim`` of the value ``like`` has a symbolic length of its own
+    carried: list[tuple[Any, fx.Node, torch.SymInt]] = []
+    for name, found, like, dim, at in (
+        *(("conv_carry", c, c.x, c.dim, c.conv) for c in _causal_convs(gm)),
+        *(("scan_state", c, c.zeros, c.dim, c.einsum) for c in _state_scans(gm)),
+    ):
+        i = sum(1 for f, _, _ in carried if type(f) is type(found))
         with g.inserting_after(anchor):
-            ph = g.placeholder(f"conv_carry_{i}")
-        val = conv.x.meta["val"]
+            ph = g.placeholder(f"{name}_{i}")
+        val = like.meta["val"]
         assert mode is not None  # export's graphs carry fake values
-        length = _prefix_symint(mode, f"autopart_conv_carry_{i}")
-        shape = [*val.shape[: conv.dim], length, *val.shape[conv.dim + 1 :]]
+        length = _prefix_symint(mode, f"autopart_{name}_{i}")
+        shape = [*val.shape[:dim], length, *val.shape[dim + 1 :]]
         with mode:
             ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
-        ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + i))
+        ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + len(carried)))
         ph.meta[META_MODULE], ph.meta[META_LAYER] = (
-            conv.conv.meta.get(META_MODULE, ""),
-            conv.conv.meta.get(META_LAYER),
+            at.meta.get(META_MODULE, ""),
+            at.meta.get(META_LAYER),
         )
         new_refs.append(ph.meta[META_INPUT])
-        carries.append((conv, ph, length))
+        carried.append((found, ph, length))
         anchor = ph
-    states: list[tuple[StateScan, fx.Node, torch.SymInt]] = []
-    for i, scan in enumerate(_state_scans(gm)):
-        with g.inserting_after(anchor):
-            ph = g.placeholder(f"scan_state_{i}")
-        val = scan.zeros.meta["val"]
-        assert mode is not None  # export's graphs carry fake values
-        length = _prefix_symint(mode, f"autopart_scan_state_{i}")
-        shape = [*val.shape[: scan.dim], length, *val.shape[scan.dim + 1 :]]
-        with mode:
-            ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
-        ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + len(carries) + i))
-        ph.meta[META_MODULE], ph.meta[META_LAYER] = (
-            scan.einsum.meta.get(META_MODULE, ""),
-            scan.einsum.meta.get(META_LAYER),
-        )
-        new_refs.append(ph.meta[META_INPUT])
-        states.append((scan, ph, length))
-        anchor = ph
+    carries = [(c, ph, n) for c, ph, n in carried if isinstance(c, CausalConv)]
+    states = [(c, ph, n) for c, ph, n in carried if isinstance(c, StateScan)]
 
     for n in positions:
         with g.inserting_after(n):
