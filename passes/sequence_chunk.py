@@ -3,9 +3,11 @@
 Invariant (Seq1F1B plans): cut a micro-batch's sequence into chunks of lengths s_0 … s_{k−1}.
 Running a stage graph on chunk j — its tokens (or the previous stage's activations for them),
 ``offset`` = s_0 + … + s_{j−1}, for each attention layer the K/V *prefix* of the chunks before
-it, and for each causal convolution the inputs it *carries* over from them — returns the
-chunk's outputs and, appended, each attention layer's K/V with this chunk's added (the next
-chunk's prefix) and each causal convolution's last (k − 1)·d inputs (the next chunk's carry).
+it, for each causal convolution the inputs it *carries* over from them, and for each state
+scan the state they ended with — returns the chunk's outputs and, appended, each attention
+layer's K/V with this chunk's added (the next chunk's prefix), each causal convolution's last
+(k − 1)·d inputs and each scan's state after the chunk (the next chunk's carries). Chunk lengths
+are multiples of every scan's block of Q tokens (``meta["autopart.seq_block"]``).
 Together the chunks compute exactly what the unchunked graph computes on the whole sequence;
 the loss output is the chunk's summed cross entropy, so the chunks' losses add up to the
 sequence's. Gradients reaching a prefix or carry input belong to earlier chunks' outputs: the
@@ -20,7 +22,9 @@ What changes in the graph:
   ``[..., P, head_dim]`` with a symbolic prefix length P (0 for the first chunk), then
   ``InputRef("kv", "2A+j")`` — the carried inputs of the stage's j-th causal convolution,
   ``[b, channels, W_j]`` with a symbolic length of its own (0 for the first chunk, then the
-  convolution's window (k − 1)·d);
+  convolution's window (k − 1)·d), then ``("kv", "2A+C+j")`` — the state the j-th state scan
+  (``seq_rules.StateScan``) ended the previous chunk with, one block long (0 for the first
+  chunk);
 - **positions**: every ``arange`` over the sequence length from 0 (learned positions, rotary
   tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``, and every running
   count ``cumsum(full(c))`` (OPT's positions from an all-ones mask) gains ``c · offset``;
@@ -34,6 +38,9 @@ What changes in the graph:
   window is the last (k − 1)·d entries of [zeros; carried inputs] — the zero padding for the
   first chunk, the previous chunk's last inputs after it — so its output has the chunk's
   length and equals the whole sequence's at these tokens;
+- **state scans** (Mamba-2's SSD): the scan starts from the last block of [zeros; carried
+  state] instead of its zeros, so each chunk continues the recurrence where the previous one
+  stopped;
 - **sliding windows**: a layer with a window of W keys hands on only the last W − 1 positions
   of its [prefix; chunk] K and V (all a later query sees), and its prefix input has a symbolic
   length of its own;
@@ -298,8 +305,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
 
     The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
     through a construct this pass chunks (position-wise ops, positions, causal attention with
-    its K/V prefix, causal convolutions with their carried window, the summed loss, routed
-    experts). The first node that is not proven is named, with its module and the construct;
+    its K/V prefix, causal convolutions with their carried window, state scans with their
+    carried state, the summed loss, routed experts). The first node that is not proven is named, with its module and the construct;
     an unrecognized softmax over the sequence is named first when there is one (an attention
     ``canonicalize_attention`` did not recognize explains the rest: its scores pair tokens, its
     mask's construction scans them). Each proven node keeps its sequence dim in
@@ -315,7 +322,7 @@ def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
             f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
             hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
             "position-wise ops, positions from arange or a running count, causal attention, "
-            "causal convolutions and routed experts; docs/seq1f1b.md lists them)",
+            "causal convolutions, state scans and routed experts; docs/seq1f1b.md lists them)",
         )
 
 
