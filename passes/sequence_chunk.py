@@ -78,6 +78,7 @@ from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
     META_DATA_MASK,
+    META_EXAMPLE_SHAPE,
     META_INPUT,
     META_INPUTS,
     META_KV,
@@ -120,9 +121,10 @@ def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not plan.chunked:
         return gm
     block = 1
+    example = gm.meta.get(META_EXAMPLE_SHAPE, (0, 0))[1]
     for st in stage_graphs(gm):
         require_causal(st)
-        refuse_sequence_mixing(st)
+        refuse_sequence_mixing(st, example)
         block = math.lcm(block, st.meta[META_SEQ_BLOCK])
         chunk_stage(st)
     gm.meta[META_SEQ_BLOCK] = block  # compile makes the plan's chunk boundaries multiples of it
@@ -300,22 +302,33 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def refuse_sequence_mixing(gm: fx.GraphModule) -> None:
+def refuse_sequence_mixing(gm: fx.GraphModule, example: int = 0) -> None:
     """Refuse a stage unless every live node is proven to keep tokens apart (``seq_rules``).
 
     The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
     through a construct this pass chunks (position-wise ops, positions, causal attention with
     its K/V prefix, causal convolutions with their carried window, state scans with their
-    carried state, the summed loss, routed experts). The first node that is not proven is named, with its module and the construct;
-    an unrecognized softmax over the sequence is named first when there is one (an attention
-    ``canonicalize_attention`` did not recognize explains the rest: its scores pair tokens, its
-    mask's construction scans them). Each proven node keeps its sequence dim in
+    carried state, the summed loss, routed experts). The first node that is not proven is
+    named, with its module and the construct; an unrecognized softmax over the sequence is named
+    first when there is one (an attention ``canonicalize_attention`` did not recognize explains
+    the rest: its scores pair tokens, its mask's construction scans them). A scan whose blocks
+    the ``example`` sequence (its length) does not fill twice is named first: export fixes such
+    a scan's sizes at the example's one block. Each proven node keeps its sequence dim in
     ``meta["autopart.seq_dim"]``.
     """
     env, found, block = seq_dims(gm)
     gm.meta[META_SEQ_BLOCK] = block
     for n, value in env.items():
         n.meta[META_SEQ_DIM] = value.dim if isinstance(value, Seq) else None
+    if found and block > 1 and 0 < example < 2 * block:
+        raise AutopartError(
+            f"Seq1F1B cannot chunk this stage: its state scan works on blocks of {block} tokens "
+            f"and the example sequence has {example}, less than two blocks, so export fixed the "
+            f"scan's sizes at one block (the proof then stops at {found[0][0].name}: "
+            f"{found[0][1]})",
+            hint=f"capture with an example of at least {2 * block} tokens (Seq1F1B cuts chunks "
+            f"at whole blocks of {block}); docs/capture.md explains why",
+        )
     if found:
         n, what = min(found, key=lambda f: SOFTMAX not in f[1])
         raise AutopartError(

@@ -144,3 +144,13 @@ def test_a_block_8_does_not_divide_sets_the_chunk_multiple(tmp_path) -> None:
     )
     assert sum(lengths) == 64 and all(n % 16 == 0 for n in lengths), lengths
     assert any(n % 16 for n in chunk_lengths(program.ranks[0].chunk_cost, 64, 3, "balanced", 8))
+
+
+def test_an_example_shorter_than_two_blocks_is_named() -> None:
+    """Blocks of 32 tokens captured at 16: export fixes the scan at one block, and the refusal
+    says so (with the length to capture at) instead of naming a node deep inside the scan."""
+    ids = torch.randint(0, 50, (2, 16))
+    with pytest.raises(AutopartError) as err:
+        parallelize(capture(_Scan(q=32).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
+    assert "blocks of 32 tokens and the example sequence has 16" in err.value.message
+    assert "at least 64 tokens" in err.value.hint
