@@ -17,7 +17,11 @@ op by op from an allow-list.
 - routing values of a mixture of experts (``Routed``), below;
 - ``PADDED`` / ``WINDOWED``: a causal convolution's input padded on the left, and the output
   of one padded on both sides, which only the convolution, and the cut back to the first s
-  outputs, may read.
+  outputs, may read;
+- ``Round(Q)``: a size computed from the length that is 0 at every multiple of Q (a scan's
+  padding to whole blocks), allowed only as a pad at the end of the sequence; ``Seq.block``:
+  the tokens laid out in blocks of Q, one block per index (a scan's ``[b, s/Q, Q, …]``);
+  ``SCAN``: a value inside a recognized state scan (``StateScan``), read only by it.
 
 The allow-list: position-wise ops (elementwise, reductions, norms and softmaxes over other
 dims, matmuls contracting other dims, views and rearrangements that keep the token order,
@@ -27,7 +31,8 @@ chunk's offset), constants sized by the sequence, causal attention (``canonicali
 marked it; the chunk pass gives it its K/V prefix), causal convolutions along the sequence
 (``causal_conv``: stride 1, zero-padded by their window (k − 1)·d on the left only, by a pad
 or by symmetric padding cut back to the first s outputs; the chunk pass carries their window
-of inputs from chunk to chunk), the summed loss, and token routing (``sort`` of per-token
+of inputs from chunk to chunk), state scans over blocks of the sequence (``StateScan``:
+Mamba-2's SSD; the chunk pass carries the state, chunks being whole blocks), the summed loss, and token routing (``sort`` of per-token
 expert ids, the gather, grouped matmul and scatter back that a mixture of experts makes). Any
 other op, and any op of the list acting along the sequence dim (a scan, a softmax or reduction
 over it, any other convolution or pad along it, a product contracting or pairing it, an index
@@ -73,7 +78,7 @@ class Seq:
     dim: int
     inner: tuple[int, ...]
     part: int = 1  # 1: the whole chunk; p: a tp rank's 1/p of it (sequence parallelism)
-    block: int = 1  # tokens per index: a scan's blocks of Q consecutive tokens (``BLOCKS``)
+    block: int = 1  # tokens per index: a scan's blocks of Q consecutive tokens (``_view``)
 
 
 @dataclass(frozen=True)
@@ -151,8 +156,8 @@ def seq_dims(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node
 class _Prover:
     def __init__(self, gm: fx.GraphModule, samples: tuple[tuple[int, int], ...] = _SAMPLES) -> None:
         self.gm = gm
-        self.samples = samples  # (b, s): multiples of every scan block (``_block_samples``)
-        self.block = 1  # chunks must be multiples of this: the scans' blocks (``round_up``)
+        self.samples = samples  # (b, s): multiples of every scan block (``seq_dims``)
+        self.block = 1  # chunks must be multiples of this: the scans' blocks (``_round_pad``)
         self.scans: dict[fx.Node, tuple[str, StateScan]] = {}  # node → its role in a scan
         self.env: dict[fx.Node, Any] = {}
         self.found: list[tuple[fx.Node, str]] = []
