@@ -1230,6 +1230,7 @@ def _view_blocks(p: _Prover, n: fx.Node, v: Seq) -> Seq:
     if len(found) != 1:
         raise Mixes("a view that cuts the sequence across dims")
     j, q = found.pop()
+    p.block = math.lcm(p.block, q)  # a block may mix its tokens: chunks must be whole blocks
     return Seq(j, ONE, v.part, q)
 
 

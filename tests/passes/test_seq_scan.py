@@ -154,3 +154,27 @@ def test_an_example_shorter_than_two_blocks_is_named() -> None:
         parallelize(capture(_Scan(q=32).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
     assert "blocks of 32 tokens and the example sequence has 16" in err.value.message
     assert "at least 64 tokens" in err.value.hint
+
+
+class _Blocks(nn.Module):
+    """Tokens mixed inside blocks of 16 only (a running sum within each block, ``[b, s/16, 16,
+    H]`` and back), no scan: chunks must still be whole blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, H), nn.Linear(H, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.emb(ids).view(b, s // 16, 16, H).cumsum(2)
+        return self.out(x.view(b, s, H))
+
+
+def test_tokens_mixed_inside_blocks_make_chunks_whole_blocks() -> None:
+    """A view into blocks of 16 raises the chunk multiple to 16 by itself (8 would cut a block
+    in two), and whole-block chunks are exact."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 64))
+    program = parallelize(capture(_Blocks().double(), (ids, ids)), Mesh(), schedule="seq1f1b")
+    assert program.plan.seq_block == 16
+    _chunked_exactly(_Blocks(), ids, ((16, 48), (32, 16, 16)))
