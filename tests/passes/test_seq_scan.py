@@ -158,16 +158,25 @@ def test_an_example_shorter_than_two_blocks_is_named() -> None:
 
 class _Blocks(nn.Module):
     """Tokens mixed inside blocks of 16 only (a running sum within each block, ``[b, s/16, 16,
-    H]`` and back), no scan: chunks must still be whole blocks."""
+    H]`` and back), no scan: chunks must still be whole blocks. Broken: "across" (a running
+    sum along the blocks: a scan no rule carries from chunk to chunk), "front" (the padding to whole blocks put before the tokens), "summed" (an
+    einsum summing over the sequence)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "inside") -> None:
         super().__init__()
+        self.kind = kind
         self.emb, self.out = nn.Embedding(50, H), nn.Linear(H, 50)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
-        x = self.emb(ids).view(b, s // 16, 16, H).cumsum(2)
-        return self.out(x.view(b, s, H))
+        x = self.emb(ids)
+        if self.kind == "front":
+            x = F.pad(x, (0, 0, (16 - s % 16) % 16, 0))
+        x = x.view(b, -1, 16, H).cumsum(1 if self.kind == "across" else 2)
+        x = x.reshape(b, -1, H)[:, -s:] if self.kind == "front" else x.view(b, s, H)
+        if self.kind == "summed":
+            x = x + torch.einsum("bsh->bh", x)[:, None]
+        return self.out(x)
 
 
 def test_tokens_mixed_inside_blocks_make_chunks_whole_blocks() -> None:
@@ -178,3 +187,21 @@ def test_tokens_mixed_inside_blocks_make_chunks_whole_blocks() -> None:
     program = parallelize(capture(_Blocks().double(), (ids, ids)), Mesh(), schedule="seq1f1b")
     assert program.plan.seq_block == 16
     _chunked_exactly(_Blocks(), ids, ((16, 48), (32, 16, 16)))
+
+
+@pytest.mark.parametrize(
+    ("kind", "node", "why"),
+    [
+        ("across", "cumsum", "a cumsum along the sequence"),
+        ("front", "pad", "the sequence length used as a value"),
+        ("summed", "einsum", "a product summing over the sequence"),
+    ],
+)
+def test_blocks_that_mix_chunks_are_refused(kind: str, node: str, why: str) -> None:
+    """Negative controls for blocks: a running sum across the blocks, the padding to whole
+    blocks before the tokens, an einsum summing over the sequence: refused, naming the node."""
+    ids = torch.randint(0, 50, (2, 64))
+    with pytest.raises(AutopartError) as err:
+        parallelize(capture(_Blocks(kind).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
+    message = err.value.message
+    assert f"cannot chunk node {node}" in message and why in message, message
