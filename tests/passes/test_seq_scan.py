@@ -158,9 +158,9 @@ def test_an_example_shorter_than_two_blocks_is_named() -> None:
 
 class _Blocks(nn.Module):
     """Tokens mixed inside blocks of 16 only (a running sum within each block, ``[b, s/16, 16,
-    H]`` and back), no scan: chunks must still be whole blocks. Broken: "across" (a running
-    sum along the blocks: a scan no rule carries from chunk to chunk), "front" (the padding to whole blocks put before the tokens), "summed" (an
-    einsum summing over the sequence)."""
+    H]`` and back), no scan: chunks must still be whole blocks. Broken: "across" (a running sum
+    along the blocks: a scan no rule carries from chunk to chunk), "front" (the padding to
+    whole blocks put before the tokens), "summed" (an einsum summing over the sequence)."""
 
     def __init__(self, kind: str = "inside") -> None:
         super().__init__()
