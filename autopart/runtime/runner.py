@@ -941,6 +941,12 @@ class Runner:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
         if seq_len not in self._bounds:  # solved once per length, not at every step
             p = self.plan
+            if seq_len % p.seq_block:
+                raise AutopartError(
+                    f"rank {self.rank}: a sequence of {seq_len} tokens is not a whole number of "
+                    f"the model's scan blocks ({p.seq_block} tokens each), which Seq1F1B cuts at",
+                    hint=f"use a sequence length that is a multiple of {p.seq_block}",
+                )
             try:
                 self._bounds[seq_len] = chunk_bounds(
                     self.chunk_cost or (1.0, 0.0),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_err, run_model
 from test_sequence_chunk import _chunked_exactly, _reference, run_chunks
 from torch import nn
 
@@ -20,6 +21,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
 from autopart.meta import META_INPUT
 from autopart.program.format import Program
+from autopart.runtime.runner import Runner
 from autopart.schedule.chunks import chunk_lengths
 
 H, HEADS, P, N = 16, 2, 4, 3  # width, heads, head width, state size
@@ -132,11 +134,21 @@ def test_scans_that_mix_chunks_are_refused(kind: str, node: str, why: str) -> No
 def test_a_block_8_does_not_divide_sets_the_chunk_multiple(tmp_path) -> None:
     """Blocks of 16 tokens: the program's plan records ``seq_block=16`` (kept through
     plan.json), so every chunk boundary is a multiple of 16 (the balanced split of 64 tokens
-    in 3 would otherwise cut at multiples of 8)."""
+    in 3 would otherwise cut at multiples of 8). The runtime's step matches the model; a
+    sequence that is not whole blocks is refused at the step, naming the rank."""
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (2, 64))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
     model = _Scan(q=16).double()
-    program = parallelize(capture(model, (ids, ids)), Mesh(), schedule="seq1f1b", seq_chunks=3)
+    program = parallelize(capture(model, (ids, labels)), Mesh(), schedule="seq1f1b", seq_chunks=3)
+    rp = program.rank(0)
+    weights = {f: rp.shards[f].local(t.detach().clone()) for f, t in program.params.items()}
+    runner = Runner(rp, program.plan, {**weights, **program.buffers}, {})
+    want, _ = run_model(model, (ids, labels))
+    assert rel_err(runner.step(ids, labels), want / (labels != -100).sum()) <= 1e-12
+    with pytest.raises(AutopartError) as err:
+        runner.step(ids[:, :40], labels[:, :40])
+    assert "rank 0" in err.value.message and "scan blocks (16 tokens each)" in err.value.message
     assert program.plan.seq_block == 16 and program.plan.chunk_multiple == 16
     assert Program.load(program.save(tmp_path / "p")).plan.seq_block == 16
     lengths = chunk_lengths(
