@@ -36,6 +36,7 @@ BENCHMARKS = {
     "precision": lambda mod: mod.main(),
     "published": lambda mod: mod.main(),
     "seq1f1b": lambda mod: mod.main(argparse.Namespace(seq=1024, microbatches=8, manual=False)),
+    "seq1f1b_ssm": lambda mod: mod.main(argparse.Namespace(seq=1024, block=64)),
     "zero_bubble": lambda mod: mod.main(argparse.Namespace(seq=512, microbatches=8, width=256)),
 }
 
