@@ -143,3 +143,15 @@ def print_modes(
             )
             record(benchmark, f"{name}: {m} step time", ms[m], ms[base], peer_name, unit="ms")
     return ok
+
+
+def losses_agree(losses: dict[str, float], ref: str, rtol: float) -> bool:
+    """The step-0 losses all within ``rtol`` (relative) of ``losses[ref]``; says which way."""
+    import sys
+
+    want = losses[ref]
+    if any(abs(v - want) > rtol * abs(want) for v in losses.values()):
+        print(f"LOSS MISMATCH at step 0: {losses}", file=sys.stderr)
+        return False
+    print(f"step-0 losses agree (relative tolerance {rtol:g})")
+    return True

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import record, run_workers  # noqa: E402
+from _launch import losses_agree, record, run_workers  # noqa: E402
 from _torchpp import GPT2, TIED, LiveSaved, ce, gpt2, stepper  # noqa: E402
 
 BATCH, P, K, WARMUP, ITERS, RTOL = 8, 2, 2, 2, 5, 1e-4
@@ -280,13 +280,7 @@ def main(a: argparse.Namespace) -> int:
     )
     for n in names[1:]:
         record("zero_bubble", f"step time, {n}", ms[n], ms["1f1b"], "autopart 1F1B", unit="ms")
-    losses = ranks[-1]["loss0"]
-    ref = losses["1f1b"]
-    if any(abs(v - ref) > RTOL * abs(ref) for v in losses.values()):
-        print(f"LOSS MISMATCH at step 0: {losses}", file=sys.stderr)
-        return 1
-    print(f"step-0 losses agree (relative tolerance {RTOL:g})")
-    return 0
+    return 0 if losses_agree(ranks[-1]["loss0"], "1f1b", RTOL) else 1
 
 
 if __name__ == "__main__":

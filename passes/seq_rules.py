@@ -228,8 +228,8 @@ class _Prover:
             for n in self.gm.graph.nodes
             if n in live
             and n not in self.scans
-            and isinstance(why := state_scan(n, live), str)
             and any(self.env.get(x) is MIXED for x in _scan_states(n))
+            and isinstance(why := state_scan(n, live), str)
         ]
         return self.env, missed + self.found
 
@@ -1551,10 +1551,11 @@ def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
         return "not an einsum of two operands with an explicit output"
     ins, out = eq.split("->")
     terms = ins.split(",")
-    ci = next((i for i, x in enumerate(ops) if getattr(x, "target", None) == aten.cat.default), -1)
-    if ci < 0 or any(len(set(t)) != len(t) for t in terms):
+    cats = _scan_states(n)
+    if not cats or any(len(set(t)) != len(t) for t in terms):
         return "no concatenated states"
-    cat, d_op = cast(fx.Node, ops[ci]), cast(fx.Node, ops[1 - ci])
+    ci = ops.index(cats[0])
+    cat, d_op = cats[0], cast(fx.Node, ops[1 - ci])
     parts: Any = cat.args[0]
     if not (isinstance(parts, (list, tuple)) and len(parts) == 2):
         return "the states are not [zeros; states]"
