@@ -17,7 +17,6 @@ distributed wait has the check's timeout, and a rank that fails says which rank 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import sys
 import traceback
@@ -32,7 +31,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import batch_fields
 from autopart.layout import Plan
 from autopart.program.format import Program, RankProgram, load_rank, load_weights, read_head
-from autopart.runtime.launch import as_rank, rank_setup, wait_ranks
+from autopart.runtime.launch import as_rank, fork_context, forked, rank_setup, wait_ranks
 from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.run import dump
 from autopart.runtime.runner import Runner, join_torchrun, local_weights, make_groups
@@ -142,9 +141,7 @@ def fork_ranks(
     folder.mkdir(parents=True, exist_ok=True)
     world = program.mesh.size
     store = folder / "store"
-    ctx = multiprocessing.get_context("fork")
-    sys.stdout.flush()
-    sys.stderr.flush()
+    ctx = fork_context()
     procs = [
         ctx.Process(
             target=_forked_rank,
@@ -172,6 +169,7 @@ def _forked_rank(
     timeout_s: float,
     device: str,
 ) -> None:
+    forked()
     code = 1
     try:
         as_rank(rank, world)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -169,18 +170,51 @@ def wait_ranks(procs: list[Any], limit_s: float) -> int | None:
                 break
             wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
     finally:
-        for p in procs:
+        stopped = [p for p in procs if p.exitcode is None]
+        for p in stopped:  # where each one was: its stack, into its own output
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGUSR1)
+        if stopped:
+            wait([p.sentinel for p in stopped], timeout=1.0)
+        for p in stopped:
             if p.exitcode is None:
                 p.kill()
+            p.join()
+        for p in procs:
             p.join()
     if first is None:
         first = next((r for r, p in enumerate(procs) if p.exitcode != 0), None)
     return first
 
 
+def fork_context() -> Any:
+    """The multiprocessing context that forks ranks from this process, once its garbage is
+    collected and its output flushed. Garbage left to a forked rank is collected there, and a
+    cycle holding a gloo group (DTensor keeps one after ``destroy_process_group``) then runs the
+    group's destructor, which waits for worker threads that exist only in this process: seen as
+    a rank hung in "Garbage-collecting" inside a checkpoint save, its peer timing out."""
+    import multiprocessing
+
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return multiprocessing.get_context("fork")
+
+
+def forked() -> None:
+    """First thing in a forked rank: what it inherited is never garbage-collected in it (see
+    ``fork_context``)."""
+    gc.freeze()
+
+
 def as_rank(rank: int, world: int, **env: str) -> None:
     """Make a forked process rank ``rank`` of ``world``: torchrun's variables (and ``env``),
-    and one core's worth of threads (torchrun's OMP_NUM_THREADS=1)."""
+    and one core's worth of threads (torchrun's OMP_NUM_THREADS=1). SIGUSR1 makes it print
+    every thread's Python stack (``wait_ranks`` sends it to the ranks it stops)."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank),
@@ -262,14 +296,14 @@ def launch(
     return output
 
 
-def _failed(what: str, code: int | None, output: str) -> AutopartError:
+def _failed(what: str, code: int | None, output: str, where: Sequence[str] = ()) -> AutopartError:
     """The error of ranks that exited with ``code``: their error and hint lines (else the last
-    25 lines), and where the whole output is kept."""
+    25 lines), ``where`` the stopped ranks were, and where the whole output is kept."""
     lines = output.strip().splitlines()
     said = list(
         dict.fromkeys(x.strip() for x in lines if "autopart run: error" in x or "hint:" in x)
     )
-    tail = "\n".join(said or lines[-25:]) or "(the ranks' output is above)"
+    tail = "\n".join([*(said or lines[-25:]), *where]) or "(the ranks' output is above)"
     log = None
     if output:
         fd, log = tempfile.mkstemp(prefix="autopart-ranks-", suffix=".log")
@@ -287,8 +321,6 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
     per rank. Returns the ranks' output (rank order); a failing rank stops the others, and the
     error quotes it as ``launch`` does. For what torchrun itself does (restarts, several
     agents), use ``launch``."""
-    import multiprocessing
-
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -296,9 +328,7 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="autopart-forked-") as tmp:
         logs = [Path(tmp) / f"rank{r:05d}.log" for r in range(nproc)]
-        ctx = multiprocessing.get_context("fork")
-        sys.stdout.flush()
-        sys.stderr.flush()
+        ctx = fork_context()
         procs = [
             ctx.Process(target=_forked_main, args=(r, nproc, port, argv, logs[r]), daemon=True)
             for r in range(nproc)
@@ -306,14 +336,31 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
         for p in procs:
             p.start()
         first = wait_ranks(procs, timeout_s + 60)
-        output = "".join(f.read_text(errors="replace") for f in logs if f.exists())
+        texts = [f.read_text(errors="replace") if f.exists() else "" for f in logs]
     if first is not None:  # the exit code of the rank that failed first
-        raise _failed(f"{nproc} forked ranks", procs[first].exitcode, output)
-    return output
+        where = [f"rank {r} was stopped in {at}" for r, t in enumerate(texts) if (at := _at(t))]
+        raise _failed(f"{nproc} forked ranks", procs[first].exitcode, "".join(texts), where)
+    return "".join(texts)
+
+
+def _at(output: str) -> str | None:
+    """Where a rank stopped by ``wait_ranks`` was: the innermost frames of the main thread's
+    stack that faulthandler printed (None: it printed none)."""
+    lines = output.splitlines()
+    head = next((i for i, x in enumerate(lines) if x.startswith("Current thread")), None)
+    if head is None:
+        return None
+    frames = []
+    for x in lines[head + 1 :]:
+        if not x.startswith("  File "):
+            break
+        frames.append(x.strip())
+    return " ← ".join(f.removeprefix("File ") for f in frames[:4]) or None
 
 
 def _forked_main(rank: int, nproc: int, port: int, argv: list[str], log: Path) -> None:
     """One forked rank: output to ``log``, torchrun's environment, ``argv`` run as __main__."""
+    forked()
     import runpy
     import traceback
     import warnings
