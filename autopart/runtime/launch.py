@@ -214,7 +214,7 @@ def as_rank(rank: int, world: int, **env: str) -> None:
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # fd 2: sys.stderr may be none
     torch.set_num_threads(1)
     os.environ.update(
         RANK=str(rank),
