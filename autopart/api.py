@@ -7,6 +7,7 @@ print, inspect or save). With a live torch ``DeviceMesh`` (under torchrun) it re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ def parallelize(
     max_stage_memory_gb: float | None = None,
     timeout_s: float = 300.0,
     compile: bool = False,
+    library_ops: Sequence[str] = (),
     plan: Any = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``: a ``Program`` offline, the local ``Runner`` if live.
@@ -46,7 +48,10 @@ def parallelize(
     through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
     ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).
     ``precision="bf16"``: bf16 compute, the model's (float32) parameters as master weights,
-    float32 gradients and loss (``capture_mixed``; docs/precision.md).
+    float32 gradients and loss (``capture_mixed``; docs/precision.md). ``library_ops`` names
+    library namespaces whose custom ops you trust when capture cannot decompose them to ATen
+    (``torch.ops.<namespace>.*``; the program records the library's version, and a loader
+    must name it too: docs/capture.md).
 
     ``plan=`` takes a whole ``Plan`` (or a planner result, ``planner.search(...).ranked[0]``)
     instead of the plan keywords; ``mesh`` may then be ``None`` (the plan's) or must match it.
@@ -68,6 +73,7 @@ def parallelize(
             seq_split=seq_split,
             recompute=recompute,
             precision=precision,
+            library_ops=tuple(library_ops),
         )
     if live is not None and not isinstance(model, Captured):
         broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does
@@ -138,7 +144,7 @@ def _compile_once(
             program = _compile(model, example_inputs, plan)
         except Exception as exc:  # noqa: BLE001 - every rank raises it (named), not only rank 0
             error = exc
-    rp, weights, head = hand_over(program, error, timeout_s)
+    rp, weights, head = hand_over(program, error, timeout_s, plan.library_ops)
     runner = Runner.from_rank(
         rp, Plan.from_json(head["plan"]), weights, head, live, timeout_s=timeout_s, compile=compile
     )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -148,6 +149,27 @@ def _flag(
     return field(default=default, metadata={"cli": meta})
 
 
+BUILTIN_OPS = ("aten", "autopart")  # op namespaces every program may call
+LIBRARY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")  # a library namespace: an import name
+
+
+def check_library_names(names: Iterable[str]) -> tuple[str, ...]:
+    """The library namespaces a user trusts (``Plan.library_ops``), sorted; ``AutopartError``
+    for one that is not a plain import name or is ATen or autopart's own."""
+    if isinstance(names, str):
+        names = [names]
+    out = set()
+    for name in names:
+        if not isinstance(name, str) or not LIBRARY_NAME.fullmatch(name) or name in BUILTIN_OPS:
+            raise AutopartError(
+                f"library_ops: {name!r} is not a library namespace",
+                hint="name the namespace of the ops (torch.ops.<namespace>.<op>), which is the "
+                "import name of the library's package, e.g. library_ops=('mylib',)",
+            )
+        out.add(name)
+    return tuple(sorted(out))
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything that decides how a step runs besides the model: validated on construction."""
@@ -184,8 +206,18 @@ class Plan:
     # its state on by (Mamba-2's SSD); compile sets it from the model
     seq_block: int = 1
     precision: str | None = None  # "bf16": bf16 compute, fp32 master weights and gradients
+    # library op namespaces the user trusts: their ops (torch.ops.<ns>.*) that capture cannot
+    # decompose to ATen stay in the program, which records the library's version
+    # (program/libraries.py); a loader imports them only when its user names them too
+    library_ops: tuple[str, ...] = _flag(
+        (),
+        "a library whose custom ops (torch.ops.NAME.*, no ATen decomposition) you trust the "
+        "program to call; its version is recorded, and loading the program needs it named "
+        "again (repeat for several)",
+    )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "library_ops", check_library_names(self.library_ops))
         if self.schedule not in SCHEDULES:
             close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""

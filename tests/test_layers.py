@@ -80,6 +80,8 @@ LAZY: dict[tuple[str, str], str] = {
     "name imports its module on first use, so a rank running a saved program imports no "
     "compiler or verifier",
     ("autopart/frontend/spec.py", DYNAMIC): "loads the user's model SPEC (`module:make`) by name",
+    ("autopart/program/libraries.py", DYNAMIC): "imports a library the loading user trusts "
+    "(by name, after its version is checked) so that its custom ops exist",
     ("autopart/api.py", "autopart.runtime.runner"): "an offline compile (an autopart.Mesh) "
     "imports no runtime; only a live DeviceMesh gets a Runner",
     ("autopart/api.py", "autopart.runtime.handover"): "as the runner: only a live mesh whose "

@@ -42,6 +42,9 @@ def plan_flags(p: argparse.ArgumentParser) -> None:
         if f.type == "bool":
             g.add_argument(flag, action="store_true", help=spec["help"])
             continue
+        if f.type == "tuple[str, ...]":  # repeated: --flag A --flag B
+            g.add_argument(flag, action="append", default=[], metavar="NAME", help=spec["help"])
+            continue
         choices = list(spec["choices"]()) if spec["choices"] else None
         default = f.default
         text = spec["help"]

@@ -6,6 +6,7 @@ reads them (here first, so a wrong flag fails before any rank starts)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 EXAMPLES = """examples:
   autopart run out/ --steps 10 --json
@@ -58,6 +59,7 @@ def main(a: argparse.Namespace) -> int:
     import os
 
     from autopart.layout import Plan
+    from autopart.program import libraries
     from autopart.program.format import read_head
     from autopart.runtime.launch import launch
     from autopart.runtime.run import check_args, run
@@ -69,6 +71,7 @@ def main(a: argparse.Namespace) -> int:
     head = read_head(args.dir)
     world = _world_before_launch(args.dir, head)
     check_args(args, head, Plan.from_json(head["plan"]))  # refused here once, not per rank
+    libraries.trusted(head.get("libraries", {}), args.library_ops, Path(args.dir))
     print(
         f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} "
         f"-m autopart.runtime.run {' '.join(argv)}"

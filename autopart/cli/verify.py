@@ -74,8 +74,8 @@ def main(a: argparse.Namespace) -> int:
     from autopart.parity.verify import Check, Report, parse_plans, verify_many
 
     base = {"dp": a.dp, "tp": a.tp, "pp": a.pp, **plan_kwargs(a)}
-    if a.program is not None:
-        base = _saved_plan(a.program)
+    if a.program is not None:  # the folder's plan; which libraries to trust stays yours
+        base = {**_saved_plan(a.program), "library_ops": tuple(a.library_ops)}
     checks = parse_plans(a.plans, a.model, base) if a.plans else [Check(a.model, **base)]
     con = Console()
     outcome = {"fail": 0, "error": 0}

@@ -22,6 +22,7 @@ places a program on its rank's device (``autopart/runtime/placement.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -30,6 +31,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.graph import copy_graph, device_free
+from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
 from autopart.lowering.chunks import cost_coefficients
 from autopart.lowering.dry_run import dry_run
@@ -48,6 +50,7 @@ from autopart.meta import (
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
+from autopart.program import libraries
 from autopart.program.archive import allowed_call
 from autopart.program.format import PassRecord, Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
@@ -56,7 +59,7 @@ from autopart.schedule.chunks import chunk_lengths
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
-    refuse_library_ops(captured.graph)
+    used = refuse_library_ops(captured.graph, plan.library_ops)
     gm, history = apply_passes(captured, plan)
     block = gm.meta.get(META_SEQ_BLOCK, 1)  # a scan's block: chunks are whole blocks
     if plan.chunked and plan.chunk_multiple % block:
@@ -79,6 +82,7 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         captured.example_shape,
         captured.vocab_size,
         history,
+        libraries=libraries.record(used),
     )
     program.split = {
         name: gm.meta[key]
@@ -88,13 +92,19 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     return program
 
 
-def refuse_library_ops(gm: fx.GraphModule) -> None:
-    """Refuse a graph that calls anything but ATen ops, autopart's ops and Python operators on
-    sizes: a library's custom op (``torch.ops.transformers.*``) that capture could not
-    decompose to ATen. A saved program calling it would be refused at load (loading it could
-    run the library's code), and the passes have no rule for it."""
+def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[str]:
+    """Refuse a graph that calls anything but ATen ops, autopart's ops, ops of the library
+    namespaces in ``trusted`` (``Plan.library_ops``) and Python operators on sizes: a library's
+    custom op (``torch.ops.transformers.*``) that capture could not decompose to ATen and the
+    user did not opt in to. A saved program calling it would be refused at load (loading it
+    could run the library's code), and the passes have no rule for it. Returns the trusted
+    namespaces the graph calls."""
+    namespaces = (*BUILTIN, *trusted)
+    used = set()
     for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr") or allowed_call(n):
+        if n.op in ("placeholder", "output", "get_attr") or allowed_call(n, namespaces):
+            if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in trusted:
+                used.add(n.target.namespace)
             continue
         op = n.target
         name = op.name() if isinstance(op, torch._ops.OpOverload) else getattr(op, "__name__", op)
@@ -105,8 +115,11 @@ def refuse_library_ops(gm: fx.GraphModule) -> None:
             "own ops only (a saved program calling it could not be loaded)",
             hint="register an ATen decomposition for it (torch.library's "
             "CompositeImplicitAutograd kernel, or autopart.frontend.capture."
-            "LIBRARY_DECOMPOSITIONS), or configure the model to compute it with torch ops",
+            "LIBRARY_DECOMPOSITIONS), configure the model to compute it with torch ops, or, if "
+            f"you trust the library, opt in: library_ops=({space!r},) (its version is recorded, "
+            "and whoever loads the program must name it too)",
         )
+    return used
 
 
 def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[PassRecord]]:

@@ -74,7 +74,7 @@ def run_check(
 def main(argv: list[str] | None = None) -> int:
     """``python -m autopart.parity.checks MANIFEST`` (under torchrun): run every check the
     manifest lists, in order. The manifest is JSON: ``{"timeout": s, "compile": bool, "device",
-    "checks": [{"name", "program", "batch", "dump"}, ...]}``; every program has this world size."""
+    "checks": [{"name", "program", "batch", "dump", "library_ops"}, ...]}``; every program has this world size."""
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
         print("usage: python -m autopart.parity.checks MANIFEST (under torchrun)", file=sys.stderr)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = Plan.from_json(head["plan"])
             plan.mesh.check_world(world)
             batch = torch.load(check["batch"], weights_only=True)  # {name: tensor}
-            program = load_rank(root, rank)
+            program = load_rank(root, rank, check.get("library_ops", ()))
             run_check(
                 program,
                 plan,

@@ -530,6 +530,8 @@ def _launch_checks(
                             "program": str(folders[n] / "program"),
                             "batch": str(folders[n] / "batch.pt"),
                             "dump": str(folders[n] / "dump"),
+                            # the namespaces this caller trusted when compiling it
+                            "library_ops": list(ready[n][0].plan.library_ops),
                         }
                         for n in todo
                     ],

@@ -7,7 +7,8 @@ that the safe loader refuses, hands every symbolic size to ``sympy.sympify`` (an
 resolves call targets by attribute lookup: a crafted archive can run code while it loads, or
 when its graph runs. autopart writes stage graphs with every input explicit, so its archives
 hold no weights, no constants, no example inputs, no custom objects and no guard code, and call
-only ATen ops, autopart's own ops and a few Python operators on sizes.
+only ATen ops, autopart's own ops, a few Python operators on sizes and the ops of library
+namespaces that the loading user trusts (``program/libraries.py``).
 
 The loader reads each file once into memory and checks those bytes; torch gets the same bytes
 (``io.BytesIO``), so nothing can differ between the check and the load:
@@ -32,13 +33,14 @@ import operator
 import re
 import struct
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.program.graph_json import PYTHON_OPS, allowed, check_model
+from autopart.program.graph_json import NAMESPACES, PYTHON_OPS, allowed, check_model
 from autopart.program.schema import Invalid, parse_json
 
 # the archive members autopart's own save writes (under one top-level folder)
@@ -64,7 +66,6 @@ WEIGHTS_META = frozenset(
 _STORAGE = re.compile(r"data/[0-9]{1,9}")
 _TOP = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _FLAGS_OK = 0x0008 | 0x0800  # data descriptor, UTF-8 names; nothing else (no encryption)
-NAMESPACES = ("aten", "autopart")
 # the Python callables of PYTHON_OPS (for the loaded graph's own check)
 _PY_CALLABLES = frozenset(
     getattr(operator if t.startswith("_operator.") else torch, t.split(".", 1)[1])
@@ -170,9 +171,11 @@ def _check_tiling(data: bytes, path: Path, infos: list[zipfile.ZipInfo], cd_offs
         raise _refuse(path, "it holds bytes between its last member and its directory")
 
 
-def check_pt2(data: bytes, path: Path) -> None:
+def check_pt2(data: bytes, path: Path, namespaces: Sequence[str] = NAMESPACES) -> None:
     """Refuse ``data`` (the bytes of ``path``) unless it is a stage graph as autopart writes
-    it (see the module doc). Nothing in it is unpickled, evaluated or resolved here."""
+    it (see the module doc), calling ops of ``namespaces`` only (ATen and autopart's, and the
+    library namespaces the loading user trusts: ``program/libraries.py``). Nothing in it is
+    unpickled, evaluated or resolved here."""
     top, members = zip_members(data, path)
     extra = sorted(set(members) - PT2_MEMBERS)
     if extra:
@@ -203,7 +206,7 @@ def check_pt2(data: bytes, path: Path) -> None:
     for name in members:
         read(name)  # every member's CRC and local header, as Python's reader sees them
     try:
-        check_model(parse_json(read("models/model.json")))
+        check_model(parse_json(read("models/model.json")), namespaces)
     except Invalid as exc:
         raise _refuse(path, f"models/model.json: {exc.where or '(top)'} {exc.why}") from None
 
@@ -235,23 +238,26 @@ def check_weights(data: bytes, path: Path, max_tensor_bytes: int, max_tensors: i
         )
 
 
-def allowed_call(n: fx.Node) -> bool:
-    """``n`` calls an ATen or autopart op or a Python operator on sizes (what a saved stage
-    graph may call; ``compile_program`` refuses anything else before it saves one)."""
+def allowed_call(n: fx.Node, namespaces: Sequence[str] = NAMESPACES) -> bool:
+    """``n`` calls an op of ``namespaces`` (ATen and autopart's by default) or a Python
+    operator on sizes (what a saved stage graph may call; ``compile_program`` refuses anything
+    else before it saves one)."""
     target = n.target
     return n.op == "call_function" and (
-        (isinstance(target, torch._ops.OpOverload) and target.namespace in NAMESPACES)
+        (isinstance(target, torch._ops.OpOverload) and target.namespace in namespaces)
         or target in _PY_CALLABLES
     )
 
 
-def check_targets(graph: fx.GraphModule, where: Path) -> None:
-    """Every call in a loaded stage graph is an ATen or autopart op or a Python size op."""
+def check_targets(
+    graph: fx.GraphModule, where: Path, namespaces: Sequence[str] = NAMESPACES
+) -> None:
+    """Every call in a loaded stage graph is an op of ``namespaces`` or a Python size op."""
     for n in graph.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         target = n.target
-        if not allowed_call(n):
+        if not allowed_call(n, namespaces):
             raise AutopartError(
                 f"{where}: node {n.name} calls {target!r} ({n.op}), which a "
                 "stage graph autopart wrote never does; it was not run",

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from autopart.meta import (
     META_RANGES,
     META_RECOMPUTE,
 )
+from autopart.program import libraries
 from autopart.program.archive import check_pt2, check_targets, check_weights
 from autopart.program.folder import ProgramFolder, rank_dir
 from autopart.program.plan_json import check_head, check_rank
@@ -168,6 +170,8 @@ class Program:
     vocab_size: int
     history: list[PassRecord] = field(default_factory=list)
     split: dict[str, Any] = field(default_factory=dict)  # pipeline: unit_costs, cuts
+    # library op namespaces the graphs call → the library's version (program/libraries.py)
+    libraries: dict[str, str] = field(default_factory=dict)
 
     @property
     def mesh(self) -> Mesh:
@@ -235,6 +239,8 @@ class Program:
             "buffers": sorted(self.buffers),
             "passes": [h.name for h in self.history],
         }
+        if self.libraries:
+            head["libraries"] = dict(sorted(self.libraries.items()))
         with ProgramFolder(root, create=True) as folder:
             folder.clear()
             files: dict[str, str] = {}
@@ -246,10 +252,12 @@ class Program:
         return root
 
     @classmethod
-    def load(cls, path: str | Path) -> Program:
+    def load(cls, path: str | Path, library_ops: Sequence[str] = ()) -> Program:
+        """The program saved at ``path``; ``library_ops``: the library namespaces you trust
+        it to call (``load_rank``)."""
         root = Path(path)
         head = read_head(root)
-        ranks = [load_rank(root, r) for r in range(head["world_size"])]
+        ranks = [load_rank(root, r, library_ops) for r in range(head["world_size"])]
         params: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         for r, rp in enumerate(ranks):
@@ -270,6 +278,7 @@ class Program:
             tied=head["tied"],
             example_shape=tuple(head["example_shape"]),
             vocab_size=head["vocab_size"],
+            libraries=dict(head.get("libraries", {})),
         )
 
 
@@ -440,9 +449,12 @@ def _save_rank(
     return dict(sorted(files.items()))
 
 
-def load_rank(root: str | Path, rank: int) -> RankProgram:
+def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> RankProgram:
     """Read one rank's program (graphs, actions, shards) from a saved folder. Every file is
-    checked before it is used (module doc); any failure is an ``AutopartError`` naming it."""
+    checked before it is used (module doc); any failure is an ``AutopartError`` naming it.
+    ``library_ops``: the library namespaces the caller trusts the program to call (it is
+    refused if it calls another; each one it calls is imported and its version checked:
+    ``program/libraries.py``)."""
     # a stage graph need not use every symbol of the model (labels' dims): not worth a warning
     logging.getLogger("torch._export.serde.serialize").setLevel(logging.ERROR)
     with ProgramFolder(root) as folder:
@@ -453,6 +465,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
                 f"{head['world_size']})",
                 hint="launch as many ranks as plan.json's world_size",
             )
+        namespaces = libraries.trusted(head.get("libraries", {}), library_ops, folder.root)
         rel = f"{rank_dir(rank)}/program.json"
         doc = _parse(_checked(folder, head, rel, MAX_JSON), folder.root / rel)
         try:
@@ -460,7 +473,7 @@ def load_rank(root: str | Path, rank: int) -> RankProgram:
         except Invalid as exc:
             raise _layout(folder.root / rel, exc) from None
         stages = [
-            _load_stage(folder, head, rank, st, f"stages[{i}]")
+            _load_stage(folder, head, rank, st, f"stages[{i}]", namespaces)
             for i, st in enumerate(doc["stages"])
         ]
     return RankProgram(
@@ -490,14 +503,21 @@ def _named_for(placeholder: str, fqn: str) -> bool:
 
 
 def _load_stage(
-    folder: ProgramFolder, head: dict[str, Any], rank: int, st: dict[str, Any], where: str
+    folder: ProgramFolder,
+    head: dict[str, Any],
+    rank: int,
+    st: dict[str, Any],
+    where: str,
+    namespaces: Sequence[str],
 ) -> StageProgram:
     """One stage graph: its archive checked (``archive.check_pt2``) on the bytes torch then
     reads, its call targets checked again, its inputs and K/V shapes matched to the graph."""
     rel = f"{rank_dir(rank)}/{st['file']}"
     pt2 = folder.root / rel
     data = _checked(folder, head, rel, MAX_PT2)
-    check_pt2(data, pt2)  # nothing torch would unpickle, evaluate or call beyond known ops
+    check_pt2(
+        data, pt2, namespaces
+    )  # nothing torch would unpickle, evaluate or call beyond known ops
     try:
         ep = torch.export.load(io.BytesIO(data))
         graph = ep.graph_module
@@ -506,7 +526,7 @@ def _load_stage(
             f"{pt2} is not a loadable torch.export program: {type(exc).__name__}",
             hint="re-save the program with this autopart and torch version",
         ) from exc
-    check_targets(graph, pt2)
+    check_targets(graph, pt2, namespaces)
     program_json = folder.root / rank_dir(rank) / "program.json"
     inputs = [InputRef(k, n) for k, n in st["inputs"]]
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]

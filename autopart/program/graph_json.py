@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
+from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.meta import META_LAYER, META_MODULE, META_RECOMPUTE
 from autopart.program.schema import (
     DOTTED,
@@ -45,8 +47,10 @@ from autopart.program.symexpr import BadExpression, check_expression
 
 # ---- call targets -----------------------------------------------------------------------------
 
-NAMESPACES = ("aten", "autopart")
-_OP = re.compile(r"torch\.ops\.(aten|autopart)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+NAMESPACES = BUILTIN  # what a stage graph may call; a load may trust library namespaces too
+_OP = re.compile(
+    r"torch\.ops\.([A-Za-z][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)"
+)
 # ATen ops named after Python operators (aten.__and__.Tensor); no other dunder is an op name
 _OPERATOR_DUNDERS = frozenset(
     f"__{i}{op}__" for op in ("and", "or", "xor", "lshift", "rshift") for i in ("", "i")
@@ -90,24 +94,29 @@ PYTHON_OPS = frozenset(
 )
 
 
-def allowed(target: str) -> bool:
-    """A serialized call target autopart's stage graphs may use: ``torch.ops.aten.<op>.<overload>``
-    or ``torch.ops.autopart.<op>.<overload>`` (no dunder names beyond the operator ops such as
-    ``__and__``), or a Python size operator."""
+def allowed(target: str, namespaces: Sequence[str] | None = NAMESPACES) -> bool:
+    """A serialized call target autopart's stage graphs may use: ``torch.ops.<ns>.<op>.<overload>``
+    for a namespace in ``namespaces`` (None: any; ATen and autopart's by default; no dunder
+    names beyond the operator ops such as ``__and__``), or a Python size operator."""
     m = _OP.fullmatch(target)
     if m is not None:
-        _, op, overload = m.groups()
-        return (not op.startswith("__") or op in _OPERATOR_DUNDERS) and not overload.startswith("_")
+        ns, op, overload = m.groups()
+        return (
+            (namespaces is None or ns in namespaces)
+            and (not op.startswith("__") or op in _OPERATOR_DUNDERS)
+            and not overload.startswith("_")
+        )
     return target in PYTHON_OPS
 
 
 def _target(value: Any, where: str) -> None:
+    """The target's form; ``check_model`` then checks its namespace against the trusted ones."""
     string(max_len=256)(value, where)
-    if not allowed(value):
+    if not allowed(value, None):
         raise Invalid(
             where,
-            f"means a node calls {value[:80]!r}, which is not an ATen op, an autopart op or a "
-            "Python operator on sizes",
+            f"means a node calls {value[:80]!r}, which is not an ATen op, an autopart op, a "
+            "library op or a Python operator on sizes",
         )
 
 
@@ -408,7 +417,15 @@ MODEL: Spec = obj(
 )
 
 
-def check_model(doc: Any) -> None:
+def check_model(doc: Any, namespaces: Sequence[str] = NAMESPACES) -> None:
     """Raise ``Invalid`` unless ``doc`` (a parsed model.json) is a stage graph of the shape
-    above. Nothing in it is evaluated, resolved or imported."""
+    above, calling ops of ``namespaces`` only. Nothing in it is evaluated, resolved or
+    imported."""
     MODEL(doc, "")
+    for i, node in enumerate(doc["graph_module"]["graph"]["nodes"]):
+        if not allowed(node["target"], namespaces):
+            raise Invalid(
+                f"graph_module.graph.nodes[{i}].target",
+                f"means a node calls {node['target'][:80]!r}, an op of none of the namespaces "
+                f"this load trusts ({', '.join(namespaces)})",
+            )

@@ -29,8 +29,9 @@ import re
 from typing import Any
 
 from autopart.frontend.capture import DATA_NAMES
-from autopart.layout import Mesh, Plan
+from autopart.layout import LIBRARY_NAME, Mesh, Plan
 from autopart.meta import INPUT_KINDS
+from autopart.program import libraries
 from autopart.program.folder import NAMES
 from autopart.program.schema import (
     DOTTED,
@@ -80,6 +81,7 @@ def _chunk_cost(value: Any, where: str) -> None:
 
 
 _CHUNK_COST = nullable(_chunk_cost)
+_LIBRARY = string(LIBRARY_NAME)
 
 PLAN_FIELDS: dict[str, Spec] = {
     "mesh": obj({d: integer(1, MAX_WORLD) for d in ("dp", "pp", "tp")}),
@@ -100,7 +102,10 @@ PLAN_FIELDS: dict[str, Spec] = {
 HEAD = obj(
     {
         "format": integer(),
-        "plan": obj(PLAN_FIELDS, {"seq_block": integer(1, 1 << 20)}),
+        "plan": obj(
+            PLAN_FIELDS,
+            {"seq_block": integer(1, 1 << 20), "library_ops": list_of(_LIBRARY, 64)},
+        ),
         "world_size": integer(1, MAX_WORLD),
         "example_shape": list_of(integer(1, 1 << 31), 2, 2),
         "vocab_size": integer(1, 1 << 31),
@@ -115,6 +120,7 @@ HEAD = obj(
         "passes": list_of(_TEXT, 1024),
         "ties": dict_of(list_of(integer(0, MAX_STAGES)), key=_FQN),
         "chunk_cost": _CHUNK_COST,
+        "libraries": dict_of(string(libraries.VERSION), key=_LIBRARY, max_len=64),
     },
 )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ _MAX_FILE = 1 << 40  # a received file's bound: the folder's own checks bound ea
 
 
 def hand_over(
-    program: Any, error: BaseException | None, timeout_s: float
+    program: Any, error: BaseException | None, timeout_s: float, library_ops: Sequence[str] = ()
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's program, weights and plan.json head, from global rank 0's ``program``.
 
@@ -60,7 +61,7 @@ def hand_over(
         else:
             _unpack(_recv(rank, timeout_s), folder, rank)
         head = read_head(folder)
-        rp = load_rank(folder, rank)
+        rp = load_rank(folder, rank, library_ops)  # the namespaces this rank's caller trusts
         weights = load_weights(folder, rank, rp)
     return rp, weights, head
 

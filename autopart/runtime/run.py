@@ -69,6 +69,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--no-optim", action="store_true", help="compute gradients only, never step")
     p.add_argument(
+        "--library-ops",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="a library whose custom ops (torch.ops.NAMESPACE.*) you trust the program to call: "
+        "it is imported, after its installed version is checked against the one the program "
+        "was compiled with (repeat for several; a program calling an unnamed one is refused)",
+    )
+    p.add_argument(
         "--zero",
         action="store_true",
         help="ZeRO-1: shard the AdamW state over the data-parallel ranks "
@@ -280,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed((args.seed * 1_000_003 + rank) % 2**63)
     try:
         plan.mesh.check_world(world)
-        program = load_rank(args.dir, rank)
+        program = load_rank(args.dir, rank, args.library_ops)
         batches.names = program.batch_names
         runner = Runner(
             program,
