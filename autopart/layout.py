@@ -205,6 +205,9 @@ class Plan:
     # Seq1F1B chunk lengths are multiples of this too: the block of tokens a model's scan hands
     # its state on by (Mamba-2's SSD); compile sets it from the model
     seq_block: int = 1
+    # the longest sequence the program's graphs fit (None: any); compile sets it from the
+    # captured graph (frontend/shapes.longest_sequence) and a step with a longer one is refused
+    max_seq: int | None = None
     precision: str | None = None  # "bf16": bf16 compute, fp32 master weights and gradients
     # library op namespaces the user trusts: their ops (torch.ops.<ns>.*) that capture cannot
     # decompose to ATen stay in the program, which records the library's version
@@ -225,9 +228,16 @@ class Plan:
                 f"unknown schedule {self.schedule!r}",
                 hint=f"{hint}choose one of: {', '.join(SCHEDULES)}",
             )
-        for name in ("microbatches", "virtual_stages", "seq_chunks", "micro_batch", "seq_block"):
+        for name in (
+            "microbatches",
+            "virtual_stages",
+            "seq_chunks",
+            "micro_batch",
+            "seq_block",
+            "max_seq",
+        ):
             value = getattr(self, name)
-            if name == "micro_batch" and value is None:
+            if name in ("micro_batch", "max_seq") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AutopartError(f"{name}={value!r} must be a positive integer")

@@ -76,6 +76,9 @@ class Captured:
     symbols: dict[str, sympy.Symbol] = field(default_factory=lambda: {"b": B, "s": S})
     # the batch tensors the graph takes (DATA_NAMES order): a step must pass exactly these
     batch_names: tuple[str, ...] = ("input_ids", "labels")
+    # the longest sequence the graph fits and why not longer (frontend/shapes.py): found by
+    # the first compile of this capture (None until then)
+    seq_limit: tuple[int | None, str] | None = None
 
     @property
     def n_layers(self) -> int:

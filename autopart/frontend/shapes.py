@@ -4,6 +4,7 @@ fails here, as an ``AutopartError`` that names the node — never later as silen
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,16 @@ from autopart.errors import AutopartError
 from autopart.meta import META_MODULE
 
 
+def _misfit(n: fx.Node, exc: Exception, hint: str | None = None) -> AutopartError:
+    """The error of node ``n`` whose shapes did not fit: the node, its module, torch's line."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return AutopartError(
+        f"shapes do not fit at node {n.format_node()} (module "
+        f"{n.meta.get(META_MODULE) or '<root>'}): {type(exc).__name__}: {first}",
+        hint=hint,
+    )
+
+
 class _Prop(FakeTensorProp):
     def run_node(self, n: fx.Node):
         try:
@@ -25,10 +36,10 @@ class _Prop(FakeTensorProp):
         except AutopartError:
             raise
         except Exception as exc:  # noqa: BLE001 - name the node whatever went wrong
-            raise AutopartError(
-                f"shapes do not fit at node {n.format_node()} (module "
-                f"{n.meta.get(META_MODULE) or '<root>'}): {type(exc).__name__}: {str(exc).splitlines()[0]}",
-                hint="a pass rewrote a shape it could not prove; please report this with the model",
+            raise _misfit(
+                n,
+                exc,
+                "a pass rewrote a shape it could not prove; please report this with the model",
             ) from exc
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -93,3 +104,88 @@ def propagate(gm: fx.GraphModule) -> fx.GraphModule:
     ]
     _Prop(gm, mode).propagate_dont_convert_inputs(*inputs)
     return gm
+
+
+def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
+    """Whether the captured model graph ``gm`` fits a batch of ``batch`` sequences of ``seq``
+    tokens: fake propagation with those concrete sizes (no memory, no compute). None if it
+    does, else why not (the node, its module and torch's message)."""
+    from autopart.meta import META_INPUT
+
+    mode = FakeTensorMode()
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta["val"]
+        if n.meta[META_INPUT].kind in ("param", "buffer"):
+            shape = tuple(int(d) for d in val.shape)
+        else:  # a batch tensor: (batch, seq)
+            shape = (batch, seq, *(int(d) for d in val.shape[2:]))
+        with mode:
+            x = torch.empty(shape, dtype=val.dtype)
+        inputs.append(x.requires_grad_() if x.is_floating_point() else x)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each failing kernel
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with mode:
+            _Fits(gm).run(*inputs)
+    except AutopartError as exc:
+        return exc.message.removeprefix("shapes do not fit at ")
+    finally:
+        quiet.setLevel(level)
+    return None
+
+
+class _Fits(fx.Interpreter):
+    """``_Prop``'s run on fake tensors (under the caller's fake mode), leaving every node's
+    ``meta`` as it was."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except Exception as exc:  # noqa: BLE001 - name the node whatever went wrong
+            raise _misfit(n, exc) from exc
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target in _SYMBOLIC:
+            return _SYMBOLIC[target](*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+LONGEST = 1 << 20  # tokens: a graph that fits this long a sequence is taken to fit any
+
+
+def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int | None, str]:
+    """The longest sequence (a multiple of 8, at least the example's) that the captured graph
+    ``gm`` fits, and why a longer one does not; ``(None, "")`` if it fits ``LONGEST`` tokens.
+
+    torch.export keeps the length symbolic but may fix a size that the example's length
+    implied without a guard (a scan's block count when the example is shorter than one block),
+    and a model may slice a table of positions (a ``position_ids`` buffer): either way a
+    longer sequence fails with a shape error. Fake propagation at ``LONGEST`` tokens finds it
+    (one pass, no memory); then doubling from the example, and a bisection over multiples of
+    8, find where it starts."""
+    b, s0 = example
+    why = holds_at(gm, b, LONGEST)
+    if why is None:
+        return None, ""
+    good, bad = s0, LONGEST  # fits good (the example), fails bad
+    up = -(-2 * s0 // 8) * 8
+    while up < bad:
+        failed = holds_at(gm, b, up)
+        if failed is not None:
+            bad, why = up, failed
+            break
+        good, up = up, 2 * up
+    while bad - good > 8:
+        mid = (good + bad) // 16 * 8
+        if mid <= good:
+            break
+        failed = holds_at(gm, b, mid)
+        if failed is None:
+            good = mid
+        else:
+            bad, why = mid, failed
+    return good, f"at {bad} tokens, {why}"

@@ -22,6 +22,7 @@ places a program on its rank's device (``autopart/runtime/placement.py``).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,6 +31,7 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
+from autopart.frontend.shapes import longest_sequence
 from autopart.graph import copy_graph, device_free
 from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
@@ -60,6 +62,7 @@ from autopart.schedule.chunks import chunk_lengths
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     used = refuse_library_ops(captured.graph, plan.library_ops)
+    plan = replace(plan, max_seq=seq_limit(captured))
     gm, history = apply_passes(captured, plan)
     block = gm.meta.get(META_SEQ_BLOCK, 1)  # a scan's block: chunks are whole blocks
     if plan.chunked and plan.chunk_multiple % block:
@@ -90,6 +93,23 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         if key in gm.meta
     }
     return program
+
+
+def seq_limit(captured: Captured) -> int | None:
+    """The longest sequence the captured graph fits (None: any), found once per capture; a
+    limit is announced with its reason (a step with a longer sequence is then refused)."""
+    if captured.seq_limit is None:
+        captured.seq_limit = longest_sequence(captured.graph, captured.example_shape)
+        limit, why = captured.seq_limit
+        if limit is not None:
+            warnings.warn(
+                f"the captured model fits sequences of at most {limit} tokens ({why}); a step "
+                f"with a longer one is refused. If the model itself allows longer ones, capture "
+                "it with a longer example (torch.export fixed a size the example implied)",
+                UserWarning,
+                stacklevel=3,
+            )
+    return captured.seq_limit[0]
 
 
 def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[str]:

@@ -104,7 +104,11 @@ HEAD = obj(
         "format": integer(),
         "plan": obj(
             PLAN_FIELDS,
-            {"seq_block": integer(1, 1 << 20), "library_ops": list_of(_LIBRARY, 64)},
+            {
+                "seq_block": integer(1, 1 << 20),
+                "library_ops": list_of(_LIBRARY, 64),
+                "max_seq": nullable(integer(1, 1 << 31)),
+            },
         ),
         "world_size": integer(1, MAX_WORLD),
         "example_shape": list_of(integer(1, 1 << 31), 2, 2),

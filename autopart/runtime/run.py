@@ -374,6 +374,13 @@ def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
     batches = Batches(args, head)
     if args.batch is None:
         plan.check_batch(batches.b)
+        if plan.max_seq is not None and batches.s > plan.max_seq:
+            raise AutopartError(
+                f"--seq-len {batches.s} is longer than the program's graphs fit "
+                f"({plan.max_seq} tokens, found when it was compiled)",
+                hint=f"use --seq-len {plan.max_seq} or less, or capture the model with a "
+                f"longer example",
+            )
         if plan.sequence_parallel and batches.s % plan.mesh.tp:
             raise AutopartError(
                 f"--seq-len {batches.s} is not divisible by tp={plan.mesh.tp}, which sequence "

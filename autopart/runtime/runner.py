@@ -941,6 +941,15 @@ class Runner:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
         if seq_len not in self._bounds:  # solved once per length, not at every step
             p = self.plan
+            if p.max_seq is not None and seq_len > p.max_seq:
+                raise AutopartError(
+                    f"rank {self.rank}: a sequence of {seq_len} tokens is longer than the "
+                    f"program's graphs fit ({p.max_seq} tokens, found when it was compiled: "
+                    "the model slices a table of positions, or export fixed a size that the "
+                    "capture example's length implied)",
+                    hint=f"train at most {p.max_seq} tokens, or capture the model with an "
+                    f"example of {seq_len} tokens",
+                )
             if seq_len % p.seq_block:
                 raise AutopartError(
                     f"rank {self.rank}: a sequence of {seq_len} tokens is not a whole number of "
