@@ -12,8 +12,10 @@
 6. ``rank_program``      one rank's stages, shards, actions, buckets and groups
 7. ``check_schedules``   every pipeline group's actions pass the static schedule verifier
 
-Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen and
-autopart (a library's custom op capture could not decompose).
+Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen,
+autopart and the library namespaces the plan trusts (``Plan.library_ops``: a library's custom
+op capture could not decompose), and ``seq_limit`` sets ``Plan.max_seq``, the longest sequence
+the captured graph fits (found once per capture: ``frontend/shapes.longest_sequence``).
 
 ``split_stages`` also makes each stage graph name no device (``autopart.graph.device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
