@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopart.errors import AutopartError
-from autopart.meta import META_MODULE
+from autopart.meta import META_INPUT, META_MODULE
 
 
 def _misfit(n: fx.Node, exc: Exception, hint: str | None = None) -> AutopartError:
@@ -110,8 +110,6 @@ def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
     """Whether the captured model graph ``gm`` fits a batch of ``batch`` sequences of ``seq``
     tokens: fake propagation with those concrete sizes (no memory, no compute). None if it
     does, else why not (the node, its module and torch's message)."""
-    from autopart.meta import META_INPUT
-
     mode = FakeTensorMode()
     inputs = []
     for n in gm.graph.nodes:
