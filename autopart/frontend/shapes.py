@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopart.errors import AutopartError
-from autopart.meta import META_INPUT, META_MODULE
+from autopart.meta import META_INPUT, META_MODULE, META_RANGES
 
 
 def _misfit(n: fx.Node, exc: Exception, hint: str | None = None) -> AutopartError:
@@ -159,17 +159,24 @@ def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int 
     """The longest sequence (a multiple of 8, at least the example's) that the captured graph
     ``gm`` fits, and why a longer one does not; ``(None, "")`` if it fits ``LONGEST`` tokens.
 
-    torch.export keeps the length symbolic but may fix a size that the example's length
-    implied without a guard (a scan's block count when the example is shorter than one block),
-    and a model may slice a table of positions (a ``position_ids`` buffer): either way a
-    longer sequence fails with a shape error. Fake propagation at ``LONGEST`` tokens finds it
-    (one pass, no memory); then doubling from the example, and a bisection over multiples of
-    8, find where it starts."""
+    torch.export keeps the length symbolic, but a guard of the model's code may bound it (a
+    loop over blocks of 256 tokens that ran once for the example: MiniMax's lightning
+    attention), which export records as the range of the input's length: beyond it the graph
+    may compute something else, so that bound is the limit. Export may also fix a size that
+    the example's length implied without a guard (a scan's block count when the example is
+    shorter than one block), and a model may slice a table of positions (a ``position_ids``
+    buffer): then a longer sequence fails with a shape error. Fake propagation at the bound
+    (else ``LONGEST`` tokens) finds it (one pass, no memory); then doubling from the example,
+    and a bisection over multiples of 8, find where it starts."""
     b, s0 = example
-    why = holds_at(gm, b, LONGEST)
+    upper, name = _export_bound(gm)
+    top = LONGEST if upper is None else upper
+    why = holds_at(gm, b, top)
     if why is None:
-        return None, ""
-    good, bad = s0, LONGEST  # fits good (the example), fails bad
+        if upper is None:
+            return None, ""
+        return upper, f"export bounds the length of {name} to at most {upper} tokens"
+    good, bad = s0, top  # fits good (the example), fails bad
     up = -(-2 * s0 // 8) * 8
     while up < bad:
         failed = holds_at(gm, b, up)
@@ -187,3 +194,22 @@ def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int 
         else:
             bad, why = mid, failed
     return good, f"at {bad} tokens, {why}"
+
+
+def _export_bound(gm: fx.GraphModule) -> tuple[int | None, str]:
+    """The smallest finite upper bound export's range constraints put on a batch input's
+    length (dim 1), and that input's name; ``(None, "")`` when none is bounded."""
+    ranges = gm.meta.get(META_RANGES, {})
+    best: tuple[int | None, str] = (None, "")
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or n.meta[META_INPUT].kind in ("param", "buffer"):
+            continue
+        size = n.meta["val"].shape[1]
+        expr = getattr(getattr(size, "node", None), "expr", None)
+        vr = ranges.get(expr)
+        if vr is None or not vr.upper.is_Integer:  # int_oo: no bound
+            continue
+        upper = int(vr.upper)
+        if best[0] is None or upper < best[0]:
+            best = (upper, n.name)
+    return best
