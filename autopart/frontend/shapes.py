@@ -116,10 +116,10 @@ def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
         if n.op != "placeholder":
             continue
         val = n.meta["val"]
-        if n.meta[META_INPUT].kind in ("param", "buffer"):
-            shape = tuple(int(d) for d in val.shape)
-        else:  # a batch tensor: (batch, seq)
+        if n.meta[META_INPUT].kind == "data":  # a batch tensor: (batch, seq)
             shape = (batch, seq, *(int(d) for d in val.shape[2:]))
+        else:  # parameters, buffers, lifted constants: their own sizes
+            shape = tuple(int(d) for d in val.shape)
         with mode:
             x = torch.empty(shape, dtype=val.dtype)
         inputs.append(x.requires_grad_() if x.is_floating_point() else x)
@@ -167,15 +167,22 @@ def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int 
     shorter than one block), and a model may slice a table of positions (a ``position_ids``
     buffer): then a longer sequence fails with a shape error. Fake propagation at the bound
     (else ``LONGEST`` tokens) finds it (one pass, no memory); then doubling from the example,
-    and a bisection over multiples of 8, find where it starts."""
+    and a bisection over multiples of 8, find where it starts. A graph that fake tensors
+    cannot follow at fixed sizes even at the example's length (data-dependent sizes) gets
+    export's bound only."""
     b, s0 = example
     upper, name = _export_bound(gm)
+    bound = (
+        (None, "")
+        if upper is None
+        else (upper, f"export bounds the length of {name} to at most {upper} tokens")
+    )
     top = LONGEST if upper is None else upper
     why = holds_at(gm, b, top)
-    if why is None:
-        if upper is None:
-            return None, ""
-        return upper, f"export bounds the length of {name} to at most {upper} tokens"
+    if why is None or holds_at(gm, b, s0) is not None:
+        # fits; or fails at the example too: ops fake tensors cannot follow at fixed sizes
+        # (``.item()`` of a router's counts), so only export's bound is known
+        return bound
     good, bad = s0, top  # fits good (the example), fails bad
     up = -(-2 * s0 // 8) * 8
     while up < bad:
@@ -202,9 +209,9 @@ def _export_bound(gm: fx.GraphModule) -> tuple[int | None, str]:
     ranges = gm.meta.get(META_RANGES, {})
     best: tuple[int | None, str] = (None, "")
     for n in gm.graph.nodes:
-        if n.op != "placeholder" or n.meta[META_INPUT].kind in ("param", "buffer"):
+        if n.op != "placeholder" or n.meta[META_INPUT].kind != "data":
             continue
-        size = n.meta["val"].shape[1]
+        size = n.meta["val"].shape[1]  # a batch tensor: (batch, seq)
         expr = getattr(getattr(size, "node", None), "expr", None)
         vr = ranges.get(expr)
         if vr is None or not vr.upper.is_Integer:  # int_oo: no bound
