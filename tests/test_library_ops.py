@@ -131,13 +131,45 @@ def test_a_library_op_is_refused_unless_trusted(site: Path) -> None:
 
 
 @pytest.mark.multirank
-def test_a_trusted_library_op_trains_exactly_and_is_loaded_only_when_named(
+def test_a_trusted_library_op_trains_exactly_in_memory(site: Path) -> None:
+    """Trusted at compile time, dp=2 matches one device in float64 (forked ranks, the program
+    in memory); the slow twin adds pp and tp, torchrun ranks and autopart run."""
+    results = verify_many(
+        {"dp": Check(make, dp=2, microbatches=2, library_ops=(LIB,))}, via="fork", timeout_s=120
+    )
+    assert results["dp"].ok, results["dp"]
+
+
+def test_a_saved_library_program_loads_only_when_named(site: Path, tmp_path: Path) -> None:
+    """The saved plan.json records {namespace: version}; loading without naming the namespace
+    is refused, naming it loads, and another installed version is refused."""
+    model, batch = make()
+    folder = parallelize(
+        model, Mesh(pp=2), example_inputs=batch, microbatches=2, library_ops=(LIB,)
+    ).save(tmp_path / "p")
+    head = json.loads((folder / "plan.json").read_text())
+    assert head["libraries"] == {LIB: "1.0"} and head["plan"]["library_ops"] == [LIB]
+    with pytest.raises(AutopartError) as err:
+        load_rank(folder, 0)
+    assert f"calls ops of the library '{LIB}' (version 1.0" in str(err.value)
+    assert f"--library-ops {LIB}" in str(err.value)
+    assert len(Program.load(folder, library_ops=[LIB]).ranks) == 2
+    _dist_info(site, "1.1")  # another version installed
+    try:
+        with pytest.raises(AutopartError, match=f"compiled against {LIB} 1.0, and {LIB} 1.1"):
+            load_rank(folder, 1, [LIB])
+    finally:
+        _dist_info(site, "1.0")
+
+
+@pytest.mark.slow  # three plans twice (forked, torchrun) and autopart run: about 40 s
+@pytest.mark.multirank
+def test_a_trusted_library_op_trains_exactly_and_runs_from_its_folder(
     site: Path, tmp_path: Path
 ) -> None:
-    """Trusted at compile time: dp=2, pp=2 and tp=2 match one device in float64, with the program in
-    memory (forked ranks) and saved (torchrun ranks loading it, naming the namespace). The
-    saved plan.json records {namespace: version}; loading without naming it is refused, and so
-    is loading with another version installed; autopart run with --library-ops trains."""
+    """Trusted at compile time: dp=2, pp=2 and tp=2 match one device in float64, with the
+    program in memory (forked ranks) and saved (torchrun ranks loading it, naming the
+    namespace); autopart run with --library-ops trains from the saved folder."""
     trust = {"library_ops": (LIB,)}
     checks = {
         "dp": Check(make, dp=2, microbatches=2, **trust),
@@ -153,13 +185,6 @@ def test_a_trusted_library_op_trains_exactly_and_is_loaded_only_when_named(
     folder = parallelize(model, Mesh(pp=2), example_inputs=batch, microbatches=2, **trust).save(
         tmp_path / "p"
     )
-    head = json.loads((folder / "plan.json").read_text())
-    assert head["libraries"] == {LIB: "1.0"} and head["plan"]["library_ops"] == [LIB]
-    with pytest.raises(AutopartError) as err:
-        load_rank(folder, 0)
-    assert f"calls ops of the library '{LIB}' (version 1.0" in str(err.value)
-    assert f"--library-ops {LIB}" in str(err.value)
-    assert len(Program.load(folder, library_ops=[LIB]).ranks) == 2
     out = launch_forked(
         2,
         ["-m", "autopart.runtime.run", str(folder), "--json", "--steps", "2", "--library-ops", LIB],
@@ -167,12 +192,6 @@ def test_a_trusted_library_op_trains_exactly_and_is_loaded_only_when_named(
     )
     losses = [json.loads(x)["loss"] for x in out.splitlines() if x.startswith('{"step"')]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), out
-    _dist_info(site, "1.1")  # another version installed
-    try:
-        with pytest.raises(AutopartError, match=f"compiled against {LIB} 1.0, and {LIB} 1.1"):
-            load_rank(folder, 1, [LIB])
-    finally:
-        _dist_info(site, "1.0")
 
 
 def test_a_stage_graph_calling_an_untrusted_namespace_is_refused(
