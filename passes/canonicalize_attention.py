@@ -24,7 +24,12 @@ Seq1F1B plans also get attention whose scores are modified by causal functions o
 7. an SDPA whose mask is a per-key bias computed from the keys' tokens, filled at ≤ −1e4 where
    a position mask hides the key (Doge's dynamic mask): the bias becomes one more column of k
    (and a column 1/scale of q), the mask the position mask alone (``_key_bias``), so the K
-   prefix carries the earlier keys' biases.
+   prefix carries the earlier keys' biases;
+8. ``matmul(f(q·kᵀ), v)`` with no softmax, f elementwise in the scores with terms that are
+   functions of positions (MiniMax's lightning attention within a block: q·kᵀ times a decay
+   table that is 0 above the diagonal): the model's nodes, marked like form 6, once f is proven
+   to be exactly 0 at every later key and exactly a function of positions (no per-row
+   constant: nothing normalizes the rows).
 
 A mask is proven causal by evaluation, not by pattern: its construction (which must not
 depend on parameters) is cut out of the graph and run at several sequence lengths with
@@ -92,11 +97,15 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if every_form:
         changed |= _key_transposes(gm)
     for n in list(gm.graph.nodes):
+        if n._erased:  # a product with v an earlier form replaced
+            continue
         if n.target == SDPA:
             changed |= every_form and _key_bias(gm, n)
             changed |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
             changed |= _manual(gm, n, proofs) or _scored(gm, n)
+        elif every_form and n.target in _PRODUCTS and not n.meta.get(META_SCORES):
+            changed |= _linear(gm, n)
     if changed:
         remove_dead(gm)
         propagate(gm)
@@ -539,6 +548,58 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
         place(_marked(m), product)
     product.meta[META_SCORES] = "qk"
     for m in (*mods, sm, *_between(sm, pv)):
+        m.meta[META_SCORES] = "mod"
+    pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
+    return True
+
+
+def _linear(gm: fx.GraphModule, pv: fx.Node) -> bool:
+    """Form 8 (module docstring): ``pv`` = matmul(f(q·kᵀ), v), f elementwise with position
+    terms and no softmax. A product whose left side is not such a chain is left alone (the
+    Seq1F1B rules refuse it if it pairs tokens); a chain that is, but is not proven, is marked
+    with why."""
+    x = node_arg(pv, 0)
+    if pv.meta["val"].dim() != 4 or x.meta["val"].dim() != 4 or not _over_keys(gm, x):
+        return False
+    mods, terms, product, n = [], [], None, x
+    for _ in range(48):
+        if _is_product(n) and n.meta["val"].dim() == 4:
+            product = n
+            break
+        mods.append(n)
+        if n.target in _CASTS or n.target in _UNARY:
+            n = node_arg(n, 0)
+            continue
+        if n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node):
+            n = node_arg(n, 0)
+            continue
+        paths = [a for a in n.all_input_nodes if _reaches_product(a)]
+        if len(paths) != 1 or n.target not in _TERM_OPS:
+            return False  # not elementwise in the scores (a softmax's product, say)
+        terms += [(n, a) for a in n.all_input_nodes if a is not paths[0]]
+        n = paths[0]
+    if product is None:
+        return False
+    q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
+    rebuilt: dict[fx.Node, fx.Node] = {}
+    for user, t in terms:
+        if t not in rebuilt:
+            local = local_mask(gm, t, q, k, before=product)
+            if isinstance(local, str):
+                _restore(gm, rebuilt, terms)
+                pv.meta[META_ATTENTION] = f"not a causal function of positions: {local}"
+                return False
+            rebuilt[t] = local
+        user.replace_input_with(t, rebuilt[t])
+    proof = prove_scores(gm, x, product, linear=True)
+    if proof is not None:
+        _restore(gm, rebuilt, terms)
+        pv.meta[META_ATTENTION] = f"a linear attention that is not causal: {proof}"
+        return False
+    for m in rebuilt.values():
+        place(_marked(m), product)
+    product.meta[META_SCORES] = "qk"
+    for m in mods:
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
     return True

@@ -305,12 +305,19 @@ def _consistent(small: torch.Tensor, big: torch.Tensor, t: int, additive: bool, 
 
 
 def prove_scores(
-    gm: fx.GraphModule, x: fx.Node, scores: fx.Node, sink: fx.Node | None = None
+    gm: fx.GraphModule,
+    x: fx.Node,
+    scores: fx.Node,
+    sink: fx.Node | None = None,
+    linear: bool = False,
 ) -> str | None:
     """None if ``x`` (a softmax's input), as a function of random ``scores`` [b, h, s, s] (and a
     random ``sink`` column), hides every later key, keeps each query's own, and is a function
     of positions: at a shorter length, on the first rows and columns of the same scores, it
-    equals the longer length's up to one constant per row (the sink column included)."""
+    equals the longer length's up to one constant per row (the sink column included).
+    ``linear``: ``x`` is multiplied by v directly (no softmax): a later key is hidden only by
+    an exact 0, and the shorter length's values must equal the longer one's exactly (no row
+    constant); a query's own key may be 0."""
     given = frozenset(n for n in (scores, sink) if n is not None)
     order, leaves, why = construction(x, given)
     if why:
@@ -338,15 +345,17 @@ def prove_scores(
         except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
             return f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
         keys = got[..., :s]
-        keep = keys > MASKED
+        keep = keys != 0 if linear else keys > MASKED
         i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        if linear and bool((keep & (j > i)).any()):
+            return f"it lets a query see later keys at sequence {s} (a later key's weight is not 0)"
         if bool((keep & (j > i)).any()):
             worst = float(keys[..., j > i].max())
             return (
                 f"it lets a query see later keys at sequence {s} (a later key's score is "
                 f"{worst:.3g}, above {MASKED:g}: its softmax weight is not exactly 0)"
             )
-        if not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
+        if not linear and not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
             return f"it hides a query's own key at sequence {s}"
         if big is None:
             big, whole = values, got
@@ -354,7 +363,7 @@ def prove_scores(
         corner = whole[..., :s, :s]
         if sink is not None:  # the sink column compares with the longer one's
             corner = torch.cat([corner, whole[..., :s, -1:]], -1)
-        if not _consistent(got, corner, s + (sink is not None), additive=True, keep=True):
+        if not _consistent(got, corner, s + (sink is not None), not linear, keep=True):
             return (
                 f"it is not a function of positions: at sequence {s} its scores differ from "
                 f"the first {s} rows and columns of the same scores at sequence 21"

@@ -322,6 +322,8 @@ class _Prover:
             return _attention(self, n)
         if target == aten.slice.Tensor and (d := _position_slice(n, self.gm)) is not None:
             return Seq(d, ONE)  # positions read from a buffer: shifted by the chunk's offset
+        if target == aten.slice.Tensor and (d := table_rows(n, self.gm)) is not None:
+            return Seq(d, ONE)  # a table's rows at the positions: read from the chunk's offset
         if _share_part(n) is not None:
             return SHARE
         if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
@@ -1037,6 +1039,36 @@ def _position_slice(n: fx.Node, gm: fx.GraphModule) -> int | None:
         return None
     index = torch.arange(value.shape[dim]).view([-1 if d == dim else 1 for d in range(value.dim())])
     return dim if bool((value == index).all()) else None
+
+
+def table_rows(n: fx.Node, gm: fx.GraphModule) -> int | None:
+    """The sliced dim, when ``n`` is ``table[..., 0:s]`` (step 1, s the sequence length) of a
+    parameter, buffer or constant (or a fixed-size view of one) that is not the positions
+    themselves (``_position_slice``) nor part of a rebuilt mask: row t is token t's (MiniMax's
+    per-position decay, a learned position table sliced by the length), a function of the
+    position; the chunk pass reads rows offset … offset + s − 1 instead."""
+    if n.target != aten.slice.Tensor or n.meta.get(META_MASK_FN) or not _fixed(node_arg(n, 0)):
+        return None
+    val = n.meta.get("val")
+    if not _is_tensor(val) or val.dim() == 0 or _position_slice(n, gm) is not None:
+        return None
+    dim = _dim_arg(n, 1, 0) % val.dim()
+    start = n.args[2] if len(n.args) > 2 else None
+    step = n.args[4] if len(n.args) > 4 else 1
+    size = val.shape[dim]
+    if start not in (None, 0) or step != 1 or not isinstance(size, torch.SymInt):
+        return None
+    return dim if gm.meta.get(META_SYMBOLS, {}).get(size.node.expr) == S else None
+
+
+def _fixed(x: fx.Node) -> bool:
+    """A parameter, buffer or constant, or a view of one with fixed sizes."""
+    while x.target in (aten.unsqueeze.default, aten.view.default, aten.reshape.default):
+        if not all(isinstance(a, int) for a in _flat(list(x.args[1:]))):
+            return False
+        x = node_arg(x, 0)
+    ref = x.meta.get(META_INPUT) if x.op == "placeholder" else None
+    return ref is not None and ref.kind in ("param", "buffer", "constant")
 
 
 def _buffer_value(x: fx.Node, gm: fx.GraphModule) -> torch.Tensor | None:

@@ -111,6 +111,7 @@ from autopart.passes.seq_rules import (
     scored_qkv,
     seq_dims,
     state_scan,
+    table_rows,
 )
 
 aten = torch.ops.aten
@@ -145,12 +146,13 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     ]
     positions = [n for n in g.nodes if is_positions(n, gm)]
     counts = {n: c for n in g.nodes if (c := fill_value(n, gm)) is not None}
+    rows = {n: d for n in g.nodes if (d := table_rows(n, gm)) is not None}
 
     new_refs: list[InputRef] = []
     mode = detect_fake_mode([n.meta["val"] for n in placeholders])
     anchor = last_ph
     offset = None
-    if positions or counts:
+    if positions or counts or rows:
         with g.inserting_after(anchor):
             offset = g.placeholder("chunk_offset")
         assert mode is not None  # export's graphs carry fake values
@@ -246,6 +248,24 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         with g.inserting_after(n):
             shifted = g.call_function(aten.add.Tensor, (n, offset))
         n.replace_all_uses_with(shifted, delete_user_cb=lambda u, s=shifted: u is not s)
+    for n, d in rows.items():  # table[..., 0:s] → the rows offset … offset + s − 1
+        table, length = node_arg(n, 0), n.args[3]
+        with g.inserting_after(n):
+            index = g.call_function(
+                aten.arange.default,
+                (length,),
+                {"dtype": torch.int64, "device": n.meta["val"].device},
+            )
+        with g.inserting_after(index):
+            shifted = g.call_function(aten.add.Tensor, (index, offset))
+        with g.inserting_after(shifted):
+            read = g.call_function(aten.index_select.default, (table, d, shifted))
+        for m in (index, shifted, read):
+            m.meta[META_MODULE], m.meta[META_LAYER] = (
+                n.meta.get(META_MODULE, ""),
+                n.meta.get(META_LAYER),
+            )
+        n.replace_all_uses_with(read)
     for n, c in counts.items():  # cumsum of c over the chunk + c · offset: the whole count
         with g.inserting_after(n):
             before = g.call_function(aten.mul.Tensor, (offset, c))

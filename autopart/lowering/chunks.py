@@ -10,7 +10,7 @@ Attention is counted as the kernel that runs it. Under Seq1F1B every attention r
 canonical causal SDPA (``passes/canonicalize_attention.py``), whose kernels skip the masked
 upper triangle; the captured graph may still hold it as an SDPA with an explicit mask (Hugging
 Face models), which the cost convention counts as the full square. So the coefficients come from
-a canonicalized copy of the graph: for a 7B-shaped HF GPT-2 at 32k tokens, k = 4, that moves the
+a canonicalized copy of the graph (after ``fold_identities``, as the passes see it): for a 7B-shaped HF GPT-2 at 32k tokens, k = 4, that moves the
 balanced chunks from [12568, 8128, 6496, 5576] (the full square) to [11064, 8416, 7072, 6216].
 """
 
@@ -28,6 +28,7 @@ from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
 from autopart.meta import META_WINDOW
 from autopart.passes.canonicalize_attention import canonicalize_attention
+from autopart.passes.fold_identities import fold_identities
 from autopart.passes.seq_rules import moduli
 from autopart.schedule.chunks import SPLITS, chunk_cost, chunk_lengths, windows_of
 
@@ -37,7 +38,8 @@ def cost_coefficients(captured: Captured) -> tuple[float, ...]:
     attention counted as the canonical causal kernel Seq1F1B runs (see the module docstring);
     f_i is the share of c2 computed by attention with a sliding window of W_i keys (none
     without windows), which ``autopart.schedule.chunks`` counts as W_i keys per query."""
-    gm = canonicalize_attention(copy_graph(captured.graph), Plan(Mesh(), schedule="seq1f1b"))
+    plan = Plan(Mesh(), schedule="seq1f1b")
+    gm = canonicalize_attention(fold_identities(copy_graph(captured.graph), plan), plan)
     flops = sympy.expand(
         total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
     )

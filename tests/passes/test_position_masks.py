@@ -230,3 +230,86 @@ def test_a_per_head_mask_from_parameters_stays_replicated_under_tp(caplog) -> No
     assert not any(n.target == torch.ops.aten.index_select.default for n in nodes)
     (sdpa,) = [n for n in nodes if n.target == SDPA]
     assert sdpa.args[0].meta["val"].shape[1] == 2  # both heads on every rank
+
+
+class _Linear(nn.Module):
+    """Linear attention (no softmax) of 2 heads, as MiniMax's lightning attention computes one
+    block of 32 tokens: (q·kᵀ ∘ D[:s, :s]) · v plus (q ∘ d[:s]) · S, the decay tables buffers
+    sliced by the length (D: exp(−slope·(i − j)) at and below the diagonal, 0 above; d: one
+    decay per position), S a learned state; a learned position table sliced by the length is
+    added to the embeddings. Chunkable kinds: "decay"; "lightning" (the same through MiniMax's
+    block loop: export bounds s to one block, and the blocks are cut at min(s, 32)). Refused:
+    "open" (D = exp(−slope·|i − j|): later keys weigh), "ends" (keys decayed by their distance
+    from the end, like MiniMax's key_decay: not a function of positions), "shifted" (the
+    position table read from row 1: not token t's row)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
+        self.pos = nn.Parameter(0.1 * torch.randn(33, 16))
+        self.state = nn.Parameter(0.1 * torch.randn(2, 8, 8))
+        slope = torch.tensor([0.5, 0.25]).view(2, 1, 1)
+        d = slope * (torch.arange(32)[:, None] - torch.arange(32)[None, :])
+        diag = (
+            torch.exp(-d.abs())
+            if kind == "open"
+            else torch.exp(torch.where(d >= 0, -d, -torch.inf))
+        )
+        self.register_buffer("diag", diag[None])  # [1, 2, 32, 32]
+        self.register_buffer("qdecay", torch.exp(-slope * (torch.arange(32)[:, None] + 1)))
+        self.register_buffer("kdecay", torch.exp(-slope * (32 - torch.arange(32)[:, None] - 1)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        pos = self.pos[1 : s + 1] if self.kind == "shifted" else self.pos[:s]
+        q, k, v = self.qkv(self.emb(ids) + pos).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.kind == "lightning":
+            blocks = []
+            for i in range((s + 31) // 32):
+                lo, hi = i * 32, min(i * 32 + 32, s)
+                blocks.append(self._block(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], hi - lo))
+            y = torch.cat(blocks, dim=-2)
+        else:
+            y = self._block(q, k, v, s)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+    def _block(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+        w = torch.matmul(q, k.transpose(-1, -2)) * self.diag[:, :, :n, :n]
+        if self.kind == "ends":
+            w = w * self.kdecay[:, -n:].transpose(-1, -2)
+        return torch.matmul(w, v) + torch.matmul(q * self.qdecay[:, :n], self.state)
+
+
+@pytest.mark.parametrize("kind", ["decay", "lightning"])
+def test_a_linear_attention_with_position_decays_chunks_exactly(kind: str) -> None:
+    """Form 8 of ``canonicalize_attention``: the product of decayed scores with v is one
+    attention (``autopart.scores`` "pv", causal), given a K/V prefix; the per-position decay
+    and the learned position table are read at the chunk's rows (``index_select`` from the
+    offset); MiniMax's block loop folds to whole slices (``fold_identities``). Three cuts, one
+    of a single token: the whole sequence's loss and every gradient."""
+    ids = torch.randint(1, 50, (2, 16))
+    _, gm = _chunked_exactly(_Linear(kind), ids, CUTS)
+    nodes = list(gm.graph.nodes)
+    (pv,) = [n for n in nodes if n.meta.get(META_SCORES) == "pv"]
+    assert pv.meta[META_ATTENTION] == "causal, chunked"
+    assert sum(n.target == torch.ops.aten.index_select.default for n in nodes) == 2
+    assert not any(n.target is torch.sym_min for n in nodes)
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("open", "lets a query see later keys"),
+        ("ends", "not a function of positions"),
+        ("shifted", "slice"),
+    ],
+)
+def test_a_linear_attention_that_is_not_a_position_function_is_refused(kind: str, why: str) -> None:
+    """Negative controls of form 8 and of a table's rows: refused at compile time, naming the
+    node (the chunkable kinds above are the same model with the construct swapped)."""
+    ids = torch.randint(1, 50, (2, 16))
+    with pytest.raises(AutopartError) as err:
+        parallelize(capture(_Linear(kind).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
+    assert why in err.value.message
+    assert "1f1b" in err.value.hint

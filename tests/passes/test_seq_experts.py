@@ -30,7 +30,8 @@ class _Experts(nn.Module):
     outputs joined in another order: rows land on other tokens), "folded" (the repeat viewed
     so that one row holds two tokens' copies), "tiled" (a repeat along a dim that is the
     sequence alone, read back as pairs of tokens). ``positions``: "arange" or "buffer" (GPT-1's
-    ``position_ids[:, :s]``), broken: "shifted" (a buffer of 1, 2, 3, …: not positions)."""
+    ``position_ids[:, :s]``), "shifted" (a buffer of 1, 2, 3, …: not the positions, but row t is
+    still token t's, read at the chunk's rows like any table sliced by the length)."""
 
     def __init__(self, kind: str, positions: str = "arange") -> None:
         super().__init__()
@@ -71,7 +72,9 @@ class _Experts(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("kind", "positions"), [("split", "arange"), ("dense", "buffer")], ids=["jetmoe", "llama4"]
+    ("kind", "positions"),
+    [("split", "arange"), ("dense", "buffer"), ("split", "shifted")],
+    ids=["jetmoe", "llama4", "jetmoe-table"],
 )
 def test_experts_chunk_exactly(kind: str, positions: str) -> None:
     """JetMoE's split-by-counts experts (with gpt-oss's per-expert biases) and Llama 4's dense
@@ -86,15 +89,14 @@ def test_experts_chunk_exactly(kind: str, positions: str) -> None:
         ("shuffled", "arange", "cat", "on routed tokens, which the routing rule does not cover"),
         ("folded", "arange", "view", "a view that cuts the sequence across dims"),
         ("tiled", "arange", "repeat", "a repeat along the sequence"),
-        ("split", "shifted", "slice", "a value sized by the sequence computed from no token"),
     ],
 )
 def test_experts_and_positions_that_mix_tokens_are_refused(
     kind: str, positions: str, node: str, why: str
 ) -> None:
-    """Negative controls: the same model with its experts' outputs joined out of order, its
-    repeated tokens paired across rows, or its position buffer not 0, 1, 2, … is refused at
-    compile time, naming the node."""
+    """Negative controls: the same model with its experts' outputs joined out of order, or its
+    repeated tokens paired across rows, is refused at compile time, naming the node (a table
+    read from another row than the token's: ``test_position_masks``' "shifted")."""
     torch.manual_seed(0)
     ids = torch.randint(1, 50, (2, 16))
     with pytest.raises(AutopartError) as err:

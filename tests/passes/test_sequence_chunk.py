@@ -20,6 +20,7 @@ from autopart.graph import copy_graph
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV, META_KV_SHAPES, META_SEQ_DIM
 from autopart.passes.canonicalize_attention import canonicalize_attention
+from autopart.passes.fold_identities import fold_identities
 from autopart.passes.sequence_chunk import lower_right_mask, sequence_chunk
 from autopart.program.format import load_rank
 
@@ -300,7 +301,8 @@ def _chunked_exactly(
     captured = capture(model.double(), (ids, ids))
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
-    gm = sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
+    gm = canonicalize_attention(fold_identities(gm, SEQ1F1B), SEQ1F1B)
+    gm = sequence_chunk(gm, SEQ1F1B)
     ref_loss, ref_grads = _reference(captured, (ids, ids))
     for lengths in cuts:
         loss, grads = run_chunks(captured, gm, (ids, ids), list(lengths))
