@@ -12,6 +12,7 @@ names the namespace too, and when the installed version differs.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,6 +100,8 @@ class Act(nn.Module):
 def make():
     import nanogpt
 
+    __import__(LIB)  # as a model's own module imports the library it calls
+
     model, batch = nanogpt.make()
     for block in model.transformer.h:
         block.mlp.gelu = Act()
@@ -169,7 +172,8 @@ def test_a_trusted_library_op_trains_exactly_and_runs_from_its_folder(
 ) -> None:
     """Trusted at compile time: dp=2, pp=2 and tp=2 match one device in float64, with the
     program in memory (forked ranks) and saved (torchrun ranks loading it, naming the
-    namespace); autopart run with --library-ops trains from the saved folder."""
+    namespace); autopart run with --library-ops trains from the saved folder, and autopart
+    train with [parallel] library_ops (refused without it)."""
     trust = {"library_ops": (LIB,)}
     checks = {
         "dp": Check(make, dp=2, microbatches=2, **trust),
@@ -192,6 +196,31 @@ def test_a_trusted_library_op_trains_exactly_and_runs_from_its_folder(
     )
     losses = [json.loads(x)["loss"] for x in out.splitlines() if x.startswith('{"step"')]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), out
+    # autopart train: the config's [parallel] library_ops is the trust (and without it, refused)
+    spec = f"{Path(__file__).resolve()}:make"
+    config, ids = tmp_path / "train.toml", tmp_path / "ids.pt"
+    torch.save(torch.randint(0, 96, (2000,)), ids)  # nanoGPT's vocabulary of 96
+    for trusted in (False, True):
+        config.write_text(
+            f'out = "{tmp_path / "run"}"\n[model]\nspec = "{spec}"\n'
+            f"[parallel]\ntp = 1\npp = 2\nmicrobatches = 2\n"
+            f"library_ops = {json.dumps([LIB] if trusted else [])}\n"
+            f'[data]\ntokens = "{ids}"\nseq_len = 16\nbatch_size = 4\n'
+            "[train]\nsteps = 2\n[eval]\nevery = 0\n"
+        )
+        p = subprocess.run(
+            [sys.executable, "-m", "autopart", "train", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        if not trusted:
+            assert p.returncode == 2 and f"library_ops=('{LIB}',)" in p.stderr, p.stderr
+            continue
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in rows] == [1, 2]
 
 
 def test_a_stage_graph_calling_an_untrusted_namespace_is_refused(

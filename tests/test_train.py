@@ -57,6 +57,8 @@ keep = 0
         ({"data": {"text": "a.txt", "dataset": "text"}}, "not ['text', 'dataset']"),
         ({"data": {"tokens": "a.pt", "tokenizer": "gpt2"}}, "tokenizer applies to text"),
         ({"data": {"dataset_files": "a.txt"}}, "need a dataset"),
+        ({"parallel": {"library_ops": "mylib"}}, "is not a list of strings"),
+        ({"parallel": {"library_ops": ["aten"]}}, "[parallel] library_ops: 'aten' is not a"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_key(doc: dict, message: str) -> None:
@@ -114,6 +116,9 @@ def test_overrides_and_the_schedule(tmp_path: Path) -> None:
     assert isinstance(cfg, TrainConfig)
     assert [lr_factor(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # warmup
     assert lr_factor(4, cfg) == 1.0 and abs(lr_factor(14, cfg) - 0.05) < 1e-12  # cosine to min
+    trusting = load(f, ['parallel.library_ops=["mylib"]'])
+    assert trusting.parallel_library_ops == ("mylib",) and cfg.parallel_library_ops == ()
+    assert TrainConfig.from_json(json.loads(json.dumps(trusting.to_json()))) == trusting
 
 
 def _train(config: Path, *more: str) -> subprocess.Popen:

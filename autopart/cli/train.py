@@ -114,6 +114,7 @@ def prepare(cfg: Any) -> int:
         sequence_parallel=cfg.parallel_sequence_parallel,
         recompute=cfg.parallel_recompute,
         precision=cfg.parallel_precision or None,
+        library_ops=cfg.parallel_library_ops,
     )
     if int(ids.max()) >= program.vocab_size or int(ids.min()) < 0:
         raise AutopartError(

@@ -139,7 +139,7 @@ def train(manifest: Path) -> int:
     rank, world = join_torchrun(cfg.train_timeout, backend_for(device))
     torch.manual_seed((cfg.train_seed * 1_000_003 + rank) % 2**63)
     plan.mesh.check_world(world)
-    program = load_rank(folder, rank)
+    program = load_rank(folder, rank, cfg.parallel_library_ops)
     runner = Runner(
         program,
         plan,

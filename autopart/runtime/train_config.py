@@ -17,6 +17,8 @@ tp = 2
 pp = 2
 schedule = "1f1b"
 microbatches = 4
+library_ops = []                   # op namespaces of installed libraries you trust, kept as
+                                   # custom ops in the program (docs/capture.md)
 
 [data]
 text = "corpus.txt"                # bytes as token ids; or tokens = "ids.pt" / "ids.bin"
@@ -63,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from autopart.errors import AutopartError
+from autopart.layout import check_library_names
 
 SECTIONS = ("model", "parallel", "data", "optim", "train", "eval", "checkpoint", "log")
 
@@ -84,6 +87,7 @@ class TrainConfig:
     parallel_recompute: str = "none"
     parallel_precision: str = ""
     parallel_compile: bool = False
+    parallel_library_ops: tuple[str, ...] = ()
     data_text: str = ""
     data_tokens: str = ""
     data_dataset: str = ""
@@ -132,7 +136,9 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> TrainConfig:
-        return cls(**doc)
+        cfg = cls(**doc)
+        cfg.parallel_library_ops = tuple(cfg.parallel_library_ops)  # JSON keeps a list
+        return cfg
 
 
 def _field_of(section: str | None, key: str) -> str:
@@ -140,6 +146,13 @@ def _field_of(section: str | None, key: str) -> str:
 
 
 def _typed(name: str, value: Any, kind: type, where: str) -> Any:
+    if kind is tuple:  # a list of names
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise AutopartError(
+                f"{where}: {name} = {value!r} is not a list of strings",
+                hint='e.g. library_ops = ["mylib"]',
+            )
+        return tuple(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -180,7 +193,7 @@ def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
 def from_dict(doc: dict[str, Any], where: str = "the config") -> TrainConfig:
     """A checked ``TrainConfig`` from a parsed TOML document."""
     kinds = {f.name: str(f.type) for f in fields(TrainConfig)}  # "int", "float", ... (strings)
-    types = {"int": int, "float": float, "bool": bool, "str": str}
+    types = {"int": int, "float": float, "bool": bool, "str": str, "tuple[str, ...]": tuple}
     values: dict[str, Any] = {}
     for key, value in doc.items():
         items: list[tuple[str | None, str, Any]]
@@ -269,6 +282,10 @@ def check(cfg: TrainConfig, where: str = "the config") -> None:
         raise AutopartError(
             f"{where}: [parallel] precision = {cfg.parallel_precision!r}: '' or 'bf16'"
         )
+    try:
+        check_library_names(cfg.parallel_library_ops)
+    except AutopartError as exc:
+        raise AutopartError(f"{where}: [parallel] {exc.message}", hint=exc.hint) from None
     if not cfg.model_spec:
         raise AutopartError(f"{where}: [model] spec is empty", hint="file.py:make or module:make")
 
