@@ -62,12 +62,10 @@ MATRIX |= {
         },
     }.items()
 }
-# the default suite's cross-section: every plan, each batch under Seq1F1B (the whole matrix,
-# with -m slow: both batches under every plan above)
+# the default suite's cross-section: tp, and each batch under pp Seq1F1B, where a mask must be
+# cut by chunks (the whole matrix, with -m slow: both batches under every plan above)
 DEFAULT = [
-    "padded-dp2",
     "packed-tp2",
-    "packed-pp2-1f1b",
     "padded-pp2-seq1f1b-k2",
     "packed-pp2-seq1f1b-k2",
 ]
@@ -77,14 +75,15 @@ _check = assert_all_pass  # every case passes; the failures named together
 
 
 def test_padded_and_packed_batches_match_one_device() -> None:
-    """dp, tp, pp 1F1B and pp Seq1F1B (``DEFAULT``), float64 ≤ 1e-9."""
+    """tp and pp Seq1F1B (``DEFAULT``), float64 ≤ 1e-9."""
     _check(verify_many({n: MATRIX[n] for n in DEFAULT}, dtype="float64", timeout_s=120, via="fork"))
 
 
 @pytest.mark.slow
 def test_padded_and_packed_batches_match_one_device_under_every_plan() -> None:
     """The acceptance matrix: both batches × dp, tp, pp 1F1B, pp Seq1F1B (k = 2 and 4) and
-    tp × pp Seq1F1B with sequence parallelism (what ``DEFAULT`` leaves out)."""
+    tp × pp Seq1F1B with sequence parallelism (what ``DEFAULT`` leaves out; about 40 s of the
+    default suite's time went to dp and pp 1F1B, which cut no mask)."""
     rest = {n: c for n, c in MATRIX.items() if n not in DEFAULT}
     _check(verify_many(rest, dtype="float64", timeout_s=120, via="fork"))
 

@@ -172,6 +172,7 @@ def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: s
     assert "1f1b" in err.value.hint
 
 
+@pytest.mark.slow  # suite time: compiles the zoo's MPT (17 s)
 def test_a_per_head_mask_is_split_with_the_heads_under_tp() -> None:
     """MPT's ALiBi (slope · (j − s + 1), one slope per head) under tp = 2 and Seq1F1B: the
     attention is split by heads (it was left replicated: "attention mask differs per head"),
@@ -281,7 +282,9 @@ class _Linear(nn.Module):
         return torch.matmul(w, v) + torch.matmul(q * self.qdecay[:, :n], self.state)
 
 
-@pytest.mark.parametrize("kind", ["decay", "lightning"])
+@pytest.mark.parametrize(
+    "kind", [pytest.param("decay", marks=pytest.mark.slow), "lightning"]
+)  # suite time: lightning is decay through the block loop
 def test_a_linear_attention_with_position_decays_chunks_exactly(kind: str) -> None:
     """Form 8 of ``canonicalize_attention``: the product of decayed scores with v is one
     attention (``autopart.scores`` "pv", causal), given a K/V prefix; the per-position decay

@@ -26,6 +26,8 @@ from autopart.schedule.chunks import chunk_lengths
 
 H, HEADS, P, N = 16, 2, 4, 3  # width, heads, head width, state size
 
+SLOW = pytest.mark.slow
+
 
 def _segsum(x: torch.Tensor, first: int = -1) -> torch.Tensor:
     """[..., T] → [..., T, T]: entry [i, j] = x[j+1] + … + x[i] for j ≤ i, −inf above."""
@@ -114,8 +116,10 @@ def test_a_state_scan_carries_its_state() -> None:
     ("kind", "node", "why"),
     [
         ("ones", "einsum", "the state before the first block is not zeros"),
-        ("upper", "einsum", "masks are not the triangles below the diagonal"),
-        ("final", "select", "the state after a scan's last block read"),
+        pytest.param(  # suite time: each kind captures its own model (8-10 s)
+            "upper", "einsum", "masks are not the triangles below the diagonal", marks=SLOW
+        ),
+        pytest.param("final", "select", "the state after a scan's last block read", marks=SLOW),
         ("remainder", "add", "the sequence length used as a value"),
     ],
 )
