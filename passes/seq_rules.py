@@ -54,6 +54,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+import autopart.scan  # noqa: F401 - registers autopart::linear_scan
 from autopart.frontend.capture import S, to_sympy
 from autopart.meta import (
     META_ATTENTION,
@@ -61,12 +62,14 @@ from autopart.meta import (
     META_INPUT,
     META_MASK_FN,
     META_SCORES,
+    META_SEQ_DIM,
     META_SYMBOLS,
 )
 from autopart.node_args import int_arg, node_arg, seq_arg, whole_slice
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
+LINEAR_SCAN = torch.ops.autopart.linear_scan.default
 _SAMPLES = ((3, 48), (3, 96), (5, 96))  # (b, s) at which sizes are evaluated
 
 
@@ -1131,6 +1134,48 @@ def _attention(p: _Prover, n: fx.Node) -> Any:
     return Seq(_ndim(n) - 2, ONE)
 
 
+@dataclass(frozen=True)
+class Recurrence:
+    """``autopart::linear_scan(a, b, dim)`` along the sequence (``autopart/frontend/loops.py``
+    rolled a loop over the tokens into it): token t's state is a[t] · state[t − 1] + b[t], so
+    a chunk needs only the last state of the chunk before it, which the chunk pass carries."""
+
+    node: fx.Node
+    dim: int
+
+    @property
+    def b(self) -> fx.Node:
+        return node_arg(self.node, 1)
+
+
+def recurrence(n: fx.Node) -> Recurrence | None:
+    """``n`` as a ``Recurrence`` when it is a linear scan whose dim the prover found to be the
+    sequence (``meta["autopart.seq_dim"]``), else None."""
+    if n.target != LINEAR_SCAN or n.meta.get(META_SEQ_DIM) is None:
+        return None
+    nd = n.meta["val"].dim()
+    dim = int_arg(n, 2) % nd
+    return Recurrence(n, dim) if n.meta[META_SEQ_DIM] % nd == dim else None
+
+
+def _linear_scan(p: _Prover, n: fx.Node) -> Any:
+    """A linear recurrence: along the sequence, a carried state (``Recurrence``); along another
+    dim, token by token."""
+    a, b = node_arg(n, 0), node_arg(n, 1)
+    nd = _ndim(a)
+    seqs = [p.env.get(x) for x in (a, b)]
+    if len(n.args) > 3 and n.args[3] is not None:
+        raise Mixes("a recurrence started from a given state")
+    if not all(isinstance(v, Seq) for v in seqs):
+        return p._carry(n)
+    va, vb = cast("list[Seq]", seqs)
+    if va.dim % nd != vb.dim % nd or va.inner != ONE or vb.inner != ONE:
+        raise Mixes("a recurrence over tokens laid out differently or merged with other dims")
+    if va.dim % nd == int_arg(n, 2) % nd and (va.part != 1 or vb.part != 1):
+        raise Mixes("a recurrence along a tp rank's share of the sequence")
+    return p._carry(n)
+
+
 def _loss(p: _Prover, n: fx.Node) -> Any:
     """Cross entropy summed over the tokens: the chunks' sums add up (a mean would not)."""
     reduction = _dim_arg(n, 3, 1, "reduction")
@@ -1800,6 +1845,7 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     **dict.fromkeys(CONVS, _convolution),
     **dict.fromkeys(_PADS, _padding),
     SDPA: _attention,
+    LINEAR_SCAN: _linear_scan,
     aten.cross_entropy_loss.default: _loss,
     aten.sum.dim_IntList: _sum_all,
     aten.sum.default: _sum_all,

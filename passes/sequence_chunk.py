@@ -101,6 +101,7 @@ from autopart.passes.seq_rules import (
     CONVS,
     SOFTMAX,
     CausalConv,
+    Recurrence,
     Seq,
     StateScan,
     causal_conv,
@@ -108,6 +109,7 @@ from autopart.passes.seq_rules import (
     is_positions,
     is_scored,
     live_nodes,
+    recurrence,
     scored_qkv,
     seq_dims,
     state_scan,
@@ -223,6 +225,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     for name, found, like, dim, at in (
         *(("conv_carry", c, c.x, c.dim, c.conv) for c in _causal_convs(gm)),
         *(("scan_state", c, c.zeros, c.dim, c.einsum) for c in _state_scans(gm)),
+        *(("recurrence_state", r, r.b, r.dim, r.node) for r in _recurrences(gm)),
     ):
         i = sum(1 for f, _, _ in carried if type(f) is type(found))
         with g.inserting_after(anchor):
@@ -243,6 +246,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         anchor = ph
     carries = [(c, ph, n) for c, ph, n in carried if isinstance(c, CausalConv)]
     states = [(c, ph, n) for c, ph, n in carried if isinstance(c, StateScan)]
+    recurrences = [(c, ph, n) for c, ph, n in carried if isinstance(c, Recurrence)]
 
     for n in positions:
         with g.inserting_after(n):
@@ -287,6 +291,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         kv_out.append(_convolve_with_carry(g, conv, ph))
     for scan, ph, _ in states:
         kv_out.append(_scan_from_state(g, scan, ph))
+    for rec, ph, _ in recurrences:
+        kv_out.append(_recur_from_state(g, rec, ph))
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -300,12 +306,13 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         for ph in pair
     ]
     gm.meta[META_KV_SHAPES] = kv_shapes + [
-        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *states]
+        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *states, *recurrences]
     ]
     lengths = [(prefix_len, P)] if prefix_len is not None else []
     lengths += [(length, _window_symbol(i)) for i, length in trimmed.items()]
     lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
     lengths += [(length, _state_symbol(i)) for i, (_, _, length) in enumerate(states)]
+    lengths += [(n, _recurrence_symbol(i)) for i, (_, _, n) in enumerate(recurrences)]
     if lengths:
         rc = dict(gm.meta.get(META_RANGES, {}))
         names = dict(gm.meta.get(META_SYMBOLS, {}))
@@ -402,6 +409,45 @@ def _carry_symbol(i: int) -> sympy.Symbol:
 def _state_symbol(i: int) -> sympy.Symbol:
     """The length of scan ``i``'s carried state, for cost formulas (0, then 1)."""
     return sympy.Symbol(f"z{i}", nonnegative=True, integer=True)
+
+
+def _recurrence_symbol(i: int) -> sympy.Symbol:
+    """The length of recurrence ``i``'s carried state, for cost formulas (0, then 1)."""
+    return sympy.Symbol(f"r{i}", nonnegative=True, integer=True)
+
+
+def _recurrences(gm: fx.GraphModule) -> list[Recurrence]:
+    """The live linear scans along the sequence (``refuse_sequence_mixing`` proved each and
+    recorded its sequence dim), in graph order."""
+    live = live_nodes(gm)
+    return [r for n in gm.graph.nodes if n in live and (r := recurrence(n)) is not None]
+
+
+def _recur_from_state(g: fx.Graph, rec: Recurrence, carry: fx.Node) -> fx.Node:
+    """The scan starts from the carry's last state (zeros for the first chunk, whose carry is
+    empty). Returns the next chunk's carry: the state after this chunk's last token."""
+    n, d = rec.node, rec.dim
+    dtype = rec.b.meta["val"].dtype
+    made = []
+    with g.inserting_before(n):
+        c = carry
+        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
+            c = g.call_function(aten._to_copy.default, (carry,), {"dtype": dtype})
+            made.append(c)
+    n.args = (*n.args[:3], c)
+    with g.inserting_after(n):
+        out = g.call_function(aten.slice.Tensor, (n, d, -1, _END))
+    made.append(out)
+    if carry.meta["val"].dtype != dtype:
+        with g.inserting_after(out):
+            out = g.call_function(aten._to_copy.default, (out,), {"dtype": carry.meta["val"].dtype})
+        made.append(out)
+    for m in made:
+        m.meta[META_MODULE], m.meta[META_LAYER] = (
+            n.meta.get(META_MODULE, ""),
+            n.meta.get(META_LAYER),
+        )
+    return out
 
 
 def _state_scans(gm: fx.GraphModule) -> list[StateScan]:

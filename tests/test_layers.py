@@ -46,8 +46,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("layout", ("autopart.layout",), "Mesh and Plan, checked against the schedules' rules"),
     (
         "graph ops",
-        ("autopart.collectives", "autopart.deferred"),
-        "collectives and deferred GEMMs as custom ops: passes insert them, the runtime runs them",
+        ("autopart.collectives", "autopart.deferred", "autopart.scan"),
+        "collectives, deferred GEMMs and the linear scan as custom ops: passes (and capture) "
+        "insert them, the runtime runs them",
     ),
     ("frontend", ("autopart.frontend",), "capture and cost: a model becomes a Captured graph"),
     ("passes", ("autopart.passes",), "graph-to-graph rewrites, one invariant each"),

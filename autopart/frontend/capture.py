@@ -34,6 +34,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
 from autopart.errors import AutopartError
+from autopart.frontend.loops import fixed_length, reroll
 from autopart.meta import (
     META_BUFFERS,
     META_INPUT,
@@ -79,6 +80,9 @@ class Captured:
     # the longest sequence the graph fits and why not longer (frontend/shapes.py): found by
     # the first compile of this capture (None until then)
     seq_limit: tuple[int | None, str] | None = None
+    # export fixed the length (a loop over the tokens): "rolled up" when ``generalize_loops``
+    # wrote the loop for any length, else why it could not; "" when the length stayed symbolic
+    loops: str = ""
 
     @property
     def n_layers(self) -> int:
@@ -293,7 +297,61 @@ def capture(model: nn.Module, example_inputs: Batch) -> Captured:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
-    return _annotate(ep, model, input_ids, wrapper.vocab_size)
+    captured = _annotate(ep, model, input_ids, wrapper.vocab_size)
+    generalize_loops(captured, wrapper, {"input_ids": args[0], "labels": args[1], **kwargs})
+    return captured
+
+
+def generalize_loops(
+    captured: Captured, wrapper: nn.Module, batch: dict[str, torch.Tensor]
+) -> None:
+    """When export fixed the length of ``input_ids`` because the model loops over its tokens
+    (``autopart.frontend.loops``), keep the rolled-up graph instead, if it computes the
+    model's loss at the example's length and at two others (tokens repeated to that length);
+    else keep export's (Seq1F1B then refuses it, naming the fixed length). A model on the meta
+    device cannot be run, so its graph stays as export made it."""
+    length = fixed_length(captured.graph)
+    if length is None or any(p.device.type == "meta" for p in captured.params.values()):
+        return
+    try:
+        rolled = reroll(captured.graph, length)
+    except Exception as exc:  # noqa: BLE001 - a loop autopart misread: keep export's graph
+        rolled = f"rolling it up failed ({type(exc).__name__}: {str(exc)[:200]})"
+    if isinstance(rolled, str):
+        captured.loops = rolled
+        return
+    low = captured.dtype in LOW_PRECISION
+    for n in (length, length + 8, max(2, length // 2)):
+        cut = {k: t.repeat(1, n // length + 1)[:, :n] for k, t in batch.items()}
+        with torch.no_grad():
+            want = wrapper(**cut)
+            got = rolled(*_feeds(rolled, captured, cut))[0]
+        if not torch.allclose(got.double(), want.double(), rtol=1e-2 if low else 1e-5):
+            captured.loops = (
+                f"the rolled-up graph's loss at {n} tokens is {float(got):.6g}, the model's "
+                f"{float(want):.6g}"
+            )
+            return
+    rolled.meta.update({key: v for key, v in captured.graph.meta.items() if key not in rolled.meta})
+    _name_symbols(rolled)
+    captured.graph = rolled
+    captured.loops = "rolled up"
+
+
+def _feeds(gm: fx.GraphModule, captured: Captured, batch: dict[str, torch.Tensor]) -> list:
+    """``gm``'s inputs, in placeholder order, from ``captured``'s tensors and ``batch``."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        ref = n.meta[META_INPUT]
+        if ref.kind == "param":
+            out.append(captured.params[ref.name])
+        elif ref.kind == "data":
+            out.append(batch[ref.name])
+        else:
+            out.append(captured.buffers[ref.name])
+    return out
 
 
 def accepts(model: nn.Module, names: list[str]) -> None:

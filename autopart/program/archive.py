@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
+import autopart.scan  # noqa: F401 - registers autopart::linear_scan, which loaded graphs call
 from autopart.errors import AutopartError
 from autopart.program.graph_json import NAMESPACES, PYTHON_OPS, allowed, check_model
 from autopart.program.schema import Invalid, parse_json
