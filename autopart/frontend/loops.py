@@ -30,18 +30,24 @@ from typing import Any, cast
 
 import torch
 from torch import fx
+from torch._dynamo.source import ConstantSource
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges
 
 import autopart.scan  # noqa: F401 - registers autopart::linear_scan
 from autopart.frontend.shapes import propagate
 from autopart.graph import copy_graph, remove_dead
-from autopart.meta import META_INPUT, META_LAYER, META_MODULE
+from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_RANGES
 from autopart.node_args import int_arg, node_arg
 
 aten = torch.ops.aten
 END = 2**63 - 1
+DYNAMIC = DimDynamic.DYNAMIC
 _CASTS = (aten.to.dtype, aten._to_copy.default)
+_ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 
 
 def fixed_length(gm: fx.GraphModule) -> int | None:
@@ -59,12 +65,15 @@ def fixed_length(gm: fx.GraphModule) -> int | None:
 def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
     """A copy of ``gm`` with its loops over ``length`` tokens rolled up (module docstring), or
     why not."""
-    s = _symbolic_length(gm)
-    if s is None:
-        return "no batch input keeps a symbolic length to give the others"
     out = copy_graph(gm)
     out.meta.update(gm.meta)
     g = out.graph
+    s = _symbolic_length(gm)
+    if s is None:  # the labels' length was fixed too: a fresh symbol for both
+        env = _fake_mode(g).shape_env
+        sym = env.create_symbol(length, ConstantSource("autopart_seq"), dynamic_dim=DYNAMIC)
+        s = env.create_symintnode(sym, hint=length)
+        out.meta[META_RANGES] = {**gm.meta.get(META_RANGES, {}), sym: ValueRanges(2, int_oo)}
     chains = _recurrences(g, length)
     if not chains:
         return "it is no loop over the tokens that autopart recognizes"
@@ -131,7 +140,8 @@ def _static(dim: Any) -> int | None:
 
 
 def _symbolic_length(gm: fx.GraphModule) -> torch.SymInt | None:
-    """The symbolic sequence length of a batch input export kept symbolic (the labels')."""
+    """The symbolic sequence length of a batch input export kept symbolic (the labels', when
+    only the loss compares them with the logits), or None."""
     for n in gm.graph.nodes:
         ref = n.meta.get(META_INPUT)
         if n.op == "placeholder" and ref is not None and ref.kind == "data":
@@ -202,7 +212,7 @@ def _recurrences(g: fx.Graph, length: int) -> list[tuple[list[fx.Node], tuple]]:
     after = {h: n for n, (_, _, h) in steps.items()}
     chains = []
     for n, (a, b, h) in steps.items():
-        if h.target != aten.zeros.default or a[2] != 0:
+        if h.target not in _ZEROS or a[2] != 0:
             continue
         chain = [n]
         while chain[-1] in after and len(chain) < length:

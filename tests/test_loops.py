@@ -1,0 +1,114 @@
+"""Loops over the tokens (``autopart/frontend/loops.py``, ``autopart/scan.py``): a model whose
+Python loop over its tokens export unrolls at the example's length is rolled back up at
+capture (a linear recurrence becomes ``autopart::linear_scan``, the per-token work one
+vectorized computation), fits any length, and chunks exactly under Seq1F1B with the scan's
+state carried; negative controls — a recurrence that is not linear, per-token work that reads
+the next token — keep export's fixed length, and Seq1F1B refuses them, naming it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err, run_graph, run_model
+from torch import nn
+
+from autopart import Mesh, parallelize
+from autopart.errors import AutopartError
+from autopart.frontend.capture import capture
+from autopart.meta import META_INPUT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "passes"))
+from test_sequence_chunk import _chunked_exactly  # noqa: E402
+
+SCAN = torch.ops.autopart.linear_scan.default
+CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
+
+
+class _Loop(nn.Module):
+    """Embeddings, a gate a_t = sigmoid(W x_t) in (0, 1), the recurrence h_t = a_t · h_{t−1} +
+    x_t run by a Python loop over the tokens (as Hugging Face Mamba runs its selective scan),
+    each token's output h_t · c_t, and a head. ``kind``: "linear" (rolled up), "gated"
+    (h_t = tanh(a_t · h_{t−1} + x_t): not linear), "ahead" (h_t · c_{t+1}: reads the next
+    token)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.gate, self.c = nn.Embedding(50, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.out = nn.Linear(8, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        a, c = torch.sigmoid(self.gate(x)), self.c(x)
+        h = torch.zeros_like(x[:, 0])
+        outs = []
+        for t in range(ids.shape[1]):
+            h = a[:, t] * h + x[:, t]
+            if self.kind == "gated":
+                h = torch.tanh(h)
+            outs.append(h * c[:, min(t + 1, ids.shape[1] - 1) if self.kind == "ahead" else t])
+        return self.out(torch.stack(outs, dim=1) + x)
+
+
+def test_a_loop_over_the_tokens_is_rolled_up_and_fits_any_length() -> None:
+    """One ``linear_scan``, no per-token nodes; input_ids' length is symbolic again, and at 24
+    tokens (captured at 16) the graph's loss and every gradient are the model's."""
+    model = _Loop("linear").double()
+    ids = torch.randint(1, 50, (2, 16))
+    captured = capture(model, (ids, ids))
+    assert captured.loops == "rolled up"
+    nodes = list(captured.graph.graph.nodes)
+    assert sum(n.target == SCAN for n in nodes) == 1
+    assert not any(n.target == torch.ops.aten.stack.default for n in nodes)
+    (ids_node,) = [n for n in nodes if getattr(n.meta.get(META_INPUT), "name", "") == "input_ids"]
+    assert isinstance(ids_node.meta["val"].shape[1], torch.SymInt)
+    longer = torch.randint(1, 50, (2, 24))
+    want, want_grads = run_model(model, (longer, longer))
+    got, grads = run_graph(captured, (longer, longer))
+    assert rel_err(got, want) <= 1e-12
+    assert all(rel_err(grads[f], want_grads[f]) <= 1e-10 for f in want_grads)
+
+
+def test_a_rolled_loop_chunks_exactly_with_its_state_carried() -> None:
+    """Seq1F1B: the scan gets the previous chunk's last state as a ``kv`` carry (empty for the
+    first chunk) and hands on its own; three cuts, one of a single token."""
+    _, gm = _chunked_exactly(_Loop("linear"), torch.randint(1, 50, (2, 16)), CUTS)
+    (scan,) = [n for n in gm.graph.nodes if n.target == SCAN]
+    carry = scan.args[3]
+    assert carry.op == "placeholder" and carry.meta[META_INPUT].kind == "kv"
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [("gated", "no loop over the tokens that autopart recognizes"), ("ahead", "reads")],
+)
+def test_loops_that_are_not_linear_recurrences_keep_their_fixed_length(kind: str, why: str) -> None:
+    """Negative controls: not rolled up (the reason kept on the capture), and Seq1F1B refuses
+    the fixed length before any rank starts."""
+    ids = torch.randint(1, 50, (2, 16))
+    captured = capture(_Loop(kind).double(), (ids, ids))
+    assert why in captured.loops
+    with pytest.raises(AutopartError) as err:
+        parallelize(captured, Mesh(), schedule="seq1f1b", seq_chunks=2)
+    assert "fixed at capture to 16 tokens" in err.value.message
+
+
+def test_the_scan_op_is_the_loop_and_its_gradient() -> None:
+    """``linear_scan`` forward: the same bits as the loop; backward: gradcheck, from zeros and
+    from a carried state (and from an empty one)."""
+    torch.manual_seed(0)
+    a = torch.rand(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
+    init = torch.randn(2, 3, 1, 4, dtype=torch.float64, requires_grad=True)
+    h, outs = init[:, :, -1], []
+    for i in range(7):
+        h = a[:, :, i] * h + b[:, :, i]
+        outs.append(h)
+    assert torch.equal(SCAN(a, b, 2, init), torch.stack(outs, 2))
+    empty = torch.zeros(2, 3, 0, 4, dtype=torch.float64, requires_grad=True)
+    for start in (init, empty):
+        assert torch.autograd.gradcheck(lambda a, b, i: SCAN(a, b, 2, i), (a, b, start))
+    assert torch.autograd.gradcheck(lambda a, b: SCAN(a, b, 2), (a, b))
