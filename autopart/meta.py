@@ -57,6 +57,8 @@ META_SYMBOLS = "autopart.symbols"  # dict: export's size symbols → sympy b, s
 META_RANGES = "autopart.range_constraints"  # dict: export's range constraints on them
 # lowering (autopart/lowering)
 META_EXAMPLE_SHAPE = "autopart.example_shape"  # (batch, seq) of the example inputs
+# str: why capture kept a length export fixed (its loop over the tokens not rolled up)
+META_LOOPS = "autopart.loops"
 META_PASSES = "autopart.passes"  # list[str]: the passes that made this graph, in order
 # pipeline_split
 META_STAGES = "autopart.stages"  # list[str]: the parent graph's stage submodule names

@@ -60,6 +60,7 @@ from autopart.meta import (
     META_ATTENTION,
     META_BUFFERS,
     META_INPUT,
+    META_LOOPS,
     META_MASK_FN,
     META_SCORES,
     META_SEQ_DIM,
@@ -241,10 +242,12 @@ class _Prover:
         val: Any = n.meta.get("val")  # a tensor, a SymInt or absent
         grow = self.growing(val)
         if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val):
+            loops = self.gm.meta.get(META_LOOPS)
             raise Fixed(
                 f"the sequence length of {n.name} was fixed at capture to {val.shape[-1]} "
                 "tokens (torch.export specialized it): the graph runs at that length only, "
                 "never on a chunk"
+                + (f" (a loop over the tokens autopart did not roll up: {loops})" if loops else "")
             )
         if not grow:
             return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None

@@ -30,15 +30,16 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
 class _Loop(nn.Module):
     """Embeddings, a gate a_t = sigmoid(W x_t) in (0, 1), the recurrence h_t = a_t · h_{t−1} +
     x_t run by a Python loop over the tokens (as Hugging Face Mamba runs its selective scan),
-    each token's output h_t · c_t, and a head. ``kind``: "linear" (rolled up), "gated"
+    each token's output h_t · c_t, and a head. ``kind``: "linear" (rolled up), "flat" (the
+    tokens flattened through the head: views sized by the width and the length), "gated"
     (h_t = tanh(a_t · h_{t−1} + x_t): not linear), "ahead" (h_t · c_{t+1}: reads the next
     token)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, width: int = 8) -> None:
         super().__init__()
         self.kind = kind
-        self.emb, self.gate, self.c = nn.Embedding(50, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-        self.out = nn.Linear(8, 50)
+        self.emb, self.gate = nn.Embedding(50, width), nn.Linear(width, width)
+        self.c, self.out = nn.Linear(width, width), nn.Linear(width, 50)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
@@ -50,7 +51,10 @@ class _Loop(nn.Module):
             if self.kind == "gated":
                 h = torch.tanh(h)
             outs.append(h * c[:, min(t + 1, ids.shape[1] - 1) if self.kind == "ahead" else t])
-        return self.out(torch.stack(outs, dim=1) + x)
+        y = torch.stack(outs, dim=1) + x
+        if self.kind == "flat":  # tokens flattened: a view [-1, width], then [b, s, 50]
+            return self.out(y.reshape(-1, y.shape[-1])).view(ids.shape[0], ids.shape[1], 50)
+        return self.out(y)
 
 
 def test_a_loop_over_the_tokens_is_rolled_up_and_fits_any_length() -> None:
@@ -70,6 +74,20 @@ def test_a_loop_over_the_tokens_is_rolled_up_and_fits_any_length() -> None:
     got, grads = run_graph(captured, (longer, longer))
     assert rel_err(got, want) <= 1e-12
     assert all(rel_err(grads[f], want_grads[f]) <= 1e-10 for f in want_grads)
+
+
+def test_a_length_equal_to_a_width_is_captured_again_at_a_free_one() -> None:
+    """16 tokens and a width of 16: the view [-1, 16] reads as [-1, s], the rolled graph fails
+    at 24 tokens, so capture exports again at a length no size of the graph has and rolls that
+    up: it then matches the model at 40 tokens."""
+    model = _Loop("flat", width=16).double()
+    ids = torch.randint(1, 50, (2, 16))
+    captured = capture(model, (ids, ids))
+    assert captured.loops == "rolled up" and captured.example_shape == (2, 16)
+    longer = torch.randint(1, 50, (2, 40))
+    want, _ = run_model(model, (longer, longer))
+    got, _ = run_graph(captured, (longer, longer))
+    assert rel_err(got, want) <= 1e-12
 
 
 def test_a_rolled_loop_chunks_exactly_with_its_state_carried() -> None:
@@ -94,6 +112,7 @@ def test_loops_that_are_not_linear_recurrences_keep_their_fixed_length(kind: str
     with pytest.raises(AutopartError) as err:
         parallelize(captured, Mesh(), schedule="seq1f1b", seq_chunks=2)
     assert "fixed at capture to 16 tokens" in err.value.message
+    assert f"a loop over the tokens autopart did not roll up: {captured.loops}" in err.value.message
 
 
 def test_the_scan_op_is_the_loop_and_its_gradient() -> None:

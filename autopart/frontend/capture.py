@@ -39,6 +39,7 @@ from autopart.meta import (
     META_BUFFERS,
     META_INPUT,
     META_LAYER,
+    META_LOOPS,
     META_MODULE,
     META_RANGES,
     META_SYMBOLS,
@@ -260,7 +261,7 @@ def check_extra(name: str, t: Any, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def capture(model: nn.Module, example_inputs: Batch) -> Captured:
+def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captured:
     """Export ``model`` (real or meta device) into an annotated functional graph. The example
     batch's optional tensors (``attention_mask``, ``position_ids``) are passed to the model by
     name and become data inputs of the graph; the model's ``forward`` must take them."""
@@ -298,7 +299,8 @@ def capture(model: nn.Module, example_inputs: Batch) -> Captured:
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
     captured = _annotate(ep, model, input_ids, wrapper.vocab_size)
-    generalize_loops(captured, wrapper, {"input_ids": args[0], "labels": args[1], **kwargs})
+    if roll:
+        generalize_loops(captured, wrapper, {"input_ids": args[0], "labels": args[1], **kwargs})
     return captured
 
 
@@ -308,38 +310,98 @@ def generalize_loops(
     """When export fixed the length of ``input_ids`` because the model loops over its tokens
     (``autopart.frontend.loops``), keep the rolled-up graph instead, if it computes the
     model's loss at the example's length and at two others (tokens repeated to that length);
-    else keep export's (Seq1F1B then refuses it, naming the fixed length). A model on the meta
-    device cannot be run, so its graph stays as export made it."""
+    else keep export's (Seq1F1B then refuses it, naming the fixed length). Where the rolled
+    graph fails that, the example's length may also be a width of the model (32 tokens and a
+    hidden size of 32: which 32 is the length?), so the model is captured once more, at a
+    longer length that no size of the graph has (the shortest multiple of 8 if one is free),
+    and rolled up from there. A model
+    on the meta device cannot be run, so its graph stays as export made it."""
     length = fixed_length(captured.graph)
     if length is None or any(p.device.type == "meta" for p in captured.params.values()):
         return
+    why = _rolled(captured, captured.graph, length, wrapper, batch)
+    if why is None or "recognizes" in why:
+        _record(captured, why)
+        return
+    taken = _sizes_in(captured.graph)
+    free = [n for n in range(length + 1, 2 * length + len(taken) + 9) if n not in taken]
+    other = min(free, key=lambda n: (n % 8 != 0, n))  # a multiple of 8 if one is free
     try:
-        rolled = reroll(captured.graph, length)
+        again = capture(wrapper.model, _repeated(batch, length, other), roll=False)
+    except AutopartError as exc:
+        _record(captured, f"{why}; captured at {other} tokens: {exc.message}")
+        return
+    second = (
+        _rolled(captured, again.graph, other, wrapper, batch)
+        if fixed_length(again.graph) == other
+        else "its length was not fixed there"
+    )
+    _record(captured, None if second is None else f"{why}; captured at {other} tokens: {second}")
+
+
+def _record(captured: Captured, why: str | None) -> None:
+    """Keep the outcome on the capture, and why not on its graph (Seq1F1B's refusal says it)."""
+    captured.loops = why or "rolled up"
+    if why:
+        captured.graph.meta[META_LOOPS] = why
+
+
+def _rolled(
+    captured: Captured,
+    graph: fx.GraphModule,
+    length: int,
+    wrapper: nn.Module,
+    batch: dict[str, torch.Tensor],
+) -> str | None:
+    """Roll ``graph`` (export's, at ``length`` tokens) up and check it against the model at
+    the example's length and two others; on success it becomes ``captured.graph`` (None),
+    else why not."""
+    try:
+        rolled = reroll(graph, length)
     except Exception as exc:  # noqa: BLE001 - a loop autopart misread: keep export's graph
         rolled = f"rolling it up failed ({type(exc).__name__}: {str(exc)[:200]})"
     if isinstance(rolled, str):
-        captured.loops = rolled
-        return
+        return rolled
     low = captured.dtype in LOW_PRECISION
-    for n in (length, length + 8, max(2, length // 2)):
-        cut = {k: t.repeat(1, n // length + 1)[:, :n] for k, t in batch.items()}
+    example = captured.example_shape[1]
+    for n in (example, example + 8, max(2, example // 2)):
+        cut = _repeated(batch, example, n)
         try:
             with torch.no_grad():
                 want = wrapper(**cut)
                 got = rolled(*_feeds(rolled, captured, cut))[0]
         except Exception as exc:  # noqa: BLE001 - either fails at that length: not proven
-            captured.loops = f"at {n} tokens: {type(exc).__name__}: {str(exc)[:200]}"
-            return
+            return f"at {n} tokens: {type(exc).__name__}: {str(exc)[:200]}"
         if not torch.allclose(got.double(), want.double(), rtol=1e-2 if low else 1e-5):
-            captured.loops = (
+            return (
                 f"the rolled-up graph's loss at {n} tokens is {float(got):.6g}, the model's "
                 f"{float(want):.6g}"
             )
-            return
     rolled.meta.update({key: v for key, v in captured.graph.meta.items() if key not in rolled.meta})
     _name_symbols(rolled)
     captured.graph = rolled
-    captured.loops = "rolled up"
+    return None
+
+
+def _repeated(batch: dict[str, torch.Tensor], length: int, n: int) -> dict[str, torch.Tensor]:
+    """The batch's tokens repeated along the sequence and cut to ``n``."""
+    return {k: t.repeat(1, n // length + 1)[:, :n] for k, t in batch.items()}
+
+
+def _sizes_in(gm: fx.GraphModule) -> set[int]:
+    """Every int of the graph: its nodes' integer arguments and fixed sizes."""
+    out: set[int] = set()
+    for n in gm.graph.nodes:
+        stack: list[Any] = [*n.args, *n.kwargs.values()]
+        val = n.meta.get("val")
+        stack += list(val.shape) if isinstance(val, torch.Tensor) else []
+        while stack:
+            a = stack.pop()
+            if isinstance(a, (list, tuple)):
+                stack.extend(a)
+            elif isinstance(a, int) and not isinstance(a, bool):
+                out.add(a)
+    return out
 
 
 def _feeds(gm: fx.GraphModule, captured: Captured, batch: dict[str, torch.Tensor]) -> list:

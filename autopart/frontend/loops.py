@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import sympy
 import torch
 from torch import fx
 from torch._dynamo.source import ConstantSource
@@ -48,6 +49,9 @@ END = 2**63 - 1
 DYNAMIC = DimDynamic.DYNAMIC
 _CASTS = (aten.to.dtype, aten._to_copy.default)
 _ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+_EXPAND = aten.expand.default
+_SIZED = (aten.reshape.default, aten._unsafe_view.default, _EXPAND)
+_FACTORIES = (aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format)
 
 
 def fixed_length(gm: fx.GraphModule) -> int | None:
@@ -112,6 +116,9 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
                     (val.shape[0], s, *val.shape[2:]), dtype=val.dtype, device=val.device
                 )
     inputs = [n.meta["val"] for n in placeholders]
+    for n in g.nodes:  # views of values the rolled-up work lays out otherwise: reshapes
+        if n.target == aten.view.default:
+            n.target = aten.reshape.default
     try:
         with mode:
             _Ends(out, length, size, s).run(*inputs)
@@ -373,9 +380,12 @@ def _isomorphic(first: list[fx.Node], body: list[fx.Node], i: int) -> bool:
 
 
 class _Ends(fx.Interpreter):
-    """Fake propagation that reads a slice ``x[..., :S]`` (S the fixed length) of a dim that now
-    grows with the sequence (``[..., :s]``: Mamba's convolution cut back to the length) as a
-    slice to the length, rewriting its end to the graph's length node."""
+    """Fake propagation that reads the fixed length S as the length where the model meant it,
+    rewriting it to the graph's length node: the end of a slice ``x[..., :S]`` of a dim that now
+    grows with the sequence (Mamba's convolution cut back to the length), ``arange(S)`` (the
+    positions), S in a factory's sizes, in an expand's where the input's dim is the length, and
+    in a view's where the element count needs it. Where S is also a width of the model, a
+    guess can be wrong; ``capture`` then tries again at a length no size of the graph has."""
 
     def __init__(self, gm: fx.GraphModule, length: int, size: fx.Node, s: torch.SymInt) -> None:
         super().__init__(gm)
@@ -394,4 +404,53 @@ class _Ends(fx.Interpreter):
                 and symbols <= grows.node.expr.free_symbols
             ):
                 n.args = (x, dim, start, self.size, *n.args[4:])
+        elif n.target == aten.arange.default and n.args[:1] == (self.length,):
+            n.args = (self.size, *n.args[1:])  # positions over the sequence
+        elif n.target in _FACTORIES and isinstance(n.args[0], (list, tuple)):
+            if self.length in n.args[0]:
+                n.args = ([self.size if v == self.length else v for v in n.args[0]], *n.args[1:])
+        elif n.target in _SIZED and isinstance(n.args[1], (list, tuple)):
+            sizes = list(n.args[1])
+            if self.length in sizes:
+                picked = self._sizes(self.env[node_arg(n, 0)], sizes, n.target == _EXPAND)
+                if picked is not None:
+                    n.args = (n.args[0], picked, *n.args[2:])
         return super().run_node(n)
+
+    def _sizes(self, x: torch.Tensor, sizes: list, expand: bool) -> list | None:
+        """``sizes`` (a view's or an expand's, with S written for the length) with the entries
+        that are the length pointing at the length node: for an expand, where ``x``'s dim is
+        the length; for a view, the first entry (else all of them) whose replacement keeps the
+        element count (symbolically, ``-1`` taking the rest)."""
+        s = self.s.node.expr
+        if expand:
+            shape = [None] * (len(sizes) - x.dim()) + list(x.shape)
+            out = [
+                self.size
+                if v == self.length and isinstance(d, torch.SymInt) and d.node.expr == s
+                else v
+                for v, d in zip(sizes, shape, strict=True)
+            ]
+            return out if out != sizes else None
+        numel = sympy.Mul(*(_expr(d) for d in x.shape))
+        if s not in numel.free_symbols:
+            return None
+        where = [k for k, v in enumerate(sizes) if v == self.length]
+        for pick in [*([k] for k in where), where]:
+            out = [self.size if k in pick else v for k, v in enumerate(sizes)]
+            known = sympy.Mul(
+                *(s if k in pick else _expr(v) for k, v in enumerate(sizes) if v != -1)
+            )
+            rest = sympy.cancel(numel / known)
+            if (
+                -1 in sizes and rest.is_polynomial() and not rest.free_symbols - numel.free_symbols
+            ) or (-1 not in sizes and rest == 1):
+                return out
+        return None
+
+
+def _expr(d: Any) -> Any:
+    """A size as a sympy expression (an fx node: its value's)."""
+    if isinstance(d, fx.Node):
+        d = d.meta["val"]
+    return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
