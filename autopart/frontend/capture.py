@@ -24,7 +24,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -327,7 +327,7 @@ def generalize_loops(
     free = [n for n in range(length + 1, 2 * length + len(taken) + 9) if n not in taken]
     other = min(free, key=lambda n: (n % 8 != 0, n))  # a multiple of 8 if one is free
     try:
-        again = capture(wrapper.model, _repeated(batch, length, other), roll=False)
+        again = capture(cast(nn.Module, wrapper.model), _repeated(batch, length, other), roll=False)
     except AutopartError as exc:
         _record(captured, f"{why}; captured at {other} tokens: {exc.message}")
         return
