@@ -496,10 +496,7 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
             product = n
             break
         mods.append(n)
-        if n.target in _CASTS or n.target in _UNARY:
-            n = node_arg(n, 0)
-            continue
-        if n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node):
+        if _through(n):
             n = node_arg(n, 0)
             continue
         joined = n.args[0] if n.target == aten.cat.default else None
@@ -527,16 +524,10 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
         sm.meta[META_ATTENTION] = f"not a recognized attention: {fail or why}"
         return False
     q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
-    rebuilt: dict[fx.Node, fx.Node] = {}
-    for user, t in terms:
-        if t not in rebuilt:
-            local = local_mask(gm, t, q, k, before=product)
-            if isinstance(local, str):
-                _restore(gm, rebuilt, terms)
-                sm.meta[META_ATTENTION] = f"not a causal function of positions: {local}"
-                return False
-            rebuilt[t] = local
-        user.replace_input_with(t, rebuilt[t])
+    rebuilt = _rebuild(gm, terms, q, k, product)
+    if isinstance(rebuilt, str):
+        sm.meta[META_ATTENTION] = f"not a causal function of positions: {rebuilt}"
+        return False
     proof = prove_scores(gm, x, product, sink)
     if proof is not None:
         _restore(gm, rebuilt, terms)
@@ -567,10 +558,7 @@ def _linear(gm: fx.GraphModule, pv: fx.Node) -> bool:
             product = n
             break
         mods.append(n)
-        if n.target in _CASTS or n.target in _UNARY:
-            n = node_arg(n, 0)
-            continue
-        if n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node):
+        if _through(n):
             n = node_arg(n, 0)
             continue
         paths = [a for a in n.all_input_nodes if _reaches_product(a)]
@@ -581,16 +569,10 @@ def _linear(gm: fx.GraphModule, pv: fx.Node) -> bool:
     if product is None:
         return False
     q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
-    rebuilt: dict[fx.Node, fx.Node] = {}
-    for user, t in terms:
-        if t not in rebuilt:
-            local = local_mask(gm, t, q, k, before=product)
-            if isinstance(local, str):
-                _restore(gm, rebuilt, terms)
-                pv.meta[META_ATTENTION] = f"not a causal function of positions: {local}"
-                return False
-            rebuilt[t] = local
-        user.replace_input_with(t, rebuilt[t])
+    rebuilt = _rebuild(gm, terms, q, k, product)
+    if isinstance(rebuilt, str):
+        pv.meta[META_ATTENTION] = f"not a causal function of positions: {rebuilt}"
+        return False
     proof = prove_scores(gm, x, product, linear=True)
     if proof is not None:
         _restore(gm, rebuilt, terms)
@@ -603,6 +585,12 @@ def _linear(gm: fx.GraphModule, pv: fx.Node) -> bool:
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
     return True
+
+
+def _through(n: fx.Node) -> bool:
+    """A cast, ``tanh``/``neg``, or arithmetic with a scalar: f passes through to its input."""
+    scalar = n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node)
+    return n.target in _CASTS or n.target in _UNARY or scalar
 
 
 def _reads_tokens(x: fx.Node) -> bool:
@@ -619,6 +607,23 @@ def _reads_tokens(x: fx.Node) -> bool:
             return True
         stack.extend(n.all_input_nodes)
     return False
+
+
+def _rebuild(
+    gm: fx.GraphModule, terms: list, q: fx.Node, k: fx.Node, product: fx.Node
+) -> dict[fx.Node, fx.Node] | str:
+    """Each term of a score function rebuilt from q's and k's sizes (``local_mask``) and put in
+    its place; or why one cannot be (the model's own terms back in)."""
+    rebuilt: dict[fx.Node, fx.Node] = {}
+    for user, t in terms:
+        if t not in rebuilt:
+            local = local_mask(gm, t, q, k, before=product)
+            if isinstance(local, str):
+                _restore(gm, rebuilt, terms)
+                return local
+            rebuilt[t] = local
+        user.replace_input_with(t, rebuilt[t])
+    return rebuilt
 
 
 def _restore(gm: fx.GraphModule, rebuilt: dict[fx.Node, fx.Node], terms: list) -> None:

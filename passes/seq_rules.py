@@ -1032,16 +1032,8 @@ def _position_slice(n: fx.Node, gm: fx.GraphModule) -> int | None:
     """The sliced dim, when ``n`` is ``buffer[..., 0:s]`` (step 1, s the sequence length) of a
     buffer whose entries are their own index along that dim (the same along every other)."""
     value = _buffer_value(node_arg(n, 0), gm)
-    val = n.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not _is_tensor(val) or value.dim() == 0:
-        return None
-    dim = _dim_arg(n, 1, 0) % value.dim()
-    start = n.args[2] if len(n.args) > 2 else None
-    step = n.args[4] if len(n.args) > 4 else 1
-    size = val.shape[dim]
-    if start not in (None, 0) or step != 1 or not isinstance(size, torch.SymInt):
-        return None
-    if gm.meta.get(META_SYMBOLS, {}).get(size.node.expr) != S or value.is_floating_point():
+    dim = _to_length(n, gm)
+    if not isinstance(value, torch.Tensor) or dim is None or value.is_floating_point():
         return None
     index = torch.arange(value.shape[dim]).view([-1 if d == dim else 1 for d in range(value.dim())])
     return dim if bool((value == index).all()) else None
@@ -1055,8 +1047,14 @@ def table_rows(n: fx.Node, gm: fx.GraphModule) -> int | None:
     position; the chunk pass reads rows offset … offset + s − 1 instead."""
     if n.target != aten.slice.Tensor or n.meta.get(META_MASK_FN) or not _fixed(node_arg(n, 0)):
         return None
+    return None if _position_slice(n, gm) is not None else _to_length(n, gm)
+
+
+def _to_length(n: fx.Node, gm: fx.GraphModule) -> int | None:
+    """The sliced dim, when the slice ``n`` is ``x[..., 0:s]`` (step 1, s the sequence
+    length)."""
     val = n.meta.get("val")
-    if not _is_tensor(val) or val.dim() == 0 or _position_slice(n, gm) is not None:
+    if not _is_tensor(val) or val.dim() == 0:
         return None
     dim = _dim_arg(n, 1, 0) % val.dim()
     start = n.args[2] if len(n.args) > 2 else None
