@@ -31,7 +31,6 @@ from typing import Any, cast
 import sympy
 import torch
 from torch import fx
-from torch._dynamo.source import ConstantSource
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic
@@ -74,6 +73,8 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
     g = out.graph
     s = _symbolic_length(gm)
     if s is None:  # the labels' length was fixed too: a fresh symbol for both
+        from torch._dynamo.source import ConstantSource  # 1.2 s to import: only when needed
+
         env = _fake_mode(g).shape_env
         sym = env.create_symbol(length, ConstantSource("autopart_seq"), dynamic_dim=DYNAMIC)
         s = env.create_symintnode(sym, hint=length)
