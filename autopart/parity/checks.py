@@ -154,9 +154,19 @@ def fork_ranks(
         p.start()
     first = wait_ranks(procs, timeout_s + 60)
     if first is not None:
-        err = folder / f"rank{first:05d}.err"
+        # ranks that failed within one poll of each other: the one that wrote its error first
+        # (a peer that died is noticed after it dies: its error is the cause)
+        written = [
+            (f.stat().st_mtime_ns, r) for r in range(world) if (f := _err(folder, r)).exists()
+        ]
+        first = min(written)[1] if written else first
+        err = _err(folder, first)
         why = err.read_text().strip() if err.exists() else f"exit code {procs[first].exitcode}"
         raise AutopartError(f"rank {first} of {world} forked ranks failed: {why}")
+
+
+def _err(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank:05d}.err"
 
 
 def _forked_rank(
@@ -196,7 +206,7 @@ def _forked_rank(
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         what = str(exc) if isinstance(exc, AutopartError) else traceback.format_exc(limit=8)
-        (folder / f"rank{rank:05d}.err").write_text(f"{type(exc).__name__}: {what}")
+        _err(folder, rank).write_text(f"{type(exc).__name__}: {what}")
     finally:
         collectives.close()
         sys.stdout.flush()
