@@ -165,6 +165,7 @@ def test_fingerprints_see_every_bit_and_position() -> None:
         assert fingerprint(t) == fingerprint(t.clone())
 
 
+@pytest.mark.slow  # suite time: a saved program run by forked ranks (20-24 s)
 @pytest.mark.multirank
 def test_a_nan_in_one_copy_of_a_tied_weight_is_refused(tmp_path: Path) -> None:
     """A NaN in the last stage's copy of the tied embedding (a damaged weights.pt) used to train

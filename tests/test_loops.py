@@ -76,6 +76,7 @@ def test_a_loop_over_the_tokens_is_rolled_up_and_fits_any_length() -> None:
     assert all(rel_err(grads[f], want_grads[f]) <= 1e-10 for f in want_grads)
 
 
+@pytest.mark.slow  # suite time: two captures and six runs of the model (9 s)
 def test_a_length_equal_to_a_width_is_captured_again_at_a_free_one() -> None:
     """16 tokens and a width of 16: the view [-1, 16] reads as [-1, s], the rolled graph fails
     at 24 tokens, so capture exports again at a length no size of the graph has and rolls that

@@ -135,6 +135,7 @@ def test_scans_that_mix_chunks_are_refused(kind: str, node: str, why: str) -> No
     assert f"cannot chunk node {node}" in message and why in message, message
 
 
+@SLOW  # suite time: two compiles and a save (16-28 s)
 def test_a_block_8_does_not_divide_sets_the_chunk_multiple(tmp_path) -> None:
     """Blocks of 16 tokens: the program's plan records ``seq_block=16`` (kept through
     plan.json), so every chunk boundary is a multiple of 16 (the balanced split of 64 tokens
