@@ -58,19 +58,18 @@ def fixed_length(gm: fx.GraphModule) -> int | None:
     for n in gm.graph.nodes:
         ref = n.meta.get(META_INPUT)
         if n.op == "placeholder" and ref is not None and ref.name == "input_ids":
-            dim = n.meta["val"].shape[1]
-            if isinstance(dim, torch.SymInt) and dim.node.expr.is_Symbol:
-                return None
-            return int(dim)
+            return _static(n.meta["val"].shape[1])
     return None
 
 
 def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
     """A copy of ``gm`` with its loops over ``length`` tokens rolled up (module docstring), or
     why not."""
-    out = copy_graph(gm)
-    out.meta.update(gm.meta)
+    out = copy_graph(gm)  # its meta included
     g = out.graph
+    chains = _recurrences(g, length)
+    if not chains:
+        return "it is no loop over the tokens that autopart recognizes"
     s = _symbolic_length(gm)
     if s is None:  # the labels' length was fixed too: a fresh symbol for both
         from torch._dynamo.source import ConstantSource  # 1.2 s to import: only when needed
@@ -79,9 +78,6 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
         sym = env.create_symbol(length, ConstantSource("autopart_seq"), dynamic_dim=DYNAMIC)
         s = env.create_symintnode(sym, hint=length)
         out.meta[META_RANGES] = {**gm.meta.get(META_RANGES, {}), sym: ValueRanges(2, int_oo)}
-    chains = _recurrences(g, length)
-    if not chains:
-        return "it is no loop over the tokens that autopart recognizes"
     for chain, (a, b, dim) in chains:
         _scan(g, chain, a, b, dim)
     remove_dead(out)
