@@ -148,14 +148,23 @@ def test_mamba2_scans_carry_their_state_under_seq1f1b(slow_matrix) -> None:
 
 
 @pytest.mark.slow
+def test_linear_attention_and_rolled_token_loops_pass_seq1f1b(slow_matrix) -> None:
+    """MiniMax's lightning attention (no softmax: form 8) and Mamba's token loop (rolled up at
+    capture into autopart::linear_scan) were refused before; every Seq1F1B plan passes now."""
+    for arch in ("minimax", "mamba"):
+        for plan in (SEQ, BOTH, "pp=2 Seq1F1B k=4"):
+            assert_passes(slow_matrix[arch][1][plan], slow_matrix[arch][0])
+
+
+_FIXED = "Seq1F1B cannot chunk node input_ids (<root>): the sequence length of input_ids was fixed"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "why"),
     [
-        (
-            "mamba",
-            "Seq1F1B cannot chunk node input_ids (<root>): the sequence length of input_ids was "
-            "fixed at capture to 32 tokens",
-        ),
+        ("recurrent_gemma", "it is no loop over the tokens that autopart recognizes"),
+        ("jamba", "torch.export could not trace the model"),
     ],
 )
 def test_seq1f1b_refuses_what_it_cannot_chunk(arch: str, why: str, slow_matrix) -> None:
@@ -164,7 +173,8 @@ def test_seq1f1b_refuses_what_it_cannot_chunk(arch: str, why: str, slow_matrix) 
     for plan in (SEQ, BOTH):
         refused = matrix[arch][1][plan]
         assert isinstance(refused, AutopartError), refused
-        assert why in refused.message and "1f1b" in refused.hint, refused.message
+        assert _FIXED in refused.message and why in refused.message, refused.message
+        assert "1f1b" in refused.hint, refused.hint
     assert_passes(matrix[arch][1]["pp=2 1F1B"])
 
 
