@@ -1,9 +1,11 @@
 """Seq1F1B under a sliding window: the K/V prefix a chunk keeps, trimmed to the window, against
 the full prefix.
 
-Model: HF ``MistralForCausalLM`` from a small random config (4 blocks, width 256, 8 heads, 4 K/V
-heads, vocabulary 1024, float32; nothing downloaded) with a sliding window of ``--window`` keys
-(default 64), one sequence of ``--seq`` tokens (default 1024 = 16 windows) cut into ``--chunks``
+Model (``--model``): HF ``MistralForCausalLM`` (SDPA with a window mask), ``Gemma2ForCausalLM``
+(soft-capped scores, eager attention: autopart's general form, ``position_masks.score_window``)
+or ``GptOssForCausalLM`` (a sink column per head, top-2 of 4 experts), each from a small random
+config (4 blocks, width 256, 8 heads, 4 K/V heads, vocabulary 1024, float32; nothing
+downloaded) with every layer within a sliding window of ``--window`` keys (default 64), one sequence of ``--seq`` tokens (default 1024 = 16 windows) cut into ``--chunks``
 uniform chunks (default 4). autopart compiles it for one rank, ``schedule="seq1f1b"``; the
 stage graph then runs chunk by chunk twice, on the same weights and tokens:
 
@@ -17,7 +19,7 @@ excluded, each storage once) and the prefix bytes fed in, for both runs and thei
 two runs' losses must agree to 1e-6 (relative) and the chunks' loss must equal the unchunked
 model's, or it exits 1.
 
-    python benchmarks/seq1f1b_window.py [--seq 1024] [--window 64] [--chunks 4]
+    python benchmarks/seq1f1b_window.py [--seq 1024] [--window 64] [--chunks 4] [--model mistral]
 """
 
 from __future__ import annotations
@@ -31,26 +33,45 @@ import torch.nn.functional as F
 
 from autopart.meta import META_KV, META_KV_SHAPES
 
+MODELS = ("mistral", "gemma2", "gpt_oss")
 
-def build(seq: int, window: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=seq,
-        sliding_window=window,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+def build(seq: int, window: int, model: str = "mistral") -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``model``'s HF class from a small random config, every layer within ``window`` keys:
+    "mistral" (SDPA with a window mask), "gemma2" (soft-capped scores, eager: the general form
+    of ``canonicalize_attention``), "gpt_oss" (a sink column per head, top-2 of 4 experts)."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": seq,
+        "sliding_window": window,
+        "use_cache": False,
+    }
+    if model == "mistral":
+        cfg: Any = transformers.MistralConfig(**common, attn_implementation="sdpa")
+        cls: Any = transformers.MistralForCausalLM
+    elif model == "gemma2":
+        layers = ["sliding_attention"] * 4
+        cfg = transformers.Gemma2Config(**common, head_dim=32, layer_types=layers)
+        cfg._attn_implementation = "eager"
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        layers = ["sliding_attention"] * 4
+        cfg = transformers.GptOssConfig(
+            **common, head_dim=32, layer_types=layers, num_local_experts=4, num_experts_per_tok=2
+        )
+        cfg._attn_implementation = "eager"
+        cls = transformers.GptOssForCausalLM
     torch.manual_seed(0)
-    model = MistralForCausalLM(cfg).eval()
+    net = cls(cfg).eval()
     ids = torch.randint(0, 1024, (1, seq + 1), generator=torch.Generator().manual_seed(1))
-    return model, ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    return net, ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
 def untrimmed(gm: Any) -> Any:
@@ -141,11 +162,11 @@ def run_chunks(
     return total, rows
 
 
-def measure(seq: int, window: int, chunks: int) -> dict[str, Any]:
+def measure(seq: int, window: int, chunks: int, model: str = "mistral") -> dict[str, Any]:
     """Both runs on one model: the unchunked loss, each run's loss and per-chunk rows."""
     import autopart
 
-    model, ids, labels = build(seq, window)
+    model, ids, labels = build(seq, window, model)
     with torch.no_grad():
         logits = model(ids).logits
     want = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
@@ -170,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=1024, help="tokens (default 1024)")
     ap.add_argument("--window", type=int, default=64, help="sliding window (default 64)")
     ap.add_argument("--chunks", type=int, default=4, help="Seq1F1B chunks (default 4)")
+    ap.add_argument("--model", choices=MODELS, default="mistral", help="(default mistral)")
     a = ap.parse_args(argv)
-    m = measure(a.seq, a.window, a.chunks)
+    m = measure(a.seq, a.window, a.chunks, a.model)
     want, trimmed, full, rows_t, rows_f = (
         m[k] for k in ("want", "trimmed", "full", "rows_t", "rows_f")
     )
     print(
-        f"Mistral-shaped, 4 blocks, width 256, window {a.window}, seq {a.seq}, "
+        f"{a.model}, 4 blocks, width 256, window {a.window}, seq {a.seq}, "
         f"Seq1F1B k={a.chunks} ({m['split']} chunks), float32, one rank"
     )
     print(f"loss (summed): unchunked {want:.6f}, trimmed {trimmed:.6f}, full prefix {full:.6f}")

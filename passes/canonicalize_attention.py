@@ -81,6 +81,7 @@ from autopart.passes.position_masks import (
     place,
     prove,
     prove_scores,
+    score_window,
     sym_size,
 )
 
@@ -103,9 +104,9 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             changed |= every_form and _key_bias(gm, n)
             changed |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
-            changed |= _manual(gm, n, proofs) or _scored(gm, n)
+            changed |= _manual(gm, n, proofs) or _scored(gm, n, proofs)
         elif every_form and n.target in _PRODUCTS and not n.meta.get(META_SCORES):
-            changed |= _linear(gm, n)
+            changed |= _linear(gm, n, proofs)
     if changed:
         remove_dead(gm)
         propagate(gm)
@@ -368,7 +369,7 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 _PRODUCTS = (aten.matmul.default, aten.bmm.default)
 
 
-def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
+def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     """softmax(scores · c + position terms) [→ casts] [→ dropout] [→ casts] [→ views] →
     matmul/bmm(·, v), where the terms are biases and masks added, filled or clamped at
     ≤ ``MASKED`` (BLOOM's and MPT's ALiBi, XGLM's clamp at the float minimum; heads may be
@@ -383,7 +384,7 @@ def _scored(gm: fx.GraphModule, sm: fx.Node) -> bool:
     scaled, why = _chain(gm, x)
     if scaled is None:
         if why:
-            return _score_function(gm, sm, why)
+            return _score_function(gm, sm, why, proofs)
         return False
     product, scale = scaled, 1.0
     if scaled.target in (aten.mul.Tensor, aten.div.Tensor):
@@ -475,7 +476,7 @@ _TERM_OPS = (
 )
 
 
-def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
+def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> bool:
     """The general form: softmax(f(q·kᵀ)) → [casts, dropout, the sink column cut off] →
     matmul(·, v), with f elementwise in the scores — scalar arithmetic, ``tanh`` (Gemma 2's
     soft-capping), terms added, multiplied, filled or clamped from position tensors — and at
@@ -541,10 +542,20 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str) -> bool:
     for m in (*mods, sm, *_between(sm, pv)):
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
+    window = score_window(gm, x, product, sink, memo=proofs)
+    _mark_window(window, [product, *mods, sm, *_between(sm, pv), pv])
     return True
 
 
-def _linear(gm: fx.GraphModule, pv: fx.Node) -> bool:
+def _mark_window(window: int | None, nodes: list[fx.Node]) -> None:
+    """``META_WINDOW`` on every node of a general-form attention with a sliding ``window``
+    (``position_masks.score_window``): the chunk pass trims its K/V prefix to the window, the
+    cost model counts its quadratic FLOPs as W keys per query."""
+    for m in nodes if window is not None else ():
+        m.meta[META_WINDOW] = window
+
+
+def _linear(gm: fx.GraphModule, pv: fx.Node, proofs: dict) -> bool:
     """Form 8 (module docstring): ``pv`` = matmul(f(q·kᵀ), v), f elementwise with position
     terms and no softmax. A product whose left side is not such a chain is left alone (the
     Seq1F1B rules refuse it if it pairs tokens); a chain that is, but is not proven, is marked
@@ -584,6 +595,7 @@ def _linear(gm: fx.GraphModule, pv: fx.Node) -> bool:
     for m in mods:
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
+    _mark_window(score_window(gm, x, product, linear=True, memo=proofs), [product, *mods, pv])
     return True
 
 

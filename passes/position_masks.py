@@ -284,9 +284,11 @@ def prove(
     return None
 
 
-def _consistent(small: torch.Tensor, big: torch.Tensor, t: int, additive: bool, keep: bool) -> bool:
+def _consistent(
+    small: torch.Tensor, big: torch.Tensor, t: int, additive: bool, keep: bool, rel: float = 1e-12
+) -> bool:
     """``big``'s top-left t × t corner equals ``small`` (additive: kept entries up to one
-    constant per row; masked ones masked in both)."""
+    constant per row, to ``rel`` of the largest entry; masked ones masked in both)."""
     if big.dim() >= 2 and big.shape[-2] > 1:
         corner = big[..., :t, :t] if big.shape[-2] != small.shape[-2] else big[..., :t]
     else:
@@ -301,7 +303,28 @@ def _consistent(small: torch.Tensor, big: torch.Tensor, t: int, additive: bool, 
     hi = torch.nan_to_num(diff, nan=-torch.inf).amax(-1)
     lo = torch.nan_to_num(diff, nan=torch.inf).amin(-1)
     scale = torch.where(kept, small.double().abs(), 0.0).amax() + 1.0
-    return bool(((hi - lo)[torch.isfinite(hi)] <= 1e-12 * scale).all())
+    return bool(((hi - lo)[torch.isfinite(hi)] <= rel * scale).all())
+
+
+def _score_runner(
+    gm: fx.GraphModule, x: fx.Node, scores: fx.Node, sink: fx.Node | None
+) -> tuple[Any, list[list[sympy.Expr]]] | str:
+    """A function evaluating ``x`` at a sequence length from given ``scores`` (and ``sink``
+    column) values, and the symbolic shapes of those inputs; or why ``x`` is not evaluable."""
+    given = frozenset(n for n in (scores, sink) if n is not None)
+    order, leaves, why = construction(x, given)
+    if why:
+        return why
+    inputs = [scores, *([sink] if sink is not None else [])]
+    run = _evaluator(gm, x, inputs, leaves, order)
+    buffers = gm.meta.get(META_BUFFERS, {})
+    size_exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
+    held = [buffers[n.meta[META_INPUT].name] for n in order if n.op == "placeholder"]
+
+    def at(s: int, values: list[torch.Tensor], b: int = 2) -> torch.Tensor:
+        return run(*values, *(int(e.subs({B: b, S: s})) for e in size_exprs), *held)
+
+    return at, [[to_sympy(d, gm) for d in t.meta["val"].shape] for t in inputs]
 
 
 def prove_scores(
@@ -318,15 +341,10 @@ def prove_scores(
     ``linear``: ``x`` is multiplied by v directly (no softmax): a later key is hidden only by
     an exact 0, and the shorter length's values must equal the longer one's exactly (no row
     constant); a query's own key may be 0."""
-    given = frozenset(n for n in (scores, sink) if n is not None)
-    order, leaves, why = construction(x, given)
-    if why:
-        return why
-    inputs = [scores, *([sink] if sink is not None else [])]
-    run = _evaluator(gm, x, inputs, leaves, order)
-    buffers = gm.meta.get(META_BUFFERS, {})
-    size_exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
-    shapes = [[to_sympy(d, gm) for d in t.meta["val"].shape] for t in inputs]
+    runner = _score_runner(gm, x, scores, sink)
+    if isinstance(runner, str):
+        return runner
+    run, shapes = runner
     g = torch.Generator().manual_seed(0)
     big = None
     for s in (21, *LENGTHS[:-1]):  # the longest first: the shorter ones are its corners
@@ -334,14 +352,12 @@ def prove_scores(
         values = [
             3
             * torch.randn([int(e.subs(at)) for e in shape], generator=g, dtype=t.meta["val"].dtype)
-            for shape, t in zip(shapes, inputs, strict=True)
+            for shape, t in zip(shapes, (scores, sink), strict=False)
         ]
         if big is not None:  # the same scores (and sinks): the first rows and columns
             values = [big[0][..., :s, :s], *([big[1][..., :s, :]] if sink is not None else [])]
-        feeds = [*values, *(int(e.subs(at)) for e in size_exprs)]
-        feeds += [buffers[n.meta[META_INPUT].name] for n in order if n.op == "placeholder"]
         try:
-            got = run(*feeds)
+            got = run(s, values)
         except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
             return f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
         keys = got[..., :s]
@@ -369,3 +385,116 @@ def prove_scores(
                 f"the first {s} rows and columns of the same scores at sequence 21"
             )
     return None
+
+
+def score_window(
+    gm: fx.GraphModule,
+    x: fx.Node,
+    scores: fx.Node,
+    sink: fx.Node | None = None,
+    linear: bool = False,
+    memo: dict | None = None,
+) -> int | None:
+    """The sliding window W of a score function ``prove_scores`` proved — query i sees no key
+    j ≤ i − W — if shifting positions changes nothing, so that a chunk's queries given only the
+    last W − 1 earlier keys (positions counted from the first of them) compute the same; else
+    None, and the chunk pass keeps the whole prefix (exact for any window).
+
+    f is evaluated (one batch row, the random scores shared by the heads, as f broadcasts) at
+    21 tokens and just past every length its construction names (Gemma 2's window of 4096
+    shows only at 4097 tokens; as ``prove``, up to ``LONGEST``). W is one more than the
+    farthest key any query keeps, and must leave a key hidden at the longest length tried.
+    Then, at that length, the rows and columns from t on must equal f at t fewer tokens on the
+    same scores (up to one constant per row, to the rounding of the dtype; ``linear``:
+    exactly), for t = 1 and W: where the positions start does not matter
+    (Llama 4's blocks also hide every key W behind, but fail this). ``memo`` holds the
+    windows found, by the construction's signature: a model's layers are evaluated once."""
+    given = [n for n in (scores, sink) if n is not None]
+    order, leaves, why = construction(x, frozenset(given))
+    key = None if why else ("window", linear, _signature(gm, x, given, order, leaves))
+    if memo is not None and key in memo:
+        return memo[key]
+    window = _window(gm, x, scores, sink, linear, order)
+    if memo is not None and key is not None:
+        memo[key] = window
+    return window
+
+
+def _signature(
+    gm: fx.GraphModule, x: fx.Node, given: list[fx.Node], order: list[fx.Node], leaves: list
+) -> tuple:
+    """The construction of ``x`` up to node names: each node's op, target and arguments, the
+    ``given`` inputs by position, dtype and shape, sizes by their expressions, buffers by name
+    (the layers of a model, rebuilt one by one, give equal signatures)."""
+    index = {n: i for i, n in enumerate(order)}
+    named: dict[fx.Node, object] = {
+        n: ("in", i, str(n.meta["val"].dtype)) for i, n in enumerate(given)
+    }
+    named |= {n: ("size", str(to_sympy(n.meta["val"], gm))) for n in leaves}
+
+    def ref(a: fx.Node) -> object:
+        if a in named:
+            return named[a]
+        if a.op == "placeholder":
+            return ("buffer", a.meta[META_INPUT].name)
+        return ("node", index[a])
+
+    shapes = tuple(str([to_sympy(d, gm) for d in n.meta["val"].shape]) for n in given)
+    body = tuple((n.op, str(n.target), str(fx.map_arg((n.args, n.kwargs), ref))) for n in order)
+    return (shapes, body, ref(x))
+
+
+def _window(
+    gm: fx.GraphModule,
+    x: fx.Node,
+    scores: fx.Node,
+    sink: fx.Node | None,
+    linear: bool,
+    order: list[fx.Node],
+) -> int | None:
+    """``score_window``'s evaluation (its docstring)."""
+    runner = _score_runner(gm, x, scores, sink)
+    if isinstance(runner, str):
+        return None
+    run, _ = runner
+    named = {
+        c
+        for n in order
+        for c in (*n.args, *n.kwargs.values())
+        if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c <= LONGEST - 2
+    }
+    gen, window = torch.Generator().manual_seed(1), 0
+    dtypes = [t.meta["val"].dtype for t in (scores, sink) if t is not None]
+    for s in sorted({LENGTHS[-1], *(c + d for c in named for d in (1, 2))}):
+        widths = [s, *([1] if sink is not None else [])]
+        values = [
+            3 * torch.randn(1, 1, s, w, generator=gen, dtype=d)
+            for w, d in zip(widths, dtypes, strict=True)
+        ]
+        try:
+            whole = run(s, values, b=1)
+        except Exception:  # noqa: BLE001 - not evaluable so: no window
+            return None
+        keep = whole[..., :s] != 0 if linear else whole[..., :s] > MASKED
+        rows = keep.reshape(-1, s, s).any(0)  # [s, s]: kept by some batch row or head
+        first = rows.to(torch.uint8).argmax(-1)  # each query's first kept key (its own: kept)
+        window = max(window, int((torch.arange(s) - first).amax()) + 1)
+    if window > s - 2:
+        return None  # every key kept at the longest length tried: no window seen
+    for t in sorted({1, window}):
+        shifted = [values[0][..., t:, t:], *([values[1][..., t:, :]] if sink is not None else [])]
+        try:
+            got = run(s - t, [v.contiguous() for v in shifted], b=1)
+        except Exception:  # noqa: BLE001 - not evaluable shifted: not proven
+            return None
+        corner = whole[..., t:, t:s]
+        if sink is not None:
+            corner = torch.cat([corner, whole[..., t:, -1:]], -1)
+        # a row's own constant (gpt-oss subtracts its row max) differs in the last bits when
+        # the row holds fewer keys: the rounding of the model's dtype is allowed
+        rel = 16 * torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
+        if got.shape != corner.shape or not _consistent(
+            got, corner, s - t + (sink is not None), not linear, keep=True, rel=rel
+        ):
+            return None
+    return window

@@ -41,9 +41,10 @@ What changes in the graph:
 - **state scans** (Mamba-2's SSD): the scan starts from the last block of [zeros; carried
   state] instead of its zeros, so each chunk continues the recurrence where the previous one
   stopped;
-- **sliding windows**: a layer with a window of W keys hands on only the last W − 1 positions
-  of its [prefix; chunk] K and V (all a later query sees), and its prefix input has a symbolic
-  length of its own;
+- **sliding windows**: a layer with a window of W keys (an SDPA's, or a general form's that
+  ``position_masks.score_window`` proved) hands on only the last W − 1 positions of its
+  [prefix; chunk] K and V (all a later query sees), and its prefix input has a symbolic length
+  of its own;
 - **outputs**: the stage's outputs, then the K, V of every attention layer (whole, or trimmed
   to the window), in order,
   then each convolution's last (k − 1)·d inputs of [window; chunk] (some the carry's when the
@@ -596,7 +597,7 @@ def _attend_with_prefix(
     once into ``masks``); returns (K, V) full, or with ``trim`` (a sliding window of W keys) their
     last W − 1 positions: all a later query sees of them."""
     if is_scored(sdpa):
-        return _score_with_prefix(g, sdpa, kp, vp)
+        return _score_with_prefix(g, sdpa, kp, vp, trim)
     q, k, v = node_arg(sdpa, 0), node_arg(sdpa, 1), node_arg(sdpa, 2)
     dropout = float_arg(sdpa, 4, "dropout_p", 0.0)
     kwargs = {
@@ -660,11 +661,15 @@ def _qkv(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     return scored_qkv(n) if is_scored(n) else (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2))
 
 
-def _score_with_prefix(g: fx.Graph, pv: fx.Node, kp: fx.Node, vp: fx.Node) -> list[fx.Node]:
+def _score_with_prefix(
+    g: fx.Graph, pv: fx.Node, kp: fx.Node, vp: fx.Node, trim: bool = False
+) -> list[fx.Node]:
     """A general-form attention over [prefix; chunk]: K joined to its prefix before kᵀ, V
     before the product with v, and the rebuilt terms' key lengths lengthened by the prefix's
     (the score function is elementwise, so the chunk's rows of it are the same function of
-    the positions); returns (K, V) whole, in the prefixes' dtype."""
+    the positions); returns (K, V) whole, or with ``trim`` (a sliding window of W keys,
+    ``position_masks.score_window``: shifting positions changes nothing) their last W − 1
+    positions, in the prefixes' dtype."""
     q, k, v = scored_qkv(pv)
     group, stack = [], [node_arg(pv, 0)]
     while stack:  # the score function's nodes, back to q·kᵀ
@@ -679,12 +684,20 @@ def _score_with_prefix(g: fx.Graph, pv: fx.Node, kp: fx.Node, vp: fx.Node) -> li
     def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
         return _cast(g, x, src, to, made)
 
+    last = 1 - int(pv.meta[META_WINDOW]) if trim else 0  # -(W - 1): all a later query sees
+
+    def handed_on(full: fx.Node, like: fx.Node) -> fx.Node:
+        if trim:
+            made.append(g.call_function(aten.slice.Tensor, (full, -2, last, _END)))
+            full = made[-1]
+        return cast(full, like, kp)
+
     with g.inserting_before(kt):
         k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
-        k_out = cast(k_full, k, kp)
+        k_out = handed_on(k_full, k)
     with g.inserting_before(pv):
         v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
-        v_out = cast(v_full, v, vp)
+        v_out = handed_on(v_full, v)
     kt.replace_input_with(k, k_full)
     pv.replace_input_with(v, v_full)
     for m in group:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_sequence_chunk import _chunked_exactly
+from test_sequence_chunk import _chunked_exactly, _reference, run_chunks
 from torch import nn
 
 from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
-from autopart.meta import META_ATTENTION, META_MASK_FN, META_SCORES
+from autopart.meta import META_ATTENTION, META_KV, META_MASK_FN, META_SCORES, META_WINDOW
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 LOW = torch.finfo(torch.float32).min  # a float64 one overflows where() of Python floats
@@ -37,7 +37,11 @@ class _Scores(nn.Module):
     soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
     not see itself), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
     column from a running sum over the sequence), "key-bias-open" (the per-key bias with no
-    causal fill: later keys seen), "pair-bias" (a bias per query and key from their tokens)."""
+    causal fill: later keys seen), "pair-bias" (a bias per query and key from their tokens).
+    Windows of 4 keys: "capped-window" (soft-capped, Gemma 2's local layers) and "sink-window"
+    (gpt-oss's local layers) hand on 3 positions of K/V; "capped-chunked" (soft-capped, causal
+    within blocks of 4) hides every key 4 behind too, but depends on where the blocks start:
+    it keeps its whole prefix."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -54,6 +58,10 @@ class _Scores(nn.Module):
         q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
         i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
         keep = j <= i
+        if self.kind.endswith("-window"):
+            keep = keep & (i - j < 4)
+        elif self.kind == "capped-chunked":
+            keep = keep & (i // 4 == j // 4)
         mask = torch.where(keep, 0.0, LOW)
         if self.kind in ("key-bias", "key-bias-open", "pair-bias"):
             bias = self.gate(self.emb(ids)).transpose(1, 2)[:, :, None, :]  # [b, 2, 1, s]
@@ -78,7 +86,7 @@ class _Scores(nn.Module):
             scores = scores + self.slopes * j
         elif self.kind == "alibi-end":
             scores = scores + self.slopes * (j - s + 1)
-        elif self.kind == "capped":
+        elif self.kind in ("capped", "capped-window", "capped-chunked"):
             scores = torch.tanh(scores / 3.0) * 3.0
         elif self.kind == "capped-end":
             scores = torch.tanh((scores + self.slopes * (j - s + 1)) / 3.0) * 3.0
@@ -92,7 +100,7 @@ class _Scores(nn.Module):
             scores = scores + torch.where(j < i, 0.0, LOW)
         else:
             scores = scores + mask
-        if self.kind in ("sink", "sink-tokens"):
+        if self.kind in ("sink", "sink-tokens", "sink-window"):
             sinks = self.sinks.view(1, 2, 1, 1).expand(b, 2, s, 1)
             if self.kind == "sink-tokens":  # a running sum over the sequence: mixes tokens
                 sinks = sinks + q.sum(-1, keepdim=True).cumsum(2)
@@ -145,6 +153,32 @@ def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
             assert any(m.meta.get(META_MASK_FN) == "keys" for m in gm.graph.nodes)
     else:
         assert n.meta[META_SCORES] == "pv" and n.target == torch.ops.aten.matmul.default
+
+
+@pytest.mark.parametrize("kind", ["capped-window", "sink-window", "capped-chunked"])
+def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
+    """A soft-capped or sink attention within a window of 4 keys is marked with its window
+    (``position_masks.score_window``), hands on the last 3 positions of [prefix; chunk] K/V
+    with a prefix length of its own, and chunks exactly, also with chunks shorter than the
+    window; handing on 2 positions does not match. Negative control: blocks of 4 also hide
+    every key 4 behind, but a query's keys depend on where its block starts, so shifting the
+    positions changes the function: no window, the whole prefix, still exact."""
+    ids = torch.randint(1, 50, (2, 16))
+    captured, gm = _chunked_exactly(_Scores(kind), ids, (*CUTS, (8, 1, 2, 5)))
+    (pv,) = [n for n in gm.graph.nodes if n.meta.get(META_SCORES) == "pv"]
+    handed = next(n for n in gm.graph.nodes if n.op == "output").args[0][-gm.meta[META_KV] :]
+    if kind == "capped-chunked":
+        assert pv.meta.get(META_WINDOW) is None
+        assert all(n.target == torch.ops.aten.cat.default for n in handed)
+        return
+    assert pv.meta[META_WINDOW] == 4
+    assert all(n.target == torch.ops.aten.slice.Tensor and n.args[1:3] == (-2, -3) for n in handed)
+    ref_loss, _ = _reference(captured, (ids, ids))
+    for n in handed:  # one position fewer than the window needs
+        n.args = (n.args[0], -2, -2, *n.args[3:])
+    gm.recompile()
+    wrong, _ = run_chunks(captured, gm, (ids, ids), [6, 10])
+    assert not torch.allclose(wrong, ref_loss, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
