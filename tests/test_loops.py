@@ -33,7 +33,10 @@ class _Loop(nn.Module):
     each token's output h_t · c_t, and a head. ``kind``: "linear" (rolled up), "flat" (the
     tokens flattened through the head: views sized by the width and the length), "gated"
     (h_t = tanh(a_t · h_{t−1} + x_t): not linear), "ahead" (h_t · c_{t+1}: reads the next
-    token)."""
+    token), "collect" (each output written into a buffer, ``out[:, t] = …``, as RecurrentGemma
+    does, and the tokens flattened with the batch, ``reshape(b · s, width)``), "collect-gap"
+    (the buffer's last entry never written: it is not the outputs stacked), "cast" (the
+    recurrence run in float32, its tokens cast one by one: ``a[:, t].float()``)."""
 
     def __init__(self, kind: str, width: int = 8) -> None:
         super().__init__()
@@ -44,13 +47,23 @@ class _Loop(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
         a, c = torch.sigmoid(self.gate(x)), self.c(x)
-        h = torch.zeros_like(x[:, 0])
-        outs = []
-        for t in range(ids.shape[1]):
+        h = torch.zeros_like(x[:, 0], dtype=torch.float32 if self.kind == "cast" else None)
+        outs, buffer = [], torch.zeros_like(x)
+        b, s = ids.shape
+        for t in range(s):
+            if self.kind == "cast":
+                h = a[:, t].float() * h + x[:, t].float()
+                outs.append(h.to(x.dtype) * c[:, t])
+                continue
             h = a[:, t] * h + x[:, t]
             if self.kind == "gated":
                 h = torch.tanh(h)
-            outs.append(h * c[:, min(t + 1, ids.shape[1] - 1) if self.kind == "ahead" else t])
+            outs.append(h * c[:, min(t + 1, s - 1) if self.kind == "ahead" else t])
+            if self.kind == "collect" or (self.kind == "collect-gap" and t < s - 1):
+                buffer[:, t] = outs[-1]
+        if self.kind.startswith("collect"):
+            y = (buffer + x).reshape(b * s, x.shape[-1])
+            return self.out(y).view(b, s, 50)
         y = torch.stack(outs, dim=1) + x
         if self.kind == "flat":  # tokens flattened: a view [-1, width], then [b, s, 50]
             return self.out(y.reshape(-1, y.shape[-1])).view(ids.shape[0], ids.shape[1], 50)
@@ -100,9 +113,47 @@ def test_a_rolled_loop_chunks_exactly_with_its_state_carried() -> None:
     assert carry.op == "placeholder" and carry.meta[META_INPUT].kind == "kv"
 
 
+def test_a_recurrence_of_cast_tokens_scans_the_cast_tensors() -> None:
+    """Each token cast to float32 before the step (RecurrentGemma's RG-LRU in a float64
+    model): one scan of the cast tensors, matching the model at 24 tokens to float32's
+    rounding."""
+    model = _Loop("cast").double()
+    ids = torch.randint(1, 50, (2, 16))
+    captured = capture(model, (ids, ids))
+    assert captured.loops == "rolled up"
+    (scan,) = [n for n in captured.graph.graph.nodes if n.target == SCAN]
+    assert all(x.meta["val"].dtype == torch.float32 for x in scan.args[:2])
+    longer = torch.randint(1, 50, (2, 24))
+    want, _ = run_model(model, (longer, longer))
+    got, _ = run_graph(captured, (longer, longer))
+    assert rel_err(got, want) <= 1e-6
+
+
+def test_outputs_written_into_a_buffer_are_rolled_up_and_chunk_exactly() -> None:
+    """RecurrentGemma's form: ``out[:, t] = h_t · c_t`` for every t (a chain of
+    ``select_scatter``) is the outputs stacked, and a view of b · S rows (the batch times the
+    fixed length, one size node) takes b · s: rolled up, the graph matches the model at 24
+    tokens (captured at 16), and it chunks exactly with the state carried."""
+    model = _Loop("collect").double()
+    ids = torch.randint(1, 50, (2, 16))
+    captured = capture(model, (ids, ids))
+    assert captured.loops == "rolled up"
+    nodes = list(captured.graph.graph.nodes)
+    assert not any(n.target == torch.ops.aten.select_scatter.default for n in nodes)
+    longer = torch.randint(1, 50, (2, 24))
+    want, _ = run_model(model, (longer, longer))
+    got, _ = run_graph(captured, (longer, longer))
+    assert rel_err(got, want) <= 1e-12
+    _chunked_exactly(_Loop("collect"), ids, CUTS[:2])
+
+
 @pytest.mark.parametrize(
     ("kind", "why"),
-    [("gated", "no loop over the tokens that autopart recognizes"), ("ahead", "reads")],
+    [
+        ("gated", "no loop over the tokens that autopart recognizes"),
+        ("ahead", "reads"),
+        ("collect-gap", "no loop over the tokens that autopart recognizes"),
+    ],
 )
 def test_loops_that_are_not_linear_recurrences_keep_their_fixed_length(kind: str, why: str) -> None:
     """Negative controls: not rolled up (the reason kept on the capture), and Seq1F1B refuses

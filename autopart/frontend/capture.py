@@ -269,7 +269,11 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
     accepts(model, [k for k in fields if k in OPTIONAL])
     input_ids = fields["input_ids"]
     device = next((p.device for p in model.parameters()), input_ids.device)
-    fields = {k: t.to(device) for k, t in fields.items()}  # e.g. CPU tokens, meta model
+    # on the model's device (CPU tokens, a meta model), and each its own tensor: export guards
+    # a view's base (``ids[:, :-1]``), a guard the graph cannot check once retraced
+    fields = {
+        k: t.to(device).clone(memory_format=torch.contiguous_format) for k, t in fields.items()
+    }
     wrapper = _LossSum(model)
     dyn = {0: Dim.AUTO, 1: Dim.AUTO}
     # torch.export specializes a size of 1: a batch of one sequence (micro-batch 1, as the

@@ -26,6 +26,7 @@ others (``autopart.frontend.capture.generalize_loops``).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, cast
 
 import sympy
@@ -80,6 +81,12 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
         out.meta[META_RANGES] = {**gm.meta.get(META_RANGES, {}), sym: ValueRanges(2, int_oo)}
     for chain, (a, b, dim) in chains:
         _scan(g, chain, a, b, dim)
+    for last, values, dim in _collectors(g, length):
+        with g.inserting_after(last):
+            stacked = g.call_function(aten.stack.default, (values, dim))
+        stacked.meta["val"] = last.meta["val"]
+        _place(stacked, last)
+        last.replace_all_uses_with(stacked, delete_user_cb=lambda u, n=stacked: u is not n)
     remove_dead(out)
     for st in [n for n in g.nodes if n.target == aten.stack.default]:
         tags = _iterations(g, length)  # a stack rolled up frees what follows it of its tokens
@@ -189,21 +196,33 @@ def _same(n: fx.Node) -> fx.Node:
     return n
 
 
+def _cast_token(n: Any, length: int) -> tuple[fx.Node, int, int, Any] | None:
+    """(tensor, dim, i, dtype) when ``n`` is ``select(tensor, dim, i)`` of a dim of ``length``,
+    cast to ``dtype`` (RecurrentGemma's ``gate[:, t].type(float32)``) or not (None)."""
+    dtype = None
+    if isinstance(n, fx.Node) and n.target in _CASTS:
+        dtype, n = n.meta["val"].dtype, n.args[0]
+    tok = _token(n, length)
+    return None if tok is None else (*tok, dtype)
+
+
 def _step(n: fx.Node, length: int) -> tuple[Any, Any, fx.Node] | None:
-    """(a_i token, b_i token, h) when ``n`` is ``a_i · h + b_i`` (either order)."""
+    """(a_i token, b_i token, h) when ``n`` is ``a_i · h + b_i`` (either order; each token
+    perhaps cast, ``_cast_token``)."""
     if n.target != aten.add.Tensor or len(n.args) != 2 or n.kwargs.get("alpha", 1) != 1:
         return None
     for prod, other in (n.args, n.args[::-1]):
         if not isinstance(prod, fx.Node) or prod.target != aten.mul.Tensor:
             continue
-        b = _token(other, length)
+        b = _cast_token(other, length)
         for x, h in (prod.args, prod.args[::-1]):
-            a = _token(x, length)
+            a = _cast_token(x, length)
             if (
                 a is not None
                 and b is not None
                 and isinstance(h, fx.Node)
-                and a[1:] == b[1:]
+                and a[1:3] == b[1:3]
+                and (a[3] or a[0].meta["val"].dtype) == (b[3] or b[0].meta["val"].dtype)
                 and a[0].meta["val"].shape == b[0].meta["val"].shape
             ):
                 return a, b, _same(h)
@@ -222,20 +241,81 @@ def _recurrences(g: fx.Graph, length: int) -> list[tuple[list[fx.Node], tuple]]:
         while chain[-1] in after and len(chain) < length:
             chain.append(after[chain[-1]])
         ok = len(chain) == length and all(
-            steps[c][0] == (a[0], a[1], i) and steps[c][1] == (b[0], b[1], i)
+            steps[c][0] == (a[0], a[1], i, a[3]) and steps[c][1] == (b[0], b[1], i, b[3])
             for i, c in enumerate(chain)
         )
         zero = h.meta["val"].shape == a[0].meta["val"].select(a[1], 0).shape
         if ok and zero:
-            chains.append((chain, (a[0], b[0], a[1])))
+            chains.append((chain, ((a[0], a[3]), (b[0], b[3]), a[1])))
     return chains
 
 
-def _scan(g: fx.Graph, chain: list[fx.Node], a: fx.Node, b: fx.Node, dim: int) -> None:
+def _written(n: fx.Node) -> tuple[fx.Node, fx.Node, int, Any] | None:
+    """(into, value, dim, i) when ``n`` is ``into`` with its entry i along dim replaced by
+    ``value``: ``select_scatter(into, value, dim, i)``, or such a write into a whole slice of
+    ``into`` scattered back over all of it (``out[:, t] = h``: a slice along dim 0, then the
+    select)."""
+    if n.target == aten.select_scatter.default:
+        into, value, dim, i = n.args[:4]
+        if not isinstance(into, fx.Node) or not isinstance(value, fx.Node):
+            return None
+        return _base(into), value, int(cast(int, dim)) % into.meta["val"].dim(), cast(int, i)
+    if n.target != aten.slice_scatter.default or not isinstance(n.args[1], fx.Node):
+        return None
+    start, end, step = (list(n.args[3:6]) + [None, None, 1][len(n.args) - 3 :])[:3]
+    inner = _written(n.args[1])
+    whole = start in (0, None) and step == 1 and (end is None or end == END)
+    if not whole or inner is None or _base(inner[0]) is not n.args[0]:
+        return None
+    return cast(fx.Node, n.args[0]), inner[1], inner[2], inner[3]
+
+
+def _collectors(g: fx.Graph, length: int) -> list[tuple[fx.Node, list[fx.Node], int]]:
+    """Each chain writing entries 0, 1, …, length − 1 along a dim of ``length``, one by one,
+    into the same tensor (RecurrentGemma's ``out[:, t] = h``): (its last write, the values
+    written, the dim). The last write equals ``stack(values, dim)``: every entry is
+    overwritten, so what the tensor held before does not matter."""
+    writes = {n: w for n in g.nodes if (w := _written(n)) is not None}
+    for n in [n for n in writes if n.target == aten.slice_scatter.default]:
+        writes.pop(cast(fx.Node, n.args[1]), None)  # the select_scatter it scatters back
+    into: dict[fx.Node, list[fx.Node]] = {}
+    for n, (x, _, _, _) in writes.items():
+        into.setdefault(x, []).append(n)
+    found = []
+    for n, (x, _, dim, i) in writes.items():
+        if i != 0 or _static(x.meta["val"].shape[dim]) != length:
+            continue
+        chain = [n]
+        while len(chain) < length:
+            t = len(chain)
+            nxt = [w for w in into.get(chain[-1], []) if writes[w][2:] == (dim, t)]
+            if len(nxt) != 1:
+                break
+            chain.append(nxt[0])
+        values = [writes[w][1] for w in chain]
+        same = all(v.meta["val"].dtype == x.meta["val"].dtype for v in values)
+        if len(chain) == length and same:
+            found.append((chain[-1], values, dim))
+    return found
+
+
+def _scan(g: fx.Graph, chain: list[fx.Node], a: tuple, b: tuple, dim: int) -> None:
+    """The chain replaced by one ``linear_scan`` of ``a`` and ``b`` (each a tensor and the
+    dtype its tokens were cast to, or None), and a select of it per step."""
+    made = []
     with g.inserting_before(chain[0]):
-        h = g.call_function(torch.ops.autopart.linear_scan.default, (a, b, dim))
-    h.meta["val"] = torch.ops.autopart.linear_scan(a.meta["val"], b.meta["val"], dim)
-    _place(h, chain[0])
+        x, y = (
+            t if dtype is None else g.call_function(aten._to_copy.default, (t,), {"dtype": dtype})
+            for t, dtype in (a, b)
+        )
+        made += [m for m, (t, _) in zip((x, y), (a, b), strict=True) if m is not t]
+        h = g.call_function(torch.ops.autopart.linear_scan.default, (x, y, dim))
+    for m, (t, dtype) in zip((x, y), (a, b), strict=True):
+        if m is not t:
+            m.meta["val"] = t.meta["val"].to(dtype)
+    h.meta["val"] = torch.ops.autopart.linear_scan(x.meta["val"], y.meta["val"], dim)
+    for m in (*made, h):
+        _place(m, chain[0])
     for i, n in enumerate(chain):
         with g.inserting_after(h):
             each = g.call_function(aten.select.int, (h, dim, i))
@@ -408,35 +488,61 @@ class _Ends(fx.Interpreter):
                 n.args = ([self.size if v == self.length else v for v in n.args[0]], *n.args[1:])
         elif n.target in _SIZED and isinstance(n.args[1], (list, tuple)):
             sizes = list(n.args[1])
-            if self.length in sizes:
-                picked = self._sizes(self.env[node_arg(n, 0)], sizes, n.target == _EXPAND)
-                if picked is not None:
-                    n.args = (n.args[0], picked, *n.args[2:])
+            scaled = [self._scaled(n, v) for v in sizes]
+            picked = self._sizes(self.env[node_arg(n, 0)], sizes, scaled, n.target == _EXPAND)
+            if picked is not None:
+                n.args = (n.args[0], picked, *n.args[2:])
+            for m in scaled:
+                if isinstance(m, fx.Node) and m not in sizes and not m.users:
+                    n.graph.erase_node(m)
         return super().run_node(n)
 
-    def _sizes(self, x: torch.Tensor, sizes: list, expand: bool) -> list | None:
-        """``sizes`` (a view's or an expand's, with S written for the length) with the entries
-        that are the length pointing at the length node: for an expand, where ``x``'s dim is
-        the length; for a view, the first entry (else all of them) whose replacement keeps the
-        element count (symbolically, ``-1`` taking the rest)."""
+    def _scaled(self, at: fx.Node, v: Any) -> Any:
+        """A size that is the length: the length node for S; for ``d · S`` (the batch and the
+        length flattened together), ``d · length``, a new node before ``at`` with its value
+        set; else None."""
+        if isinstance(v, int) and v == self.length:
+            return self.size
+        if not isinstance(v, fx.Node) or v.target != operator.mul or self.length not in v.args:
+            return None
+        other = v.args[1] if v.args[0] == self.length else v.args[0]
+        with at.graph.inserting_before(at):
+            m = at.graph.call_function(operator.mul, (other, self.size))
+        m.meta["val"] = self.env[m] = (
+            self.env[other] if isinstance(other, fx.Node) else other
+        ) * self.s
+        return m
+
+    def _sizes(self, x: torch.Tensor, sizes: list, scaled: list, expand: bool) -> list | None:
+        """``sizes`` (a view's or an expand's) with the entries that are the length (``scaled``
+        not None: S, or d · S) replaced by ``scaled``'s: for an expand, where ``x``'s dim is
+        the length; for a view, the first such entry (else all of them) whose replacement
+        keeps the element count (symbolically, ``-1`` taking the rest)."""
         s = self.s.node.expr
         if expand:
             shape = [None] * (len(sizes) - x.dim()) + list(x.shape)
             out = [
                 self.size
-                if v == self.length and isinstance(d, torch.SymInt) and d.node.expr == s
+                if isinstance(v, int)
+                and v == self.length
+                and isinstance(d, torch.SymInt)
+                and d.node.expr == s
                 else v
                 for v, d in zip(sizes, shape, strict=True)
             ]
             return out if out != sizes else None
         numel = sympy.Mul(*(_expr(d) for d in x.shape))
-        if s not in numel.free_symbols:
+        where = [k for k, v in enumerate(scaled) if v is not None]
+        if s not in numel.free_symbols or not where:
             return None
-        where = [k for k, v in enumerate(sizes) if v == self.length]
         for pick in [*([k] for k in where), where]:
-            out = [self.size if k in pick else v for k, v in enumerate(sizes)]
+            out = [scaled[k] if k in pick else v for k, v in enumerate(sizes)]
             known = sympy.Mul(
-                *(s if k in pick else _expr(v) for k, v in enumerate(sizes) if v != -1)
+                *(
+                    s if v is self.size else _expr(v)
+                    for v in out
+                    if not isinstance(v, int) or v != -1
+                )
             )
             rest = sympy.cancel(numel / known)
             if (
