@@ -113,6 +113,7 @@ def test_a_rolled_loop_chunks_exactly_with_its_state_carried() -> None:
     assert carry.op == "placeholder" and carry.meta[META_INPUT].kind == "kv"
 
 
+@pytest.mark.slow  # suite time (11 s): the matrix's RecurrentGemma row casts its tokens too
 def test_a_recurrence_of_cast_tokens_scans_the_cast_tensors() -> None:
     """Each token cast to float32 before the step (RecurrentGemma's RG-LRU in a float64
     model): one scan of the cast tensors, matching the model at 24 tokens to float32's
@@ -152,7 +153,11 @@ def test_outputs_written_into_a_buffer_are_rolled_up_and_chunk_exactly() -> None
     [
         ("gated", "no loop over the tokens that autopart recognizes"),
         ("ahead", "reads"),
-        ("collect-gap", "no loop over the tokens that autopart recognizes"),
+        pytest.param(  # suite time (15 s)
+            "collect-gap",
+            "no loop over the tokens that autopart recognizes",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_loops_that_are_not_linear_recurrences_keep_their_fixed_length(kind: str, why: str) -> None:

@@ -460,8 +460,9 @@ class _Ends(fx.Interpreter):
     """Fake propagation that reads the fixed length S as the length where the model meant it,
     rewriting it to the graph's length node: the end of a slice ``x[..., :S]`` of a dim that now
     grows with the sequence (Mamba's convolution cut back to the length), ``arange(S)`` (the
-    positions), S in a factory's sizes, in an expand's where the input's dim is the length, and
-    in a view's where the element count needs it. Where S is also a width of the model, a
+    positions), S in a factory's sizes, in an expand's where the input's dim is the length, in a
+    view's where the element count needs it, and k·S in a product of sizes (``b · k·S``: the
+    batch and the length, k slots per token, flattened together). Where S is also a width of the model, a
     guess can be wrong; ``capture`` then tries again at a length no size of the graph has."""
 
     def __init__(self, gm: fx.GraphModule, length: int, size: fx.Node, s: torch.SymInt) -> None:
@@ -486,63 +487,50 @@ class _Ends(fx.Interpreter):
         elif n.target in _FACTORIES and isinstance(n.args[0], (list, tuple)):
             if self.length in n.args[0]:
                 n.args = ([self.size if v == self.length else v for v in n.args[0]], *n.args[1:])
+        elif n.target == operator.mul and len(n.args) == 2 and any(map(self._times, n.args)):
+            # d · k·S: the batch and the length (and k slots per token) flattened together
+            k = next(i for i, a in enumerate(n.args) if self._times(a))
+            times, size = cast(int, n.args[k]) // self.length, self.size
+            if times != 1:
+                with n.graph.inserting_before(n):
+                    size = n.graph.call_function(operator.mul, (self.size, times))
+                size.meta["val"] = self.env[size] = self.s * times
+            n.args = (size, n.args[1]) if k == 0 else (n.args[0], size)
         elif n.target in _SIZED and isinstance(n.args[1], (list, tuple)):
             sizes = list(n.args[1])
-            scaled = [self._scaled(n, v) for v in sizes]
-            picked = self._sizes(self.env[node_arg(n, 0)], sizes, scaled, n.target == _EXPAND)
-            if picked is not None:
-                n.args = (n.args[0], picked, *n.args[2:])
-            for m in scaled:
-                if isinstance(m, fx.Node) and m not in sizes and not m.users:
-                    n.graph.erase_node(m)
+            if self.length in sizes:
+                picked = self._sizes(self.env[node_arg(n, 0)], sizes, n.target == _EXPAND)
+                if picked is not None:
+                    n.args = (n.args[0], picked, *n.args[2:])
         return super().run_node(n)
 
-    def _scaled(self, at: fx.Node, v: Any) -> Any:
-        """A size that is the length: the length node for S; for ``d · S`` (the batch and the
-        length flattened together), ``d · length``, a new node before ``at`` with its value
-        set; else None."""
-        if isinstance(v, int) and v == self.length:
-            return self.size
-        if not isinstance(v, fx.Node) or v.target != operator.mul or self.length not in v.args:
-            return None
-        other = v.args[1] if v.args[0] == self.length else v.args[0]
-        with at.graph.inserting_before(at):
-            m = at.graph.call_function(operator.mul, (other, self.size))
-        m.meta["val"] = self.env[m] = (
-            self.env[other] if isinstance(other, fx.Node) else other
-        ) * self.s
-        return m
+    def _times(self, a: Any) -> bool:
+        """``a`` is a literal multiple of the fixed length."""
+        return isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % self.length == 0
 
-    def _sizes(self, x: torch.Tensor, sizes: list, scaled: list, expand: bool) -> list | None:
-        """``sizes`` (a view's or an expand's) with the entries that are the length (``scaled``
-        not None: S, or d · S) replaced by ``scaled``'s: for an expand, where ``x``'s dim is
-        the length; for a view, the first such entry (else all of them) whose replacement
-        keeps the element count (symbolically, ``-1`` taking the rest)."""
+    def _sizes(self, x: torch.Tensor, sizes: list, expand: bool) -> list | None:
+        """``sizes`` (a view's or an expand's, with S written for the length) with the entries
+        that are the length pointing at the length node: for an expand, where ``x``'s dim is
+        the length; for a view, the first entry (else all of them) whose replacement keeps the
+        element count (symbolically, ``-1`` taking the rest)."""
         s = self.s.node.expr
         if expand:
             shape = [None] * (len(sizes) - x.dim()) + list(x.shape)
             out = [
                 self.size
-                if isinstance(v, int)
-                and v == self.length
-                and isinstance(d, torch.SymInt)
-                and d.node.expr == s
+                if v == self.length and isinstance(d, torch.SymInt) and d.node.expr == s
                 else v
                 for v, d in zip(sizes, shape, strict=True)
             ]
             return out if out != sizes else None
         numel = sympy.Mul(*(_expr(d) for d in x.shape))
-        where = [k for k, v in enumerate(scaled) if v is not None]
-        if s not in numel.free_symbols or not where:
+        if s not in numel.free_symbols:
             return None
+        where = [k for k, v in enumerate(sizes) if v == self.length]
         for pick in [*([k] for k in where), where]:
-            out = [scaled[k] if k in pick else v for k, v in enumerate(sizes)]
+            out = [self.size if k in pick else v for k, v in enumerate(sizes)]
             known = sympy.Mul(
-                *(
-                    s if v is self.size else _expr(v)
-                    for v in out
-                    if not isinstance(v, int) or v != -1
-                )
+                *(s if k in pick else _expr(v) for k, v in enumerate(sizes) if v != -1)
             )
             rest = sympy.cancel(numel / known)
             if (
