@@ -530,6 +530,9 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> 
         sm.meta[META_ATTENTION] = f"not a causal function of positions: {rebuilt}"
         return False
     proof = prove_scores(gm, x, product, sink)
+    window = score_window(gm, x, product, sink, memo=proofs) if proof is None else None
+    if isinstance(window, str):
+        proof, window = window, None
     if proof is not None:
         _restore(gm, rebuilt, terms)
         sm.meta[META_ATTENTION] = f"not a causal function of positions: {proof}"
@@ -542,7 +545,6 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> 
     for m in (*mods, sm, *_between(sm, pv)):
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
-    window = score_window(gm, x, product, sink, memo=proofs)
     _mark_window(window, [product, *mods, sm, *_between(sm, pv), pv])
     return True
 
@@ -585,6 +587,9 @@ def _linear(gm: fx.GraphModule, pv: fx.Node, proofs: dict) -> bool:
         pv.meta[META_ATTENTION] = f"not a causal function of positions: {rebuilt}"
         return False
     proof = prove_scores(gm, x, product, linear=True)
+    window = score_window(gm, x, product, linear=True, memo=proofs) if proof is None else None
+    if isinstance(window, str):
+        proof, window = window, None
     if proof is not None:
         _restore(gm, rebuilt, terms)
         pv.meta[META_ATTENTION] = f"a linear attention that is not causal: {proof}"
@@ -595,7 +600,7 @@ def _linear(gm: fx.GraphModule, pv: fx.Node, proofs: dict) -> bool:
     for m in mods:
         m.meta[META_SCORES] = "mod"
     pv.meta[META_SCORES], pv.meta[META_ATTENTION] = "pv", "causal"
-    _mark_window(score_window(gm, x, product, linear=True, memo=proofs), [product, *mods, pv])
+    _mark_window(window, [product, *mods, pv])
     return True
 
 

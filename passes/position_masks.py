@@ -394,7 +394,7 @@ def score_window(
     sink: fx.Node | None = None,
     linear: bool = False,
     memo: dict | None = None,
-) -> int | None:
+) -> int | str | None:
     """The sliding window W of a score function ``prove_scores`` proved — query i sees no key
     j ≤ i − W — if shifting positions changes nothing, so that a chunk's queries given only the
     last W − 1 earlier keys (positions counted from the first of them) compute the same; else
@@ -407,7 +407,9 @@ def score_window(
     Then, at that length, the rows and columns from t on must equal f at t fewer tokens on the
     same scores (up to one constant per row, to the rounding of the dtype; ``linear``:
     exactly), for t = 1 and W: where the positions start does not matter
-    (Llama 4's blocks also hide every key W behind, but fail this). ``memo`` holds the
+    (Llama 4's blocks also hide every key W behind, but fail this). A later key kept at one of
+    the longer lengths (which ``prove_scores`` does not evaluate) gives why, a string: the
+    attention is then not causal. ``memo`` holds the
     windows found, by the construction's signature: a model's layers are evaluated once."""
     given = [n for n in (scores, sink) if n is not None]
     order, leaves, why = construction(x, frozenset(given))
@@ -451,7 +453,7 @@ def _window(
     sink: fx.Node | None,
     linear: bool,
     order: list[fx.Node],
-) -> int | None:
+) -> int | str | None:
     """``score_window``'s evaluation (its docstring)."""
     runner = _score_runner(gm, x, scores, sink)
     if isinstance(runner, str):
@@ -477,6 +479,8 @@ def _window(
             return None
         keep = whole[..., :s] != 0 if linear else whole[..., :s] > MASKED
         rows = keep.reshape(-1, s, s).any(0)  # [s, s]: kept by some batch row or head
+        if bool(rows.triu(1).any()):  # prove_scores saw up to 21 tokens only
+            return f"it lets a query see later keys at sequence {s}"
         first = rows.to(torch.uint8).argmax(-1)  # each query's first kept key (its own: kept)
         window = max(window, int((torch.arange(s) - first).amax()) + 1)
     if window > s - 2:

@@ -41,7 +41,8 @@ class _Scores(nn.Module):
     Windows of 4 keys: "capped-window" (soft-capped, Gemma 2's local layers) and "sink-window"
     (gpt-oss's local layers) hand on 3 positions of K/V; "capped-chunked" (soft-capped, causal
     within blocks of 4) hides every key 4 behind too, but depends on where the blocks start:
-    it keeps its whole prefix."""
+    it keeps its whole prefix. Refused: "capped-peek" (soft-capped, and from query 24 on every
+    key is seen: causal at the 21 tokens ``prove_scores`` tries, not at 26)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -62,6 +63,8 @@ class _Scores(nn.Module):
             keep = keep & (i - j < 4)
         elif self.kind == "capped-chunked":
             keep = keep & (i // 4 == j // 4)
+        elif self.kind == "capped-peek":
+            keep = keep | (i >= 24)
         mask = torch.where(keep, 0.0, LOW)
         if self.kind in ("key-bias", "key-bias-open", "pair-bias"):
             bias = self.gate(self.emb(ids)).transpose(1, 2)[:, :, None, :]  # [b, 2, 1, s]
@@ -86,7 +89,7 @@ class _Scores(nn.Module):
             scores = scores + self.slopes * j
         elif self.kind == "alibi-end":
             scores = scores + self.slopes * (j - s + 1)
-        elif self.kind in ("capped", "capped-window", "capped-chunked"):
+        elif self.kind in ("capped", "capped-window", "capped-chunked", "capped-peek"):
             scores = torch.tanh(scores / 3.0) * 3.0
         elif self.kind == "capped-end":
             scores = torch.tanh((scores + self.slopes * (j - s + 1)) / 3.0) * 3.0
@@ -194,6 +197,7 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
         ("soft", "lets a query see later keys"),
         ("shallow", "a later key's score is -100, above -10000"),
         ("capped-end", "not a function of positions"),
+        ("capped-peek", "lets a query see later keys at sequence 26"),
         ("length", "not a function of positions"),
         ("strict", "hides a query's own key"),
         ("blocks", "lets a query see later keys"),
