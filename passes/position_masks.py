@@ -345,6 +345,7 @@ def prove_scores(
     if isinstance(runner, str):
         return runner
     run, shapes = runner
+    given = [n for n in (scores, sink) if n is not None]
     g = torch.Generator().manual_seed(0)
     big = None
     for s in (21, *LENGTHS[:-1]):  # the longest first: the shorter ones are its corners
@@ -352,7 +353,7 @@ def prove_scores(
         values = [
             3
             * torch.randn([int(e.subs(at)) for e in shape], generator=g, dtype=t.meta["val"].dtype)
-            for shape, t in zip(shapes, (scores, sink), strict=False)
+            for shape, t in zip(shapes, given, strict=True)
         ]
         if big is not None:  # the same scores (and sinks): the first rows and columns
             values = [big[0][..., :s, :s], *([big[1][..., :s, :]] if sink is not None else [])]
@@ -429,12 +430,12 @@ def _signature(
     ``given`` inputs by position, dtype and shape, sizes by their expressions, buffers by name
     (the layers of a model, rebuilt one by one, give equal signatures)."""
     index = {n: i for i, n in enumerate(order)}
-    named: dict[fx.Node, object] = {
+    named: dict[fx.Node, Any] = {
         n: ("in", i, str(n.meta["val"].dtype)) for i, n in enumerate(given)
     }
     named |= {n: ("size", str(to_sympy(n.meta["val"], gm))) for n in leaves}
 
-    def ref(a: fx.Node) -> object:
+    def ref(a: fx.Node) -> Any:
         if a in named:
             return named[a]
         if a.op == "placeholder":

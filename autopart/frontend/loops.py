@@ -86,7 +86,7 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
             stacked = g.call_function(aten.stack.default, (values, dim))
         stacked.meta["val"] = last.meta["val"]
         _place(stacked, last)
-        last.replace_all_uses_with(stacked, delete_user_cb=lambda u, n=stacked: u is not n)
+        last.replace_all_uses_with(stacked)
     remove_dead(out)
     for st in [n for n in g.nodes if n.target == aten.stack.default]:
         tags = _iterations(g, length)  # a stack rolled up frees what follows it of its tokens
