@@ -955,6 +955,9 @@ def _evaluate_mask(
     sub, inputs = _cut(gm, mask)
     if sub is None:
         return f"not causal: its mask depends on {inputs}", None
+    read = _values_read(mask)
+    if read:  # a pad id's mask (ids != 0) looks causal on ids that happen to hold no pad
+        return f"not causal: its mask depends on the values of {', '.join(read)}", None
     # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
     # just past every integer the mask's construction uses
     lengths = {
@@ -1076,8 +1079,11 @@ def _data_proof(
     if key in proofs:
         return proofs[key]
     sub, inputs = _cut(gm, mask)
-    if sub is None:
-        proofs[key] = f"not causal: its mask depends on {inputs}"
+    read = [name for name in _values_read(mask) if name not in names]
+    if sub is None or read:
+        proofs[key] = (
+            f"not causal: its mask depends on {inputs if sub is None else ', '.join(read)}"
+        )
         return proofs[key]
     g = torch.Generator().manual_seed(0)
     why = None
@@ -1127,6 +1133,22 @@ def band(s: int, window: int | None) -> torch.Tensor:
     """[s, s] boolean: query i sees key j iff j ≤ i (and i − j < window, when given)."""
     i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
     return (j <= i) & ((i - j < window) if window is not None else True)
+
+
+def _values_read(out: fx.Node) -> list[str]:
+    """The batch tensors and activations whose values (not only sizes) ``out`` is computed
+    from: evaluated on random ones, such a mask proves nothing about the real ones."""
+    seen, stack, read = set(), [out], []
+    while stack:
+        n = stack.pop()
+        if n in seen or n.target == aten.sym_size.int:
+            continue
+        seen.add(n)
+        ref = n.meta.get(META_INPUT) if n.op == "placeholder" else None
+        if ref is not None and ref.kind in ("data", "act"):
+            read.append(ref.name)
+        stack.extend(n.all_input_nodes)
+    return sorted(read)
 
 
 def _cut(gm: fx.GraphModule, out: fx.Node):
