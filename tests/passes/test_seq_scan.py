@@ -163,6 +163,7 @@ def test_a_block_8_does_not_divide_sets_the_chunk_multiple(tmp_path) -> None:
     assert any(n % 16 for n in chunk_lengths(program.ranks[0].chunk_cost, 64, 3, "balanced", 8))
 
 
+@pytest.mark.slow  # suite time (13 s: capture also tries to roll the fixed length up)
 def test_an_example_shorter_than_two_blocks_is_named() -> None:
     """Blocks of 32 tokens captured at 16: export fixes the scan at one block, and the refusal
     says so (with the length to capture at) instead of naming a node deep inside the scan."""

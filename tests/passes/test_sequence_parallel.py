@@ -148,7 +148,12 @@ def test_position_table_is_cut_to_local_rows(name: str, request) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "tp"), [*((m, 2) for m in MODELS), ("gpt_sdpa", 4), ("hf_gpt", 4)]
+    ("name", "tp"),
+    [
+        *((m, 2) for m in MODELS),
+        ("gpt_sdpa", 4),
+        pytest.param("hf_gpt", 4, marks=pytest.mark.slow),  # suite time: gpt_sdpa has tp = 4
+    ],
 )
 def test_sequence_parallel_graph_runs_in_one_process(name: str, tp: int, request) -> None:
     """Rank 0's graph, every collective the identity (so rank 0 keeps the whole sequence)."""
