@@ -506,7 +506,7 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> 
             if sink is not None or _reaches_product(extra) or extra.meta["val"].shape[-1] != 1:
                 fail = f"{n.name} joins more than one sink column to the scores"
                 break
-            if _reads_tokens(extra):  # the prover does not look inside the attention
+            if _values_read(extra):  # the prover does not look inside the attention
                 fail = f"{n.name} joins a sink column computed from the tokens"
                 break
             sink, n = extra, path
@@ -608,22 +608,6 @@ def _through(n: fx.Node) -> bool:
     """A cast, ``tanh``/``neg``, or arithmetic with a scalar: f passes through to its input."""
     scalar = n.target in _SCALAR_OPS and not isinstance(n.args[1], fx.Node)
     return n.target in _CASTS or n.target in _UNARY or scalar
-
-
-def _reads_tokens(x: fx.Node) -> bool:
-    """Whether ``x`` is computed from a batch tensor or a previous stage's activation (other
-    than through its sizes): only parameters, buffers and sizes make a sink column."""
-    seen, stack = set(), [x]
-    while stack:
-        n = stack.pop()
-        if n in seen or n.target == aten.sym_size.int:
-            continue
-        seen.add(n)
-        ref = n.meta.get(META_INPUT) if n.op == "placeholder" else None
-        if ref is not None and ref.kind in ("data", "act"):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _rebuild(
@@ -1137,7 +1121,8 @@ def band(s: int, window: int | None) -> torch.Tensor:
 
 def _values_read(out: fx.Node) -> list[str]:
     """The batch tensors and activations whose values (not only sizes) ``out`` is computed
-    from: evaluated on random ones, such a mask proves nothing about the real ones."""
+    from: evaluated on random ones, such a mask proves nothing about the real ones (and only
+    parameters, buffers and sizes make a sink column)."""
     seen, stack, read = set(), [out], []
     while stack:
         n = stack.pop()
