@@ -317,7 +317,8 @@ def generalize_loops(
     else keep export's (Seq1F1B then refuses it, naming the fixed length). Where the rolled
     graph fails that, the example's length may also be a width of the model (32 tokens and a
     hidden size of 32: which 32 is the length?), so the model is captured once more, at a
-    longer length that no size of the graph has (the shortest multiple of 8 if one is free),
+    longer length that no size of the graph has, nor 2 to 8 times it (the shortest multiple
+    of 8 if one is free),
     and rolled up from there. A model
     on the meta device cannot be run, so its graph stays as export made it."""
     length = fixed_length(captured.graph)
@@ -328,7 +329,13 @@ def generalize_loops(
         _record(captured, why)
         return
     taken = _sizes_in(captured.graph)
-    free = [n for n in range(length + 1, 2 * length + len(taken) + 9) if n not in taken]
+    # free: no size of the graph is the length or a small multiple of it (``reroll`` reads
+    # b · 2S, the batch times the length times two slots, as the length's)
+    free = [
+        n
+        for n in range(length + 1, 9 * length + len(taken) + 9)
+        if not any(k * n in taken for k in range(1, 9))
+    ]
     other = min(free, key=lambda n: (n % 8 != 0, n))  # a multiple of 8 if one is free
     try:
         again = capture(cast(nn.Module, wrapper.model), _repeated(batch, length, other), roll=False)
