@@ -160,11 +160,10 @@ def test_linear_attention_and_rolled_token_loops_pass_seq1f1b(slow_matrix) -> No
 
 
 @pytest.mark.slow  # suite time
-def test_falcon_in_place_adds_are_functionalized() -> None:
+def test_falcon_in_place_adds_are_functionalized(slow_matrix) -> None:
     """Falcon's forward adds in place: every plan failed to save before capture functionalized
     it; Seq1F1B also needed views of the prefixed attention to become reshapes."""
-    plans = {BOTH: zoo.PLANS[BOTH]}  # tp and Seq1F1B at once (the row: docs/compatibility.md)
-    for result in zoo.matrix(["falcon"], plans)["falcon"][1].values():
+    for result in slow_matrix["falcon"][1].values():
         assert_passes(result)
 
 
@@ -218,10 +217,11 @@ def test_lfm2_convolution_chunks_exactly_under_seq1f1b() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEW)
-def test_new_architectures_pass_or_are_refused_before_launch(arch: str) -> None:
+def test_new_architectures_pass_or_are_refused_before_launch(arch: str, slow_matrix) -> None:
     """Every cell of the five architectures the review found wrong or crashing: PASS, or a
-    refusal by parallelize (never a FAIL or a crashed rank), as docs/compatibility.md says."""
-    result = zoo.matrix([arch])
+    refusal by parallelize (never a FAIL or a crashed rank), as docs/compatibility.md says (the
+    whole matrix's run of them: no second run)."""
+    result = {arch: slow_matrix[arch]}
     for cell in result[arch][1].values():
         assert isinstance(cell, AutopartError) or cell.ok, str(cell)
     written = zoo.parse_table(DOCS.read_text())
