@@ -241,15 +241,7 @@ def prove(
     run = _evaluator(gm, mask, [], leaves, order)
     buffers = gm.meta.get(META_BUFFERS, {})
     exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
-    constants = sorted(
-        {
-            c
-            for n in order
-            for c in (*n.args, *n.kwargs.values())
-            if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c < 2**31
-        }
-    )
-    lengths = [*LENGTHS, *(c + d for c in constants if c + 2 <= LONGEST for d in (1, 2))]
+    lengths = [*LENGTHS, *(c + d for c in _named_lengths(order) for d in (1, 2))]
     seen: list[tuple[int, torch.Tensor]] = []
     for s in sorted(set(lengths)):
         feeds = [int(e.subs({B: 2, S: s})) for e in exprs]
@@ -282,6 +274,17 @@ def prove(
                 )
         seen.append((s, got))
     return None
+
+
+def _named_lengths(order: list[fx.Node]) -> set[int]:
+    """The integers a construction names beyond the lengths always tried, up to where ``LONGEST``
+    leaves room to evaluate just past them (a window or a block shows only there)."""
+    return {
+        c
+        for n in order
+        for c in (*n.args, *n.kwargs.values())
+        if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c <= LONGEST - 2
+    }
 
 
 def _consistent(
@@ -460,12 +463,7 @@ def _window(
     if isinstance(runner, str):
         return None
     run, _ = runner
-    named = {
-        c
-        for n in order
-        for c in (*n.args, *n.kwargs.values())
-        if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c <= LONGEST - 2
-    }
+    named = _named_lengths(order)
     gen, window = torch.Generator().manual_seed(1), 0
     dtypes = [t.meta["val"].dtype for t in (scores, sink) if t is not None]
     for s in sorted({LENGTHS[-1], *(c + d for c in named for d in (1, 2))}):
