@@ -37,6 +37,7 @@ def parallelize(
     timeout_s: float = 300.0,
     compile: bool = False,
     library_ops: Sequence[str] = (),
+    attention: str = "sdpa",
     plan: Any = None,
 ) -> Any:
     """Compile ``model`` for ``mesh``: a ``Program`` offline, the local ``Runner`` if live.
@@ -51,7 +52,9 @@ def parallelize(
     float32 gradients and loss (``capture_mixed``; docs/precision.md). ``library_ops`` names
     library namespaces whose custom ops you trust when capture cannot decompose them to ATen
     (``torch.ops.<namespace>.*``; the program records the library's version, and a loader
-    must name it too: docs/capture.md).
+    must name it too: docs/capture.md). ``attention="flex"``: each rank runs attention with a
+    mask or a score function (sliding windows, ALiBi, soft-capping, sinks) through FlexAttention
+    (``autopart/runtime/flex.py``; fused kernels on CUDA with ``compile=True``).
 
     ``plan=`` takes a whole ``Plan`` (or a planner result, ``planner.search(...).ranked[0]``)
     instead of the plan keywords; ``mesh`` may then be ``None`` (the plan's) or must match it.
@@ -74,6 +77,7 @@ def parallelize(
             recompute=recompute,
             precision=precision,
             library_ops=tuple(library_ops),
+            attention=attention,
         )
     if live is not None and not isinstance(model, Captured):
         broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does

@@ -28,6 +28,7 @@ from autopart.schedule.generators import GENERATORS, check_schedule, traits
 SCHEDULES = tuple(GENERATORS)
 DIMS = ("dp", "pp", "tp")
 RECOMPUTE = ("none", "selective", "full")
+ATTENTIONS = ("sdpa", "flex")  # how a rank runs masked and score-function attention
 PRECISIONS = (None, "bf16")  # None: compute in the model's own dtype
 
 
@@ -200,6 +201,13 @@ class Plan:
         "block keeps only its input)",
         choices=lambda: RECOMPUTE,
     )
+    attention: str = _flag(  # how each rank runs attention (runtime/flex.py)
+        "sdpa",
+        "how ranks run attention with a mask or a score function: sdpa (the captured ATen "
+        "ops) or flex (FlexAttention, lowered by each rank; its fused kernels need CUDA and "
+        "--compile)",
+        choices=lambda: ATTENTIONS,
+    )
     distributed_optimizer: bool = False  # optimizer state sharded over dp (ZeRO-1)
     micro_batch: int | None = None  # sequences per micro-batch (None: what the batch gives)
     # Seq1F1B chunk lengths are multiples of this too: the block of tokens a model's scan hands
@@ -256,6 +264,10 @@ class Plan:
         if self.recompute not in RECOMPUTE:
             raise AutopartError(
                 f"unknown recompute {self.recompute!r}", hint=f"use one of {', '.join(RECOMPUTE)}"
+            )
+        if self.attention not in ATTENTIONS:
+            raise AutopartError(
+                f"unknown attention {self.attention!r}", hint=f"use one of {', '.join(ATTENTIONS)}"
             )
         if self.seq_split not in SPLITS:
             raise AutopartError(
@@ -424,6 +436,8 @@ class Plan:
             parts.append("dist-opt")
         if self.precision:
             parts.append(self.precision)
+        if self.attention != "sdpa":
+            parts.append(f"attention={self.attention}")
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:

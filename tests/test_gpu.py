@@ -85,10 +85,10 @@ def test_one_gpu_inductor_float64_parity() -> None:
         assert_passes(report)
 
 
-def _zoo(arch: str, plan: str) -> Check:
+def _zoo(arch: str, plan: str, **more: str) -> Check:
     from autopart.models import zoo
 
-    return Check(f"autopart.models.zoo:{arch}", **zoo.PLANS[plan])
+    return Check(f"autopart.models.zoo:{arch}", **zoo.PLANS[plan], **more)
 
 
 @ONE_GPU
@@ -117,6 +117,32 @@ def test_one_gpu_sequence_constructs() -> None:
         reports = verify_many(checks, dtype=dtype, timeout_s=300, device="cuda")
         bad = {n: str(r) for n, r in reports.items() if isinstance(r, Exception) or not r.ok}
         assert not bad, bad  # each within its own tolerance (float32 islands: 1e-5)
+
+
+@ONE_GPU
+@pytest.mark.multirank
+def test_one_gpu_flex_attention() -> None:
+    """``attention="flex"`` on CUDA (``autopart/runtime/flex.py``): windows, soft-capping,
+    sinks, ALiBi and chunked masks through FlexAttention. float64 uncompiled (torch's dense
+    FlexAttention on CUDA), then float32 through Inductor (FlexAttention's Triton kernels)."""
+    flex = {"attention": "flex"}
+    float64 = {
+        "mistral-window": _zoo("mistral", "pp=2 Seq1F1B k=4", **flex),
+        "gemma2-soft-cap": _zoo("gemma2", "pp=2 Seq1F1B k=2", **flex),
+        "bloom-alibi": _zoo("bloom", "pp=2 Seq1F1B k=2", **flex),
+        "llama4-chunked": _zoo("llama4_text", "pp=2 Seq1F1B k=2", **flex),
+        "gemma2-tp2": _zoo("gemma2", "tp=2", **flex),
+    }
+    reports = verify_many(float64, dtype="float64", timeout_s=300, device="cuda")
+    bad = {n: str(r) for n, r in reports.items() if isinstance(r, Exception) or not r.ok}
+    assert not bad, bad
+    compiled = {
+        "gemma2-soft-cap": _zoo("gemma2", "pp=2 Seq1F1B k=2", **flex),
+        "gpt_oss-sinks": _zoo("gpt_oss", "pp=2 Seq1F1B k=2", **flex),
+    }
+    reports = verify_many(compiled, dtype="float32", timeout_s=600, compile=True, device="cuda")
+    bad = {n: str(r) for n, r in reports.items() if isinstance(r, Exception) or not r.ok}
+    assert not bad, bad
 
 
 # -- two GPUs, NCCL ----------------------------------------------------------------------------

@@ -22,7 +22,8 @@ the config (TOML; every key optional, unknown keys refused):
   out = "train-out"
   [model]      spec = "autopart.models.nanogpt:demo"   (file.py:make or module:make)
   [parallel]   dp, tp, pp, schedule, microbatches, virtual_stages, seq_chunks,
-               sequence_parallel, recompute, precision ("" or "bf16"), compile
+               sequence_parallel, recompute, precision ("" or "bf16"), compile,
+               attention ("sdpa" or "flex")
   [data]       text = "file.txt" (bytes as ids) | tokens = "ids.pt" / "ids.bin";
                seq_len, batch_size (global, sequences), val_fraction
   [optim]      lr, min_lr, weight_decay, beta1, beta2, eps, warmup_steps, max_grad_norm
@@ -115,6 +116,7 @@ def prepare(cfg: Any) -> int:
         recompute=cfg.parallel_recompute,
         precision=cfg.parallel_precision or None,
         library_ops=cfg.parallel_library_ops,
+        attention=cfg.parallel_attention,
     )
     if int(ids.max()) >= program.vocab_size or int(ids.min()) < 0:
         raise AutopartError(

@@ -274,6 +274,8 @@ class Check:
             parts.append(f"mem={plan.max_stage_memory_gb:g}")
         if plan.recompute != "none":
             parts.append(f"recompute={plan.recompute}")
+        if plan.attention != "sdpa":
+            parts.append(f"attention={plan.attention}")
         return ",".join(parts)
 
 
@@ -289,7 +291,8 @@ _PLAN_WORDS = {
 PLANS_HELP = (
     "plans separated by ';', each a comma-separated list of dp=N, tp=N, pp=N, m=N "
     "(micro-batches), v=N (virtual stages), k=N (sequence chunks), mem=GIB, a schedule "
-    "name, sp (sequence parallel), uniform or balanced (chunk split), recompute=selective|full"
+    "name, sp (sequence parallel), uniform or balanced (chunk split), recompute=selective|full, "
+    "attention=flex"
 )
 
 
@@ -309,8 +312,8 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
                     raise AutopartError(
                         f"plan {plan!r}: {word!r} needs a number", hint=PLANS_HELP
                     ) from None
-            elif key == "recompute" and eq:
-                fields["recompute"] = value
+            elif key in ("recompute", "attention") and eq:
+                fields[key] = value
             elif word in SCHEDULES:
                 fields["schedule"] = word
             elif word == "sp":

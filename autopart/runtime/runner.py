@@ -38,7 +38,7 @@ from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.feeds import chunk_feeds, stage_inputs
 from autopart.program.format import Program, RankProgram
-from autopart.runtime import norms, p2p, staging, state
+from autopart.runtime import flex, norms, p2p, staging, state
 from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
@@ -246,6 +246,8 @@ class Runner:
         self.device = pick_device(device)
         self.dry = self.device.type == "meta"
         self.rank = program.rank
+        if plan.attention == "flex" and not self.dry:  # before any step: a device torch refuses
+            flex.check_supported(self.device, self.rank)
         self.seed, self.steps = (
             seed,
             0,
@@ -301,6 +303,9 @@ class Runner:
         if compile:  # a persistent cache: a second run reuses the first one's kernels
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(COMPILE_CACHE))
         self._compile = compile
+        # attention="flex": per stage, the attention nodes lowered to FlexAttention and the ones
+        # left as they are, with why (runtime/flex.py)
+        self.attention_lowered: dict[int, flex.Lowered] = {}
         self._run = self._runs({st.stage: st.graph for st in program.stages})
         self._train_run = self._run
         self._eval_run: dict[int, Any] | None = None  # eval(): graphs without dropout
@@ -1163,8 +1168,13 @@ class Runner:
                 )
 
     def _runs(self, graphs: dict[int, fx.GraphModule]) -> dict[int, Any]:
-        """Stage graphs as this rank runs them: on its device, recomputation regions
-        checkpointed, checked on the dry run, through ``torch.compile`` when asked."""
+        """Stage graphs as this rank runs them: attention lowered to FlexAttention when the plan
+        says so, on its device, recomputation regions checkpointed, checked on the dry run,
+        through ``torch.compile`` when asked."""
+        if self.plan.attention == "flex" and not self.dry:  # its own copy (runtime/flex.py)
+            lowered = {k: _flex_lowered(g) for k, g in graphs.items()}
+            graphs = {k: g for k, (g, _) in lowered.items()}
+            self.attention_lowered = {k: report for k, (_, report) in lowered.items()}
         placed = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
         runs: dict[int, nn.Module] = dict(placed)
         if self.dry:  # the dry run refuses any value a node computes on another device
@@ -1307,6 +1317,13 @@ def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]
         d: (live_mesh.get_group(d) if d in names and getattr(plan.mesh, d) > 1 else None)
         for d in ("dp", "pp", "tp")
     }
+
+
+def _flex_lowered(graph: fx.GraphModule) -> tuple[fx.GraphModule, flex.Lowered]:
+    """A copy of a stage graph with its attention through FlexAttention (``runtime/flex.py``),
+    and what was lowered."""
+    graph = copy_graph(graph)
+    return graph, flex.lower_attention(graph)
 
 
 def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:

@@ -87,6 +87,7 @@ class TrainConfig:
     parallel_recompute: str = "none"
     parallel_precision: str = ""
     parallel_compile: bool = False
+    parallel_attention: str = "sdpa"
     parallel_library_ops: tuple[str, ...] = ()
     data_text: str = ""
     data_tokens: str = ""
@@ -281,6 +282,10 @@ def check(cfg: TrainConfig, where: str = "the config") -> None:
     if cfg.parallel_precision not in ("", "bf16"):
         raise AutopartError(
             f"{where}: [parallel] precision = {cfg.parallel_precision!r}: '' or 'bf16'"
+        )
+    if cfg.parallel_attention not in ("sdpa", "flex"):
+        raise AutopartError(
+            f"{where}: [parallel] attention = {cfg.parallel_attention!r}: 'sdpa' or 'flex'"
         )
     try:
         check_library_names(cfg.parallel_library_ops)
