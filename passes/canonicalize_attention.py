@@ -45,7 +45,11 @@ Which plans: the Seq1F1B schedules (which need one attention form) get all of th
 other plan gets form 2 only, without windows: an SDPA whose mask is proven plainly causal drops
 the mask for ``is_causal=True`` — the same operation, minus an [S, S] mask in memory, and on a
 GPU the flash kernels, which take no mask. The manual path is left alone there (its dropout is
-autopart's explicit, reproducible one; SDPA's would draw from torch's generator).
+autopart's explicit, reproducible one; SDPA's would draw from torch's generator). One exception:
+a tp plan also gets form 5 for an attention whose heads are folded into the batch and that has no
+dropout (BLOOM), with the reshapes that fold q, k, v and the output taken out, so that tp can
+split its heads (folded, the heads are the inner part of the first dim, which no tp layout
+describes, and the attention stayed replicated).
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             changed |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
             changed |= _manual(gm, n, proofs) or _scored(gm, n, proofs)
+        elif plan.mesh.tp > 1 and n.target in (aten.softmax.int, aten._softmax.default):
+            changed |= _scored(gm, n, proofs, folded_only=True)
         elif every_form and n.target in _PRODUCTS and not n.meta.get(META_SCORES):
             changed |= _linear(gm, n, proofs)
     if changed:
@@ -369,7 +375,7 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 _PRODUCTS = (aten.matmul.default, aten.bmm.default)
 
 
-def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
+def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict, folded_only: bool = False) -> bool:
     """softmax(scores · c + position terms) [→ casts] [→ dropout] [→ casts] [→ views] →
     matmul/bmm(·, v), where the terms are biases and masks added, filled or clamped at
     ≤ ``MASKED`` (BLOOM's and MPT's ALiBi, XGLM's clamp at the float minimum; heads may be
@@ -377,13 +383,18 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     scores at 0, rebuilt from q's and k's sizes and proven a causal function of positions
     (``position_masks``). Exact: softmax(x · c + m) for the additive m the chain adds. A
     multiplicative or nonlinear term (GPT-1's scores × mask, soft-capping's tanh) is not such
-    a chain, and the softmax keeps why."""
+    a chain, and the softmax keeps why.
+
+    ``folded_only`` (tp plans that are not Seq1F1B): only an attention with its heads folded
+    into the batch and no dropout, so that tp can split its heads (folded, the heads are the
+    inner part of the first dim, which no tp layout describes); the q, k, v and output reshapes
+    that fold them are taken out (``_unfold``, ``_unfolded_users``)."""
     x = node_arg(sm, 0)
     if sm.args[1] not in (-1, x.meta["val"].dim() - 1) or not _over_keys(gm, x):
         return False
     scaled, why = _chain(gm, x)
     if scaled is None:
-        if why:
+        if why and not folded_only:
             return _score_function(gm, sm, why, proofs)
         return False
     product, scale = scaled, 1.0
@@ -394,8 +405,10 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
             (c if scaled.target == aten.mul.Tensor else 1 / c),
         )
     q, k = node_arg(product, 0), node_arg(node_arg(product, 1), 0)
+    if folded_only and q.meta["val"].dim() != 3:
+        return False
     pv, probs, dropout = _probabilities(sm)
-    if pv is None:
+    if pv is None or (folded_only and dropout):
         return False
     v = node_arg(pv, 1)
     g = gm.graph
@@ -449,7 +462,33 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     place([*made, new, out, vv, *_marked(mask)], pv)
     pv.replace_all_uses_with(out)
     erase_unused(g, pv)
+    if q.meta["val"].dim() == 3:
+        want = q4.meta["val"].shape[:-1] + v4.meta["val"].shape[-1:]
+        _unfolded_users(g, out, new, torch.empty(want, device="meta"))
     return True
+
+
+def _unfolded_users(g: fx.Graph, out: fx.Node, new: fx.Node, unfolded: torch.Tensor) -> None:
+    """A user of the folded output ``out`` that reshapes it back to [b, h, s, d] (BLOOM's merge
+    of heads; ``unfolded``: a tensor of that shape) takes the SDPA's ``new`` itself: a reshape
+    of a reshape is a reshape of the first tensor, and one to its own shape is that tensor."""
+    for user in list(out.users):
+        if (
+            user.target in _VIEWS
+            and user.target != aten.clone.default
+            and _same_shape_as(user, unfolded)
+        ):
+            user.replace_all_uses_with(new)
+            erase_unused(g, user)
+    erase_unused(g, out)
+
+
+def _same_shape_as(a: fx.Node, want: torch.Tensor) -> bool:
+    """``a`` holds a tensor of ``want``'s shape (symbolic sizes compared as expressions)."""
+    va = a.meta.get("val")
+    if not isinstance(va, torch.Tensor) or va.dim() != want.dim():
+        return False
+    return all(str(x) == str(y) for x, y in zip(va.shape, want.shape, strict=True))
 
 
 def _marked(mask: fx.Node) -> list[fx.Node]:
@@ -808,12 +847,17 @@ def _unfold(gm: fx.GraphModule, xs: tuple, made: list[fx.Node]) -> tuple | None:
         h = sympy.Poly(expr, B).coeff_monomial(B) if expr.free_symbols == {B} else 0
         if not h or sympy.expand(expr - h * B) != 0:
             return None
+        v = x.meta["val"]
+        want = v.reshape(v.shape[0] // int(h), int(h), v.shape[1], v.shape[2])
+        src = x.args[0] if x.target in _VIEWS and x.target != aten.clone.default else None
+        if isinstance(src, fx.Node) and _same_shape_as(src, want):  # folded from [b, h, s, d]
+            out.append(src)
+            continue
         first = _sym(g, x, 0)
         b = g.call_function(operator.floordiv, (first, int(h)))
         shape = [b, int(h), _sym(g, x, 1), int(x.meta["val"].shape[-1])]
         r = g.call_function(aten.reshape.default, (x, shape))
-        v = x.meta["val"]
-        r.meta["val"] = v.reshape(v.shape[0] // int(h), int(h), v.shape[1], v.shape[2])
+        r.meta["val"] = want
         made += [first, b, shape[2], r]
         out.append(r)
     return tuple(out)

@@ -395,3 +395,76 @@ def test_a_replicated_parameter_inside_a_region_has_its_gradient_summed() -> Non
         u.target != ops.tp_all_reduce_grad.default
         for u in by_name["transformer.h.0.ln_1.weight"].users
     )
+
+
+class FoldedHeads(nn.Module):
+    """BLOOM's attention in small: a fused QKV viewed as [b, s, heads, 3, d], the heads folded
+    into the batch for ``bmm``, a per-head ALiBi bias added to the folded scores, the causal
+    mask added per head, the probabilities folded again, and the heads merged from
+    ``view(b, heads, s, d)``. ``dropout``: the probabilities go through dropout."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb, self.qkv = nn.Embedding(50, 16), nn.Linear(16, 48)
+        self.dense, self.head, self.dropout = nn.Linear(16, 16), nn.Linear(16, 50), dropout
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.emb(ids)
+        fused = self.qkv(x).view(b, s, 4, 3, 4)
+        q, k, v = (fused[..., i, :].transpose(1, 2).reshape(b * 4, s, 4) for i in range(3))
+        slopes = 2.0 ** -torch.arange(1, 5, dtype=x.dtype)
+        alibi = (slopes[:, None] * torch.arange(s, dtype=x.dtype)[None, :])[:, None, :]
+        scores = torch.bmm(q, k.transpose(1, 2)) * 0.5 + alibi.repeat(b, 1, 1)
+        causal = torch.where(torch.ones(s, s, dtype=torch.bool).tril(), 0.0, -1e9).to(x.dtype)
+        scores = scores.view(b, 4, s, s) + causal
+        probs = F.dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+        y = torch.bmm(probs.view(b * 4, s, s), v).view(b, 4, s, 4)
+        return self.head(x + self.dense(y.permute(0, 2, 1, 3).reshape(b, s, 16)))
+
+
+def _folded_case(dropout: float) -> Case:
+    def make():
+        torch.manual_seed(0)
+        model = FoldedHeads(dropout)
+        ids = torch.randint(0, 50, (2, 16))
+        return model.train(dropout > 0), (ids, ids)
+
+    return _case(make)
+
+
+def test_heads_folded_into_the_batch_split_by_heads(caplog) -> None:
+    """Under tp (not Seq1F1B), an attention whose heads are folded into the batch (BLOOM)
+    becomes SDPA over [b, heads, s, d] (canonicalize_attention's form 5, folded_only), so tp
+    splits its heads: the fused QKV is column-split, the output projection row-split, each
+    rank's per-head ALiBi mask its own heads' rows. Before, it stayed replicated ("view cannot
+    keep dim 1 split"). With dropout on the probabilities it stays as the model wrote it
+    (autopart's explicit dropout, not SDPA's), replicated, with a warning."""
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(_folded_case(0.0), 2)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    shards = {f: p.meta[META_SHARD] for f, p in params(gm).items()}
+    assert shards["qkv.weight"] == COL and shards["dense.weight"] == ROW
+    (sdpa,) = calls(gm, aten.scaled_dot_product_attention.default)
+    assert [int(d) for d in sdpa.args[0].meta["val"].shape[1:2]] == [2]  # 2 of the 4 heads
+    assert calls(gm, aten.index_select.default)  # the mask's own heads
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(_folded_case(0.1), 2)
+    assert not calls(gm, aten.scaled_dot_product_attention.default)
+    assert params(gm)["qkv.weight"].meta[META_SHARD] is None
+    assert any("(qkv) replicated" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.multirank
+def test_folded_heads_split_by_tp_match_one_device() -> None:
+    """The split folded attention on 2 gloo ranks: loss and every gradient as on one device."""
+    from autopart.parity.verify import Check, verify_many
+
+    def make():
+        torch.manual_seed(0)
+        ids, labels = torch.randint(0, 50, (2, 2, 16))
+        return FoldedHeads(), (ids, labels)
+
+    (report,) = verify_many({"tp": Check(make, tp=2)}, via="fork", timeout_s=60).values()
+    assert not isinstance(report, Exception) and report.ok, str(report)
