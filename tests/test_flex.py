@@ -332,3 +332,15 @@ def test_zoo_models_under_flex_match_one_device(dense_cpu_backward: None) -> Non
         reports = verify_many(batch_of_checks, dtype=dtype, timeout_s=180, via="fork")
         bad = {a: str(r) for a, r in reports.items() if isinstance(r, Exception) or not r.ok}
         assert not bad, bad
+
+
+def test_the_summary_names_what_was_left() -> None:
+    reports = {
+        0: flex.Lowered(["sdpa", "sdpa_1"], []),
+        1: flex.Lowered(["pv"], ["softmax (h.3.attn): exp_1 (aten.exp.default) is not ...", "x"]),
+    }
+    line = flex.summary(reports)
+    assert line.startswith("attention=flex: lowered to FlexAttention (stage 0: 2, stage 1: 1)")
+    assert line.endswith(
+        "left as captured: softmax (h.3.attn): exp_1 (aten.exp.default) is not ... (+1 more)"
+    )

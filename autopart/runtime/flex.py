@@ -95,6 +95,15 @@ class Lowered:
     kept: list[str]
 
 
+def summary(reports: dict[int, Lowered]) -> str:
+    """One line for a rank's stages: how many attention nodes each lowered, and the first one
+    left as captured, with why."""
+    done = ", ".join(f"stage {k}: {len(r.lowered)}" for k, r in sorted(reports.items()))
+    kept = [line for r in reports.values() for line in r.kept]
+    more = f"; left as captured: {kept[0]}" + (f" (+{len(kept) - 1} more)" if kept[1:] else "")
+    return f"attention=flex: lowered to FlexAttention ({done}){more if kept else ''}"
+
+
 def lower_attention(gm: fx.GraphModule) -> Lowered:
     """Replace, in place, every attention of the module docstring's two shapes with a call of
     ``flex_sdpa`` or ``flex_general``; the nodes it leaves are listed with why."""

@@ -27,6 +27,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import batch_fields, check_batch
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
+from autopart.runtime import flex
 from autopart.runtime.launch import rank_setup
 from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.runner import Runner, join_torchrun, make_groups
@@ -302,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
             device=device,
         )
         runner.tied = dict(head["tied"])
+        if rank == 0 and plan.attention == "flex":
+            print(f"autopart run: {flex.summary(runner.attention_lowered)}", flush=True)
         zero = args.zero or plan.distributed_optimizer  # the planner may have chosen it
         optim = None if args.no_optim else make_optimizer(runner, args.lr, zero)
         if args.trace is not None or args.timeline is not None:
