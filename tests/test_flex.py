@@ -344,3 +344,24 @@ def test_the_summary_names_what_was_left() -> None:
     assert line.endswith(
         "left as captured: softmax (h.3.attn): exp_1 (aten.exp.default) is not ... (+1 more)"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_batch_masks_under_flex_match_one_device(dense_cpu_backward: None) -> None:
+    """The batch's own masks through FlexAttention: left padding (``attention_mask``) and
+    packed documents (``position_ids``) on HF Llama, under tp=2 and pp=2 Seq1F1B k=2 (whose
+    chunks' masks are document-causal after their K/V prefix), every rank lowering them."""
+    from parity_cases import ROOT
+
+    from autopart.parity.verify import verify_many
+
+    seq = {"pp": 2, "schedule": "seq1f1b", "seq_chunks": 2, "microbatches": 2}
+    checks = {
+        f"{m} {name}": Check(f"{ROOT}/examples/hf_llama.py:{m}", **plan, attention="flex")
+        for m in ("make_padded", "make_packed")
+        for name, plan in (("tp=2", {"tp": 2}), ("seq1f1b", seq))
+    }
+    reports = verify_many(checks, via="fork", timeout_s=120)
+    bad = {n: str(r) for n, r in reports.items() if isinstance(r, Exception) or not r.ok}
+    assert not bad, bad
