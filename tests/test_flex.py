@@ -244,6 +244,15 @@ def test_what_it_cannot_replay_stays(make, why: str, dense_cpu_backward: None) -
     assert [n.target for n in gm.graph.nodes] == before
 
 
+def test_heads_narrower_than_the_kernels_take_stay() -> None:
+    """Compiling for CUDA, the runner asks for head dims of 16 and more (Triton's ``tl.dot``):
+    a head dim of 8 stays as captured, with why."""
+    gm = _captured(Masked(), S, S)
+    report = flex.lower_attention(gm, min_head_dim=16)
+    assert not report.lowered and "a head dim below 16" in report.kept[0]
+    assert len(flex.lower_attention(gm, min_head_dim=8).lowered) == 1
+
+
 def test_folded_heads_stay_without_a_word() -> None:
     """3-D scores are not the form: left alone (SDPA-free eager BLOOM keeps its kernels)."""
     gm = _captured(Folded(), S, S)

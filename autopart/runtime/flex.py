@@ -104,17 +104,19 @@ def summary(reports: dict[int, Lowered]) -> str:
     return f"attention=flex: lowered to FlexAttention ({done}){more if kept else ''}"
 
 
-def lower_attention(gm: fx.GraphModule) -> Lowered:
+def lower_attention(gm: fx.GraphModule, min_head_dim: int = 1) -> Lowered:
     """Replace, in place, every attention of the module docstring's two shapes with a call of
-    ``flex_sdpa`` or ``flex_general``; the nodes it leaves are listed with why."""
+    ``flex_sdpa`` or ``flex_general``; the nodes it leaves are listed with why. An attention
+    whose q, k or v head dim is below ``min_head_dim`` stays (FlexAttention's Triton kernels
+    need 16: the runner asks for that when it compiles for CUDA)."""
     report = Lowered([], [])
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
         if n.target == _SDPA:
-            why = _lower_sdpa(gm, n)
+            why = _lower_sdpa(gm, n, min_head_dim)
         elif n.target in _SOFTMAX:
-            why = _lower_general(gm, n)
+            why = _lower_general(gm, n, min_head_dim)
         else:
             continue
         if why is None:
@@ -130,7 +132,7 @@ def lower_attention(gm: fx.GraphModule) -> Lowered:
 # -- SDPA with a mask ---------------------------------------------------------------------
 
 
-def _lower_sdpa(gm: fx.GraphModule, n: fx.Node) -> str | None:
+def _lower_sdpa(gm: fx.GraphModule, n: fx.Node, min_head_dim: int) -> str | None:
     args = list(n.args) + [None] * (6 - len(n.args))
     q, k, v, mask, dropout, causal = args[:6]
     if mask is None:
@@ -141,6 +143,8 @@ def _lower_sdpa(gm: fx.GraphModule, n: fx.Node) -> str | None:
         return "a mask with dropout or is_causal"
     if not all(_dims(x) == 4 for x in (q, k, v)) or not 0 <= _dims(mask) <= 4:
         return "not 4-D [b, h, s, d]"
+    if _narrow(min_head_dim, q, k, v):
+        return f"a head dim below {min_head_dim}, the least FlexAttention's kernels take"
     with gm.graph.inserting_before(n):
         new = gm.graph.call_function(
             flex_sdpa,
@@ -176,7 +180,7 @@ def flex_sdpa(
 # -- the general form ---------------------------------------------------------------------
 
 
-def _lower_general(gm: fx.GraphModule, sm: fx.Node) -> str | None:
+def _lower_general(gm: fx.GraphModule, sm: fx.Node, min_head_dim: int) -> str | None:
     x = sm.args[0]
     if not isinstance(x, fx.Node) or _dims(x) != 4 or _last_dim(sm) is False:
         return ""  # not a softmax over keys of 4-D scores
@@ -239,6 +243,10 @@ def _lower_general(gm: fx.GraphModule, sm: fx.Node) -> str | None:
     q, kt = cast("tuple[fx.Node, fx.Node]", product.args)
     if _dims(q) != 4 or _dims(v) != 4 or not _same_heads(q, kt, v):
         return "q, k and v differ in batch or heads"
+    if _dtype(q) != _dtype(v) or _dtype(q) != _dtype(kt):
+        return "q, k and v differ in dtype"
+    if _narrow(min_head_dim, q, v):
+        return f"a head dim below {min_head_dim}, the least FlexAttention's kernels take"
     steps.reverse()
     with gm.graph.inserting_before(pv):
         k = gm.graph.call_function(aten.transpose.int, (kt, -2, -1))
@@ -424,6 +432,13 @@ def _replace(old: fx.Node, new: fx.Node, dtype: torch.dtype | None = None) -> No
 
 def _name(n: fx.Node | None) -> str:
     return "nothing" if n is None else f"{n.name} ({n.target})"
+
+
+def _narrow(least: int, *xs: Any) -> bool:
+    """Whether any of ``xs`` has a last dim (the head dim) below ``least``."""
+    return (
+        any(not isinstance(_last(x), int) or _last(x) < least for x in xs) if least > 1 else False
+    )
 
 
 def _val(n: Any) -> torch.Tensor | None:

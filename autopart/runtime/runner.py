@@ -1172,7 +1172,9 @@ class Runner:
         says so, on its device, recomputation regions checkpointed, checked on the dry run,
         through ``torch.compile`` when asked."""
         if self.plan.attention == "flex" and not self.dry:  # its own copy (runtime/flex.py)
-            lowered = {k: _flex_lowered(g) for k, g in graphs.items()}
+            # FlexAttention's Triton kernels take head dims of 16 and more
+            least = 16 if self._compile and self.device.type == "cuda" else 1
+            lowered = {k: _flex_lowered(g, least) for k, g in graphs.items()}
             graphs = {k: g for k, (g, _) in lowered.items()}
             self.attention_lowered = {k: report for k, (_, report) in lowered.items()}
         placed = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
@@ -1319,11 +1321,11 @@ def _groups_of(plan: Plan, rank: int, live_mesh: Any, ties: dict[str, list[int]]
     }
 
 
-def _flex_lowered(graph: fx.GraphModule) -> tuple[fx.GraphModule, flex.Lowered]:
-    """A copy of a stage graph with its attention through FlexAttention (``runtime/flex.py``),
-    and what was lowered."""
+def _flex_lowered(graph: fx.GraphModule, least: int) -> tuple[fx.GraphModule, flex.Lowered]:
+    """A copy of a stage graph with its attention through FlexAttention (``runtime/flex.py``;
+    head dims of ``least`` and more), and what was lowered."""
     graph = copy_graph(graph)
-    return graph, flex.lower_attention(graph)
+    return graph, flex.lower_attention(graph, least)
 
 
 def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
