@@ -374,3 +374,25 @@ def test_batch_masks_under_flex_match_one_device(dense_cpu_backward: None) -> No
     reports = verify_many(checks, via="fork", timeout_s=120)
     bad = {n: str(r) for n, r in reports.items() if isinstance(r, Exception) or not r.ok}
     assert not bad, bad
+
+
+class OneKeyHead(nn.Module):
+    """Multi-query attention as Falcon writes it: k and v of one head, broadcast by SDPA."""
+
+    def forward(self, q, k, v):
+        mask = _causal(q.shape[-2], k.shape[-2], window=5)
+        return nn.functional.scaled_dot_product_attention(q, k[:, :1], v[:, :1], attn_mask=mask)
+
+
+def test_one_key_head_broadcast_is_grouped_query(dense_cpu_backward: None) -> None:
+    module = OneKeyHead()
+    gm = _captured(module, 8, S)
+    lowered = copy_graph(gm)
+    assert len(flex.lower_attention(lowered).lowered) == 1
+    (call,) = [n for n in lowered.graph.nodes if n.target == flex.flex_sdpa]
+    assert call.kwargs["enable_gqa"] is True
+    want, want_grads = _run(gm, module, 8, S)
+    got, got_grads = _run(lowered, module, 8, S)
+    assert _rel(got, want) < 1e-12
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert _rel(g, w) < 1e-12

@@ -145,11 +145,12 @@ def _lower_sdpa(gm: fx.GraphModule, n: fx.Node, min_head_dim: int) -> str | None
         return "not 4-D [b, h, s, d]"
     if _narrow(min_head_dim, q, k, v):
         return f"a head dim below {min_head_dim}, the least FlexAttention's kernels take"
+    groups = _groups(q, k, v)
+    if groups is None:
+        return "k and v do not share q's batch, or their heads do not divide q's"
     with gm.graph.inserting_before(n):
         new = gm.graph.call_function(
-            flex_sdpa,
-            (q, k, v, mask),
-            {"scale": n.kwargs.get("scale"), "enable_gqa": bool(n.kwargs.get("enable_gqa"))},
+            flex_sdpa, (q, k, v, mask), {"scale": n.kwargs.get("scale"), "enable_gqa": groups}
         )
     _replace(n, new)
     return None
@@ -575,6 +576,21 @@ def _constant(n: fx.Node) -> bool:
             return False
         stack.extend(m.all_input_nodes)
     return True
+
+
+def _groups(q: Any, k: Any, v: Any) -> bool | None:
+    """For an SDPA: whether FlexAttention needs ``enable_gqa`` (k and v have fewer heads than q,
+    as grouped-query attention, or one head SDPA broadcasts, as multi-query attention does);
+    None when their batch or heads fit neither."""
+    qs, ks, vs = (_val(x) for x in (q, k, v))
+    if qs is None or ks is None or vs is None or str(qs.shape[0]) != str(ks.shape[0]):
+        return None
+    if str(ks.shape[:2]) != str(vs.shape[:2]) or str(qs.shape[0]) != str(vs.shape[0]):
+        return None
+    hq, hk = qs.shape[1], ks.shape[1]
+    if not isinstance(hq, int) or not isinstance(hk, int) or hq % hk:
+        return None
+    return hq != hk
 
 
 def _same_heads(q: fx.Node, kt: fx.Node, v: Any) -> bool:
