@@ -396,3 +396,35 @@ def test_one_key_head_broadcast_is_grouped_query(dense_cpu_backward: None) -> No
     assert _rel(got, want) < 1e-12
     for g, w in zip(got_grads, want_grads, strict=True):
         assert _rel(g, w) < 1e-12
+
+
+class LearnedMask(nn.Module):
+    """An SDPA whose additive mask is a parameter (a learned bias): it needs a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(S, S, dtype=torch.float64))
+
+    def forward(self, q, k, v):
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+class Widened(nn.Module):
+    """Scores of one sequence widened to B by a per-row term: f's output has more rows than
+    q·kᵀ, which FlexAttention (one score per q row) cannot give."""
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q[:1], k[:1].transpose(2, 3))
+        s = s + torch.arange(B, dtype=q.dtype).view(B, 1, 1, 1)
+        return torch.matmul(torch.softmax(s, dim=-1), v[:1])
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [(LearnedMask, "computed from parameters"), (Widened, "does not broadcast to the scores")],
+)
+def test_what_flex_cannot_take_stays(make, why: str) -> None:
+    module = make()
+    gm = _captured(module, S, S)
+    report = flex.lower_attention(gm)
+    assert not report.lowered and why in report.kept[0], report

@@ -145,6 +145,8 @@ def _lower_sdpa(gm: fx.GraphModule, n: fx.Node, min_head_dim: int) -> str | None
         return "not 4-D [b, h, s, d]"
     if _narrow(min_head_dim, q, k, v):
         return f"a head dim below {min_head_dim}, the least FlexAttention's kernels take"
+    if _dtype(mask) != torch.bool and not _constant(mask):
+        return "an additive mask computed from parameters or activations (it needs a gradient)"
     groups = _groups(q, k, v)
     if groups is None:
         return "k and v do not share q's batch, or their heads do not divide q's"
@@ -207,6 +209,7 @@ def _lower_general(gm: fx.GraphModule, sm: fx.Node, min_head_dim: int) -> str | 
             return "a sink column that is not one value per row"
     elif sink_cut is not None:
         return "a column cut off that no sink joined"
+    top = n  # f's value: the scores softmax takes, the sink column aside
     steps: list[Step] = []
     terms: list[fx.Node] = []
     product = None
@@ -248,6 +251,8 @@ def _lower_general(gm: fx.GraphModule, sm: fx.Node, min_head_dim: int) -> str | 
         return "q, k and v differ in dtype"
     if _narrow(min_head_dim, q, v):
         return f"a head dim below {min_head_dim}, the least FlexAttention's kernels take"
+    if not all(_broadcasts(t, product) for t in [*terms, top]):
+        return "a term that does not broadcast to the scores' shape"
     steps.reverse()
     with gm.graph.inserting_before(pv):
         k = gm.graph.call_function(aten.transpose.int, (kt, -2, -1))
@@ -591,6 +596,16 @@ def _groups(q: Any, k: Any, v: Any) -> bool | None:
     if not isinstance(hq, int) or not isinstance(hk, int) or hq % hk:
         return None
     return hq != hk
+
+
+def _broadcasts(t: fx.Node, scores: fx.Node) -> bool:
+    """``t`` has the scores' size or 1 in every dim (counted from the right): reading it at
+    (b, h, q, kv) is what broadcasting it against the scores reads."""
+    tv, sv = _val(t), _val(scores)
+    if tv is None or sv is None or tv.dim() > sv.dim():
+        return False
+    tail = sv.shape[sv.dim() - tv.dim() :]
+    return all(str(a) == "1" or str(a) == str(b) for a, b in zip(tv.shape, tail, strict=True))
 
 
 def _same_heads(q: fx.Node, kt: fx.Node, v: Any) -> bool:
