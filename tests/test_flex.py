@@ -353,6 +353,8 @@ def test_the_summary_names_what_was_left() -> None:
     assert line.endswith(
         "left as captured: softmax (h.3.attn): exp_1 (aten.exp.default) is not ... (+1 more)"
     )
+    one = flex.summary({0: flex.Lowered(["a"], [])})
+    assert one == "attention=flex: lowered to FlexAttention (stage 0: 1)"
 
 
 @pytest.mark.slow
@@ -428,3 +430,12 @@ def test_what_flex_cannot_take_stays(make, why: str) -> None:
     gm = _captured(module, S, S)
     report = flex.lower_attention(gm)
     assert not report.lowered and why in report.kept[0], report
+
+
+def test_inspect_says_what_each_rank_lowers(capsys: pytest.CaptureFixture[str]) -> None:
+    """``autopart inspect --attention flex`` prints, per rank shown, what it will lower."""
+    from autopart.cli import main
+
+    assert main(["inspect", "--model", "autopart.models.zoo:mistral", "--attention", "flex"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: attention=flex: lowered to FlexAttention (stage 0: 2)" in out

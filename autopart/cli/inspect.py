@@ -19,6 +19,15 @@ def _rank(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rank number or 'all'") from None
 
 
+def _flex_summary(rp) -> str:
+    """What ``attention="flex"`` lowers in this rank's stages (the runtime's own lowering, on
+    copies; a rank compiling for CUDA also keeps heads below 16 dims)."""
+    from autopart.graph import copy_graph
+    from autopart.runtime import flex
+
+    return flex.summary({st.stage: flex.lower_attention(copy_graph(st.graph)) for st in rp.stages})
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
     spec_flag(i)
@@ -86,6 +95,8 @@ def main(a: argparse.Namespace) -> int:
         print(rp, "\n")
         if program.mesh.tp > 1:
             con.print(parallel_table(rp, captured.example_shape))
+        if plan.attention == "flex":  # what this rank will lower when it starts
+            print(f"rank {rp.rank}: {_flex_summary(rp)}\n")
     if a.dot:
         rp = shown[0]
         path = write_dot(rp.stages[0].graph, a.dot, f"rank {rp.rank} stage {rp.stages[0].stage}")

@@ -100,8 +100,10 @@ def summary(reports: dict[int, Lowered]) -> str:
     left as captured, with why."""
     done = ", ".join(f"stage {k}: {len(r.lowered)}" for k, r in sorted(reports.items()))
     kept = [line for r in reports.values() for line in r.kept]
-    more = f"; left as captured: {kept[0]}" + (f" (+{len(kept) - 1} more)" if kept[1:] else "")
-    return f"attention=flex: lowered to FlexAttention ({done}){more if kept else ''}"
+    line = f"attention=flex: lowered to FlexAttention ({done})"
+    if kept:
+        line += f"; left as captured: {kept[0]}" + (f" (+{len(kept) - 1} more)" if kept[1:] else "")
+    return line
 
 
 def lower_attention(gm: fx.GraphModule, min_head_dim: int = 1) -> Lowered:
