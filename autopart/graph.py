@@ -14,6 +14,8 @@ Nothing here knows a pass, a plan or a rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import fx
 
@@ -93,4 +95,19 @@ def erase_unused(g: fx.Graph, node: fx.Node) -> None:
         gone.add(n)
 
 
-__all__ = ["copy_graph", "device_free", "erase_unused", "remove_dead"]
+def reaches(x: fx.Node, found: Callable[[fx.Node], bool], depth: int) -> bool:
+    """Whether ``x`` or a node it is computed from, at most ``depth`` calls up, is ``found``
+    (call nodes only: a placeholder ends the walk)."""
+    stack, seen = [(x, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        if n in seen or d > depth or n.op != "call_function":
+            continue
+        seen.add(n)
+        if found(n):
+            return True
+        stack.extend((a, d + 1) for a in n.all_input_nodes)
+    return False
+
+
+__all__ = ["copy_graph", "device_free", "erase_unused", "reaches", "remove_dead"]

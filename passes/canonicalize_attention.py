@@ -65,7 +65,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import OPTIONAL, B, S, to_sympy
 from autopart.frontend.shapes import propagate
-from autopart.graph import erase_unused, remove_dead
+from autopart.graph import erase_unused, reaches, remove_dead
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -793,16 +793,7 @@ def _is_product(n: fx.Node) -> bool:
 
 def _reaches_product(x: fx.Node, depth: int = 24) -> bool:
     """Whether ``x`` is computed from a q·kᵀ product (a few elementwise steps up)."""
-    stack, seen = [(x, 0)], set()
-    while stack:
-        n, d = stack.pop()
-        if n in seen or d > depth or n.op != "call_function":
-            continue
-        seen.add(n)
-        if _is_product(n):
-            return True
-        stack.extend((a, d + 1) for a in n.all_input_nodes)
-    return False
+    return reaches(x, _is_product, depth)
 
 
 def _probabilities(sm: fx.Node, sink_column: bool = False) -> tuple[fx.Node | None, fx.Node, float]:

@@ -42,6 +42,7 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
+from autopart.graph import reaches
 from autopart.meta import META_INPUT, META_MODULE
 
 aten = torch.ops.aten
@@ -544,18 +545,9 @@ def _is_product(n: fx.Node) -> bool:
     return all(isinstance(d, int) for d in dims) and sorted(d % 4 for d in dims) == [2, 3]
 
 
-def _reaches(a: fx.Node, depth: int = 64) -> bool:
+def _reaches(a: fx.Node) -> bool:
     """Whether ``a`` is computed from a q·kᵀ product."""
-    stack, seen = [(a, 0)], set()
-    while stack:
-        n, d = stack.pop()
-        if n in seen or d > depth or n.op != "call_function":
-            continue
-        seen.add(n)
-        if _is_product(n):
-            return True
-        stack.extend((x, d + 1) for x in n.all_input_nodes)
-    return False
+    return reaches(a, _is_product, 64)
 
 
 def _constant(n: fx.Node) -> bool:
