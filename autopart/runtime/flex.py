@@ -43,7 +43,7 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.graph import reaches
-from autopart.meta import META_INPUT, META_MODULE
+from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_RECOMPUTE
 
 aten = torch.ops.aten
 
@@ -432,7 +432,7 @@ def _replace(old: fx.Node, new: fx.Node, dtype: torch.dtype | None = None) -> No
         with old.graph.inserting_after(new):
             cast = old.graph.call_function(aten._to_copy.default, (new,), {"dtype": dtype})
         new = cast
-    for key in (META_MODULE, "val", "stack_trace", "autopart.layer", "autopart.recompute"):
+    for key in (META_MODULE, "val", "stack_trace", META_LAYER, META_RECOMPUTE):
         if key in old.meta:
             new.meta[key] = old.meta[key]
     old.replace_all_uses_with(new)
