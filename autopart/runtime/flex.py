@@ -114,7 +114,7 @@ def lower_attention(gm: fx.GraphModule, min_head_dim: int = 1) -> Lowered:
     need 16: the runner asks for that when it compiles for CUDA)."""
     report = Lowered([], [])
     for n in list(gm.graph.nodes):
-        if n.op != "call_function":
+        if n.op != "call_function" or n._erased:  # erased: part of an attention lowered above
             continue
         if n.target == _SDPA:
             why = _lower_sdpa(gm, n, min_head_dim)
