@@ -8,13 +8,17 @@ costs, the lowering, the runtime and the tests.
   device its rank picks (``runtime/placement.py``).
 - ``remove_dead(gm)``: erase every node the output does not depend on, impure ones included
   (``canonicalize_attention`` and ``sequence_chunk`` drop a replaced mask's construction).
+- ``reaches``, ``only_user``, ``row_max_of``, ``cuts_last_column``: the node tests that
+  ``canonicalize_attention`` and the runtime's FlexAttention lowering both read attention with.
 
 Nothing here knows a pass, a plan or a rank.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -110,4 +114,45 @@ def reaches(x: fx.Node, found: Callable[[fx.Node], bool], depth: int) -> bool:
     return False
 
 
-__all__ = ["copy_graph", "device_free", "erase_unused", "reaches", "remove_dead"]
+def only_user(n: fx.Node) -> fx.Node | None:
+    """The one user of ``n`` besides export's metadata checks, if it has exactly one."""
+    users = [u for u in n.users if u.target != torch.ops.aten._assert_tensor_metadata.default]
+    return users[0] if len(users) == 1 else None
+
+
+def row_max_of(m: Any, x: Any) -> bool:
+    """``m`` is a row's max of ``x`` (``max(x, -1, keepdim=True)[0]`` or ``amax(x, -1, True)``),
+    as subtracted before a softmax."""
+    aten = torch.ops.aten
+    if not isinstance(m, fx.Node):
+        return False
+    if m.target is operator.getitem and m.args[1] == 0:
+        mx = m.args[0]
+        return (
+            isinstance(mx, fx.Node)
+            and mx.target == aten.max.dim
+            and mx.args[0] is x
+            and mx.args[1] in (-1, 3)
+        )
+    dims: Any = m.args[1] if len(m.args) > 1 else None
+    return m.target == aten.amax.default and m.args[0] is x and list(dims or ()) in ([-1], [3])
+
+
+def cuts_last_column(n: fx.Node) -> bool:
+    """``n`` is ``x[..., :-1]``: an ``aten.slice`` of the last dim from 0 to −1, step 1."""
+    if n.target != torch.ops.aten.slice.Tensor:
+        return False
+    dim, start, end, step = (list(n.args[1:5]) + [None] * 4)[:4]
+    return bool(dim in (-1, 3) and start in (None, 0) and end == -1 and step in (None, 1))
+
+
+__all__ = [
+    "copy_graph",
+    "cuts_last_column",
+    "device_free",
+    "erase_unused",
+    "only_user",
+    "reaches",
+    "remove_dead",
+    "row_max_of",
+]

@@ -65,7 +65,14 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import OPTIONAL, B, S, to_sympy
 from autopart.frontend.shapes import propagate
-from autopart.graph import erase_unused, reaches, remove_dead
+from autopart.graph import (
+    cuts_last_column,
+    erase_unused,
+    only_user,
+    reaches,
+    remove_dead,
+    row_max_of,
+)
 from autopart.layout import Plan
 from autopart.meta import (
     META_ATTENTION,
@@ -294,12 +301,6 @@ def _fill_of(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _only_user(n: fx.Node) -> fx.Node | None:
-    """The one user of ``n`` other than metadata asserts, if there is exactly one."""
-    users = [u for u in n.users if u.target != aten._assert_tensor_metadata.default]
-    return users[0] if len(users) == 1 else None
-
-
 def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     """softmax(mask(matmul(q, kᵀ) [·/÷ c])) [→ casts] [→ dropout] [→ casts] → matmul(·, v),
     where mask is ``masked_fill(·, m, −inf)`` or ``· + m`` with an additive mask (0 where kept,
@@ -322,14 +323,14 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
         return False
     q, k, scale = qk
     probs, dropout = sm, 0.0
-    user = _only_user(probs)
+    user = only_user(probs)
     while user is not None and user.target in _CASTS:
-        probs, user = user, _only_user(user)
+        probs, user = user, only_user(user)
     if user is not None and user.target == aten.dropout.default:
         probs, dropout = user, (float_arg(user, 1) if user.args[2] else 0.0)
-        user = _only_user(probs)
+        user = only_user(probs)
     while user is not None and user.target in _CASTS:
-        probs, user = user, _only_user(user)
+        probs, user = user, only_user(user)
     if user is None or user.target != aten.matmul.default or user.args[0] is not probs:
         return False
     names = batch_inputs(gm, cond)
@@ -479,8 +480,8 @@ def _unfolded_users(g: fx.Graph, out: fx.Node, new: fx.Node, unfolded: torch.Ten
             and _same_shape_as(user, unfolded)
         ):
             user.replace_all_uses_with(new)
-            erase_unused(g, user)
-    erase_unused(g, out)
+            g.erase_node(user)
+    erase_unused(g, out)  # once its users are gone: it and the reshape's sizes
 
 
 def _same_shape_as(a: fx.Node, want: torch.Tensor) -> bool:
@@ -551,7 +552,7 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> 
             sink, n = extra, path
             continue
         paths = [a for a in n.all_input_nodes if _reaches_product(a)]
-        if n.target == aten.sub.Tensor and _row_max_of(n.args[1], n.args[0]):
+        if n.target == aten.sub.Tensor and row_max_of(n.args[1], n.args[0]):
             shift, n = n, node_arg(n, 0)
             continue
         if len(paths) != 1 or n.target not in _TERM_OPS:
@@ -675,20 +676,12 @@ def _restore(gm: fx.GraphModule, rebuilt: dict[fx.Node, fx.Node], terms: list) -
         discard(gm, m)
 
 
-def _row_max_of(m: object, x: object) -> bool:
-    """``m`` is ``max(x, -1, keepdim=True)[0]`` (a row's max, subtracted before a softmax)."""
-    if not isinstance(m, fx.Node) or m.target is not operator.getitem or m.args[1] != 0:
-        return False
-    mx = node_arg(m, 0)
-    return mx.target == aten.max.dim and mx.args[0] is x and int_arg(mx, 1) in (-1, 3)
-
-
 def _between(sm: fx.Node, pv: fx.Node) -> list[fx.Node]:
     """The nodes from a softmax to the product with v (casts, dropout, the sink's slice)."""
-    out, n = [], _only_user(sm)
+    out, n = [], only_user(sm)
     while n is not None and n is not pv:
         out.append(n)
-        n = _only_user(n)
+        n = only_user(n)
     return out
 
 
@@ -801,31 +794,23 @@ def _probabilities(sm: fx.Node, sink_column: bool = False) -> tuple[fx.Node | No
     (that product, the probabilities it takes, dropout p), or (None, …) when there is none.
     With a ``sink_column``, the slice cutting it off (``[..., :-1]``) first."""
     probs, dropout = sm, 0.0
-    user = _only_user(probs)
+    user = only_user(probs)
     while user is not None and (user.target in _CASTS or user.target in _VIEWS):
-        probs, user = user, _only_user(user)
+        probs, user = user, only_user(user)
     if sink_column:
-        if user is None or not _cuts_last_column(user):
+        if user is None or not cuts_last_column(user):
             return None, probs, dropout
-        probs, user = user, _only_user(user)
+        probs, user = user, only_user(user)
         while user is not None and (user.target in _CASTS or user.target in _VIEWS):
-            probs, user = user, _only_user(user)
+            probs, user = user, only_user(user)
     if user is not None and user.target == aten.dropout.default:
         probs, dropout = user, (float_arg(user, 1) if user.args[2] else 0.0)
-        user = _only_user(probs)
+        user = only_user(probs)
     while user is not None and (user.target in _CASTS or user.target in _VIEWS):
-        probs, user = user, _only_user(user)
+        probs, user = user, only_user(user)
     if user is None or user.target not in _PRODUCTS or user.args[0] is not probs:
         return None, probs, dropout
     return user, probs, dropout
-
-
-def _cuts_last_column(n: fx.Node) -> bool:
-    """``n`` is ``x[..., :-1]`` (an ``aten.slice`` of the last dim from 0 to −1)."""
-    if n.target != aten.slice.Tensor:
-        return False
-    dim, start, end = (list(n.args[1:4]) + [None, None, None])[:3]
-    return bool(dim in (-1, 3) and start in (None, 0) and end == -1)
 
 
 def _unfold(gm: fx.GraphModule, xs: tuple, made: list[fx.Node]) -> tuple | None:

@@ -33,7 +33,6 @@ ran where.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -42,7 +41,7 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.graph import reaches
+from autopart.graph import cuts_last_column, only_user, reaches, row_max_of
 from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_RECOMPUTE
 
 aten = torch.ops.aten
@@ -191,16 +190,16 @@ def _lower_general(gm: fx.GraphModule, sm: fx.Node, min_head_dim: int) -> str | 
     if not isinstance(x, fx.Node) or _dims(x) != 4 or _last_dim(sm) is False:
         return ""  # not a softmax over keys of 4-D scores
     # forward: casts, the sink column's slice, casts, then the product with v
-    user, sink_cut = _past_casts(_only_user(sm)), None
-    if user is not None and _cuts_last_column(user):
-        sink_cut, user = user, _past_casts(_only_user(user))
+    user, sink_cut = _past_casts(only_user(sm)), None
+    if user is not None and cuts_last_column(user):
+        sink_cut, user = user, _past_casts(only_user(user))
     if user is None or user.target != aten.matmul.default or _dims(user) != 4:
         return f"its probabilities reach {_name(user)} before a product with v"
     pv, v = user, user.args[1]
     # backward: the row max subtracted, the sink column, then f down to q·kᵀ
     n: Any = x
     sink: Any = None
-    if n.target == aten.sub.Tensor and _row_max_of(n.args[1], n.args[0]):
+    if n.target == aten.sub.Tensor and row_max_of(n.args[1], n.args[0]):
         n = n.args[0]
     if n.target == aten.cat.default:
         parts: Any = n.args[0]
@@ -248,7 +247,7 @@ def _lower_general(gm: fx.GraphModule, sm: fx.Node, min_head_dim: int) -> str | 
     if product is None:
         return "no q·kᵀ under its scores"
     q, kt = cast("tuple[fx.Node, fx.Node]", product.args)
-    if _dims(q) != 4 or _dims(v) != 4 or not _same_heads(q, kt, v):
+    if _dims(q) != 4 or _dims(v) != 4 or _groups(q, kt, v) is not False:
         return "q, k and v differ in batch or heads"
     if _dtype(q) != _dtype(v) or _dtype(q) != _dtype(kt):
         return "q, k and v differ in dtype"
@@ -318,11 +317,13 @@ def _hidden(steps: Sequence[Step], terms: list[torch.Tensor]) -> torch.Tensor:
             h = h if keep else torch.zeros((), dtype=torch.bool)
         elif target == aten.mul.Tensor and t is not None:
             h = h & (t > 0) & (t != inf)
-        elif target in (aten.mul.Tensor, aten.div.Tensor):
-            ok = scalar is not None and 0 < scalar < inf and (first or target == aten.mul.Tensor)
-            if t is not None:
-                ok = False
-            h = h if ok else torch.zeros((), dtype=torch.bool)
+        elif target in (aten.mul.Tensor, aten.div.Tensor):  # by a scalar (a term: div)
+            ok = t is None and scalar is not None and 0 < scalar < inf
+            h = (
+                h
+                if ok and (first or target == aten.mul.Tensor)
+                else torch.zeros((), dtype=torch.bool)
+            )
         elif target == aten.masked_fill.Scalar and t is not None:
             h = torch.where(t, args[2] == -inf, h)
         elif target == aten.where.ScalarOther and t is not None and args[1] == PREV:
@@ -483,14 +484,8 @@ def _past_casts(n: fx.Node | None) -> fx.Node | None:
         or n.target == aten.clone.default
         or (n.target == aten.dropout.default and n.args[1] in (0, 0.0))
     ):
-        n = _only_user(n)
+        n = only_user(n)
     return n
-
-
-def _only_user(n: fx.Node) -> fx.Node | None:
-    """The one user of ``n`` besides export's metadata checks, if it has one."""
-    users = [u for u in n.users if u.target not in _CHECKS]
-    return users[0] if len(users) == 1 else None
 
 
 def _erase(g: fx.Graph, node: fx.Node) -> None:
@@ -508,30 +503,6 @@ def _erase(g: fx.Graph, node: fx.Node) -> None:
         stack.extend(n.all_input_nodes)
         g.erase_node(n)
         gone.add(n)
-
-
-def _cuts_last_column(n: fx.Node) -> bool:
-    """``n`` is ``x[..., :-1]``: an ``aten.slice`` of the last dim from 0 to −1."""
-    if n.target != aten.slice.Tensor:
-        return False
-    dim, start, end, step = (list(n.args[1:5]) + [None] * 4)[:4]
-    return bool(dim in (-1, 3) and start in (None, 0) and end == -1 and step in (None, 1))
-
-
-def _row_max_of(m: Any, x: Any) -> bool:
-    """``m`` is ``max(x, -1, keepdim=True)[0]`` or ``amax(x, -1, True)``: a row's max."""
-    if not isinstance(m, fx.Node):
-        return False
-    if m.target is operator.getitem and m.args[1] == 0:
-        mx = m.args[0]
-        return (
-            isinstance(mx, fx.Node)
-            and mx.target == aten.max.dim
-            and mx.args[0] is x
-            and mx.args[1] in (-1, 3)
-        )
-    dims: Any = m.args[1] if len(m.args) > 1 else None
-    return m.target == aten.amax.default and m.args[0] is x and list(dims or ()) in ([-1], [3])
 
 
 def _is_product(n: fx.Node) -> bool:
@@ -578,7 +549,7 @@ def _constant(n: fx.Node) -> bool:
 
 
 def _groups(q: Any, k: Any, v: Any) -> bool | None:
-    """For an SDPA: whether FlexAttention needs ``enable_gqa`` (k and v have fewer heads than q,
+    """Whether FlexAttention needs ``enable_gqa`` (k and v have fewer heads than q,
     as grouped-query attention, or one head SDPA broadcasts, as multi-query attention does);
     None when their batch or heads fit neither."""
     qs, ks, vs = (_val(x) for x in (q, k, v))
@@ -600,10 +571,3 @@ def _broadcasts(t: fx.Node, scores: fx.Node) -> bool:
         return False
     tail = sv.shape[sv.dim() - tv.dim() :]
     return all(str(a) == "1" or str(a) == str(b) for a, b in zip(tv.shape, tail, strict=True))
-
-
-def _same_heads(q: fx.Node, kt: fx.Node, v: Any) -> bool:
-    qs, ks, vs = (_val(x) for x in (q, kt, v))
-    if qs is None or ks is None or vs is None:
-        return False
-    return all(str(qs.shape[i]) == str(ks.shape[i]) == str(vs.shape[i]) for i in (0, 1))

@@ -1176,7 +1176,8 @@ class Runner:
             least = 16 if self._compile and self.device.type == "cuda" else 1
             lowered = {k: _flex_lowered(g, least) for k, g in graphs.items()}
             graphs = {k: g for k, (g, _) in lowered.items()}
-            self.attention_lowered = {k: report for k, (_, report) in lowered.items()}
+            if not self.attention_lowered:  # the step's graphs (built first), not a variant's
+                self.attention_lowered = {k: report for k, (_, report) in lowered.items()}
         placed = {k: checkpointed(place(g, self.device)) for k, g in graphs.items()}
         runs: dict[int, nn.Module] = dict(placed)
         if self.dry:  # the dry run refuses any value a node computes on another device
