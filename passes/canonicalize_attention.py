@@ -416,7 +416,7 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict, folded_only: bool = F
     made: list[fx.Node] = []
     with g.inserting_before(pv):
         if q.meta["val"].dim() == 3:  # heads folded into the batch: [h·b, s, d] → [b, h, s, d]
-            unfolded = _unfold(gm, (q, k, v), made)
+            unfolded = _unfold(gm, (q, k, v), made)  # (v may be unfolded already: GPT-NeoX-Japanese)
             if unfolded is None:
                 sm.meta[META_ATTENTION] = "an attention whose heads are folded unevenly"
                 return False
@@ -456,14 +456,15 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict, folded_only: bool = F
         out = new
         if pv.meta["val"].dtype != q.meta["val"].dtype:
             out = g.call_function(aten._to_copy.default, (out,), {"dtype": pv.meta["val"].dtype})
-        if q.meta["val"].dim() == 3:
+        folded_out = pv.meta["val"].dim() == 3
+        if folded_out:
             folded: list[Any] = [_sym(g, q, 0), _sym(g, q, 1), int(v.meta["val"].shape[-1])]
             out = g.call_function(aten.reshape.default, (out, folded))
     new.meta[META_ATTENTION], new.meta[META_MASK_FN], new.meta[META_WINDOW] = "causal", True, None
     place([*made, new, out, vv, *_marked(mask)], pv)
     pv.replace_all_uses_with(out)
     erase_unused(g, pv)
-    if q.meta["val"].dim() == 3:
+    if folded_out:
         want = q4.meta["val"].shape[:-1] + v4.meta["val"].shape[-1:]
         _unfolded_users(g, out, new, torch.empty(want, device="meta"))
     return True
@@ -814,11 +815,15 @@ def _probabilities(sm: fx.Node, sink_column: bool = False) -> tuple[fx.Node | No
 
 
 def _unfold(gm: fx.GraphModule, xs: tuple, made: list[fx.Node]) -> tuple | None:
-    """[h·b, s, d] tensors as [b, h, s, d] (h from their sizes), or None."""
+    """[h·b, s, d] tensors as [b, h, s, d] (h from their sizes; one that is [b, h, s, d]
+    already is itself), or None."""
     g = gm.graph
     out = []
     shape: list[Any]
     for x in xs:
+        if x.meta["val"].dim() == 4:
+            out.append(x)
+            continue
         expr = to_sympy(x.meta["val"].shape[0], gm)
         h = sympy.Poly(expr, B).coeff_monomial(B) if expr.free_symbols == {B} else 0
         if not h or sympy.expand(expr - h * B) != 0:

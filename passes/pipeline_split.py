@@ -35,6 +35,7 @@ from autopart.meta import (
     META_INPUT,
     META_INPUTS,
     META_LAYER,
+    META_MODULE,
     META_PASSES,
     META_STAGE,
     META_STAGES,
@@ -312,11 +313,20 @@ def _needed(gm, k, stage_of, rec, crossing, output, stages) -> set[fx.Node]:
         stack.extend(n.all_input_nodes)
     bad = [n for n in need if n in stage_of and stage_of[n] != k and n not in arriving]
     if bad:
+        n = min(bad, key=lambda b: stage_of[b])
+        user = next((u for u in n.users if u in need and stage_of.get(u, k) == k), n)
         raise AutopartError(
-            f"stage {k} would need {bad[0].format_node()} from another stage",
-            hint="please report this model: a value skips the stage boundary",
+            f"pipeline stage {k} would need node {n.name} ({_where(n)}), computed in stage "
+            f"{stage_of[n]}, for node {user.name} ({_where(user)}): the model does not run its "
+            "blocks once each, in order (a later block's output feeds an earlier block, as in "
+            "a model that loops over its blocks), so its graph is not a chain of stages",
+            hint="use dp and tp for this model (no pp)",
         )
     return need
+
+
+def _where(n: fx.Node) -> str:
+    return n.meta.get(META_MODULE) or "<root>"
 
 
 def _parent(

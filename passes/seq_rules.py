@@ -804,7 +804,6 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
             aten.squeeze.dim,
             aten.squeeze.dims,
             aten.squeeze.default,
-            aten.expand.default,
             aten.expand_as.default,
             aten.stack.default,
             aten.alias.default,
@@ -959,6 +958,15 @@ def _factory(p: _Prover, n: fx.Node) -> Any:
     if len(grow) > 1:
         raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
     return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1) if grow else None
+
+
+def _expand(p: _Prover, n: fx.Node) -> Any:
+    """An expand: of a value free of the sequence to a size that grows with it, a constant
+    sized by the sequence (GPT-NeoX-Japanese's output bias, broadcast to [b, s, h] before it is
+    added); otherwise a rearrangement that keeps the token order."""
+    if p.env.get(node_arg(n, 0)) is None:
+        return _factory(p, n)
+    return p._carry(n)
 
 
 # positions and running counts: the chunk pass (``sequence_chunk``) shifts them by the chunk's
@@ -1824,6 +1832,7 @@ _VIEWS = (
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.repeat.default: _repeat,
     aten.einsum.default: _einsum,
+    aten.expand.default: _expand,
     **dict.fromkeys(
         (
             aten.zeros.default,

@@ -178,3 +178,32 @@ def test_memory_limit_from_the_plan(gpt_sdpa: Case) -> None:
     tight = Plan(Mesh(pp=2), microbatches=2, max_stage_memory_gb=1e-6)
     with pytest.raises(AutopartError, match="fits 1e-06 GiB per stage"):
         run_passes(copy_graph(gpt_sdpa.captured.graph), tight, PIPELINE)
+
+
+class _Looped(torch.nn.Module):
+    """Four blocks applied as 0, 1, 2, 3, then 0 again (a model that loops over its blocks, as
+    HRM does): the graph is not a chain of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for i in (0, 1, 2, 3, 0):
+            x = x + torch.tanh(self.layers[i](x))
+        return self.head(x)
+
+
+def test_blocks_run_out_of_order_are_refused_by_name() -> None:
+    """A block whose input comes from a later block cannot sit in an earlier stage: the plan is
+    refused naming the node, its module and why, before any rank starts."""
+    ids = torch.randint(0, 50, (2, 8))
+    captured = capture(_Looped(), (ids, ids))
+    with pytest.raises(AutopartError) as err:
+        compile_program(captured, Plan(Mesh(pp=2), microbatches=2))
+    message = err.value.message
+    assert "would need node" in message and "(layers.0)" in message
+    assert "does not run its blocks once each, in order" in message
+    assert "no pp" in err.value.hint

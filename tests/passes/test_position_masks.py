@@ -28,7 +28,8 @@ class _Scores(nn.Module):
     slope × key position, BLOOM), "alibi-end" (slope × (j − s + 1), MPT), "capped" (tanh
     soft-capping, Gemma 2), "sink" (a learned sink column per head, its row max subtracted,
     gpt-oss), "chunked" (an SDPA mask: causal within blocks of 4, Llama 4), "folded" (heads
-    folded into the batch, a clamp at the float minimum, XGLM), "gpt1" (scores × mask − 1e4
+    folded into the batch, a clamp at the float minimum, XGLM), "folded-qk" (only q and k
+    folded, the scores unfolded before the mask and v never folded: GPT-NeoX-Japanese), "gpt1" (scores × mask − 1e4
     where masked: a weight exp(−1e4 − max) is exactly 0), "key-bias" (an SDPA mask of one bias
     per key computed from its token, filled where the causal mask hides the key: Doge).
     Refused kinds: "soft" (−1 where
@@ -78,6 +79,15 @@ class _Scores(nn.Module):
             allowed = (i // 4 == j // 4) & (keep if self.kind == "chunked" else True)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
             return self.out(y.transpose(1, 2).reshape(b, s, 16))
+        if self.kind == "folded-qk":
+            scores = torch.baddbmm(
+                torch.zeros(b * 2, s, s, dtype=q.dtype),
+                q.reshape(b * 2, s, 8),
+                k.reshape(b * 2, s, 8).transpose(1, 2),
+                alpha=8**-0.5,
+            )
+            probs = torch.softmax(scores.view(b, 2, s, s) + mask, dim=-1)
+            return self.out(torch.matmul(probs, v).transpose(1, 2).reshape(b, s, 16))
         if self.kind == "folded":
             scores = torch.bmm(q.reshape(b * 2, s, 8), k.reshape(b * 2, s, 8).transpose(1, 2))
             scores = scores.view(b, 2, s, s) * 8**-0.5 + mask
@@ -125,6 +135,7 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
         pytest.param("alibi", "sdpa", marks=pytest.mark.slow),  # MPT and every causal model
         ("alibi-end", "sdpa"),
         ("folded", "sdpa"),
+        ("folded-qk", "sdpa"),
         ("chunked", "sdpa"),
         ("capped", "scores"),
         ("sink", "scores"),

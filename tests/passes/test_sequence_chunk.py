@@ -216,6 +216,8 @@ class _Mixer(torch.nn.Module):
         elif self.mix == "assign":  # a slice assignment on the hidden dim: per token, chunkable
             x = x.clone()
             x[..., :4] = x[..., 4:8] * 2
+        elif self.mix == "bias":  # a bias broadcast to [b, s, h] first (GPT-NeoX-Japanese's)
+            x = x + self.head.bias[:16].expand(ids.shape[0], ids.shape[1], 16)
         return self.head(x)
 
 
@@ -275,6 +277,19 @@ def test_a_slice_assignment_per_token_chunks_exactly() -> None:
     gm = _assert_chunks_exactly(_Mixer("assign"), ids)
     scatter = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.slice_scatter.default)
     assert scatter.meta[META_SEQ_DIM] == 1
+
+
+def test_a_constant_expanded_along_the_sequence_chunks_exactly() -> None:
+    """A value free of the sequence expanded to a size that grows with it is the same at every
+    token (a constant sized by the sequence, like ``zeros(b, s)``): proven, chunked, exact."""
+    ids = torch.randint(0, 50, (2, 16))
+    gm = _assert_chunks_exactly(_Mixer("bias"), ids)
+    expand = next(
+        n
+        for n in gm.graph.nodes
+        if n.target == torch.ops.aten.expand.default and n.meta["val"].dim() == 3
+    )
+    assert expand.meta[META_SEQ_DIM] == 1
 
 
 @pytest.mark.parametrize("mix", ["count", "rows"])
