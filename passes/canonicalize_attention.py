@@ -416,7 +416,8 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict, folded_only: bool = F
     made: list[fx.Node] = []
     with g.inserting_before(pv):
         if q.meta["val"].dim() == 3:  # heads folded into the batch: [h·b, s, d] → [b, h, s, d]
-            unfolded = _unfold(gm, (q, k, v), made)  # (v may be unfolded already: GPT-NeoX-Japanese)
+            # (v may be unfolded already: GPT-NeoX-Japanese)
+            unfolded = _unfold(gm, (q, k, v), made)
             if unfolded is None:
                 sm.meta[META_ATTENTION] = "an attention whose heads are folded unevenly"
                 return False
