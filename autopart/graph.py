@@ -99,13 +99,18 @@ def erase_unused(g: fx.Graph, node: fx.Node) -> None:
         gone.add(n)
 
 
-def reaches(x: fx.Node, found: Callable[[fx.Node], bool], depth: int) -> bool:
+def reaches(
+    x: fx.Node, found: Callable[[fx.Node], bool], depth: int, values_only: bool = False
+) -> bool:
     """Whether ``x`` or a node it is computed from, at most ``depth`` calls up, is ``found``
-    (call nodes only: a placeholder ends the walk)."""
+    (call nodes only: a placeholder ends the walk; with ``values_only``, so does a size read
+    off a tensor, ``sym_size``: x is then computed from the tensor's shape, not its values)."""
     stack, seen = [(x, 0)], set()
     while stack:
         n, d = stack.pop()
         if n in seen or d > depth or n.op != "call_function":
+            continue
+        if values_only and n.target == torch.ops.aten.sym_size.int:
             continue
         seen.add(n)
         if found(n):

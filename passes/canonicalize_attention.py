@@ -108,6 +108,10 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     proofs: dict = {}  # mask → its proof: the layers of a Hugging Face model share one mask
     if every_form:
         changed |= _key_transposes(gm)
+        if _sink_scales(gm):
+            changed = True
+            remove_dead(gm)
+            propagate(gm)
     for n in list(gm.graph.nodes):
         if n._erased:  # a product with v an earlier form replaced
             continue
@@ -150,6 +154,77 @@ def _key_transposes(gm: fx.GraphModule) -> bool:
         k.meta["val"] = v.permute(*perm[:2], perm[3], perm[2])
         t.meta["val"] = k.meta["val"].transpose(-2, -1)
         n.replace_input_with(kt, t)
+        changed = True
+    return changed
+
+
+def _sink_scales(gm: fx.GraphModule) -> bool:
+    """Write a sink applied after the softmax (Granite SWA: ``softmax(x)·v ×
+    sigmoid(logsumexp(x) − c)``, c a per-head sink) as form 6's sink column,
+    ``softmax(cat([x, c], -1))[..., :-1]·v``: the same values, since sigmoid(l − c) =
+    eˡ / (eˡ + eᶜ) and eˡ = Σⱼ e^xⱼ. Only when the logsumexp and the sigmoid feed nothing else,
+    x's softmax over its last dim is the one the product with v takes, and c is computed
+    without the tokens and has one value per row (a column)."""
+    g, changed = gm.graph, False
+    for lse in list(g.nodes):
+        if lse.target != aten.logsumexp.default or lse._erased:
+            continue
+        x = node_arg(lse, 0)
+        dims, keep = list(seq_arg(lse, 1)), lse.args[2] if len(lse.args) > 2 else False
+        if x.meta["val"].dim() != 4 or dims not in ([-1], [3]) or keep:
+            continue
+        steps, n = [], only_user(lse)
+        while n is not None and (n.target in _CASTS or n.target == aten.unsqueeze.default):
+            steps.append(n)
+            n = only_user(n)
+        sub = n
+        if sub is None or sub.target != aten.sub.Tensor or sub.args[0] is not (steps or [lse])[-1]:
+            continue
+        c = sub.args[1]
+        if not isinstance(c, fx.Node) or _values_read(c) or c.meta["val"].dim() > 3:
+            continue
+        if c.meta["val"].dim() == 3 and c.meta["val"].shape[-1] != 1:
+            continue
+        n = only_user(sub)
+        while n is not None and n.target in _CASTS:
+            n = only_user(n)
+        if n is None or n.target != aten.sigmoid.default:
+            continue
+        n, unsqueezed = only_user(n), False
+        while n is not None and (n.target in _CASTS or n.target == aten.unsqueeze.default):
+            unsqueezed |= n.target == aten.unsqueeze.default and n.args[1] in (-1, 3)
+            n = only_user(n)
+        if n is None or n.target != aten.mul.Tensor or not unsqueezed:
+            continue
+        mul = n
+        softmaxes = [
+            u
+            for u in x.users
+            if u.target in (aten.softmax.int, aten._softmax.default) and u.args[1] in (-1, 3)
+        ]
+        if len(softmaxes) != 1:
+            continue
+        sm = softmaxes[0]
+        pv, _, _ = _probabilities(sm)
+        if pv is None or pv not in mul.args or pv.meta["val"].shape != mul.meta["val"].shape:
+            continue
+        with g.inserting_before(sm):
+            col = c if c.meta["val"].dim() == 3 else None
+            if col is None:  # [h] or a scalar: one value per head or for all
+                col = g.call_function(aten.view.default, (c, [1, -1, 1]))
+            col = g.call_function(aten.unsqueeze.default, (col, -1))
+            sizes = [_sym(g, x, 0), int(x.meta["val"].shape[1]), _sym(g, x, 2), 1]
+            col = g.call_function(aten.expand.default, (col, sizes))
+            if c.meta["val"].dtype != x.meta["val"].dtype:
+                col = g.call_function(
+                    aten._to_copy.default, (col,), {"dtype": x.meta["val"].dtype}
+                )
+            joined = g.call_function(aten.cat.default, ([x, col], -1))
+        sm.replace_input_with(x, joined)
+        with g.inserting_after(sm):
+            cut = g.call_function(aten.slice.Tensor, (sm, -1, 0, -1))
+        sm.replace_all_uses_with(cut, delete_user_cb=lambda u: u is not cut)
+        mul.replace_all_uses_with(pv)
         changed = True
     return changed
 
@@ -787,8 +862,8 @@ def _is_product(n: fx.Node) -> bool:
 
 
 def _reaches_product(x: fx.Node, depth: int = 24) -> bool:
-    """Whether ``x`` is computed from a q·kᵀ product (a few elementwise steps up)."""
-    return reaches(x, _is_product, depth)
+    """Whether ``x`` is computed from a q·kᵀ product's values (a few elementwise steps up)."""
+    return reaches(x, _is_product, depth, values_only=True)
 
 
 def _probabilities(sm: fx.Node, sink_column: bool = False) -> tuple[fx.Node | None, fx.Node, float]:
