@@ -216,14 +216,12 @@ def _sink_scales(gm: fx.GraphModule) -> bool:
             sizes = [_sym(g, x, 0), int(x.meta["val"].shape[1]), _sym(g, x, 2), 1]
             col = g.call_function(aten.expand.default, (col, sizes))
             if c.meta["val"].dtype != x.meta["val"].dtype:
-                col = g.call_function(
-                    aten._to_copy.default, (col,), {"dtype": x.meta["val"].dtype}
-                )
+                col = g.call_function(aten._to_copy.default, (col,), {"dtype": x.meta["val"].dtype})
             joined = g.call_function(aten.cat.default, ([x, col], -1))
         sm.replace_input_with(x, joined)
         with g.inserting_after(sm):
             cut = g.call_function(aten.slice.Tensor, (sm, -1, 0, -1))
-        sm.replace_all_uses_with(cut, delete_user_cb=lambda u: u is not cut)
+        sm.replace_all_uses_with(cut, delete_user_cb=lambda u, cut=cut: u is not cut)
         mul.replace_all_uses_with(pv)
         changed = True
     return changed
