@@ -816,6 +816,8 @@ def _adds_a_term(gm: fx.GraphModule, n: fx.Node, path: fx.Node) -> bool:
         return args[0] is path and _low(args[2])
     if t == aten.where.ScalarOther:
         return args[1] is path and _low(args[2])
+    if t == aten.where.self:  # GPT-Neo: where(mask, scores, tensor(finfo.min))
+        return args[1] is path and _low_full(gm, args[2])
     if t in (aten.max.other, aten.maximum.default):
         return _low_full(gm, args[1] if args[0] is path else args[0])
     if t == aten.clamp_min.default:

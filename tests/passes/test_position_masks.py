@@ -31,10 +31,11 @@ class _Scores(nn.Module):
     sigmoid(logsumexp(scores) − sink), Granite SWA), "chunked" (an SDPA mask: causal within blocks of 4, Llama 4), "folded" (heads
     folded into the batch, a clamp at the float minimum, XGLM), "folded-qk" (only q and k
     folded, the scores unfolded before the mask and v never folded: GPT-NeoX-Japanese), "gpt1" (scores × mask − 1e4
-    where masked: a weight exp(−1e4 − max) is exactly 0), "key-bias" (an SDPA mask of one bias
+    where masked: a weight exp(−1e4 − max) is exactly 0), "where-min" (``where(keep, scores,
+    tensor(finfo.min))``, GPT-Neo), "key-bias" (an SDPA mask of one bias
     per key computed from its token, filled where the causal mask hides the key: Doge).
     Refused kinds: "soft" (−1 where
-    masked), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
+    masked), "where-soft" (GPT-Neo's form with tensor(−1.0)), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
     (MPT's bias under the
     soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
     not see itself), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
@@ -107,7 +108,11 @@ class _Scores(nn.Module):
             scores = torch.tanh((scores + self.slopes * (j - s + 1)) / 3.0) * 3.0
         elif self.kind == "length":
             scores = scores + j / s
-        if self.kind == "soft":
+        if self.kind in ("where-min", "where-soft"):
+            scores = torch.where(
+                keep, scores, torch.tensor(LOW if self.kind == "where-min" else -1.0)
+            )
+        elif self.kind == "soft":
             scores = scores + torch.where(keep, 0.0, -1.0)
         elif self.kind in ("gpt1", "shallow"):
             scores = scores * keep + (-1e4 if self.kind == "gpt1" else -100.0) * (~keep)
@@ -150,6 +155,7 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
         ("sink", "scores"),
         ("sink-scale", "scores"),
         ("gpt1", "scores"),
+        ("where-min", "sdpa"),
         ("key-bias", "sdpa"),
     ],
 )
@@ -216,6 +222,7 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
     ("kind", "why"),
     [
         ("soft", "lets a query see later keys"),
+        ("where-soft", "where_1 (where.self) is not elementwise in the scores"),
         ("shallow", "a later key's score is -100, above -10000"),
         ("capped-end", "not a function of positions"),
         ("capped-peek", "lets a query see later keys at sequence 26"),
@@ -235,7 +242,11 @@ def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: s
     with pytest.raises(AutopartError) as err:
         parallelize(capture(_Scores(kind).double(), (ids, ids)), Mesh(), schedule="seq1f1b")
     assert why in err.value.message
-    assert "not a causal function of positions" in err.value.message or "tokens" in kind
+    assert (
+        "not a causal function of positions" in err.value.message
+        or "tokens" in kind
+        or kind == "where-soft"
+    )
     assert "1f1b" in err.value.hint
 
 
