@@ -1,7 +1,9 @@
 """data_parallel: after this pass every parameter placeholder has ``meta["autopart.dp_bucket"]``.
 
 The value is the index of the gradient bucket the parameter's gradient is all-reduced in over
-the data-parallel group (``None`` when dp = 1: nothing to reduce). Buckets are numbered in the
+the data-parallel group (``None`` when dp = 1: nothing to reduce; ``None`` too for a parameter
+the graph never reads: its gradient stays ``None``, as on one device, where torch's optimizers
+skip it — a zero gradient would still take AdamW's weight decay). Buckets are numbered in the
 order backward finishes their gradients — the reverse of each parameter's first use in the
 forward graph — and each holds at most ``plan.bucket_mb`` MiB unless one parameter alone is
 larger. The runtime launches bucket ``i``'s all-reduce as soon as its last gradient is ready,
@@ -24,9 +26,10 @@ def data_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 def _bucket(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     params = [n for n in gm.graph.nodes if n.op == "placeholder" and _is_param(n)]
+    for p in params:
+        p.meta[META_BUCKET] = None
+    params = [p for p in params if p.users]
     if plan.mesh.dp == 1:
-        for p in params:
-            p.meta[META_BUCKET] = None
         return gm
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first_use = {p: min((order[u] for u in p.users), default=len(order)) for p in params}

@@ -1,8 +1,8 @@
 """Run on 4 forked ranks by tests/test_training_loop.py: an ordinary training loop around the
 live API, as a user used to DDP would write it, against the same loop on one process.
 
-Each rank builds HF Llama (tied embeddings) from its *own* seed: parallelize must start every
-rank from rank 0's weights. The loop: AdamW with decay groups (weight decay on matrices only),
+Each rank builds HF Llama (tied embeddings, and a module the forward never uses) from its
+*own* seed: parallelize must start every rank from rank 0's weights. The loop: AdamW with decay groups (weight decay on matrices only),
 linear warmup, gradient clipping that bites every step (``Runner.clip_grad_norm_``), 8 steps on
 batches with Hugging Face's labels (unshifted, ``labels = input_ids``) ending in unequal runs of
 -100; the reference is HF's loss definition, in float64. Every step's loss and grad norm, and every
@@ -44,7 +44,11 @@ def build(seed: int):
         use_cache=True,  # HF's default: capture turns it off itself
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).double()
+    model = LlamaForCausalLM(cfg).double()
+    # a module the forward never uses: one device leaves its gradient None, so AdamW neither
+    # moves nor decays it; it must be held by some rank, and come back in full_state_dict
+    model.unused = torch.nn.Linear(16, 16).double()
+    return model
 
 
 def batches():

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import zipfile
@@ -462,6 +463,29 @@ def test_ties_buckets_and_chunk_costs_must_be_the_plans(
     edit_json(crafted, "rank00000/program.json", edit)
     with pytest.raises(AutopartError, match=said):
         load_rank(crafted, 0)
+
+
+def test_buckets_must_be_exactly_the_parameters_read(tmp_path: Path) -> None:
+    """dp = 2, with a module the forward never uses: its parameter is held but in no bucket (its
+    gradient stays None, as on one device) and the folder loads. A bucket that leaves out a
+    parameter the graph reads (it would not be reduced over the replicas), or that holds the
+    unused one, is refused naming it."""
+    model, (ids, labels) = nanogpt.make(n_layer=2, n_embd=8, n_head=2, block_size=16)
+    model.unused = torch.nn.Linear(4, 4)
+    saved = parallelize(model, Mesh(dp=2), example_inputs=(ids[:2, :16], labels[:2, :16]))
+    saved = saved.save(tmp_path / "p")
+    rank = load_rank(saved, 0)
+    assert "unused.weight" in rank.shards
+    assert all("unused.weight" not in b for b in rank.buckets)
+    read = next(f for b in rank.buckets for f in b)
+    dropped = copy_program(saved, tmp_path, "dropped")
+    edit_json(dropped, "rank00000/program.json", lambda d: d["buckets"][0].remove(read))
+    with pytest.raises(AutopartError, match=f"leave out '{re.escape(read)}'"):
+        load_rank(dropped, 0)
+    held = copy_program(saved, tmp_path, "held")
+    edit_json(held, "rank00000/program.json", lambda d: d["buckets"][0].append("unused.weight"))
+    with pytest.raises(AutopartError, match="hold 'unused.weight', which the stage graphs never"):
+        load_rank(held, 0)
 
 
 @pytest.mark.parametrize("kind", [None, 0, 3, True])

@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 )
 def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) -> None:
     """Ranks built from different seeds (parallelize starts them all from rank 0's model),
+    a module the forward never uses (held by pipeline rank 0, its gradient None as on one
+    device: under pp no rank held it, and under dp its zero gradient took AdamW's decay),
     AdamW with decay groups, warmup, clipping that bites every step (``clip_grad_norm_``, the
     same global norm on every rank), unequal -100 padding: every step's loss and grad norm and
     every final weight equal the single-process loop in float64; ``full_state_dict()`` loads

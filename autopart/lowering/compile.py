@@ -212,6 +212,9 @@ def rank_program(
     coords = mesh.coords(r)
     mine = [k for k in range(len(stages)) if k % mesh.pp == coords.pp]
     used = {ref.name for k in mine for ref in inputs[k] if ref.kind == "param"}
+    if coords.pp == 0:  # parameters no stage reads (an unused module): held, never updated
+        read = {ref.name for refs in inputs for ref in refs if ref.kind == "param"}
+        used |= set(captured.params) - read
     split = {  # FQN → how tensor parallelism split it (None: replicated)
         n.meta[META_INPUT].name: n.meta.get(META_SHARD)
         for st in stages

@@ -476,6 +476,7 @@ def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> R
             _load_stage(folder, head, rank, st, f"stages[{i}]", namespaces)
             for i, st in enumerate(doc["stages"])
         ]
+        _check_buckets(doc, stages, plan.mesh.dp, folder.root / rel)
     return RankProgram(
         rank=doc["rank"],
         coords=Coords(**doc["coords"]),
@@ -490,6 +491,34 @@ def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> R
         vocab_size=doc.get("vocab_size"),
         batch_names=tuple(doc.get("batch", ("input_ids", "labels"))),
     )
+
+
+def _check_buckets(
+    doc: dict[str, Any], stages: list[StageProgram], dp: int, program_json: Path
+) -> None:
+    """With dp > 1, the buckets are exactly the parameters the rank's stage graphs read
+    (``data_parallel``'s invariant): one left out would not be reduced over the replicas, and
+    one no graph reads keeps a gradient of None, as on one device."""
+    if dp == 1:
+        return
+    read = {
+        n.meta[META_INPUT].name
+        for st in stages
+        for n in st.graph.graph.nodes
+        if n.op == "placeholder" and n.meta[META_INPUT].kind == "param" and n.users
+    }
+    bucketed = {f for b in doc["buckets"] for f in b}
+    if bucketed != read:
+        odd = sorted(read ^ bucketed)[0]
+        raise _layout(
+            program_json,
+            Invalid(
+                "buckets",
+                f"{'leave out' if odd in read else 'hold'} {odd!r}, which the stage graphs "
+                f"{'read' if odd in read else 'never read'} (they must be exactly the "
+                "parameters read)",
+            ),
+        )
 
 
 def _named_for(placeholder: str, fqn: str) -> bool:

@@ -51,6 +51,24 @@ def test_every_param_gets_a_bucket(case: Case) -> None:
     assert all(META_BUCKET not in p.meta for p in case.captured.placeholders("param"))
 
 
+def test_a_parameter_the_graph_never_reads_gets_no_bucket() -> None:
+    """Its gradient stays None, as on one device (a zero one would take AdamW's decay); every
+    parameter the graph reads still gets a bucket."""
+    import torch
+
+    from autopart.frontend.capture import capture
+    from autopart.models import nanogpt
+
+    model, (ids, labels) = nanogpt.make(n_layer=2, n_embd=8, n_head=2, block_size=16)
+    model.unused = torch.nn.Linear(4, 4)
+    gm = data_parallel(copy_graph(capture(model, (ids, labels)).graph), Plan(Mesh(dp=2)))
+    unread = {p.meta[META_INPUT].name for p in _params(gm) if not p.users}
+    assert unread == {"unused.weight", "unused.bias"}
+    for p in _params(gm):
+        assert (p.meta[META_BUCKET] is None) == (p.meta[META_INPUT].name in unread), p.name
+    assert not unread & {f for b in buckets(gm) for f in b}
+
+
 def test_default_bucket_holds_the_whole_small_model(gpt_sdpa: Case) -> None:
     gm = _run(gpt_sdpa, mesh=Mesh(dp=2))  # 25 MiB ≫ this model
     assert {p.meta[META_BUCKET] for p in _params(gm)} == {0}
