@@ -350,8 +350,9 @@ def localize(gm: fx.GraphModule, tp: int) -> None:
         for u in p.users:
             if META_ROLE not in u.meta:
                 raise AutopartError(
-                    f"parameter {p.meta['autopart.input'].name} is split over tp but {u.format_node()} "
-                    f"({u.meta.get(META_MODULE) or '<root>'}) reads it whole",
+                    f"parameter {p.meta['autopart.input'].name} is split over tp but node "
+                    f"{u.name} ({getattr(u.target, '__name__', u.target)}) of module "
+                    f"{u.meta.get(META_MODULE) or '<root>'} reads it whole",
                     hint="this use of a split weight is not supported with tp; please report the model",
                 )
         full = p.meta.get(META_GLOBAL_VAL, p.meta["val"])

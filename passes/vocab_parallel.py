@@ -24,6 +24,7 @@ from autopart.layout import Plan
 from autopart.meta import (
     META_INPUT,
     META_ROLE,
+    META_SHARD,
     META_VOCAB_DIMS,
 )
 from autopart.node_args import node_arg
@@ -56,7 +57,8 @@ def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if head is not None:
         _split_head(gm, head, ce, rank, tp)
     for n in list(gm.graph.nodes):
-        if _is_token_embedding(n, vocab):  # a tied table split here and by the head: one TPShard(0)
+        if _is_token_embedding(n, vocab) or _reads_split_table(n, vocab):
+            # a tied table split here and by the head: one TPShard(0)
             _split_embedding(gm, n, rank, vocab // tp)
     localize(gm, tp)
     return propagate(gm)
@@ -125,6 +127,16 @@ def _is_token_embedding(n: fx.Node, vocab: int) -> bool:
         ids = ids.args[0]
     ref = ids.meta.get(META_INPUT) if isinstance(ids, fx.Node) else None
     return ref == InputRef("data", "input_ids") and tensor_of(table).shape[0] == vocab
+
+
+def _reads_split_table(n: fx.Node, vocab: int) -> bool:
+    """An embedding lookup into a table the head split by vocabulary rows (a tied table read
+    with ids that are not ``input_ids`` as such: XLM's ``input_ids[:, -s:]``): the split lookup
+    is exact for any ids, so it is split too rather than refused for reading the table whole."""
+    if n.target != aten.embedding.default or not isinstance(n.args[0], fx.Node):
+        return False
+    shard = n.args[0].meta.get(META_SHARD)
+    return isinstance(shard, TPShard) and shard.dim == 0 and tensor_of(n.args[0]).shape[0] == vocab
 
 
 _SAME_IDS = frozenset(

@@ -248,3 +248,41 @@ def test_vocab_parallel_ce_masked_logits_and_bad_labels(monkeypatch) -> None:
     labels[3] = V
     with pytest.raises(AutopartError, match=f"label {V} is outside the vocabulary"):
         _threaded_ce(full, labels, tp, monkeypatch)
+
+
+class _SlicedIds(torch.nn.Module):
+    """A tied table read with ids that are not ``input_ids`` as they come: XLM's
+    ``input_ids[:, -s:]`` (a whole slice) and, once more, the ids reversed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(64, 16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids[:, -ids.shape[1] :]) + 0.5 * self.wte(ids.flip(1))
+        return self.head(torch.tanh(self.mix(x)))
+
+
+def test_every_lookup_of_a_tied_split_table_is_split() -> None:
+    """Each embedding of the table the head splits by vocabulary rows is looked up split (exact
+    for any ids), where one not reading ``input_ids`` as such was refused: "split over tp but
+    … reads it whole". On 2 gloo ranks: the loss and every gradient as on one device."""
+    from autopart import Mesh, parallelize
+    from autopart.parity.verify import Check, verify_many
+
+    def make():
+        torch.manual_seed(0)
+        ids, labels = torch.randint(0, 64, (2, 2, 16))
+        return _SlicedIds(), (ids, labels)
+
+    model, batch = make()
+    rank = parallelize(model, Mesh(tp=2), batch).rank(0)
+    assert rank.shards["wte.weight"].dim == 0  # split by vocabulary rows, not refused
+    lookups = calls(rank.stages[0].graph, aten.embedding.default)
+    assert len(lookups) == 2
+    assert all(tuple(n.args[0].meta["val"].shape) == (32, 16) for n in lookups)  # 64 / tp rows
+    (report,) = verify_many({"tp": Check(make, tp=2)}, via="fork", timeout_s=60).values()
+    assert not isinstance(report, Exception) and report.ok, str(report)
