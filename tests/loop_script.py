@@ -123,6 +123,18 @@ def main() -> int:
         want = runner.program.shards[fqn].local(full[fqn].detach())
         weight_err = max(weight_err, float((p.detach() - want).abs().max() / want.abs().max()))
 
+    # nn.Module's habits: zero_grad (to zeros, then to None), and a clear error for a call
+    runner.step(*data[0])
+    runner.zero_grad(set_to_none=False)
+    grads = [p.grad for p in runner.parameters() if p.grad is not None]  # the unused: None
+    zeroed = len(grads) >= len(list(runner.parameters())) - 2 and not any(g.any() for g in grads)
+    runner.zero_grad()
+    try:
+        runner(*data[0])
+        call_refused = False
+    except autopart.AutopartError as exc:
+        call_refused = "runner.step(input_ids, labels)" in exc.message
+
     # validation in eval mode: forward only, the same loss as the model's, no gradient touched
     runner.eval()
     ref.eval()
@@ -175,6 +187,8 @@ def main() -> int:
                 "loss_err": rel(got_losses, ref_losses),
                 "norm_err": rel(got_norms, ref_norms),
                 "weight_err": weight_err,
+                "zero_grad": zeroed,
+                "call_refused": call_refused,
                 "state_dict_err": sd_err,
                 "copy_to_err": copy_err,
                 "keys_match": sorted(sd) == sorted(want_sd),

@@ -41,6 +41,7 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
         assert r["clipped"] == 8, r  # the clip bit at every step
         assert r["loss_err"] <= 1e-9 and r["norm_err"] <= 1e-9, r
         assert r["weight_err"] <= 1e-9, r
+        assert r["zero_grad"] and r["call_refused"], r
         assert r["keys_match"] and r["state_dict_err"] <= 1e-9 and r["copy_to_err"] <= 1e-9, r
         assert r["eval_err"] <= 1e-9 and r["grads_untouched"], r
         assert r["logits_err"] <= 1e-9 and r["logits_shape"] == [8, 32, 96], r

@@ -415,6 +415,22 @@ class Runner:
         """(global FQN, local shard) pairs."""
         return iter(self.params.items())
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``: this rank's gradients set to None (or to zeros)."""
+        for p in self.params.values():
+            if p.grad is not None and set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().zero_()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AutopartError(
+            "a Runner is not called like the model: runner.step(input_ids, labels) runs the "
+            "forward and the backward together and returns the loss (no loss.backward())",
+            hint="loss = runner.step(input_ids, labels); runner.evaluate(...) for a loss "
+            "without gradients; runner.logits(input_ids) for the logits",
+        )
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, keyed by the model's global FQNs."""
         return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
