@@ -1865,6 +1865,7 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
 # the rules above that take a scan's blocks of the sequence (the others need tokens)
 _BLOCK_RULES = frozenset(
     (
+        aten.expand.default,  # of a scan's blocks: a rearrangement that keeps them (_expand)
         aten.einsum.default,
         aten.sum.dim_IntList,
         aten.sum.default,

@@ -239,6 +239,32 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "lightning (linear) attention layers beside softmax attention, experts",
         {"num_local_experts": 4, "head_dim": 8},
     ),
+    "gpt_neo": (
+        "GPT-Neo: local (8 keys) and global layers, masked by where(mask, scores, finfo.min)",
+        {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "window_size": 8},
+    ),
+    "gpt_neox_japanese": (
+        "q and k folded into the batch for a baddbmm (v not), a bias expanded along the sequence",
+        {},
+    ),
+    "granite_swa": (
+        "sinks applied after the softmax (× sigmoid(logsumexp − sink)), sliding-window layers",
+        {"sliding_window": 8},
+    ),
+    "codegen": (
+        "fused QKV in model-parallel groups, rotary on 4 of each head's 8 dims",
+        {"rotary_dim": 4},
+    ),
+    "deepseek_v2": (
+        "multi-head latent attention, routed + shared experts (DeepSeek-V2)",
+        {**_MLA, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+        | {"moe_intermediate_size": 32, "first_k_dense_replace": 1},
+    ),
+    "bart": (
+        "BART's decoder as a causal LM: cross-attention never called (its weights get no gradient)",
+        {"decoder_ffn_dim": 64, "decoder_attention_heads": 4, "decoder_layers": 2}
+        | {"encoder_ffn_dim": 64, "encoder_attention_heads": 4, "encoder_layers": 1},
+    ),
 }
 
 # the matrix's columns: name → verify's plan (each needs 2 or 4 ranks)
