@@ -213,7 +213,7 @@ def _sink_scales(gm: fx.GraphModule) -> bool:
             if col is None:  # [h] or a scalar: one value per head or for all
                 col = g.call_function(aten.view.default, (c, [1, -1, 1]))
             col = g.call_function(aten.unsqueeze.default, (col, -1))
-            sizes = [_sym(g, x, 0), int(x.meta["val"].shape[1]), _sym(g, x, 2), 1]
+            sizes: list[Any] = [_sym(g, x, 0), int(x.meta["val"].shape[1]), _sym(g, x, 2), 1]
             col = g.call_function(aten.expand.default, (col, sizes))
             if c.meta["val"].dtype != x.meta["val"].dtype:
                 col = g.call_function(aten._to_copy.default, (col,), {"dtype": x.meta["val"].dtype})
@@ -221,7 +221,8 @@ def _sink_scales(gm: fx.GraphModule) -> bool:
         sm.replace_input_with(x, joined)
         with g.inserting_after(sm):
             cut = g.call_function(aten.slice.Tensor, (sm, -1, 0, -1))
-        sm.replace_all_uses_with(cut, delete_user_cb=lambda u, cut=cut: u is not cut)
+        for u in [u for u in sm.users if u is not cut]:
+            u.replace_input_with(sm, cut)
         mul.replace_all_uses_with(pv)
         changed = True
     return changed
