@@ -879,6 +879,12 @@ _POINTWISE = frozenset(
         aten.__and__.Tensor,
         aten.__or__.Tensor,
         aten.__xor__.Tensor,
+        aten.where.ScalarOther,  # where(cond, x, c): element by element (Gemma 3n's AltUp)
+        aten.where.ScalarSelf,
+        aten.where.Scalar,
+        aten.multiply.Tensor,  # aliases of mul, sub, div that carry no pointwise tag
+        aten.subtract.Tensor,
+        aten.divide.Tensor,
         aten.polar.default,  # Llama 4's complex rotary
         aten.view_as_complex.default,  # the pairs of the last dim, which is never the sequence
         aten.view_as_real.default,

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -563,6 +564,7 @@ def _annotate(
     for fqn, node in canonical.items():
         node.meta[META_MODULE] = fqn.rpartition(".")[0]
         node.meta[META_LAYER] = layer_of(fqn)
+    _blocks_only(gm)
     for node in gm.graph.nodes:  # p_model_transformer_wte_weight → transformer_wte_weight
         if node.op == "placeholder" and re.match(r"[pbc]_model_", node.name):
             node._rename(node.name[len("p_model_") :])
@@ -636,6 +638,25 @@ def _module_path(node: fx.Node) -> str:
 
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def _blocks_only(gm: fx.GraphModule) -> None:
+    """Keep ``META_LAYER`` for the model's list of blocks only. When module paths index more
+    than one list (Gemma 3n's ``altup_projections.N`` run before ``layers.N``), the blocks are
+    the list with the most nodes; the other lists' nodes belong to no block (a block index from
+    them made the pipeline's units run out of order, and its split was refused)."""
+    lists: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        m = _LAYER.search(n.meta.get(META_MODULE) or "")
+        if m is not None and n.meta.get(META_LAYER) is not None:
+            lists[n] = n.meta[META_MODULE][: m.start()]
+    counts = Counter(lists.values())
+    if len(counts) < 2:
+        return
+    blocks = counts.most_common(1)[0][0]
+    for n, prefix in lists.items():
+        if prefix != blocks:
+            n.meta[META_LAYER] = None
 
 
 def layer_of(path: str) -> int | None:

@@ -207,3 +207,48 @@ def test_blocks_run_out_of_order_are_refused_by_name() -> None:
     assert "would need node" in message and "(layers.0)" in message
     assert "does not run its blocks once each, in order" in message
     assert "no pp" in err.value.hint
+
+
+class _TwoLists(torch.nn.Module):
+    """Projections in an indexed list run before the blocks (Gemma 3n's ``altup_projections.N``
+    beside ``layers.N``), ``torch.multiply`` and ``torch.where`` with a scalar in each block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.pre = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        x = self.pre[0](x) + self.pre[1](x)
+        for layer in self.layers:
+            y = torch.multiply(torch.tanh(layer(x)), 0.5)
+            x = x + torch.where(y > 0, y, 0.1)
+        return self.head(x)
+
+
+@pytest.mark.multirank
+def test_only_the_list_of_blocks_numbers_blocks() -> None:
+    """With two indexed lists, the blocks are the one with the most nodes: the projections'
+    nodes belong to no block (as ``pre.1``, block 1, they ran before block 0, and the split was
+    refused: "does not run its blocks once each"). pp=2 1F1B and Seq1F1B on gloo ranks match
+    one device."""
+    from autopart.meta import META_LAYER, META_MODULE
+    from autopart.parity.verify import Check, verify_many
+
+    def make():
+        torch.manual_seed(0)
+        ids, labels = torch.randint(0, 50, (2, 4, 16))
+        return _TwoLists(), (ids, labels)
+
+    model, batch = make()
+    graph = capture(model, batch).graph
+    layers = {n.meta[META_MODULE]: n.meta[META_LAYER] for n in graph.graph.nodes}
+    assert layers["pre.1"] is None and layers["layers.1"] == 1 and layers["layers.3"] == 3
+    checks = {
+        "1f1b": Check(make, pp=2, microbatches=2),
+        "seq1f1b": Check(make, pp=2, microbatches=2, schedule="seq1f1b", seq_chunks=2),
+    }
+    for name, report in verify_many(checks, via="fork", timeout_s=90).items():
+        assert not isinstance(report, Exception) and report.ok, (name, str(report))
