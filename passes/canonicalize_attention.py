@@ -173,30 +173,22 @@ def _sink_scales(gm: fx.GraphModule) -> bool:
         dims, keep = list(seq_arg(lse, 1)), lse.args[2] if len(lse.args) > 2 else False
         if x.meta["val"].dim() != 4 or dims not in ([-1], [3]) or keep:
             continue
-        steps, n = [], only_user(lse)
-        while n is not None and (n.target in _CASTS or n.target == aten.unsqueeze.default):
-            steps.append(n)
-            n = only_user(n)
-        sub = n
-        if sub is None or sub.target != aten.sub.Tensor or sub.args[0] is not (steps or [lse])[-1]:
+        before, sub, _ = _through_casts(lse)
+        if sub is None or sub.target != aten.sub.Tensor or sub.args[0] is not before:
+            continue
+        if before.meta["val"].dim() != lse.meta["val"].dim():  # c must meet [b, h, s]
             continue
         c = sub.args[1]
         if not isinstance(c, fx.Node) or _values_read(c) or c.meta["val"].dim() > 3:
             continue
         if c.meta["val"].dim() == 3 and c.meta["val"].shape[-1] != 1:
             continue
-        n = only_user(sub)
-        while n is not None and n.target in _CASTS:
-            n = only_user(n)
-        if n is None or n.target != aten.sigmoid.default:
+        _, sigmoid, _ = _through_casts(sub)
+        if sigmoid is None or sigmoid.target != aten.sigmoid.default:
             continue
-        n, unsqueezed = only_user(n), False
-        while n is not None and (n.target in _CASTS or n.target == aten.unsqueeze.default):
-            unsqueezed |= n.target == aten.unsqueeze.default and n.args[1] in (-1, 3)
-            n = only_user(n)
-        if n is None or n.target != aten.mul.Tensor or not unsqueezed:
+        _, mul, unsqueezed = _through_casts(sigmoid)
+        if mul is None or mul.target != aten.mul.Tensor or not unsqueezed:
             continue
-        mul = n
         softmaxes = [
             u
             for u in x.users
@@ -226,6 +218,16 @@ def _sink_scales(gm: fx.GraphModule) -> bool:
         mul.replace_all_uses_with(pv)
         changed = True
     return changed
+
+
+def _through_casts(n: fx.Node) -> tuple[fx.Node, fx.Node | None, bool]:
+    """From ``n`` down its only users through casts and unsqueezes: (the last of those, the
+    first user past them, whether an unsqueeze of the last dim was passed)."""
+    last, user, unsqueezed = n, only_user(n), False
+    while user is not None and (user.target in _CASTS or user.target == aten.unsqueeze.default):
+        unsqueezed |= user.target == aten.unsqueeze.default and user.args[1] in (-1, 3)
+        last, user = user, only_user(user)
+    return last, user, unsqueezed
 
 
 def require_causal(gm: fx.GraphModule) -> None:
