@@ -7,7 +7,8 @@ print, inspect or save). With a live torch ``DeviceMesh`` (under torchrun) it re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -82,18 +83,44 @@ def parallelize(
     if live is not None and not isinstance(model, Captured):
         broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does
         real = all(p.device.type != "meta" for p in model.parameters())
-        if real and _world() > 1:  # rank 0 compiles; the others receive their rank's program
-            return _compile_once(model, example_inputs, plan, live, timeout_s, compile)
-    program = _compile(model, example_inputs, plan)
+        with training_mode(model):  # the training graph; the runner follows the model's mode
+            if real and _world() > 1:  # rank 0 compiles; the others receive their rank's program
+                return _compile_once(model, example_inputs, plan, live, timeout_s, compile)
+            program = _compile(model, example_inputs, plan)
+    else:
+        program = _compile(model, example_inputs, plan)
     if live is None:
         return program
     from autopart.runtime.runner import Runner  # lazy: an offline compile imports no runtime
 
     runner = Runner.from_program(program, live, timeout_s=timeout_s, compile=compile)
-    if not isinstance(model, Captured):  # full_state_dict() gives exactly the model's keys
-        runner.state_keys = list(model.state_dict())
-        runner.label_convention = label_convention(model)
+    if not isinstance(model, Captured):
+        _attach(runner, model)
     return runner
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module) -> Iterator[None]:
+    """The live API captures the model in training mode, whatever mode it is in (a Hugging
+    Face ``from_pretrained`` model comes in eval mode): the graph then has the model's dropout,
+    which the runner's eval graphs take out when the model (followed by the runner) is in eval
+    mode. Every module's own mode is put back after."""
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def _attach(runner: Any, model: nn.Module) -> None:
+    """What the live runner takes from the user's module: its state-dict keys (so
+    ``full_state_dict()`` gives exactly them), its label convention, and its train/eval mode
+    (``Runner.follow``, which also refuses an optimizer over the module's own parameters)."""
+    runner.state_keys = list(model.state_dict())
+    runner.label_convention = label_convention(model)
+    runner.follow(model)
 
 
 def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> Any:
@@ -152,8 +179,7 @@ def _compile_once(
     runner = Runner.from_rank(
         rp, Plan.from_json(head["plan"]), weights, head, live, timeout_s=timeout_s, compile=compile
     )
-    runner.state_keys = list(model.state_dict())  # full_state_dict() gives the model's keys
-    runner.label_convention = label_convention(model)
+    _attach(runner, model)
     return runner
 
 

@@ -148,20 +148,60 @@ def main() -> int:
     got_logits = runner.logits(ids)
     logits_err = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
     runner.train()
-    # a model with dropout (nanoGPT, manual attention, p = 0.3): eval() takes every dropout out
+    # a model with dropout (nanoGPT, manual attention, p = 0.3), in eval mode when parallelize
+    # sees it (as from_pretrained leaves one): the live API captures the training graph anyway,
+    # and the runner follows the module's mode, as a DDP-wrapped module does
     import nanogpt
 
     drop, drop_batch = nanogpt.make(attention="manual", dropout=0.3)
-    drop = drop.double()
+    drop = drop.double().eval()
     drop_runner = autopart.parallelize(drop, mesh, example_inputs=drop_batch, microbatches=2)
-    drop.eval()
     with torch.no_grad():
         dwant = F.cross_entropy(
             drop(drop_batch[0]).flatten(0, 1), drop_batch[1].flatten(), ignore_index=-100
         )
-    dgot = float(drop_runner.eval().evaluate(*drop_batch))
+    dgot = float(drop_runner.evaluate(*drop_batch))  # the module is in eval mode: no dropout
     dropout_eval_err = abs(dgot - float(dwant)) / float(dwant)
-    train_loss = float(drop_runner.train().evaluate(*drop_batch))  # dropout on again
+    drop.train()  # model.train(): the runner's dropout is on again
+    train_loss = float(drop_runner.evaluate(*drop_batch))
+    runner_eval = float(drop_runner.eval().evaluate(*drop_batch))  # runner.eval(): as well
+    modes_follow = not drop.training and abs(runner_eval - dgot) <= 1e-12 * abs(dgot)
+    drop_runner.train()
+    modes_follow = modes_follow and drop.training
+
+    # habits right on one device and wrong here: each refused where it happens
+    def refused(fn, words):
+        try:
+            fn()
+        except autopart.AutopartError as exc:
+            return words in str(exc)
+        return False
+
+    def under(ctx):
+        def run():
+            with ctx:
+                runner.step(*data[0])
+
+        return run
+
+    runner.step(*data[0])
+    habits = {  # pp=2 in both meshes: torch's norm clipping would see one stage's gradients
+        "torch_clip": refused(
+            lambda: torch.nn.utils.clip_grad_norm_(runner.parameters(), 1.0),
+            "runner.clip_grad_norm_(max_norm)",
+        ),
+        "clip_value_allowed": torch.nn.utils.clip_grad_value_(runner.parameters(), 1e9) is None,
+        "model_optimizer": refused(
+            torch.optim.SGD(model.parameters(), lr=0.1).step, "from runner.parameters()"
+        ),
+        "autocast": refused(under(torch.autocast("cpu", dtype=torch.bfloat16)), 'precision="bf16"'),
+        "no_grad": refused(under(torch.no_grad()), "runner.evaluate"),
+    }
+    # the module's own reference loop (it has gradients) is not refused
+    hf_loss(model, *data[0]).backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    model.zero_grad()
+    runner.zero_grad()
 
     # the whole model back: strictly into a fresh model, and into the user's own module
     sd = runner.full_state_dict()
@@ -198,6 +238,8 @@ def main() -> int:
                 "grads_untouched": grads_untouched,
                 "dropout_eval_err": dropout_eval_err,
                 "dropout_train_differs": abs(train_loss - float(dwant)) > 1e-6,
+                "modes_follow": modes_follow,
+                "habits": habits,
                 "clipped": sum(n > MAX_NORM for n in ref_norms),
                 "losses": got_losses,
                 "captures": len(captures),

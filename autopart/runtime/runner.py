@@ -20,6 +20,7 @@ import contextlib
 import operator
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,6 +42,7 @@ from autopart.program.format import Program, RankProgram
 from autopart.runtime import flex, norms, p2p, staging, state
 from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
+from autopart.runtime.guards import Parameters, check_step_context, guard_optimizers, sharded_reason
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
@@ -284,6 +286,10 @@ class Runner:
         # how ``step`` reads labels when not told: "shifted" (autopart's), or "hf" (Hugging
         # Face causal LMs: unshifted, shifted inside; the live API sets it from the model)
         self.label_convention = "shifted"
+        # the live API's model (``follow``): its train/eval mode is the runner's
+        self._model: weakref.ref[nn.Module] | None = None
+        # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
+        self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
         self._logits_run: dict[bool, dict[int, Any]] = {}  # logits(): by mode, on first use
         self._carried = False  # gradients of no_sync() steps are on the parameters
@@ -408,8 +414,24 @@ class Runner:
         return busy / span if span > 0 else 0.0
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameter shards, for any torch optimizer."""
-        return iter(self.params.values())
+        """This rank's parameter shards, for any torch optimizer. Under tp or pp,
+        ``torch.nn.utils.clip_grad_norm_`` over them is refused (each rank would clip by its
+        own shards' norm): ``clip_grad_norm_`` is the global one (``runtime/guards.py``)."""
+        return Parameters(list(self.params.values()), self._sharded)
+
+    def follow(self, model: nn.Module) -> None:
+        """The module this runner was made from (the live API's ``parallelize``): the runner
+        takes its train/eval mode at every call, and ``train()`` / ``eval()`` set it too, as
+        with a DDP-wrapped module; an optimizer stepping over the module's own parameters
+        (which never get a gradient here) is refused."""
+        self._model = weakref.ref(model)
+        guard_optimizers(self, model)
+
+    def _follow_mode(self) -> None:
+        """Take the followed module's mode, if it was switched since (``model.eval()``)."""
+        model = self._model() if self._model is not None else None
+        if model is not None and model.training != self.training:
+            self.train(model.training)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global FQN, local shard) pairs."""
@@ -443,6 +465,9 @@ class Runner:
     def train(self, mode: bool = True) -> Runner:
         """Training mode (the default): dropout on. ``train(False)`` is ``eval()``."""
         self.training = mode
+        model = self._model() if self._model is not None else None
+        if model is not None and model.training != mode:
+            model.train(mode)
         if mode:
             self._run = self._train_run
         else:
@@ -473,6 +498,8 @@ class Runner:
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
         first, as with a torch module). The batch, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
+        check_step_context("evaluate", self.device, needs_grad=False)
+        self._follow_mode()
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
@@ -518,6 +545,8 @@ class Runner:
         and ``position_ids`` as for ``step`` (exactly those the program was captured with).
         Forward only; dropout follows the mode (``eval()`` first). Collective: call it on
         every rank."""
+        check_step_context("logits", self.device, needs_grad=False)
+        self._follow_mode()
         key = self.training
         if key not in self._logits_run:  # the loss cut off each last stage, once per mode
             self._logits_run[key] = self._runs(
@@ -758,6 +787,8 @@ class Runner:
         outside it."""
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
+        check_step_context("step", self.device, needs_grad=True)
+        self._follow_mode()
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)

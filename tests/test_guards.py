@@ -1,0 +1,117 @@
+"""``autopart/runtime/guards.py``: a training loop's habits that are right on one device and
+wrong around a Runner are refused where they happen, and only those. The same refusals on real
+ranks, with the runner, are in ``tests/loop_script.py``."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import autopart
+from autopart.api import training_mode
+from autopart.runtime.guards import (
+    Parameters,
+    check_step_context,
+    guard_optimizers,
+    sharded_reason,
+)
+
+
+def _params() -> list[nn.Parameter]:
+    ps = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]
+    for p in ps:
+        p.grad = torch.full_like(p, 2.0)
+    return ps
+
+
+def test_sharded_reason_names_what_a_rank_holds() -> None:
+    assert sharded_reason(1, 1) is None  # dp alone: every rank holds every whole gradient
+    assert "tp=2" in (sharded_reason(2, 1) or "")
+    assert "pp=4" in (sharded_reason(1, 4) or "")
+    both = sharded_reason(2, 2) or ""
+    assert "tp=2" in both and "pp=2" in both
+
+
+def test_torch_norm_clipping_is_refused_over_shards_only() -> None:
+    """Over shards (tp or pp) torch's norm clipping would clip each rank by its own norm:
+    refused, naming the runner's. Whole gradients (dp): torch's result, untouched. Value
+    clipping is elementwise (exact on shards), and an optimizer or a loop reads them as ever."""
+    ps = _params()
+    norm = torch.nn.utils.clip_grad_norm_(Parameters(ps, None), 1.0)
+    assert abs(float(norm) - 2.0 * 7**0.5) < 1e-6
+    assert abs(float(torch.cat([p.grad.flatten() for p in ps]).norm()) - 1.0) < 1e-5
+    ps = _params()
+    reason = sharded_reason(2, 1)
+    with pytest.raises(autopart.AutopartError, match="clip_grad_norm_") as exc:
+        torch.nn.utils.clip_grad_norm_(Parameters(ps, reason), 1.0)
+    assert "runner.clip_grad_norm_(max_norm)" in str(exc.value)
+    assert all(bool((p.grad == 2.0).all()) for p in ps)  # refused before touching a gradient
+    torch.nn.utils.clip_grad_value_(Parameters(ps, reason), 1.5)
+    assert all(bool((p.grad == 1.5).all()) for p in ps)
+    opt = torch.optim.AdamW(Parameters(ps, reason))
+    assert len(opt.param_groups[0]["params"]) == 2
+    assert [p.shape for p in Parameters(ps, reason)] == [p.shape for p in ps]
+
+
+class _Stepped:
+    """What ``guard_optimizers`` reads of a runner: its parameters and its step count."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params, self.steps = params, 0
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+
+def test_an_optimizer_over_the_modules_own_parameters_is_refused() -> None:
+    """Once the runner has stepped, ``optimizer.step()`` over the module's parameters with no
+    gradient (an optimizer built from ``model.parameters()``) is refused; before any step, with
+    gradients (a reference loop training the module itself), or over the runner's own
+    parameters (shared with the module), it is not. The hook goes with the runner."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    shared = model[1].weight  # a parameter the runner holds itself (one process, no tp)
+    runner = _Stepped([nn.Parameter(torch.zeros(2, 2)), shared])
+    guard_optimizers(runner, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()  # no step of the runner yet
+    runner.steps = 1
+    with pytest.raises(autopart.AutopartError, match="model's own parameters") as exc:
+        opt.step()
+    assert "0.weight" in str(exc.value) and "runner.parameters()" in str(exc.value)
+    torch.optim.SGD([shared], lr=0.1).step()  # the runner's own: allowed
+    torch.optim.SGD(runner.parameters(), lr=0.1).step()
+    model(torch.ones(1, 2)).sum().backward()  # a reference loop: the module has gradients
+    opt.step()
+    opt.zero_grad()
+    del runner, exc  # (the traceback holds the hook's frame, and the runner in it)
+    gc.collect()
+    opt.step()  # the runner is gone, and its hook with it
+
+
+def test_a_step_under_autocast_or_without_gradients_is_refused() -> None:
+    cpu = torch.device("cpu")
+    for call in ("step", "evaluate", "logits"):
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            pytest.raises(autopart.AutopartError, match='precision="bf16"'),
+        ):
+            check_step_context(call, cpu, needs_grad=call == "step")
+    for ctx in (torch.no_grad(), torch.inference_mode()):
+        with ctx:
+            with pytest.raises(autopart.AutopartError, match="runner.evaluate"):
+                check_step_context("step", cpu, needs_grad=True)
+            check_step_context("evaluate", cpu, needs_grad=False)
+    check_step_context("step", cpu, needs_grad=True)
+    check_step_context("step", torch.device("meta"), needs_grad=True)
+
+
+def test_the_live_api_captures_in_training_mode_and_puts_every_mode_back() -> None:
+    model = nn.Sequential(nn.Dropout(0.5), nn.Sequential(nn.Dropout(0.5), nn.Linear(2, 2)))
+    model.eval()
+    model[1].train()  # a mixed tree: each module's own mode comes back
+    with training_mode(model):
+        assert all(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == [False, False, True, True, True]
