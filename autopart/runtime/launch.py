@@ -337,6 +337,13 @@ def launch_forked(nproc: int, argv: list[str], *, timeout_s: float = 300.0) -> s
             p.start()
         first = wait_ranks(procs, timeout_s + 60)
         texts = [f.read_text(errors="replace") if f.exists() else "" for f in logs]
+        # ranks that failed between two polls of wait_ranks: the first to fail by the clock
+        # (each wrote when; a peer's failure follows, as a barrier's that lost it)
+        when = {
+            r: float(m.read_text()) for r in range(nproc) if (m := _failed_mark(logs[r])).exists()
+        }
+    if first is not None and when:
+        first = min(when, key=when.__getitem__)
     if first is not None:  # the exit code of the rank that failed first
         where = [f"rank {r} was stopped in {at}" for r, t in enumerate(texts) if (at := _at(t))]
         raise _failed(f"{nproc} forked ranks", procs[first].exitcode, "".join(texts), where)
@@ -392,8 +399,15 @@ def _forked_main(rank: int, nproc: int, port: int, argv: list[str], log: Path) -
     except BaseException:  # noqa: BLE001 - printed, as a rank's traceback would be
         traceback.print_exc()
     finally:
+        if code != 0:  # when it failed, for launch_forked to tell which rank failed first
+            _failed_mark(log).write_text(repr(time.monotonic()))
         out.flush()
         os._exit(code)
+
+
+def _failed_mark(log: Path) -> Path:
+    """Where a forked rank that failed writes when (``time.monotonic``, one clock for all)."""
+    return log.with_suffix(".failed")
 
 
 def _free_port() -> int:

@@ -653,8 +653,7 @@ class Runner:
 
     def _shift(self, input_ids: torch.Tensor, labels: torch.Tensor, shifted: bool | None) -> Any:
         """Labels as the graph takes them (``labels[i, t]``: the target of position t)."""
-        if not isinstance(labels, torch.Tensor) or not isinstance(input_ids, torch.Tensor):
-            raise AutopartError("input_ids and labels must be tensors")
+        self._check_ids(input_ids, labels)
         if shifted is None:
             shifted = self.label_convention != "hf"
             _check_convention(input_ids, labels, self.label_convention)
@@ -1142,18 +1141,9 @@ class Runner:
                     + ", ".join(names)
                     + " (capture again, with an example that has them, to train on others)",
                 )
-        for name, t in (("input_ids", input_ids), ("labels", labels)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                raise AutopartError(
-                    f"rank {self.rank}: {name} must be a (batch, seq) tensor, got "
-                    + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
-                )
-        if input_ids.shape != labels.shape:
-            raise AutopartError(
-                f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
-                f"{tuple(labels.shape)} must both be (batch, seq)"
-            )
-        fields = {"input_ids": input_ids, "labels": labels}
+        self._check_ids(input_ids, labels)
+        # any integer dtype (a tokenizer's int32) is taken as the int64 the graphs index with
+        fields = {"input_ids": input_ids.long(), "labels": labels.long()}
         for name, t in given.items():
             if t is not None:
                 try:
@@ -1161,6 +1151,25 @@ class Runner:
                 except AutopartError as exc:
                     raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
         return {k: t.to(self.device) for k, t in fields.items()}
+
+    def _check_ids(self, input_ids: Any, labels: Any) -> None:
+        """Refuse ids or labels that are not integer (batch, seq) tensors of one shape."""
+        for name, t in (("input_ids", input_ids), ("labels", labels)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise AutopartError(
+                    f"rank {self.rank}: {name} must be a (batch, seq) tensor, got "
+                    + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                )
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise AutopartError(
+                    f"rank {self.rank}: {name} are {t.dtype}; token ids are integers",
+                    hint="pass the tokenizer's ids as int64 (torch.long); int32 is taken too",
+                )
+        if input_ids.shape != labels.shape:
+            raise AutopartError(
+                f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
+                f"{tuple(labels.shape)} must both be (batch, seq)"
+            )
 
     def _microbatches(
         self, fields: dict[str, torch.Tensor], local: bool = False

@@ -1,0 +1,146 @@
+"""sequence_chunk's allow-list against sequence mixers it was not written for: each of these
+constructs, put after a causal attention in both blocks of a toy model, is refused when
+compiling (pp=2, Seq1F1B k=2), naming a node of its block; the same model without it chunks
+exactly (``test_sequence_chunk._assert_chunks_exactly``). None of them is chunkable as written,
+so each proof must fail: a construct that compiled here would be run wrong or crash in the
+ranks. (Written as a probe of 40 constructs; the causal convolutions, the running counts and
+the rolled-up scans that do chunk are tested in test_sequence_chunk.py and test_seq_scan.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_sequence_chunk import _assert_chunks_exactly
+from torch import nn
+
+from autopart import Mesh, parallelize
+from autopart.errors import AutopartError
+from autopart.frontend.capture import capture
+
+S = 16  # the example's sequence length
+
+Mix = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _steps(s: int) -> torch.Tensor:
+    return torch.arange(1, s + 1, dtype=torch.float64).view(1, s, 1)
+
+
+MIXES: dict[str, Mix] = {
+    "roll": lambda m, x: x.roll(1, dims=1),
+    "token shift by a pad": lambda m, x: F.pad(x, (0, 0, 1, -1)),
+    "token shift by a cat": lambda m, x: torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1),
+    "the next token": lambda m, x: torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1),
+    "a difference": lambda m, x: torch.diff(x, dim=1, prepend=torch.zeros_like(x[:, :1])),
+    "an FFT convolution": lambda m, x: torch.fft.irfft(
+        torch.fft.rfft(x, n=2 * x.shape[1], dim=1) ** 2, n=2 * x.shape[1], dim=1
+    )[:, : x.shape[1]],
+    "a causal average pool": lambda m, x: F.avg_pool1d(
+        F.pad(x.transpose(1, 2), (2, 0)), 3, 1
+    ).transpose(1, 2),
+    "a windowed unfold": lambda m, x: F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1).mean(-1),
+    "cummax": lambda m, x: x.cummax(1).values,
+    "logcumsumexp": lambda m, x: x.logcumsumexp(1),
+    "cumprod": lambda m, x: torch.sigmoid(x).cumprod(1),
+    "a running mean": lambda m, x: x.cumsum(1) / _steps(x.shape[1]),
+    "a sort": lambda m, x: x.sort(1).values,
+    "a top-k": lambda m, x: x.topk(2, dim=1).values.mean(1, keepdim=True).expand_as(x),
+    "the first token": lambda m, x: x[:, :1].expand_as(x),
+    "the last token": lambda m, x: x[:, -1:].expand_as(x),
+    "a lower-triangular mixing matrix": lambda m, x: (
+        torch.tril(m.w[: x.shape[1], : x.shape[1]]) @ x
+    ),
+    "a full mixing matrix": lambda m, x: m.w[: x.shape[1], : x.shape[1]] @ x,
+    "an averaging einsum": lambda m, x: (
+        torch.einsum("ts,bsh->bth", torch.tril(torch.ones_like(m.w[: x.shape[1], : x.shape[1]])), x)
+        / _steps(x.shape[1])
+    ),
+    "unnormalized causal linear attention": lambda m, x: (
+        (x @ x.transpose(1, 2)).masked_fill(
+            torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1), 0.0
+        )
+        @ x
+        / 16
+    ),
+    "linear attention without a mask": lambda m, x: (x @ x.transpose(1, 2)) @ x / 16,
+    "token pairs folded into the hidden dim": lambda m, x: (
+        x.reshape(x.shape[0], x.shape[1] // 2, -1).flip(-1).reshape(x.shape)
+    ),
+    "the sequence cut in halves": lambda m, x: (
+        x.reshape(x.shape[0], 2, x.shape[1] // 2, -1).flip(1).reshape(x.shape)
+    ),
+    "every other token repeated": lambda m, x: x[:, ::2].repeat_interleave(2, 1),
+    "a nearest upsampling": lambda m, x: (
+        F.interpolate(x.transpose(1, 2), scale_factor=0.5).repeat_interleave(2, -1).transpose(1, 2)
+    ),
+    "a gather in reverse": lambda m, x: x.gather(
+        1, torch.arange(x.shape[1] - 1, -1, -1).view(1, -1, 1).expand_as(x)
+    ),
+    "an index_select in reverse": lambda m, x: x.index_select(
+        1, torch.arange(x.shape[1] - 1, -1, -1)
+    ),
+    "an index of the previous token": lambda m, x: x[:, (torch.arange(x.shape[1]) - 1).clamp(0)],
+    "a standard deviation over the sequence": lambda m, x: x / x.std(1, keepdim=True),
+    "a softmax over the sequence": lambda m, x: torch.softmax(x, dim=1),
+    "a normalization over the sequence": lambda m, x: F.normalize(x, dim=1),
+    "a layer norm over the sequence": lambda m, x: F.layer_norm(
+        x.transpose(1, 2), (x.shape[1],)
+    ).transpose(1, 2),
+    "the first half of the positions": lambda m, x: torch.where(
+        (torch.arange(x.shape[1]) < x.shape[1] // 2).view(1, -1, 1), x, -x
+    ),
+    "positions divided by the length": lambda m, x: (
+        x * torch.arange(x.shape[1]).view(1, -1, 1) / x.shape[1]
+    ),
+}
+
+
+class _Block(nn.Module):
+    def __init__(self, mix: Mix | None) -> None:
+        super().__init__()
+        self.mix = mix
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+        if mix is not None:  # a mixing matrix some constructs read
+            self.w = nn.Parameter(torch.randn(32, 32) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1))
+        return x if self.mix is None else x + 0.5 * self.mix(self, x)
+
+
+class _Probe(nn.Module):
+    def __init__(self, mix: Mix | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+        self.blocks = nn.ModuleList([_Block(mix), _Block(mix)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("name", list(MIXES))
+def test_an_unseen_sequence_mixer_is_refused_when_compiling(name: str) -> None:
+    ids = torch.randint(0, 50, (4, S), generator=torch.Generator().manual_seed(0))
+    captured = capture(_Probe(MIXES[name]).double(), (ids, ids))
+    with pytest.raises(AutopartError) as err:
+        parallelize(captured, Mesh(pp=2), schedule="seq1f1b", seq_chunks=2, microbatches=2)
+    message = err.value.message
+    assert "Seq1F1B cannot chunk node" in message, message
+    assert "(blocks.0)" in message or "(<root>)" in message, message
+    assert "1f1b" in (err.value.hint or ""), err.value.hint
+
+
+def test_the_probe_without_a_mixer_chunks_exactly() -> None:
+    """The control: the same two blocks, attention only, compile and chunk exactly."""
+    ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
+    _assert_chunks_exactly(_Probe(None), ids)
+    captured = capture(_Probe(None).double(), (ids, ids))
+    parallelize(captured, Mesh(pp=2), schedule="seq1f1b", seq_chunks=2, microbatches=2)
