@@ -33,7 +33,12 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     used to keep untrained copies, so ``save_pretrained`` saved the initial weights).
     ``eval()`` + ``evaluate()``: forward only, every dropout off (a nanoGPT with p = 0.3 gives
     the model's own eval loss), no gradient touched. The model is captured and compiled once,
-    on rank 0; the other ranks load their rank's program from it (runtime/handover.py)."""
+    on rank 0; the other ranks load their rank's program from it (runtime/handover.py).
+    The runner follows the module's mode (a module in eval mode at ``parallelize`` still gets
+    its dropout back with ``model.train()``), and the habits wrong here are refused where they
+    happen (runtime/guards.py): torch's ``clip_grad_norm_`` over the pp shards, an optimizer
+    over the module's own parameters, a step under autocast or no_grad; value clipping and a
+    reference loop on the module itself are not."""
     out = launch_forked(4, [str(ROOT / "tests" / "loop_script.py"), mesh], timeout_s=300)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 4, out
