@@ -211,6 +211,29 @@ def main() -> int:
     sd_err = max(
         float((sd[k] - v).abs().max() / max(v.abs().max(), 1e-30)) for k, v in want_sd.items()
     )
+    # load_state_dict: the model's whole state dict, as nn.Module's (each rank cuts its
+    # slices); a rank's own state_dict() round-trips; a key the model lacks is refused
+    mine = {k: v.clone() for k, v in runner.state_dict().items()}
+    runner.load_state_dict(build(seed=998).state_dict())
+    changed = any(not torch.equal(runner.state_dict()[k], v) for k, v in mine.items())
+    loaded = runner.load_state_dict(sd)
+    own = runner.state_dict()  # under tp: slices, whose rank cannot be told: refused
+    own_ok = (
+        refused(lambda: runner.load_state_dict(own), "a tp rank's slice")
+        if runner.plan.mesh.tp > 1
+        else runner.load_state_dict(own).missing_keys == []
+    )
+    load_state = (
+        changed
+        and own_ok
+        and not loaded.missing_keys
+        and not loaded.unexpected_keys
+        and all(torch.equal(runner.state_dict()[k], v) for k, v in mine.items())
+        and refused(
+            lambda: runner.load_state_dict({**sd, "nope": torch.zeros(1)}),
+            "keys the model does not have",
+        )
+    )
     runner.copy_to(model)
     copy_err = max(
         float((model.state_dict()[k] - v).abs().max() / max(v.abs().max(), 1e-30))
@@ -240,6 +263,7 @@ def main() -> int:
                 "dropout_train_differs": abs(train_loss - float(dwant)) > 1e-6,
                 "modes_follow": modes_follow,
                 "habits": habits,
+                "load_state": load_state,
                 "clipped": sum(n > MAX_NORM for n in ref_norms),
                 "losses": got_losses,
                 "captures": len(captures),

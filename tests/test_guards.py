@@ -115,3 +115,23 @@ def test_the_live_api_captures_in_training_mode_and_puts_every_mode_back() -> No
     with training_mode(model):
         assert all(m.training for m in model.modules())
     assert [m.training for m in model.modules()] == [False, False, True, True, True]
+
+
+def test_load_state_dict_takes_whole_tensors_and_refuses_a_slice() -> None:
+    """``Runner.load_state_dict`` (``state.load_local``): each rank cuts its slice from the
+    whole tensor; a tp slice (another rank's ``state_dict()`` would look the same) is refused,
+    naming the whole-model ways; ``strict=False`` reports what is missing."""
+    from autopart.program.format import Shard
+    from autopart.runtime import state
+
+    whole = torch.arange(12.0).view(4, 3)
+    shards = {"w": Shard((4, 3), dim=0, index=1, parts=2), "b": Shard((3,))}
+    params = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    assert state.load_local({"w": whole, "b": torch.ones(3)}, params, {}, shards, {}) == []
+    assert torch.equal(params["w"], whole[2:]) and torch.equal(params["b"], torch.ones(3))
+    with pytest.raises(autopart.AutopartError, match="a tp rank's slice") as exc:
+        state.load_local({"w": whole[:2], "b": torch.ones(3)}, params, {}, shards, {})
+    assert "full_state_dict()" in str(exc.value) and "autopart.checkpoint" in str(exc.value)
+    with pytest.raises(autopart.AutopartError, match="has no b"):
+        state.load_local({"w": whole}, params, {}, shards, {})
+    assert state.load_local({"w": whole}, params, {}, shards, {}, strict=False) == ["b"]

@@ -53,6 +53,7 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
         assert r["dropout_eval_err"] <= 1e-9 and r["dropout_train_differs"], r
         assert r["modes_follow"], r
         assert all(r["habits"].values()), r
+        assert r["load_state"], r
         assert r["captures"] == (1 if r["rank"] == 0 else 0), r  # compiled once, on rank 0
     print(mesh, "parallelize seconds per rank:", [round(r["parallelize_s"], 1) for r in rows])
 

@@ -21,7 +21,7 @@ import operator
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -454,7 +454,10 @@ class Runner:
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers, keyed by the model's global FQNs."""
+        """This rank's parameters and buffers, keyed by the model's global FQNs: its tp slices
+        and its stages only, so not the whole model unless tp = pp = 1 (rank 0's is not the
+        model's, as it is under DDP). The whole model: ``full_state_dict()``; sharded
+        checkpoints: ``autopart.checkpoint``."""
         return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
 
     def _activate(self) -> None:
@@ -714,6 +717,33 @@ class Runner:
         """Load a whole-model state dict (``full_state_dict()``, or the model's own
         ``state_dict()``): each rank copies in its slices. Local: no collective."""
         state.load_local(sd, self.params, self.buffers, self.program.shards, self.tied)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+    ) -> state.Loaded:
+        """``nn.Module.load_state_dict`` for the whole model: ``state_dict`` is the model's
+        (``model.state_dict()``, ``full_state_dict()``, a checkpoint of the module), and each
+        rank copies in its own slices of it. A rank's ``state_dict()`` holds only its slices
+        and stages: under tp its tensors are refused (whose slices they are cannot be told),
+        under pp another stage's lack this rank's keys. ``strict``: every parameter of this
+        rank must be there, and (live API) no key the model does not have. Returns torch's
+        ``(missing_keys, unexpected_keys)``. Local: no collective."""
+        known = (
+            None
+            if self.state_keys is None
+            else {*self.state_keys, *self.params, *self.buffers}  # + non-persistent buffers
+        )
+        unexpected = [k for k in state_dict if known is not None and k not in known]
+        if strict and unexpected:
+            raise AutopartError(
+                f"the state dict has {len(unexpected)} keys the model does not have "
+                f"(e.g. {unexpected[0]})",
+                hint="load a state dict of this model, or pass strict=False",
+            )
+        missing = state.load_local(
+            state_dict, self.params, self.buffers, self.program.shards, self.tied, strict
+        )
+        return state.Loaded(missing, unexpected)
 
     def copy_to(self, model: nn.Module) -> None:
         """Write the trained weights into ``model`` (the user's module), so that

@@ -14,7 +14,7 @@ tensors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -94,14 +94,25 @@ def model_state(
     return {k: sd[k] for k in keys}
 
 
+class Loaded(NamedTuple):
+    """What ``Runner.load_state_dict`` returns, as ``nn.Module.load_state_dict`` does."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
 def load_local(
     sd: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     shards: Mapping[str, Shard],
     tied: Mapping[str, str],
-) -> None:
-    """Copy this rank's slices of a full state dict into its parameters and buffers."""
+    strict: bool = True,
+) -> list[str]:
+    """Copy this rank's slices of a full state dict into its parameters and buffers; returns
+    the parameters ``sd`` has no value for (``strict``: refused if any). A tensor of a tp
+    slice's shape rather than the whole one is refused: which rank's slice it is cannot be
+    told, and another rank's would train a wrong model."""
     by_canonical = {canonical: alias for alias, canonical in tied.items()}
     missing = []
     with torch.no_grad():
@@ -111,18 +122,28 @@ def load_local(
                 missing.append(fqn)
                 continue
             if tuple(full.shape) != tuple(shards[fqn].shape):
+                piece = tuple(full.shape) == tuple(p.shape)
                 raise AutopartError(
                     f"{fqn}: the state dict holds shape {tuple(full.shape)}, the model "
-                    f"{tuple(shards[fqn].shape)}",
-                    hint="load a state dict of this model",
+                    f"{tuple(shards[fqn].shape)}"
+                    + (
+                        ": a tp rank's slice (a Runner.state_dict()), not the whole tensor"
+                        if piece
+                        else ""
+                    ),
+                    hint="load the whole model's state dict (Runner.full_state_dict(), or the "
+                    "model's own); autopart.checkpoint saves and loads sharded checkpoints"
+                    if piece
+                    else "load a state dict of this model",
                 )
             p.copy_(shards[fqn].local(full.to(p.device, p.dtype)))
         for name, b in buffers.items():
             if name in sd:
                 b.copy_(sd[name].to(b.device, b.dtype))
-    if missing:
+    if missing and strict:
         raise AutopartError(
             f"the state dict has no {missing[0]}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
             hint="pass the model's full state dict (Runner.full_state_dict() or model.state_dict())",
         )
+    return missing
