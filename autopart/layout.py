@@ -134,6 +134,14 @@ def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
             f"DeviceMesh dims {tuple(names)} are not in autopart's rank order {tuple(order)}",
             hint="autopart lays out ranks pp-major, then dp, then tp (fastest)",
         )
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if ranks != list(range(len(ranks))):  # the groups are the mesh's; the layout autopart's
+        raise AutopartError(
+            f"the DeviceMesh lays out ranks {ranks}, not 0 … {len(ranks) - 1} in order: its "
+            "groups would not be the ones autopart assigns each rank's slices and stages by",
+            hint='init_device_mesh("cpu", sizes, mesh_dim_names=...) over the whole world '
+            "lays them out in order",
+        )
     return offline, mesh
 
 

@@ -178,6 +178,10 @@ def test_mesh_from() -> None:
     assert mesh_from(_FakeDeviceMesh(("pp", "dp"), (2, 3)))[0] == Mesh(dp=3, pp=2)
     with pytest.raises(AutopartError, match="not in autopart's rank order"):
         mesh_from(_FakeDeviceMesh(("dp", "pp"), (2, 2)))
+    permuted = _FakeDeviceMesh(("dp", "tp"), (2, 2))
+    permuted.mesh = permuted.mesh.t().contiguous()  # ranks [[0, 2], [1, 3]]: not autopart's
+    with pytest.raises(AutopartError, match=r"lays out ranks \[0, 2, 1, 3\], not 0 … 3"):
+        mesh_from(permuted)
     with pytest.raises(AutopartError, match="include \\['cp'\\]"):
         mesh_from(_FakeDeviceMesh(("cp",), (2,)))
     with pytest.raises(AutopartError, match="expected an autopart.Mesh"):
