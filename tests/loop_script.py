@@ -1,7 +1,8 @@
 """Run on 4 forked ranks by tests/test_training_loop.py: an ordinary training loop around the
 live API, as a user used to DDP would write it, against the same loop on one process.
 
-Each rank builds HF Llama (tied embeddings, and a module the forward never uses) from its
+Each rank builds HF Llama (tied embeddings, a module the forward never uses, a frozen final
+norm) from its
 *own* seed: parallelize must start every rank from rank 0's weights. The loop: AdamW with decay groups (weight decay on matrices only),
 linear warmup, gradient clipping that bites every step (``Runner.clip_grad_norm_``), 8 steps on
 batches with Hugging Face's labels (unshifted, ``labels = input_ids``) ending in unequal runs of
@@ -48,6 +49,9 @@ def build(seed: int):
     # a module the forward never uses: one device leaves its gradient None, so AdamW neither
     # moves nor decays it; it must be held by some rank, and come back in full_state_dict
     model.unused = torch.nn.Linear(16, 16).double()
+    # a frozen parameter (fine-tuning): it must stay frozen on every rank; it used to come back
+    # trainable from the program rank 0 hands the others (the program did not record it)
+    model.model.norm.weight.requires_grad_(False)
     return model
 
 

@@ -586,3 +586,20 @@ def test_the_saved_program_still_loads_and_round_trips(saved: Path, tmp_path: Pa
     assert read_head(saved)["files"].keys() == read_head(tmp_path / "again")["files"].keys()
     for name, t in program.params.items():
         assert torch.equal(again.params[name], t), name
+
+
+def test_a_frozen_parameter_is_recorded_and_checked(tmp_path: Path) -> None:
+    """A parameter the model froze (``requires_grad=False``) is named in its rank's
+    ``program.json``, so a loaded program (``autopart run``, the live API's hand-over) keeps it
+    frozen: it used to come back trainable. A crafted entry naming no shard of the rank is
+    refused."""
+    model, (ids, labels) = nanogpt.make(n_layer=2, n_embd=8, n_head=2, block_size=16)
+    model.transformer.ln_f.weight.requires_grad_(False)
+    saved = parallelize(model, Mesh(pp=2), example_inputs=(ids[:2, :16], labels[:2, :16]))
+    saved = saved.save(tmp_path / "p")
+    assert load_rank(saved, 1).frozen == ("transformer.ln_f.weight",)
+    assert load_rank(saved, 0).frozen == ()
+    crafted = copy_program(saved, tmp_path, "crafted")
+    edit_json(crafted, "rank00000/program.json", lambda d: d["frozen"].append("nope.weight"))
+    with pytest.raises(AutopartError, match="frozen.*names 'nope.weight', which is not a shard"):
+        load_rank(crafted, 0)

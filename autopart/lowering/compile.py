@@ -244,6 +244,9 @@ def rank_program(
         chunk_cost=chunk_cost,
         vocab_size=captured.vocab_size,
         batch_names=captured.batch_names,
+        frozen=tuple(
+            sorted(f for f in shards if f in used and not captured.params[f].requires_grad)
+        ),
     )
 
 

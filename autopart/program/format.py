@@ -120,6 +120,8 @@ class RankProgram:
     vocab_size: int | None = None  # token ids and labels are checked against it at every step
     # the batch tensors the program takes (capture's): a step must pass exactly these
     batch_names: tuple[str, ...] = ("input_ids", "labels")
+    # parameters the model froze (requires_grad=False): held and read, never trained
+    frozen: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         c = self.coords
@@ -435,6 +437,7 @@ def _save_rank(
         "chunk_cost": rp.chunk_cost,
         "vocab_size": rp.vocab_size,
         "batch": list(rp.batch_names),
+        "frozen": list(rp.frozen),
     }
     text = json.dumps(doc, indent=1).encode()
     files[f"{d}/program.json"] = folder.write(f"{d}/program.json", lambda f: f.write(text))
@@ -490,6 +493,7 @@ def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> R
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
         vocab_size=doc.get("vocab_size"),
         batch_names=tuple(doc.get("batch", ("input_ids", "labels"))),
+        frozen=tuple(doc.get("frozen", ())),
     )
 
 

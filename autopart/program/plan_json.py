@@ -213,6 +213,7 @@ RANK = obj(
         "chunk_cost": _CHUNK_COST,
         "vocab_size": nullable(integer(1, 1 << 31)),
         "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
+        "frozen": list_of(_FQN),
     },
 )
 
@@ -252,6 +253,10 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
             raise Invalid(f"{where}.dim", f"= {shard['dim']} is not a dim of the parameter")
         if shard["index"] >= shard["parts"] or shard["parts"] > mesh.tp:
             raise Invalid(f"{where}.index", "is not a slice of at most tp parts")
+    frozen = doc.get("frozen", [])
+    for fqn in frozen:
+        if fqn not in doc["shards"] or frozen.count(fqn) > 1:
+            raise Invalid("frozen", f"names {fqn!r}, which is not a shard of this rank or is twice")
     seen: set[str] = set()
     for i, bucket in enumerate(doc["buckets"]):
         for fqn in bucket:

@@ -265,8 +265,10 @@ class Runner:
             t = weights[fqn]
             if isinstance(t, nn.Parameter) and t.device == self.device:
                 self.params[fqn] = t
-            else:  # a frozen parameter of the model stays frozen
-                frozen = isinstance(t, nn.Parameter) and not t.requires_grad
+            else:  # a frozen parameter of the model stays frozen (a loaded one: the program says)
+                frozen = fqn in program.frozen or (
+                    isinstance(t, nn.Parameter) and not t.requires_grad
+                )
                 self.params[fqn] = nn.Parameter(t.detach().to(self.device), not frozen)
         # precision="bf16": parameters (masters) enter the graph cast, inside autograd, so their
         # gradients come back, and add up over micro-batches, in the masters' dtype
