@@ -50,7 +50,7 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         elif n.target == ops.tp_copy.default:
             if n.args[0] not in seq:
                 raise AutopartError(
-                    f"{n.format_node()} gathers a value that is not split along the sequence"
+                    f"{_named(n)} gathers a value that is not split along the sequence"
                 )
             _swap(gm, n, ops.tp_gather.default, plan.mesh.tp, seq[n.args[0]])
         elif any(a in seq for a in n.all_input_nodes) and n.op == "call_function":
@@ -59,14 +59,65 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             raise AutopartError("a sequence-split value reaches the graph output")
     for n in seq:
         n.meta[META_SEQ] = seq[n]
-    for p in gm.graph.nodes:
-        if (
+    fixed: dict[fx.Node, bool] = {}
+    for p in list(gm.graph.nodes):
+        if not (
             p.op == "placeholder"
             and p.meta[META_INPUT].kind == "param"
             and p.meta.get(META_SHARD) is None
-        ) and any(u in seq or u in grad_reduce for u in p.users):
+        ):
+            continue
+        split, whole = _uses(p, seq, fixed)
+        if any(u in grad_reduce for u in p.users) or (split and not whole):
             _reduce_grad(gm, p)
+        elif split:  # read whole elsewhere too: only the split reads' gradient is a partial
+            for a in dict.fromkeys(a for _, a in split):
+                _reduce_use(gm, a, seq)
     return propagate(gm)
+
+
+def _fixed(x: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Is ``x`` a function of parameters, buffers and constants only (no activation)?"""
+    if x not in memo:
+        if x.op == "placeholder":
+            memo[x] = x.meta[META_INPUT].kind in ("param", "buffer", "constant")
+        else:
+            memo[x] = x.op in ("get_attr", "call_function") and all(
+                _fixed(a, memo) for a in x.all_input_nodes
+            )
+    return memo[x]
+
+
+def _uses(
+    p: fx.Node, seq: dict[fx.Node, int], memo: dict[fx.Node, bool]
+) -> tuple[list[tuple[fx.Node, fx.Node]], list[fx.Node]]:
+    """Where parameter ``p`` meets activations: through values computed from parameters alone
+    (``1 + w`` of Gemma's norms, a cast), the split nodes that read it, as (node, the value it
+    reads), and the nodes that read it with whole activations."""
+    split, whole, seen, stack = [], [], set(), [p]
+    while stack:
+        v = stack.pop()
+        for u in v.users:
+            if u.target == ops.tp_all_reduce_grad.default:
+                continue  # tensor_parallel reduces that use's gradient already
+            if u in seq:
+                split.append((u, v))
+            elif u.op == "call_function" and _fixed(u, memo):
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+            else:
+                whole.append(u)
+    return split, whole
+
+
+def _reduce_use(gm: fx.GraphModule, a: fx.Node, seq: dict[fx.Node, int]) -> None:
+    """Reduce over tp the gradient ``a`` gets from the split nodes that read it (not the one it
+    gets from whole reads, which every tp rank computes alike)."""
+    with gm.graph.inserting_after(a):
+        new = gm.graph.call_function(ops.tp_all_reduce_grad.default, (a, "tp"))
+    new.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
+    a.replace_all_uses_with(new, delete_user_cb=lambda u: u in seq)
 
 
 def _seq_dim(n: fx.Node) -> int:
@@ -74,10 +125,16 @@ def _seq_dim(n: fx.Node) -> int:
     dims = [i for i, d in enumerate(val.shape) if to_sympy(d, _gm_of(n)) == S]
     if len(dims) != 1:
         raise AutopartError(
-            f"{n.format_node()} has no single sequence dim (shape {tuple(val.shape)})",
+            f"{_named(n)} has no single sequence dim (shape {tuple(val.shape)})",
             hint="sequence parallelism needs (batch, seq, hidden) activations at tp boundaries",
         )
     return dims[0]
+
+
+def _named(n: fx.Node) -> str:
+    """A node for a message: its name, module and op."""
+    op = getattr(n.target, "__name__", str(n.target))
+    return f"node {n.name} ({n.meta.get(META_MODULE) or '<root>'}, {op})"
 
 
 def _gm_of(n: fx.Node) -> fx.GraphModule:
@@ -106,9 +163,7 @@ def _follow(
             n.target == aten.sym_size.int
             and int_arg(n, 1) % tensor_of(n.args[0]).dim() == seq[node_arg(n, 0)]
         ):
-            raise AutopartError(
-                f"{n.format_node()} reads the sequence length of a sequence-split value"
-            )
+            raise AutopartError(f"{_named(n)} reads the sequence length of a sequence-split value")
         return
     try:
         seq[n] = out_dim(n, seq)
@@ -119,8 +174,7 @@ def _follow(
         reason = str(exc)
     if "spans the split dim" not in reason:
         raise AutopartError(
-            f"sequence parallelism cannot pass {n.format_node()} "
-            f"({n.meta.get(META_MODULE) or '<root>'}): {reason}",
+            f"sequence parallelism cannot pass {_named(n)}: {reason}",
             hint="run without sequence_parallel for this model",
         )
     split = next(a for a in n.all_input_nodes if a in seq)

@@ -200,7 +200,16 @@ def main() -> int:
         ),
         "autocast": refused(under(torch.autocast("cpu", dtype=torch.bfloat16)), 'precision="bf16"'),
         "no_grad": refused(under(torch.no_grad()), "runner.evaluate"),
+        # DDP's sampler habit: every rank its own rows (the pp peers then disagree)
+        "batch_per_rank": refused(lambda: runner.step(*data[rank]), "passed another batch"),
+        "batch_per_rank_local": refused(
+            lambda: runner.step(*data[rank], local=True), "passed another batch"
+        ),
     }
+    # a sampler per dp replica (local=True): the replicas differ, the pp peers agree
+    share = [t[runner.dp_rank * 4 : (runner.dp_rank + 1) * 4] for t in data[0]]
+    habits["batch_per_replica"] = bool(torch.isfinite(runner.step(*share, local=True)))
+    runner.zero_grad()
     # the module's own reference loop (it has gradients) is not refused
     hf_loss(model, *data[0]).backward()
     torch.optim.SGD(model.parameters(), lr=0.0).step()

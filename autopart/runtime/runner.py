@@ -329,6 +329,9 @@ class Runner:
         # a step whose global loss is NaN or ±inf raises instead of returning it (all ranks
         # alike: the loss is reduced first), so no optimizer steps on its gradients
         self.stop_on_nonfinite = True
+        # every step compares its batch over the ranks that must pass the same rows
+        # (_check_same_batch); False skips the check (a few small all-reduces a step)
+        self.check_batches = True
         if not self.dry and dist.is_initialized():  # every copy of a parameter starts equal
             check_copies(
                 self.params,
@@ -508,6 +511,7 @@ class Runner:
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
+        self._check_same_batch(fields, local)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
@@ -565,6 +569,7 @@ class Runner:
         dummy = torch.zeros_like(input_ids)  # labels feed no node once the loss is cut off
         self._activate()
         fields = self._fields(input_ids, dummy, attention_mask, position_ids)
+        self._check_same_batch(fields, local)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
@@ -823,6 +828,7 @@ class Runner:
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
+        self._check_same_batch(fields, local)
         mbs = self._microbatches(fields, local)
         kept = {f: p.grad for f, p in self.params.items()}
         for p in self.params.values():
@@ -1184,6 +1190,36 @@ class Runner:
                     raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
         return {k: t.to(self.device) for k, t in fields.items()}
 
+    def _check_same_batch(self, fields: dict[str, torch.Tensor], local: bool) -> None:
+        """The ranks that must pass the same rows do: every rank the global batch, or with
+        ``local`` the ranks of one dp replica its share (equal over the tp and the pp groups
+        is equal over the replica). A sampler over the whole world (each rank its own rows, as
+        under DDP) would otherwise give tp peers different tokens, which their collectives
+        then add up: a wrong model, silently. One small all-reduce per group, before any
+        compute; every rank of the group sees the same table, so all of them refuse alike."""
+        if self.dry or not self.check_batches:
+            return
+        mine = _fingerprint(fields)
+        for d in ("tp", "pp") if local else ("tp", "pp", "dp"):
+            group, ranks = self.groups.get(d), self.program.groups[d]
+            if group is None or len(ranks) < 2:
+                continue
+            table = torch.zeros(len(ranks), mine.numel(), dtype=torch.int64, device=self.device)
+            table[ranks.index(self.rank)] = mine
+            self._wait(
+                staging.all_reduce(table, group), f"comparing the batch over {d} ranks {ranks}"
+            )
+            other = [r for r, row in zip(ranks, table, strict=True) if not torch.equal(row, mine)]
+            if other:
+                share = "its dp replica's share" if local else "the global batch"
+                raise AutopartError(
+                    f"rank {self.rank}: rank {other[0]} passed another batch than this rank, "
+                    f"though the ranks of the {d} group {ranks} must all pass {share}",
+                    hint="a sampler per dp replica, not per rank, with local=True: "
+                    "DistributedSampler(dataset, num_replicas=runner.dp_size, "
+                    "rank=runner.dp_rank); or the same global batch on every rank",
+                )
+
     def _check_ids(self, input_ids: Any, labels: Any) -> None:
         """Refuse ids or labels that are not integer (batch, seq) tensors of one shape."""
         for name, t in (("input_ids", input_ids), ("labels", labels)):
@@ -1433,6 +1469,21 @@ def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
                 n.kwargs = {**n.kwargs, "dropout_p": 0.0}
     g.recompile()
     return g
+
+
+_PRIME = 2_147_483_647  # 2^31 − 1: every term of a fingerprint's sum stays below 2^62
+
+
+def _fingerprint(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A few int64 numbers that differ, but for a chance of about 2^-31, between two batches
+    that differ: each tensor's shape and a position-weighted sum of its values mod a prime."""
+    out = []
+    for name in sorted(fields):
+        t = fields[name].long().flatten()
+        w = (torch.arange(t.numel(), device=t.device) * 2_654_435_761 + 97) % _PRIME + 1
+        digest = ((t % _PRIME) * w % _PRIME).sum()
+        out += [torch.tensor(list(fields[name].shape), device=t.device), digest.view(1)]
+    return torch.cat(out)
 
 
 def _check_convention(input_ids: torch.Tensor, labels: torch.Tensor, convention: str) -> None:
