@@ -8,6 +8,7 @@ print, inspect or save). With a live torch ``DeviceMesh`` (under torchrun) it re
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -137,10 +138,12 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
         raise AutopartError(
             "parallelize needs example_inputs=(input_ids, labels) to capture the model"
         )
-    elif plan.compute_dtype is not None:
-        captured = capture_mixed(model, example_inputs, plan.compute_dtype)
     else:
-        captured = capture(model, example_inputs)
+        _warn_checkpointing(model, plan)
+        if plan.compute_dtype is not None:
+            captured = capture_mixed(model, example_inputs, plan.compute_dtype)
+        else:
+            captured = capture(model, example_inputs)
     # refused now, not at the first step: the example batch is taken for the training batch
     plan.check_batch(captured.example_shape[0])
     seq, tp = captured.example_shape[1], plan.mesh.tp
@@ -150,6 +153,19 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
             hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
         )
     return compile_program(captured, plan)
+
+
+def _warn_checkpointing(model: nn.Module, plan: Plan) -> None:
+    """Hugging Face's ``gradient_checkpointing_enable()`` is inlined by capture: it would
+    recompute nothing. Say so, and what does (autopart's recomputation pass)."""
+    if getattr(model, "is_gradient_checkpointing", False) and plan.recompute == "none":
+        warnings.warn(
+            "the model has Hugging Face gradient checkpointing on, which capture inlines: it "
+            "recomputes nothing here, and every activation is kept. Pass recompute='full' to "
+            "parallelize for the same (every transformer block recomputed in its backward), or "
+            "recompute='selective' (attention cores only)",
+            stacklevel=3,
+        )
 
 
 def _world() -> int:

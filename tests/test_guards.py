@@ -135,3 +135,19 @@ def test_load_state_dict_takes_whole_tensors_and_refuses_a_slice() -> None:
     with pytest.raises(autopart.AutopartError, match="has no b"):
         state.load_local({"w": whole}, params, {}, shards, {})
     assert state.load_local({"w": whole}, params, {}, shards, {}, strict=False) == ["b"]
+
+
+def test_hugging_face_gradient_checkpointing_is_named_with_what_recomputes() -> None:
+    """``gradient_checkpointing_enable()`` is inlined by capture (it would recompute nothing,
+    silently keeping every activation): a warning names ``recompute='full'``, which does."""
+    import hf_llama
+
+    model, batch = hf_llama.make()
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match="recompute='full'"):
+        autopart.parallelize(model, autopart.Mesh(dp=2), batch)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        autopart.parallelize(model, autopart.Mesh(dp=2), batch, recompute="full")
