@@ -242,3 +242,21 @@ def test_check_names_every_cell_that_differs_from_the_written_matrix() -> None:
     fresh["gpt2"][1]["tp=2"] = Report(1.0, 1.0, 0.0, 0.0, "w", 1e-5)
     (line,) = zoo.differences(DOCS.read_text(), fresh)
     assert line.startswith("gpt2 tolerance: written '1e-09'"), line
+
+
+SP_NORMS = ["gemma", "gemma2", "nemotron", "cohere", "olmo", "phi", "gpt2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_sequence_parallelism_across_norm_styles() -> None:
+    """tp=2 with sequence parallelism (not a column of the matrix: a sweep of every
+    architecture, docs/compatibility.md) over one model of each way a norm reads its weight:
+    Gemma's ``1 + w`` (whose gradients were 100 % off until the pass followed it), Nemotron's
+    LayerNorm1P, Cohere's bias-free LayerNorm, OLMo's weightless one, Phi's, GPT-2's with
+    learned positions."""
+    sp = {"tp=2 SP": {"tp": 2, "sequence_parallel": True}}
+    rows = zoo.matrix(SP_NORMS, sp)
+    assert sorted(rows) == sorted(SP_NORMS)
+    for dtype, cells in rows.values():
+        assert_passes(cells["tp=2 SP"], dtype)
