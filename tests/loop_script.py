@@ -206,6 +206,14 @@ def main() -> int:
             lambda: runner.step(*data[rank], local=True), "passed another batch"
         ),
     }
+    # a tokenizer's int32 ids train as int64 (they crashed dp's loss with a raw ATen message);
+    # float ids are refused by name
+    with torch.no_grad():
+        want_int = float(runner.evaluate(*data[0]))
+    habits["int32_ids"] = float(runner.evaluate(*(t.int() for t in data[0]))) == want_int
+    habits["float_ids"] = refused(
+        lambda: runner.step(data[0][0].double(), data[0][1]), "token ids are integers"
+    )
     # a sampler per dp replica (local=True): the replicas differ, the pp peers agree
     share = [t[runner.dp_rank * 4 : (runner.dp_rank + 1) * 4] for t in data[0]]
     habits["batch_per_replica"] = bool(torch.isfinite(runner.step(*share, local=True)))

@@ -38,23 +38,6 @@ def test_ids_and_labels_outside_the_vocabulary_are_refused(programs, mesh, which
     assert f"{which}[5, 7] = {value} is outside the vocabulary of 96 tokens" in err.value.message
 
 
-def test_int32_ids_train_as_int64_and_float_ids_are_refused(programs, tmp_path):
-    """A tokenizer's int32 ids and labels used to train under tp=2 and crash dp's loss with a
-    raw ATen message; they are now taken as int64, exactly. Float ids are refused by name."""
-    progs, (ids, labels) = programs
-    model, _ = nanogpt.make()
-    with torch.no_grad():
-        want = torch.nn.functional.cross_entropy(
-            model.double()(ids).flatten(0, 1), labels.flatten(), ignore_index=-100
-        )
-    fork_ranks(progs["tp1"], (ids.int(), labels.int()), tmp_path / "int32", timeout_s=60)
-    got = torch.load(tmp_path / "int32" / "rank00000.pt", weights_only=True)["loss"]
-    assert abs(float(got) - float(want)) <= 1e-12 * float(want), (float(got), float(want))
-    with pytest.raises(AutopartError) as err:
-        fork_ranks(progs["tp1"], (ids.double(), labels), tmp_path / "float", timeout_s=60)
-    assert "input_ids are torch.float64; token ids are integers" in err.value.message
-
-
 def test_a_non_finite_loss_stops_the_step(programs, tmp_path):
     progs, batch = programs
     program = progs["tp1"]

@@ -148,6 +148,11 @@ def test_hugging_face_gradient_checkpointing_is_named_with_what_recomputes() -> 
         autopart.parallelize(model, autopart.Mesh(dp=2), batch)
     import warnings
 
+    from autopart.api import _warn_checkpointing
+    from autopart.layout import Plan
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        autopart.parallelize(model, autopart.Mesh(dp=2), batch, recompute="full")
+        _warn_checkpointing(model, Plan(autopart.Mesh(dp=2), recompute="full"))
+        model.gradient_checkpointing_disable()
+        _warn_checkpointing(model, Plan(autopart.Mesh(dp=2)))

@@ -126,7 +126,26 @@ class _Probe(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("name", list(MIXES))
+# the default run's cross-section (one of each kind of refusal); the rest run under -m slow
+DEFAULT = {
+    "roll",
+    "token shift by a pad",
+    "the next token",
+    "an FFT convolution",
+    "cummax",
+    "a sort",
+    "the first token",
+    "a lower-triangular mixing matrix",
+    "unnormalized causal linear attention",
+    "the sequence cut in halves",
+    "an index of the previous token",
+    "a layer norm over the sequence",
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in MIXES]
+)
 def test_an_unseen_sequence_mixer_is_refused_when_compiling(name: str) -> None:
     ids = torch.randint(0, 50, (4, S), generator=torch.Generator().manual_seed(0))
     captured = capture(_Probe(MIXES[name]).double(), (ids, ids))
