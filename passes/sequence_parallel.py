@@ -59,7 +59,7 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             raise AutopartError("a sequence-split value reaches the graph output")
     for n in seq:
         n.meta[META_SEQ] = seq[n]
-    fixed: dict[fx.Node, bool] = {}
+    weights_only: dict[fx.Node, bool] = {}
     for p in list(gm.graph.nodes):
         if not (
             p.op == "placeholder"
@@ -67,7 +67,7 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             and p.meta.get(META_SHARD) is None
         ):
             continue
-        split, whole = _uses(p, seq, fixed)
+        split, whole = _uses(p, seq, weights_only)
         if any(u in grad_reduce for u in p.users) or (split and not whole):
             _reduce_grad(gm, p)
         elif split:  # read whole elsewhere too: only the split reads' gradient is a partial
@@ -76,14 +76,14 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return propagate(gm)
 
 
-def _fixed(x: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+def _weights_only(x: fx.Node, memo: dict[fx.Node, bool]) -> bool:
     """Is ``x`` a function of parameters, buffers and constants only (no activation)?"""
     if x not in memo:
         if x.op == "placeholder":
             memo[x] = x.meta[META_INPUT].kind in ("param", "buffer", "constant")
         else:
             memo[x] = x.op in ("get_attr", "call_function") and all(
-                _fixed(a, memo) for a in x.all_input_nodes
+                _weights_only(a, memo) for a in x.all_input_nodes
             )
     return memo[x]
 
@@ -102,7 +102,7 @@ def _uses(
                 continue  # tensor_parallel reduces that use's gradient already
             if u in seq:
                 split.append((u, v))
-            elif u.op == "call_function" and _fixed(u, memo):
+            elif u.op == "call_function" and _weights_only(u, memo):
                 if u not in seen:
                     seen.add(u)
                     stack.append(u)

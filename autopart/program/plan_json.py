@@ -253,10 +253,11 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
             raise Invalid(f"{where}.dim", f"= {shard['dim']} is not a dim of the parameter")
         if shard["index"] >= shard["parts"] or shard["parts"] > mesh.tp:
             raise Invalid(f"{where}.index", "is not a slice of at most tp parts")
-    frozen = doc.get("frozen", [])
-    for fqn in frozen:
-        if fqn not in doc["shards"] or frozen.count(fqn) > 1:
+    frozen: set[str] = set()
+    for fqn in doc.get("frozen", []):
+        if fqn not in doc["shards"] or fqn in frozen:
             raise Invalid("frozen", f"names {fqn!r}, which is not a shard of this rank or is twice")
+        frozen.add(fqn)
     seen: set[str] = set()
     for i, bucket in enumerate(doc["buckets"]):
         for fqn in bucket:

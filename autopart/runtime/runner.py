@@ -432,9 +432,16 @@ class Runner:
         self._model = weakref.ref(model)
         guard_optimizers(self, model)
 
-    def _follow_mode(self) -> None:
-        """Take the followed module's mode, if it was switched since (``model.eval()``)."""
-        model = self._model() if self._model is not None else None
+    def _followed(self) -> nn.Module | None:
+        """The module this runner follows (``follow``), while it lives."""
+        return self._model() if self._model is not None else None
+
+    def _begin(self, call: str, *, needs_grad: bool) -> None:
+        """Before ``step`` / ``evaluate`` / ``logits``: refuse the contexts they cannot run in
+        (``guards.check_step_context``), and take the followed module's mode if it was switched
+        since (``model.eval()``)."""
+        check_step_context(call, self.device, needs_grad=needs_grad)
+        model = self._followed()
         if model is not None and model.training != self.training:
             self.train(model.training)
 
@@ -473,7 +480,7 @@ class Runner:
     def train(self, mode: bool = True) -> Runner:
         """Training mode (the default): dropout on. ``train(False)`` is ``eval()``."""
         self.training = mode
-        model = self._model() if self._model is not None else None
+        model = self._followed()
         if model is not None and model.training != mode:
             model.train(mode)
         if mode:
@@ -506,8 +513,7 @@ class Runner:
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
         first, as with a torch module). The batch, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
-        check_step_context("evaluate", self.device, needs_grad=False)
-        self._follow_mode()
+        self._begin("evaluate", needs_grad=False)
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
@@ -554,8 +560,7 @@ class Runner:
         and ``position_ids`` as for ``step`` (exactly those the program was captured with).
         Forward only; dropout follows the mode (``eval()`` first). Collective: call it on
         every rank."""
-        check_step_context("logits", self.device, needs_grad=False)
-        self._follow_mode()
+        self._begin("logits", needs_grad=False)
         key = self.training
         if key not in self._logits_run:  # the loss cut off each last stage, once per mode
             self._logits_run[key] = self._runs(
@@ -823,8 +828,7 @@ class Runner:
         outside it."""
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
-        check_step_context("step", self.device, needs_grad=True)
-        self._follow_mode()
+        self._begin("step", needs_grad=True)
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
