@@ -224,6 +224,9 @@ class Plan:
     # the longest sequence the program's graphs fit (None: any); compile sets it from the
     # captured graph (frontend/shapes.longest_sequence) and a step with a longer one is refused
     max_seq: int | None = None
+    # the shortest (None: any): a graph whose length export fixed fits that length only
+    # (frontend/shapes.shortest_sequence), and a step with a shorter one is refused
+    min_seq: int | None = None
     precision: str | None = None  # "bf16": bf16 compute, fp32 master weights and gradients
     # library op namespaces the user trusts: their ops (torch.ops.<ns>.*) that capture cannot
     # decompose to ATen stay in the program, which records the library's version
@@ -251,12 +254,17 @@ class Plan:
             "micro_batch",
             "seq_block",
             "max_seq",
+            "min_seq",
         ):
             value = getattr(self, name)
-            if name in ("micro_batch", "max_seq") and value is None:
+            if name in ("micro_batch", "max_seq", "min_seq") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AutopartError(f"{name}={value!r} must be a positive integer")
+        if self.min_seq is not None and self.max_seq is not None and self.min_seq > self.max_seq:
+            raise AutopartError(
+                f"min_seq={self.min_seq} is more than max_seq={self.max_seq}: no sequence fits"
+            )
         if self.bucket_mb <= 0:
             raise AutopartError(f"bucket_mb={self.bucket_mb} must be positive")
         if self.sequence_parallel and self.mesh.tp == 1:

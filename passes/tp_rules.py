@@ -293,6 +293,7 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.sum.dim_IntList: _reduce,
     aten.amax.default: _reduce,
     aten.layer_norm.default: _layer_norm,
+    aten.rms_norm.default: _layer_norm,
     aten.scaled_dot_product_attention.default: _attention,
     aten.matmul.default: _batched_matmul,
     aten.bmm.default: _batched_matmul,

@@ -24,7 +24,7 @@ if str(EXAMPLES) not in sys.path:
 import hf_gpt2  # noqa: E402
 import nanogpt  # noqa: E402
 
-from autopart.frontend.capture import Captured, capture, logits_of  # noqa: E402
+from autopart.frontend.capture import Captured, capture, model_logits  # noqa: E402
 from autopart.meta import META_INPUT  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -93,7 +93,7 @@ def run_graph(captured: Captured, batch: Batch) -> tuple[torch.Tensor, dict[str,
 def run_model(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The model's own summed next-token CE and gradients (on a copy: the fixture stays clean)."""
     model = copy.deepcopy(model)
-    logits = logits_of(model(batch[0]))
+    logits = model_logits(model, batch[0], batch[1])
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
         batch[1].reshape(-1),

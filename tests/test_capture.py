@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import sympy
 import torch
+import torch.nn.functional as F
 from conftest import Case, nanogpt, rel_err, run_graph, run_model
 from torch import nn
 
@@ -221,6 +222,58 @@ def test_model_outputs_tensor_tuple_or_logits(wrap) -> None:
     loss, _ = run_graph(cap, batch)
     ref, _ = run_model(model, batch)
     assert abs(loss.item() - ref.item()) <= 1e-12 * abs(ref.item())
+
+
+class _Targets(nn.Module):
+    """nanoGPT's habit: ``forward(idx, targets=None)`` returns ``(logits, loss)`` with targets
+    (its loss ignoring -1) and, without them, the last position's logits only."""
+
+    def __init__(self, targets: bool = True) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+        self.takes = targets
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = torch.tanh(self.wte(idx))
+        if targets is None:
+            return self.head(x[:, [-1], :]), None
+        logits = self.head(x)
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+class _LastOnly(nn.Module):
+    """Logits of the last position only, with no way to ask for more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Targets()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx)[0]
+
+
+def test_a_forward_that_takes_targets_gets_the_labels() -> None:
+    """A model that computes every position's logits only when given ``targets`` gets the
+    labels as targets (-100 as 0: the model's loss ignores -1, so -100 would fail in it);
+    its own loss is dropped from the graph, and the graph's loss and gradients are autopart's
+    CE over the labels ≠ -100. A model that gives one position and takes no targets is
+    refused at capture, naming the shapes."""
+    torch.manual_seed(0)
+    model = _Targets().double()
+    ids = torch.randint(0, 32, (2, 12))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    captured = capture(model, (ids, labels))
+    losses = [n for n in captured.graph.graph.nodes if "cross_entropy" in str(n.target)]
+    assert len(losses) == 1, losses  # autopart's; the model's own is gone
+    loss, grads = run_graph(captured, (ids, labels))
+    want, want_grads = run_model(model, (ids, labels))
+    assert rel_err(loss, want) < 1e-12
+    for f, g in want_grads.items():
+        assert rel_err(grads[f], g) < 1e-12, f
+    with pytest.raises(AutopartError, match=r"logits of shape \(2, 1, 32\) for input_ids of "):
+        capture(_LastOnly(), (ids, labels))
 
 
 def test_logits_of() -> None:

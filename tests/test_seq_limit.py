@@ -17,16 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
+from autopart.frontend.loops import fixed_length
 from autopart.frontend.shapes import longest_sequence
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
 from autopart.runtime.run import build_parser, check_args
-from autopart.runtime.runner import Runner, make_groups
+from autopart.runtime.runner import Runner, local_weights, make_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -95,6 +97,106 @@ def test_a_position_table_limits_the_sequence_and_a_longer_step_is_refused(
 
     model, batch = nanogpt.make()
     assert longest_sequence(capture(model, batch).graph, tuple(batch[0].shape)) == (None, "")
+
+
+class Masked(nn.Module):
+    """nanoGPT's attention without flash: a causal mask buffer of ``TABLE`` rows sliced to the
+    length (``bias[:, :, :s, :s]``), scores masked with it, heads merged with ``view``."""
+
+    def __init__(self, vocab: int = 64, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, vocab)
+        self.heads = heads
+        self.register_buffer("bias", torch.tril(torch.ones(TABLE, TABLE))[None, None])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, s = input_ids.shape
+        x = self.wte(input_ids)
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        att = (q @ k.transpose(-2, -1)).masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
+        y = (att.softmax(-1) @ v).transpose(1, 2).contiguous().view(b, s, -1)
+        return self.head(x + y)
+
+
+class Fixed(nn.Module):
+    """A learned table of positions added whole: the model takes ``TABLE`` tokens only."""
+
+    def __init__(self, vocab: int = 64, width: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Parameter(torch.randn(TABLE, width))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wte(input_ids) + self.wpe))
+
+
+def _one_rank(tmp_path: Path, program) -> Runner:
+    store = tmp_path / f"store-{uuid.uuid4().hex}"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    rp = program.rank(0)
+    weights = local_weights(program, rp)
+    return Runner(rp, program.plan, weights, make_groups(program.plan, 0, rp.ties))
+
+
+def test_a_mask_table_as_long_as_the_example_keeps_the_length_symbolic(tmp_path: Path) -> None:
+    """Captured at the mask table's own length, the slice is the whole table and export fixes
+    the length to it: a shorter step then failed inside every rank with a shape error. Capture
+    now takes the model once more at a shorter length, where the length stays symbolic
+    (bounded by the table): the program trains 48, 40 and 17 tokens with the model's loss and
+    gradients (float64, one rank), and refuses 56."""
+    torch.manual_seed(0)
+    model = Masked().double()
+    assert fixed_length(capture(model, _batch(TABLE), roll=False).graph) == TABLE  # export's
+    captured = capture(model, _batch(TABLE))
+    assert fixed_length(captured.graph) is None and captured.example_shape == (2, TABLE)
+    with pytest.warns(UserWarning, match=f"fits sequences of at most {TABLE} tokens"):
+        program = parallelize(model, Mesh(), example_inputs=_batch(TABLE))
+    assert (program.plan.min_seq, program.plan.max_seq) == (None, TABLE)
+    runner = _one_rank(tmp_path, program)
+    try:
+        for seq in (TABLE, 40, 17):
+            ids, labels = _batch(seq)
+            model.zero_grad()
+            want = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+            want.backward()
+            got = runner.step(ids, labels)
+            assert torch.allclose(got, want, rtol=1e-12, atol=0), (seq, got, want)
+            for f, p in runner.named_parameters():
+                ref = model.get_parameter(f).grad
+                assert torch.allclose(p.grad, ref, rtol=1e-9, atol=1e-12), (seq, f)
+        with pytest.raises(AutopartError, match=f"a sequence of {TABLE + 8} tokens is longer"):
+            runner.step(*_batch(TABLE + 8))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_graph_of_one_length_refuses_another(tmp_path: Path) -> None:
+    """A model that adds a whole table of positions takes its table's length only: compile
+    warns "exactly 48 tokens" naming the node, sets Plan.min_seq = max_seq = 48 (kept in
+    plan.json), and a shorter sequence is refused by autopart run's checks and by the runner
+    before any collective, where it used to fail inside every rank; 48 tokens train."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=f"fits sequences of exactly {TABLE} tokens \\(at 24"):
+        program = parallelize(Fixed(), Mesh(), example_inputs=_batch(TABLE))
+    assert (program.plan.min_seq, program.plan.max_seq) == (TABLE, TABLE)
+    folder = program.save(tmp_path / "p")
+    head = read_head(folder)
+    assert Plan.from_json(head["plan"]).min_seq == TABLE
+    args = build_parser().parse_args([str(folder), "--seq-len", "16"])
+    with pytest.raises(AutopartError, match="--seq-len 16 is shorter than the program"):
+        check_args(args, head, Plan.from_json(head["plan"]))
+    runner = _one_rank(tmp_path, program)
+    try:
+        assert torch.isfinite(runner.step(*_batch(TABLE)))
+        with pytest.raises(AutopartError, match="rank 0: a sequence of 16 tokens is shorter"):
+            runner.step(*_batch(16))
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(AutopartError, match="no sequence fits"):
+        Plan(Mesh(), min_seq=64, max_seq=48)
 
 
 def test_max_seq_in_plan_json_is_checked() -> None:

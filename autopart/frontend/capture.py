@@ -36,6 +36,8 @@ from torch.export.graph_signature import InputKind
 
 from autopart.errors import AutopartError
 from autopart.frontend.loops import fixed_length, reroll
+from autopart.frontend.shapes import holds_at
+from autopart.graph import remove_dead
 from autopart.meta import (
     META_BUFFERS,
     META_INPUT,
@@ -82,6 +84,8 @@ class Captured:
     # the longest sequence the graph fits and why not longer (frontend/shapes.py): found by
     # the first compile of this capture (None until then)
     seq_limit: tuple[int | None, str] | None = None
+    # the shortest sequence it fits and why not shorter (None until the first compile)
+    seq_floor: tuple[int | None, str] | None = None
     # export fixed the length (a loop over the tokens): "rolled up" when ``generalize_loops``
     # wrote the loop for any length, else why it could not; "" when the length stayed symbolic
     loops: str = ""
@@ -111,17 +115,52 @@ def logits_of(out: Any) -> torch.Tensor:
     )
 
 
+def model_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    params: dict[str, torch.Tensor] | None = None,
+    **extra: Any,
+) -> torch.Tensor:
+    """The logits ``(b, s, V)`` of ``model`` on a batch, called as autopart calls it everywhere
+    (capture, ``verify``'s reference): the optional batch tensors by name; no K/V cache, which
+    Hugging Face models keep by default (its outputs would keep every attention's K and V
+    whole); and, to a ``forward`` that takes ``targets`` (nanoGPT's ``forward(idx,
+    targets=None)``, which without them computes the last position's logits only), the labels
+    as targets, ignored ones (-100) as 0. The model's own loss is not used: autopart's is the
+    cross entropy of these logits (the graph drops the model's). ``params``:
+    call it with these tensors for its parameters (``torch.func.functional_call``). Logits
+    that are not one row per token are refused."""
+    takes = inspect.signature(model.forward).parameters
+    if "use_cache" in takes:
+        extra["use_cache"] = False
+    if "targets" in takes:
+        extra["targets"] = labels.clamp(min=0)
+    out = (
+        model(input_ids, **extra)
+        if params is None
+        else torch.func.functional_call(model, params, (input_ids,), extra)
+    )
+    logits = logits_of(out)
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise AutopartError(
+            f"the model returned logits of shape {tuple(int(d) for d in logits.shape)} for "
+            f"input_ids of shape {tuple(int(d) for d in input_ids.shape)}: autopart needs one "
+            "row of logits per token, "
+            "(batch, seq, vocab)",
+            hint="return the logits of every position (a forward that computes only the last "
+            "one for generation, as nanoGPT's, computes all of them when it takes targets: "
+            "name that argument targets)",
+        )
+    return logits
+
+
 class _LossSum(nn.Module):
     """``model`` plus the default loss: summed next-token CE over labels != -100."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        # a training step keeps no K/V cache: Hugging Face models default to use_cache=True,
-        # whose cache outputs would keep every attention's K and V whole (tp leaves them
-        # replicated), so the model is asked for none
-        params = inspect.signature(model.forward).parameters
-        self.kwargs = {"use_cache": False} if "use_cache" in params else {}
 
     def forward(
         self,
@@ -133,7 +172,7 @@ class _LossSum(nn.Module):
         # the optional batch tensors go to the model by name, exactly those the example has
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
         extra = {k: v for k, v in given.items() if v is not None}
-        logits = logits_of(self.model(input_ids, **self.kwargs, **extra))  # (b, s, V)
+        logits = model_logits(self.model, input_ids, labels, **extra)  # (b, s, V)
         self.vocab_size = int(logits.shape[-1])
         flat = logits.reshape(-1, logits.shape[-1])  # (b·s, V)
         if flat.dtype in LOW_PRECISION:  # the loss in float32 (and its softmax statistics)
@@ -303,9 +342,37 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
+    if "targets" in inspect.signature(model.forward).parameters:
+        remove_dead(ep.graph_module)  # the model's own loss (``model_logits``)
+        ep.graph_module.recompile()
     captured = _annotate(ep, model, input_ids, wrapper.vocab_size)
     if roll:
         generalize_loops(captured, wrapper, {"input_ids": args[0], "labels": args[1], **kwargs})
+        if fixed_length(captured.graph) is not None:
+            return _unfixed(captured, model, fields)
+    return captured
+
+
+def _unfixed(captured: Captured, model: nn.Module, fields: dict[str, torch.Tensor]) -> Captured:
+    """When export fixed the sequence length (and no loop over the tokens was rolled up): the
+    example's length may be the size of a table the model slices, ``mask[:, :, :T, :T]`` of a
+    ``block_size`` buffer at ``T = block_size``, where the slice is the whole table and export
+    specializes the length to it (nanoGPT's attention without flash, ``nn.MultiheadAttention``
+    with a sliced mask). The graph would then fit that length only, and a shorter step fail in
+    every rank. The model is captured once more at a shorter length (one less, else half);
+    if the length stays symbolic there and the graph fits the example's length, that capture
+    is kept, with the example's shape. Else export's fixed graph stays (``Plan.min_seq`` and
+    ``max_seq`` then hold a step to its length)."""
+    length = captured.example_shape[1]
+    for n in dict.fromkeys(x for x in (length - 1, length // 2) if x >= 2):
+        cut = {k: t[:, :n] for k, t in fields.items()}
+        try:
+            again = capture(model, cut, roll=False)
+        except AutopartError:
+            continue
+        if fixed_length(again.graph) is None and holds_at(again.graph, 2, length) is None:
+            again.example_shape = captured.example_shape
+            return again
     return captured
 
 

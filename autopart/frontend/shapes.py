@@ -203,6 +203,31 @@ def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int 
     return good, f"at {bad} tokens, {why}"
 
 
+def shortest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int | None, str]:
+    """The shortest sequence the captured graph ``gm`` fits and why a shorter one does not:
+    the example's length when export fixed it (a model that adds a table of positions of
+    exactly that length, ``x + self.pos``; a loop over the tokens that was not rolled up),
+    where a shorter step would fail with a shape error inside every rank; ``(None, "")`` when
+    the length is symbolic. (A symbolic graph may still miss some lengths, not a multiple of a
+    scan's block say: ``Plan.seq_block`` says those.)"""
+    b, s0 = example
+    fixed = any(
+        n.op == "placeholder"
+        and n.meta[META_INPUT].kind == "data"
+        and not _symbolic(n.meta["val"].shape[1])
+        for n in gm.graph.nodes
+    )
+    why = holds_at(gm, b, max(2, s0 // 2)) if fixed and s0 > 2 else None
+    if why is None:
+        return None, ""
+    return s0, f"at {max(2, s0 // 2)} tokens, {why}"
+
+
+def _symbolic(size: Any) -> bool:
+    """Whether a size is a symbol's (export may leave a SymInt whose expression is a number)."""
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
 def _export_bound(gm: fx.GraphModule) -> tuple[int | None, str]:
     """The smallest finite upper bound export's range constraints put on a batch input's
     length (dim 1), and that input's name; ``(None, "")`` when none is bounded."""

@@ -14,8 +14,9 @@
 
 Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen,
 autopart and the library namespaces the plan trusts (``Plan.library_ops``: a library's custom
-op capture could not decompose), and ``seq_limit`` sets ``Plan.max_seq``, the longest sequence
-the captured graph fits (found once per capture: ``frontend/shapes.longest_sequence``).
+op capture could not decompose), and ``seq_limits`` sets ``Plan.min_seq`` and ``max_seq``, the
+shortest and longest sequence the captured graph fits (found once per capture:
+``frontend/shapes.shortest_sequence`` and ``longest_sequence``).
 
 ``split_stages`` also makes each stage graph name no device (``autopart.graph.device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
@@ -33,7 +34,7 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
-from autopart.frontend.shapes import longest_sequence
+from autopart.frontend.shapes import longest_sequence, shortest_sequence
 from autopart.graph import copy_graph, device_free
 from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
@@ -64,7 +65,8 @@ from autopart.schedule.chunks import chunk_lengths
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     used = refuse_library_ops(captured.graph, plan.library_ops)
-    plan = replace(plan, max_seq=seq_limit(captured))
+    low, high = seq_limits(captured)
+    plan = replace(plan, min_seq=low, max_seq=high)
     gm, history = apply_passes(captured, plan)
     block = gm.meta.get(META_SEQ_BLOCK, 1)  # a scan's block: chunks are whole blocks
     if plan.chunked and plan.chunk_multiple % block:
@@ -97,21 +99,30 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     return program
 
 
-def seq_limit(captured: Captured) -> int | None:
-    """The longest sequence the captured graph fits (None: any), found once per capture; a
-    limit is announced with its reason (a step with a longer sequence is then refused)."""
-    if captured.seq_limit is None:
+def seq_limits(captured: Captured) -> tuple[int | None, int | None]:
+    """The shortest and the longest sequence the captured graph fits (None: any), found once
+    per capture; a limit is announced with its reason (a step outside them is then refused)."""
+    if captured.seq_limit is None or captured.seq_floor is None:
         captured.seq_limit = longest_sequence(captured.graph, captured.example_shape)
-        limit, why = captured.seq_limit
-        if limit is not None:
+        captured.seq_floor = shortest_sequence(captured.graph, captured.example_shape)
+        (high, up), (low, down) = captured.seq_limit, captured.seq_floor
+        if low is not None and low == high:
+            fits, why = f"exactly {low} tokens", down
+        elif low is not None:
+            fits, why = f"at least {low} tokens", down
+            fits += "" if high is None else f" and at most {high}"
+            why += "" if high is None else f"; {up}"
+        else:
+            fits, why = f"at most {high} tokens", up
+        if low is not None or high is not None:
             warnings.warn(
-                f"the captured model fits sequences of at most {limit} tokens ({why}); a step "
-                f"with a longer one is refused. If the model itself allows longer ones, capture "
-                "it with a longer example (torch.export fixed a size the example implied)",
+                f"the captured model fits sequences of {fits} ({why}); a step with another "
+                "length is refused. If the model itself allows others, capture it with an "
+                "example of another length (torch.export fixed a size the example implied)",
                 UserWarning,
                 stacklevel=3,
             )
-    return captured.seq_limit[0]
+    return captured.seq_floor[0], captured.seq_limit[0]
 
 
 def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[str]:

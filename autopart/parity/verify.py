@@ -35,7 +35,7 @@ from autopart.frontend.capture import (
     capture,
     capture_mixed,
     from_parameters,
-    logits_of,
+    model_logits,
     to_sympy,
 )
 from autopart.frontend.spec import Factory, build
@@ -191,11 +191,11 @@ def reference(
     input_ids, labels = fields.pop("input_ids"), fields.pop("labels")
     model.zero_grad(set_to_none=True)
     if compute is None:
-        logits = logits_of(model(input_ids, **fields))
+        logits = model_logits(model, input_ids, labels, **fields)
     else:
         low = copy.deepcopy(model).to(compute)
         cast = {f: p.to(compute) for f, p in model.named_parameters()}
-        logits = logits_of(torch.func.functional_call(low, cast, (input_ids,), fields)).float()
+        logits = model_logits(low, input_ids, labels, cast, **fields).float()
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )

@@ -108,6 +108,7 @@ HEAD = obj(
                 "seq_block": integer(1, 1 << 20),
                 "library_ops": list_of(_LIBRARY, 64),
                 "max_seq": nullable(integer(1, 1 << 31)),
+                "min_seq": nullable(integer(1, 1 << 31)),
                 "attention": _TEXT,
             },
         ),

@@ -384,6 +384,13 @@ def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
                 hint=f"use --seq-len {plan.max_seq} or less, or capture the model with a "
                 f"longer example",
             )
+        if plan.min_seq is not None and batches.s < plan.min_seq:
+            raise AutopartError(
+                f"--seq-len {batches.s} is shorter than the program's graphs fit "
+                f"({plan.min_seq} tokens, found when it was compiled)",
+                hint=f"use --seq-len {plan.min_seq} or more, or capture the model with an "
+                f"example of {batches.s} tokens",
+            )
         if plan.sequence_parallel and batches.s % plan.mesh.tp:
             raise AutopartError(
                 f"--seq-len {batches.s} is not divisible by tp={plan.mesh.tp}, which sequence "

@@ -1043,6 +1043,14 @@ class Runner:
                     hint=f"train at most {p.max_seq} tokens, or capture the model with an "
                     f"example of {seq_len} tokens",
                 )
+            if p.min_seq is not None and seq_len < p.min_seq:
+                raise AutopartError(
+                    f"rank {self.rank}: a sequence of {seq_len} tokens is shorter than the "
+                    f"program's graphs fit ({p.min_seq} tokens, found when it was compiled: "
+                    "export fixed a size that the capture example's length implied)",
+                    hint=f"train at least {p.min_seq} tokens; if the model itself takes "
+                    f"{seq_len}, capture it with an example of {seq_len} tokens",
+                )
             if seq_len % p.seq_block:
                 raise AutopartError(
                     f"rank {self.rank}: a sequence of {seq_len} tokens is not a whole number of "
