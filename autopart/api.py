@@ -46,8 +46,9 @@ def parallelize(
 
     ``example_inputs`` is ``(input_ids, labels)``, int64 ``(batch, seq)``, or a dict that also
     has ``attention_mask`` (padding) and/or ``position_ids`` (packed documents), which the
-    model is then captured with and every step must pass (docs/capture.md); not needed when
-    ``model`` is already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
+    model is then captured with and every step must pass (docs/capture.md); when left out, a
+    random batch of the model's vocabulary (``default_example``); not needed when ``model`` is
+    already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
     through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
     ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).
     ``precision="bf16"``: bf16 compute, the model's (float32) parameters as master weights,
@@ -134,11 +135,9 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
                 hint="pass the model itself, or capture it with "
                 "autopart.frontend.capture.capture_mixed(model, example_inputs)",
             )
-    elif example_inputs is None:
-        raise AutopartError(
-            "parallelize needs example_inputs=(input_ids, labels) to capture the model"
-        )
     else:
+        if example_inputs is None:
+            example_inputs = default_example(model, plan)
         _warn_checkpointing(model, plan)
         if plan.compute_dtype is not None:
             captured = capture_mixed(model, example_inputs, plan.compute_dtype)
@@ -153,6 +152,42 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
             hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
         )
     return compile_program(captured, plan)
+
+
+DEFAULT_SEQ = 64  # tokens of the example batch parallelize makes when it is given none
+_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "block_size", "max_seq_len")
+
+
+def default_example(model: nn.Module, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The example batch ``parallelize`` captures with when it is given none: one row per
+    micro-batch of every dp replica (``plan.micro_batch`` rows where set), ``DEFAULT_SEQ``
+    tokens or the fewer positions the model's config (or the model) says it takes
+    (``max_position_embeddings``, ``n_positions``, ``block_size``, ...), random ids below the
+    smallest ``nn.Embedding``'s rows (any embedding's valid index, the token table's
+    included), and labels as the model takes them. The graph keeps batch and length
+    symbolic, so steps of other shapes run; a model whose graph depends on the example's
+    length (a scan's block, a table) warns as with any example (docs/capture.md)."""
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not rows:
+        raise AutopartError(
+            f"parallelize needs example_inputs=(input_ids, labels) for {type(model).__name__}: "
+            "it has no nn.Embedding to take token ids from",
+            hint="pass example_inputs=(input_ids, labels), int64 (batch, seq) tensors of a "
+            "batch like the training one",
+        )
+    seq = DEFAULT_SEQ
+    for holder in (getattr(model, "config", None), model):
+        for name in _POSITIONS:
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+                seq = min(seq, value)
+    batch = plan.mesh.dp * plan.microbatches * (plan.micro_batch or 1)
+    if plan.sequence_parallel:
+        seq -= seq % plan.mesh.tp
+    ids = torch.randint(0, min(rows), (batch, seq), generator=torch.Generator().manual_seed(0))
+    if label_convention(model) == "hf":
+        return ids, ids.clone()
+    return ids, ids.roll(-1, 1)
 
 
 def _warn_checkpointing(model: nn.Module, plan: Plan) -> None:

@@ -211,8 +211,8 @@ class _Tiny(nn.Module):
 
 @pytest.mark.parametrize(
     "wrap",
-    [lambda x: x, lambda x: (x, x.detach() * 0), lambda x: _Out(x)],
-    ids=["tensor", "tuple", "logits-field"],
+    [lambda x: x, lambda x: (x, x.detach() * 0), lambda x: _Out(x), lambda x: {"logits": x}],
+    ids=["tensor", "tuple", "logits-field", "dict"],
 )
 def test_model_outputs_tensor_tuple_or_logits(wrap) -> None:
     model = _Tiny(wrap).double()
@@ -228,11 +228,10 @@ class _Targets(nn.Module):
     """nanoGPT's habit: ``forward(idx, targets=None)`` returns ``(logits, loss)`` with targets
     (its loss ignoring -1) and, without them, the last position's logits only."""
 
-    def __init__(self, targets: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(32, 8)
         self.head = nn.Linear(8, 32)
-        self.takes = targets
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = torch.tanh(self.wte(idx))
@@ -282,7 +281,8 @@ def test_logits_of() -> None:
     assert logits_of((t, None)) is t
     assert logits_of([t]) is t
     assert logits_of(_Out(t)) is t
-    for bad in ("logits", (), (None, t), {"logits": t}):
+    assert logits_of({"logits": t, "loss": None}) is t
+    for bad in ("logits", (), (None, t), {"loss": t}, {"logits": None}):
         with pytest.raises(AutopartError, match="holds no logits"):
             logits_of(bad)
 

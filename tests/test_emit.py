@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import Case, nanogpt
 
+from autopart import api
 from autopart.api import parallelize
 from autopart.errors import AutopartError
 from autopart.layout import Coords, Mesh, Plan
@@ -218,9 +219,42 @@ def test_parallelize_a_capture_and_manual_buffers(gpt_manual: Case, tmp_path: Pa
     assert all(META_BUCKET not in n.meta for n in gpt_manual.captured.placeholders())
 
 
+class _NoEmbedding(torch.nn.Module):
+    """Token ids looked up in a raw parameter: no ``nn.Embedding`` to take a vocabulary from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx] @ self.table.T
+
+
+def test_parallelize_without_an_example_makes_one(gpt_sdpa: Case) -> None:
+    """``parallelize(model, mesh)``: a random batch of one row per micro-batch of every replica
+    and at most the model's positions (nanoGPT's block_size), ids below its smallest
+    embedding; its program computes on a real batch exactly what the program captured from
+    that batch does. Hugging Face labels are the ids; a model with no nn.Embedding is refused
+    by name."""
+    import hf_gpt2
+
+    model = gpt_sdpa.model
+    prog = parallelize(model, Mesh(dp=2), microbatches=2)
+    seq = min(api.DEFAULT_SEQ, model.config.block_size)
+    assert prog.example_shape == (4, seq)
+    ref = parallelize(gpt_sdpa.captured, Mesh(dp=2), microbatches=2)
+    batch = gpt_sdpa.batch
+    want = _loss(ref.rank(0), ref.params, ref.buffers, batch)
+    assert _loss(prog.rank(0), prog.params, prog.buffers, batch).item() == want.item()
+    hf, _ = hf_gpt2.make()
+    ids, labels = api.default_example(hf, Plan(Mesh(dp=2)))
+    assert ids.shape == (2, min(api.DEFAULT_SEQ, hf.config.n_positions))
+    assert torch.equal(ids, labels) and int(ids.max()) < hf.config.vocab_size
+    with pytest.raises(AutopartError, match="needs example_inputs=.* for _NoEmbedding"):
+        parallelize(_NoEmbedding(), Mesh(dp=2))
+
+
 def test_parallelize_refusals(gpt_sdpa: Case) -> None:
-    with pytest.raises(AutopartError, match="needs example_inputs"):
-        parallelize(gpt_sdpa.model, Mesh(dp=2))
     with pytest.raises(AutopartError, match="needs a Seq1F1B schedule"):
         parallelize(gpt_sdpa.captured, Mesh(dp=2), seq_chunks=2)
     with pytest.raises(AutopartError, match="2 transformer blocks"):

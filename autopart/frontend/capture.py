@@ -101,17 +101,20 @@ class Captured:
 
 
 def logits_of(out: Any) -> torch.Tensor:
-    """The logits of a model output: a tensor, a tuple starting with it, or ``.logits``."""
+    """The logits of a model output: a tensor, a tuple starting with it, ``.logits`` or a
+    mapping's ``"logits"``."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "logits"):
         return out.logits
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise AutopartError(
         f"the model returned {type(out).__name__}, which holds no logits",
         hint="return the logits, a tuple whose first element is the logits, "
-        "or an object with a `logits` field",
+        "an object with a `logits` field or a dict with a 'logits' entry",
     )
 
 
@@ -123,36 +126,53 @@ def model_logits(
     **extra: Any,
 ) -> torch.Tensor:
     """The logits ``(b, s, V)`` of ``model`` on a batch, called as autopart calls it everywhere
-    (capture, ``verify``'s reference): the optional batch tensors by name; no K/V cache, which
-    Hugging Face models keep by default (its outputs would keep every attention's K and V
-    whole); and, to a ``forward`` that takes ``targets`` (nanoGPT's ``forward(idx,
-    targets=None)``, which without them computes the last position's logits only), the labels
-    as targets, ignored ones (-100) as 0. The model's own loss is not used: autopart's is the
-    cross entropy of these logits (the graph drops the model's). ``params``:
-    call it with these tensors for its parameters (``torch.func.functional_call``). Logits
-    that are not one row per token are refused."""
+    (capture, ``verify``'s reference): ``_called``'s logits."""
+    return _called(model, input_ids, labels, params, extra)[0]
+
+
+def _called(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    params: dict[str, torch.Tensor] | None,
+    extra: dict[str, Any],
+) -> tuple[torch.Tensor, bool]:
+    """``model``'s logits and whether it was called twice. Called with the optional batch
+    tensors by name and no K/V cache (Hugging Face models keep one by default, whose outputs
+    would keep every attention's K and V whole). A model that returns logits of fewer positions
+    than the tokens and whose ``forward`` takes ``targets`` or ``labels`` (nanoGPT's
+    ``forward(idx, targets=None)`` computes the last position's only, for generation) is
+    called again with the labels there, ignored ones (-100) as 0 (nanoGPT's loss ignores -1).
+    Its own loss is not used: autopart's is the cross entropy of the logits (capture drops the
+    first call and the model's loss from the graph). ``params``: the tensors to call it with
+    for its parameters (``torch.func.functional_call``). Logits that are still not one row
+    per token are refused."""
     takes = inspect.signature(model.forward).parameters
     if "use_cache" in takes:
-        extra["use_cache"] = False
-    if "targets" in takes:
-        extra["targets"] = labels.clamp(min=0)
-    out = (
-        model(input_ids, **extra)
-        if params is None
-        else torch.func.functional_call(model, params, (input_ids,), extra)
-    )
-    logits = logits_of(out)
-    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        extra = {**extra, "use_cache": False}
+
+    def call(kwargs: dict[str, Any]) -> torch.Tensor:
+        if params is None:
+            return logits_of(model(input_ids, **kwargs))
+        return logits_of(torch.func.functional_call(model, params, (input_ids,), kwargs))
+
+    def per_token(logits: torch.Tensor) -> bool:
+        return logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(input_ids.shape)
+
+    logits, twice = call(extra), False
+    name = next((k for k in ("targets", "labels") if k in takes and k not in extra), None)
+    if not per_token(logits) and name is not None:
+        logits, twice = call({**extra, name: labels.clamp(min=0)}), True
+    if not per_token(logits):
         raise AutopartError(
             f"the model returned logits of shape {tuple(int(d) for d in logits.shape)} for "
             f"input_ids of shape {tuple(int(d) for d in input_ids.shape)}: autopart needs one "
-            "row of logits per token, "
-            "(batch, seq, vocab)",
+            "row of logits per token, (batch, seq, vocab)",
             hint="return the logits of every position (a forward that computes only the last "
-            "one for generation, as nanoGPT's, computes all of them when it takes targets: "
-            "name that argument targets)",
+            "one for generation, as nanoGPT's, is called again with the labels as its targets "
+            "or labels argument, if it takes one)",
         )
-    return logits
+    return logits, twice
 
 
 class _LossSum(nn.Module):
@@ -161,6 +181,8 @@ class _LossSum(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        # set while tracing: ``vocab_size`` and ``twice`` (the model was called again, with the
+        # labels: ``_called``); export puts back attributes that existed before it traced
 
     def forward(
         self,
@@ -172,7 +194,7 @@ class _LossSum(nn.Module):
         # the optional batch tensors go to the model by name, exactly those the example has
         given = {"attention_mask": attention_mask, "position_ids": position_ids}
         extra = {k: v for k, v in given.items() if v is not None}
-        logits = model_logits(self.model, input_ids, labels, **extra)  # (b, s, V)
+        logits, self.twice = _called(self.model, input_ids, labels, None, extra)  # (b, s, V)
         self.vocab_size = int(logits.shape[-1])
         flat = logits.reshape(-1, logits.shape[-1])  # (b·s, V)
         if flat.dtype in LOW_PRECISION:  # the loss in float32 (and its softmax statistics)
@@ -342,8 +364,8 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
-    if "targets" in inspect.signature(model.forward).parameters:
-        remove_dead(ep.graph_module)  # the model's own loss (``model_logits``)
+    if wrapper.twice:  # the first call's nodes and the model's own loss (``_called``)
+        remove_dead(ep.graph_module)
         ep.graph_module.recompile()
     captured = _annotate(ep, model, input_ids, wrapper.vocab_size)
     if roll:
