@@ -17,6 +17,7 @@ from torch import nn
 
 from autopart.errors import AutopartError, wait
 from autopart.frontend.capture import Captured, capture, capture_mixed
+from autopart.frontend.loops import fixed_length
 from autopart.layout import Plan, mesh_from
 from autopart.lowering import compile_program
 
@@ -136,13 +137,11 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
                 "autopart.frontend.capture.capture_mixed(model, example_inputs)",
             )
     else:
-        if example_inputs is None:
-            example_inputs = default_example(model, plan)
         _warn_checkpointing(model, plan)
-        if plan.compute_dtype is not None:
-            captured = capture_mixed(model, example_inputs, plan.compute_dtype)
+        if example_inputs is None:
+            captured = _capture_made_up(model, plan)
         else:
-            captured = capture(model, example_inputs)
+            captured = _capture(model, example_inputs, plan)
     # refused now, not at the first step: the example batch is taken for the training batch
     plan.check_batch(captured.example_shape[0])
     seq, tp = captured.example_shape[1], plan.mesh.tp
@@ -152,6 +151,42 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
             hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
         )
     return compile_program(captured, plan)
+
+
+def _capture(model: nn.Module, example_inputs: Any, plan: Plan) -> Captured:
+    if plan.compute_dtype is not None:
+        return capture_mixed(model, example_inputs, plan.compute_dtype)
+    return capture(model, example_inputs)
+
+
+def _capture_made_up(model: nn.Module, plan: Plan) -> Captured:
+    """Capture with ``default_example``'s batch. A model that cannot take that many tokens (a
+    table of positions its config does not name) fails to capture, or captures a graph of that
+    one length: then with half as many tokens, down to 8, keeping the first capture whose length
+    stays symbolic (else the first that captured at all)."""
+    ids, labels = default_example(model, plan)
+    first: AutopartError | None = None
+    fixed: Captured | None = None
+    seq = ids.shape[1]
+    while seq >= min(8, ids.shape[1]) and not (plan.sequence_parallel and seq % plan.mesh.tp):
+        try:
+            captured = _capture(model, (ids[:, :seq], labels[:, :seq]), plan)
+        except AutopartError as exc:
+            first = first or exc
+        else:
+            if fixed_length(captured.graph) is None:
+                return captured
+            fixed = fixed or captured
+        seq //= 2
+    if fixed is not None:
+        return fixed
+    assert first is not None
+    raise AutopartError(
+        f"{first.message} (parallelize made the example batch up: {ids.shape[0]} sequences of "
+        f"{ids.shape[1]} random tokens, and of fewer down to 8, as no example_inputs were "
+        "given)",
+        hint=first.hint or "pass example_inputs=(input_ids, labels) like the training batch",
+    ) from first
 
 
 DEFAULT_SEQ = 64  # tokens of the example batch parallelize makes when it is given none
@@ -166,7 +201,8 @@ def default_example(model: nn.Module, plan: Plan) -> tuple[torch.Tensor, torch.T
     smallest ``nn.Embedding``'s rows (any embedding's valid index, the token table's
     included), and labels as the model takes them. The graph keeps batch and length
     symbolic, so steps of other shapes run; a model whose graph depends on the example's
-    length (a scan's block, a table) warns as with any example (docs/capture.md)."""
+    length (a scan's block, a table) warns as with any example (docs/capture.md), and one
+    that cannot take that many tokens is captured with fewer (``_capture_made_up``)."""
     rows = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     if not rows:
         raise AutopartError(

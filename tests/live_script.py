@@ -5,7 +5,9 @@ compares its gradients and loss with the single-device run computed in the same 
 Exits 0 only on parity; prints one line per rank. ``pp`` as the argument: a pipeline mesh over
 every rank, with the 8-block nanoGPT whose tied embedding lives on the first and last stage only
 (a middle stage holds no tied parameter, yet creates the same process groups), and beside it a
-tp runner of the same model in the same process (each runner binds its own groups).
+tp runner of the same model in the same process (each runner binds its own groups) and a
+Seq1F1B runner of the manual-attention nanoGPT, made with no example batch, whose whole state
+dict holds the mask buffer no graph reads.
 """
 
 import os
@@ -35,6 +37,16 @@ def main() -> int:
     if pp:  # a second runner of another mesh in the same process, built first
         tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         tp_runner = autopart.parallelize(model, tp_mesh, example_inputs=batch)
+        # Seq1F1B replaces the manual attention's mask buffer by positions: no graph reads it,
+        # and full_state_dict() used to refuse for want of it; it is the module's own
+        manual, _ = nanogpt.make(attention="manual", n_layer=8)
+        k_runner = autopart.parallelize(
+            manual, mesh, schedule="seq1f1b", seq_chunks=2, microbatches=4
+        )
+        full = k_runner.full_state_dict()
+        own = manual.state_dict()
+        assert sorted(full) == sorted(own), sorted(set(own) ^ set(full))
+        assert all(torch.equal(full[k], own[k]) for k in own)
     runner = autopart.parallelize(model, mesh, example_inputs=batch, microbatches=4, bucket_mb=0.01)
     loss = runner.step(*batch)
     errs = {f: rel_error(p.grad, ref_grads[f]) for f, p in runner.named_parameters()}

@@ -107,6 +107,7 @@ class Masked(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
         self.head = nn.Linear(width, vocab)
         self.heads = heads
         self.register_buffer("bias", torch.tril(torch.ones(TABLE, TABLE))[None, None])
@@ -117,7 +118,7 @@ class Masked(nn.Module):
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         att = (q @ k.transpose(-2, -1)).masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
         y = (att.softmax(-1) @ v).transpose(1, 2).contiguous().view(b, s, -1)
-        return self.head(x + y)
+        return self.head(x + self.proj(y))
 
 
 class Fixed(nn.Module):
@@ -146,7 +147,8 @@ def test_a_mask_table_as_long_as_the_example_keeps_the_length_symbolic(tmp_path:
     the length to it: a shorter step then failed inside every rank with a shape error. Capture
     now takes the model once more at a shorter length, where the length stays symbolic
     (bounded by the table): the program trains 48, 40 and 17 tokens with the model's loss and
-    gradients (float64, one rank), and refuses 56."""
+    gradients (float64, one rank), and refuses 56. With no example batch, parallelize's made-up
+    one (64 tokens) is too long for the table, and half of it is taken."""
     torch.manual_seed(0)
     model = Masked().double()
     assert fixed_length(capture(model, _batch(TABLE), roll=False).graph) == TABLE  # export's
@@ -154,6 +156,11 @@ def test_a_mask_table_as_long_as_the_example_keeps_the_length_symbolic(tmp_path:
     assert fixed_length(captured.graph) is None and captured.example_shape == (2, TABLE)
     with pytest.warns(UserWarning, match=f"fits sequences of at most {TABLE} tokens"):
         program = parallelize(model, Mesh(), example_inputs=_batch(TABLE))
+        # the second capture's length keeps the example's divisibility (an odd one broke SP)
+        parallelize(model, Mesh(tp=2), example_inputs=_batch(TABLE), sequence_parallel=True)
+        # no example: 64 made-up tokens overrun the table (its size is in no config), 32 fit
+        made = parallelize(model, Mesh())
+    assert made.example_shape == (1, 32) and made.plan.max_seq == TABLE
     assert (program.plan.min_seq, program.plan.max_seq) == (None, TABLE)
     runner = _one_rank(tmp_path, program)
     try:

@@ -719,10 +719,16 @@ class Runner:
         """The whole model's state dict on every rank (CPU tensors): tp slices put together,
         every stage's parameters, tied aliases and buffers, under the model's own names; from
         the live API exactly the keys of ``model.state_dict()``, so it loads strictly into the
-        original model. Collective: call it on every rank."""
+        original model (a buffer no graph reads, such as a causal mask Seq1F1B replaced by
+        positions, is the module's own). Collective: call it on every rank."""
         full, buffers = state.gather_full(
             self.params, self.buffers, self.program.shards, self.program.coords
         )
+        model = self._followed()
+        if model is not None:  # buffers no graph reads (a mask Seq1F1B replaced): the module's
+            for name, b in model.named_buffers(remove_duplicate=False):
+                if name not in buffers and name in (self.state_keys or ()):
+                    buffers[name] = b.detach().cpu().clone()
         return state.model_state(full, buffers, self.tied, self.state_keys)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
