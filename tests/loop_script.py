@@ -188,8 +188,13 @@ def main() -> int:
 
         return run
 
-    runner.step(*data[0])
+    loss = runner.step(*data[0])
     habits = {  # pp=2 in both meshes: torch's norm clipping would see one stage's gradients
+        # DDP's loss.backward(): step ran it (torch said "backward through the graph a second
+        # time", hinting at retain_graph); the loss logs and saves as a plain tensor
+        "loss_backward": refused((loss / 2).backward, "ran the forward and the backward")
+        and type(copy.deepcopy(loss).as_subclass(torch.Tensor)) is torch.Tensor
+        and repr(loss).startswith("tensor("),
         "torch_clip": refused(
             lambda: torch.nn.utils.clip_grad_norm_(runner.parameters(), 1.0),
             "runner.clip_grad_norm_(max_norm)",

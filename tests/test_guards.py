@@ -14,6 +14,7 @@ import autopart
 from autopart.api import training_mode
 from autopart.runtime.guards import (
     Parameters,
+    StepLoss,
     check_step_context,
     guard_optimizers,
     sharded_reason,
@@ -156,3 +157,26 @@ def test_hugging_face_gradient_checkpointing_is_named_with_what_recomputes() -> 
         _warn_checkpointing(model, Plan(autopart.Mesh(dp=2), recompute="full"))
         model.gradient_checkpointing_disable()
         _warn_checkpointing(model, Plan(autopart.Mesh(dp=2)))
+
+
+def test_the_loss_step_returns_refuses_backward_and_is_a_tensor_otherwise() -> None:
+    """``loss = runner.step(...); loss.backward()`` (DDP's habit) is refused by name, also on
+    values computed from the loss; it prints, copies and saves as a plain tensor (a checkpoint
+    holding it loads with ``weights_only=True``)."""
+    import copy
+    import io
+
+    loss = StepLoss.of(torch.tensor(1.25, dtype=torch.float64, requires_grad=True) * 2)
+    assert (
+        not loss.requires_grad
+        and float(loss) == 2.5
+        and repr(loss) == repr(torch.tensor(2.5).double())
+    )
+    for value in (loss, loss / 4, loss + torch.ones(())):
+        with pytest.raises(autopart.AutopartError, match="ran the forward and the backward"):
+            value.backward()
+    buf = io.BytesIO()
+    torch.save({"loss": loss, "history": [copy.deepcopy(loss)]}, buf)
+    buf.seek(0)
+    back = torch.load(buf)  # weights_only: a StepLoss would be an unsupported global
+    assert type(back["loss"]) is torch.Tensor and float(back["history"][0]) == 2.5

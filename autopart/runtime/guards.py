@@ -12,6 +12,10 @@
 - **A step under ``torch.autocast`` or without gradients** (``check_step_context``): the graphs
   were captured in the model's dtype (``precision="bf16"`` is autopart's mixed precision), and
   ``step`` runs the backward.
+- **``loss.backward()`` on the loss ``step`` returns.** ``step`` ran the backward already; the
+  loss is a ``StepLoss`` (a detached tensor, and what arithmetic on it gives) whose
+  ``backward`` refuses, naming that. It raised torch's "Trying to backward through the graph a
+  second time", whose hint (``retain_graph=True``) does not apply.
 
 The third kind of habit, switching the module with ``model.train()`` / ``model.eval()``, is
 followed rather than refused: the live runner takes the model's mode at every call
@@ -137,4 +141,32 @@ def check_step_context(call: str, device: torch.device, *, needs_grad: bool) -> 
             f"runner.{call}() with gradients off (torch.no_grad() or torch.inference_mode()): "
             "step runs the backward too",
             hint="runner.evaluate(input_ids, labels) gives the loss without gradients",
+        )
+
+
+class StepLoss(torch.Tensor):
+    """The loss ``Runner.step`` returns: a detached tensor whose ``backward`` (and that of the
+    values computed from it, ``loss / accumulation``) says that ``step`` ran the backward
+    already. Anything else (``item()``, ``float()``, logging, arithmetic) is a tensor's."""
+
+    @staticmethod
+    def of(loss: torch.Tensor) -> StepLoss:
+        return torch.Tensor._make_subclass(StepLoss, loss.detach())
+
+    def __repr__(self, **kwargs: Any) -> str:  # printed and saved as the tensor it is
+        return self.as_subclass(torch.Tensor).__repr__(**kwargs)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepLoss:
+        return StepLoss.of(self.as_subclass(torch.Tensor).clone())
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002 - torch's signature
+        raise AutopartError(
+            "runner.step(...) ran the forward and the backward already: the gradients are on "
+            "runner.parameters(), and the loss it returns is for logging",
+            hint="call opt.step() after runner.step(...), without loss.backward(); for gradient "
+            "accumulation call runner.step once per micro-batch (num_tokens= for the exact "
+            "mean), then opt.step()",
         )

@@ -42,7 +42,13 @@ from autopart.program.format import Program, RankProgram
 from autopart.runtime import flex, norms, p2p, staging, state
 from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
-from autopart.runtime.guards import Parameters, check_step_context, guard_optimizers, sharded_reason
+from autopart.runtime.guards import (
+    Parameters,
+    StepLoss,
+    check_step_context,
+    guard_optimizers,
+    sharded_reason,
+)
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
@@ -905,7 +911,7 @@ class Runner:
         for f, p in self.params.items():
             if (g := kept[f]) is not None:
                 p.grad = g if p.grad is None else p.grad + g
-        return loss
+        return StepLoss.of(loss)  # detached: its backward() names what step did
 
     # -- one handler per action kind (the schedule's IR, autopart/schedule/ir.py) --------------
 
