@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Case, nanogpt
+from conftest import Case, nanogpt, run_graph
 
 from autopart import api
 from autopart.api import parallelize
@@ -239,13 +239,13 @@ def test_parallelize_without_an_example_makes_one(gpt_sdpa: Case) -> None:
     import hf_gpt2
 
     model = gpt_sdpa.model
-    prog = parallelize(model, Mesh(dp=2), microbatches=2)
-    seq = min(api.DEFAULT_SEQ, model.config.block_size)
-    assert prog.example_shape == (4, seq)
-    ref = parallelize(gpt_sdpa.captured, Mesh(dp=2), microbatches=2)
+    prog = parallelize(model, Mesh())
+    assert prog.example_shape == (1, min(api.DEFAULT_SEQ, model.config.block_size))
     batch = gpt_sdpa.batch
-    want = _loss(ref.rank(0), ref.params, ref.buffers, batch)
+    want, _ = run_graph(gpt_sdpa.captured, batch)  # the summed loss of the real batch's capture
     assert _loss(prog.rank(0), prog.params, prog.buffers, batch).item() == want.item()
+    ids, _ = api.default_example(model, Plan(Mesh(dp=2, tp=2), microbatches=2))
+    assert ids.shape[0] == 4
     hf, _ = hf_gpt2.make()
     ids, labels = api.default_example(hf, Plan(Mesh(dp=2)))
     assert ids.shape == (2, min(api.DEFAULT_SEQ, hf.config.n_positions))

@@ -155,9 +155,9 @@ def test_a_mask_table_as_long_as_the_example_keeps_the_length_symbolic(tmp_path:
     captured = capture(model, _batch(TABLE))
     assert fixed_length(captured.graph) is None and captured.example_shape == (2, TABLE)
     with pytest.warns(UserWarning, match=f"fits sequences of at most {TABLE} tokens"):
-        program = parallelize(model, Mesh(), example_inputs=_batch(TABLE))
+        program = parallelize(captured, Mesh())
         # the second capture's length keeps the example's divisibility (an odd one broke SP)
-        parallelize(model, Mesh(tp=2), example_inputs=_batch(TABLE), sequence_parallel=True)
+        parallelize(captured, Mesh(tp=2), sequence_parallel=True)
         # no example: 64 made-up tokens overrun the table (its size is in no config), 32 fit
         made = parallelize(model, Mesh())
     assert made.example_shape == (1, 32) and made.plan.max_seq == TABLE

@@ -382,8 +382,8 @@ def _unfixed(captured: Captured, model: nn.Module, fields: dict[str, torch.Tenso
     specializes the length to it (nanoGPT's attention without flash, ``nn.MultiheadAttention``
     with a sliced mask). The graph would then fit that length only, and a shorter step fail in
     every rank. The model is captured once more at a shorter length (``length - 2^k``, 2^k
-    the largest power of two dividing it and at most half of it; else half the length): if
-    the length stays symbolic there and the graph fits the example's length, that capture
+    the largest power of two dividing it and at most half of it): if the length stays
+    symbolic there and the graph fits the example's length, that capture
     is kept, with the example's shape. Else export's fixed graph stays (``Plan.min_seq`` and
     ``max_seq`` then hold a step to its length)."""
     length = captured.example_shape[1]
@@ -391,16 +391,16 @@ def _unfixed(captured: Captured, model: nn.Module, fields: dict[str, torch.Tenso
     # graph's symbolic sizes carry the capture's length as their hint, and a length that tp or
     # a scan's blocks divide must stay divisible (an odd one failed sequence parallelism)
     step = length & -length
-    step = step if step <= length // 2 else step // 2
-    for n in dict.fromkeys(x for x in (length - max(step, 1), length // 2) if x >= 2):
-        cut = {k: t[:, :n] for k, t in fields.items()}
-        try:
-            again = capture(model, cut, roll=False)
-        except AutopartError:
-            continue
-        if fixed_length(again.graph) is None and holds_at(again.graph, 2, length) is None:
-            again.example_shape = captured.example_shape
-            return again
+    n = length - max(1, step if step <= length // 2 else step // 2)
+    if n < 2:
+        return captured
+    try:
+        again = capture(model, {k: t[:, :n] for k, t in fields.items()}, roll=False)
+    except AutopartError:
+        return captured
+    if fixed_length(again.graph) is None and holds_at(again.graph, 2, length) is None:
+        again.example_shape = captured.example_shape
+        return again
     return captured
 
 
