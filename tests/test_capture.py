@@ -275,6 +275,50 @@ def test_a_forward_that_takes_targets_gets_the_labels() -> None:
         capture(_LastOnly(), (ids, labels))
 
 
+class _Stateful(nn.Module):
+    """A forward that updates buffers: BatchNorm's running statistics and a step counter."""
+
+    def __init__(self, count: bool = True) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 32)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.count = count
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.count:
+            self.calls += 1
+        return self.head(self.bn(self.wte(idx).transpose(1, 2)).transpose(1, 2))
+
+
+class _UnusedLoss(nn.Module):
+    """Computes a loss of its own it does not return (the block's output is what it returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Targets()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx, idx)[0]
+
+
+def test_state_updates_are_refused_and_unused_values_dropped() -> None:
+    """A forward that updates buffers is refused at capture, naming them: the graph's extra
+    outputs crashed every rank's backward ("element 0 of tensors does not require grad"), and
+    the update would be lost. A loss the model computes and does not return is dropped from
+    the graph (tp's vocabulary-parallel loss found two losses and refused); the eval-mode
+    BatchNorm, which updates nothing, captures."""
+    ids = torch.randint(0, 32, (2, 12))
+    batch = (ids, ids.roll(-1, 1))
+    with pytest.raises(AutopartError, match=r"updates 4 buffer\(s\) in its forward: bn\."):
+        capture(_Stateful(), batch)
+    capture(_Stateful(count=False).eval(), batch)
+    captured = capture(_UnusedLoss().double(), batch)
+    losses = [n for n in captured.graph.graph.nodes if "cross_entropy" in str(n.target)]
+    assert len(losses) == 1, losses
+
+
 def test_logits_of() -> None:
     t = torch.ones(2, 3)
     assert logits_of(t) is t

@@ -364,15 +364,39 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a readable one
         raise _explain(exc) from exc
+    _refuse_state_updates(ep)
     if wrapper.twice:  # the first call's nodes and the model's own loss (``_called``)
         remove_dead(ep.graph_module)
-        ep.graph_module.recompile()
+    else:  # values nothing reads (a loss the model computes and does not return): one loss
+        ep.graph_module.graph.eliminate_dead_code()
+    ep.graph_module.recompile()
     captured = _annotate(ep, model, input_ids, wrapper.vocab_size)
     if roll:
         generalize_loops(captured, wrapper, {"input_ids": args[0], "labels": args[1], **kwargs})
         if fixed_length(captured.graph) is not None:
             return _unfixed(captured, model, fields)
     return captured
+
+
+def _refuse_state_updates(ep: torch.export.ExportedProgram) -> None:
+    """Refuse a model whose forward updates its buffers (BatchNorm's running statistics in
+    training mode, a step counter): the programs compute the loss and the gradients only, so
+    every rank would drop the update (and the graph's extra outputs crashed the backward inside
+    every rank)."""
+    updated = sorted(
+        {b.removeprefix(_PREFIX) for b in ep.graph_signature.buffers_to_mutate.values()}
+    )
+    if updated:
+        where = ", ".join(updated[:4]) + (
+            f" and {len(updated) - 4} more" if len(updated) > 4 else ""
+        )
+        raise AutopartError(
+            f"the model updates {len(updated)} buffer(s) in its forward: {where} (module "
+            f"{updated[0].rpartition('.')[0] or '<root>'}); autopart's programs compute the "
+            "loss and the gradients only, so every rank would drop the update",
+            hint="keep state updates out of forward: BatchNorm in eval mode or a LayerNorm / "
+            "RMSNorm, a step counter in the training loop",
+        )
 
 
 def _unfixed(captured: Captured, model: nn.Module, fields: dict[str, torch.Tensor]) -> Captured:
