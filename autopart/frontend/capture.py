@@ -122,12 +122,14 @@ def model_logits(
     model: nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
+    extra: Mapping[str, Any] | None = None,
+    *,
     params: dict[str, torch.Tensor] | None = None,
-    **extra: Any,
 ) -> torch.Tensor:
-    """The logits ``(b, s, V)`` of ``model`` on a batch, called as autopart calls it everywhere
-    (capture, ``verify``'s reference): ``_called``'s logits."""
-    return _called(model, input_ids, labels, params, extra)[0]
+    """The logits ``(b, s, V)`` of ``model`` on a batch (``extra``: its optional tensors by
+    name), called as autopart calls it everywhere (capture, ``verify``'s reference):
+    ``_called``'s logits."""
+    return _called(model, input_ids, labels, params, dict(extra or {}))[0]
 
 
 def _called(

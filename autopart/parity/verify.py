@@ -191,11 +191,11 @@ def reference(
     input_ids, labels = fields.pop("input_ids"), fields.pop("labels")
     model.zero_grad(set_to_none=True)
     if compute is None:
-        logits = model_logits(model, input_ids, labels, **fields)
+        logits = model_logits(model, input_ids, labels, fields)
     else:
         low = copy.deepcopy(model).to(compute)
         cast = {f: p.to(compute) for f, p in model.named_parameters()}
-        logits = model_logits(low, input_ids, labels, cast, **fields).float()
+        logits = model_logits(low, input_ids, labels, fields, params=cast).float()
     loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
     )

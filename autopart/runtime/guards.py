@@ -153,8 +153,8 @@ class StepLoss(torch.Tensor):
     def of(loss: torch.Tensor) -> StepLoss:
         return torch.Tensor._make_subclass(StepLoss, loss.detach())
 
-    def __repr__(self, **kwargs: Any) -> str:  # printed and saved as the tensor it is
-        return self.as_subclass(torch.Tensor).__repr__(**kwargs)
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return repr(self.as_subclass(torch.Tensor))  # printed as the tensor it is
 
     def __reduce_ex__(self, proto: Any) -> Any:
         return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
