@@ -1063,6 +1063,12 @@ def _evaluate_mask(
     keeps = {}
     for s in (*_SIZES, *sorted({c + d for c in lengths for d in (1, 2)})):
         args = [_example(ph, s, gm, 2 if s <= _SIZES[-1] else 1) for ph in inputs]
+        if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+            return (  # a buffer of a model built on the meta device: it has no values
+                "not provably causal: its mask is built from a buffer of a model on the meta "
+                "device, which has no values to prove it by (build the model on a real device)",
+                None,
+            )
         try:
             got = sub(*args)
         except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven

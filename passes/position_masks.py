@@ -246,6 +246,11 @@ def prove(
     for s in sorted(set(lengths)):
         feeds = [int(e.subs({B: 2, S: s})) for e in exprs]
         feeds += [buffers[n.meta[META_INPUT].name] for n in order if n.op == "placeholder"]
+        if any(isinstance(f, torch.Tensor) and f.is_meta for f in feeds):
+            return (  # a buffer of a model built on the meta device: it has no values
+                "its mask is built from a buffer of a model on the meta device, which has no "
+                "values to prove it by (build the model on a real device)"
+            )
         try:
             got = run(*feeds)
         except Exception as exc:  # noqa: BLE001 - beyond the model's own longest sequence

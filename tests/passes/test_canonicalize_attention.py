@@ -173,3 +173,17 @@ def test_additive_masks_with_casts(kind: str, causal: bool) -> None:
         with pytest.raises(AutopartError) as err:
             parallelize(captured, Mesh(), schedule="seq1f1b", seq_chunks=2)
         assert "softmax" in err.value.message or "not causal" in err.value.message
+
+
+def test_a_mask_buffer_of_a_meta_model_is_refused_by_name() -> None:
+    """A model built on the meta device has buffers without values: the manual attention's
+    causal mask cannot be evaluated, so Seq1F1B refuses it saying so. The pass crashed with
+    "Tensor.item() cannot be called on meta tensors" and called it a bug in autopart; 1F1B,
+    which evaluates no mask, still compiles."""
+    with torch.device("meta"):
+        model = nanogpt.GPT(nanogpt.GPTConfig(attention="manual"))
+    ids = torch.randint(0, 96, (4, 32))
+    batch = (ids, ids.roll(-1, 1))
+    with pytest.raises(AutopartError, match="a buffer of a model on the meta device"):
+        parallelize(model, Mesh(pp=2), batch, schedule="seq1f1b", seq_chunks=2, microbatches=2)
+    parallelize(model, Mesh(pp=2), batch, microbatches=2)
