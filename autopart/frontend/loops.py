@@ -39,7 +39,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges
 
 import autopart.scan  # noqa: F401 - registers autopart::linear_scan
-from autopart.frontend.shapes import propagate
+from autopart.frontend.shapes import propagate, static_size
 from autopart.graph import copy_graph, remove_dead
 from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_RANGES
 from autopart.node_args import int_arg, node_arg
@@ -59,7 +59,7 @@ def fixed_length(gm: fx.GraphModule) -> int | None:
     for n in gm.graph.nodes:
         ref = n.meta.get(META_INPUT)
         if n.op == "placeholder" and ref is not None and ref.name == "input_ids":
-            return _static(n.meta["val"].shape[1])
+            return static_size(n.meta["val"].shape[1])
     return None
 
 
@@ -114,7 +114,7 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
     for n in placeholders:
         ref = n.meta[META_INPUT]
         val = n.meta["val"]
-        if ref.kind == "data" and val.dim() >= 2 and _static(val.shape[1]) == length:
+        if ref.kind == "data" and val.dim() >= 2 and static_size(val.shape[1]) == length:
             with mode:
                 n.meta["val"] = torch.empty(
                     (val.shape[0], s, *val.shape[2:]), dtype=val.dtype, device=val.device
@@ -140,14 +140,6 @@ def _fake_mode(g: fx.Graph) -> Any:
     mode = detect_fake_mode([n.meta["val"] for n in g.nodes if n.op == "placeholder"])
     assert mode is not None  # export's graphs carry fake values
     return mode
-
-
-def _static(dim: Any) -> int | None:
-    if isinstance(dim, int):
-        return dim
-    if isinstance(dim, torch.SymInt) and dim.node.expr.is_number:
-        return int(dim.node.expr)
-    return None
 
 
 def _symbolic_length(gm: fx.GraphModule) -> torch.SymInt | None:
@@ -184,7 +176,7 @@ def _token(n: Any, length: int) -> tuple[fx.Node, int, int] | None:
     if not isinstance(val, torch.Tensor) or not isinstance(dim, int):
         return None
     dim %= val.dim()
-    if _static(val.shape[dim]) != length or not isinstance(i, int) or not 0 <= i < length:
+    if static_size(val.shape[dim]) != length or not isinstance(i, int) or not 0 <= i < length:
         return None
     return x, dim, i
 
@@ -283,7 +275,7 @@ def _collectors(g: fx.Graph, length: int) -> list[tuple[fx.Node, list[fx.Node], 
         into.setdefault(x, []).append(n)
     found = []
     for n, (x, _, dim, i) in writes.items():
-        if i != 0 or _static(x.meta["val"].shape[dim]) != length:
+        if i != 0 or static_size(x.meta["val"].shape[dim]) != length:
             continue
         chain = [n]
         while len(chain) < length:

@@ -214,7 +214,7 @@ def shortest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int
     fixed = any(
         n.op == "placeholder"
         and n.meta[META_INPUT].kind == "data"
-        and not _symbolic(n.meta["val"].shape[1])
+        and static_size(n.meta["val"].shape[1]) is not None
         for n in gm.graph.nodes
     )
     why = holds_at(gm, b, max(2, s0 // 2)) if fixed and s0 > 2 else None
@@ -223,9 +223,14 @@ def shortest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int
     return s0, f"at {max(2, s0 // 2)} tokens, {why}"
 
 
-def _symbolic(size: Any) -> bool:
-    """Whether a size is a symbol's (export may leave a SymInt whose expression is a number)."""
-    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+def static_size(dim: Any) -> int | None:
+    """A size's number when export fixed it (an int, or a SymInt whose expression is a
+    number), else None (a symbol's)."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, torch.SymInt) and dim.node.expr.is_number:
+        return int(dim.node.expr)
+    return None
 
 
 def _export_bound(gm: fx.GraphModule) -> tuple[int | None, str]:
