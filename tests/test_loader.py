@@ -465,6 +465,28 @@ def test_ties_buckets_and_chunk_costs_must_be_the_plans(
         load_rank(crafted, 0)
 
 
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [  # found by CI's fuzz run: plan.json without the LM head's alias loaded as an untied model
+        (lambda d: d["tied"].clear(), "not plan.json's aliases"),
+        (lambda d: d["tied"].update({"lm_head.weight": "transformer.wpe.weight"}), "aliases"),
+        (lambda d: d["tied"].update({"transformer.h.0.ln_1.bias": "transformer.wte.weight"}), "own"),
+    ],
+    ids=["alias-dropped", "alias-moved", "alias-of-a-parameter"],
+)
+def test_tied_aliases_must_be_the_ranks(saved: Path, tmp_path: Path, edit, said: str) -> None:
+    """plan.json's aliases (``lm_head.weight`` → the embedding) are what ``full_state_dict``
+    and checkpoints give back: each rank records the aliases of its own shards, and plan.json's
+    must agree, or the folder loads as another model."""
+    assert json.loads((saved / "plan.json").read_text())["tied"] == {
+        "lm_head.weight": "transformer.wte.weight"
+    }
+    crafted = copy_program(saved, tmp_path)
+    edit_json(crafted, "plan.json", edit)
+    with pytest.raises(AutopartError, match=said):
+        load_all(crafted)
+
+
 def test_buckets_must_be_exactly_the_parameters_read(tmp_path: Path) -> None:
     """dp = 2, with a module the forward never uses: its parameter is held but in no bucket (its
     gradient stays None, as on one device) and the folder loads. A bucket that leaves out a

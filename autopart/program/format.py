@@ -247,7 +247,7 @@ class Program:
             folder.clear()
             files: dict[str, str] = {}
             for rp in self.ranks:
-                files.update(_save_rank(rp, folder, self.params, self.buffers))
+                files.update(_save_rank(rp, folder, self.params, self.buffers, self.tied))
             head["files"] = files
             text = json.dumps(head, indent=1).encode()
             folder.write("plan.json", lambda f: f.write(text))
@@ -403,8 +403,10 @@ def _save_rank(
     folder: ProgramFolder,
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
+    tied: dict[str, str],
 ) -> dict[str, str]:
-    """Write one rank's files; return their SHA-256 by name."""
+    """Write one rank's files; return their SHA-256 by name. ``tied``: the model's aliases;
+    the rank records those of its own shards, which the loader checks plan.json's against."""
     d = rank_dir(rp.rank)
     files: dict[str, str] = {}
     stages = []
@@ -438,6 +440,7 @@ def _save_rank(
         "vocab_size": rp.vocab_size,
         "batch": list(rp.batch_names),
         "frozen": list(rp.frozen),
+        "tied": {a: c for a, c in sorted(tied.items()) if c in rp.shards},
     }
     text = json.dumps(doc, indent=1).encode()
     files[f"{d}/program.json"] = folder.write(f"{d}/program.json", lambda f: f.write(text))

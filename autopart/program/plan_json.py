@@ -14,8 +14,10 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   own stages, the plan's micro-batches and chunks, and ranks of the world, and are exactly the
   list the plan's schedule generates for that rank (``schedule.generate``: a dropped, added or
   reordered action would deadlock or skip work); its gradient buckets hold every shard once when
-  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards; its ``chunk_cost``
-  is set exactly for a Seq1F1B plan and equals plan.json's;
+  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards, and its tied
+  aliases (``tied``, absent from older folders) plan.json's aliases of its shards (an alias is
+  no parameter or buffer of its own); its ``chunk_cost`` is set exactly for a Seq1F1B plan and
+  equals plan.json's;
 - a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
   0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
   zeros the runtime makes from it are empty.
@@ -146,6 +148,8 @@ def check_head(doc: Any) -> Plan:
     for alias, canonical in doc["tied"].items():
         if canonical not in doc["params"]:
             raise Invalid(f"tied.{alias}", f"= {canonical!r} is not a parameter of params")
+        if alias in doc["params"] or alias in doc["buffers"]:
+            raise Invalid(f"tied.{alias}", "is a parameter or buffer of its own, not an alias")
     for fqn, pps in doc.get("ties", {}).items():
         if fqn not in doc["params"]:
             raise Invalid(f"ties.{fqn}", "names no parameter of params")
@@ -215,6 +219,7 @@ RANK = obj(
         "vocab_size": nullable(integer(1, 1 << 31)),
         "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
         "frozen": list_of(_FQN),
+        "tied": dict_of(_FQN, key=_FQN),
     },
 )
 
@@ -278,6 +283,10 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
         tied = {f: pps for f, pps in head["ties"].items() if f in doc["shards"]}
         if doc["ties"] != tied:
             raise Invalid("ties", f"= {doc['ties']} are not plan.json's ties of this rank's shards")
+    if "tied" in doc:  # older folders lack it: the aliases of this rank's shards, as plan.json's
+        tied = {a: c for a, c in head["tied"].items() if c in doc["shards"]}
+        if doc["tied"] != tied:
+            raise Invalid("tied", f"= {doc['tied']} are not plan.json's aliases of this rank's shards")
     mine = [k for k in range(n_stages) if k % mesh.pp == doc["coords"]["pp"]]
     stages = [st["stage"] for st in doc["stages"]]
     if stages != mine:
