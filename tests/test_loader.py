@@ -470,7 +470,10 @@ def test_ties_buckets_and_chunk_costs_must_be_the_plans(
     [  # found by CI's fuzz run: plan.json without the LM head's alias loaded as an untied model
         (lambda d: d["tied"].clear(), "not plan.json's aliases"),
         (lambda d: d["tied"].update({"lm_head.weight": "transformer.wpe.weight"}), "aliases"),
-        (lambda d: d["tied"].update({"transformer.h.0.ln_1.bias": "transformer.wte.weight"}), "own"),
+        (
+            lambda d: d["tied"].update({"transformer.h.0.ln_1.bias": "transformer.wte.weight"}),
+            "own",
+        ),
     ],
     ids=["alias-dropped", "alias-moved", "alias-of-a-parameter"],
 )

@@ -286,7 +286,9 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
     if "tied" in doc:  # older folders lack it: the aliases of this rank's shards, as plan.json's
         tied = {a: c for a, c in head["tied"].items() if c in doc["shards"]}
         if doc["tied"] != tied:
-            raise Invalid("tied", f"= {doc['tied']} are not plan.json's aliases of this rank's shards")
+            raise Invalid(
+                "tied", f"= {doc['tied']} are not plan.json's aliases of this rank's shards"
+            )
     mine = [k for k in range(n_stages) if k % mesh.pp == doc["coords"]["pp"]]
     stages = [st["stage"] for st in doc["stages"]]
     if stages != mine:
