@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_loader import rehash
 from torch import nn
 
 from autopart import Mesh, parallelize
@@ -237,11 +238,13 @@ def test_a_stage_graph_calling_an_untrusted_namespace_is_refused(
     (folder / "plan.json").write_text(
         json.dumps({k: v for k, v in head.items() if k != "libraries"})
     )
+    rehash(folder)  # plan.json's digest in each program.json too: a forger's folder
     with pytest.raises(AutopartError) as err:
         load_rank(folder, 0, [LIB])
     assert f"calls 'torch.ops.{LIB}.scaled_silu.default', an op of none of the namespaces" in str(
         err.value
     ), err.value
     (folder / "plan.json").write_text(json.dumps({**head, "libraries": {"other": "1.0"}}))
+    rehash(folder)
     with pytest.raises(AutopartError, match="no installed distribution provides a package named"):
         load_rank(folder, 0, [LIB, "other"])

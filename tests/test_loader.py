@@ -24,7 +24,7 @@ import torch
 
 from autopart import AutopartError, Mesh, parallelize
 from autopart.models import nanogpt
-from autopart.program.format import Program, load_rank, load_weights, read_head
+from autopart.program.format import Program, load_rank, load_weights, plan_digest, read_head
 
 
 class _Payload:
@@ -66,8 +66,13 @@ def copy_program(src: Path, tmp: Path, name: str = "crafted") -> Path:
 
 
 def rehash(root: Path) -> None:
-    """Update every checksum in plan.json to the files as they are now."""
+    """Update every checksum to the files as they are now, as an attacker who knows the format
+    would: plan.json's digest in every program.json, then plan.json's checksums."""
     head = json.loads((root / "plan.json").read_text())
+    for f in sorted(root.glob("rank*/program.json")):
+        doc = json.loads(f.read_text())
+        if isinstance(doc, dict) and "plan_digest" in doc:
+            f.write_text(json.dumps({**doc, "plan_digest": plan_digest(head)}))
     for rel in head["files"]:
         f = root / rel
         if f.is_file():
@@ -466,28 +471,90 @@ def test_ties_buckets_and_chunk_costs_must_be_the_plans(
 
 
 @pytest.mark.parametrize(
-    ("edit", "said"),
+    "edit",
     [  # found by CI's fuzz run: plan.json without the LM head's alias loaded as an untied model
-        (lambda d: d["tied"].clear(), "not plan.json's aliases"),
-        (lambda d: d["tied"].update({"lm_head.weight": "transformer.wpe.weight"}), "aliases"),
+        lambda d: d["tied"].clear(),
+        lambda d: d["tied"].update({"lm_head.weight": "transformer.wpe.weight"}),
+        # found by editing each field of plan.json in turn: each loaded as another program
+        lambda d: d["plan"].update(seq_block=2),
+        lambda d: d["plan"].update(bucket_mb=50.0),
+        lambda d: d["plan"].update(distributed_optimizer=True),
+        lambda d: d.update(example_shape=[3, 16]),
+        lambda d: d["plan"].pop("max_seq"),
+    ],
+    ids=["alias-dropped", "alias-moved", "seq-block", "bucket-mb", "zero", "example", "max-seq"],
+)
+def test_an_edited_plan_json_is_refused_by_every_rank(saved: Path, tmp_path: Path, edit) -> None:
+    """plan.json holds the other files' checksums, so none covers it: every program.json
+    records its digest instead. A plan.json edited in a field no other file repeats (the tied
+    aliases ``full_state_dict`` gives back, the sequence block the runner checks lengths
+    against, the defaults ``autopart run`` takes), with every file checksum updated, is
+    refused by the launcher's ``read_head`` and by each rank."""
+    crafted = copy_program(saved, tmp_path)
+    head = json.loads((crafted / "plan.json").read_text())
+    assert head["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    edit(head)
+    (crafted / "plan.json").write_text(json.dumps(head))
+    for load in (read_head, lambda root: load_rank(root, 1)):
+        with pytest.raises(AutopartError, match="its digest differs"):
+            load(crafted)
+    rehash(crafted)  # the edit alone, resealed: each field still passes its own checks
+    read_head(crafted)
+
+
+@pytest.mark.parametrize(
+    ("rel", "edit", "said"),
+    [
+        ("plan.json", lambda d: d["tied"].update({"transformer.h.0.ln_1.bias": "x"}), "not a"),
         (
-            lambda d: d["tied"].update({"transformer.h.0.ln_1.bias": "transformer.wte.weight"}),
+            "plan.json",
+            lambda d: d["tied"].update({"transformer.wpe.weight": "transformer.wte.weight"}),
             "own",
         ),
+        # found by editing each field of program.json in turn: each loaded as another program
+        (
+            "rank00000/program.json",
+            lambda d: d["shards"]["transformer.wpe.weight"].update(strided=2),
+            "slice",
+        ),
+        ("rank00000/program.json", lambda d: d.pop("vocab_size"), "vocab_size"),
+        ("rank00000/program.json", lambda d: d.update(vocab_size=97), "vocab_size"),
+        (
+            "rank00000/program.json",
+            lambda d: d["frozen"].append("transformer.wpe.weight"),
+            "frozen",
+        ),
+        (
+            "rank00000/program.json",
+            lambda d: d.update(batch=["input_ids", "labels", "position_ids"]),
+            "batch",
+        ),
+        (
+            "plan.json",
+            lambda d: d["params"]["transformer.wpe.weight"].update(split=[0, 1]),
+            "split",
+        ),
     ],
-    ids=["alias-dropped", "alias-moved", "alias-of-a-parameter"],
+    ids=[
+        "alias-of-nothing",
+        "alias-of-a-parameter",
+        "strided",
+        "no-vocab",
+        "vocab",
+        "frozen",
+        "batch",
+        "split",
+    ],
 )
-def test_tied_aliases_must_be_the_ranks(saved: Path, tmp_path: Path, edit, said: str) -> None:
-    """plan.json's aliases (``lm_head.weight`` → the embedding) are what ``full_state_dict``
-    and checkpoints give back: each rank records the aliases of its own shards, and plan.json's
-    must agree, or the folder loads as another model."""
-    assert json.loads((saved / "plan.json").read_text())["tied"] == {
-        "lm_head.weight": "transformer.wte.weight"
-    }
+def test_what_a_rank_repeats_must_be_plan_jsons(
+    saved: Path, tmp_path: Path, rel: str, edit, said: str
+) -> None:
+    """Tied aliases name a parameter and are none themselves; a rank's vocabulary, batch
+    names, frozen parameters and each shard's slice are what plan.json gives (resealed)."""
     crafted = copy_program(saved, tmp_path)
-    edit_json(crafted, "plan.json", edit)
+    edit_json(crafted, rel, edit)
     with pytest.raises(AutopartError, match=said):
-        load_all(crafted)
+        load_rank(crafted, 0)
 
 
 def test_buckets_must_be_exactly_the_parameters_read(tmp_path: Path) -> None:
@@ -616,7 +683,7 @@ def test_the_saved_program_still_loads_and_round_trips(saved: Path, tmp_path: Pa
 def test_a_frozen_parameter_is_recorded_and_checked(tmp_path: Path) -> None:
     """A parameter the model froze (``requires_grad=False``) is named in its rank's
     ``program.json``, so a loaded program (``autopart run``, the live API's hand-over) keeps it
-    frozen: it used to come back trainable. A crafted entry naming no shard of the rank is
+    frozen: it used to come back trainable. A crafted entry plan.json does not list is
     refused."""
     model, (ids, labels) = nanogpt.make(n_layer=2, n_embd=8, n_head=2, block_size=16)
     model.transformer.ln_f.weight.requires_grad_(False)
@@ -626,5 +693,5 @@ def test_a_frozen_parameter_is_recorded_and_checked(tmp_path: Path) -> None:
     assert load_rank(saved, 0).frozen == ()
     crafted = copy_program(saved, tmp_path, "crafted")
     edit_json(crafted, "rank00000/program.json", lambda d: d["frozen"].append("nope.weight"))
-    with pytest.raises(AutopartError, match="frozen.*names 'nope.weight', which is not a shard"):
+    with pytest.raises(AutopartError, match=r"frozen = \['nope.weight'\] are not plan.json's"):
         load_rank(crafted, 0)

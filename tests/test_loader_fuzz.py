@@ -7,7 +7,9 @@ symbolic sizes) per example: JSON values and types anywhere in plan.json, progra
 stage's model.json (with code, path and import payloads among the values), symbolic-size
 strings, zip members (duplicated, renamed, added, dropped, compressed, reordered, with bytes
 around them), files replaced by links, folders, FIFOs or nothing, raw bytes flipped or cut.
-Most mutations update plan.json's checksums to match, as an attacker would.
+Most mutations update plan.json's checksums to match, as an attacker would; none updates the
+digest of plan.json that every program.json records, so one edit of plan.json must be refused
+(a forger who reseals it meets each field's own check instead: ``test_loader``).
 
 A folder that still loads must load *identically* (every stage's code, inputs and K/V shapes,
 the actions, shards, buckets, ties, the plan and the weights' names, shapes and dtypes), except
@@ -348,7 +350,7 @@ def fingerprint(program: Program) -> Any:
         ]
         ranks.append(
             (rp.rank, rp.coords, rp.groups, rp.actions, rp.shards, rp.buckets, rp.ties)
-            + (rp.n_stages, rp.chunk_cost, rp.vocab_size, stages)
+            + (rp.n_stages, rp.chunk_cost, rp.vocab_size, rp.batch_names, rp.frozen, stages)
         )
     tensors = {
         k: (tuple(t.shape), t.dtype) for k, t in {**program.params, **program.buffers}.items()

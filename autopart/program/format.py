@@ -72,7 +72,8 @@ from autopart.program.plan_json import check_head, check_rank
 from autopart.program.schema import Invalid, parse_json
 from autopart.schedule.ir import Action, table
 
-FORMAT = 2  # 2: tp_gather / tp_scatter_reduce carry their group size
+FORMAT = 3  # 2: tp_gather / tp_scatter_reduce carry their group size; 3: plan.json's digest
+# in every program.json, its batch, frozen parameters and tp splits
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -236,22 +237,41 @@ class Program:
             "ties": self.pipeline_ties,
             "chunk_cost": self.ranks[0].chunk_cost,  # every rank splits the sequence alike
             "params": {
-                f: {"shape": list(t.shape), "dtype": str(t.dtype)} for f, t in self.params.items()
+                f: {"shape": list(t.shape), "dtype": str(t.dtype), "split": self._split(f)}
+                for f, t in self.params.items()
             },
             "buffers": sorted(self.buffers),
+            "batch": list(self.ranks[0].batch_names),
+            "frozen": sorted({f for rp in self.ranks for f in rp.frozen}),
             "passes": [h.name for h in self.history],
         }
         if self.libraries:
             head["libraries"] = dict(sorted(self.libraries.items()))
+        digest = plan_digest(head)
         with ProgramFolder(root, create=True) as folder:
             folder.clear()
             files: dict[str, str] = {}
             for rp in self.ranks:
-                files.update(_save_rank(rp, folder, self.params, self.buffers, self.tied))
+                files.update(_save_rank(rp, folder, self.params, self.buffers, digest))
             head["files"] = files
             text = json.dumps(head, indent=1).encode()
             folder.write("plan.json", lambda f: f.write(text))
         return root
+
+    def _split(self, fqn: str) -> list[int] | None:
+        """``[dim, strided]`` of a parameter tensor parallelism splits (every rank holding it
+        splits it alike), or None."""
+        splits = {
+            (s.dim, s.strided)
+            for rp in self.ranks
+            if (s := rp.shards.get(fqn)) is not None and s.dim is not None
+        }
+        if len(splits) > 1:
+            raise AutopartError(
+                f"internal: the ranks split {fqn} in different ways: {sorted(splits)}",
+                hint="this is an autopart bug; please report it",
+            )
+        return list(splits.pop()) if splits else None
 
     @classmethod
     def load(cls, path: str | Path, library_ops: Sequence[str] = ()) -> Program:
@@ -327,11 +347,35 @@ def _layout(path: Path, exc: Invalid) -> AutopartError:
     )
 
 
+def plan_digest(head: dict[str, Any]) -> str:
+    """The SHA-256 of ``plan.json``'s content but its file list, which every ``program.json``
+    records: plan.json holds the other files' checksums and so is covered by none of them;
+    this covers it (an edited, damaged or swapped plan.json is refused by every rank)."""
+    body = {k: v for k, v in head.items() if k != "files"}
+    return hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
 def read_head(root: str | Path) -> dict[str, Any]:
     """``plan.json`` of a program folder, after checking every field of it (types, ranges,
-    names, the plan itself): an ``AutopartError`` names the file and the field otherwise."""
+    names, the plan itself) and its digest in rank 0's ``program.json``: an
+    ``AutopartError`` names the file and the field otherwise."""
     with ProgramFolder(root) as folder:
-        return _head(folder)[0]
+        head, _ = _head(folder)
+        rel = f"{rank_dir(0)}/program.json"
+        doc = _parse(_checked(folder, head, rel, MAX_JSON), folder.root / rel)
+        if not isinstance(doc, dict) or doc.get("plan_digest") != plan_digest(head):
+            raise _changed(folder.root, 0)
+        return head
+
+
+def _changed(root: Path, rank: int) -> AutopartError:
+    return AutopartError(
+        f"{root / 'plan.json'} is not the plan.json rank {rank}'s program.json was saved with "
+        "(its digest differs): it was edited, damaged, or comes from another program",
+        hint="re-save the program with Program.save(); never edit or mix program folders",
+    )
 
 
 def _checked(folder: ProgramFolder, head: dict[str, Any], rel: str, limit: int) -> bytes:
@@ -403,10 +447,10 @@ def _save_rank(
     folder: ProgramFolder,
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
-    tied: dict[str, str],
+    digest: str,
 ) -> dict[str, str]:
-    """Write one rank's files; return their SHA-256 by name. ``tied``: the model's aliases;
-    the rank records those of its own shards, which the loader checks plan.json's against."""
+    """Write one rank's files; return their SHA-256 by name. ``digest``: ``plan_digest`` of
+    the plan.json they belong to."""
     d = rank_dir(rp.rank)
     files: dict[str, str] = {}
     stages = []
@@ -440,7 +484,7 @@ def _save_rank(
         "vocab_size": rp.vocab_size,
         "batch": list(rp.batch_names),
         "frozen": list(rp.frozen),
-        "tied": {a: c for a, c in sorted(tied.items()) if c in rp.shards},
+        "plan_digest": digest,
     }
     text = json.dumps(doc, indent=1).encode()
     files[f"{d}/program.json"] = folder.write(f"{d}/program.json", lambda f: f.write(text))
@@ -478,6 +522,8 @@ def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> R
             check_rank(doc, head, plan, rank)
         except Invalid as exc:
             raise _layout(folder.root / rel, exc) from None
+        if doc["plan_digest"] != plan_digest(head):
+            raise _changed(folder.root, rank)
         stages = [
             _load_stage(folder, head, rank, st, f"stages[{i}]", namespaces)
             for i, st in enumerate(doc["stages"])
@@ -494,9 +540,9 @@ def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> R
         ties=doc["ties"],
         n_stages=doc["n_stages"],
         chunk_cost=tuple(doc["chunk_cost"]) if doc.get("chunk_cost") else None,
-        vocab_size=doc.get("vocab_size"),
-        batch_names=tuple(doc.get("batch", ("input_ids", "labels"))),
-        frozen=tuple(doc.get("frozen", ())),
+        vocab_size=head["vocab_size"],
+        batch_names=tuple(head["batch"]),
+        frozen=tuple(f for f in head["frozen"] if f in doc["shards"]),
     )
 
 

@@ -14,10 +14,14 @@ turns it into an ``AutopartError`` naming the file (``schema.refusal``). Bounds:
   own stages, the plan's micro-batches and chunks, and ranks of the world, and are exactly the
   list the plan's schedule generates for that rank (``schedule.generate``: a dropped, added or
   reordered action would deadlock or skip work); its gradient buckets hold every shard once when
-  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards, and its tied
-  aliases (``tied``, absent from older folders) plan.json's aliases of its shards (an alias is
-  no parameter or buffer of its own); its ``chunk_cost`` is set exactly for a Seq1F1B plan and
-  equals plan.json's;
+  dp > 1 and none when dp = 1; its ties are plan.json's ties of its shards; its ``chunk_cost``
+  is set exactly for a Seq1F1B plan and equals plan.json's; its vocabulary, batch names and
+  frozen parameters are plan.json's (of its shards); it records plan.json's digest
+  (``format.plan_digest``), which the loader compares;
+- a shard is whole (index 0 of 1 part, not strided) or the rank's tp slice (index = its tp
+  coordinate, parts = tp) along the ``split`` plan.json gives the parameter, ``[dim,
+  strided]``, whose size it divides into ``parts × strided`` blocks; a tied alias (``tied``) is
+  no parameter or buffer of its own;
 - a K/V prefix shape (a causal convolution's carry is one too) has an empty sequence dim (a
   0), at most one ``"b"`` (the batch) and at most ``MAX_KV_ROW`` elements per sequence, so the
   zeros the runtime makes from it are empty.
@@ -119,9 +123,18 @@ HEAD = obj(
         "vocab_size": integer(1, 1 << 31),
         "tied": dict_of(_FQN, key=_FQN),
         "params": dict_of(
-            obj({"shape": list_of(integer(0, MAX_DIM), 16), "dtype": one_of(*DTYPES)}), key=_FQN
+            obj(
+                {
+                    "shape": list_of(integer(0, MAX_DIM), 16),
+                    "dtype": one_of(*DTYPES),
+                    "split": nullable(list_of(integer(0, 1 << 20), 2, 2)),
+                }
+            ),
+            key=_FQN,
         ),
         "buffers": list_of(_FQN),
+        "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
+        "frozen": list_of(_FQN),
         "files": dict_of(_SHA256, key=string(NAMES)),
     },
     {
@@ -145,6 +158,21 @@ def check_head(doc: Any) -> Plan:
     for fqn, meta in doc["params"].items():
         if math.prod(meta["shape"]) > MAX_NUMEL:
             raise Invalid(f"params.{fqn}.shape", f"has more than {MAX_NUMEL:,} elements")
+        if meta["split"] is not None:
+            dim, strided = meta["split"]
+            if dim >= len(meta["shape"]) or strided < 1 or plan.mesh.tp == 1:
+                raise Invalid(f"params.{fqn}.split", f"= {meta['split']} is no tp split of it")
+            if meta["shape"][dim] % (plan.mesh.tp * strided):
+                raise Invalid(
+                    f"params.{fqn}.split", f"does not cut dim {dim} into tp × {strided} blocks"
+                )
+    batch = doc["batch"]
+    if batch[:2] != list(DATA_NAMES[:2]) or batch != [n for n in DATA_NAMES if n in batch]:
+        raise Invalid("batch", f"= {batch} is not input_ids, labels and optional tensors in order")
+    if len(set(doc["frozen"])) != len(doc["frozen"]) or not set(doc["frozen"]) <= set(
+        doc["params"]
+    ):
+        raise Invalid("frozen", "repeats a name or names no parameter of params")
     for alias, canonical in doc["tied"].items():
         if canonical not in doc["params"]:
             raise Invalid(f"tied.{alias}", f"= {canonical!r} is not a parameter of params")
@@ -213,14 +241,12 @@ RANK = obj(
         "buckets": list_of(list_of(_FQN)),
         "ties": dict_of(list_of(integer(0, MAX_WORLD), MAX_WORLD), key=_FQN),
         "n_stages": integer(1, MAX_STAGES),
-    },
-    {
-        "chunk_cost": _CHUNK_COST,
-        "vocab_size": nullable(integer(1, 1 << 31)),
+        "vocab_size": integer(1, 1 << 31),
         "batch": list_of(one_of(*DATA_NAMES), len(DATA_NAMES), 2),
         "frozen": list_of(_FQN),
-        "tied": dict_of(_FQN, key=_FQN),
+        "plan_digest": _SHA256,
     },
+    {"chunk_cost": _CHUNK_COST},
 )
 
 
@@ -243,11 +269,9 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
         raise Invalid("chunk_cost", f"= {cost} does not fit a {plan.schedule!r} plan")
     if cost != head.get("chunk_cost", cost):
         raise Invalid("chunk_cost", "differs from plan.json's (every rank splits alike)")
-    if doc.get("vocab_size") not in (None, head["vocab_size"]):
-        raise Invalid("vocab_size", "differs from plan.json's")
-    batch = doc.get("batch", list(DATA_NAMES[:2]))
-    if batch[:2] != list(DATA_NAMES[:2]) or batch != [n for n in DATA_NAMES if n in batch]:
-        raise Invalid("batch", f"= {batch} is not input_ids, labels and optional tensors in order")
+    for key in ("vocab_size", "batch"):
+        if doc[key] != head[key]:
+            raise Invalid(key, f"= {doc[key]} differs from plan.json's {head[key]}")
     params, buffers = head["params"], set(head["buffers"])
     for fqn, shard in doc["shards"].items():
         where = f"shards.{fqn}"
@@ -257,13 +281,18 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
             raise Invalid(f"{where}.shape", "differs from the parameter's shape in plan.json")
         if shard["dim"] is not None and shard["dim"] >= len(shard["shape"]):
             raise Invalid(f"{where}.dim", f"= {shard['dim']} is not a dim of the parameter")
-        if shard["index"] >= shard["parts"] or shard["parts"] > mesh.tp:
-            raise Invalid(f"{where}.index", "is not a slice of at most tp parts")
-    frozen: set[str] = set()
-    for fqn in doc.get("frozen", []):
-        if fqn not in doc["shards"] or fqn in frozen:
-            raise Invalid("frozen", f"names {fqn!r}, which is not a shard of this rank or is twice")
-        frozen.add(fqn)
+        split = params[fqn]["split"]
+        got = [shard["dim"], shard["strided"]] if shard["dim"] is not None else None
+        slot = (doc["coords"]["tp"], mesh.tp) if split else (0, 1)
+        whole = split is None and shard["strided"] != 1
+        if got != split or (shard["index"], shard["parts"]) != slot or whole:
+            raise Invalid(
+                where,
+                f"= {shard} is not rank {rank}'s slice of the split plan.json gives it ({split})",
+            )
+    frozen = sorted(f for f in head["frozen"] if f in doc["shards"])
+    if sorted(doc["frozen"]) != frozen:
+        raise Invalid("frozen", f"= {doc['frozen']} are not plan.json's of this rank's shards")
     seen: set[str] = set()
     for i, bucket in enumerate(doc["buckets"]):
         for fqn in bucket:
@@ -283,12 +312,6 @@ def check_rank(doc: Any, head: dict[str, Any], plan: Plan, rank: int) -> None:
         tied = {f: pps for f, pps in head["ties"].items() if f in doc["shards"]}
         if doc["ties"] != tied:
             raise Invalid("ties", f"= {doc['ties']} are not plan.json's ties of this rank's shards")
-    if "tied" in doc:  # older folders lack it: the aliases of this rank's shards, as plan.json's
-        tied = {a: c for a, c in head["tied"].items() if c in doc["shards"]}
-        if doc["tied"] != tied:
-            raise Invalid(
-                "tied", f"= {doc['tied']} are not plan.json's aliases of this rank's shards"
-            )
     mine = [k for k in range(n_stages) if k % mesh.pp == doc["coords"]["pp"]]
     stages = [st["stage"] for st in doc["stages"]]
     if stages != mine:
