@@ -7,7 +7,6 @@ silently ignored; a mask Seq1F1B cannot keep exact is refused at compile time.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parity_cases import ROOT, assert_all_pass
+from test_loader import rehash
 from torch import nn
 
 from autopart import AutopartError, Mesh, parallelize
@@ -150,20 +150,23 @@ def test_a_program_refuses_a_batch_unlike_its_capture(padded) -> None:
 
 
 def test_a_saved_program_keeps_its_batch_names(padded, tmp_path: Path) -> None:
-    """program.json lists the batch tensors; a stage input naming one the batch lacks is
-    refused at load."""
+    """plan.json lists the batch tensors and each program.json repeats them; a rank whose list
+    differs is refused at load, and so is a stage input naming one the batch lacks (both lists
+    edited, plan.json's digest resealed: a forger's folder)."""
     _, _, captured = padded
     root = parallelize(captured, Mesh()).save(tmp_path / "prog")
     assert load_rank(root, 0).batch_names == ("input_ids", "labels", "attention_mask")
     crafted = tmp_path / "crafted"
     shutil.copytree(root, crafted)
-    doc = json.loads((crafted / "rank00000/program.json").read_text())
-    doc["batch"] = ["input_ids", "labels"]
-    (crafted / "rank00000/program.json").write_text(json.dumps(doc))
-    head = json.loads((crafted / "plan.json").read_text())
     rel = "rank00000/program.json"
-    head["files"][rel] = hashlib.sha256((crafted / rel).read_bytes()).hexdigest()
-    (crafted / "plan.json").write_text(json.dumps(head))
+    doc = json.loads((crafted / rel).read_text())
+    (crafted / rel).write_text(json.dumps({**doc, "batch": ["input_ids", "labels"]}))
+    rehash(crafted)
+    with pytest.raises(AutopartError, match="batch = .* differs from plan.json's"):
+        load_rank(crafted, 0)
+    head = json.loads((crafted / "plan.json").read_text())
+    (crafted / "plan.json").write_text(json.dumps({**head, "batch": ["input_ids", "labels"]}))
+    rehash(crafted)
     with pytest.raises(AutopartError, match="data input named 'attention_mask'"):
         load_rank(crafted, 0)
 

@@ -357,16 +357,16 @@ def plan_digest(head: dict[str, Any]) -> str:
     ).hexdigest()
 
 
-def read_head(root: str | Path) -> dict[str, Any]:
+def read_head(root: str | Path, rank: int = 0) -> dict[str, Any]:
     """``plan.json`` of a program folder, after checking every field of it (types, ranges,
-    names, the plan itself) and its digest in rank 0's ``program.json``: an
-    ``AutopartError`` names the file and the field otherwise."""
+    names, the plan itself) and its digest in ``rank``'s ``program.json`` (a live hand-over's
+    folder holds one rank's): an ``AutopartError`` names the file and the field otherwise."""
     with ProgramFolder(root) as folder:
         head, _ = _head(folder)
-        rel = f"{rank_dir(0)}/program.json"
+        rel = f"{rank_dir(rank)}/program.json"
         doc = _parse(_checked(folder, head, rel, MAX_JSON), folder.root / rel)
         if not isinstance(doc, dict) or doc.get("plan_digest") != plan_digest(head):
-            raise _changed(folder.root, 0)
+            raise _changed(folder.root, rank)
         return head
 
 

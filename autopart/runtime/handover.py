@@ -60,7 +60,7 @@ def hand_over(
                 _send(_pack(folder, peer), peer, rank, timeout_s)
         else:
             _unpack(_recv(rank, timeout_s), folder, rank)
-        head = read_head(folder)
+        head = read_head(folder, rank)
         rp = load_rank(folder, rank, library_ops)  # the namespaces this rank's caller trusts
         weights = load_weights(folder, rank, rp)
     return rp, weights, head
