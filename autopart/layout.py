@@ -218,8 +218,9 @@ class Plan:
     )
     distributed_optimizer: bool = False  # optimizer state sharded over dp (ZeRO-1)
     micro_batch: int | None = None  # sequences per micro-batch (None: what the batch gives)
-    # Seq1F1B chunk lengths are multiples of this too: the block of tokens a model's scan hands
-    # its state on by (Mamba-2's SSD); compile sets it from the model
+    # every sequence, and under Seq1F1B every chunk, is a multiple of this many tokens: the
+    # block a model's scan hands its state on by (Mamba-2's SSD, Seq1F1B only), or the pieces a
+    # model cuts the sequence into (frontend/shapes.sequence_multiple); compile sets it
     seq_block: int = 1
     # the longest sequence the program's graphs fit (None: any); compile sets it from the
     # captured graph (frontend/shapes.longest_sequence) and a step with a longer one is refused

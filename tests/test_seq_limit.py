@@ -24,7 +24,7 @@ from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
 from autopart.frontend.loops import fixed_length
-from autopart.frontend.shapes import longest_sequence
+from autopart.frontend.shapes import longest_sequence, sequence_multiple
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
 from autopart.runtime.run import build_parser, check_args
@@ -204,6 +204,55 @@ def test_a_graph_of_one_length_refuses_another(tmp_path: Path) -> None:
         dist.destroy_process_group()
     with pytest.raises(AutopartError, match="no sequence fits"):
         Plan(Mesh(), min_seq=64, max_seq=48)
+
+
+class Pairs(nn.Module):
+    """Mixes each pair of adjacent tokens (``reshape(b, s // 2, 2 * d)``): export keeps the
+    length symbolic with no guard, yet only even lengths fit."""
+
+    def __init__(self, vocab: int = 64, width: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(2 * width, 2 * width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(input_ids)
+        b, s, d = h.shape
+        return self.head(h + self.mix(h.reshape(b, s // 2, 2 * d)).reshape(b, s, d))
+
+
+def test_a_graph_of_even_lengths_refuses_an_odd_one(tmp_path: Path) -> None:
+    """A model that cuts the sequence into pairs fits even lengths only: compile warns "a
+    multiple of 2 tokens" naming the reshape that fails at 15 tokens, and raises
+    Plan.seq_block to 2; autopart run's checks and the runner refuse 15 tokens before any
+    collective, where the step used to fail inside every rank with torch's shape error. 14
+    and 16 tokens train, equal to the model on one device. (Graphs that divide no size by a
+    constant pay no propagation: nanoGPT, below.)"""
+    torch.manual_seed(0)
+    model = Pairs().double()
+    with pytest.warns(UserWarning, match="a multiple of 2 tokens \\(at 15 tokens, node %reshape"):
+        program = parallelize(model, Mesh(), example_inputs=_batch(16))
+    assert program.plan.seq_block == 2 and program.plan.min_seq is None
+    folder = program.save(tmp_path / "p")
+    head = read_head(folder)
+    args = build_parser().parse_args([str(folder), "--seq-len", "15"])
+    with pytest.raises(AutopartError, match="--seq-len 15 is not a multiple of 2 tokens"):
+        check_args(args, head, Plan.from_json(head["plan"]))
+    runner = _one_rank(tmp_path, program)
+    try:
+        for seq in (14, 16):
+            ids, labels = _batch(seq)
+            want = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+            assert abs(runner.step(ids, labels).item() - want.item()) <= 1e-12 * want.item()
+        with pytest.raises(AutopartError, match="rank 0: a sequence of 15 tokens is not a mul"):
+            runner.step(*_batch(15))
+    finally:
+        dist.destroy_process_group()
+    import nanogpt
+
+    model, batch = nanogpt.make()
+    assert sequence_multiple(capture(model, batch).graph, tuple(batch[0].shape)) == (1, "")
 
 
 def test_max_seq_in_plan_json_is_checked() -> None:

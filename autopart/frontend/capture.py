@@ -86,6 +86,8 @@ class Captured:
     seq_limit: tuple[int | None, str] | None = None
     # the shortest sequence it fits and why not shorter (None until the first compile)
     seq_floor: tuple[int | None, str] | None = None
+    # the multiple of tokens every length must be and why (None until the first compile)
+    seq_step: tuple[int, str] | None = None
     # export fixed the length (a loop over the tokens): "rolled up" when ``generalize_loops``
     # wrote the loop for any length, else why it could not; "" when the length stayed symbolic
     loops: str = ""

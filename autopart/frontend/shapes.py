@@ -223,6 +223,48 @@ def shortest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int
     return s0, f"at {max(2, s0 // 2)} tokens, {why}"
 
 
+def sequence_multiple(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int, str]:
+    """The number of tokens every sequence must be a multiple of for the captured graph ``gm``
+    to fit (1: any) and why another length does not: a model that cuts the sequence into
+    pieces of k tokens (``x.reshape(b, s // k, k * d)``: pairs of tokens, patches) keeps its
+    length symbolic in export, with no guard, and a length k does not divide failed at the
+    step inside every rank. Only a graph whose sizes divide the length by a constant (a
+    ``FloorDiv`` or ``Mod`` of it by k) pays fake propagations: at s0 − 1 tokens, then at
+    s0 − k for each such k that divides the example's s0, smallest first; the first k that
+    fits is the multiple. (A graph that fits s0 − 1, or none of them, gets 1.)"""
+    b, s0 = example
+    ks = sorted(k for k in _constant_divisors(gm) if 1 < k < s0 and s0 % k == 0)
+    if not ks:
+        return 1, ""
+    why = holds_at(gm, b, s0 - 1)
+    if why is None:
+        return 1, ""
+    for k in ks:
+        if holds_at(gm, b, s0 - k) is None:
+            return k, f"at {s0 - 1} tokens, {why}"
+    return 1, ""
+
+
+def _constant_divisors(gm: fx.GraphModule) -> set[int]:
+    """Every constant k by which a size in ``gm``'s node values is floor-divided or taken
+    modulo (``FloorDiv(s, k)``, ``Mod(s, k)``)."""
+    from torch.utils._sympy.functions import FloorDiv, Mod
+
+    out: set[int] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        sizes = val.shape if isinstance(val, torch.Tensor) else (val,)
+        for size in sizes:
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if expr is None or expr.is_number:
+                continue
+            for f in expr.atoms(FloorDiv, Mod):
+                k = f.args[1]
+                if k.is_Integer:
+                    out.add(int(k))
+    return out
+
+
 def static_size(dim: Any) -> int | None:
     """A size's number when export fixed it (an int, or a SymInt whose expression is a
     number), else None (a symbol's)."""

@@ -15,8 +15,9 @@
 Before step 1, ``refuse_library_ops`` refuses a captured graph that calls an op outside ATen,
 autopart and the library namespaces the plan trusts (``Plan.library_ops``: a library's custom
 op capture could not decompose), and ``seq_limits`` sets ``Plan.min_seq`` and ``max_seq``, the
-shortest and longest sequence the captured graph fits (found once per capture:
-``frontend/shapes.shortest_sequence`` and ``longest_sequence``).
+shortest and longest sequence the captured graph fits, and raises ``Plan.seq_block`` to the
+multiple of tokens every length must be (found once per capture:
+``frontend/shapes.shortest_sequence``, ``longest_sequence`` and ``sequence_multiple``).
 
 ``split_stages`` also makes each stage graph name no device (``autopart.graph.device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
@@ -34,7 +35,7 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
-from autopart.frontend.shapes import longest_sequence, shortest_sequence
+from autopart.frontend.shapes import longest_sequence, sequence_multiple, shortest_sequence
 from autopart.graph import copy_graph, device_free
 from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
@@ -65,8 +66,8 @@ from autopart.schedule.chunks import chunk_lengths
 def compile_program(captured: Captured, plan: Plan) -> Program:
     """Run the passes and the schedule generator: one ``RankProgram`` per rank of the mesh."""
     used = refuse_library_ops(captured.graph, plan.library_ops)
-    low, high = seq_limits(captured)
-    plan = replace(plan, min_seq=low, max_seq=high)
+    low, high, step = seq_limits(captured)
+    plan = replace(plan, min_seq=low, max_seq=high, seq_block=math.lcm(plan.seq_block, step))
     gm, history = apply_passes(captured, plan)
     block = gm.meta.get(META_SEQ_BLOCK, 1)  # a scan's block: chunks are whole blocks
     if plan.chunked and plan.chunk_multiple % block:
@@ -99,13 +100,22 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     return program
 
 
-def seq_limits(captured: Captured) -> tuple[int | None, int | None]:
-    """The shortest and the longest sequence the captured graph fits (None: any), found once
-    per capture; a limit is announced with its reason (a step outside them is then refused)."""
-    if captured.seq_limit is None or captured.seq_floor is None:
+def seq_limits(captured: Captured) -> tuple[int | None, int | None, int]:
+    """The shortest and the longest sequence the captured graph fits (None: any) and the
+    multiple of tokens every length must be (1: any), found once per capture; a limit is
+    announced with its reason (a step outside them is then refused)."""
+    if captured.seq_limit is None or captured.seq_floor is None or captured.seq_step is None:
         captured.seq_limit = longest_sequence(captured.graph, captured.example_shape)
         captured.seq_floor = shortest_sequence(captured.graph, captured.example_shape)
-        (high, up), (low, down) = captured.seq_limit, captured.seq_floor
+        fixed = captured.seq_floor[0] is not None
+        captured.seq_step = (
+            (1, "") if fixed else sequence_multiple(captured.graph, captured.example_shape)
+        )
+        (high, up), (low, down), (step, between) = (
+            captured.seq_limit,
+            captured.seq_floor,
+            captured.seq_step,
+        )
         if low is not None and low == high:
             fits, why = f"exactly {low} tokens", down
         elif low is not None:
@@ -114,7 +124,10 @@ def seq_limits(captured: Captured) -> tuple[int | None, int | None]:
             why += "" if high is None else f"; {up}"
         else:
             fits, why = f"at most {high} tokens", up
-        if low is not None or high is not None:
+        if step > 1:
+            fits = f"a multiple of {step} tokens" + ("" if high is None else f", {fits}")
+            why = between + ("" if high is None else f"; {why}")
+        if low is not None or high is not None or step > 1:
             warnings.warn(
                 f"the captured model fits sequences of {fits} ({why}); a step with another "
                 "length is refused. If the model itself allows others, capture it with an "
@@ -122,7 +135,7 @@ def seq_limits(captured: Captured) -> tuple[int | None, int | None]:
                 UserWarning,
                 stacklevel=3,
             )
-    return captured.seq_floor[0], captured.seq_limit[0]
+    return captured.seq_floor[0], captured.seq_limit[0], captured.seq_step[0]
 
 
 def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[str]:

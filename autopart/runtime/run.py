@@ -391,6 +391,12 @@ def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
                 hint=f"use --seq-len {plan.min_seq} or more, or capture the model with an "
                 f"example of {batches.s} tokens",
             )
+        if batches.s % plan.seq_block:
+            raise AutopartError(
+                f"--seq-len {batches.s} is not a multiple of {plan.seq_block} tokens, which the "
+                "program's graphs need (found when it was compiled)",
+                hint=f"use a multiple of {plan.seq_block}",
+            )
         if plan.sequence_parallel and batches.s % plan.mesh.tp:
             raise AutopartError(
                 f"--seq-len {batches.s} is not divisible by tp={plan.mesh.tp}, which sequence "

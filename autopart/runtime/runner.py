@@ -1065,8 +1065,10 @@ class Runner:
                 )
             if seq_len % p.seq_block:
                 raise AutopartError(
-                    f"rank {self.rank}: a sequence of {seq_len} tokens is not a whole number of "
-                    f"the model's scan blocks ({p.seq_block} tokens each), which Seq1F1B cuts at",
+                    f"rank {self.rank}: a sequence of {seq_len} tokens is not a multiple of "
+                    f"{p.seq_block} tokens, which the program's graphs need (found when it was "
+                    "compiled: a scan's blocks Seq1F1B cuts at, or pieces the model cuts the "
+                    "sequence into)",
                     hint=f"use a sequence length that is a multiple of {p.seq_block}",
                 )
             try:
