@@ -25,6 +25,8 @@ import torch
 from autopart import AutopartError, Mesh, parallelize
 from autopart.models import nanogpt
 from autopart.program.format import Program, load_rank, load_weights, plan_digest, read_head
+from autopart.program.graph_json import _embedded
+from autopart.program.schema import Invalid
 
 
 class _Payload:
@@ -411,6 +413,25 @@ _WRONG_TYPES = {
         ".shape[0]",
     ),
 }
+
+
+@pytest.mark.parametrize(
+    ("number", "said"),
+    [("9" * 5000, "holds an integer of 5000 digits"), ("1e999", "holds 1e999, beyond a float")],
+)
+def test_numbers_past_pythons_parser_are_refused(
+    saved: Path, tmp_path: Path, number: str, said: str
+) -> None:
+    """An integer of 5000 digits raised Python's raw ValueError (past 4300 digits) from
+    plan.json; one of a JSON string torch's archive holds (a node's annotations) too; 1e999
+    was read as an infinity."""
+    crafted = copy_program(saved, tmp_path)
+    text = (crafted / "plan.json").read_text()
+    (crafted / "plan.json").write_text(text.replace('"world_size": 2', f'"world_size": {number}'))
+    with pytest.raises(AutopartError, match=said):
+        read_head(crafted)
+    with pytest.raises(Invalid, match=said):
+        _embedded(f'{{"module": {number}}}', "nodes[3].meta.custom")
 
 
 @pytest.mark.parametrize("case", list(_WRONG_TYPES))

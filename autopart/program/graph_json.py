@@ -19,7 +19,6 @@ allow-list of what autopart's own archives contain (``check_model``) before torc
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from autopart.program.schema import (
     nullable,
     obj,
     one_of,
+    parse_json,
     string,
     union,
 )
@@ -218,14 +218,19 @@ _CUSTOM = obj(
 )
 
 
+def _embedded(value: str, where: str) -> Any:
+    """A JSON document torch wrote as a string value: read as the files are (``parse_json``)."""
+    try:
+        return parse_json(value)
+    except Invalid as exc:
+        raise Invalid(where, f"is not JSON ({exc.why})") from None
+
+
 def _custom(value: Any, where: str) -> None:
     """autopart's annotations, as a JSON string: module, layer, recompute region (and the
     markers torch adds to code under ``torch._dynamo.disable``)."""
     string()(value, where)
-    try:
-        doc = json.loads(value)
-    except (json.JSONDecodeError, RecursionError):
-        raise Invalid(where, "is not JSON") from None
+    doc = _embedded(value, where)
     _CUSTOM(doc, where)
 
 
@@ -233,10 +238,7 @@ def _from_node(value: Any, where: str) -> None:
     """Where a node came from (torch's provenance records), as a JSON string: names, targets
     and pass names kept as text, never resolved."""
     string(max_len=1 << 20)(value, where)
-    try:
-        doc = json.loads(value)
-    except (json.JSONDecodeError, RecursionError):
-        raise Invalid(where, "is not JSON") from None
+    doc = _embedded(value, where)
     _sources(doc, where, 0)
 
 
@@ -340,8 +342,8 @@ def _treespec_node(spec: Any, where: str, depth: int) -> None:
         keys = None
         if isinstance(context, str) and len(context) <= MAX_CONTEXT:
             try:
-                keys = json.loads(context)
-            except (json.JSONDecodeError, RecursionError):
+                keys = parse_json(context)
+            except Invalid:
                 keys = None
         if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
             raise Invalid(f"{where}.context", "must be a JSON list of string keys for a dict")
@@ -354,10 +356,7 @@ def _treespec_node(spec: Any, where: str, depth: int) -> None:
 
 def _treespec(value: Any, where: str) -> None:
     string(max_len=1 << 22)(value, where)
-    try:
-        doc = json.loads(value)
-    except (json.JSONDecodeError, RecursionError):
-        raise Invalid(where, "is not JSON") from None
+    doc = _embedded(value, where)
     if not (isinstance(doc, list) and len(doc) == 2 and doc[0] == 1 and type(doc[0]) is int):
         raise Invalid(where, "is not a pytree spec of protocol 1")
     _treespec_node(doc[1], f"{where}(spec)", 0)

@@ -47,9 +47,13 @@ def _at(where: str, key: Any) -> str:
     return f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else str(key))
 
 
+MAX_DIGITS = 64  # of a JSON integer (no count or size autopart writes is longer than 20)
+
+
 def parse_json(data: bytes | str, where: str = "") -> Any:
-    """``json.loads`` that refuses what Python's parser accepts beyond JSON (NaN, infinities),
-    duplicate keys (two readers could keep different ones) and nesting too deep to parse."""
+    """``json.loads`` that refuses what Python's parser accepts beyond JSON (NaN, infinities,
+    numbers past a float), duplicate keys (two readers could keep different ones), integers of
+    more than ``MAX_DIGITS`` digits and nesting too deep to parse."""
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -62,12 +66,29 @@ def parse_json(data: bytes | str, where: str = "") -> Any:
     def constant(name: str) -> Any:
         raise Invalid(where, f"holds {name}, which is not JSON")
 
+    def integer(text: str) -> int:
+        if len(text.lstrip("-")) > MAX_DIGITS:  # Python refuses past 4300 digits, raw
+            raise Invalid(where, f"holds an integer of {len(text)} digits")
+        return int(text)
+
+    def real(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):  # 1e999: past a float, read as an infinity
+            raise Invalid(where, f"holds {text[:40]}, beyond a float")
+        return value
+
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:
         raise Invalid(where, f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+        return json.loads(
+            text,
+            object_pairs_hook=pairs,
+            parse_constant=constant,
+            parse_int=integer,
+            parse_float=real,
+        )
     except json.JSONDecodeError as exc:
         raise Invalid(where, f"is not JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:
