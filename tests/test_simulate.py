@@ -162,6 +162,12 @@ def test_cluster_files(tmp_path) -> None:
     (tmp_path / "part.toml").write_text('name = "x"\npeak_tflops = 1\n')
     with pytest.raises(AutopartError, match="missing"):
         load_cluster(tmp_path / "part.toml")
+    # a 5000-digit integer (Python refuses past 4300 digits) and deep nesting: raw errors before
+    (tmp_path / "long.json").write_text('{"gpus_per_node": ' + "9" * 5000 + "}")
+    (tmp_path / "deep.toml").write_text("a = " + "[" * 50000 + "]" * 50000)
+    for name in ("long.json", "deep.toml"):
+        with pytest.raises(AutopartError, match="cannot read cluster file"):
+            load_cluster(tmp_path / name)
 
 
 def test_tp_inside_a_node_uses_nvlink_across_nodes_infiniband() -> None:

@@ -170,6 +170,11 @@ def test_load_trace_round_trip(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(AutopartError, match="not a readable trace JSON"):
         load_trace(tmp_path / "broken.json")
+    (tmp_path / "long.json").write_text('{"traceEvents": ' + "9" * 5000 + "}")
+    (tmp_path / "deep.json").write_text("[" * 50000 + "]" * 50000)
+    for name in ("long.json", "deep.json"):  # raw ValueError / RecursionError before
+        with pytest.raises(AutopartError, match="not a readable trace JSON"):
+            load_trace(tmp_path / name)
     with pytest.raises(AutopartError, match="no trace file"):
         load_trace(tmp_path / "missing.json")
 

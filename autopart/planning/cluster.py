@@ -260,7 +260,10 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     raw = path.read_bytes()
     try:
         data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # bad TOML/JSON/UTF-8, a 5000-digit integer, nesting
         raise AutopartError(f"cannot read cluster file {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise AutopartError(f"cluster file {path} must hold one table / object")

@@ -176,7 +176,7 @@ def read_json(path: str | Path) -> Any:
             f"no trace file {path}",
             hint="write one with: autopart run DIR --steps 3 --trace FILE.json",
         ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # also a 5000-digit integer, nesting
         raise AutopartError(f"{path} is not a readable trace JSON: {exc}") from None
 
 
