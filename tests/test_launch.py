@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopart import Mesh, parallelize
+from autopart import AutopartError, Mesh, parallelize
 from autopart.runtime.copies import fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +127,36 @@ def test_a_bad_flag_is_refused_once_before_launch(saved: Path) -> None:
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.count("batch size 3 is not divisible") == 1
     assert "launching" not in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--seq-len", "-4"], "argument --seq-len: must be a positive integer, not -4"),
+        (["--seq-len", "0"], "argument --seq-len: must be a positive integer, not 0"),
+        (["--batch-size", "x"], "argument --batch-size: must be a positive integer, not 'x'"),
+        (["--lr", "-1"], "--lr -1.0 must be a finite number ≥ 0"),
+        (["--lr", "nan"], "--lr nan must be a finite number ≥ 0"),
+    ],
+)
+def test_counts_and_rates_are_refused_before_launch(
+    saved: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """``--seq-len -4`` reached every rank as a negative tensor size, ``--seq-len 0`` silently
+    meant the example's length, and a negative learning rate was AdamW's error in every rank:
+    each is refused by the launcher's parser or checks."""
+    from autopart.layout import Plan
+    from autopart.program.format import read_head
+    from autopart.runtime.run import build_parser, check_args
+
+    head = read_head(saved)
+    try:
+        args = build_parser().parse_args([str(saved), *flags])
+    except SystemExit as exc:
+        assert exc.code == 2 and said in capsys.readouterr().err
+        return
+    with pytest.raises(AutopartError, match=re.escape(said)):
+        check_args(args, head, Plan.from_json(head["plan"]))
 
 
 # -- copies agree ----------------------------------------------------------------------------

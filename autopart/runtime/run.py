@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -43,10 +44,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("dir", type=Path, help="folder written by Program.save() (holds plan.json)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument(
-        "--batch-size", type=int, default=None, help="global batch (default: the example's)"
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="global batch (default: the example's)",
     )
     p.add_argument(
-        "--seq-len", type=int, default=None, help="sequence length (default: the example's)"
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        help="sequence length (default: the example's)",
     )
     p.add_argument(
         "--tokens",
@@ -166,6 +173,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "checkpoint to FILE (torch.save; needs --checkpoint-dir)",
     )
     return p
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count: ``--seq-len -4`` reached every rank as a negative tensor
+    size, and ``--seq-len 0`` silently meant the example's length."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
 
 
 class Batches:
@@ -403,6 +422,8 @@ def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
                 "parallelism needs",
                 hint=f"use a multiple of {plan.mesh.tp}",
             )
+    if not (math.isfinite(args.lr) and args.lr >= 0):  # AdamW's own refusal came from every rank
+        raise AutopartError(f"--lr {args.lr} must be a finite number ≥ 0")
     if (args.zero or args.lr != 1e-3) and args.no_optim:
         raise AutopartError(
             "--no-optim never steps, so --zero and --lr mean nothing with it",
