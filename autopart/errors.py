@@ -1,7 +1,11 @@
-"""The one exception autopart raises for anything a user can fix."""
+"""The one exception autopart raises for anything a user can fix, and the command lines'
+argument types that refuse a count or a duration no run can take (``positive_int``,
+``positive_seconds``), before anything is compiled or launched."""
 
 from __future__ import annotations
 
+import argparse
+import math
 from typing import Any
 
 
@@ -33,3 +37,25 @@ def wait(work: Any, rank: Any, what: str, timeout_s: float, hint: str = PEER_HIN
         ) from exc
     if ok is False:
         raise AutopartError(f"rank {rank}: timed out after {timeout_s:.0f} s in {what}", hint=hint)
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count (``--seq-len``, ``--steps``): a whole number ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse's type for a timeout: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value

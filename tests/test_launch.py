@@ -159,6 +159,33 @@ def test_counts_and_rates_are_refused_before_launch(
         check_args(args, head, Plan.from_json(head["plan"]))
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["verify", "--model", "examples/nanogpt.py:make", "--timeout", "nan"],
+        ["verify", "--model", "examples/nanogpt.py:make", "--timeout", "-5"],
+        ["inspect", "--model", "examples/nanogpt.py:make", "--seq-len", "-3"],
+        ["demo", "--steps", "-1"],
+        ["zoo", "--timeout", "0"],
+        ["plan", "--shape", "gpt3-175b", "--gpus", "8", "--global-batch", "8", "--max-tp", "0"],
+    ],
+    ids=["verify-nan", "verify-negative", "inspect", "demo", "zoo", "plan"],
+)
+def test_every_command_refuses_a_count_or_timeout_no_run_can_take(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify --timeout nan`` raised a raw ValueError, ``--timeout -5`` failed inside the
+    rank, ``inspect --seq-len -3`` printed a table for it, ``demo --steps -1`` compiled and
+    launched four ranks that each refused, ``plan --max-tp 0`` silently meant the default:
+    the parser refuses each (exit 2), before anything is captured."""
+    from autopart.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "must be a positive" in capsys.readouterr().err
+
+
 # -- copies agree ----------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.panel import Panel
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_int
 from autopart.schedule.generators import traits
 
 CORPUS = Path(__file__).resolve().parents[1] / "models" / "data" / "corpus.txt"
@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="keep activations between tp regions whole (default: split along the sequence)",
     )
     d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
-    d.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
+    d.add_argument("--steps", type=positive_int, default=100, help="training steps (default 100)")
     d.add_argument(
         "--precision",
         choices=("bf16",),

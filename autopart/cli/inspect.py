@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from autopart.cli.common import plan_flags, plan_kwargs, spec_flag
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_int
 
 
 def _rank(text: str) -> int | str:
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--rank", type=_rank, default=0, help="rank to print, or 'all' (default 0)")
     i.add_argument(
         "--seq-len",
-        type=int,
+        type=positive_int,
         default=None,
         help="sequence length for the Seq1F1B chunk table (default: the example's)",
     )

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from autopart.cli.common import MODEL_DEFAULTS, fill_defaults, model_flags, model_shape
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_int
 
 EPILOG = """examples:
   autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
@@ -72,7 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="attention kernel of every plan (default: the cluster's, flash on the presets)",
     )
-    pl.add_argument("--max-tp", type=int, default=None, help="largest tp (default: GPUs per node)")
+    pl.add_argument(
+        "--max-tp", type=positive_int, default=None, help="largest tp (default: GPUs per node)"
+    )
     pl.add_argument("--no-progress", action="store_true", help="no progress display")
     pl.add_argument(
         "--emit",

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from autopart.cli.common import plan_flags, plan_kwargs, spec_flag
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--dtype", default="float64", choices=tuple(DTYPES), help="precision of both runs"
     )
     v.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
+        "--timeout",
+        type=positive_seconds,
+        default=300.0,
+        help="seconds any distributed wait may take",
     )
     v.add_argument(
         "--compile",

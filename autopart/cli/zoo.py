@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     z.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=120.0,
         help="seconds any distributed wait may take (default 120)",
     )

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autopart import collectives
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_int, positive_seconds
 from autopart.frontend.capture import batch_fields, check_batch
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
@@ -42,7 +42,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dir", type=Path, help="folder written by Program.save() (holds plan.json)")
-    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--steps", type=positive_int, default=5, help="training steps (default 5)")
     p.add_argument(
         "--batch-size",
         type=positive_int,
@@ -110,7 +110,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="write each rank's first-step loss and gradients here",
     )
     p.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds any distributed wait may take"
+        "--timeout",
+        type=positive_seconds,
+        default=300.0,
+        help="seconds any distributed wait may take",
     )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line per step")
     p.add_argument(
@@ -173,18 +176,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "checkpoint to FILE (torch.save; needs --checkpoint-dir)",
     )
     return p
-
-
-def positive_int(text: str) -> int:
-    """argparse's type for a count: ``--seq-len -4`` reached every rank as a negative tensor
-    size, and ``--seq-len 0`` silently meant the example's length."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
-    return value
 
 
 class Batches:
@@ -390,7 +381,7 @@ def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
     launches torchrun, so a bad flag is refused once, not once per rank); the batches."""
     _check_checkpoint_args(args)
     for flag, value in (("--steps", args.steps), ("--timeout", args.timeout)):
-        if value <= 0:
+        if not value > 0:  # the parser's types refuse these; check_args is also called directly
             raise AutopartError(f"{flag} {value} must be positive")
     pick_device(args.device)
     batches = Batches(args, head)
