@@ -59,6 +59,11 @@ keep = 0
         ({"data": {"dataset_files": "a.txt"}}, "need a dataset"),
         ({"parallel": {"library_ops": "mylib"}}, "is not a list of strings"),
         ({"parallel": {"library_ops": ["aten"]}}, "[parallel] library_ops: 'aten' is not a"),
+        # TOML's nan and inf passed every range check (a nan max_grad_norm made every weight nan)
+        ({"optim": {"max_grad_norm": float("nan")}}, "[optim] max_grad_norm = nan must be a fin"),
+        ({"train": {"timeout": float("inf")}}, "[train] timeout = inf must be a finite number"),
+        ({"optim": {"beta2": 1.0}}, "need betas in [0, 1) and eps > 0"),
+        ({"optim": {"eps": 0.0}}, "need betas in [0, 1) and eps > 0"),
     ],
 )
 def test_a_bad_config_is_refused_naming_the_key(doc: dict, message: str) -> None:

@@ -161,6 +161,8 @@ def _typed(name: str, value: Any, kind: type, where: str) -> Any:
             f"{where}: {name} = {value!r} is a {type(value).__name__}, not a {kind.__name__}",
             hint="see the example in autopart/runtime/train_config.py",
         )
+    if kind is float and not math.isfinite(value):  # TOML has nan and inf; no setting takes them
+        raise AutopartError(f"{where}: {name} = {value} must be a finite number")
     return value
 
 
@@ -258,6 +260,11 @@ def check(cfg: TrainConfig, where: str = "the config") -> None:
         raise AutopartError(
             f"{where}: [optim] lr = {cfg.optim_lr}, min_lr = {cfg.optim_min_lr}: need "
             "0 < lr and 0 <= min_lr <= lr"
+        )
+    if not (0 <= cfg.optim_beta1 < 1 and 0 <= cfg.optim_beta2 < 1 and cfg.optim_eps > 0):
+        raise AutopartError(  # AdamW refused these inside every rank
+            f"{where}: [optim] beta1 = {cfg.optim_beta1}, beta2 = {cfg.optim_beta2}, eps = "
+            f"{cfg.optim_eps}: need betas in [0, 1) and eps > 0"
         )
     if not 0 <= cfg.data_val_fraction < 1:
         raise AutopartError(
