@@ -161,7 +161,9 @@ def _typed(name: str, value: Any, kind: type, where: str) -> Any:
             f"{where}: {name} = {value!r} is a {type(value).__name__}, not a {kind.__name__}",
             hint="see the example in autopart/runtime/train_config.py",
         )
-    if kind is float and not math.isfinite(value):  # TOML has nan and inf; no setting takes them
+    if isinstance(value, float) and not math.isfinite(
+        value
+    ):  # TOML has nan and inf; no setting takes them
         raise AutopartError(f"{where}: {name} = {value} must be a finite number")
     return value
 
