@@ -351,6 +351,32 @@ def test_a_token_file_must_hold_integers(dtype: torch.dtype, tmp_path: Path) -> 
     assert Batches(args, {"example_shape": [8, 32], "vocab_size": 96})(0)[0].dtype == torch.long
 
 
+@pytest.mark.parametrize(
+    ("flag", "name", "data", "said"),
+    [
+        ("tokens", "odd.bin", b"\x01\x02\x03", "holds 3 bytes: raw uint16 ids are 2 bytes each"),
+        ("tokens", "empty.bin", b"", "holds 0 bytes"),
+        ("tokens", "garbage.pt", b"PK\x03\x04garbage", "is not a file torch.save wrote"),
+        ("tokens", "missing.pt", None, "no such file"),
+        ("batch", "garbage.pt", b"not a zip", "is not a file torch.save wrote"),
+        ("batch", "missing.pt", None, "no such file"),
+    ],
+)
+def test_an_unreadable_data_file_is_named(
+    flag: str, name: str, data: bytes | None, said: str, tmp_path: Path
+) -> None:
+    """``--tokens`` / ``--batch`` files that are missing, not torch.save's zip or raw ids of an
+    odd byte count raised torch's or numpy's raw errors from the launcher."""
+    path = tmp_path / name
+    if data is not None:
+        path.write_bytes(data)
+    args = argparse.Namespace(batch_size=None, seq_len=None, seed=0, batch=None, tokens=None)
+    setattr(args, flag, path)
+    with pytest.raises(AutopartError, match=said) as err:
+        Batches(args, {"example_shape": [8, 32], "vocab_size": 96})
+    assert f"--{flag} {path}" in err.value.message
+
+
 def test_an_optimizer_whose_state_the_checkpoint_lacks_is_refused(
     program: Path, saved: dict, tmp_path: Path
 ) -> None:

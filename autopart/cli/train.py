@@ -154,7 +154,7 @@ def _read_data(cfg: Any) -> Any:
     from autopart.runtime.run import _read_tokens
 
     if cfg.data_tokens:
-        return _read_tokens(Path(cfg.data_tokens))
+        return _read_tokens(Path(cfg.data_tokens), "[data] tokens")
     if cfg.data_text:
         path = Path(cfg.data_text)
         try:

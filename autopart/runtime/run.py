@@ -231,7 +231,23 @@ class Batches:
 def _read_batch(path: Path) -> Any:
     """``--batch FILE``: a ``torch.save``d ``(input_ids, labels)`` or dict of the batch's
     tensors by name, checked as ``parallelize`` checks its example."""
-    return check_batch(torch.load(path, weights_only=True))
+    return check_batch(_load(path, "--batch"))
+
+
+def _load(path: Path, flag: str) -> Any:
+    """``torch.load(path, weights_only=True)`` of a file the user named, any failure (missing, a
+    folder, not torch.save's zip, a pickle of other types) one ``AutopartError`` naming it."""
+    if not path.is_file():
+        raise AutopartError(
+            f"{flag} {path}: " + ("no such file" if not path.exists() else "not a regular file")
+        )
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, ...
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise AutopartError(
+            f"{flag} {path} is not a file torch.save wrote: {type(exc).__name__}: {first[:200]}",
+        ) from None
 
 
 _TOKEN_DTYPES = frozenset(
@@ -239,10 +255,19 @@ _TOKEN_DTYPES = frozenset(
 )
 
 
-def _read_tokens(path: Path) -> torch.Tensor:
+def _read_tokens(path: Path, what: str = "--tokens") -> torch.Tensor:
+    """A token file: raw uint16 ids (``.bin``) or a torch.save'd 1-D integer tensor; ``what``
+    names where it was given (a flag, a config key) in the refusals."""
     if path.suffix == ".bin":
-        return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint16).long()
-    t = torch.load(path, weights_only=True)
+        if not path.is_file():
+            raise AutopartError(f"{what} {path}: no such file")
+        raw = path.read_bytes()
+        if not raw or len(raw) % 2:
+            raise AutopartError(
+                f"{what} {path} holds {len(raw)} bytes: raw uint16 ids are 2 bytes each"
+            )
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint16).long()
+    t = _load(path, what)
     if not isinstance(t, torch.Tensor) or t.dim() != 1:
         raise AutopartError(f"{path} must hold a 1-D tensor of token ids")
     if t.dtype not in _TOKEN_DTYPES:  # a cast would train on truncated floats or 0/1 flags
