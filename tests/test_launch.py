@@ -160,6 +160,33 @@ def test_counts_and_rates_are_refused_before_launch(
 
 
 @pytest.mark.parametrize(
+    ("flag", "kind", "said"),
+    [
+        ("--checkpoint-dir", "file", "is a file, not a folder to write"),
+        ("--dump", "file", "is a file, not a folder to write"),
+        ("--export", "folder", "is a folder, not a file to write"),
+        ("--trace", "folder", "is a folder, not a file to write"),
+    ],
+)
+def test_an_output_path_of_the_wrong_kind_is_refused_before_launch(
+    saved: Path, tmp_path: Path, flag: str, kind: str, said: str
+) -> None:
+    """A checkpoint folder that is a file failed inside every rank; an --export path that is a
+    folder failed in rank 0 after the whole run."""
+    from autopart.layout import Plan
+    from autopart.program.format import read_head
+    from autopart.runtime.run import build_parser, check_args
+
+    path = tmp_path / "out"
+    path.write_text("x") if kind == "file" else path.mkdir()
+    extra = [] if flag == "--checkpoint-dir" else ["--checkpoint-dir", str(tmp_path / "ck")]
+    args = build_parser().parse_args([str(saved), flag, str(path), *extra])
+    head = read_head(saved)
+    with pytest.raises(AutopartError, match=f"{flag} {re.escape(str(path))} {said}"):
+        check_args(args, head, Plan.from_json(head["plan"]))
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["verify", "--model", "examples/nanogpt.py:make", "--timeout", "nan"],

@@ -457,6 +457,22 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
             raise AutopartError(f"{flag} {value} must be 0 or more")
     if args.fresh_optimizer and args.no_optim:
         raise AutopartError("--fresh-optimizer needs an optimizer; --no-optim has none")
+    # where the ranks write: a folder that is a file, or a file that is a folder, failed inside
+    # the ranks (--export after the whole run)
+    for flag, path, folder in (
+        ("--checkpoint-dir", args.checkpoint_dir, True),
+        ("--dump", args.dump, True),
+        ("--dump-params", args.dump_params, True),
+        ("--export", args.export, False),
+        ("--trace", args.trace, False),
+        ("--timeline", args.timeline, False),
+    ):
+        if path is not None and path.exists() and path.is_dir() != folder:
+            raise AutopartError(
+                f"{flag} {path} is {'a file' if folder else 'a folder'}, not "
+                f"{'a folder' if folder else 'a file'} to write",
+                hint=f"name a {'folder' if folder else 'file'} that does not exist or is one",
+            )
     if args.checkpoint_dir is None:
         used = [
             f
