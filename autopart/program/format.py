@@ -365,17 +365,18 @@ def read_head(root: str | Path, rank: int = 0) -> dict[str, Any]:
         head, _ = _head(folder)
         rel = f"{rank_dir(rank)}/program.json"
         doc = _parse(_checked(folder, head, rel, MAX_JSON), folder.root / rel)
-        if not isinstance(doc, dict) or doc.get("plan_digest") != plan_digest(head):
-            raise _changed(folder.root, rank)
+        _check_digest(doc, head, folder.root, rank)
         return head
 
 
-def _changed(root: Path, rank: int) -> AutopartError:
-    return AutopartError(
-        f"{root / 'plan.json'} is not the plan.json rank {rank}'s program.json was saved with "
-        "(its digest differs): it was edited, damaged, or comes from another program",
-        hint="re-save the program with Program.save(); never edit or mix program folders",
-    )
+def _check_digest(doc: Any, head: dict[str, Any], root: Path, rank: int) -> None:
+    """Refuse a plan.json that is not the one ``rank``'s program.json (``doc``) was saved with."""
+    if not isinstance(doc, dict) or doc.get("plan_digest") != plan_digest(head):
+        raise AutopartError(
+            f"{root / 'plan.json'} is not the plan.json rank {rank}'s program.json was saved "
+            "with (its digest differs): it was edited, damaged, or comes from another program",
+            hint="re-save the program with Program.save(); never edit or mix program folders",
+        )
 
 
 def _checked(folder: ProgramFolder, head: dict[str, Any], rel: str, limit: int) -> bytes:
@@ -522,8 +523,7 @@ def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> R
             check_rank(doc, head, plan, rank)
         except Invalid as exc:
             raise _layout(folder.root / rel, exc) from None
-        if doc["plan_digest"] != plan_digest(head):
-            raise _changed(folder.root, rank)
+        _check_digest(doc, head, folder.root, rank)
         stages = [
             _load_stage(folder, head, rank, st, f"stages[{i}]", namespaces)
             for i, st in enumerate(doc["stages"])

@@ -234,13 +234,18 @@ def _read_batch(path: Path) -> Any:
     return check_batch(_load(path, "--batch"))
 
 
-def _load(path: Path, flag: str) -> Any:
-    """``torch.load(path, weights_only=True)`` of a file the user named, any failure (missing, a
-    folder, not torch.save's zip, a pickle of other types) one ``AutopartError`` naming it."""
+def _user_file(path: Path, flag: str) -> None:
+    """Refuse a path the user named that is not a regular file, naming the flag."""
     if not path.is_file():
         raise AutopartError(
             f"{flag} {path}: " + ("no such file" if not path.exists() else "not a regular file")
         )
+
+
+def _load(path: Path, flag: str) -> Any:
+    """``torch.load(path, weights_only=True)`` of a file the user named, any failure (missing, a
+    folder, not torch.save's zip, a pickle of other types) one ``AutopartError`` naming it."""
+    _user_file(path, flag)
     try:
         return torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, ...
@@ -259,8 +264,7 @@ def _read_tokens(path: Path, what: str = "--tokens") -> torch.Tensor:
     """A token file: raw uint16 ids (``.bin``) or a torch.save'd 1-D integer tensor; ``what``
     names where it was given (a flag, a config key) in the refusals."""
     if path.suffix == ".bin":
-        if not path.is_file():
-            raise AutopartError(f"{what} {path}: no such file")
+        _user_file(path, what)
         raw = path.read_bytes()
         if not raw or len(raw) % 2:
             raise AutopartError(
