@@ -84,6 +84,9 @@ def parallelize(
             attention=attention,
         )
     if live is not None and not isinstance(model, Captured):
+        from autopart.runtime.guards import check_current  # lazy: as the Runner below
+
+        check_current(model, "parallelize(model, mesh) again")
         broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does
         real = all(p.device.type != "meta" for p in model.parameters())
         with training_mode(model):  # the training graph; the runner follows the model's mode

@@ -223,11 +223,23 @@ def main() -> int:
     share = [t[runner.dp_rank * 4 : (runner.dp_rank + 1) * 4] for t in data[0]]
     habits["batch_per_replica"] = bool(torch.isfinite(runner.step(*share, local=True)))
     runner.zero_grad()
-    # the module's own reference loop (it has gradients) is not refused
-    hf_loss(model, *data[0]).backward()
-    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    # the module's weights are the ones from before parallelize until copy_to: reading them
+    # once the runner has trained is refused (it returned the initial weights, silently)
+    habits["module_call_behind"] = refused(lambda: model(data[0][0]), "runner.copy_to(model)")
+    habits["module_state_dict_behind"] = refused(model.state_dict, "runner.copy_to(model)")
+    habits["module_copy_behind"] = refused(lambda: copy.deepcopy(model), "runner.copy_to(model)")
+    # torch's clipping over the module's parameters (no gradients there) clipped nothing
+    runner.step(*data[0])
+    habits["clip_model_params"] = refused(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), "runner.clip_grad_norm_"
+    )
+    # model.zero_grad() clears the runner's gradients too (they used to add up over steps)
     model.zero_grad()
-    runner.zero_grad()
+    habits["model_zero_grad_follows"] = all(p.grad is None for p in runner.parameters())
+    # a parameter frozen after parallelize would go on training: the next step is refused
+    model.lm_head.weight.requires_grad_(False)
+    habits["frozen_after"] = refused(lambda: runner.step(*data[0]), "after parallelize")
+    model.lm_head.weight.requires_grad_(True)
 
     # the whole model back: strictly into a fresh model, and into the user's own module
     sd = runner.full_state_dict()
@@ -265,6 +277,11 @@ def main() -> int:
         float((model.state_dict()[k] - v).abs().max() / max(v.abs().max(), 1e-30))
         for k, v in want_sd.items()
     )
+    # the module's own reference loop (it is current again, and has gradients) is not refused
+    hf_loss(model, *data[0]).backward()
+    torch.optim.SGD(model.parameters(), lr=0.0).step()
+    model.zero_grad()
+    habits["module_own_loop"] = True
 
     def rel(a, b):
         return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))

@@ -5,6 +5,8 @@ ranks, with the runner, are in ``tests/loop_script.py``."""
 from __future__ import annotations
 
 import gc
+import io
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +182,111 @@ def test_the_loss_step_returns_refuses_backward_and_is_a_tensor_otherwise() -> N
     buf.seek(0)
     back = torch.load(buf)  # weights_only: a StepLoss would be an unsupported global
     assert type(back["loss"]) is torch.Tensor and float(back["history"][0]) == 2.5
+
+
+def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None:
+    """``follow_module``: the module the live runner was made from behaves as a DDP-wrapped
+    one. ``model.zero_grad()`` clears the runner's gradients (they used to add up over steps)
+    and ``model.load_state_dict`` loads the runner (a resume used to load the module only).
+    Once the runner's weights moved (an optimizer step, fused included, or an in-place
+    change), reading the module's (a call, ``state_dict``, a copy, a pickle, ``parallelize``
+    again) is refused until ``copy_to``: it gave the weights from before ``parallelize``.
+    torch's clipping over ``model.parameters()`` (no gradient there: it clipped nothing) and a
+    parameter frozen after ``parallelize`` are refused. The class keeps its names, copies and
+    pickles as the original, and is put back when the runner goes."""
+    import copy
+    import pickle
+
+    from autopart.api import _attach
+    from autopart.models.nanogpt import GPT, make
+
+    model, batch = make()
+    model = model.double()
+    runner = _single_rank(model, batch)
+    _attach(runner, model)
+    assert isinstance(model, GPT) and type(model) is not GPT
+    assert (type(model).__name__, type(model).__qualname__) == ("GPT", "GPT")
+    assert type(copy.deepcopy(model)) is GPT  # not behind yet: a copy of the original class
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before any step: allowed
+    runner.step(*batch)
+    model.zero_grad()
+    assert all(p.grad is None for p in runner.parameters())
+    runner.step(*batch)
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
+        with pytest.raises(autopart.AutopartError, match="runner.clip_grad_norm_") as exc:
+            clip(model.parameters(), 1.0)
+        assert f"{clip.__name__} over model.parameters()" in str(exc.value)
+    assert sum(1 for _ in model.parameters()) == len(list(GPT.parameters(model)))
+    model(batch[0])  # not behind: the module's weights are the runner's
+    torch.optim.AdamW(runner.parameters(), lr=1e-2, fused=True).step()  # no version change
+    reads = {
+        "calling the model": lambda: model(batch[0]),
+        "model.state_dict()": model.state_dict,
+        "copying or pickling": lambda: copy.deepcopy(model),
+        "copying or pickling ": lambda: pickle.dumps(model),
+        "parallelize(model, mesh) again": lambda: autopart.parallelize(model, _LiveMesh(), batch),
+    }
+    for what, read in reads.items():
+        with pytest.raises(autopart.AutopartError, match="runner.copy_to") as exc:
+            read()
+        assert str(exc.value).startswith(what.strip()), exc.value
+    runner.copy_to(model)
+    full = runner.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in model.state_dict().items())
+    back = torch.load(io.BytesIO(_saved(model)), weights_only=False)
+    assert type(back) is GPT and torch.equal(back(batch[0]), model(batch[0]))
+    sd = {k: v + 1 for k, v in model.state_dict().items()}
+    model.load_state_dict(sd)  # a resume into the module: the runner loads it too
+    full = runner.full_state_dict()
+    assert all(torch.equal(full[k], sd[k]) for k in sd)
+    model(batch[0])  # the same weights again
+    with torch.no_grad():  # a hand-written update, in place: the version counters tell
+        for p in runner.parameters():
+            p.sub_(1.0)
+    with pytest.raises(autopart.AutopartError, match="runner.copy_to"):
+        model.state_dict()
+    model.lm_head.weight.requires_grad_(False)
+    with pytest.raises(autopart.AutopartError, match="frozen or unfrozen after parallelize"):
+        runner.step(*batch)
+    model.lm_head.weight.requires_grad_(True)
+    del runner, exc
+    gc.collect()
+    assert type(model) is GPT  # the runner went: the module is its own class again
+    # a runner training the module's own objects (a one-rank program's whole parameters)
+    # never leaves it behind
+    shared = _single_rank(model, batch, copies=False)
+    _attach(shared, model)
+    shared.step(*batch)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # they have gradients: allowed
+    torch.optim.AdamW(shared.parameters(), lr=1e-2, fused=True).step()
+    assert model.state_dict() and model(batch[0]) is not None
+
+
+class _LiveMesh:
+    """A one-rank live DeviceMesh as far as ``parallelize``'s first check reads one."""
+
+    mesh_dim_names = ("dp",)
+    mesh = torch.arange(1)
+
+
+def _saved(model: nn.Module) -> bytes:
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    return buf.getvalue()
+
+
+def _single_rank(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], *, copies: bool = True
+) -> Any:
+    """The runner of a one-rank program, in this process (no process group), holding copies
+    of the module's parameters (``copies``) or the module's own objects."""
+    from autopart.runtime.runner import Runner, local_weights
+
+    program = autopart.parallelize(model, autopart.Mesh(), batch)
+    rp = program.rank(0)
+    weights = local_weights(program, rp)
+    if copies:  # as a rank of a live mesh holds them (they come from rank 0's program)
+        weights = {k: nn.Parameter(v.detach().clone(), v.requires_grad) for k, v in weights.items()}
+    runner = Runner(rp, program.plan, weights, {})
+    runner.tied = dict(program.tied)  # (from_rank's, from plan.json)
+    return runner

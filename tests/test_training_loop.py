@@ -37,8 +37,12 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     The runner follows the module's mode (a module in eval mode at ``parallelize`` still gets
     its dropout back with ``model.train()``), and the habits wrong here are refused where they
     happen (runtime/guards.py): torch's ``clip_grad_norm_`` over the pp shards, an optimizer
-    over the module's own parameters, a step under autocast or no_grad; value clipping and a
-    reference loop on the module itself are not."""
+    over the module's own parameters, a step under autocast or no_grad, torch's clipping over
+    the module's parameters (no gradients there), reading the module's weights once the runner
+    has moved its own (``model(ids)``, ``state_dict()``, ``deepcopy``) until ``copy_to``, and a
+    parameter frozen after ``parallelize``; ``model.zero_grad()`` clears the runner's gradients
+    (they used to add up). Value clipping and a reference loop on the module itself (after
+    ``copy_to``) are not refused."""
     out = launch_forked(4, [str(ROOT / "tests" / "loop_script.py"), mesh], timeout_s=300)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 4, out

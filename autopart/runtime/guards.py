@@ -17,14 +17,27 @@
   ``backward`` refuses, naming that. It raised torch's "Trying to backward through the graph a
   second time", whose hint (``retain_graph=True``) does not apply.
 
-The third kind of habit, switching the module with ``model.train()`` / ``model.eval()``, is
-followed rather than refused: the live runner takes the model's mode at every call
-(``Runner.step``), as a DDP-wrapped module does.
+- **Reading the module's weights after the runner trained** (``model(ids)``,
+  ``model.state_dict()``, ``copy.deepcopy(model)``, ``torch.save(model)``,
+  ``save_pretrained``): they are the weights from before ``parallelize`` until
+  ``runner.copy_to(model)``. ``follow_module`` refuses those reads once an optimizer has stepped
+  over the runner's parameters (or they changed in place) since the last copy.
+- **torch's norm clipping over the module's parameters**
+  (``clip_grad_norm_(model.parameters(), m)``): they have no gradient, so it would clip nothing.
+- **Freezing or unfreezing a parameter after ``parallelize``**: the program was compiled with
+  the other flag (``check_frozen``, at every step).
+
+Other habits are followed rather than refused, as a DDP-wrapped module does: the live runner
+takes the model's ``train()`` / ``eval()`` mode at every call (``Runner.step``), and
+``follow_module`` makes ``model.zero_grad()`` clear the runner's gradients and
+``model.load_state_dict(sd)`` load the runner too.
 """
 
 from __future__ import annotations
 
+import copyreg
 import sys
+import types
 import weakref
 from collections.abc import Iterator
 from types import FrameType
@@ -32,7 +45,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from autopart.errors import AutopartError
 
@@ -122,6 +138,176 @@ def guard_optimizers(runner: Any, model: nn.Module) -> None:
 
     handle = register_optimizer_step_pre_hook(hook)
     weakref.finalize(runner, handle.remove)
+
+
+# the class attributes by which a followed module's class names the class it stands in for,
+# and its check that the module is not behind the runner
+_FOLLOWS, _CHECK = "_autopart_follows", "_autopart_check_current"
+
+
+def follow_module(runner: Any, model: nn.Module) -> None:
+    """Make ``model`` (the module ``runner`` was made from) behave as a DDP-wrapped module does
+    around the runner, which trains its own copies of the module's parameters:
+
+    - ``model.zero_grad()`` clears the runner's gradients too (they used to add up over steps);
+    - ``model.load_state_dict(sd)`` loads the runner too (a resume used to load only the module);
+    - reading the module's weights once the runner has moved its own (``model(...)``,
+      ``model.state_dict()``, ``save_pretrained``, ``copy.deepcopy``, pickling) is refused until
+      ``runner.copy_to(model)``: they would be the weights from before ``parallelize``;
+    - torch's gradient clipping over ``model.parameters()`` (no gradient there: it clipped
+      nothing) is refused, naming ``runner.clip_grad_norm_``.
+
+    The module's class becomes a subclass of it with the same name, module and qualified name
+    (as FSDP2's ``fully_shard`` does), so ``isinstance`` checks and ``save_pretrained``'s
+    architecture name are unchanged, and a copy or a pickle of it is of the original class. The
+    class is put back when the runner goes. The runner's weights count as moved once an optimizer
+    has stepped over any of its parameters, or one of them changed in place (``Runner.moved``)."""
+    base: type[nn.Module] = type(model).__dict__.get(_FOLLOWS, type(model))
+    owner = weakref.ref(runner)
+
+    def check_current(what: str) -> None:
+        live = owner()
+        if live is not None and live.moved():
+            raise AutopartError(
+                f"{what} after the runner trained: the module still holds the weights from "
+                "before parallelize (the runner trains its own copies of them)",
+                hint="runner.copy_to(model), on every rank (a collective), puts the trained "
+                "weights into the module first; runner.full_state_dict() gives them as a state "
+                "dict, and runner.logits(ids) / runner.evaluate(ids, labels) compute with them",
+            )
+
+    def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+        base.zero_grad(self, set_to_none)
+        live = owner()
+        if live is not None:
+            live.zero_grad(bool(set_to_none))
+
+    def load_state_dict(self: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        out = base.load_state_dict(self, state_dict, *args, **kwargs)
+        live = owner()
+        if live is not None:
+            whole = live.state_keys is not None and set(live.state_keys) <= set(state_dict)
+            behind = live.moved()
+            live.load_state_dict(state_dict, strict=False)
+            if whole or not behind:  # the module and the runner hold the same weights again
+                live.mark_current()
+        return out
+
+    def state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        check_current("model.state_dict()")
+        return base.state_dict(self, *args, **kwargs)
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        check_current(f"calling the model ({base.__name__}.forward)")
+        return base.__call__(self, *args, **kwargs)
+
+    def reduce_ex(self: nn.Module, protocol: Any) -> Any:
+        check_current("copying or pickling the model")
+        reduced: Any = base.__reduce_ex__(self, protocol)
+        fn, args, *rest = reduced
+        if fn is copyreg.__newobj__ and args == (type(self),):  # type: ignore[attr-defined]
+            # made as the original class (pickle insists that __newobj__'s class be the
+            # object's own; copyreg's older reconstructor does not)
+            fn, args = copyreg._reconstructor, (base, object, None)  # type: ignore[attr-defined]
+        return (fn, args, *rest)
+
+    def parameters(self: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return _module_parameters(base.parameters(self, recurse), owner)
+
+    namespace = {
+        _FOLLOWS: base,
+        _CHECK: staticmethod(check_current),
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+        "zero_grad": zero_grad,
+        "load_state_dict": load_state_dict,
+        "state_dict": state_dict,
+        "__call__": call,
+        "__reduce_ex__": reduce_ex,
+        "parameters": parameters,
+    }
+    followed: type[nn.Module] = types.new_class(
+        base.__name__, (base,), {}, lambda ns: ns.update(namespace)
+    )
+    model.__class__ = followed
+    weakref.finalize(runner, _unfollow, weakref.ref(model), followed, base)
+    runner.mark_current()
+
+    def moved(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        live = owner()
+        if live is not None:
+            live.optimizer_stepped(opt)
+
+    handle = register_optimizer_step_post_hook(moved)
+    weakref.finalize(runner, handle.remove)
+
+
+def _unfollow(ref: weakref.ref[nn.Module], followed: type, base: type) -> None:
+    """The runner went: the module is of its own class again (unless a newer runner follows it)."""
+    model = ref()
+    if model is not None and type(model) is followed:
+        model.__class__ = base
+
+
+def check_current(model: nn.Module, what: str) -> None:
+    """Refuse ``what`` on a module whose runner has moved its weights since (``follow_module``);
+    any other module passes."""
+    check = type(model).__dict__.get(_CHECK)
+    if check is not None:
+        check(what)
+
+
+def original_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` without ``follow_module``'s check (``Runner.copy_to``'s keys)."""
+    cls: type[nn.Module] = type(model).__dict__.get(_FOLLOWS, type(model))
+    return cls.state_dict(model)
+
+
+def _module_parameters(
+    params: Iterator[nn.Parameter], owner: weakref.ref[Any]
+) -> Iterator[nn.Parameter]:
+    """``model.parameters()`` of a followed module: a generator, as torch's, which refuses to be
+    read by torch's gradient clipping once the runner has stepped if none of them has a
+    gradient (they never get one: the runner trains its own copies)."""
+    live, caller = owner(), sys._getframe(1)
+    if live is not None and live.steps and _is_clip(caller):
+        held = list(params)
+        if held and all(p.grad is None for p in held):
+            while caller.f_code.co_name.startswith("<") and caller.f_back is not None:
+                caller = caller.f_back  # a comprehension's frame: the function it is in
+            raise AutopartError(
+                f"torch.nn.utils.{caller.f_code.co_name} over model.parameters(): the "
+                "runner trains its own copies of the module's parameters, so these have no "
+                "gradient and nothing would be clipped",
+                hint="norm = runner.clip_grad_norm_(max_norm): the global norm, the same on "
+                "every rank (under dp alone, torch's over runner.parameters() is exact too)",
+            )
+        params = iter(held)
+    yield from params
+
+
+def _is_clip(frame: FrameType) -> bool:
+    """Is ``frame`` in torch's gradient clipping (norm or value)?"""
+    return frame.f_globals.get("__name__") == _CLIP_MODULE
+
+
+def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:
+    """Refuse a step of a runner whose module has had a parameter frozen or unfrozen since
+    ``parallelize`` (``frozen``: its frozen parameters then): the program was compiled, and its
+    gradient buckets built, with the other flag, so the runner would silently go on training
+    it (or keep it frozen)."""
+    now = {name for name, p in model.named_parameters() if not p.requires_grad}
+    if now != frozen:
+        changed = sorted(now ^ frozen)
+        how = "frozen" if changed[0] in now else "unfrozen"
+        raise AutopartError(
+            f"{len(changed)} parameters of the model were frozen or unfrozen after parallelize "
+            f"(e.g. {changed[0]}, now {how}): the runner was compiled with the other flag and "
+            "would not follow",
+            hint="set requires_grad before parallelize(model, mesh), or call parallelize "
+            "again after changing it",
+        )
 
 
 def check_step_context(call: str, device: torch.device, *, needs_grad: bool) -> None:

@@ -45,8 +45,11 @@ from autopart.runtime.copies import check_copies
 from autopart.runtime.guards import (
     Parameters,
     StepLoss,
+    check_frozen,
     check_step_context,
+    follow_module,
     guard_optimizers,
+    original_state_dict,
     sharded_reason,
 )
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
@@ -296,6 +299,12 @@ class Runner:
         self.label_convention = "shifted"
         # the live API's model (``follow``): its train/eval mode is the runner's
         self._model: weakref.ref[nn.Module] | None = None
+        self._module_frozen: frozenset[str] = frozenset()  # its frozen parameters then
+        # whether the runner's weights moved away from the module's since they were last the
+        # same (``moved``): an optimizer stepped, or a parameter's version counter
+        self._moved = False
+        self._copies: list[nn.Parameter] = []  # those of this rank's parameters not the module's
+        self._versions: list[int] = []
         # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
         self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
@@ -436,7 +445,37 @@ class Runner:
         with a DDP-wrapped module; an optimizer stepping over the module's own parameters
         (which never get a gradient here) is refused."""
         self._model = weakref.ref(model)
+        own = {id(p) for p in model.parameters()}
+        self._module_frozen = frozenset(
+            name for name, p in model.named_parameters() if not p.requires_grad
+        )
+        # (a one-rank program's whole parameters may be the module's own objects: those never
+        # leave the module behind)
+        self._copies = [p for p in self.params.values() if id(p) not in own]
         guard_optimizers(self, model)
+        follow_module(self, model)
+
+    def moved(self) -> bool:
+        """Have this rank's copies of the module's weights changed since they were the module's
+        (an optimizer step over them, a load, an in-place change), so that it is behind?"""
+        return self._moved or [p._version for p in self._copies] != self._versions
+
+    def mark_current(self) -> None:
+        """The module and the runner hold the same weights (``follow``, ``copy_to``)."""
+        self._moved = False
+        self._versions = [p._version for p in self._copies]
+
+    def mark_moved(self) -> None:
+        """The runner's weights changed in a way no version counter shows (a load, a fused
+        optimizer)."""
+        self._moved = bool(self._copies)
+
+    def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer stepped (``guards.follow_module``'s hook): over any of this rank's
+        copies, the module is behind (a fused optimizer changes no version counter)."""
+        mine = {id(p) for p in self._copies}
+        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            self._moved = True
 
     def _followed(self) -> nn.Module | None:
         """The module this runner follows (``follow``), while it lives."""
@@ -448,6 +487,8 @@ class Runner:
         since (``model.eval()``)."""
         check_step_context(call, self.device, needs_grad=needs_grad)
         model = self._followed()
+        if model is not None and needs_grad:
+            check_frozen(model, self._module_frozen)
         if model is not None and model.training != self.training:
             self.train(model.training)
 
@@ -741,6 +782,7 @@ class Runner:
         """Load a whole-model state dict (``full_state_dict()``, or the model's own
         ``state_dict()``): each rank copies in its slices. Local: no collective."""
         state.load_local(sd, self.params, self.buffers, self.program.shards, self.tied)
+        self.mark_moved()
 
     def load_state_dict(
         self, state_dict: Mapping[str, torch.Tensor], strict: bool = True
@@ -767,14 +809,16 @@ class Runner:
         missing = state.load_local(
             state_dict, self.params, self.buffers, self.program.shards, self.tied, strict
         )
+        self.mark_moved()
         return state.Loaded(missing, unexpected)
 
     def copy_to(self, model: nn.Module) -> None:
         """Write the trained weights into ``model`` (the user's module), so that
         ``model.save_pretrained()`` or ``torch.save(model.state_dict())`` saves them.
-        Collective: call it on every rank."""
+        Collective: call it on every rank. The module this runner follows then loads the
+        runner from them too (``guards.follow_module``), and is current again."""
         sd = self.full_state_dict()
-        own = model.state_dict()
+        own = original_state_dict(model)
         missing = [k for k in own if k not in sd]
         if missing:
             raise AutopartError(
