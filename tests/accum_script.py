@@ -57,6 +57,41 @@ def main() -> int:
         p.grad = None
     global_loss = whole.step(ids, labels)
     local_err = max(local_err, abs(float(local_loss) - float(global_loss)) / float(global_loss))
+    # num_tokens is the count of all the accumulated global batches: a replica's own count
+    # (local=True) took the mean over half the labels, and replicas passing different counts
+    # averaged differently, silently; both are refused on every rank alike
+    share = (ids[rows], labels[rows])
+    own = int((labels[4:] != -100).sum())  # one replica's count, passed alike by both
+
+    def refused(fn, words):
+        try:
+            fn()
+        except autopart.AutopartError as exc:
+            return words in str(exc)
+        return False
+
+    tokens = {
+        "replica_count": refused(
+            lambda: whole.step(*share, local=True, num_tokens=own), "fewer than this step's own"
+        ),
+        "replicas_differ": refused(
+            lambda: whole.step(*share, local=True, num_tokens=total + r), "different num_tokens"
+        ),
+        "not_whole": refused(lambda: whole.step(ids, labels, num_tokens=2.5), "whole number"),
+    }
+    # gradients of steps without num_tokens add up: said once, by a warning
+    import warnings
+
+    for p in whole.parameters():
+        p.grad = None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        whole.step(ids, labels)
+        first = len(seen)
+        whole.step(ids, labels)
+        whole.step(ids, labels)
+    said = [str(w.message) for w in seen if "num_tokens" in str(w.message)]
+    tokens["sum_warned_once"] = first == 0 and len(said) == (1 if dist.get_rank() == 0 else 0)
     # inside no_sync the two replicas' gradients stayed their own (not yet reduced)
     mine = torch.cat([g.reshape(-1) for g in local_after_first.values()])
     both = [torch.empty_like(mine) for _ in range(2)]
@@ -64,7 +99,13 @@ def main() -> int:
     unreduced = not torch.equal(both[0], both[1])
     print(
         json.dumps(
-            {"rank": dist.get_rank(), "err": err, "unreduced": unreduced, "local_err": local_err}
+            {
+                "rank": dist.get_rank(),
+                "err": err,
+                "unreduced": unreduced,
+                "local_err": local_err,
+                "tokens": tokens,
+            }
         ),
         flush=True,
     )

@@ -210,6 +210,10 @@ def main() -> int:
         "batch_per_rank_local": refused(
             lambda: runner.step(*data[rank], local=True), "passed another batch"
         ),
+        # each rank its own num_tokens: the ranks would average by different counts
+        "num_tokens_per_rank": refused(
+            lambda: runner.step(*data[0], num_tokens=10_000 + rank), "passed num_tokens="
+        ),
     }
     # a tokenizer's int32 ids train as int64 (they crashed dp's loss with a raw ATen message);
     # float ids are refused by name

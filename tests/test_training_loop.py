@@ -89,11 +89,14 @@ def test_the_documented_import_path_works() -> None:
 def test_accumulation_over_steps_equals_one_big_batch() -> None:
     """Two steps (the first in ``no_sync()``, so dp reduces once), each given the token count
     of both: the gradients of one step on both batches, with unequal padding (each step's own
-    mean used to weight them wrongly)."""
+    mean used to weight them wrongly). ``num_tokens`` below this step's global label count (a
+    replica's own count under ``local=True``), differing over the dp replicas, or not whole is
+    refused on every rank; steps without it that add up gradients warn once."""
     out = launch_forked(2, [str(ROOT / "tests" / "accum_script.py")], timeout_s=120)
     rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert len(rows) == 2 and all(r["err"] <= 1e-9 and r["unreduced"] for r in rows), rows
     assert all(r["local_err"] <= 1e-9 for r in rows), rows  # each rank's own share
+    assert all(all(r["tokens"].values()) for r in rows), [r["tokens"] for r in rows]
 
 
 def _single_rank(model, batch):

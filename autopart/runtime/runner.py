@@ -20,6 +20,7 @@ import contextlib
 import operator
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -303,6 +304,7 @@ class Runner:
         # whether the runner's weights moved away from the module's since they were last the
         # same (``moved``): an optimizer stepped, or a parameter's version counter
         self._moved = False
+        self._warned_sum = False  # step warned that gradients of several steps add up
         self._copies: list[nn.Parameter] = []  # those of this rank's parameters not the module's
         self._versions: list[int] = []
         # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
@@ -561,10 +563,11 @@ class Runner:
         first, as with a torch module). The batch, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
         self._begin("evaluate", needs_grad=False)
+        num_tokens = self._whole_tokens(num_tokens)
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
-        self._check_same_batch(fields, local)
+        self._check_same_batch(fields, local, num_tokens)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
@@ -734,17 +737,60 @@ class Runner:
         """The number of data-parallel replicas (shares of the global batch)."""
         return self.plan.mesh.dp
 
+    def _whole_tokens(self, num_tokens: Any) -> int | None:
+        """``num_tokens`` as an ``int`` (None stays None); anything but a whole number ≥ 1 is
+        refused."""
+        if num_tokens is None:
+            return None
+        try:
+            n = int(num_tokens)
+            whole = not isinstance(num_tokens, bool) and n == num_tokens and n >= 1
+        except (TypeError, ValueError, RuntimeError):
+            whole = False
+        if not whole:
+            raise AutopartError(
+                f"rank {self.rank}: num_tokens {num_tokens!r} must be a whole number of labels, "
+                "at least 1"
+            )
+        return n
+
     def _count(self, labels: torch.Tensor, num_tokens: int | None, local: bool) -> torch.Tensor:
         """What the losses are divided by: the global batch's labels ≠ -100 (``local``: this
         share's, summed over dp), or ``num_tokens``."""
-        if num_tokens is None:
+        group = self.groups.get("dp")
+        if not (local and group is not None and not self.dry):
             n = (labels != -100).sum().to(self._dtype).to(self.device)
-            group = self.groups.get("dp")
-            if local and group is not None and not self.dry:
-                self._wait(staging.all_reduce(n, group), "adding up the dp shares' labels")
+        elif num_tokens is None:
+            n = (labels != -100).sum().to(self._dtype).to(self.device)
+            self._wait(staging.all_reduce(n, group), "adding up the dp shares' labels")
+        else:  # the labels, and every replica's num_tokens (they must agree): one all-reduce
+            ranks = self.program.groups["dp"]
+            table = torch.zeros(1 + len(ranks), dtype=torch.int64, device=self.device)
+            table[0] = (labels != -100).sum()
+            table[1 + ranks.index(self.rank)] = int(num_tokens)
+            self._wait(staging.all_reduce(table, group), "adding up the dp shares' labels")
+            given = [int(v) for v in table[1:]]
+            if len(set(given)) > 1:
+                raise AutopartError(
+                    f"rank {self.rank}: the dp replicas passed different num_tokens "
+                    f"({dict(zip(ranks, given, strict=True))} by rank): each would average its "
+                    "gradients by another count",
+                    hint="num_tokens is the labels != -100 of all the batches accumulated into "
+                    "one optimizer step, over every dp replica: all-reduce each replica's "
+                    "count over dp (or leave num_tokens out)",
+                )
+            n = table[0].to(self._dtype)
+        if num_tokens is None:
             return n.clamp(min=1)
-        if int(num_tokens) < 1:
-            raise AutopartError(f"num_tokens {num_tokens} must be at least 1")
+        if not self.dry and int(num_tokens) < int(n):
+            raise AutopartError(
+                f"rank {self.rank}: num_tokens={int(num_tokens)} is fewer than this step's own "
+                f"{int(n)} labels != -100 (over the global batch, every dp replica's share "
+                "included): the mean would be taken over too few labels",
+                hint="num_tokens is the labels != -100 of all the batches accumulated into one "
+                "optimizer step, over every dp replica (with local=True, all-reduce each "
+                "replica's count over dp first)",
+            )
         return torch.tensor(float(num_tokens), dtype=self._dtype, device=self.device)
 
     def _reduce_carried(self, kept: dict[str, torch.Tensor | None]) -> None:
@@ -885,12 +931,29 @@ class Runner:
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
         self._begin("step", needs_grad=True)
+        num_tokens = self._whole_tokens(num_tokens)
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
-        self._check_same_batch(fields, local)
+        self._check_same_batch(fields, local, num_tokens)
         mbs = self._microbatches(fields, local)
         kept = {f: p.grad for f, p in self.params.items()}
+        if (
+            num_tokens is None
+            and not self._warned_sum
+            and any(g is not None for g in kept.values())
+        ):
+            self._warned_sum = True  # once per runner (every rank takes this path alike)
+            if self.rank == 0:
+                warnings.warn(
+                    "runner.step added its gradients to those already on the parameters "
+                    "(accumulation without num_tokens): each step's is the gradient of its own "
+                    "batch's mean loss, so K steps add up to about K times the gradient of the "
+                    "mean over the K batches. For that mean, pass num_tokens= to every step "
+                    "(the labels != -100 of all K batches); zero the gradients between "
+                    "optimizer steps if they should not add up",
+                    stacklevel=2,
+                )
         for p in self.params.values():
             p.grad = None
         self.steps += 1
@@ -1260,16 +1323,20 @@ class Runner:
                     raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
         return {k: t.to(self.device) for k, t in fields.items()}
 
-    def _check_same_batch(self, fields: dict[str, torch.Tensor], local: bool) -> None:
+    def _check_same_batch(
+        self, fields: dict[str, torch.Tensor], local: bool, num_tokens: int | None = None
+    ) -> None:
         """The ranks that must pass the same rows do: every rank the global batch, or with
         ``local`` the ranks of one dp replica its share (equal over the tp and the pp groups
         is equal over the replica). A sampler over the whole world (each rank its own rows, as
         under DDP) would otherwise give tp peers different tokens, which their collectives
         then add up: a wrong model, silently. One small all-reduce per group, before any
-        compute; every rank of the group sees the same table, so all of them refuse alike."""
+        compute; every rank of the group sees the same table, so all of them refuse alike.
+        ``num_tokens`` must be the same over those ranks too."""
         if self.dry or not self.check_batches:
             return
-        mine = _fingerprint(fields)
+        given = -1 if num_tokens is None else int(num_tokens)
+        mine = torch.cat([_fingerprint(fields), torch.tensor([given], device=self.device)])
         for d in ("tp", "pp") if local else ("tp", "pp", "dp"):
             group, ranks = self.groups.get(d), self.program.groups[d]
             if group is None or len(ranks) < 2:
@@ -1280,6 +1347,17 @@ class Runner:
                 staging.all_reduce(table, group), f"comparing the batch over {d} ranks {ranks}"
             )
             other = [r for r, row in zip(ranks, table, strict=True) if not torch.equal(row, mine)]
+            rows = dict(zip(ranks, table.tolist(), strict=True))
+            if other and rows[other[0]][:-1] == mine.tolist()[:-1]:
+                theirs = rows[other[0]][-1]
+                raise AutopartError(
+                    f"rank {self.rank}: rank {other[0]} passed num_tokens="
+                    f"{'None' if theirs < 0 else theirs}, this rank "
+                    f"{'None' if given < 0 else given}, though the ranks of the {d} group "
+                    f"{ranks} average the same loss",
+                    hint="num_tokens is the labels != -100 of all the batches accumulated into "
+                    "one optimizer step, the same number on every rank",
+                )
             if other:
                 share = "its dp replica's share" if local else "the global batch"
                 raise AutopartError(
