@@ -403,6 +403,45 @@ def test_an_optimizer_whose_state_the_checkpoint_lacks_is_refused(
     assert run_main([str(program), "--fresh-optimizer"]) == 2
 
 
+def test_the_optimizers_hyperparameters_come_back_as_torch_brings_them_back(
+    program: Path, tmp_path: Path
+) -> None:
+    """``load`` restores each group's ``lr``, ``betas``, … and a scheduler's ``initial_lr``, as
+    torch's ``Optimizer.load_state_dict`` does: a resumed run whose scheduler is loaded beside
+    it used to step from the fresh optimizer's rate (a cosine schedule then diverged, silently).
+    ``hyperparameters=False`` keeps the optimizer's own (``autopart run --lr``, ``autopart
+    train``'s TOML). A marker value of another kind than the optimizer holds is refused."""
+    step = checkpoint.folder(tmp_path / "ck", 1)
+    with group(tmp_path):
+        runner = runner_of(program)
+        optim = make_optimizer(runner, 1e-3)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=8)
+        for _ in range(3):
+            sched.step()
+        optim.param_groups[0]["betas"] = (0.8, 0.95)
+        checkpoint.save(step, runner, optim, step=1, extra={"sched": sched.state_dict()})
+        want = {k: v for k, v in optim.param_groups[0].items() if k != "params"}
+        fresh = make_optimizer(runner, 5e-3)
+        info = checkpoint.load(step, runner, fresh)
+        got = fresh.param_groups[0]
+        assert {k: got[k] for k in want} == want and got["betas"] == (0.8, 0.95)
+        again = torch.optim.lr_scheduler.CosineAnnealingLR(fresh, T_max=8)
+        again.load_state_dict(info["extra"]["sched"])
+        again.step()
+        sched.step()
+        assert fresh.param_groups[0]["lr"] == optim.param_groups[0]["lr"]
+        own = make_optimizer(runner, 5e-3)
+        checkpoint.load(step, runner, own, hyperparameters=False)
+        assert own.param_groups[0]["lr"] == 5e-3 and "initial_lr" not in own.param_groups[0]
+        marker = step / checkpoint.INFO
+        doc = json.loads(marker.read_text())
+        doc["optimizer"]["param_groups"][0]["betas"] = "os.system"
+        doc["sha256"] = checkpoint_files.digest(doc)
+        marker.write_text(json.dumps(doc))
+        with pytest.raises(AutopartError, match="'betas' is 'os.system'"):
+            checkpoint.load(step, runner, make_optimizer(runner, 5e-3))
+
+
 # -- end to end: autopart run on 2 ranks ----------------------------------------------------------
 
 

@@ -148,6 +148,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     fresh_optimizer: bool = False,
+    hyperparameters: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint saved under any layout into this rank's shards (and ``optimizer``).
 
@@ -155,8 +156,11 @@ def load(
     saved on the same mesh, this rank's torch RNG state. Every file a rank reads is checked
     against the SHA-256 in the marker first. An optimizer whose state the checkpoint lacks
     (saved without one) is refused unless ``fresh_optimizer``; with ``fresh_optimizer`` the
-    optimizer's state is never loaded (it starts afresh). Returns ``{"step", "extra", "seed",
-    "mesh", "same_layout"}``.
+    optimizer's state is never loaded (it starts afresh). ``hyperparameters``: each parameter
+    group's saved ``lr``, ``betas``, ``weight_decay``, … (and a scheduler's ``initial_lr``) are
+    restored too, as torch's ``Optimizer.load_state_dict`` does, so a scheduler loaded beside
+    it goes on from the saved rate. Returns ``{"step", "extra", "seed", "mesh",
+    "same_layout"}``.
     """
     _need_dist("load")
     path = Path(path)
@@ -249,6 +253,8 @@ def load(
         _copy_into(p, build())
     for p, builds in states:
         holder.state[p] = {n: f() for n, f in builds.items()}
+    if optim is not None and hyperparameters:
+        _restore_groups(path, rank, optim, info["optimizer"]["param_groups"])
     if same:
         torch.set_rng_state(rng)
     runner.steps = int(info["runner_steps"])
@@ -574,6 +580,70 @@ def _optim_info(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | Non
         "class": type(_holder(optimizer)[0]).__name__,
         "param_groups": groups,
     }  # ZeRO: its inner
+
+
+def _restore_groups(
+    path: Path, rank: int, optimizer: torch.optim.Optimizer, saved: list[Any]
+) -> None:
+    """Put each parameter group's saved hyperparameters back (``_optim_info`` recorded the
+    JSON-able ones), as torch's ``Optimizer.load_state_dict`` does. The marker is a file: a
+    value must be of the kind the optimizer holds there (a flag for a flag, a number for a
+    number, as many numbers for ``betas``); a key the group lacks only as a number (a
+    scheduler's ``initial_lr``)."""
+    groups = optimizer.param_groups
+    if len(saved) != len(groups):
+        raise AutopartError(
+            f"rank {rank}: checkpoint {path} holds {len(saved)} optimizer parameter groups, "
+            f"this optimizer {len(groups)}",
+            hint="build the optimizer's groups as when it was saved, or load with "
+            "fresh_optimizer=True",
+        )
+    for i, (group, was) in enumerate(zip(groups, saved, strict=True)):
+        if not isinstance(was, dict):
+            raise AutopartError(
+                f"rank {rank}: {path / INFO}: optimizer parameter group {i} is not an object",
+                hint=cf.DAMAGED,
+            )
+        for k, v in was.items():
+            now = group.get(k)
+            if k == "params" or k in _IMPLEMENTATION:
+                continue
+            if isinstance(now, torch.Tensor) and now.dim() == 0 and _number(v):
+                now.fill_(float(v))  # a tensor learning rate keeps its tensor
+            elif _same_kind(now, v) or (k not in group and _number(v)):
+                group[k] = tuple(v) if isinstance(now, tuple) else v
+            else:
+                raise AutopartError(
+                    f"rank {rank}: {path / INFO}: optimizer parameter group {i}'s {k!r} is "
+                    f"{v!r}, where this optimizer holds {now!r}",
+                    hint=cf.DAMAGED + ", or load with hyperparameters=False",
+                )
+
+
+# group entries that choose how torch computes a step, not what it computes: this run's own
+_IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _same_kind(now: Any, v: Any) -> bool:
+    """Is the saved ``v`` the kind of value the optimizer holds now (``now``)?"""
+    if isinstance(now, bool) or isinstance(v, bool):
+        return isinstance(now, bool) and isinstance(v, bool)
+    if now is None or isinstance(now, str):
+        return type(v) is type(now)
+    if _number(now):
+        return _number(v)
+    if isinstance(now, (list, tuple)):
+        return (
+            isinstance(v, list)
+            and len(v) == len(now)
+            and all(_number(x) for x in v)
+            and all(_number(x) for x in now)
+        )
+    return False
 
 
 def _holder(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, set[int] | None]:

@@ -518,7 +518,10 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
         )
     if found is None:
         return 0, None
-    info = checkpoint.load(found, runner, optim, fresh_optimizer=args.fresh_optimizer)
+    # --lr is this run's own (torch's habit would restore the saved one, silently overriding it)
+    info = checkpoint.load(
+        found, runner, optim, fresh_optimizer=args.fresh_optimizer, hyperparameters=False
+    )
     if info["seed"] != args.seed:
         raise AutopartError(
             f"{found} was trained with --seed {info['seed']}, not {args.seed}: "

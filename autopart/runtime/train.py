@@ -256,7 +256,8 @@ def _resume(runner: Any, opt: Any, sched: Any, cfg: TrainConfig, rank: int) -> i
     found = checkpoint.latest(cfg.checkpoints, runner, on_skip=skipped)
     if found is None:
         return 0
-    info = checkpoint.load(found, runner, opt)
+    # the TOML's settings are this run's own; the rate is the scheduler's, set below
+    info = checkpoint.load(found, runner, opt, hyperparameters=False)
     extra = info.get("extra") or {}
     if extra.get("seed") != cfg.train_seed:
         raise AutopartError(
