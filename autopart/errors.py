@@ -20,7 +20,7 @@ class AutopartError(Exception):
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
 
 
-PEER_HINT = "a peer rank probably died or is stuck; check its log"
+PEER_HINT = "a peer rank failed earlier (its own error is in its output), died, or is stuck"
 
 
 def wait(work: Any, rank: Any, what: str, timeout_s: float, hint: str = PEER_HINT) -> None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopart.errors import AutopartError
-from autopart.schedule.chunks import SPLITS
+from autopart.schedule.chunks import SPLITS, fewer_chunks
 from autopart.schedule.generators import GENERATORS, check_schedule, traits
 
 SCHEDULES = tuple(GENERATORS)
@@ -433,7 +433,7 @@ class Plan:
             raise AutopartError(
                 f"a sequence of {seq} tokens cannot be cut into {self.seq_chunks} chunks "
                 f"of at least {self.chunk_multiple}",
-                hint=f"use at most {max(1, seq // self.chunk_multiple)} chunks",
+                hint=fewer_chunks(seq // self.chunk_multiple),
             )
 
     def describe(self) -> str:

@@ -75,10 +75,21 @@ def main() -> int:
             lambda: whole.step(*share, local=True, num_tokens=own), "fewer than this step's own"
         ),
         "replicas_differ": refused(
-            lambda: whole.step(*share, local=True, num_tokens=total + r), "different num_tokens"
+            lambda: whole.step(*share, local=True, num_tokens=total + r), "passed num_tokens="
         ),
         "not_whole": refused(lambda: whole.step(ids, labels, num_tokens=2.5), "whole number"),
     }
+    # every step inside no_sync(): the gradients were never reduced over dp, and clipping or
+    # an optimizer step used each replica's own (the replicas drifted apart)
+    for p in whole.parameters():
+        p.grad = None
+    with whole.no_sync():
+        whole.step(ids, labels)
+    opt = torch.optim.SGD(whole.parameters(), lr=0.0)
+    tokens["no_sync_clip"] = refused(lambda: whole.clip_grad_norm_(1.0), "inside runner.no_sync")
+    tokens["no_sync_opt_step"] = refused(opt.step, "inside runner.no_sync")
+    whole.zero_grad()
+    opt.step()  # nothing unreduced is left
     # gradients of steps without num_tokens add up: said once, by a warning
     import warnings
 

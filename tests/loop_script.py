@@ -210,6 +210,11 @@ def main() -> int:
         "batch_per_rank_local": refused(
             lambda: runner.step(*data[rank], local=True), "passed another batch"
         ),
+        # one rank alone passes another batch (it drew a sample for logging): every rank
+        # refuses at once (the ranks of the groups that agreed used to wait for the timeout)
+        "one_rank_differs": refused(
+            lambda: runner.step(*data[1 if rank == 0 else 0]), "passed another batch"
+        ),
         # each rank its own num_tokens: the ranks would average by different counts
         "num_tokens_per_rank": refused(
             lambda: runner.step(*data[0], num_tokens=10_000 + rank), "passed num_tokens="

@@ -290,3 +290,54 @@ def _single_rank(
     runner = Runner(rp, program.plan, weights, {})
     runner.tied = dict(program.tied)  # (from_rank's, from plan.json)
     return runner
+
+
+class _Slices:
+    """What ``guard_optimizer_state`` reads of a runner: its rank, parameters and shards."""
+
+    def __init__(self, rank: int, tp_index: int) -> None:
+        from types import SimpleNamespace
+
+        from autopart.program.format import Shard
+
+        self.rank = rank
+        self.params = {"w": nn.Parameter(torch.ones(2, 3)), "b": nn.Parameter(torch.ones(3))}
+        shards = {"w": Shard((4, 3), dim=0, index=tp_index, parts=2), "b": Shard((3,))}
+        self.program = SimpleNamespace(shards=shards)
+
+    def check_reduced(self, what: str) -> None:
+        """No ``no_sync()`` gradients here (``Runner.check_reduced``)."""
+
+
+def test_optimizer_state_of_another_ranks_slice_is_refused() -> None:
+    """DDP's habit of saving rank 0's ``opt.state_dict()`` and loading it on every rank gave tp
+    rank 1 the moments of rank 0's slice (the same shapes), silently. Each state now carries
+    its slice's tag (a plain int, which ``load_state_dict`` keeps as it is): another slice's is
+    refused before the step; the rank's own state, and a dp replica's (the same slices), load."""
+    from autopart.runtime.guards import SHARD_STATE, guard_optimizer_state
+
+    ranks = [_Slices(0, 0), _Slices(1, 1), _Slices(2, 0)]  # tp 0, tp 1, tp 0 of another replica
+    opts = []
+    for r in ranks:
+        guard_optimizer_state(r)
+        opt = torch.optim.AdamW(r.params.values(), lr=0.1)
+        for p in r.params.values():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opts.append(opt)
+    saved = [o.state_dict() for o in opts]
+    tags = [s["state"][0][SHARD_STATE] for s in saved]
+    assert tags[0] == tags[2] != tags[1] and isinstance(tags[0], int)
+    opts[1].load_state_dict(saved[0])  # rank 0's state on tp rank 1
+    with pytest.raises(autopart.AutopartError, match="another slice or stage") as exc:
+        opts[1].step()
+    assert "rank 1" in str(exc.value) and "of w" in str(exc.value)
+    opts[1].load_state_dict(saved[1])  # its own
+    opts[1].step()
+    opts[2].load_state_dict(saved[0])  # a dp replica's: the same slices
+    opts[2].step()
+    assert SHARD_STATE not in torch.optim.AdamW([nn.Parameter(torch.ones(1))]).state_dict()
+    del ranks, exc
+    gc.collect()
+    opts[1].load_state_dict(saved[0])
+    opts[1].step()  # the runners are gone, and their hooks with them

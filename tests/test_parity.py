@@ -40,7 +40,10 @@ def _dropout_model():
 
 def test_verify_fails_when_ranks_disagree_with_one_device() -> None:
     """With dropout the ranks draw autopart's explicit masks and the single-device run draws
-    torch's: the runs differ, so parity must fail, and say so."""
+    torch's: the runs differ, so parity must fail, and say so, naming the dropout and the fix
+    (it used to leave the user to guess)."""
     report = verify(_dropout_model, dp=2, microbatches=1, via="fork")
     assert not report.ok
     assert report.grad_error > 1e-6 and "FAIL" in str(report)
+    assert "active dropout" in str(report) and "eval mode" in str(report), str(report)
+    assert report.dropout and all("(p=" in d for d in report.dropout)

@@ -65,7 +65,8 @@ def test_a_position_table_limits_the_sequence_and_a_longer_step_is_refused(
     """Captured at 16 tokens: the limit is the table's 48 (export bounds the length, since the
     slice of the table would be shorter beyond it); compile warns and sets Plan.max_seq, which plan.json
     keeps; autopart run's checks refuse --seq-len 56 and the runner refuses a 56-token step on
-    its first length check, while 48 tokens train. An unlimited model (nanoGPT) gets None."""
+    its first length check, while 48 tokens train. A table read with ``arange(s)`` (nanoGPT)
+    limits it too; rotary positions (Llama) leave it unlimited."""
     torch.manual_seed(0)
     model = Tabled()
     limit, why = longest_sequence(capture(model, _batch(16)).graph, (2, 16))
@@ -95,7 +96,16 @@ def test_a_position_table_limits_the_sequence_and_a_longer_step_is_refused(
         dist.destroy_process_group()
     import nanogpt
 
+    # nanoGPT reads its table with arange(s), which export leaves unbounded and fake tensors
+    # do not check: the positions are computed for real, and an index past the table's 64
+    # rows is the limit (a 72-token step died in every rank with an index error)
     model, batch = nanogpt.make()
+    limit, why = longest_sequence(capture(model, batch).graph, tuple(batch[0].shape))
+    assert limit == model.config.block_size == 64, why
+    assert "index 71 is out of range for the 64 rows of" in why and "embedding" in why
+    from autopart.models import zoo
+
+    model, batch = zoo.make("llama")  # rotary positions: no table, no limit
     assert longest_sequence(capture(model, batch).graph, tuple(batch[0].shape)) == (None, "")
 
 

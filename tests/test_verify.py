@@ -94,3 +94,19 @@ def test_islands_are_where_a_plan_can_move_lower_precision_round_off(kind, found
     got = islands(capture(_Islands(kind).double(), (ids, ids)).graph, torch.float64)
     assert bool(got) == found, got
     assert all(i.endswith("(float32)") for i in got)
+
+
+def test_a_model_that_fails_on_one_device_is_named_not_a_traceback() -> None:
+    """A batch the model itself cannot take (a sequence longer than GPT-2's position table) used
+    to end ``autopart verify`` in a raw ``IndexError`` from the reference run."""
+    from autopart.models import zoo
+    from autopart.parity.verify import _prepare
+
+    def make():
+        model, _ = zoo.make("gpt2", max_position_embeddings=16)
+        return model, zoo.batch(seq=32)
+
+    with pytest.raises(AutopartError, match="fails on one device with its example batch") as exc:
+        _prepare(make, "float64")
+    assert "input_ids (4, 32)" in str(exc.value) and "IndexError" in str(exc.value)
+    assert "max_position_embeddings" in str(exc.value)

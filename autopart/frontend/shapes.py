@@ -12,7 +12,7 @@ import torch
 from torch import fx
 from torch._decomp import decompositions as _decomp
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autopart.errors import AutopartError
@@ -136,15 +136,93 @@ def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
     return None
 
 
+# the most elements of an integer value computed from sizes alone that ``_Fits`` computes for
+# real (position ids of a million tokens; not a (s, s) mask)
+KNOWN_NUMEL = 1 << 22
+
+
 class _Fits(fx.Interpreter):
     """``_Prop``'s run on fake tensors (under the caller's fake mode), leaving every node's
-    ``meta`` as it was."""
+    ``meta`` as it was. Integer values computed from the sizes alone (position ids:
+    ``arange(s)`` and what is done to it) are computed for real as well, so that a lookup of
+    them in a table (``embedding``, ``index``, ``index_select``, ``gather``) past its rows fails
+    here, as it would in the ranks: a learned position table's length is a limit that fake
+    tensors alone do not see."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.known: dict[fx.Node, torch.Tensor] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         try:
-            return super().run_node(n)
+            out = super().run_node(n)
+            if n.op == "call_function":
+                self._check_lookup(n)
+                self._compute(n, out)
+            return out
         except Exception as exc:  # noqa: BLE001 - name the node whatever went wrong
             raise _misfit(n, exc) from exc
+
+    def _compute(self, n: fx.Node, out: Any) -> None:
+        """Compute ``n`` for real when it is a small integer tensor and its tensor inputs are."""
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype.is_floating_point
+            or out.dtype.is_complex
+            or out.numel() > KNOWN_NUMEL
+        ):
+            return
+        inputs_known = True
+
+        def real(a: Any) -> Any:
+            nonlocal inputs_known
+            if isinstance(a, fx.Node):
+                if a in self.known:
+                    return self.known[a]
+                v = self.env[a]
+                if isinstance(v, torch.Tensor) or not isinstance(v, (int, bool, float)):
+                    inputs_known = False
+                return v
+            if isinstance(a, torch.device):
+                return torch.device("cpu")
+            return a
+
+        args = fx.node.map_aggregate(n.args, real)
+        kwargs = fx.node.map_aggregate(n.kwargs, real)
+        if not inputs_known:
+            return
+        with unset_fake_temporarily():
+            try:
+                value = n.target(*args, **kwargs)  # type: ignore[operator]
+            except Exception:  # noqa: BLE001 - not computable for real: left unknown
+                return
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(out.shape):
+            self.known[n] = value
+
+    def _check_lookup(self, n: fx.Node) -> None:
+        """Refuse a lookup of known indices past its table's rows."""
+        lookups: list[tuple[Any, Any, int]] = []  # (table node, index node, dim)
+        a: Any = n.args
+        if n.target == torch.ops.aten.embedding.default:
+            lookups = [(a[0], a[1], 0)]
+        elif n.target in (torch.ops.aten.index_select.default, torch.ops.aten.gather.default):
+            lookups = [(a[0], a[2], int(a[1]))]
+        elif n.target == torch.ops.aten.index.Tensor:
+            lookups = [(a[0], idx, d) for d, idx in enumerate(a[1]) if idx is not None]
+        for table, index, dim in lookups:
+            if index not in self.known or not isinstance(table, fx.Node):
+                continue
+            idx = self.known[index]
+            if idx.dtype == torch.bool or idx.numel() == 0:
+                continue
+            rows = self.env[table].shape[dim % self.env[table].dim()]
+            with unset_fake_temporarily():
+                top = int(idx.max())
+            if isinstance(rows, int) and top >= rows:
+                raise IndexError(
+                    f"index {top} is out of range for the {rows} rows of {table.name} "
+                    "(a table of positions shorter than the sequence)"
+                )
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target in _SYMBOLIC:

@@ -66,6 +66,7 @@ class Report:
     islands: list[str] = field(default_factory=list)  # "module (dtype)" computed at lower precision
     precision: str = ""  # the lowest of the islands' dtypes ("float32"), when there are islands
     saved: list[int] = field(default_factory=list)  # per rank: peak bytes saved for backward
+    dropout: list[str] = field(default_factory=list)  # "module (p=…)": active in the capture
 
     @property
     def ok(self) -> bool:
@@ -80,6 +81,14 @@ class Report:
             + (f" ({self._lower()})" if self.islands else "")
             + f"; {len(self.errors)} gradients compared"
             + (f" ({len(self.zero)} zero by construction, up to round-off)" if self.zero else "")
+            + (
+                f"; the model has active dropout ({len(self.dropout)}: "
+                f"{', '.join(self.dropout[:2])}{', …' if len(self.dropout) > 2 else ''}), whose "
+                "masks the ranks draw otherwise than one device's generator: verify the model "
+                "in eval mode (model.eval() in its factory)"
+                if self.dropout and not self.ok
+                else ""
+            )
         )
 
     def _lower(self) -> str:
@@ -342,6 +351,7 @@ class _Model:
     islands: list[str] = field(default_factory=list)
     lowest: torch.dtype = torch.float64  # the lowest precision it computes in (dtype or island)
     tolerance: float | None = None  # mixed precision: BF16_MARGIN × the model's own bf16 error
+    dropout: list[str] = field(default_factory=list)  # "module (p=…)": active in the capture
 
 
 def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
@@ -363,12 +373,47 @@ def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
             f"{TOLERANCE[DTYPES[other]]:.0e}); some kernels (e.g. grouped matmuls of mixtures "
             "of experts) have no float64 version",
         ) from exc
+    except Exception as exc:  # noqa: BLE001 - the model itself fails on its example batch
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in batch_fields(batch).items())
+        raise AutopartError(
+            f"the model fails on one device with its example batch ({shapes}), so there is "
+            f"nothing to compare with: {type(exc).__name__}: {first}",
+            hint="check the batch against the model's config: token ids below its vocab_size, "
+            "a sequence no longer than its position table (max_position_embeddings)",
+        ) from exc
     captured = capture_mixed(model, batch, DTYPES[dtype]) if mixed else capture(model, batch)
     tolerance = BF16_MARGIN * own_error(model, batch, ref_loss, ref_grads, on) if mixed else None
     found = island_dtypes(captured.graph, captured.dtype)
     lowest = max([captured.dtype, *(d for _, d in found)], key=lambda d: torch.finfo(d).eps)
     names = [f"{module} ({_name(d)})" for module, d in found]
-    return _Model(batch, ref_loss, ref_grads, captured, names, lowest, tolerance)
+    return _Model(
+        batch,
+        ref_loss,
+        ref_grads,
+        captured,
+        names,
+        lowest,
+        tolerance,
+        active_dropout(captured.graph),
+    )
+
+
+def active_dropout(gm: Any) -> list[str]:
+    """The captured graph's active dropouts, as "module (p=…)": a dropout with p > 0 in
+    training mode, or attention's ``dropout_p`` > 0. The ranks draw their masks from explicit
+    seeds (``dropout_rng``), so a model with one cannot match one device's run."""
+    aten = torch.ops.aten
+    out = []
+    for n in gm.graph.nodes:
+        p = None
+        if n.target == aten.dropout.default and len(n.args) > 2 and n.args[2]:
+            p = n.args[1]
+        elif n.target == aten.scaled_dot_product_attention.default:
+            p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+        if isinstance(p, (int, float)) and p > 0:
+            out.append(f"{n.meta.get(META_MODULE) or '<root>'} (p={p:g})")
+    return out
 
 
 BF16_MARGIN = 2.0
@@ -619,6 +664,7 @@ def _report(
         model.islands,
         _name(model.lowest) if model.islands else "",
         [int(d.get("saved", 0)) for d in dumps],
+        model.dropout,
     )
 
 

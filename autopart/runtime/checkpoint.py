@@ -45,6 +45,7 @@ from autopart.errors import AutopartError, wait
 from autopart.program.format import Shard
 from autopart.runtime import checkpoint_files as cf
 from autopart.runtime.checkpoint_files import FORMAT, INFO, key
+from autopart.runtime.guards import SHARD_STATE
 
 _MESHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -539,6 +540,8 @@ def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
                 hint="build the optimizer from runner.parameters()",
             )
         for name, v in holder.state.get(p, {}).items():
+            if name == SHARD_STATE:  # the live runner's own tag (guards.py): the files say it
+                continue
             if not isinstance(v, torch.Tensor):
                 raise AutopartError(
                     f"rank {runner.rank}: optimizer state {name!r} of {fqn} is a "

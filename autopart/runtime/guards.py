@@ -39,6 +39,7 @@ import copyreg
 import sys
 import types
 import weakref
+import zlib
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -308,6 +309,60 @@ def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:
             hint="set requires_grad before parallelize(model, mesh), or call parallelize "
             "again after changing it",
         )
+
+
+# the entry by which a runner parameter's optimizer state names the slice it is the state of
+SHARD_STATE = "autopart_shard"
+
+
+def guard_optimizer_state(runner: Any) -> None:
+    """Refuse ``optimizer.step()`` over the runner's parameters while their gradients are those
+    of ``no_sync()`` steps, not yet reduced over dp (``Runner.check_reduced``), and over
+    optimizer state loaded from another rank's slice of a parameter (DDP's habit: rank 0 saves ``opt.state_dict()``, every rank loads it). Under tp
+    each rank's moments are those of its own slices, of the same shape as another tp rank's,
+    so ``load_state_dict`` took them silently and trained the wrong moments. After each step,
+    every state of this runner's parameters gets a plain ``int`` entry, ``SHARD_STATE``: a
+    CRC of the parameter's name and its slice (index of parts), so the dp replicas, which hold
+    the same slices, share it, and ``load_state_dict`` carries it (torch casts only tensors).
+    Before each step, an entry that is not this rank's is refused. The hooks go with the
+    runner."""
+    owner = weakref.ref(runner)
+
+    def code(live: Any, fqn: str) -> int:
+        shard = live.program.shards[fqn]
+        return zlib.crc32(f"{fqn}|{shard.index}/{shard.parts}".encode())
+
+    def check(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        live = owner()
+        if live is None:
+            return
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        if any(id(p) in held for p in live.params.values()):
+            live.check_reduced(f"{type(opt).__name__}.step()")
+        for fqn, p in live.params.items():
+            st = opt.state.get(p)
+            if st and SHARD_STATE in st and st[SHARD_STATE] != code(live, fqn):
+                raise AutopartError(
+                    f"rank {live.rank}: {type(opt).__name__}'s state of {fqn} was saved by a "
+                    "rank holding another slice or stage of the model (under tp and pp each "
+                    "rank's optimizer state is its own slices'; only dp replicas share it): "
+                    "this step would train with another slice's moments",
+                    hint="save opt.state_dict() on every rank and load each rank its own, or "
+                    "use autopart.checkpoint.save / load (which also reshards)",
+                )
+
+    def mark(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        live = owner()
+        if live is None:
+            return
+        for fqn, p in live.params.items():
+            st = opt.state.get(p)
+            if st and SHARD_STATE not in st:  # (never into an empty state: torch's first-step
+                st[SHARD_STATE] = code(live, fqn)  # initialization looks for one)
+
+    handles = [register_optimizer_step_pre_hook(check), register_optimizer_step_post_hook(mark)]
+    for handle in handles:
+        weakref.finalize(runner, handle.remove)
 
 
 def check_step_context(call: str, device: torch.device, *, needs_grad: bool) -> None:

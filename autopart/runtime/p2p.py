@@ -193,7 +193,7 @@ class _Watch:
         if self.error is not None:
             raise AutopartError(
                 f"rank {rank}: {what} failed or timed out after {timeout_s:.0f} s: {self.error}",
-                hint="the peer probably died or runs a different schedule",
+                hint="the peer failed (its own error is in its output), died, or runs a different schedule",
             ) from self.error
 
 
@@ -204,5 +204,5 @@ def _wait(work: Any, rank: int, what: str, peer: int | None, timeout_s: float) -
         rank,
         f"{what}{who}",
         timeout_s,
-        hint="the peer probably died or runs a different schedule",
+        hint="the peer failed (its own error is in its output), died, or runs a different schedule",
     )

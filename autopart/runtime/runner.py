@@ -49,6 +49,7 @@ from autopart.runtime.guards import (
     check_frozen,
     check_step_context,
     follow_module,
+    guard_optimizer_state,
     guard_optimizers,
     original_state_dict,
     sharded_reason,
@@ -455,6 +456,7 @@ class Runner:
         # leave the module behind)
         self._copies = [p for p in self.params.values() if id(p) not in own]
         guard_optimizers(self, model)
+        guard_optimizer_state(self)
         follow_module(self, model)
 
     def moved(self) -> bool:
@@ -498,8 +500,26 @@ class Runner:
         """(global FQN, local shard) pairs."""
         return iter(self.params.items())
 
+    def check_reduced(self, what: str) -> None:
+        """Refuse ``what`` (reading or applying the gradients) while the gradients of steps
+        inside ``no_sync()`` are on the parameters, not yet reduced over dp: each replica would
+        use its own (its norm and its update differ from the others')."""
+        if (
+            self._carried
+            and self.plan.mesh.dp > 1
+            and any(p.grad is not None for p in self.params.values())
+        ):
+            raise AutopartError(
+                f"rank {self.rank}: {what} on gradients of steps inside runner.no_sync(), not "
+                "reduced over the dp replicas yet: each replica would use its own, and the "
+                "replicas' weights would drift apart",
+                hint="take the last step of an accumulation outside no_sync(): it reduces the "
+                "summed gradients once",
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``: this rank's gradients set to None (or to zeros)."""
+        self._carried = False  # nothing left to reduce
         for p in self.params.values():
             if p.grad is not None and set_to_none:
                 p.grad = None
@@ -757,29 +777,10 @@ class Runner:
     def _count(self, labels: torch.Tensor, num_tokens: int | None, local: bool) -> torch.Tensor:
         """What the losses are divided by: the global batch's labels ≠ -100 (``local``: this
         share's, summed over dp), or ``num_tokens``."""
+        n = (labels != -100).sum().to(self._dtype).to(self.device)
         group = self.groups.get("dp")
-        if not (local and group is not None and not self.dry):
-            n = (labels != -100).sum().to(self._dtype).to(self.device)
-        elif num_tokens is None:
-            n = (labels != -100).sum().to(self._dtype).to(self.device)
+        if local and group is not None and not self.dry:
             self._wait(staging.all_reduce(n, group), "adding up the dp shares' labels")
-        else:  # the labels, and every replica's num_tokens (they must agree): one all-reduce
-            ranks = self.program.groups["dp"]
-            table = torch.zeros(1 + len(ranks), dtype=torch.int64, device=self.device)
-            table[0] = (labels != -100).sum()
-            table[1 + ranks.index(self.rank)] = int(num_tokens)
-            self._wait(staging.all_reduce(table, group), "adding up the dp shares' labels")
-            given = [int(v) for v in table[1:]]
-            if len(set(given)) > 1:
-                raise AutopartError(
-                    f"rank {self.rank}: the dp replicas passed different num_tokens "
-                    f"({dict(zip(ranks, given, strict=True))} by rank): each would average its "
-                    "gradients by another count",
-                    hint="num_tokens is the labels != -100 of all the batches accumulated into "
-                    "one optimizer step, over every dp replica: all-reduce each replica's "
-                    "count over dp (or leave num_tokens out)",
-                )
-            n = table[0].to(self._dtype)
         if num_tokens is None:
             return n.clamp(min=1)
         if not self.dry and int(num_tokens) < int(n):
@@ -877,6 +878,7 @@ class Runner:
         """The norm of the whole model's gradients, each parameter counted once over tp
         slices, pipeline stages, tied copies and dp replicas: the same number on every rank,
         equal to one device's (``runtime/norms.py``). Collective: call it on every rank."""
+        self.check_reduced("runner.grad_norm() / clip_grad_norm_()")
         split = {f: s.dim is not None for f, s in self.program.shards.items()}
         return norms.global_norm(
             self.params,
@@ -1330,43 +1332,48 @@ class Runner:
         ``local`` the ranks of one dp replica its share (equal over the tp and the pp groups
         is equal over the replica). A sampler over the whole world (each rank its own rows, as
         under DDP) would otherwise give tp peers different tokens, which their collectives
-        then add up: a wrong model, silently. One small all-reduce per group, before any
-        compute; every rank of the group sees the same table, so all of them refuse alike.
-        ``num_tokens`` must be the same over those ranks too."""
-        if self.dry or not self.check_batches:
+        then add up: a wrong model, silently. ``num_tokens`` must be the same on every rank.
+        One small all-reduce over the whole mesh, before any compute, of every rank's
+        fingerprint: every rank checks every group, so all of them refuse alike (a check per
+        group left the ranks of the groups that agreed waiting for the others, until the
+        timeout)."""
+        mesh = self.plan.mesh
+        if self.dry or not self.check_batches or mesh.size < 2:
             return
         given = -1 if num_tokens is None else int(num_tokens)
         mine = torch.cat([_fingerprint(fields), torch.tensor([given], device=self.device)])
-        for d in ("tp", "pp") if local else ("tp", "pp", "dp"):
-            group, ranks = self.groups.get(d), self.program.groups[d]
-            if group is None or len(ranks) < 2:
-                continue
-            table = torch.zeros(len(ranks), mine.numel(), dtype=torch.int64, device=self.device)
-            table[ranks.index(self.rank)] = mine
-            self._wait(
-                staging.all_reduce(table, group), f"comparing the batch over {d} ranks {ranks}"
-            )
-            other = [r for r, row in zip(ranks, table, strict=True) if not torch.equal(row, mine)]
-            rows = dict(zip(ranks, table.tolist(), strict=True))
-            if other and rows[other[0]][:-1] == mine.tolist()[:-1]:
-                theirs = rows[other[0]][-1]
-                raise AutopartError(
-                    f"rank {self.rank}: rank {other[0]} passed num_tokens="
-                    f"{'None' if theirs < 0 else theirs}, this rank "
-                    f"{'None' if given < 0 else given}, though the ranks of the {d} group "
-                    f"{ranks} average the same loss",
-                    hint="num_tokens is the labels != -100 of all the batches accumulated into "
-                    "one optimizer step, the same number on every rank",
-                )
-            if other:
-                share = "its dp replica's share" if local else "the global batch"
-                raise AutopartError(
-                    f"rank {self.rank}: rank {other[0]} passed another batch than this rank, "
-                    f"though the ranks of the {d} group {ranks} must all pass {share}",
-                    hint="a sampler per dp replica, not per rank, with local=True: "
-                    "DistributedSampler(dataset, num_replicas=runner.dp_size, "
-                    "rank=runner.dp_rank); or the same global batch on every rank",
-                )
+        table = torch.zeros(mesh.size, mine.numel(), dtype=torch.int64, device=self.device)
+        table[self.rank] = mine
+        self._wait(staging.all_reduce(table, None), "comparing the batch over every rank")
+        rows = table.tolist()
+        if len({tuple(r) for r in rows}) == 1:
+            return  # every rank passed the same (the common case)
+        share = "its dp replica's share" if local else "the global batch"
+        for d in ("tp", "pp", "dp"):
+            for ranks in mesh.groups(d):
+                first = ranks[0]
+                for r in ranks[1:]:
+                    batch_differs = rows[r][:-1] != rows[first][:-1]
+                    if batch_differs and (d != "dp" or not local):
+                        raise AutopartError(
+                            f"rank {self.rank}: rank {r} passed another batch than rank "
+                            f"{first}, though the ranks of the {d} group {ranks} must all pass "
+                            f"{share}",
+                            hint="a sampler per dp replica, not per rank, with local=True: "
+                            "DistributedSampler(dataset, num_replicas=runner.dp_size, "
+                            "rank=runner.dp_rank); or the same global batch on every rank",
+                        )
+                    if rows[r][-1] != rows[first][-1]:
+                        a, b = (rows[x][-1] for x in (r, first))
+                        raise AutopartError(
+                            f"rank {self.rank}: rank {r} passed num_tokens="
+                            f"{'None' if a < 0 else a}, rank {first} "
+                            f"{'None' if b < 0 else b}, though every rank averages the same "
+                            "loss",
+                            hint="num_tokens is the labels != -100 of all the batches "
+                            "accumulated into one optimizer step, over every dp replica: the "
+                            "same number on every rank",
+                        )
 
     def _check_ids(self, input_ids: Any, labels: Any) -> None:
         """Refuse ids or labels that are not integer (batch, seq) tensors of one shape."""

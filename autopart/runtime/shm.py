@@ -447,7 +447,7 @@ class ShmGroup:
             if waited > self.timeout_s:
                 raise AutopartError(
                     f"rank {self.rank}: timed out after {self.timeout_s:.0f} s in {what}",
-                    hint="a peer rank probably died or is stuck (shared-memory exchange)",
+                    hint="a peer rank failed earlier (its own error is in its output), died, or is stuck (shared-memory exchange)",
                 )
             time.sleep(nap)
             nap = min(2 * nap, longest)

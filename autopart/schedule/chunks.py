@@ -49,6 +49,13 @@ SPLITS = ("balanced", "uniform", "measured")
 Windows = tuple[tuple[float, float], ...]  # (W, share of c2) per window size
 
 
+def fewer_chunks(most: int) -> str:
+    """The hint for a sequence too short for its chunks: ``most`` chunks fit."""
+    if most >= 2:
+        return f"use at most {most} sequence chunks"
+    return "use seq_chunks=1 (no sequence chunks: 1F1B's order) or another schedule"
+
+
 def windows_of(coeffs: tuple[float, ...]) -> Windows:
     """The ``(W, f)`` pairs after ``(c1, c2)`` in a coefficient tuple."""
     rest = coeffs[2:]
@@ -110,7 +117,7 @@ def chunk_lengths(
     if seq_len < k * multiple:
         raise AutopartError(
             f"a sequence of {seq_len} tokens cannot be cut into {k} chunks of at least {multiple}",
-            hint=f"use at most {max(1, seq_len // multiple)} chunks, or a longer sequence",
+            hint=fewer_chunks(seq_len // multiple) + ", or a longer sequence",
         )
     bounds: list[float]
     if split == "uniform":
