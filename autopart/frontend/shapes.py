@@ -141,6 +141,21 @@ def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
 KNOWN_NUMEL = 1 << 22
 
 
+def _lookups(n: fx.Node) -> list[tuple[Any, Any, int]]:
+    """The (table, index, dim) of each lookup ``n`` makes: ``embedding``, ``index_select``,
+    ``gather``, ``index``."""
+    a: Any = n.args
+    if n.op != "call_function":
+        return []
+    if n.target == torch.ops.aten.embedding.default:
+        return [(a[0], a[1], 0)]
+    if n.target in (torch.ops.aten.index_select.default, torch.ops.aten.gather.default):
+        return [(a[0], a[2], int(a[1]))]
+    if n.target == torch.ops.aten.index.Tensor:
+        return [(a[0], idx, d) for d, idx in enumerate(a[1]) if idx is not None]
+    return []
+
+
 class _Fits(fx.Interpreter):
     """``_Prop``'s run on fake tensors (under the caller's fake mode), leaving every node's
     ``meta`` as it was. Integer values computed from the sizes alone (position ids:
@@ -152,6 +167,14 @@ class _Fits(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.known: dict[fx.Node, torch.Tensor] = {}
+        # only what an index of a lookup is computed from is computed for real
+        self.feeds_index: set[fx.Node] = set()
+        stack = [idx for n in gm.graph.nodes for _, idx, _ in _lookups(n)]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, fx.Node) and x not in self.feeds_index:
+                self.feeds_index.add(x)
+                stack.extend(x.all_input_nodes)
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -166,7 +189,8 @@ class _Fits(fx.Interpreter):
     def _compute(self, n: fx.Node, out: Any) -> None:
         """Compute ``n`` for real when it is a small integer tensor and its tensor inputs are."""
         if (
-            not isinstance(out, torch.Tensor)
+            n not in self.feeds_index
+            or not isinstance(out, torch.Tensor)
             or out.dtype.is_floating_point
             or out.dtype.is_complex
             or out.numel() > KNOWN_NUMEL
@@ -201,15 +225,7 @@ class _Fits(fx.Interpreter):
 
     def _check_lookup(self, n: fx.Node) -> None:
         """Refuse a lookup of known indices past its table's rows."""
-        lookups: list[tuple[Any, Any, int]] = []  # (table node, index node, dim)
-        a: Any = n.args
-        if n.target == torch.ops.aten.embedding.default:
-            lookups = [(a[0], a[1], 0)]
-        elif n.target in (torch.ops.aten.index_select.default, torch.ops.aten.gather.default):
-            lookups = [(a[0], a[2], int(a[1]))]
-        elif n.target == torch.ops.aten.index.Tensor:
-            lookups = [(a[0], idx, d) for d, idx in enumerate(a[1]) if idx is not None]
-        for table, index, dim in lookups:
+        for table, index, dim in _lookups(n):
             if index not in self.known or not isinstance(table, fx.Node):
                 continue
             idx = self.known[index]
