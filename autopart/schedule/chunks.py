@@ -52,7 +52,7 @@ Windows = tuple[tuple[float, float], ...]  # (W, share of c2) per window size
 def fewer_chunks(most: int) -> str:
     """The hint for a sequence too short for its chunks: ``most`` chunks fit."""
     if most >= 2:
-        return f"use at most {most} sequence chunks"
+        return f"use at most {most} chunks"
     return "use seq_chunks=1 (no sequence chunks: 1F1B's order) or another schedule"
 
 
