@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import nanogpt  # noqa: E402
+from refusals import refused  # noqa: E402
 
 import autopart  # noqa: E402
 
@@ -62,13 +63,6 @@ def main() -> int:
     # averaged differently, silently; both are refused on every rank alike
     share = (ids[rows], labels[rows])
     own = int((labels[4:] != -100).sum())  # one replica's count, passed alike by both
-
-    def refused(fn, words):
-        try:
-            fn()
-        except autopart.AutopartError as exc:
-            return words in str(exc)
-        return False
 
     tokens = {
         "replica_count": refused(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from refusals import refused
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopart
@@ -174,13 +175,6 @@ def main() -> int:
     modes_follow = modes_follow and drop.training
 
     # habits right on one device and wrong here: each refused where it happens
-    def refused(fn, words):
-        try:
-            fn()
-        except autopart.AutopartError as exc:
-            return words in str(exc)
-        return False
-
     def under(ctx):
         def run():
             with ctx:
