@@ -308,6 +308,9 @@ class _Slices:
     def check_reduced(self, what: str) -> None:
         """No ``no_sync()`` gradients here (``Runner.check_reduced``)."""
 
+    def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
+        """No module follows these (``Runner.optimizer_stepped``)."""
+
 
 def test_optimizer_state_of_another_ranks_slice_is_refused() -> None:
     """DDP's habit of saving rank 0's ``opt.state_dict()`` and loading it on every rank gave tp

@@ -162,7 +162,8 @@ def follow_module(runner: Any, model: nn.Module) -> None:
     (as FSDP2's ``fully_shard`` does), so ``isinstance`` checks and ``save_pretrained``'s
     architecture name are unchanged, and a copy or a pickle of it is of the original class. The
     class is put back when the runner goes. The runner's weights count as moved once an optimizer
-    has stepped over any of its parameters, or one of them changed in place (``Runner.moved``)."""
+    has stepped over any of its parameters (``guard_optimizer_state``'s step hook tells the
+    runner), or one of them changed in place (``Runner.moved``)."""
     base: type[nn.Module] = type(model).__dict__.get(_FOLLOWS, type(model))
     owner = weakref.ref(runner)
 
@@ -234,14 +235,6 @@ def follow_module(runner: Any, model: nn.Module) -> None:
     model.__class__ = followed
     weakref.finalize(runner, _unfollow, weakref.ref(model), followed, base)
     runner.mark_current()
-
-    def moved(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        live = owner()
-        if live is not None:
-            live.optimizer_stepped(opt)
-
-    handle = register_optimizer_step_post_hook(moved)
-    weakref.finalize(runner, handle.remove)
 
 
 def _unfollow(ref: weakref.ref[nn.Module], followed: type, base: type) -> None:
@@ -355,6 +348,7 @@ def guard_optimizer_state(runner: Any) -> None:
         live = owner()
         if live is None:
             return
+        live.optimizer_stepped(opt)  # the module the runner follows may be behind now
         for fqn, p in live.params.items():
             st = opt.state.get(p)
             if st and SHARD_STATE not in st:  # (never into an empty state: torch's first-step

@@ -475,7 +475,7 @@ class Runner:
         self._moved = bool(self._copies)
 
     def optimizer_stepped(self, opt: torch.optim.Optimizer) -> None:
-        """An optimizer stepped (``guards.follow_module``'s hook): over any of this rank's
+        """An optimizer stepped (``guards.guard_optimizer_state``'s hook): over any of this rank's
         copies, the module is behind (a fused optimizer changes no version counter)."""
         mine = {id(p) for p in self._copies}
         if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
