@@ -59,6 +59,9 @@ META_RANGES = "autopart.range_constraints"  # dict: export's range constraints o
 META_EXAMPLE_SHAPE = "autopart.example_shape"  # (batch, seq) of the example inputs
 # str: why capture kept a length export fixed (its loop over the tokens not rolled up)
 META_LOOPS = "autopart.loops"
+META_PROVEN_SEQ = "autopart.proven_seq"  # int: the graph's attention rests on proofs by
+# evaluation that hold up to this many tokens (canonicalize_attention): compile caps Plan.max_seq
+META_PROOFS = "autopart.proofs"  # dict: those proofs by construction (Captured.proofs, shared)
 META_PASSES = "autopart.passes"  # list[str]: the passes that made this graph, in order
 # pipeline_split
 META_STAGES = "autopart.stages"  # list[str]: the parent graph's stage submodule names

@@ -33,10 +33,13 @@ Seq1F1B plans also get attention whose scores are modified by causal functions o
 
 A mask is proven causal by evaluation, not by pattern: its construction (which must not
 depend on parameters) is cut out of the graph and run at several sequence lengths with
-random token ids, and just past every length the construction names (a sliding window of
-4096 keys differs from causal only at 4097 tokens; a length beyond 8192 is not evaluated and
-the mask is not proven); only if it equals the lower-triangular causal mask every time, or that
-mask within the window of W keys it shows at the longest length tried, is it replaced. A
+random token ids, just past every length the construction names (a sliding window of 4096
+keys differs from causal only at 4097 tokens), and at the longest sequence the program will
+take (``position_masks.proof_length``: a window no integer names shows there); only if it
+equals the lower-triangular causal mask every time, or that mask within the window of W keys it
+shows at the longest length tried, is it replaced. A graph relying on such a proof is marked
+``META_PROVEN_SEQ``: compile lowers ``Plan.max_seq`` to that length, past which nothing was
+proven. A
 padding or bidirectional mask fails that test and stays; so does a softmax over scores the
 forms above do not cover. ``require_causal`` refuses a graph with attention it could not
 prove causal.
@@ -81,31 +84,35 @@ from autopart.meta import (
     META_INPUT,
     META_MASK_FN,
     META_MODULE,
+    META_PROOFS,
+    META_PROVEN_SEQ,
     META_SCORES,
     META_WINDOW,
 )
 from autopart.node_args import float_arg, int_arg, node_arg, seq_arg, whole_slice
 from autopart.passes.position_masks import (
     MASKED,
+    Proofs,
     discard,
     local_mask,
     place,
+    proof_length,
     prove,
     prove_scores,
     score_window,
+    signature,
     sym_size,
 )
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 _SIZES = (3, 5, 8, 13)
-LONGEST = 8192  # the longest sequence a mask is evaluated at (batch 1 beyond _SIZES)
 
 
 def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     every_form = plan.chunked  # else: masked SDPA only (docstring)
-    changed = False
-    proofs: dict = {}  # mask → its proof: the layers of a Hugging Face model share one mask
+    changed = proven = False
+    proofs = Proofs(proof_length(gm, plan), gm.meta.get(META_PROOFS, {}))
     if every_form:
         changed |= _key_transposes(gm)
         if _sink_scales(gm):
@@ -117,14 +124,16 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             continue
         if n.target == SDPA:
             changed |= every_form and _key_bias(gm, n)
-            changed |= _sdpa(gm, n, proofs, windows=every_form)
+            proven |= _sdpa(gm, n, proofs, windows=every_form)
         elif every_form and n.target in (aten.softmax.int, aten._softmax.default):
-            changed |= _manual(gm, n, proofs) or _scored(gm, n, proofs)
+            proven |= _manual(gm, n, proofs) or _scored(gm, n, proofs)
         elif plan.mesh.tp > 1 and n.target in (aten.softmax.int, aten._softmax.default):
-            changed |= _scored(gm, n, proofs, folded_only=True)
+            proven |= _scored(gm, n, proofs, folded_only=True)
         elif every_form and n.target in _PRODUCTS and not n.meta.get(META_SCORES):
-            changed |= _linear(gm, n, proofs)
-    if changed:
+            proven |= _linear(gm, n, proofs)
+    if proven:  # the program relies on proofs that hold up to this length
+        gm.meta[META_PROVEN_SEQ] = proofs.longest
+    if changed or proven:
         remove_dead(gm)
         propagate(gm)
     return gm
@@ -241,7 +250,7 @@ def require_causal(gm: fx.GraphModule) -> None:
             )
 
 
-def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) -> bool:
+def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: Proofs, windows: bool = True) -> bool:
     mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
     causal = n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False)
     if mask is None:
@@ -255,14 +264,14 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: dict, windows: bool = True) ->
         if windows and why is None and not causal:
             n.meta[META_ATTENTION] = "causal"  # document-causal: sequence_chunk rebuilds it
             n.meta[META_DATA_MASK] = names
-        else:
-            n.meta[META_ATTENTION] = why or f"masked by the batch's {' and '.join(names)}"
+            return True  # on the proof
+        n.meta[META_ATTENTION] = why or f"masked by the batch's {' and '.join(names)}"
         return False
     why, window = _causal_window(
         gm, proofs, mask, keep_is_true=mask.meta["val"].dtype == torch.bool
     )
     if why and windows:  # a causal function of positions (chunked, ...), rebuilt in place
-        return _position_mask(gm, n, mask, why)
+        return _position_mask(gm, n, mask, why, proofs)
     n.meta[META_ATTENTION] = why or "causal"
     if why or (window is not None and not windows):
         return False
@@ -377,7 +386,7 @@ def _fill_of(x: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
-def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
+def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: Proofs) -> bool:
     """softmax(mask(matmul(q, kᵀ) [·/÷ c])) [→ casts] [→ dropout] [→ casts] → matmul(·, v),
     where mask is ``masked_fill(·, m, −inf)`` or ``· + m`` with an additive mask (0 where kept,
     ≤ −1e4 where not: GPT-J, GPT-2's eager path). A softmax of anything else (soft-capped
@@ -428,14 +437,21 @@ def _manual(gm: fx.GraphModule, sm: fx.Node, proofs: dict) -> bool:
     return True
 
 
-def _position_mask(gm: fx.GraphModule, n: fx.Node, mask: fx.Node, why: str) -> bool:
+def _position_mask(gm: fx.GraphModule, n: fx.Node, mask: fx.Node, why: str, proofs: Proofs) -> bool:
     """An SDPA whose mask is neither causal nor a window, but a causal function of positions
     (Llama 4's chunked attention, a bias): the mask rebuilt from q's and k's sizes
     (``position_masks``), if ``prove`` holds; else the SDPA keeps ``why``."""
     q, k = node_arg(n, 0), node_arg(n, 1)
     additive = mask.meta["val"].dtype != torch.bool
     local = local_mask(gm, mask, q, k, before=n)
-    proof = local if isinstance(local, str) else prove(gm, local, additive)
+    proof = (
+        local
+        if isinstance(local, str)
+        else proofs.once(
+            _key("mask", additive, signature(gm, local)),
+            lambda: prove(gm, local, additive, longest=proofs.longest),
+        )
+    )
     if proof is not None:
         if not isinstance(local, str):
             discard(gm, local)
@@ -452,7 +468,7 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 _PRODUCTS = (aten.matmul.default, aten.bmm.default)
 
 
-def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict, folded_only: bool = False) -> bool:
+def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: Proofs, folded_only: bool = False) -> bool:
     """softmax(scores · c + position terms) [→ casts] [→ dropout] [→ casts] [→ views] →
     matmul/bmm(·, v), where the terms are biases and masks added, filled or clamped at
     ≤ ``MASKED`` (BLOOM's and MPT's ALiBi, XGLM's clamp at the float minimum; heads may be
@@ -513,7 +529,14 @@ def _scored(gm: fx.GraphModule, sm: fx.Node, proofs: dict, folded_only: bool = F
             if x.meta["val"].dtype != dtype:
                 mask = g.call_function(aten._to_copy.default, (mask,), {"dtype": dtype})
                 mask.meta[META_MASK_FN] = True
-    proof = mask if isinstance(mask, str) else prove(gm, mask, additive=True)
+    proof = (
+        mask
+        if isinstance(mask, str)
+        else proofs.once(
+            _key("mask", True, signature(gm, mask)),
+            lambda: prove(gm, mask, additive=True, longest=proofs.longest),
+        )
+    )
     if proof is not None:
         if not isinstance(mask, str):
             discard(gm, mask)
@@ -594,7 +617,7 @@ _TERM_OPS = (
 )
 
 
-def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> bool:
+def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: Proofs) -> bool:
     """The general form: softmax(f(q·kᵀ)) → [casts, dropout, the sink column cut off] →
     matmul(·, v), with f elementwise in the scores — scalar arithmetic, ``tanh`` (Gemma 2's
     soft-capping), terms added, multiplied, filled or clamped from position tensors — and at
@@ -647,8 +670,18 @@ def _score_function(gm: fx.GraphModule, sm: fx.Node, why: str, proofs: dict) -> 
     if isinstance(rebuilt, str):
         sm.meta[META_ATTENTION] = f"not a causal function of positions: {rebuilt}"
         return False
-    proof = prove_scores(gm, x, product, sink)
-    window = score_window(gm, x, product, sink, memo=proofs) if proof is None else None
+    key = signature(gm, x, product, sink)
+    proof = proofs.once(
+        _key("scores", False, key), lambda: prove_scores(gm, x, product, proofs.longest, sink)
+    )
+    window = (
+        proofs.once(
+            _key("window", False, key),
+            lambda: score_window(gm, x, product, proofs.longest, sink),
+        )
+        if proof is None
+        else None
+    )
     if isinstance(window, str):
         proof, window = window, None
     if proof is not None:
@@ -675,7 +708,7 @@ def _mark_window(window: int | None, nodes: list[fx.Node]) -> None:
         m.meta[META_WINDOW] = window
 
 
-def _linear(gm: fx.GraphModule, pv: fx.Node, proofs: dict) -> bool:
+def _linear(gm: fx.GraphModule, pv: fx.Node, proofs: Proofs) -> bool:
     """Form 8 (module docstring): ``pv`` = matmul(f(q·kᵀ), v), f elementwise with position
     terms and no softmax. A product whose left side is not such a chain is left alone (the
     Seq1F1B rules refuse it if it pairs tokens); a chain that is, but is not proven, is marked
@@ -704,8 +737,19 @@ def _linear(gm: fx.GraphModule, pv: fx.Node, proofs: dict) -> bool:
     if isinstance(rebuilt, str):
         pv.meta[META_ATTENTION] = f"not a causal function of positions: {rebuilt}"
         return False
-    proof = prove_scores(gm, x, product, linear=True)
-    window = score_window(gm, x, product, linear=True, memo=proofs) if proof is None else None
+    key = signature(gm, x, product)
+    proof = proofs.once(
+        _key("scores", True, key),
+        lambda: prove_scores(gm, x, product, proofs.longest, linear=True),
+    )
+    window = (
+        proofs.once(
+            _key("window", True, key),
+            lambda: score_window(gm, x, product, proofs.longest, linear=True),
+        )
+        if proof is None
+        else None
+    )
     if isinstance(window, str):
         proof, window = window, None
     if proof is not None:
@@ -1023,23 +1067,29 @@ def lower_right_mask(g: fx.Graph, q: fx.Node, k: fx.Node, window: int | None = N
     return keep
 
 
+def _key(kind: str, how: object, sig: tuple | None) -> tuple | None:
+    """A proof's memo key (``Proofs.once``): what it proves, how it reads the construction,
+    and the construction's signature (None: not kept)."""
+    return None if sig is None else (kind, how, sig)
+
+
 def _causal_window(
-    gm: fx.GraphModule, proofs: dict, mask: fx.Node, keep_is_true: bool, additive: bool = False
+    gm: fx.GraphModule, proofs: Proofs, mask: fx.Node, keep_is_true: bool, additive: bool = False
 ) -> tuple[str | None, int | None]:
-    """``_evaluate_mask``, once per mask and reading (evaluating at 4097 tokens once is enough)."""
-    key = (mask, keep_is_true, additive)
-    if key not in proofs:
-        proofs[key] = _evaluate_mask(gm, mask, keep_is_true, additive)
-    return proofs[key]
+    """``_evaluate_mask``, once per mask construction and reading."""
+    return proofs.once(
+        _key("band", (keep_is_true, additive), signature(gm, mask)),
+        lambda: _evaluate_mask(gm, mask, keep_is_true, additive, proofs.longest),
+    )
 
 
 def _evaluate_mask(
-    gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool = False
+    gm: fx.GraphModule, mask: fx.Node, keep_is_true: bool, additive: bool, longest: int
 ) -> tuple[str | None, int | None]:
     """``(None, W)`` if ``mask`` evaluates to the causal mask limited to the last W keys
     (query i sees keys i − W < j ≤ i: a sliding window; W None: plain causal) at every size
-    tried, else ``(the reason, None)``. An ``additive`` mask must be 0 where kept and at most
-    ``MASKED`` elsewhere."""
+    tried, up to ``longest`` tokens, else ``(the reason, None)``. An ``additive`` mask must be
+    0 where kept and at most ``MASKED`` elsewhere."""
     sub, inputs = _cut(gm, mask)
     if sub is None:
         return f"not causal: its mask depends on {inputs}", None
@@ -1047,21 +1097,17 @@ def _evaluate_mask(
     if read:  # a pad id's mask (ids != 0) looks causal on ids that happen to hold no pad
         return f"not causal: its mask depends on the values of {', '.join(read)}", None
     # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
-    # just past every integer the mask's construction uses
+    # just past every integer the mask's construction uses, and at the longest length proven
+    # (a window, a block or a threshold no integer names shows there)
     lengths = {
-        c
+        c + d
         for n in sub.graph.nodes
         for c in n.args
-        if isinstance(c, int) and not isinstance(c, bool) and _SIZES[-1] < c < 2**31
+        if isinstance(c, int) and not isinstance(c, bool) and _SIZES[-1] < c < longest
+        for d in (1, 2)
     }
-    too_long = [c for c in lengths if c + 2 > LONGEST]
-    if too_long:
-        return (
-            f"not provably causal: its mask uses the length {min(too_long)}, longer than "
-            f"the {LONGEST} tokens it can be evaluated at"
-        ), None
     keeps = {}
-    for s in (*_SIZES, *sorted({c + d for c in lengths for d in (1, 2)})):
+    for s in sorted({*_SIZES, *(c for c in lengths if c <= longest), longest}):
         args = [_example(ph, s, gm, 2 if s <= _SIZES[-1] else 1) for ph in inputs]
         if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
             return (  # a buffer of a model built on the meta device: it has no values
@@ -1164,25 +1210,38 @@ def _data_examples(s: int, g: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def _data_proof(
-    gm: fx.GraphModule, proofs: dict, mask: fx.Node, names: tuple[str, ...], keep_is_true: bool
+    gm: fx.GraphModule, proofs: Proofs, mask: fx.Node, names: tuple[str, ...], keep_is_true: bool
 ) -> str | None:
     """None if ``mask``'s construction evaluates to ``document_mask`` of the batch tensors it
-    reads (``names``) on every padding and packing of ``_data_examples``, at several lengths,
-    else why not (a sliding window, a bidirectional prefix, queries masked, ...)."""
-    key = (mask, keep_is_true, "data")
-    if key in proofs:
-        return proofs[key]
+    reads (``names``) on every padding and packing of ``_data_examples``, at several lengths
+    up to the longest proven, else why not (a sliding window, a bidirectional prefix, queries
+    masked, ...). Once per construction."""
+    read = _values_read(mask)
+    data = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and n.meta[META_INPUT].kind == "data"
+        and n.meta[META_INPUT].name in read
+    ]
+    return proofs.once(
+        _key("data", (keep_is_true, names), signature(gm, mask, *data)),
+        lambda: _evaluate_data_mask(gm, mask, names, keep_is_true, proofs.longest),
+    )
+
+
+def _evaluate_data_mask(
+    gm: fx.GraphModule, mask: fx.Node, names: tuple[str, ...], keep_is_true: bool, longest: int
+) -> str | None:
+    """``_data_proof``'s evaluation."""
     sub, inputs = _cut(gm, mask)
     read = [name for name in _values_read(mask) if name not in names]
     if sub is None or read:
-        proofs[key] = (
-            f"not causal: its mask depends on {inputs if sub is None else ', '.join(read)}"
-        )
-        return proofs[key]
+        return f"not causal: its mask depends on {inputs if sub is None else ', '.join(read)}"
     g = torch.Generator().manual_seed(0)
     why = None
-    for s in (*_SIZES, 21, 34):
-        for _ in range(3):
+    for s in sorted({*_SIZES, 21, 34, longest}):
+        for _ in range(3 if s <= 34 else 1):
             batch = _data_examples(s, g)
             args = []
             for ph in inputs:
@@ -1219,7 +1278,6 @@ def _data_proof(
                 break
         if why:
             break
-    proofs[key] = why
     return why
 
 

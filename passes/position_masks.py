@@ -31,14 +31,24 @@ Anything else is refused by the caller, with the reason returned here.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import sympy
 import torch
 from torch import fx
 
 from autopart.frontend.capture import B, S, to_sympy
-from autopart.meta import META_BUFFERS, META_INPUT, META_LAYER, META_MASK_FN, META_MODULE
+from autopart.layout import Plan
+from autopart.meta import (
+    META_BUFFERS,
+    META_EXAMPLE_SHAPE,
+    META_INPUT,
+    META_LAYER,
+    META_MASK_FN,
+    META_MODULE,
+)
 
 aten = torch.ops.aten
 # An additive entry at or below MASKED hides its key: the model's own softmax weight there,
@@ -47,8 +57,47 @@ aten = torch.ops.aten
 # below -9254. GPT-1's and BERT-era masks of -1e4 and the float minimum both qualify.
 MASKED = -1e4
 LENGTHS = (3, 5, 8, 13, 21)
-LONGEST = 8192
+# Every proof by evaluation also runs at the longest sequence the program will take: the capture
+# example's length, and at least PROVEN tokens (a window or a threshold that no integer of the
+# construction names shows only past its length); a program resting on one is refused a longer
+# step (Plan.max_seq), since nothing was proven there.
+PROVEN = 4096
 _END = 9223372036854775807
+T = TypeVar("T")
+
+
+@dataclass
+class Proofs:
+    """What ``canonicalize_attention`` proves by evaluation: every proof holds up to ``longest``
+    tokens, and ``memo`` keeps each result by the construction's ``signature`` (a model's layers
+    share one, and so do the compiles of one capture: ``Captured.proofs``)."""
+
+    longest: int
+    memo: dict = field(default_factory=dict)
+
+    def once(self, key: tuple | None, prove: Callable[[], T]) -> T:
+        """``prove()``, or its result for an equal ``key`` (None: not kept)."""
+        if key is None:
+            return prove()
+        key = (*key, self.longest)
+        if key not in self.memo:
+            self.memo[key] = prove()
+        return cast("T", self.memo[key])
+
+
+def signature(gm: fx.GraphModule, root: fx.Node, *given: fx.Node | None) -> tuple | None:
+    """``root``'s construction up to node names (``_signature``), or None if it is not one."""
+    inputs = [n for n in given if n is not None]
+    order, leaves, why = construction(root, frozenset(inputs))
+    return None if why else _signature(gm, root, inputs, order, leaves)
+
+
+def proof_length(gm: fx.GraphModule, plan: Plan) -> int:
+    """The sequence every proof also runs at: the capture example's, at least ``PROVEN``, at
+    most the graph's own limit (``Plan.max_seq``: a table of positions, say)."""
+    example = gm.meta.get(META_EXAMPLE_SHAPE, (0, 0))[1]
+    longest = max(PROVEN, example)
+    return longest if plan.max_seq is None else max(min(longest, plan.max_seq), LENGTHS[-1])
 
 
 def construction(
@@ -230,21 +279,25 @@ _FACTORIES = (aten.full.default, aten.zeros.default, aten.ones.default, aten.sca
 
 
 def prove(
-    gm: fx.GraphModule, mask: fx.Node, additive: bool, keep_is_true: bool = True
+    gm: fx.GraphModule,
+    mask: fx.Node,
+    additive: bool,
+    keep_is_true: bool = True,
+    *,
+    longest: int,
 ) -> str | None:
-    """None if the rebuilt ``mask`` is a causal position function (module docstring), else
-    why not. Boolean masks keep where True when ``keep_is_true``; additive ones are added to
-    the scores."""
+    """None if the rebuilt ``mask`` is a causal position function (module docstring) at every
+    length tried up to ``longest``, else why not. Boolean masks keep where True when
+    ``keep_is_true``; additive ones are added to the scores."""
     order, leaves, why = construction(mask)
     if why:
         return why
     run = _evaluator(gm, mask, [], leaves, order)
     buffers = gm.meta.get(META_BUFFERS, {})
     exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
-    lengths = [*LENGTHS, *(c + d for c in _named_lengths(order) for d in (1, 2))]
     seen: list[tuple[int, torch.Tensor]] = []
-    for s in sorted(set(lengths)):
-        feeds = [int(e.subs({B: 2, S: s})) for e in exprs]
+    for s in _lengths(order, longest):
+        feeds = [int(e.subs({B: 2 if s <= LENGTHS[-1] else 1, S: s})) for e in exprs]
         feeds += [buffers[n.meta[META_INPUT].name] for n in order if n.op == "placeholder"]
         if any(isinstance(f, torch.Tensor) and f.is_meta for f in feeds):
             return (  # a buffer of a model built on the meta device: it has no values
@@ -253,9 +306,7 @@ def prove(
             )
         try:
             got = run(*feeds)
-        except Exception as exc:  # noqa: BLE001 - beyond the model's own longest sequence
-            if s > LENGTHS[-1]:
-                break  # the model cannot run this long either (MPT's ALiBi table, say)
+        except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
             return f"its mask does not evaluate at sequence {s} ({type(exc).__name__})"
         if got.shape[-1] != s or (got.dim() >= 2 and got.shape[-2] not in (1, s)):
             return f"its mask is {tuple(got.shape)} at sequence {s}, not (…, {s}, {s})"
@@ -281,15 +332,17 @@ def prove(
     return None
 
 
-def _named_lengths(order: list[fx.Node]) -> set[int]:
-    """The integers a construction names beyond the lengths always tried, up to where ``LONGEST``
-    leaves room to evaluate just past them (a window or a block shows only there)."""
-    return {
-        c
+def _lengths(order: list[fx.Node], longest: int, shortest: tuple[int, ...] = LENGTHS) -> list[int]:
+    """The lengths a construction is evaluated at: ``shortest``, just past every integer it
+    names (a window or a block shows only there), and ``longest`` (one no integer names)."""
+    named = {
+        c + d
         for n in order
         for c in (*n.args, *n.kwargs.values())
-        if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c <= LONGEST - 2
+        if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c < longest
+        for d in (1, 2)
     }
+    return sorted({*shortest, *(c for c in named if c <= longest), longest})
 
 
 def _consistent(
@@ -307,10 +360,11 @@ def _consistent(
     kept = small > MASKED
     if not bool((kept == (corner > MASKED)).all()):
         return False
-    diff = torch.where(kept, corner.double() - small.double(), torch.nan)
-    hi = torch.nan_to_num(diff, nan=-torch.inf).amax(-1)
-    lo = torch.nan_to_num(diff, nan=torch.inf).amin(-1)
-    scale = torch.where(kept, small.double().abs(), 0.0).amax() + 1.0
+    small = small.double()
+    diff = corner.double() - small
+    hi = torch.where(kept, diff, -torch.inf).amax(-1)
+    lo = torch.where(kept, diff, torch.inf).amin(-1)
+    scale = torch.where(kept, small.abs(), 0.0).amax() + 1.0
     return bool(((hi - lo)[torch.isfinite(hi)] <= rel * scale).all())
 
 
@@ -339,13 +393,16 @@ def prove_scores(
     gm: fx.GraphModule,
     x: fx.Node,
     scores: fx.Node,
+    longest: int,
     sink: fx.Node | None = None,
     linear: bool = False,
 ) -> str | None:
     """None if ``x`` (a softmax's input), as a function of random ``scores`` [b, h, s, s] (and a
     random ``sink`` column), hides every later key, keeps each query's own, and is a function
     of positions: at a shorter length, on the first rows and columns of the same scores, it
-    equals the longer length's up to one constant per row (the sink column included).
+    equals the longer length's up to one constant per row (the sink column included). Tried at
+    ``longest`` tokens (one batch row, and the scores shared by the heads where f broadcasts
+    them), then on its first 21, 13, 8, 5 and 3 rows and columns.
     ``linear``: ``x`` is multiplied by v directly (no softmax): a later key is hidden only by
     an exact 0, and the shorter length's values must equal the longer one's exactly (no row
     constant); a query's own key may be 0."""
@@ -353,22 +410,24 @@ def prove_scores(
     if isinstance(runner, str):
         return runner
     run, shapes = runner
-    given = [n for n in (scores, sink) if n is not None]
+    dtypes = [t.meta["val"].dtype for t in (scores, sink) if t is not None]
     g = torch.Generator().manual_seed(0)
-    big = None
-    for s in (21, *LENGTHS[:-1]):  # the longest first: the shorter ones are its corners
-        at = {B: 2, S: s}
-        values = [
-            3
-            * torch.randn([int(e.subs(at)) for e in shape], generator=g, dtype=t.meta["val"].dtype)
-            for shape, t in zip(shapes, given, strict=True)
-        ]
-        if big is not None:  # the same scores (and sinks): the first rows and columns
+    big: list[torch.Tensor] | None = None
+    whole = torch.empty(0)
+    longest = max(longest, LENGTHS[-1])
+    for s in (longest, *sorted(set(LENGTHS) - {longest}, reverse=True)):
+        if big is None:  # the longest: the shorter ones are its corners
+            made = _scores_at(run, shapes, dtypes, s, g)
+            if isinstance(made, str):
+                return made
+            big, whole = made
+            got = whole
+        else:  # the same scores (and sinks): the first rows and columns
             values = [big[0][..., :s, :s], *([big[1][..., :s, :]] if sink is not None else [])]
-        try:
-            got = run(s, values)
-        except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
-            return f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
+            try:
+                got = run(s, [v.contiguous() for v in values], b=1)
+            except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
+                return f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
         keys = got[..., :s]
         keep = keys != 0 if linear else keys > MASKED
         i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
@@ -382,8 +441,7 @@ def prove_scores(
             )
         if not linear and not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
             return f"it hides a query's own key at sequence {s}"
-        if big is None:
-            big, whole = values, got
+        if got is whole:
             continue
         corner = whole[..., :s, :s]
         if sink is not None:  # the sink column compares with the longer one's
@@ -391,18 +449,42 @@ def prove_scores(
         if not _consistent(got, corner, s + (sink is not None), not linear, keep=True):
             return (
                 f"it is not a function of positions: at sequence {s} its scores differ from "
-                f"the first {s} rows and columns of the same scores at sequence 21"
+                f"the first {s} rows and columns of the same scores at sequence {whole.shape[-2]}"
             )
     return None
+
+
+def _scores_at(
+    run: Any, shapes: list[list[sympy.Expr]], dtypes: list[torch.dtype], s: int, g: torch.Generator
+) -> tuple[list[torch.Tensor], torch.Tensor] | str:
+    """Random scores (and sinks) at ``s`` tokens, one batch row, and f of them: shared by every
+    other dim where f broadcasts them (the heads), else of their own shapes; or why f does not
+    evaluate."""
+    why = ""
+    for shared in (True, False):
+        values = [
+            3
+            * torch.randn(
+                [int(e.subs({B: 1, S: s})) if shared is False or e.has(S) else 1 for e in shape],
+                generator=g,
+                dtype=d,
+            )
+            for shape, d in zip(shapes, dtypes, strict=True)
+        ]
+        try:
+            return values, run(s, values, b=1)
+        except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
+            why = f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
+    return why
 
 
 def score_window(
     gm: fx.GraphModule,
     x: fx.Node,
     scores: fx.Node,
+    longest: int,
     sink: fx.Node | None = None,
     linear: bool = False,
-    memo: dict | None = None,
 ) -> int | str | None:
     """The sliding window W of a score function ``prove_scores`` proved — query i sees no key
     j ≤ i − W — if shifting positions changes nothing, so that a chunk's queries given only the
@@ -410,24 +492,56 @@ def score_window(
     None, and the chunk pass keeps the whole prefix (exact for any window).
 
     f is evaluated (one batch row, the random scores shared by the heads, as f broadcasts) at
-    21 tokens and just past every length its construction names (Gemma 2's window of 4096
-    shows only at 4097 tokens; as ``prove``, up to ``LONGEST``). W is one more than the
+    21 tokens, just past every length its construction names (Gemma 2's window of 4096 shows
+    only at 4097 tokens) and at ``longest``, as ``prove``. W is one more than the
     farthest key any query keeps, and must leave a key hidden at the longest length tried.
     Then, at that length, the rows and columns from t on must equal f at t fewer tokens on the
     same scores (up to one constant per row, to the rounding of the dtype; ``linear``:
     exactly), for t = 1 and W: where the positions start does not matter
     (Llama 4's blocks also hide every key W behind, but fail this). A later key kept at one of
     the longer lengths (which ``prove_scores`` does not evaluate) gives why, a string: the
-    attention is then not causal. ``memo`` holds the
-    windows found, by the construction's signature: a model's layers are evaluated once."""
-    given = [n for n in (scores, sink) if n is not None]
-    order, leaves, why = construction(x, frozenset(given))
-    key = None if why else ("window", linear, _signature(gm, x, given, order, leaves))
-    if memo is not None and key in memo:
-        return memo[key]
-    window = _window(gm, x, scores, sink, linear, order)
-    if memo is not None and key is not None:
-        memo[key] = window
+    attention is then not causal."""
+    order, _, why = construction(x, frozenset(n for n in (scores, sink) if n is not None))
+    runner = None if why else _score_runner(gm, x, scores, sink)
+    if runner is None or isinstance(runner, str):
+        return None
+    run, _ = runner
+    gen, window = torch.Generator().manual_seed(1), 0
+    dtypes = [t.meta["val"].dtype for t in (scores, sink) if t is not None]
+    for s in _lengths(order, max(longest, LENGTHS[-1]), (LENGTHS[-1],)):
+        widths = [s, *([1] if sink is not None else [])]
+        values = [
+            3 * torch.randn(1, 1, s, w, generator=gen, dtype=d)
+            for w, d in zip(widths, dtypes, strict=True)
+        ]
+        try:
+            whole = run(s, values, b=1)
+        except Exception:  # noqa: BLE001 - not evaluable so: no window
+            return None
+        keep = whole[..., :s] != 0 if linear else whole[..., :s] > MASKED
+        rows = keep.reshape(-1, s, s).any(0)  # [s, s]: kept by some batch row or head
+        if bool(rows.triu(1).any()):  # at a length prove_scores did not try
+            return f"it lets a query see later keys at sequence {s}"
+        first = rows.to(torch.uint8).argmax(-1)  # each query's first kept key (its own: kept)
+        window = max(window, int((torch.arange(s) - first).amax()) + 1)
+    if window > s - 2:
+        return None  # every key kept at the longest length tried: no window seen
+    for t in sorted({1, window}):
+        shifted = [values[0][..., t:, t:], *([values[1][..., t:, :]] if sink is not None else [])]
+        try:
+            got = run(s - t, [v.contiguous() for v in shifted], b=1)
+        except Exception:  # noqa: BLE001 - not evaluable shifted: not proven
+            return None
+        corner = whole[..., t:, t:s]
+        if sink is not None:
+            corner = torch.cat([corner, whole[..., t:, -1:]], -1)
+        # a row's own constant (gpt-oss subtracts its row max) differs in the last bits when
+        # the row holds fewer keys: the rounding of the model's dtype is allowed
+        rel = 16 * torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
+        if got.shape != corner.shape or not _consistent(
+            got, corner, s - t + (sink is not None), not linear, keep=True, rel=rel
+        ):
+            return None
     return window
 
 
@@ -453,56 +567,3 @@ def _signature(
     shapes = tuple(str([to_sympy(d, gm) for d in n.meta["val"].shape]) for n in given)
     body = tuple((n.op, str(n.target), str(fx.map_arg((n.args, n.kwargs), ref))) for n in order)
     return (shapes, body, ref(x))
-
-
-def _window(
-    gm: fx.GraphModule,
-    x: fx.Node,
-    scores: fx.Node,
-    sink: fx.Node | None,
-    linear: bool,
-    order: list[fx.Node],
-) -> int | str | None:
-    """``score_window``'s evaluation (its docstring)."""
-    runner = _score_runner(gm, x, scores, sink)
-    if isinstance(runner, str):
-        return None
-    run, _ = runner
-    named = _named_lengths(order)
-    gen, window = torch.Generator().manual_seed(1), 0
-    dtypes = [t.meta["val"].dtype for t in (scores, sink) if t is not None]
-    for s in sorted({LENGTHS[-1], *(c + d for c in named for d in (1, 2))}):
-        widths = [s, *([1] if sink is not None else [])]
-        values = [
-            3 * torch.randn(1, 1, s, w, generator=gen, dtype=d)
-            for w, d in zip(widths, dtypes, strict=True)
-        ]
-        try:
-            whole = run(s, values, b=1)
-        except Exception:  # noqa: BLE001 - not evaluable so: no window
-            return None
-        keep = whole[..., :s] != 0 if linear else whole[..., :s] > MASKED
-        rows = keep.reshape(-1, s, s).any(0)  # [s, s]: kept by some batch row or head
-        if bool(rows.triu(1).any()):  # prove_scores saw up to 21 tokens only
-            return f"it lets a query see later keys at sequence {s}"
-        first = rows.to(torch.uint8).argmax(-1)  # each query's first kept key (its own: kept)
-        window = max(window, int((torch.arange(s) - first).amax()) + 1)
-    if window > s - 2:
-        return None  # every key kept at the longest length tried: no window seen
-    for t in sorted({1, window}):
-        shifted = [values[0][..., t:, t:], *([values[1][..., t:, :]] if sink is not None else [])]
-        try:
-            got = run(s - t, [v.contiguous() for v in shifted], b=1)
-        except Exception:  # noqa: BLE001 - not evaluable shifted: not proven
-            return None
-        corner = whole[..., t:, t:s]
-        if sink is not None:
-            corner = torch.cat([corner, whole[..., t:, -1:]], -1)
-        # a row's own constant (gpt-oss subtracts its row max) differs in the last bits when
-        # the row holds fewer keys: the rounding of the model's dtype is allowed
-        rel = 16 * torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
-        if got.shape != corner.shape or not _consistent(
-            got, corner, s - t + (sink is not None), not linear, keep=True, rel=rel
-        ):
-            return None
-    return window

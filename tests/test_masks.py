@@ -235,11 +235,12 @@ def test_a_mask_from_the_batch_is_kept_and_seq1f1b_chunks_it_or_refuses() -> Non
 
 def test_the_marked_attention_names_its_batch_tensors() -> None:
     from autopart.layout import Plan
-    from autopart.lowering.compile import copy_graph
+    from autopart.lowering.compile import copy_graph, seq_limits
     from autopart.passes.canonicalize_attention import canonicalize_attention
 
     cap = capture(_Tiny().double(), _tiny_batch())
-    gm = canonicalize_attention(copy_graph(cap.graph), Plan(Mesh(), schedule="seq1f1b"))
+    plan = Plan(Mesh(), schedule="seq1f1b", max_seq=seq_limits(cap)[1])  # as compile's
+    gm = canonicalize_attention(copy_graph(cap.graph), plan)
     sdpa = next(
         n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default
     )

@@ -91,6 +91,9 @@ class Captured:
     # export fixed the length (a loop over the tokens): "rolled up" when ``generalize_loops``
     # wrote the loop for any length, else why it could not; "" when the length stayed symbolic
     loops: str = ""
+    # masks and score functions proven by evaluation, by construction (passes/position_masks.py
+    # ``Proofs``): every compile of this capture proves each once
+    proofs: dict = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:

@@ -17,7 +17,10 @@ autopart and the library namespaces the plan trusts (``Plan.library_ops``: a lib
 op capture could not decompose), and ``seq_limits`` sets ``Plan.min_seq`` and ``max_seq``, the
 shortest and longest sequence the captured graph fits, and raises ``Plan.seq_block`` to the
 multiple of tokens every length must be (found once per capture:
-``frontend/shapes.shortest_sequence``, ``longest_sequence`` and ``sequence_multiple``).
+``frontend/shapes.shortest_sequence``, ``longest_sequence`` and ``sequence_multiple``). After
+step 1, a graph whose attention rests on masks proven causal by evaluation
+(``passes/canonicalize_attention``) lowers ``max_seq`` to the length they were proven at (the
+capture example's, at least 4096 tokens): no longer sequence was tried.
 
 ``split_stages`` also makes each stage graph name no device (``autopart.graph.device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
@@ -49,6 +52,8 @@ from autopart.meta import (
     META_INPUTS,
     META_MODULE,
     META_PASSES,
+    META_PROOFS,
+    META_PROVEN_SEQ,
     META_SEQ_BLOCK,
     META_SHARD,
     META_UNIT_COSTS,
@@ -69,6 +74,9 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     low, high, step = seq_limits(captured)
     plan = replace(plan, min_seq=low, max_seq=high, seq_block=math.lcm(plan.seq_block, step))
     gm, history = apply_passes(captured, plan)
+    proven = gm.meta.get(META_PROVEN_SEQ)  # attention proven causal up to this length only
+    if proven is not None and (plan.max_seq is None or proven < plan.max_seq):
+        plan = replace(plan, max_seq=proven)
     block = gm.meta.get(META_SEQ_BLOCK, 1)  # a scan's block: chunks are whole blocks
     if plan.chunked and plan.chunk_multiple % block:
         plan = replace(plan, seq_block=math.lcm(plan.seq_block, block))
@@ -172,6 +180,7 @@ def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[P
     """A copy of the captured graph, transformed by every pass (the capture stays untouched)."""
     gm = copy_graph(captured.graph)
     gm.meta[META_EXAMPLE_SHAPE] = captured.example_shape
+    gm.meta[META_PROOFS] = captured.proofs
     return run_passes(gm, plan, PIPELINE)
 
 

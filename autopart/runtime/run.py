@@ -419,7 +419,8 @@ def check_args(args: argparse.Namespace, head: dict, plan: Plan) -> Batches:
         if plan.max_seq is not None and batches.s > plan.max_seq:
             raise AutopartError(
                 f"--seq-len {batches.s} is longer than the program's graphs fit "
-                f"({plan.max_seq} tokens, found when it was compiled)",
+                f"({plan.max_seq} tokens, found when it was compiled: a table of positions, "
+                "a size export fixed, or attention masks proven up to that length)",
                 hint=f"use --seq-len {plan.max_seq} or less, or capture the model with a "
                 f"longer example",
             )

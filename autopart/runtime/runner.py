@@ -1159,8 +1159,9 @@ class Runner:
                 raise AutopartError(
                     f"rank {self.rank}: a sequence of {seq_len} tokens is longer than the "
                     f"program's graphs fit ({p.max_seq} tokens, found when it was compiled: "
-                    "the model slices a table of positions, or export fixed a size that the "
-                    "capture example's length implied)",
+                    "the model slices a table of positions, export fixed a size that the "
+                    "capture example's length implied, or its attention masks were proven "
+                    "causal by evaluating them up to that length)",
                     hint=f"train at most {p.max_seq} tokens, or capture the model with an "
                     f"example of {seq_len} tokens",
                 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hf_gpt2
 import hf_llama
 import nanogpt
@@ -16,16 +18,19 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import capture
 from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.meta import META_ATTENTION, META_WINDOW
+from autopart.lowering.compile import seq_limits
+from autopart.meta import META_ATTENTION, META_PROVEN_SEQ, META_WINDOW
 from autopart.passes.canonicalize_attention import SDPA, canonicalize_attention, require_causal
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b")
 
 
 def _run(captured):
+    """The pass as compile runs it: on a copy, with the graph's longest sequence (nanoGPT's
+    mask buffer is that long: its masks are proven up to there)."""
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
-    return canonicalize_attention(gm, SEQ1F1B)
+    return canonicalize_attention(gm, replace(SEQ1F1B, max_seq=seq_limits(captured)[1]))
 
 
 @pytest.mark.parametrize(
@@ -63,6 +68,7 @@ class _Masked(nn.Module):
             nn.Linear(16, 48),
             nn.Linear(16, 50),
         )
+        self.register_buffer("win", torch.tensor(20))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
@@ -72,6 +78,14 @@ class _Masked(nn.Module):
             mask = pos[None, :] <= pos[:, None]
         elif self.kind == "window":  # sliding window of 20 keys: causal until 21 tokens
             mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 20)
+        elif self.kind == "float-window":  # the same window, no integer naming its length
+            mask = (pos[None, :] <= pos[:, None]) & ((pos[:, None] - pos[None, :]) * 0.05 < 1)
+        elif self.kind == "buffer-window":  # the same window, its length a buffer's value
+            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < self.win)
+        elif self.kind == "float-peek":  # causal until query 19.5, then the next key too
+            mask = (pos[None, :] <= pos[:, None]) | (
+                (pos[:, None].double() > 19.5) & (pos[None, :] == pos[:, None] + 1)
+            )
         elif self.kind == "padding":
             mask = (pos[None, :] <= pos[:, None]) & (ids != 0)[:, None, None, :]
         else:
@@ -81,16 +95,31 @@ class _Masked(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("kind", "causal"), [("causal", True), ("window", True), ("padding", False), ("full", False)]
+    ("kind", "causal"),
+    [
+        ("causal", True),
+        ("window", True),
+        ("float-window", True),
+        ("buffer-window", True),
+        ("float-peek", False),
+        ("padding", False),
+        ("full", False),
+    ],
 )
 def test_masks_are_proven_by_evaluation(kind: str, causal: bool) -> None:
+    """Each mask is evaluated up to the longest sequence the program will take (4096 tokens
+    here), so a window or a later key that shows only past the short lengths tried first, and
+    past any integer the construction names (a float threshold, a scale, a buffer's value), is
+    seen: a 20-key window stays a window, a peek at the next key from query 20 on is not
+    causal (both were taken for plain causal masks on every plan, with gradients 20 % off)."""
     ids = torch.randint(1, 50, (2, 24))  # longer than the window: the window shows
     captured = capture(_Masked(kind), (ids, ids))
     gm = _run(captured)
     marks = [n.meta.get(META_ATTENTION) for n in gm.graph.nodes if META_ATTENTION in n.meta]
     assert marks and all((m == "causal") == causal for m in marks), marks
     windows = [n.meta[META_WINDOW] for n in gm.graph.nodes if n.target == SDPA and causal]
-    assert windows == ([20] if kind == "window" else [None] if causal else [])
+    assert windows == ([20] if "window" in kind else [None] if causal else [])
+    assert gm.meta.get(META_PROVEN_SEQ) == (4096 if causal else None)
     if causal:  # the canonical form computes what the model did
         (before,) = captured.graph(*feed(captured, (ids, ids)))
         (after,) = gm(*feed(captured, (ids, ids)))

@@ -46,7 +46,7 @@ class _Scores(nn.Module):
     (gpt-oss's local layers) hand on 3 positions of K/V; "capped-chunked" (soft-capped, causal
     within blocks of 4) hides every key 4 behind too, but depends on where the blocks start:
     it keeps its whole prefix. Refused: "capped-peek" (soft-capped, and from query 24 on every
-    key is seen: causal at the 21 tokens ``prove_scores`` tries, not at 26)."""
+    key is seen: causal at 21 tokens, not at the longest length proven)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -226,7 +226,7 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
         ("where-soft", "where_1 (where.self) is not elementwise in the scores"),
         ("shallow", "a later key's score is -100, above -10000"),
         ("capped-end", "not a function of positions"),
-        ("capped-peek", "lets a query see later keys at sequence 26"),
+        ("capped-peek", "lets a query see later keys at sequence 4096"),
         ("length", "not a function of positions"),
         ("strict", "hides a query's own key"),
         ("blocks", "lets a query see later keys"),

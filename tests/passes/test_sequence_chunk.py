@@ -3,6 +3,8 @@ equals the unchunked graph (loss and every gradient), for every attention form."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hf_gpt2
 import hf_llama
 import nanogpt
@@ -18,6 +20,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, capture
 from autopart.graph import copy_graph
 from autopart.layout import Plan
+from autopart.lowering.compile import seq_limits
 from autopart.meta import META_INPUT, META_KV, META_KV_SHAPES, META_SEQ_DIM
 from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.fold_identities import fold_identities
@@ -25,6 +28,14 @@ from autopart.passes.sequence_chunk import lower_right_mask, sequence_chunk
 from autopart.program.format import load_rank
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b", seq_chunks=3)
+
+
+def passes_plan(captured: Captured, plan: Plan = SEQ1F1B) -> Plan:
+    """``plan`` as compile hands it to the passes: with the graph's longest sequence (masks
+    are proven by evaluation up to there)."""
+    return replace(plan, max_seq=seq_limits(captured)[1])
+
+
 MODELS = {
     "nanogpt-sdpa": nanogpt.make,
     "nanogpt-manual": nanogpt.make_manual,
@@ -39,7 +50,11 @@ def chunked(request) -> tuple[Captured, tuple, fx.GraphModule]:
     captured = capture(model.double(), batch)
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
-    return captured, batch, sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
+    return (
+        captured,
+        batch,
+        sequence_chunk(canonicalize_attention(gm, passes_plan(captured)), SEQ1F1B),
+    )
 
 
 def run_chunks(
@@ -265,7 +280,7 @@ def test_an_op_without_a_sequence_rule_is_refused() -> None:
     gelu.replace_all_uses_with(odd, delete_user_cb=lambda u: u is not odd)
     odd.meta.update(gelu.meta)
     with pytest.raises(AutopartError) as err:
-        sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
+        sequence_chunk(canonicalize_attention(gm, passes_plan(captured)), SEQ1F1B)
     assert f"node {odd.name}" in err.value.message and "has no sequence rule" in err.value.message
 
 
@@ -316,7 +331,7 @@ def _chunked_exactly(
     captured = capture(model.double(), (ids, ids))
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
-    gm = canonicalize_attention(fold_identities(gm, SEQ1F1B), SEQ1F1B)
+    gm = canonicalize_attention(fold_identities(gm, SEQ1F1B), passes_plan(captured))
     gm = sequence_chunk(gm, SEQ1F1B)
     ref_loss, ref_grads = _reference(captured, (ids, ids))
     for lengths in cuts:
@@ -396,7 +411,7 @@ def test_a_sliding_window_reaches_across_chunks(monkeypatch) -> None:
 def gm_of(captured: Captured) -> fx.GraphModule:
     gm = copy_graph(captured.graph)
     gm.meta.update(captured.graph.meta)
-    return sequence_chunk(canonicalize_attention(gm, SEQ1F1B), SEQ1F1B)
+    return sequence_chunk(canonicalize_attention(gm, passes_plan(captured)), SEQ1F1B)
 
 
 def test_other_schedules_leave_the_graph_alone(chunked) -> None:
