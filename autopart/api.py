@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autopart.errors import AutopartError, wait
-from autopart.frontend.capture import Captured, capture, capture_mixed
+from autopart.frontend.capture import Captured, capture, capture_mixed, cuda_devices
 from autopart.frontend.loops import fixed_length
 from autopart.layout import Plan, mesh_from
 from autopart.lowering import compile_program
@@ -130,7 +130,16 @@ def _attach(runner: Any, model: nn.Module) -> None:
 
 
 def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> Any:
-    """Capture (unless given a ``Captured``) and compile: the whole ``Program``."""
+    """Capture (unless given a ``Captured``) and compile: the whole ``Program``. torch's
+    random generators are where they were before (the live API compiles on rank 0 only: a
+    draw there would put rank 0's generator out of step with the others', which DDP leaves
+    alone)."""
+    cuda = [] if isinstance(model, Captured) else cuda_devices(model)
+    with torch.random.fork_rng(devices=cuda):
+        return _compile_forked(model, example_inputs, plan)
+
+
+def _compile_forked(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> Any:
     if isinstance(model, Captured):
         captured = model
         if plan.compute_dtype not in (None, captured.dtype):

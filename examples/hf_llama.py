@@ -60,6 +60,7 @@ def make_packed(n_layer: int = 2, seq: int = 32):
     the label of a document's last token (the next document's first) is -100."""
     assert all(sum(d) == seq for d in DOCS), "the documents fill each row"
     model, (input_ids, labels) = make(n_layer=n_layer, batch=len(DOCS), seq=seq)
+    model.config.use_cache = False  # with a K/V cache, its default call attends across them
     position_ids = torch.zeros_like(input_ids)
     for i, docs in enumerate(DOCS):
         start = 0

@@ -1330,8 +1330,8 @@ def _cut(gm: fx.GraphModule, out: fx.Node):
 
 def _example(ph: fx.Node, s: int, gm: fx.GraphModule, batch: int = 2) -> torch.Tensor:
     ref = ph.meta[META_INPUT]
-    if ref.kind == "data":
-        return torch.randint(0, 50, (batch, s))
+    if ref.kind == "data":  # (its own generator: compiling draws nothing from torch's)
+        return torch.randint(0, 50, (batch, s), generator=torch.Generator().manual_seed(s))
     if ref.kind in ("buffer", "constant"):
         return gm.meta[META_BUFFERS][ref.name]
     if ref.kind == "rank":

@@ -319,6 +319,46 @@ def test_state_updates_are_refused_and_unused_values_dropped() -> None:
     assert len(losses) == 1, losses
 
 
+class _OwnLoss(nn.Module):
+    """Returns ``(logits, loss)`` given labels: the cross entropy, smoothed by ``smoothing``,
+    plus ``extra`` times the mean squared logit (a z-loss-like term)."""
+
+    def __init__(self, smoothing: float = 0.0, extra: float = 0.0) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.smoothing, self.extra = smoothing, extra
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.head(self.emb(input_ids))
+        if labels is None:
+            return logits
+        flat = logits.reshape(-1, 32)
+        loss = F.cross_entropy(flat, labels.reshape(-1), label_smoothing=self.smoothing)
+        return logits, loss + self.extra * flat.pow(2).mean()
+
+
+def test_a_model_whose_own_loss_is_not_the_cross_entropy_is_refused() -> None:
+    """autopart trains the mean next-token cross entropy of the logits. A model whose own loss
+    adds to it (label smoothing, a z-loss; a Hugging Face MoE's router loss with
+    ``output_router_logits=True``) trained another loss than the one-process loop
+    ``model(ids, labels=labels).loss``, silently (4.18 against 4.38); it is refused at capture,
+    naming both values (before the export). The plain loss captures; so does every Hugging
+    Face model of the suite, whose loss shifts the labels itself (compared unshifted)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    ids = torch.randint(0, 32, (2, 12))
+    batch = (ids, ids.roll(-1, 1))
+    capture(_OwnLoss().double(), batch)
+    for model in (_OwnLoss(smoothing=0.1), _OwnLoss(extra=1e-3)):
+        with pytest.raises(AutopartError, match="own loss, given the labels, is") as err:
+            capture(model.double(), batch)
+        assert "cross entropy" in err.value.message and "label_smoothing" in err.value.hint
+    config = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    config |= dict(num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
+    with pytest.raises(AutopartError, match="MixtralForCausalLM's own loss"):
+        capture(MixtralForCausalLM(MixtralConfig(**config, output_router_logits=True)), batch)
+
+
 def test_logits_of() -> None:
     t = torch.ones(2, 3)
     assert logits_of(t) is t

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import autopart
 from autopart.api import training_mode
 from autopart.runtime.guards import (
+    Logits,
     Parameters,
     StepLoss,
     check_step_context,
@@ -163,7 +165,8 @@ def test_hugging_face_gradient_checkpointing_is_named_with_what_recomputes() -> 
 
 def test_the_loss_step_returns_refuses_backward_and_is_a_tensor_otherwise() -> None:
     """``loss = runner.step(...); loss.backward()`` (DDP's habit) is refused by name, also on
-    values computed from the loss; it prints, copies and saves as a plain tensor (a checkpoint
+    values computed from the loss, and so is a loss of the loop's own computed from
+    ``runner.logits(...)``; it prints, copies and saves as a plain tensor (a checkpoint
     holding it loads with ``weights_only=True``)."""
     import copy
     import io
@@ -177,6 +180,12 @@ def test_the_loss_step_returns_refuses_backward_and_is_a_tensor_otherwise() -> N
     for value in (loss, loss / 4, loss + torch.ones(())):
         with pytest.raises(autopart.AutopartError, match="ran the forward and the backward"):
             value.backward()
+    logits = Logits.of(torch.randn(2, 3, 5, requires_grad=True))  # runner.logits' result
+    own = F.cross_entropy(logits.flatten(0, 1), torch.zeros(6, dtype=torch.long))
+    with pytest.raises(autopart.AutopartError, match="computes the forward only") as err:
+        own.backward()  # a loss of the loop's own
+    assert "runner.step(input_ids, labels)" in err.value.hint
+    assert logits.argmax(-1).shape == (2, 3) and repr(logits).startswith("tensor(")
     buf = io.BytesIO()
     torch.save({"loss": loss, "history": [copy.deepcopy(loss)]}, buf)
     buf.seek(0)
@@ -190,7 +199,8 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
     and ``model.load_state_dict`` loads the runner (a resume used to load the module only).
     Once the runner's weights moved (an optimizer step, fused included, or an in-place
     change), reading the module's (a call, ``state_dict``, a copy, a pickle, ``parallelize``
-    again) is refused until ``copy_to``: it gave the weights from before ``parallelize``.
+    again, listing its parameters: an average, a clamp) is refused until ``copy_to``: it gave
+    the weights from before ``parallelize``. The runner itself refuses to be copied.
     torch's clipping over ``model.parameters()`` (no gradient there: it clipped nothing) and a
     parameter frozen after ``parallelize`` are refused. The class keeps its names, copies and
     pickles as the original, and is put back when the runner goes."""
@@ -225,11 +235,17 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
         "copying or pickling": lambda: copy.deepcopy(model),
         "copying or pickling ": lambda: pickle.dumps(model),
         "parallelize(model, mesh) again": lambda: autopart.parallelize(model, _LiveMesh(), batch),
+        # an average (AveragedModel.update_parameters(model)), a clamp, a norm: stale weights
+        "reading model.parameters()": lambda: [p.clamp_(-1, 1) for p in model.parameters()],
+        "model.named_parameters()": lambda: dict(model.named_parameters()),
     }
     for what, read in reads.items():
         with pytest.raises(autopart.AutopartError, match="runner.copy_to") as exc:
             read()
         assert str(exc.value).startswith(what.strip()), exc.value
+    for copy_runner in (copy.deepcopy, pickle.dumps):  # AveragedModel(runner) deep-copies it
+        with pytest.raises(autopart.AutopartError, match="cannot be copied or pickled"):
+            copy_runner(runner)
     runner.copy_to(model)
     full = runner.full_state_dict()
     assert all(torch.equal(full[k], v) for k, v in model.state_dict().items())

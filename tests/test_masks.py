@@ -278,3 +278,20 @@ def test_a_pair_stays_a_pair_and_a_bool_mask_becomes_int64() -> None:
         {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(2, 4, dtype=torch.bool)}
     )
     assert got["attention_mask"].dtype == torch.int64
+
+
+def test_packing_with_a_cache_by_default_is_named() -> None:
+    """A Hugging Face model whose default call keeps a K/V cache attends across packed
+    documents there, while autopart calls it with ``use_cache=False`` (its document mask): the
+    capture warns, naming ``use_cache=False``; with the cache off by default it is silent."""
+    import warnings
+
+    from autopart.frontend.capture import _warn_packing
+
+    model, batch = hf_llama.make_packed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_packing(model, batch)
+    model.config.use_cache = True
+    with pytest.warns(UserWarning, match=r"model\(\.\.\., use_cache=False\)"):
+        _warn_packing(model, batch)

@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -349,6 +350,8 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
     # largest runs use) is traced as two copies of it, so the batch stays symbolic
     if input_ids.shape[0] == 1:
         fields = {k: t.repeat(2, 1) for k, t in fields.items()}
+    _refuse_own_loss(model, fields)
+    _warn_packing(model, fields)
     args = (fields["input_ids"], fields["labels"])
     kwargs = {k: t for k, t in fields.items() if k in OPTIONAL}
     try:
@@ -383,6 +386,107 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
         if fixed_length(captured.graph) is not None:
             return _unfixed(captured, model, fields)
     return captured
+
+
+OWN_LOSS_RTOL = 1e-5  # the model's float32 loss of float64 logits differs by ~1e-8
+
+
+def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
+    """Refuse a model whose own loss, given the labels, is not the mean next-token cross entropy
+    of its logits, which is what autopart trains: label smoothing, a router's auxiliary loss
+    (``output_router_logits=True``), a z-loss. The one-process loop ``model(ids,
+    labels=labels).loss.backward()`` trains that loss; the ranks would silently train another
+    (the loss 4.18 against 4.38, the router's gradients 89 % off). One call with the labels, in
+    no-grad mode and with torch's generator put back, compares the loss it returns with the
+    cross entropy of the logits it returns with it. A model that takes no ``labels``, returns no
+    loss, fails with these labels (a loss ignoring -1, not -100) or is on the meta device is
+    not checked. Hugging Face models take the labels unshifted (they shift them)."""
+    takes = inspect.signature(model.forward).parameters
+    if "labels" not in takes or any(p.is_meta for p in model.parameters()):
+        return
+    labels = fields["labels"]
+    hf = type(model).__module__.startswith("transformers.")
+    given = labels
+    if hf:  # position t's label is token t: the one before its target
+        given = torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], 1)
+    extra: dict[str, Any] = {k: v for k, v in fields.items() if k in OPTIONAL}
+    if "use_cache" in takes:
+        extra["use_cache"] = False
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
+            out = model(fields["input_ids"], labels=given, **extra)
+            logits = logits_of(out)
+    except Exception:  # noqa: BLE001 - labels it cannot take: not compared
+        return
+    own = _loss_of(out, logits)
+    counted = labels != -100
+    if own is None or logits.shape[:2] != labels.shape or not bool(counted.any()):
+        return
+    ours = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+    )
+    own_value, ours_value = float(own), float(ours)
+    if abs(own_value - ours_value) <= OWN_LOSS_RTOL * abs(ours_value):
+        return
+    raise AutopartError(
+        f"{type(model).__name__}'s own loss, given the labels, is {own_value:.6g}, but the mean "
+        f"next-token cross entropy of its logits is {ours_value:.6g}: autopart trains the "
+        "cross entropy, and the model's loss adds something to it (label smoothing, a "
+        "router's auxiliary loss, a z-loss), which the ranks would silently leave out",
+        hint="train the plain cross entropy: turn the extra term off (label_smoothing=0, "
+        "output_router_logits=False), or compare against a one-process loop that uses "
+        "F.cross_entropy on the logits",
+    )
+
+
+def _warn_packing(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
+    """Packed documents (``position_ids`` and no ``attention_mask``) in a Hugging Face model
+    that keeps a K/V cache by default: autopart calls it with ``use_cache=False``, with which
+    it masks the documents apart; its default call builds a cache and attends across them."""
+    config = getattr(model, "config", None)
+    if (
+        type(model).__module__.startswith("transformers.")
+        and "position_ids" in fields
+        and "attention_mask" not in fields
+        and getattr(config, "use_cache", False)
+    ):
+        warnings.warn(
+            f"{type(model).__name__} with position_ids and no attention_mask: autopart calls "
+            "it with use_cache=False, with which Hugging Face masks packed documents (positions "
+            "restarting at 0) apart; its default call (config.use_cache=True) builds a K/V "
+            "cache and then attends across the documents, so a one-process loop that checks "
+            "autopart must call model(..., use_cache=False) too (or set "
+            "config.use_cache = False)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _loss_of(out: Any, logits: torch.Tensor) -> torch.Tensor | None:
+    """The loss a model returned beside its logits: ``.loss``, ``["loss"]``, or the one
+    scalar floating tensor of a tuple; None if none."""
+    if isinstance(out, Mapping):
+        found = out.get("loss")
+    elif hasattr(out, "loss"):
+        found = out.loss
+    elif isinstance(out, (tuple, list)):
+        scalars = [
+            t
+            for t in out
+            if isinstance(t, torch.Tensor)
+            and t is not logits
+            and t.dim() == 0
+            and t.is_floating_point()
+        ]
+        found = scalars[0] if len(scalars) == 1 else None
+    else:
+        found = None
+    return found if isinstance(found, torch.Tensor) and found.numel() == 1 else None
+
+
+def cuda_devices(model: nn.Module) -> list[int]:
+    """The CUDA devices ``model``'s parameters are on (their generators to put back)."""
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _refuse_state_updates(ep: torch.export.ExportedProgram) -> None:

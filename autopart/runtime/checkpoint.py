@@ -419,11 +419,42 @@ def _problem(step: Path, rank: int, world: int) -> str | None:
     """Why ``step`` cannot be resumed, as far as this rank's share of its files shows."""
     try:
         info = read_info(step)
+        named = cf.STEP.fullmatch(step.name)
+        if named and int(named[1]) != info["step"]:  # a copy under a newer step's name
+            return (
+                f"its folder is named for step {int(named[1])}, but its marker records step "
+                f"{info['step']}"
+            )
         for name in sorted(info["files"])[rank::world]:
             cf.check_digest(step / name, info["files"][name])
     except AutopartError as exc:
         return exc.message
     return None
+
+
+def prune(root: str | Path, keep: int, current: Path | None = None) -> None:
+    """Remove the oldest complete checkpoints under ``root`` beyond the newest ``keep``
+    (``--keep-checkpoints``), never ``current``. Only what a save makes is removed: a folder
+    named ``step`` and digits (by its step, not its name's order), itself a directory and not
+    a link, with its marker a file and not a link; links are never followed (a link in the
+    folder pointed outside it, and removing its marker removed the target's)."""
+    ours = [
+        d
+        for d in _steps(Path(root))
+        if not d.is_symlink() and (d / INFO).is_file() and not (d / INFO).is_symlink()
+    ]
+    for old in ours[keep:]:
+        if current is not None and old == current:
+            continue
+        try:
+            (old / INFO).unlink()  # first: never a half-deleted complete one
+            shutil.rmtree(old)
+        except OSError as exc:
+            raise AutopartError(
+                f"could not remove the old checkpoint {old}: {exc.strerror or exc}",
+                hint="check the folder's permissions, or keep every checkpoint (no "
+                "--keep-checkpoints)",
+            ) from None
 
 
 def _skipping(step: Path, problem: str) -> str:
@@ -756,6 +787,11 @@ def _copy_into(p: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 def _clear(path: Path) -> None:
     """Make ``path`` an empty folder; refuses to remove anything that is not a checkpoint."""
+    if path.is_symlink():  # its marker and files would be removed where the link points
+        raise AutopartError(
+            f"{path} is a link; a save does not write or remove anything through it",
+            hint="save the checkpoint to a new or empty folder that is not a link",
+        )
     if path.exists():
         entries = list(path.iterdir()) if path.is_dir() else [path]
         ours = all(

@@ -15,7 +15,9 @@
 - **``loss.backward()`` on the loss ``step`` returns.** ``step`` ran the backward already; the
   loss is a ``StepLoss`` (a detached tensor, and what arithmetic on it gives) whose
   ``backward`` refuses, naming that. It raised torch's "Trying to backward through the graph a
-  second time", whose hint (``retain_graph=True``) does not apply.
+  second time", whose hint (``retain_graph=True``) does not apply. The logits ``logits``
+  returns are ``Logits``: a loss of the loop's own computed from them refuses ``backward`` the
+  same way (it was torch's "element 0 of tensors does not require grad" on every rank).
 
 - **Reading the module's weights after the runner trained** (``model(ids)``,
   ``model.state_dict()``, ``copy.deepcopy(model)``, ``torch.save(model)``,
@@ -40,7 +42,7 @@ import sys
 import types
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -214,7 +216,12 @@ def follow_module(runner: Any, model: nn.Module) -> None:
         return (fn, args, *rest)
 
     def parameters(self: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return _module_parameters(base.parameters(self, recurse), owner)
+        return _module_parameters(base.parameters(self, recurse), owner, check_current)
+
+    def named_parameters(self: nn.Module, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return _checked(
+            base.named_parameters(self, *args, **kwargs), check_current, "model.named_parameters()"
+        )
 
     namespace = {
         _FOLLOWS: base,
@@ -228,6 +235,7 @@ def follow_module(runner: Any, model: nn.Module) -> None:
         "__call__": call,
         "__reduce_ex__": reduce_ex,
         "parameters": parameters,
+        "named_parameters": named_parameters,
     }
     followed: type[nn.Module] = types.new_class(
         base.__name__, (base,), {}, lambda ns: ns.update(namespace)
@@ -258,14 +266,25 @@ def original_state_dict(model: nn.Module) -> dict[str, Any]:
     return cls.state_dict(model)
 
 
+def _checked(items: Iterator[Any], check: Callable[[str], None], what: str) -> Iterator[Any]:
+    """``items``, once ``check(what)`` passes (when the first is read, as torch's generators)."""
+    check(what)
+    yield from items
+
+
 def _module_parameters(
-    params: Iterator[nn.Parameter], owner: weakref.ref[Any]
+    params: Iterator[nn.Parameter], owner: weakref.ref[Any], check: Callable[[str], None]
 ) -> Iterator[nn.Parameter]:
     """``model.parameters()`` of a followed module: a generator, as torch's, which refuses to be
     read by torch's gradient clipping once the runner has stepped if none of them has a
-    gradient (they never get one: the runner trains its own copies)."""
+    gradient (they never get one: the runner trains its own copies), and to be read at all once
+    the runner's weights moved (``check``): an average of them (``AveragedModel``'s
+    ``update_parameters(model)``), a clamp or a norm of them would silently use the weights
+    from before ``parallelize``."""
     live, caller = owner(), sys._getframe(1)
-    if live is not None and live.steps and _is_clip(caller):
+    if not _is_clip(caller):
+        check("reading model.parameters()")
+    elif live is not None and live.steps:
         held = list(params)
         if held and all(p.grad is None for p in held):
             while caller.f_code.co_name.startswith("<") and caller.f_back is not None:
@@ -291,7 +310,8 @@ def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:
     ``parallelize`` (``frozen``: its frozen parameters then): the program was compiled, and its
     gradient buckets built, with the other flag, so the runner would silently go on training
     it (or keep it frozen)."""
-    now = {name for name, p in model.named_parameters() if not p.requires_grad}
+    # (the module's own method: a followed module refuses to list its stale parameters)
+    now = {name for name, p in nn.Module.named_parameters(model) if not p.requires_grad}
     if now != frozen:
         changed = sorted(now ^ frozen)
         how = "frozen" if changed[0] in now else "unfrozen"
@@ -379,14 +399,16 @@ def check_step_context(call: str, device: torch.device, *, needs_grad: bool) -> 
         )
 
 
-class StepLoss(torch.Tensor):
-    """The loss ``Runner.step`` returns: a detached tensor whose ``backward`` (and that of the
-    values computed from it, ``loss / accumulation``) says that ``step`` ran the backward
-    already. Anything else (``item()``, ``float()``, logging, arithmetic) is a tensor's."""
+class _Detached(torch.Tensor):
+    """A detached tensor whose ``backward`` (and that of the values computed from it, which
+    keep its class) raises ``WHY`` with ``HINT``. Anything else (``item()``, ``float()``,
+    logging, arithmetic) is a tensor's; it prints, copies and saves as a plain tensor."""
 
-    @staticmethod
-    def of(loss: torch.Tensor) -> StepLoss:
-        return torch.Tensor._make_subclass(StepLoss, loss.detach())
+    WHY = HINT = ""
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Any:
+        return torch.Tensor._make_subclass(cls, t.detach())
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
         return repr(self.as_subclass(torch.Tensor))  # printed as the tensor it is
@@ -394,14 +416,39 @@ class StepLoss(torch.Tensor):
     def __reduce_ex__(self, proto: Any) -> Any:
         return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> StepLoss:
-        return StepLoss.of(self.as_subclass(torch.Tensor).clone())
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return type(self).of(self.as_subclass(torch.Tensor).clone())
 
     def backward(self, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002 - torch's signature
-        raise AutopartError(
-            "runner.step(...) ran the forward and the backward already: the gradients are on "
-            "runner.parameters(), and the loss it returns is for logging",
-            hint="call opt.step() after runner.step(...), without loss.backward(); for gradient "
-            "accumulation call runner.step once per micro-batch (num_tokens= for the exact "
-            "mean), then opt.step()",
-        )
+        raise AutopartError(self.WHY, hint=self.HINT)
+
+
+class StepLoss(_Detached):
+    """The loss ``Runner.step`` returns: ``loss.backward()`` (DDP's habit; ``loss /
+    accumulation`` too) says that ``step`` ran the backward already."""
+
+    WHY = (
+        "runner.step(...) ran the forward and the backward already: the gradients are on "
+        "runner.parameters(), and the loss it returns is for logging"
+    )
+    HINT = (
+        "call opt.step() after runner.step(...), without loss.backward(); for gradient "
+        "accumulation call runner.step once per micro-batch (num_tokens= for the exact "
+        "mean), then opt.step()"
+    )
+
+
+class Logits(_Detached):
+    """The logits ``Runner.logits`` returns: a loss computed from them and ``backward()`` (a
+    loss of the loop's own) says that they are forward only. It raised torch's "element 0 of
+    tensors does not require grad" on every rank."""
+
+    WHY = (
+        "runner.logits(...) computes the forward only, with no graph to differentiate: a loss "
+        "computed from its logits cannot be trained through the ranks"
+    )
+    HINT = (
+        "train with runner.step(input_ids, labels): the model's next-token cross entropy, "
+        "whose gradients it computes on every rank; runner.logits is for sampling and "
+        "evaluation"
+    )

@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -547,13 +546,7 @@ def _save(runner, optim, args: argparse.Namespace, rank: int, step: int, tied: d
         tied=tied,
     )
     if rank == 0 and args.keep_checkpoints:
-        done = sorted(
-            p for p in args.checkpoint_dir.glob("step*") if (p / checkpoint.INFO).is_file()
-        )
-        for old in done[: -args.keep_checkpoints]:
-            if old != path:
-                (old / checkpoint.INFO).unlink()  # first: never a half-deleted complete one
-                shutil.rmtree(old)
+        checkpoint.prune(args.checkpoint_dir, args.keep_checkpoints, path)
 
 
 def _finish_checkpoints(

@@ -44,6 +44,7 @@ from autopart.runtime import flex, norms, p2p, staging, state
 from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
 from autopart.runtime.guards import (
+    Logits,
     Parameters,
     StepLoss,
     check_frozen,
@@ -534,6 +535,17 @@ class Runner:
             "without gradients; runner.logits(input_ids) for the logits",
         )
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refused: a runner holds this rank's process groups, shards and compiled graphs, which
+        neither ``copy.deepcopy`` (``AveragedModel(runner)``) nor a pickle can carry."""
+        raise AutopartError(
+            "a Runner cannot be copied or pickled (copy.deepcopy, AveragedModel(runner), "
+            "torch.save(runner)): it holds this rank's process groups and shards",
+            hint="copy its weights instead: runner.full_state_dict() (a collective) or this "
+            "rank's runner.state_dict(); for an average of the weights (EMA, SWA), keep one of "
+            "runner.parameters() in tensors of your own, updated after each optimizer step",
+        )
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, keyed by the model's global FQNs: its tp slices
         and its stages only, so not the whole model unless tp = pp = 1 (rank 0's is not the
@@ -670,12 +682,12 @@ class Runner:
         out = self._gather_logits(pieces, mbs, input_ids.shape[1])
         group = self.groups.get("dp")
         if local or group is None:
-            return out
+            return Logits.of(out)  # its backward() names what logits computes
         host = out.cpu() if out.device.type != "cpu" and dist.get_backend(group) == "gloo" else out
         parts = [torch.empty_like(host) for _ in range(self.plan.mesh.dp)]
         work = dist.all_gather(parts, host.contiguous(), group=group, async_op=True)
         self._wait(work, "gathering the logits of every dp replica's rows")
-        return torch.cat(parts, dim=0).to(out.device)
+        return Logits.of(torch.cat(parts, dim=0).to(out.device))
 
     def _gather_logits(
         self, pieces: dict[tuple[int, int], torch.Tensor], mbs: list, seq: int

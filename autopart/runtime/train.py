@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -285,11 +284,7 @@ def _save(
         tied=tied,
     )
     if rank == 0 and cfg.checkpoint_keep:
-        done = sorted(p for p in cfg.checkpoints.glob("step*") if (p / checkpoint.INFO).is_file())
-        for old in done[: -cfg.checkpoint_keep]:
-            if old != path:
-                (old / checkpoint.INFO).unlink()  # first: never a half-deleted complete one
-                shutil.rmtree(old)
+        checkpoint.prune(cfg.checkpoints, cfg.checkpoint_keep, path)
 
 
 if __name__ == "__main__":
