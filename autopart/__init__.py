@@ -6,10 +6,15 @@ print(prog.rank(1))
 prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.runtime.run out/
 """
 
+import os
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from autopart.errors import AutopartError
+# this process and its parent when autopart was first imported, before torch: a rank whose
+# launcher died while it was still importing sees another parent by ``runtime/launch.rank_setup``
+STARTED = (os.getpid(), os.getppid())
+
+from autopart.errors import AutopartError  # noqa: E402 - after STARTED
 
 # name → the module that defines it; imported on first use (PEP 562), so a rank that only
 # runs a saved program never imports the compiler or the verifier

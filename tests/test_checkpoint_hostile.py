@@ -284,6 +284,37 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumed(
         assert checkpoint.latest(root) == checkpoint.folder(root, 1)
 
 
+def test_pruning_and_saves_never_reach_through_links_and_a_renamed_step_is_skipped(
+    saved: dict, tmp_path: Path
+) -> None:
+    """A stranger's folder: ``--keep-checkpoints`` removed a ``step-notes`` folder holding a
+    marker, and through a link ``step00000000`` -> elsewhere it removed the marker there (then
+    a raw ``OSError``); a save into a step folder that is a link removed the target's marker.
+    Now pruning removes only real ``stepNNNN`` folders with a real marker, oldest by step, and
+    a save refuses a link. A copy of step 2 named ``step00000099`` was resumed as the newest
+    (its marker says step 2): it is skipped, naming both steps."""
+    root = copy_steps(saved, tmp_path / "ck")
+    outside = tmp_path / "outside"
+    shutil.copytree(checkpoint.folder(root, 1), outside)
+    (root / "step00000000").symlink_to(outside, target_is_directory=True)
+    notes = root / "step-notes"
+    notes.mkdir()
+    (notes / checkpoint.INFO).write_text("{}")
+    shutil.copytree(checkpoint.folder(root, 1), root / "step00000003")
+    checkpoint.prune(root, 2, current=checkpoint.folder(root, 3))
+    left = sorted(p.name for p in root.iterdir())
+    assert left == ["step-notes", "step00000000", "step00000002", "step00000003"], left
+    assert (outside / checkpoint.INFO).is_file() and (notes / checkpoint.INFO).is_file()
+    with pytest.raises(AutopartError, match="is a link; a save does not write"):
+        checkpoint._clear(root / "step00000000")
+    assert (outside / checkpoint.INFO).is_file()
+    shutil.copytree(checkpoint.folder(saved["root"], 2), root / "step00000099")
+    shutil.rmtree(root / "step00000003")  # (a copy of step 1: its marker says so too)
+    seen: list[str] = []
+    assert checkpoint.latest(root, on_skip=seen.append) == checkpoint.folder(root, 2)
+    assert len(seen) == 1 and "named for step 99, but its marker records step 2" in seen[0]
+
+
 def test_a_full_disk_during_a_save_is_one_named_error(program: Path, tmp_path: Path) -> None:
     """A write that fails inside DCP (here: the file-size limit, as a full disk would) used to
     surface as a raw ``CheckpointException`` traceback, a ``BaseException`` that ``except

@@ -276,3 +276,27 @@ def test_a_nan_in_one_copy_of_a_tied_weight_is_refused(tmp_path: Path) -> None:
     r = _cli("run", str(folder), "--steps", "1", timeout=120)
     assert r.returncode != 0
     assert f"parameter {tied[0]} holds NaN or inf" in r.stdout + r.stderr
+
+
+def test_a_rank_whose_launcher_died_while_it_started_stops(tmp_path: Path) -> None:
+    """SIGKILL to torchrun while its ranks still imported torch left both ranks asleep in the
+    rendezvous for 10 minutes, orphans: the kernel's parent-death signal, asked for in
+    ``rank_setup``, is for a parent that dies after the request. A rank now compares its
+    parent with the one it had when autopart was imported, and stops. Here the parent (the
+    inner ``python -c``) exits half a second after it started the rank, which takes a second
+    before ``rank_setup``."""
+    marker = tmp_path / "alive"
+    rank = (
+        "import autopart, time; time.sleep(1.0); "
+        "from autopart.runtime.launch import rank_setup; rank_setup(lambda: None); "
+        f"open({str(marker)!r}, 'w').write('still running')"
+    )
+    parent = (  # the rank imports autopart (its parent still there), then the parent exits
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}]); "
+        "time.sleep(0.5)"
+    )
+    subprocess.run([sys.executable, "-c", parent], check=True, timeout=60, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while _processes_naming(str(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_naming(str(marker)) and not marker.exists()

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+import autopart
 from autopart.errors import AutopartError
 
 GRACE_S = 5.0  # after forwarding a signal, how long the ranks get before the group is killed
@@ -47,7 +48,10 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 def rank_setup(cleanup: Callable[[], None]) -> None:
     """Every rank's first step: SIGTERM when the agent dies, and on SIGTERM / SIGINT run
-    ``cleanup`` (unlink shared memory) and exit at once with 128 + the signal."""
+    ``cleanup`` (unlink shared memory) and exit at once with 128 + the signal. A rank whose
+    agent died before this (while it imported torch: the kernel's parent-death signal is only
+    for a parent that dies after the request) exits at once too: it slept in the rendezvous
+    for 10 minutes, an orphan."""
     _die_with_parent()
 
     def stop(signum: int, frame: Any) -> None:
@@ -60,6 +64,13 @@ def rank_setup(cleanup: Callable[[], None]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+    pid, parent = autopart.STARTED
+    if os.getpid() == pid and os.getppid() != parent:  # (a forked rank imported nothing)
+        print(
+            f"autopart: the launcher (pid {parent}) that started this rank is gone; stopping",
+            file=sys.stderr,
+        )
+        stop(signal.SIGTERM, None)
 
 
 class _Forward:
