@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
@@ -645,6 +646,20 @@ def test_a_huge_kv_shape_is_refused(saved: Path, tmp_path: Path) -> None:
     assert "kv_shapes[0]" in err.value.message and "not an empty prefix" in err.value.message
 
 
+def test_a_schedule_larger_than_the_actions_is_refused_before_it_is_generated(
+    saved: Path, tmp_path: Path
+) -> None:
+    """A stranger's plan.json of 65536 micro-batches (every digest and checksum updated)
+    made the loader generate the schedule it claims, 24 GB of actions, before comparing it
+    with the rank's: killed by the kernel (a raw ``MemoryError`` under a memory limit). The
+    rank's actions must hold one forward per (stage, micro-batch, chunk) first, so the file
+    bounds what is generated."""
+    crafted = copy_program(saved, tmp_path)
+    edit_json(crafted, "plan.json", lambda d: d["plan"].__setitem__("microbatches", 65536))
+    with pytest.raises(AutopartError, match=r"for this rank's [\d,]+ \(stage, micro-batch"):
+        load_rank(crafted, 0)
+
+
 def test_a_kv_shape_must_match_its_placeholder(saved: Path, tmp_path: Path) -> None:
     crafted = copy_program(saved, tmp_path)
     edit_json(
@@ -676,6 +691,31 @@ def test_a_weights_bomb_is_refused_before_it_inflates(saved: Path, tmp_path: Pat
     rehash(crafted)
     with pytest.raises(AutopartError, match="more than the .* this program can need"):
         load_weights(crafted, 0)
+
+
+def test_a_large_file_failing_its_checksum_is_never_read_whole(tmp_path: Path) -> None:
+    """A sparse 12 GiB ``weights.pt`` under a forged parameter shape was read into memory
+    before its checksum failed (a raw ``MemoryError``). A file of more than ``HASH_FIRST``
+    bytes is hashed in blocks first: here a sparse 512 MiB file with another checksum is
+    refused while the process's peak memory grows by a small part of that."""
+    (tmp_path / "rank00000").mkdir()
+    with open(tmp_path / "rank00000" / "weights.pt", "wb") as f:
+        f.truncate(1 << 29)  # sparse: no disk
+    code = (
+        "import resource, sys\n"
+        "from autopart.errors import AutopartError\n"
+        "from autopart.program.folder import ProgramFolder\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        f"    ProgramFolder({str(tmp_path)!r}).read('rank00000/weights.pt', 1 << 30, '0' * 64)\n"
+        "except AutopartError as exc:\n"
+        "    assert 'does not match its checksum' in exc.message, exc.message\n"
+        "    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "    sys.exit(0 if grown < (128 << 10) else f'peak memory grew by {grown} KiB')\n"
+        "sys.exit('read without a refusal')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_weights_must_be_the_ranks_own_tensors(saved: Path, tmp_path: Path) -> None:

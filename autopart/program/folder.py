@@ -44,6 +44,9 @@ def rank_dir(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
+HASH_FIRST = 1 << 26  # bytes: a larger file is hashed in blocks before it is read whole
+
+
 class ProgramFolder:
     """An open program folder (a context manager): ``read`` and ``write`` by autopart's names."""
 
@@ -147,8 +150,11 @@ class ProgramFolder:
             return False
         return True
 
-    def read(self, rel: str, limit: int) -> bytes:
-        """The bytes of ``rel``: a regular file, not a link, of at most ``limit`` bytes."""
+    def read(self, rel: str, limit: int, sha256: str | None = None) -> bytes:
+        """The bytes of ``rel``: a regular file, not a link, of at most ``limit`` bytes. With
+        ``sha256``, a file of more than ``HASH_FIRST`` bytes is hashed in blocks before it is
+        read whole: one that fails never takes its size in memory (a sparse 12 GiB
+        ``weights.pt`` under a forged shape did, then a raw ``MemoryError``)."""
         dir_fd, name = self._split(rel)
         try:
             fd = os.open(name, _READ, dir_fd=dir_fd)
@@ -166,6 +172,18 @@ class ProgramFolder:
                     "re-save the program",
                 )
             os.set_blocking(fd, True)
+            if sha256 is not None and info.st_size > HASH_FIRST:
+                digest = hashlib.sha256()
+                while block := os.read(fd, 1 << 24):
+                    digest.update(block)
+                if digest.hexdigest() != sha256:
+                    raise AutopartError(
+                        f"{self.root / rel} does not match its checksum in plan.json: it was "
+                        "changed, truncated, or comes from another program",
+                        hint="re-save the program with Program.save(); never edit or mix "
+                        "program folders",
+                    )
+                os.lseek(fd, 0, os.SEEK_SET)
             chunks, size = [], 0
             while size <= limit:
                 block = os.read(fd, min(1 << 24, limit + 1 - size))

@@ -390,7 +390,7 @@ def _checked(folder: ProgramFolder, head: dict[str, Any], rel: str, limit: int) 
             f"{path} is not listed in {folder.root / 'plan.json'}",
             hint="the program folder is incomplete or mixed up; re-save the program",
         )
-    data = folder.read(rel, limit)
+    data = folder.read(rel, limit, sha256=want)
     if hashlib.sha256(data).hexdigest() != want:
         raise AutopartError(
             f"{path} does not match its checksum in plan.json: it was changed, truncated, or "

@@ -387,7 +387,16 @@ def _input_ok(kind: str, name: str, kv: int, shards: dict, buffers: set[str]) ->
 
 
 def _check_actions(actions: list[dict[str, Any]], plan: Plan, stages: set[int]) -> None:
-    limit = 7 * len(stages) * plan.microbatches * plan.seq_chunks + 2
+    units = len(stages) * plan.microbatches * plan.seq_chunks
+    if len(actions) < units:  # every (stage, micro-batch, chunk) has its forward: checked
+        # before the schedule is generated, whose size the file then bounds (a forged plan of
+        # 65536 micro-batches × 4096 chunks generated 24 GB of actions before any refusal)
+        raise Invalid(
+            "actions",
+            f"has {len(actions)} actions for this rank's {units:,} (stage, micro-batch, chunk) "
+            "forwards",
+        )
+    limit = 7 * units + 2
     if len(actions) > limit:
         raise Invalid("actions", f"has {len(actions)} actions, more than this plan's {limit}")
     for i, a in enumerate(actions):
