@@ -6,15 +6,11 @@ print(prog.rank(1))
 prog.save("out/")   # torchrun --nproc-per-node 2 -m autopart.runtime.run out/
 """
 
-import os
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-# this process and its parent when autopart was first imported, before torch: a rank whose
-# launcher died while it was still importing sees another parent by ``runtime/launch.rank_setup``
-STARTED = (os.getpid(), os.getppid())
-
-from autopart.errors import AutopartError  # noqa: E402 - after STARTED
+import autopart.process  # noqa: F401 - first: it records this process's parent before torch
+from autopart.errors import AutopartError
 
 # name → the module that defines it; imported on first use (PEP 562), so a rank that only
 # runs a saved program never imports the compiler or the verifier

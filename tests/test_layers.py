@@ -35,8 +35,15 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "base",
-        ("autopart.errors", "autopart.meta", "autopart.node_args", "autopart.graph"),
-        "the error type and wait, metadata keys, typed node arguments, fx graph utilities",
+        (
+            "autopart.errors",
+            "autopart.process",
+            "autopart.meta",
+            "autopart.node_args",
+            "autopart.graph",
+        ),
+        "the error type and wait, the process as first seen, metadata keys, typed node "
+        "arguments, fx graph utilities",
     ),
     (
         "schedule",

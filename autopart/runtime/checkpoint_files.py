@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from autopart.errors import AutopartError
+from autopart.program.schema import Invalid, parse_json
 
 FORMAT = 2
 INFO = "autopart.json"  # written last, by rank 0: a folder without it is an incomplete checkpoint
@@ -198,8 +199,10 @@ def read_marker(f: Path) -> Any:
         if size > _MAX_MARKER:
             raise AutopartError(f"{f} holds {size} bytes, more than a marker's", hint=DAMAGED)
         data = stream.read(_MAX_MARKER + 1)
-    try:
-        return json.loads(data.decode("utf-8"))
+    try:  # JSON only, as plan.json: no NaN or infinity (an lr of NaN), no duplicate key
+        return parse_json(data.decode("utf-8"), INFO)
+    except Invalid as exc:
+        raise AutopartError(f"{f} is not valid JSON: {exc}", hint=DAMAGED) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise AutopartError(
             f"{f} is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})", hint=DAMAGED

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-import autopart
 from autopart.errors import AutopartError
+from autopart.process import STARTED
 
 GRACE_S = 5.0  # after forwarding a signal, how long the ranks get before the group is killed
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -64,7 +64,7 @@ def rank_setup(cleanup: Callable[[], None]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    pid, parent = autopart.STARTED
+    pid, parent = STARTED
     if os.getpid() == pid and os.getppid() != parent:  # (a forked rank imported nothing)
         print(
             f"autopart: the launcher (pid {parent}) that started this rank is gone; stopping",
