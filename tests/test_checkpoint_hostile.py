@@ -315,6 +315,20 @@ def test_pruning_and_saves_never_reach_through_links_and_a_renamed_step_is_skipp
     assert len(seen) == 1 and "named for step 99, but its marker records step 2" in seen[0]
 
 
+def test_a_marker_is_json_only(saved: Path, tmp_path: Path) -> None:
+    """A resealed marker with an lr of NaN was accepted (and ``load`` would restore it), as
+    were infinities and a repeated key, which plan.json's parser refuses: the marker is parsed
+    the same way now."""
+    root = copy_steps(saved, tmp_path / "ck", steps=(1,))
+    step = checkpoint.folder(root, 1)
+    info = json.loads((step / checkpoint.INFO).read_text())
+    info["optimizer"]["param_groups"][0]["lr"] = float("nan")
+    (step / checkpoint.INFO).write_text(json.dumps(info))
+    reseal(step)
+    with pytest.raises(AutopartError, match="holds NaN, which is not JSON"):
+        checkpoint.read_info(step)
+
+
 def test_a_full_disk_during_a_save_is_one_named_error(program: Path, tmp_path: Path) -> None:
     """A write that fails inside DCP (here: the file-size limit, as a full disk would) used to
     surface as a raw ``CheckpointException`` traceback, a ``BaseException`` that ``except
