@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def test_a_world_size_the_mesh_does_not_have_is_refused_before_any_rank(
     saved: Path, tmp_path: Path
 ) -> None:
     """plan.json saying world_size 8 for a mesh of 2 used to spawn 8 ranks first; the loader's
-    schema now refuses it before anything starts."""
+    schema now refuses it before anything starts, and so is a folder missing a rank's file."""
     folder = tmp_path / "prog"
     subprocess.run(["cp", "-r", str(saved), str(folder)], check=True)
     head = json.loads((folder / "plan.json").read_text())
@@ -117,6 +118,14 @@ def test_a_world_size_the_mesh_does_not_have_is_refused_before_any_rank(
     assert r.returncode == 2, r.stdout + r.stderr
     assert "world_size = 8 is not the mesh's 2" in r.stderr, r.stderr
     assert "launching" not in r.stdout  # nothing was spawned
+    # a rank's files missing: every rank's program and files are checked before any starts
+    # (a forged plan.json over one rank's files launched every rank it named)
+    shutil.rmtree(folder)
+    subprocess.run(["cp", "-r", str(saved), str(folder)], check=True)
+    (folder / "rank00001" / "weights.pt").unlink()
+    r = _cli("run", str(folder), "--steps", "1", timeout=60)
+    assert r.returncode == 2 and "launching" not in r.stdout, r.stdout + r.stderr
+    assert "rank00001/weights.pt, listed in plan.json, is missing" in r.stderr, r.stderr
 
 
 @pytest.mark.multirank
