@@ -660,6 +660,24 @@ def test_a_schedule_larger_than_the_actions_is_refused_before_it_is_generated(
         load_rank(crafted, 0)
 
 
+def test_a_rank_checks_every_file_against_the_plan_json_it_read_first(
+    saved: Path, tmp_path: Path
+) -> None:
+    """A rank read plan.json up to three times: a folder swapped for another genuine program
+    between the reads gave it one program's plan and the other's actions (a raw
+    ``IndexError`` in the runner). It reads plan.json once and checks every other file
+    against that one: a file of the other program fails its checksum."""
+    head = read_head(saved)
+    other = copy_program(saved, tmp_path, "other")  # valid, with another schedule's actions
+    edit_json(other, "rank00000/program.json", lambda d: d.__setitem__("buckets", d["buckets"]))
+    edit_json(other, "plan.json", lambda d: d["plan"].__setitem__("bucket_mb", 1.0))
+    assert read_head(other) != head
+    with pytest.raises(AutopartError, match="does not match its checksum in plan.json"):
+        load_rank(other, 0, head=head)
+    with pytest.raises(AutopartError, match="does not match its checksum in plan.json"):
+        load_weights(other, 0, head=head)
+
+
 def test_a_kv_shape_must_match_its_placeholder(saved: Path, tmp_path: Path) -> None:
     crafted = copy_program(saved, tmp_path)
     edit_json(

@@ -500,16 +500,24 @@ def _save_rank(
     return dict(sorted(files.items()))
 
 
-def load_rank(root: str | Path, rank: int, library_ops: Sequence[str] = ()) -> RankProgram:
+def load_rank(
+    root: str | Path,
+    rank: int,
+    library_ops: Sequence[str] = (),
+    head: dict[str, Any] | None = None,
+) -> RankProgram:
     """Read one rank's program (graphs, actions, shards) from a saved folder. Every file is
     checked before it is used (module doc); any failure is an ``AutopartError`` naming it.
     ``library_ops``: the library namespaces the caller trusts the program to call (it is
     refused if it calls another; each one it calls is imported and its version checked:
-    ``program/libraries.py``)."""
+    ``program/libraries.py``). ``head``: the ``read_head`` this rank already read, so that
+    ``plan.json`` is read once and every file is checked against that one (a folder swapped
+    between two reads gave a rank one program's plan and another's actions: a raw
+    ``IndexError``)."""
     # a stage graph need not use every symbol of the model (labels' dims): not worth a warning
     logging.getLogger("torch._export.serde.serialize").setLevel(logging.ERROR)
     with ProgramFolder(root) as folder:
-        head, plan = _head(folder)
+        head, plan = _head(folder) if head is None else (head, Plan.from_json(head["plan"]))
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.mesh.size:
             raise AutopartError(
                 f"{folder.root}: the saved program has no rank {rank!r} (its world_size is "
@@ -712,21 +720,26 @@ def _expected_weights(
 
 
 def load_weights(
-    root: str | Path, rank: int, program: RankProgram | None = None
+    root: str | Path,
+    rank: int,
+    program: RankProgram | None = None,
+    head: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's saved parameter shards and buffers (empty if the model was on meta).
 
     ``program`` is the rank's ``load_rank`` result (read again when not given): the file may
     hold only its parameter shards and buffers, of their shapes and dtypes, so its size is
-    bounded before it is read and its contents after (``archive.check_weights``)."""
+    bounded before it is read and its contents after (``archive.check_weights``). ``head``:
+    the ``plan.json`` already read (``load_rank``'s)."""
     with ProgramFolder(root) as folder:
-        head, _ = _head(folder)
+        if head is None:
+            head, _ = _head(folder)
         rel = f"{rank_dir(rank)}/weights.pt"
         if rel not in head["files"]:
             return {}
         path = folder.root / rel
         if program is None:
-            program = load_rank(root, rank)
+            program = load_rank(root, rank, head=head)
         if program.rank != rank:
             raise AutopartError(
                 f"load_weights: the program given is rank {program.rank}, not {rank}"

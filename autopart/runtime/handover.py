@@ -61,8 +61,8 @@ def hand_over(
         else:
             _unpack(_recv(rank, timeout_s), folder, rank)
         head = read_head(folder, rank)
-        rp = load_rank(folder, rank, library_ops)  # the namespaces this rank's caller trusts
-        weights = load_weights(folder, rank, rp)
+        rp = load_rank(folder, rank, library_ops, head)  # the namespaces its caller trusts
+        weights = load_weights(folder, rank, rp, head)
     return rp, weights, head
 
 

@@ -328,12 +328,12 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed((args.seed * 1_000_003 + rank) % 2**63)
     try:
         plan.mesh.check_world(world)
-        program = load_rank(args.dir, rank, args.library_ops)
+        program = load_rank(args.dir, rank, args.library_ops, head)  # plan.json read once
         batches.names = program.batch_names
         runner = Runner(
             program,
             plan,
-            load_weights(args.dir, rank, program),
+            load_weights(args.dir, rank, program, head),
             make_groups(plan, rank, head.get("ties", program.ties)),
             timeout_s=args.timeout,
             seed=args.seed,

@@ -138,11 +138,11 @@ def train(manifest: Path) -> int:
     rank, world = join_torchrun(cfg.train_timeout, backend_for(device))
     torch.manual_seed((cfg.train_seed * 1_000_003 + rank) % 2**63)
     plan.mesh.check_world(world)
-    program = load_rank(folder, rank, cfg.parallel_library_ops)
+    program = load_rank(folder, rank, cfg.parallel_library_ops, head)  # plan.json read once
     runner = Runner(
         program,
         plan,
-        load_weights(folder, rank, program),
+        load_weights(folder, rank, program, head),
         make_groups(plan, rank, head.get("ties", program.ties)),
         timeout_s=cfg.train_timeout,
         seed=cfg.train_seed,
