@@ -194,8 +194,8 @@ def main() -> int:
             "runner.clip_grad_norm_(max_norm)",
         ),
         "clip_value_allowed": torch.nn.utils.clip_grad_value_(runner.parameters(), 1e9) is None,
-        "model_optimizer": refused(
-            torch.optim.SGD(model.parameters(), lr=0.1).step, "from runner.parameters()"
+        "model_optimizer": refused(  # refused when built now, at its step before training
+            lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(), "from runner.parameters()"
         ),
         "autocast": refused(under(torch.autocast("cpu", dtype=torch.bfloat16)), 'precision="bf16"'),
         "no_grad": refused(under(torch.no_grad()), "runner.evaluate"),

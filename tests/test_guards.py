@@ -199,8 +199,9 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
     and ``model.load_state_dict`` loads the runner (a resume used to load the module only).
     Once the runner's weights moved (an optimizer step, fused included, or an in-place
     change), reading the module's (a call, ``state_dict``, a copy, a pickle, ``parallelize``
-    again, listing its parameters: an average, a clamp) is refused until ``copy_to``: it gave
-    the weights from before ``parallelize``. The runner itself refuses to be copied.
+    again, ``AveragedModel.update_parameters(model)``, an optimizer built over them) is refused
+    until ``copy_to``: it gave the weights from before ``parallelize``. The runner itself refuses
+    to be copied.
     torch's clipping over ``model.parameters()`` (no gradient there: it clipped nothing) and a
     parameter frozen after ``parallelize`` are refused. The class keeps its names, copies and
     pickles as the original, and is put back when the runner goes."""
@@ -218,6 +219,7 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
     assert (type(model).__name__, type(model).__qualname__) == ("GPT", "GPT")
     assert type(copy.deepcopy(model)) is GPT  # not behind yet: a copy of the original class
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before any step: allowed
+    averaged = torch.optim.swa_utils.AveragedModel(model)  # (a copy: before any step)
     runner.step(*batch)
     model.zero_grad()
     assert all(p.grad is None for p in runner.parameters())
@@ -235,14 +237,15 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
         "copying or pickling": lambda: copy.deepcopy(model),
         "copying or pickling ": lambda: pickle.dumps(model),
         "parallelize(model, mesh) again": lambda: autopart.parallelize(model, _LiveMesh(), batch),
-        # an average (AveragedModel.update_parameters(model)), a clamp, a norm: stale weights
-        "reading model.parameters()": lambda: [p.clamp_(-1, 1) for p in model.parameters()],
-        "model.named_parameters()": lambda: dict(model.named_parameters()),
+        # an average of the module's weights: the ones from before parallelize (0.66 off)
+        "averaging model.parameters()": lambda: averaged.update_parameters(model),
+        "an optimizer over model.parameters()": lambda: torch.optim.SGD(model.parameters()),
     }
     for what, read in reads.items():
-        with pytest.raises(autopart.AutopartError, match="runner.copy_to") as exc:
+        with pytest.raises(autopart.AutopartError, match="runner.(copy_to|parameters)") as exc:
             read()
         assert str(exc.value).startswith(what.strip()), exc.value
+    assert next(model.parameters()).device.type == "cpu"  # other reads: a loop's .device
     for copy_runner in (copy.deepcopy, pickle.dumps):  # AveragedModel(runner) deep-copies it
         with pytest.raises(autopart.AutopartError, match="cannot be copied or pickled"):
             copy_runner(runner)

@@ -396,43 +396,44 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     of its logits, which is what autopart trains: label smoothing, a router's auxiliary loss
     (``output_router_logits=True``), a z-loss. The one-process loop ``model(ids,
     labels=labels).loss.backward()`` trains that loss; the ranks would silently train another
-    (the loss 4.18 against 4.38, the router's gradients 89 % off). One call with the labels, in
-    no-grad mode and with torch's generator put back, compares the loss it returns with the
-    cross entropy of the logits it returns with it. A model that takes no ``labels``, returns no
-    loss, fails with these labels (a loss ignoring -1, not -100) or is on the meta device is
-    not checked. Hugging Face models take the labels unshifted (they shift them)."""
+    (the loss 4.18 against 4.38, the router's gradients 89 % off). One call with the example's
+    labels, in no-grad mode and with torch's generator put back, compares the loss it returns
+    with the cross entropy of the logits it returns with it, the labels paired with the logits
+    either as they are or shifted by one as Hugging Face models pair them (the example's labels
+    may come in either convention); it must equal one of the two. A model that takes no
+    ``labels``, returns no loss, fails with these labels (a loss ignoring -1, not -100) or is on
+    the meta device is not checked."""
     takes = inspect.signature(model.forward).parameters
     if "labels" not in takes or any(p.is_meta for p in model.parameters()):
         return
     labels = fields["labels"]
-    hf = type(model).__module__.startswith("transformers.")
-    given = labels
-    if hf:  # position t's label is token t: the one before its target
-        given = torch.cat([torch.full_like(labels[:, :1], -100), labels[:, :-1]], 1)
     extra: dict[str, Any] = {k: v for k, v in fields.items() if k in OPTIONAL}
     if "use_cache" in takes:
         extra["use_cache"] = False
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
-            out = model(fields["input_ids"], labels=given, **extra)
+            out = model(fields["input_ids"], labels=labels, **extra)
             logits = logits_of(out)
     except Exception:  # noqa: BLE001 - labels it cannot take: not compared
         return
     own = _loss_of(out, logits)
-    counted = labels != -100
-    if own is None or logits.shape[:2] != labels.shape or not bool(counted.any()):
+    if own is None or tuple(logits.shape[:2]) != tuple(labels.shape):
         return
-    ours = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-    )
-    own_value, ours_value = float(own), float(ours)
-    if abs(own_value - ours_value) <= OWN_LOSS_RTOL * abs(ours_value):
+    own_value = float(own)
+    pairings = [(logits, labels), (logits[:, :-1], labels[:, 1:])]  # as given; shifted by one
+    ours = [
+        float(F.cross_entropy(x.float().flatten(0, 1), y.flatten(), ignore_index=-100))
+        for x, y in pairings
+        if bool((y != -100).any())
+    ]
+    if not ours or any(abs(own_value - v) <= OWN_LOSS_RTOL * abs(v) for v in ours):
         return
+    nearest = min(ours, key=lambda v: abs(v - own_value))
     raise AutopartError(
         f"{type(model).__name__}'s own loss, given the labels, is {own_value:.6g}, but the mean "
-        f"next-token cross entropy of its logits is {ours_value:.6g}: autopart trains the "
-        "cross entropy, and the model's loss adds something to it (label smoothing, a "
-        "router's auxiliary loss, a z-loss), which the ranks would silently leave out",
+        f"next-token cross entropy of its logits is {nearest:.6g}: autopart trains the cross "
+        "entropy, and the model's loss adds something to it (label smoothing, a router's "
+        "auxiliary loss, a z-loss), which the ranks would silently leave out",
         hint="train the plain cross entropy: turn the extra term off (label_smoothing=0, "
         "output_router_logits=False), or compare against a one-process loop that uses "
         "F.cross_entropy on the logits",

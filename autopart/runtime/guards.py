@@ -42,7 +42,7 @@ import sys
 import types
 import weakref
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -59,6 +59,7 @@ from autopart.errors import AutopartError
 # elementwise: exact on shards)
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
 _CLIP_EXACT_ON_SHARDS = frozenset({"clip_grad_value_"})
+_AVERAGING = "torch.optim.swa_utils"  # AveragedModel.update_parameters reads model.parameters()
 
 
 class Parameters(Iterator[nn.Parameter]):
@@ -216,12 +217,7 @@ def follow_module(runner: Any, model: nn.Module) -> None:
         return (fn, args, *rest)
 
     def parameters(self: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return _module_parameters(base.parameters(self, recurse), owner, check_current)
-
-    def named_parameters(self: nn.Module, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return _checked(
-            base.named_parameters(self, *args, **kwargs), check_current, "model.named_parameters()"
-        )
+        return _module_parameters(base.parameters(self, recurse), owner)
 
     namespace = {
         _FOLLOWS: base,
@@ -235,7 +231,6 @@ def follow_module(runner: Any, model: nn.Module) -> None:
         "__call__": call,
         "__reduce_ex__": reduce_ex,
         "parameters": parameters,
-        "named_parameters": named_parameters,
     }
     followed: type[nn.Module] = types.new_class(
         base.__name__, (base,), {}, lambda ns: ns.update(namespace)
@@ -266,25 +261,35 @@ def original_state_dict(model: nn.Module) -> dict[str, Any]:
     return cls.state_dict(model)
 
 
-def _checked(items: Iterator[Any], check: Callable[[str], None], what: str) -> Iterator[Any]:
-    """``items``, once ``check(what)`` passes (when the first is read, as torch's generators)."""
-    check(what)
-    yield from items
-
-
 def _module_parameters(
-    params: Iterator[nn.Parameter], owner: weakref.ref[Any], check: Callable[[str], None]
+    params: Iterator[nn.Parameter], owner: weakref.ref[Any]
 ) -> Iterator[nn.Parameter]:
     """``model.parameters()`` of a followed module: a generator, as torch's, which refuses to be
     read by torch's gradient clipping once the runner has stepped if none of them has a
-    gradient (they never get one: the runner trains its own copies), and to be read at all once
-    the runner's weights moved (``check``): an average of them (``AveragedModel``'s
-    ``update_parameters(model)``), a clamp or a norm of them would silently use the weights
-    from before ``parallelize``."""
+    gradient (they never get one: the runner trains its own copies), and, once the runner's
+    weights moved, by ``AveragedModel.update_parameters(model)`` (it averaged the weights from
+    before ``parallelize``: 0.66 off) and by an optimizer built over them. Other readers (a
+    ``.device``, ``zero_grad``, Hugging Face's helpers) are left alone: a loop's own read of
+    their values (a clamp, a norm) is not seen."""
     live, caller = owner(), sys._getframe(1)
-    if not _is_clip(caller):
-        check("reading model.parameters()")
-    elif live is not None and live.steps:
+    reader = caller.f_globals.get("__name__", "")
+    if reader == _AVERAGING and live is not None and live.moved():
+        raise AutopartError(
+            "averaging model.parameters() after the runner trained (AveragedModel's "
+            "update_parameters(model)): the module still holds the weights from before "
+            "parallelize (the runner trains its own copies of them)",
+            hint="runner.copy_to(model) (on every rank) before each update puts the trained "
+            "weights into the module; or keep the average of runner.parameters() yourself",
+        )
+    if reader.startswith("torch.optim.") and live is not None and live.moved():
+        raise AutopartError(  # an optimizer built over them now
+            "an optimizer over model.parameters() after the runner trained: the runner "
+            "trains its own copies of them, so these have no gradient and hold the weights "
+            "from before parallelize",
+            hint="build the optimizer from runner.parameters() (or runner.named_parameters() "
+            "for parameter groups)",
+        )
+    if _is_clip(caller) and live is not None and live.steps:
         held = list(params)
         if held and all(p.grad is None for p in held):
             while caller.f_code.co_name.startswith("<") and caller.f_back is not None:
@@ -310,8 +315,7 @@ def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:
     ``parallelize`` (``frozen``: its frozen parameters then): the program was compiled, and its
     gradient buckets built, with the other flag, so the runner would silently go on training
     it (or keep it frozen)."""
-    # (the module's own method: a followed module refuses to list its stale parameters)
-    now = {name for name, p in nn.Module.named_parameters(model) if not p.requires_grad}
+    now = {name for name, p in model.named_parameters() if not p.requires_grad}
     if now != frozen:
         changed = sorted(now ^ frozen)
         how = "frozen" if changed[0] in now else "unfrozen"
