@@ -247,7 +247,13 @@ class _Prover:
                 f"the sequence length of {n.name} was fixed at capture to {val.shape[-1]} "
                 "tokens (torch.export specialized it): the graph runs at that length only, "
                 "never on a chunk"
-                + (f" (a loop over the tokens autopart did not roll up: {loops})" if loops else "")
+                + (
+                    " (export fixes it for a loop over the tokens or a Python number computed "
+                    "from the length, such as math.log(seq_len), and autopart could not write "
+                    f"the graph for any length: {loops})"
+                    if loops
+                    else ""
+                )
             )
         if not grow:
             return LENGTH if isinstance(val, torch.SymInt) and self.grows(val) else None
