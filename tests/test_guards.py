@@ -246,6 +246,9 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
             read()
         assert str(exc.value).startswith(what.strip()), exc.value
     assert next(model.parameters()).device.type == "cpu"  # other reads: a loop's .device
+    greedy = runner.logits(batch[0])[:, -1].argmax(-1, keepdim=True)  # keeps Logits' class
+    ids = torch.cat([batch[0][:, 1:], greedy], 1)
+    assert type(ids) is Logits and type(runner._fields(ids, ids)["input_ids"]) is torch.Tensor
     for copy_runner in (copy.deepcopy, pickle.dumps):  # AveragedModel(runner) deep-copies it
         with pytest.raises(autopart.AutopartError, match="cannot be copied or pickled"):
             copy_runner(runner)

@@ -1336,7 +1336,9 @@ class Runner:
                     fields[name] = check_extra(name, t, tuple(input_ids.shape))
                 except AutopartError as exc:
                     raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
-        return {k: t.to(self.device) for k, t in fields.items()}
+        # plain tensors: ids drawn from ``logits`` (greedy decoding) keep its ``Logits`` class,
+        # whose per-op dispatch the graphs need not pay
+        return {k: t.as_subclass(torch.Tensor).to(self.device) for k, t in fields.items()}
 
     def _check_same_batch(
         self, fields: dict[str, torch.Tensor], local: bool, num_tokens: int | None = None
