@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from autopart.errors import AutopartError, wait
-from autopart.frontend.capture import Captured, capture, capture_mixed, cuda_devices
+from autopart.frontend.capture import (
+    Captured,
+    capture,
+    capture_mixed,
+    cuda_devices,
+    is_hugging_face,
+)
 from autopart.frontend.loops import fixed_length
 from autopart.layout import Plan, mesh_from
 from autopart.lowering import compile_program
@@ -285,7 +291,7 @@ def _compile_once(
 def label_convention(model: nn.Module) -> str:
     """How the model's users pass labels: "hf" for Hugging Face models (unshifted, the model
     shifts them), "shifted" for the rest (``labels[:, t]`` is the target of position t)."""
-    return "hf" if type(model).__module__.startswith("transformers.") else "shifted"
+    return "hf" if is_hugging_face(model) else "shifted"
 
 
 def _given_plan(plan: Any, mesh: Any) -> Plan:

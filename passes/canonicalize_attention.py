@@ -97,6 +97,7 @@ from autopart.passes.position_masks import (
     local_mask,
     place,
     proof_length,
+    proof_lengths,
     prove,
     prove_scores,
     score_window,
@@ -1099,15 +1100,8 @@ def _evaluate_mask(
     # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
     # just past every integer the mask's construction uses, and at the longest length proven
     # (a window, a block or a threshold no integer names shows there)
-    lengths = {
-        c + d
-        for n in sub.graph.nodes
-        for c in n.args
-        if isinstance(c, int) and not isinstance(c, bool) and _SIZES[-1] < c < longest
-        for d in (1, 2)
-    }
     keeps = {}
-    for s in sorted({*_SIZES, *(c for c in lengths if c <= longest), longest}):
+    for s in proof_lengths(list(sub.graph.nodes), longest, _SIZES):
         args = [_example(ph, s, gm, 2 if s <= _SIZES[-1] else 1) for ph in inputs]
         if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
             return (  # a buffer of a model built on the meta device: it has no values

@@ -296,7 +296,7 @@ def prove(
     buffers = gm.meta.get(META_BUFFERS, {})
     exprs = [to_sympy(leaf.meta["val"], gm) for leaf in leaves]
     seen: list[tuple[int, torch.Tensor]] = []
-    for s in _lengths(order, longest):
+    for s in proof_lengths(order, longest):
         feeds = [int(e.subs({B: 2 if s <= LENGTHS[-1] else 1, S: s})) for e in exprs]
         feeds += [buffers[n.meta[META_INPUT].name] for n in order if n.op == "placeholder"]
         if any(isinstance(f, torch.Tensor) and f.is_meta for f in feeds):
@@ -332,14 +332,17 @@ def prove(
     return None
 
 
-def _lengths(order: list[fx.Node], longest: int, shortest: tuple[int, ...] = LENGTHS) -> list[int]:
+def proof_lengths(
+    order: list[fx.Node], longest: int, shortest: tuple[int, ...] = LENGTHS
+) -> list[int]:
     """The lengths a construction is evaluated at: ``shortest``, just past every integer it
-    names (a window or a block shows only there), and ``longest`` (one no integer names)."""
+    names beyond them (a window or a block shows only there), and ``longest`` (one no integer
+    names)."""
     named = {
         c + d
         for n in order
         for c in (*n.args, *n.kwargs.values())
-        if isinstance(c, int) and not isinstance(c, bool) and LENGTHS[-1] < c < longest
+        if isinstance(c, int) and not isinstance(c, bool) and shortest[-1] < c < longest
         for d in (1, 2)
     }
     return sorted({*shortest, *(c for c in named if c <= longest), longest})
@@ -508,7 +511,7 @@ def score_window(
     run, _ = runner
     gen, window = torch.Generator().manual_seed(1), 0
     dtypes = [t.meta["val"].dtype for t in (scores, sink) if t is not None]
-    for s in _lengths(order, max(longest, LENGTHS[-1]), (LENGTHS[-1],)):
+    for s in proof_lengths(order, max(longest, LENGTHS[-1]), (LENGTHS[-1],)):
         widths = [s, *([1] if sink is not None else [])]
         values = [
             3 * torch.randn(1, 1, s, w, generator=gen, dtype=d)

@@ -234,8 +234,9 @@ def test_a_mask_from_the_batch_is_kept_and_seq1f1b_chunks_it_or_refuses() -> Non
 
 
 def test_the_marked_attention_names_its_batch_tensors() -> None:
+    from autopart.graph import copy_graph
     from autopart.layout import Plan
-    from autopart.lowering.compile import copy_graph, seq_limits
+    from autopart.lowering.compile import seq_limits
     from autopart.passes.canonicalize_attention import canonicalize_attention
 
     cap = capture(_Tiny().double(), _tiny_batch())

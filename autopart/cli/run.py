@@ -6,7 +6,6 @@ reads them (here first, so a wrong flag fails before any rank starts)."""
 from __future__ import annotations
 
 import argparse
-import stat
 from pathlib import Path
 
 EXAMPLES = """examples:
@@ -86,7 +85,7 @@ def _world_before_launch(folder: str, head: dict) -> int:
     program lists before any rank is spawned."""
     from autopart.errors import AutopartError
     from autopart.layout import Plan
-    from autopart.program.format import read_head
+    from autopart.program.format import check_ranks
 
     world, mesh = head["world_size"], Plan.from_json(head["plan"]).mesh
     if world != mesh.size:
@@ -101,18 +100,5 @@ def _world_before_launch(folder: str, head: dict) -> int:
             f"{folder}: no program for rank {missing[0]} of {world} in plan.json",
             hint="re-save the program, or copy the whole folder",
         )
-    # every rank's program and files there before any rank starts (a plan.json of 16 ranks
-    # over one rank's files launched 16 ranks, each then refusing alone)
-    for r in range(world):
-        read_head(folder, r)  # its program.json: present, its checksum, plan.json's digest
-    for rel in sorted(head["files"]):
-        try:
-            regular = stat.S_ISREG((Path(folder) / rel).lstat().st_mode)
-        except OSError:
-            regular = False
-        if not regular:
-            raise AutopartError(
-                f"{Path(folder) / rel}, listed in plan.json, is missing or not a regular file",
-                hint="copy the whole program folder, or re-save it with Program.save()",
-            )
+    check_ranks(folder, head)  # every rank's program and files, before any rank starts
     return world

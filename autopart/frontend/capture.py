@@ -38,13 +38,15 @@ from torch.export.graph_signature import InputKind
 from autopart.errors import AutopartError
 from autopart.frontend.loops import fixed_length, reroll
 from autopart.frontend.shapes import holds_at
-from autopart.graph import remove_dead
+from autopart.graph import copy_graph, remove_dead
 from autopart.meta import (
     META_BUFFERS,
+    META_EXAMPLE_SHAPE,
     META_INPUT,
     META_LAYER,
     META_LOOPS,
     META_MODULE,
+    META_PROOFS,
     META_RANGES,
     META_SYMBOLS,
     InputRefKind,
@@ -95,6 +97,13 @@ class Captured:
     # masks and score functions proven by evaluation, by construction (passes/position_masks.py
     # ``Proofs``): every compile of this capture proves each once
     proofs: dict = field(default_factory=dict)
+
+    def for_passes(self) -> fx.GraphModule:
+        """A copy of the graph that passes may change, with the metadata they read: the
+        example's shape and the proofs this capture has made (shared by its compiles)."""
+        gm = copy_graph(self.graph)
+        gm.meta[META_EXAMPLE_SHAPE], gm.meta[META_PROOFS] = self.example_shape, self.proofs
+        return gm
 
     @property
     def n_layers(self) -> int:
@@ -440,13 +449,18 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     )
 
 
+def is_hugging_face(model: nn.Module) -> bool:
+    """Is ``model`` a Hugging Face ``transformers`` model (labels unshifted, a K/V cache)?"""
+    return type(model).__module__.startswith("transformers.")
+
+
 def _warn_packing(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     """Packed documents (``position_ids`` and no ``attention_mask``) in a Hugging Face model
     that keeps a K/V cache by default: autopart calls it with ``use_cache=False``, with which
     it masks the documents apart; its default call builds a cache and attends across them."""
     config = getattr(model, "config", None)
     if (
-        type(model).__module__.startswith("transformers.")
+        is_hugging_face(model)
         and "position_ids" in fields
         and "attention_mask" not in fields
         and getattr(config, "use_cache", False)

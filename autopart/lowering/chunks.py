@@ -24,9 +24,8 @@ import sympy
 from autopart.errors import AutopartError
 from autopart.frontend.capture import B, Captured, S
 from autopart.frontend.cost import analyze, node_cost, total
-from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
-from autopart.meta import META_EXAMPLE_SHAPE, META_PROOFS, META_WINDOW
+from autopart.meta import META_WINDOW
 from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.fold_identities import fold_identities
 from autopart.passes.seq_rules import moduli
@@ -40,9 +39,7 @@ def cost_coefficients(captured: Captured) -> tuple[float, ...]:
     without windows), which ``autopart.schedule.chunks`` counts as W_i keys per query."""
     limit = captured.seq_limit[0] if captured.seq_limit is not None else None
     plan = Plan(Mesh(), schedule="seq1f1b", max_seq=limit)
-    gm = copy_graph(captured.graph)
-    gm.meta[META_EXAMPLE_SHAPE], gm.meta[META_PROOFS] = captured.example_shape, captured.proofs
-    gm = canonicalize_attention(fold_identities(gm, plan), plan)
+    gm = canonicalize_attention(fold_identities(captured.for_passes(), plan), plan)
     flops = sympy.expand(
         total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
     )

@@ -39,7 +39,7 @@ from torch import fx
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
 from autopart.frontend.shapes import longest_sequence, sequence_multiple, shortest_sequence
-from autopart.graph import copy_graph, device_free
+from autopart.graph import device_free
 from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
 from autopart.lowering.chunks import cost_coefficients
@@ -47,12 +47,10 @@ from autopart.lowering.dry_run import dry_run
 from autopart.lowering.pass_runner import run_passes
 from autopart.meta import (
     META_CUTS,
-    META_EXAMPLE_SHAPE,
     META_INPUT,
     META_INPUTS,
     META_MODULE,
     META_PASSES,
-    META_PROOFS,
     META_PROVEN_SEQ,
     META_SEQ_BLOCK,
     META_SHARD,
@@ -178,10 +176,7 @@ def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[s
 
 def apply_passes(captured: Captured, plan: Plan) -> tuple[fx.GraphModule, list[PassRecord]]:
     """A copy of the captured graph, transformed by every pass (the capture stays untouched)."""
-    gm = copy_graph(captured.graph)
-    gm.meta[META_EXAMPLE_SHAPE] = captured.example_shape
-    gm.meta[META_PROOFS] = captured.proofs
-    return run_passes(gm, plan, PIPELINE)
+    return run_passes(captured.for_passes(), plan, PIPELINE)
 
 
 def split_stages(gm: fx.GraphModule) -> tuple[list[fx.GraphModule], list[list[InputRef]]]:

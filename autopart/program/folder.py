@@ -150,6 +150,14 @@ class ProgramFolder:
             return False
         return True
 
+    def regular(self, rel: str) -> bool:
+        """Whether ``rel`` is there as a regular file (not a link, a folder or a device)."""
+        fd, name = self._split(rel)
+        try:
+            return stat.S_ISREG(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
     def read(self, rel: str, limit: int, sha256: str | None = None) -> bytes:
         """The bytes of ``rel``: a regular file, not a link, of at most ``limit`` bytes. With
         ``sha256``, a file of more than ``HASH_FIRST`` bytes is hashed in blocks before it is

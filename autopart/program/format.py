@@ -369,6 +369,23 @@ def read_head(root: str | Path, rank: int = 0) -> dict[str, Any]:
         return head
 
 
+def check_ranks(root: str | Path, head: dict[str, Any]) -> None:
+    """Before any rank starts (``autopart run``): every rank's ``program.json`` is there, matches
+    its checksum and ``head``'s digest, and every file ``head`` lists is a regular file (a
+    plan.json of 16 ranks over one rank's files launched 16 ranks, each refusing alone)."""
+    with ProgramFolder(root) as folder:
+        for rank in range(head["world_size"]):
+            rel = f"{rank_dir(rank)}/program.json"
+            doc = _parse(_checked(folder, head, rel, MAX_JSON), folder.root / rel)
+            _check_digest(doc, head, folder.root, rank)
+        for rel in sorted(head["files"]):
+            if not folder.regular(rel):
+                raise AutopartError(
+                    f"{folder.root / rel}, listed in plan.json, is missing or not a regular file",
+                    hint="copy the whole program folder, or re-save it with Program.save()",
+                )
+
+
 def _check_digest(doc: Any, head: dict[str, Any], root: Path, rank: int) -> None:
     """Refuse a plan.json that is not the one ``rank``'s program.json (``doc``) was saved with."""
     if not isinstance(doc, dict) or doc.get("plan_digest") != plan_digest(head):
