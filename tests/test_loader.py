@@ -27,7 +27,7 @@ from autopart import AutopartError, Mesh, parallelize
 from autopart.models import nanogpt
 from autopart.program.format import Program, load_rank, load_weights, plan_digest, read_head
 from autopart.program.graph_json import _embedded
-from autopart.program.schema import Invalid
+from autopart.program.schema import DENSE_FROM, Invalid, parse_json
 
 
 class _Payload:
@@ -433,6 +433,24 @@ def test_numbers_past_pythons_parser_are_refused(
         read_head(crafted)
     with pytest.raises(Invalid, match=said):
         _embedded(f'{{"module": {number}}}', "nodes[3].meta.custom")
+
+
+def test_json_denser_than_autopart_writes_is_refused_before_parsing(
+    saved: Path, tmp_path: Path
+) -> None:
+    """Empty objects cost 3 bytes of JSON and about 70 bytes of Python: 256 MiB of
+    ``[{},…]`` in a checkpoint marker or an archive's model.json took 7 GB before any check
+    refused it (stranger probe, sixteenth session). The commas are counted first."""
+    many = "[" + "{}," * (DENSE_FROM + 1) + "{}]"
+    with pytest.raises(Invalid, match="denser than anything autopart writes"):
+        parse_json(many, "marker")
+    crafted = copy_program(saved, tmp_path)
+    text = (crafted / "plan.json").read_text()
+    (crafted / "plan.json").write_text(text.replace('"tied"', f'"padding": {many}, "tied"', 1))
+    with pytest.raises(AutopartError, match="denser than anything autopart writes"):
+        read_head(crafted)
+    spread = "[" + "0, " * (DENSE_FROM + 1) + "0]"  # as many values, 3 bytes each: parsed
+    assert len(parse_json(spread.replace(", ", ",        "), "x")) == DENSE_FROM + 2
 
 
 @pytest.mark.parametrize("case", list(_WRONG_TYPES))

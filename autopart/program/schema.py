@@ -48,12 +48,34 @@ def _at(where: str, key: Any) -> str:
 
 
 MAX_DIGITS = 64  # of a JSON integer (no count or size autopart writes is longer than 20)
+MAX_VALUES = 1 << 24  # commas in one JSON text: a 16-layer stage's graph writes about 40 000
+DENSE_FROM = 1 << 20  # commas past which a text must hold at least ``DENSE_BYTES`` bytes per comma
+DENSE_BYTES = 8  # autopart's own JSON holds about 35 bytes per comma; ``[{},{},…]`` holds 3
+
+
+def _check_values(text: str, where: str) -> None:
+    """Refuse a text whose values would cost far more memory parsed than read: an empty
+    object or list is 3 bytes of JSON and about 70 bytes of Python, so 256 MiB of ``[{},…]``
+    used to cost 7 GB before any check saw it. Counting commas (one per value after a
+    container's first) bounds the values, before the parser makes any of them."""
+    commas = text.count(",")
+    if commas > MAX_VALUES:
+        raise Invalid(
+            where, f"holds about {commas} values, more than autopart writes ({MAX_VALUES})"
+        )
+    if commas > DENSE_FROM and commas * DENSE_BYTES > len(text):
+        raise Invalid(
+            where,
+            f"holds {commas} values in {len(text)} characters, denser than anything autopart "
+            f"writes (at most one value per {DENSE_BYTES} characters past {DENSE_FROM} values)",
+        )
 
 
 def parse_json(data: bytes | str, where: str = "") -> Any:
     """``json.loads`` that refuses what Python's parser accepts beyond JSON (NaN, infinities,
     numbers past a float), duplicate keys (two readers could keep different ones), integers of
-    more than ``MAX_DIGITS`` digits and nesting too deep to parse."""
+    more than ``MAX_DIGITS`` digits, nesting too deep to parse and more values than its size
+    explains (``_check_values``)."""
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -81,6 +103,7 @@ def parse_json(data: bytes | str, where: str = "") -> Any:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:
         raise Invalid(where, f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    _check_values(text, where)
     try:
         return json.loads(
             text,
