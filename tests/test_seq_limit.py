@@ -152,6 +152,24 @@ def _one_rank(tmp_path: Path, program) -> Runner:
     return Runner(rp, program.plan, weights, make_groups(program.plan, 0, rp.ties))
 
 
+def test_an_example_longer_than_the_position_table_is_refused_at_compile() -> None:
+    """nanoGPT with 16 positions captured at 32 tokens: torch.export's fake tensors do not
+    check an index against its table, so the program was saved and every rank died in its
+    first forward with an index error (seventeenth session). The positions, computed from the
+    sizes alone, are looked up for real at the example's length: refused, naming the table."""
+    from autopart.models import nanogpt
+
+    model, (ids, labels) = nanogpt.make(n_layer=2, n_embd=8, n_head=2, block_size=16)
+    ids, labels = torch.cat([ids, ids], 1), torch.cat([labels, labels], 1)  # 32 > 16 tokens
+    with pytest.raises(IndexError):
+        model(ids)  # one device refuses too
+    with pytest.raises(AutopartError, match="does not run on its own example") as err:
+        parallelize(model, Mesh(), example_inputs=(ids, labels))
+    assert "index 31 is out of range for the 16 rows of transformer_wpe_weight" in err.value.message
+    assert "(module transformer.wpe)" in err.value.message
+    assert "no longer than the model's table of positions" in (err.value.hint or "")
+
+
 def test_a_mask_table_as_long_as_the_example_keeps_the_length_symbolic(tmp_path: Path) -> None:
     """Captured at the mask table's own length, the slice is the whole table and export fixes
     the length to it: a shorter step then failed inside every rank with a shape error. Capture

@@ -22,9 +22,10 @@ from autopart.meta import META_INPUT, META_MODULE, META_RANGES
 def _misfit(n: fx.Node, exc: Exception, hint: str | None = None) -> AutopartError:
     """The error of node ``n`` whose shapes did not fit: the node, its module, torch's line."""
     first = str(exc).splitlines()[0] if str(exc) else ""
+    kind = "IndexError" if isinstance(exc, IndexError) else type(exc).__name__
     return AutopartError(
         f"shapes do not fit at node {n.format_node()} (module "
-        f"{n.meta.get(META_MODULE) or '<root>'}): {type(exc).__name__}: {first}",
+        f"{n.meta.get(META_MODULE) or '<root>'}): {kind}: {first}",
         hint=hint,
     )
 
@@ -106,10 +107,20 @@ def propagate(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+class PastTable(IndexError):
+    """A lookup of indices computed from the sizes alone past its table's rows."""
+
+
 def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
     """Whether the captured model graph ``gm`` fits a batch of ``batch`` sequences of ``seq``
     tokens: fake propagation with those concrete sizes (no memory, no compute). None if it
     does, else why not (the node, its module and torch's message)."""
+    failed = _misfit_at(gm, batch, seq)
+    return None if failed is None else failed.message.removeprefix("shapes do not fit at ")
+
+
+def _misfit_at(gm: fx.GraphModule, batch: int, seq: int) -> AutopartError | None:
+    """``holds_at``'s error itself (its ``__cause__`` is torch's, or ``PastTable``)."""
     mode = FakeTensorMode()
     inputs = []
     for n in gm.graph.nodes:
@@ -130,7 +141,7 @@ def holds_at(gm: fx.GraphModule, batch: int, seq: int) -> str | None:
         with mode:
             _Fits(gm).run(*inputs)
     except AutopartError as exc:
-        return exc.message.removeprefix("shapes do not fit at ")
+        return exc
     finally:
         quiet.setLevel(level)
     return None
@@ -235,7 +246,7 @@ class _Fits(fx.Interpreter):
             with unset_fake_temporarily():
                 top = int(idx.max())
             if isinstance(rows, int) and top >= rows:
-                raise IndexError(
+                raise PastTable(
                     f"index {top} is out of range for the {rows} rows of {table.name} "
                     "(a table of positions shorter than the sequence)"
                 )
@@ -259,7 +270,8 @@ def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int 
     may compute something else, so that bound is the limit. Export may also fix a size that
     the example's length implied without a guard (a scan's block count when the example is
     shorter than one block), and a model may slice a table of positions (a ``position_ids``
-    buffer): then a longer sequence fails with a shape error. Fake propagation at the bound
+    buffer): then a longer sequence fails with a shape error. An example longer than a table
+    of positions it looks up is refused: the model itself fails on it. Fake propagation at the bound
     (else ``LONGEST`` tokens) finds it (one pass, no memory); then doubling from the example,
     and a bisection over multiples of 8, find where it starts. A graph that fake tensors
     cannot follow at fixed sizes even at the example's length (data-dependent sizes) gets
@@ -273,9 +285,20 @@ def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int 
     )
     top = LONGEST if upper is None else upper
     why = holds_at(gm, b, top)
-    if why is None or holds_at(gm, b, s0) is not None:
-        # fits; or fails at the example too: ops fake tensors cannot follow at fixed sizes
-        # (``.item()`` of a router's counts), so only export's bound is known
+    if why is None:
+        return bound
+    at_example = _misfit_at(gm, b, s0)
+    if at_example is not None and isinstance(at_example.__cause__, PastTable):
+        raise AutopartError(
+            "the model does not run on its own example: "
+            + at_example.message.removeprefix("shapes do not fit at "),
+            hint=f"capture it with an example no longer than the model's table of positions "
+            f"(the example has {s0} tokens); on one device the same call fails with torch's "
+            "IndexError",
+        )
+    if at_example is not None:
+        # fails at the example too: ops fake tensors cannot follow at fixed sizes (``.item()``
+        # of a router's counts), so only export's bound is known
         return bound
     good, bad = s0, top  # fits good (the example), fails bad
     up = -(-2 * s0 // 8) * 8

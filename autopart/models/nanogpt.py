@@ -141,8 +141,10 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))  # (b, t, vocab)
 
 
-def batch(cfg: GPTConfig, batch_size: int = 8, seq_len: int = 32, seed: int = 0):
-    """Random next-token batch: labels are the inputs shifted left, the last position ignored."""
+def batch(cfg: GPTConfig, batch_size: int = 8, seq_len: int | None = None, seed: int = 0):
+    """Random next-token batch: labels are the inputs shifted left, the last position ignored;
+    ``seq_len`` defaults to 32 tokens, or the model's ``block_size`` if shorter."""
+    seq_len = min(32, cfg.block_size) if seq_len is None else seq_len
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=g)
     input_ids, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
