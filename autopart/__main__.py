@@ -1,5 +1,17 @@
+"""``python -m autopart`` and the ``autopart`` command: a Ctrl-C while the CLI imports torch
+ends it with status 130 and one line, not a traceback."""
+
 import sys
 
-from autopart.cli import main
 
-sys.exit(main())
+def run() -> int:
+    try:
+        from autopart.cli import main
+    except KeyboardInterrupt:
+        print("autopart: interrupted", file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -103,6 +103,40 @@ def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, 
     assert mine == []
 
 
+def test_a_ctrl_c_while_autopart_run_imports_ends_it_in_one_line(saved: Path) -> None:
+    """SIGINT to ``autopart run`` while it still imports torch: exit 130 and "autopart:
+    interrupted", no traceback, nothing launched (it printed a KeyboardInterrupt traceback
+    through torch's import, and once a dropped one let the launch train every step)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autopart", "run", str(saved), "--steps", "100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    time.sleep(0.4)  # the interpreter is up; torch takes seconds to import
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert err.strip() in ("autopart: interrupted", "autopart run: interrupted"), err
+    assert "launching" not in out and _processes_naming(str(saved)) == []
+
+
+def test_a_sigint_is_counted_even_when_something_drops_it(monkeypatch, capsys) -> None:
+    """``process.interrupts`` counts every SIGINT, also one whose KeyboardInterrupt C code
+    cleared; the CLI then stops before its command runs."""
+    from autopart import cli, process
+
+    before = process.interrupts()
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert process.interrupts() == before + 1
+    monkeypatch.setattr(cli, "interrupts", lambda: 1)  # one was dropped during the imports
+    assert cli.main(["plan", "--shape", "gpt-7b", "--gpus", "8", "--global-batch", "8"]) == 130
+    assert capsys.readouterr().err.strip() == "autopart plan: interrupted"
+
+
 @pytest.mark.multirank
 def test_a_world_size_the_mesh_does_not_have_is_refused_before_any_rank(
     saved: Path, tmp_path: Path

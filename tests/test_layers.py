@@ -84,6 +84,8 @@ DYNAMIC = "<dynamic>"  # an importlib.import_module call whose module is not a l
 
 # (file, module it imports inside a function) → why it is not imported at module level
 LAZY: dict[tuple[str, str], str] = {
+    ("autopart/__main__.py", "autopart.cli"): "the CLI's imports (torch) run inside run(), "
+    "so that a Ctrl-C during them ends it in one line, not a traceback",
     ("autopart/__init__.py", DYNAMIC): "PEP 562: `import autopart` imports errors only; each "
     "name imports its module on first use, so a rank running a saved program imports no "
     "compiler or verifier",
@@ -158,6 +160,8 @@ PROCESS_STATE: dict[tuple[str, str], str] = {
     ("autopart/collectives.py", "_ACTIVE"): "which runtime context (a Runner's Comm) the graph "
     "ops use, as torch keeps a default process group: process-wide because the autograd engine "
     "runs the ops' backwards on its own threads; written by activate() only",
+    ("autopart/process.py", "_SIGINTS"): "the SIGINTs this process received: a signal is "
+    "process-wide, and C code can drop its KeyboardInterrupt; written by the handler only",
 }
 
 _CONTAINER_CALLS = frozenset(

@@ -4,7 +4,8 @@ Each of ``demo``, ``verify``, ``zoo``, ``inspect``, ``run``, ``timeline``, ``sim
 ``plan`` is a module here with ``add_parser(sub)`` (its flags and help) and ``main(args) -> int``;
 ``common`` holds the flag groups several take, ``report`` the rich tables ``inspect`` and
 ``demo`` print. ``main`` parses, dispatches, and turns an ``AutopartError`` into
-``autopart CMD: error: ...`` on stderr and exit code 2.
+``autopart CMD: error: ...`` on stderr and exit code 2, and a Ctrl-C into ``autopart CMD:
+interrupted`` and exit code 130.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 from autopart.cli import demo, inspect, plan, run, simulate, timeline, train, verify, zoo
 from autopart.errors import AutopartError
+from autopart.process import interrupts
 
 EPILOG = """examples:
   autopart demo                                   train a small GPT on 4 CPU ranks (tp × pp), check parity
@@ -67,10 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if interrupts():  # a Ctrl-C during the imports that something dropped
+            raise KeyboardInterrupt
         return COMMANDS[args.command].main(args)
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"autopart {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 __all__ = ["build_parser", "main"]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from autopart.errors import AutopartError
-from autopart.process import STARTED
+from autopart.process import STARTED, interrupts
 
 GRACE_S = 5.0  # after forwarding a signal, how long the ranks get before the group is killed
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -90,6 +90,10 @@ class _Forward:
         return self
 
     def _forward(self, signum: int, frame: Any) -> None:
+        self.stop(signum)
+
+    def stop(self, signum: int) -> None:
+        """Send ``signum`` to the launched groups, and remember it."""
         self.received = signum
         _signal_groups(self.procs, signum)
 
@@ -274,6 +278,7 @@ def launch(
     out = None if stream else subprocess.PIPE
     err = None if stream else subprocess.STDOUT
     procs: list[subprocess.Popen] = []
+    seen = interrupts()
     try:
         for w in where:
             procs.append(
@@ -288,6 +293,8 @@ def launch(
                 )
             )
         with _Forward(procs) as fwd:
+            if interrupts() > seen:  # a SIGINT while torchrun started, dropped on its way
+                fwd.stop(signal.SIGINT)
             try:
                 outputs = [p.communicate(timeout=limit)[0] or "" for p in procs]
             except subprocess.TimeoutExpired as exc:
