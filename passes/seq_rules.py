@@ -549,7 +549,11 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         x, w, offs = (node_arg(n, i) for i in range(3))
         if _rows(p.env.get(x)) and p.env.get(w) is None and p.env[offs].kind == "offsets":
             return _rows_of(r0)
-    raise Mixes(f"{_op_name(t)} on routed tokens, which the routing rule does not cover")
+    raise Mixes(
+        f"{_op_name(t)} on tokens reordered by a sort along the sequence, which mixes "
+        "positions; the only reordering proven is a routing of tokens to experts that "
+        "puts each token back in its place"
+    )
 
 
 def _rows_of(r: Routed) -> Routed:

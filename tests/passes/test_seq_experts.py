@@ -86,7 +86,7 @@ def test_experts_chunk_exactly(kind: str, positions: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "positions", "node", "why"),
     [
-        ("shuffled", "arange", "cat", "on routed tokens, which the routing rule does not cover"),
+        ("shuffled", "arange", "cat", "on tokens reordered by a sort along the sequence"),
         ("folded", "arange", "view", "a view that cuts the sequence across dims"),
         ("tiled", "arange", "repeat", "a repeat along the sequence"),
     ],
