@@ -157,7 +157,8 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
         # plan reorders), or a value without token dims (a parameter cast down, DiffLlama's
         # float32 lambda): its gradient, a sum over tokens, is rounded to this precision
         if n.target in mixing or not tokens(n):
-            found[(n.meta.get(META_MODULE) or "<root>", low)] = None
+            where = n.meta.get(META_MODULE) or "the model's own forward (no submodule)"
+            found[(where, low)] = None
     return list(found)
 
 
