@@ -284,6 +284,47 @@ def test_the_module_follows_its_runner_or_refuses_to_be_read_behind_it() -> None
     assert model.state_dict() and model(batch[0]) is not None
 
 
+def test_an_in_place_change_of_the_modules_parameters_is_refused_at_the_next_call() -> None:
+    """A clamp of ``model.parameters()`` after ``parallelize`` (max-norm, weight clipping)
+    changed only the module: the runner trained on without it, silently (sixteenth session's
+    probe). The next step, evaluate or logits now refuses it, naming the parameter; the same
+    change to ``runner.parameters()``, ``model.load_state_dict`` and ``copy_to`` are left alone,
+    and so is a runner that trains the module's own objects."""
+    from autopart.api import _attach
+    from autopart.models.nanogpt import make
+
+    model, batch = make()
+    model = model.double()
+    runner = _single_rank(model, batch)
+    _attach(runner, model)
+    runner.step(*batch)
+    with torch.no_grad():
+        for p in runner.parameters():  # the right place for it
+            p.clamp_(-0.5, 0.5)
+    runner.step(*batch)
+    runner.copy_to(model)  # loads through the module: its versions move, and are taken again
+    model.load_state_dict(model.state_dict())
+    runner.evaluate(*batch)
+    calls = {"step": batch, "evaluate": batch, "logits": batch[:1]}
+    for call, args in calls.items():
+        with torch.no_grad():
+            model.transformer.h[1].mlp.c_fc.weight.clamp_(-0.1, 0.1)
+        with pytest.raises(autopart.AutopartError, match="changed in place after") as exc:
+            getattr(runner, call)(*args)
+        assert str(exc.value).startswith(f"runner.{call}(): the model's parameter ")
+        assert "transformer.h.1.mlp.c_fc.weight" in str(exc.value)
+        assert "runner.parameters()" in (exc.value.hint or "")
+        runner.copy_to(model)  # the module holds the runner's weights again
+    runner.step(*batch)
+    del runner, exc
+    gc.collect()
+    shared = _single_rank(model, batch, copies=False)  # the module's own objects: trained as is
+    _attach(shared, model)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.clamp_(-0.1, 0.1)
+    shared.step(*batch)
+
+
 class _LiveMesh:
     """A one-rank live DeviceMesh as far as ``parallelize``'s first check reads one."""
 

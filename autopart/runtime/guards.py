@@ -191,6 +191,7 @@ def follow_module(runner: Any, model: nn.Module) -> None:
         out = base.load_state_dict(self, state_dict, *args, **kwargs)
         live = owner()
         if live is not None:
+            live.mark_module()
             whole = live.state_keys is not None and set(live.state_keys) <= set(state_dict)
             behind = live.moved()
             live.load_state_dict(state_dict, strict=False)
@@ -308,6 +309,25 @@ def _module_parameters(
 def _is_clip(frame: FrameType) -> bool:
     """Is ``frame`` in torch's gradient clipping (norm or value)?"""
     return frame.f_globals.get("__name__") == _CLIP_MODULE
+
+
+def check_untouched(params: list[tuple[str, nn.Parameter]], versions: list[int], call: str) -> None:
+    """Refuse ``call`` (``runner.step``, ...) once one of the module's own parameters (``params``,
+    those the runner does not train itself) has changed in place since the runner took them
+    (``versions``): a clamp or a hand-made update of ``model.parameters()`` after
+    ``parallelize`` (max-norm constraints, weight clipping) changed only the module, and the
+    runner trained on without it."""
+    for (name, p), seen in zip(params, versions, strict=True):
+        if p._version != seen:
+            raise AutopartError(
+                f"runner.{call}(): the model's parameter {name} was changed in place after "
+                "parallelize "
+                "(a clamp_, copy_ or other in-place update of model.parameters()); the runner "
+                "trains its own copies of the parameters, so the change would not reach it",
+                hint="change runner.parameters() / runner.named_parameters() instead (with "
+                "torch.no_grad(), as for any parameter); model.load_state_dict(sd) loads new "
+                "weights into both",
+            )
 
 
 def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:

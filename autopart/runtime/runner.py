@@ -49,6 +49,7 @@ from autopart.runtime.guards import (
     StepLoss,
     check_frozen,
     check_step_context,
+    check_untouched,
     follow_module,
     guard_optimizer_state,
     guard_optimizers,
@@ -309,6 +310,10 @@ class Runner:
         self._warned_sum = False  # step warned that gradients of several steps add up
         self._copies: list[nn.Parameter] = []  # those of this rank's parameters not the module's
         self._versions: list[int] = []
+        # the module's parameters the runner does not train itself, and their version counters
+        # when the two last agreed: a change in place to one is refused (``guards.check_untouched``)
+        self._module_params: list[tuple[str, nn.Parameter]] = []
+        self._module_versions: list[int] = []
         # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
         self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
@@ -456,6 +461,9 @@ class Runner:
         # (a one-rank program's whole parameters may be the module's own objects: those never
         # leave the module behind)
         self._copies = [p for p in self.params.values() if id(p) not in own]
+        mine = {id(p) for p in self.params.values()}
+        self._module_params = [(n, p) for n, p in model.named_parameters() if id(p) not in mine]
+        self.mark_module()
         guard_optimizers(self, model)
         guard_optimizer_state(self)
         follow_module(self, model)
@@ -469,6 +477,11 @@ class Runner:
         """The module and the runner hold the same weights (``follow``, ``copy_to``)."""
         self._moved = False
         self._versions = [p._version for p in self._copies]
+
+    def mark_module(self) -> None:
+        """The module's own parameters hold what the runner was given (``follow``, a load
+        through the module): a later change to one in place is refused at the next call."""
+        self._module_versions = [p._version for _, p in self._module_params]
 
     def mark_moved(self) -> None:
         """The runner's weights changed in a way no version counter shows (a load, a fused
@@ -492,6 +505,8 @@ class Runner:
         since (``model.eval()``)."""
         check_step_context(call, self.device, needs_grad=needs_grad)
         model = self._followed()
+        if model is not None:
+            check_untouched(self._module_params, self._module_versions, call)
         if model is not None and needs_grad:
             check_frozen(model, self._module_frozen)
         if model is not None and model.training != self.training:
