@@ -319,6 +319,52 @@ def test_state_updates_are_refused_and_unused_values_dropped() -> None:
     assert len(losses) == 1, losses
 
 
+class _Scratch(nn.Module):
+    """Frequencies picked per call into a buffer under ``no_grad``, as Phi-3's longrope does
+    (``inv_freq.copy_(where(max(positions) + 1 > 16, long, short))``); ``accumulate`` reads
+    the buffer first (a running value: state)."""
+
+    def __init__(self, accumulate: bool = False) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(32, 8), nn.Linear(8, 32)
+        self.register_buffer("freq", torch.ones(8), persistent=False)
+        self.register_buffer("short", torch.linspace(0.1, 1.0, 8), persistent=False)
+        self.register_buffer("long", torch.linspace(0.05, 0.5, 8), persistent=False)
+        self.accumulate = accumulate
+
+    @torch.no_grad()
+    def _pick(self, positions: torch.Tensor) -> None:
+        chosen = torch.where(positions.max() + 1 > 16, self.long, self.short)
+        self.freq.copy_(self.freq + chosen if self.accumulate else chosen)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1])
+        self._pick(positions)
+        angle = positions[:, None].to(self.freq.dtype) * self.freq
+        return self.head(self.wte(idx) * torch.cos(angle))
+
+
+def test_a_buffer_overwritten_before_it_is_read_is_scratch_not_state() -> None:
+    """A buffer written in place under ``no_grad`` (a grad-mode region export keeps as a
+    subgraph) escaped the check for state updates: the ``copy_`` stayed in the graph and
+    compile failed with "a pass rewrote a shape it could not prove" (Phi-3 with longrope,
+    seventeenth session). A buffer the forward overwrites before reading is scratch: captured,
+    its update dropped, the loss and gradients one device's; one read first is refused."""
+    torch.manual_seed(0)
+    model = _Scratch().double()
+    ids = torch.randint(0, 32, (2, 24))
+    batch = (ids, ids.roll(-1, 1))
+    captured = capture(model, batch)
+    assert not [n for n in captured.graph.graph.nodes if "copy_" in str(n.target)]
+    loss, grads = run_graph(captured, batch)
+    want, want_grads = run_model(model, batch)
+    assert rel_err(loss, want) < 1e-12
+    for f, g in want_grads.items():
+        assert rel_err(grads[f], g) < 1e-12, f
+    with pytest.raises(AutopartError, match=r"updates 1 buffer\(s\) in its forward: freq"):
+        capture(_Scratch(accumulate=True).double(), batch)
+
+
 class _OwnLoss(nn.Module):
     """Returns ``(logits, loss)`` given labels: the cross entropy, smoothed by ``smoothing``,
     plus ``extra`` times the mean squared logit (a z-loss-like term)."""

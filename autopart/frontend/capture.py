@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.export import Dim
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from autopart.errors import AutopartError
 from autopart.frontend.loops import fixed_length, reroll
@@ -373,7 +373,12 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
         )
         table = {n.target: _SPLIT_UP[n.target] for n in ep.graph.nodes if n.target in _SPLIT_UP}
         table.update(library_decompositions(ep.graph))
-        if table or any(_mutates(n) for n in ep.graph.nodes):
+        if table or any(
+            _mutates(n)
+            for g in ep.graph_module.modules()  # and inside grad-mode regions (``@no_grad``)
+            if isinstance(g, fx.GraphModule)
+            for n in g.graph.nodes
+        ):
             # in-place ops (Falcon's ``x += ...``, slice assignments ``q[..., :d] = ...``): the
             # passes and the saved program need a functional graph; functionalizing with a table
             # of only these ops decomposes them (and the ``copy`` of a slice assignment, which
@@ -508,10 +513,27 @@ def _refuse_state_updates(ep: torch.export.ExportedProgram) -> None:
     """Refuse a model whose forward updates its buffers (BatchNorm's running statistics in
     training mode, a step counter): the programs compute the loss and the gradients only, so
     every rank would drop the update (and the graph's extra outputs crashed the backward inside
-    every rank)."""
-    updated = sorted(
-        {b.removeprefix(_PREFIX) for b in ep.graph_signature.buffers_to_mutate.values()}
-    )
+    every rank). A buffer the forward overwrites before any read of it (Phi-3's longrope picks
+    its frequencies per call: ``inv_freq.copy_(where(...))``) is scratch space: no step reads
+    what an earlier one left there, so its update is dropped from the graph's outputs."""
+    sig = ep.graph_signature
+    out = next(n for n in ep.graph.nodes if n.op == "output")
+    placeholder = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    read = {
+        spec.target
+        for spec in sig.input_specs
+        if spec.kind == InputKind.BUFFER and placeholder[spec.arg.name].users
+    }
+    kept, stateful = [], set()
+    for spec, value in zip(sig.output_specs, cast(tuple, out.args[0]), strict=True):
+        if spec.kind != OutputKind.BUFFER_MUTATION:
+            kept.append(value)
+        elif spec.target in read:
+            stateful.add((spec.target or "").removeprefix(_PREFIX))
+    if not stateful:
+        out.args = (tuple(kept), *out.args[1:])
+        ep.graph_module.recompile()
+    updated = sorted(stateful)
     if updated:
         where = ", ".join(updated[:4]) + (
             f" and {len(updated) - 4} more" if len(updated) > 4 else ""
