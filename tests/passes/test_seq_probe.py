@@ -84,6 +84,9 @@ MIXES: dict[str, Mix] = {
     ),
     "an index of the previous token": lambda m, x: x[:, (torch.arange(x.shape[1]) - 1).clamp(0)],
     "a standard deviation over the sequence": lambda m, x: x / x.std(1, keepdim=True),
+    "a variance over the sequence (unbiased flag)": lambda m, x: (
+        x / (x.var(1, unbiased=False, keepdim=True) + 1)
+    ),
     "a softmax over the sequence": lambda m, x: torch.softmax(x, dim=1),
     "a normalization over the sequence": lambda m, x: F.normalize(x, dim=1),
     "a layer norm over the sequence": lambda m, x: F.layer_norm(
@@ -140,6 +143,7 @@ DEFAULT = {
     "the sequence cut in halves",
     "an index of the previous token",
     "a layer norm over the sequence",
+    "a variance over the sequence (unbiased flag)",
 }
 
 
@@ -163,3 +167,23 @@ def test_the_probe_without_a_mixer_chunks_exactly() -> None:
     _assert_chunks_exactly(_Probe(None), ids)
     captured = capture(_Probe(None).double(), (ids, ids))
     parallelize(captured, Mesh(pp=2), schedule="seq1f1b", seq_chunks=2, microbatches=2)
+
+
+# reductions over the features only: position-wise, so they chunk (``aten.var.dim`` and
+# ``aten.std.dim``, the overloads of an ``unbiased=`` flag, were refused as having no sequence
+# rule: the seventeenth session's tp probe)
+FEATURE_REDUCTIONS: dict[str, Mix] = {
+    "var(-1, unbiased=False)": lambda m, x: x / (x.var(-1, unbiased=False, keepdim=True) + 1),
+    "std(-1, unbiased=True)": lambda m, x: x / (torch.std(x, -1, True, keepdim=True) + 1),
+    "var_mean(-1, unbiased=True)": lambda m, x: torch.var_mean(x, -1, True, keepdim=True)[0] * x,
+    "nansum(-1)": lambda m, x: x * torch.nansum(x, -1, keepdim=True) / 16,
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURE_REDUCTIONS))
+def test_a_reduction_over_the_features_chunks_exactly(name: str) -> None:
+    ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
+    model = _Probe(FEATURE_REDUCTIONS[name])
+    for block in model.blocks:
+        del block.w  # (read by none of these: no gradient to compare)
+    _assert_chunks_exactly(model, ids)
