@@ -242,7 +242,8 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "library_ops", check_library_names(self.library_ops))
         if self.schedule not in SCHEDULES:
-            close = difflib.get_close_matches(self.schedule, SCHEDULES, n=1)
+            close = [self.schedule.lower()] if self.schedule.lower() in SCHEDULES else []
+            close = close or difflib.get_close_matches(self.schedule, SCHEDULES, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise AutopartError(
                 f"unknown schedule {self.schedule!r}",
@@ -266,8 +267,14 @@ class Plan:
             raise AutopartError(
                 f"min_seq={self.min_seq} is more than max_seq={self.max_seq}: no sequence fits"
             )
-        if self.bucket_mb <= 0:
-            raise AutopartError(f"bucket_mb={self.bucket_mb} must be positive")
+        if not self.bucket_mb > 0 or not math.isfinite(self.bucket_mb):
+            raise AutopartError(f"bucket_mb={self.bucket_mb} must be a positive number")
+        gb = self.max_stage_memory_gb
+        if gb is not None and (not gb > 0 or not math.isfinite(gb)):
+            raise AutopartError(
+                f"max_stage_memory_gb={gb} must be a positive number of GiB",
+                hint="leave it unset for no memory limit",
+            )
         if self.sequence_parallel and self.mesh.tp == 1:
             raise AutopartError(
                 "sequence_parallel=True needs tensor parallelism (tp > 1)",

@@ -73,7 +73,8 @@ def test_check_world() -> None:
 
 
 @pytest.mark.parametrize(
-    ("typo", "meant"), [("1f1 b", "1f1b"), ("gpip", "gpipe"), ("1f1f", "1f1b")]
+    ("typo", "meant"),
+    [("1f1 b", "1f1b"), ("gpip", "gpipe"), ("1f1f", "1f1b"), ("1F1B", "1f1b"), ("ZB-H1", "zb-h1")],
 )
 def test_unknown_schedule_suggests(typo: str, meant: str) -> None:
     with pytest.raises(AutopartError) as err:
@@ -88,6 +89,15 @@ def test_unknown_schedule_without_close_match() -> None:
     with pytest.raises(AutopartError) as err:
         Plan(Mesh(), schedule="zigzag")
     assert "did you mean" not in str(err.value) and "choose one of" in err.value.hint
+
+
+def test_interleaving_without_pipeline_parallelism_is_refused() -> None:
+    """pp=1 with virtual stages: every rank's stages sent activations to themselves, and each
+    rank died in gloo's isend ("Pair is not connected"), a raw error after launch (plan
+    probe, seventeenth session)."""
+    for schedule in ("interleaved-1f1b", "seq1f1b-interleaved"):
+        with pytest.raises(AutopartError, match=r"needs pipeline parallelism \(pp ≥ 2\)"):
+            Plan(Mesh(dp=2), schedule=schedule, virtual_stages=2, microbatches=2)
 
 
 @pytest.mark.parametrize(
@@ -123,8 +133,11 @@ def test_chunk_multiple() -> None:
         ({"microbatches": 0}, "microbatches=0 must be a positive integer"),
         ({"microbatches": 1.5}, "microbatches=1.5 must be a positive integer"),
         ({"seq_chunks": False}, "seq_chunks=False must be a positive integer"),
-        ({"bucket_mb": 0}, "bucket_mb=0 must be positive"),
-        ({"bucket_mb": -1.0}, "bucket_mb=-1.0 must be positive"),
+        ({"bucket_mb": 0}, "bucket_mb=0 must be a positive number"),
+        ({"bucket_mb": -1.0}, "bucket_mb=-1.0 must be a positive number"),
+        ({"bucket_mb": float("nan")}, "bucket_mb=nan must be a positive number"),
+        ({"max_stage_memory_gb": float("nan")}, "max_stage_memory_gb=nan must be a positive"),
+        ({"max_stage_memory_gb": -5.0}, "max_stage_memory_gb=-5.0 must be a positive"),
     ],
 )
 def test_plan_rejects_bad_numbers(kwargs: dict, needle: str) -> None:

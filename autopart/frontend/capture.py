@@ -540,7 +540,7 @@ def _refuse_state_updates(ep: torch.export.ExportedProgram) -> None:
         )
         raise AutopartError(
             f"the model updates {len(updated)} buffer(s) in its forward: {where} (module "
-            f"{updated[0].rpartition('.')[0] or '<root>'}); autopart's programs compute the "
+            f"{updated[0].rpartition('.')[0] or 'the model itself'}); autopart's programs compute the "
             "loss and the gradients only, so every rank would drop the update",
             hint="keep state updates out of forward: BatchNorm in eval mode or a LayerNorm / "
             "RMSNorm, a step counter in the training loop",

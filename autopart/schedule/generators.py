@@ -188,8 +188,8 @@ def traits(name: str) -> Traits:
 
 def check_schedule(name: str, pp: int, m: int, v: int = 1, k: int = 1) -> None:
     """The schedule rules, in one place (``Plan`` calls this on construction): a known
-    schedule; virtual stages exactly with an interleaved one, whose micro-batches are a
-    multiple of pp; sequence chunks only with Seq1F1B."""
+    schedule; virtual stages exactly with an interleaved one, which needs pp ≥ 2 and
+    micro-batches a multiple of pp; sequence chunks only with Seq1F1B."""
     if name not in GENERATORS:
         raise AutopartError(
             f"schedule {name!r} has no generator in this version",
@@ -205,6 +205,12 @@ def check_schedule(name: str, pp: int, m: int, v: int = 1, k: int = 1) -> None:
         raise AutopartError(
             f"schedule {name} with virtual_stages={v}",
             hint="virtual stages > 1 need an interleaved schedule, and it needs them",
+        )
+    if t.interleaved and pp < 2:  # its virtual stages would send to their own rank
+        raise AutopartError(
+            f"{name} needs pipeline parallelism (pp ≥ 2): with pp=1 every virtual stage is "
+            "on one rank, and the stages would send activations to themselves",
+            hint="use pp ≥ 2, or 1f1b (seq1f1b) without virtual stages",
         )
     if t.interleaved and m % pp:
         raise AutopartError(
