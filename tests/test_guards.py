@@ -325,6 +325,22 @@ def test_an_in_place_change_of_the_modules_parameters_is_refused_at_the_next_cal
     shared.step(*batch)
 
 
+def test_a_batch_of_padding_only_is_refused_unless_num_tokens_counts_it() -> None:
+    """Every label -100: one device's mean cross entropy is nan; the runner divided by
+    ``max(count, 1)`` and returned 0 with zero gradients (plan probe, seventeenth session).
+    Refused now, naming the cause; within accumulation (``num_tokens``) it adds nothing."""
+    from autopart.models.nanogpt import make
+
+    model, (ids, labels) = make()
+    runner = _single_rank(model.double(), (ids, labels))
+    padding = torch.full_like(labels, -100)
+    for call in (runner.step, runner.evaluate):
+        with pytest.raises(autopart.AutopartError, match="every label of the global batch is -100"):
+            call(ids, padding)
+    assert float(runner.step(ids, padding, num_tokens=5)) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in runner.parameters())
+
+
 class _LiveMesh:
     """A one-rank live DeviceMesh as far as ``parallelize``'s first check reads one."""
 

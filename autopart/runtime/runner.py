@@ -809,7 +809,15 @@ class Runner:
         if local and group is not None and not self.dry:
             self._wait(staging.all_reduce(n, group), "adding up the dp shares' labels")
         if num_tokens is None:
-            return n.clamp(min=1)
+            if not self.dry and int(n) == 0:  # every rank has the same count: all refuse
+                raise AutopartError(
+                    f"rank {self.rank}: every label of the global batch is -100, so its mean "
+                    "loss is over no label (one device's cross entropy gives nan)",
+                    hint="skip batches that are all padding; within gradient accumulation, "
+                    "num_tokens= (the labels of all the accumulated batches) makes such a "
+                    "batch add nothing",
+                )
+            return n
         if not self.dry and int(num_tokens) < int(n):
             raise AutopartError(
                 f"rank {self.rank}: num_tokens={int(num_tokens)} is fewer than this step's own "
