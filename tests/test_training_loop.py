@@ -133,6 +133,8 @@ def test_labels_follow_the_model_and_the_other_convention_is_refused() -> None:
     with pytest.raises(autopart.AutopartError, match="already shifted"):
         runner.step(ids, shifted)
     assert torch.isfinite(runner.step(ids, shifted, shifted=True))  # explicitly pre-shifted
+    constant = torch.full_like(ids, 5)  # reads both ways: HF's labels = input_ids, accepted
+    assert torch.isfinite(runner.step(constant, constant.clone()))  # (was "already shifted")
 
     gpt, batch = nanogpt.make()
     assert label_convention(gpt) == "shifted"
@@ -140,6 +142,8 @@ def test_labels_follow_the_model_and_the_other_convention_is_refused() -> None:
     with pytest.raises(autopart.AutopartError, match="copy its input"):
         plain.step(batch[0], batch[0].clone())
     assert torch.isfinite(plain.step(batch[0], batch[0].clone(), shifted=False))
+    constant = torch.full_like(batch[0], 5)
+    assert torch.isfinite(plain.step(constant, constant.clone()))
 
 
 @pytest.mark.slow
