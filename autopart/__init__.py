@@ -24,6 +24,8 @@ _LAZY = {
     "compile_program": ".lowering",
     "Report": ".parity.verify",
     "verify": ".parity.verify",
+    "verify_many": ".parity.verify",
+    "Check": ".parity.verify",
     "Program": ".program.format",
     "RankProgram": ".program.format",
     "sequence_chunks": ".lowering.chunks",
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from autopart.layout import Mesh, Plan
     from autopart.lowering import compile_program
     from autopart.lowering.chunks import sequence_chunks
-    from autopart.parity.verify import Report, verify
+    from autopart.parity.verify import Check, Report, verify, verify_many
     from autopart.program.format import Program, RankProgram
     from autopart.runtime import checkpoint
 
@@ -58,6 +60,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AutopartError",
     "Captured",
+    "Check",
     "Mesh",
     "Plan",
     "Program",
@@ -70,4 +73,5 @@ __all__ = [
     "parallelize",
     "sequence_chunks",
     "verify",
+    "verify_many",
 ]

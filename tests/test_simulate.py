@@ -674,3 +674,26 @@ def test_a_waiting_rank_fills_its_wait_with_deferred_w(name: str, k: int, slowdo
         )
     last = [e for e in filled.events if e.rank == p - 1]
     assert sum(e.kind == "W" for e in last) > m * k  # some W ran in pieces while waiting
+
+
+def test_an_unknown_flag_is_named_by_the_subcommand(capsys) -> None:
+    """``--virtual`` (not ``--virtual-stages``) printed the top-level usage, ``autopart [-h]
+    COMMAND ...``; it is the subcommand's parser that names it now."""
+    with pytest.raises(SystemExit) as exit_:
+        main(
+            [
+                "simulate",
+                "--shape",
+                "gpt-7b",
+                "--gpus",
+                "8",
+                "--global-batch",
+                "8",
+                "--virtual",
+                "2",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "usage: autopart simulate" in err
+    assert "autopart simulate: error: unrecognized arguments: --virtual 2" in err

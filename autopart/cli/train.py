@@ -24,8 +24,9 @@ the config (TOML; every key optional, unknown keys refused):
   [parallel]   dp, tp, pp, schedule, microbatches, virtual_stages, seq_chunks,
                sequence_parallel, recompute, precision ("" or "bf16"), compile,
                attention ("sdpa" or "flex")
-  [data]       text = "file.txt" (bytes as ids) | tokens = "ids.pt" / "ids.bin";
-               seq_len, batch_size (global, sequences), val_fraction
+  [data]       text = "file.txt" | tokens = "ids.pt" / "ids.bin" | dataset = "name"
+               (with dataset_config, dataset_files, split, field); tokenizer ("": bytes
+               as ids); seq_len, batch_size (global, sequences), val_fraction
   [optim]      lr, min_lr, weight_decay, beta1, beta2, eps, warmup_steps, max_grad_norm
   [train]      steps, seed, timeout, device
   [eval]       every (0: never), batches

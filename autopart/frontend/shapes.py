@@ -23,9 +23,12 @@ def _misfit(n: fx.Node, exc: Exception, hint: str | None = None) -> AutopartErro
     """The error of node ``n`` whose shapes did not fit: the node, its module, torch's line."""
     first = str(exc).splitlines()[0] if str(exc) else ""
     kind = "IndexError" if isinstance(exc, IndexError) else type(exc).__name__
+    op = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", n.target)
+    if isinstance(n.target, torch._ops.OpOverload):
+        op = f"{n.target.namespace}.{n.target._schema.name.partition('::')[2]}"
     return AutopartError(
-        f"shapes do not fit at node {n.format_node()} (module "
-        f"{n.meta.get(META_MODULE) or '<root>'}): {kind}: {first}",
+        f"shapes do not fit at node %{n.name} = {op} (module "
+        f"{n.meta.get(META_MODULE) or 'the model itself'}): {kind}: {first}",
         hint=hint,
     )
 
