@@ -146,7 +146,7 @@ def test_train_checkpoints_is_killed_and_resumes_bitwise(tmp_path: Path) -> None
     """A whole run (6 steps on the demo text, pp=2, eval every 3, a checkpoint every step) and
     a run killed with SIGTERM after its third checkpoint then started again: the second resumes
     from the newest intact checkpoint and ends with the first one's weights, bit for bit; both
-    write their metrics."""
+    write their metrics, each step once."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     for out in (whole, killed):
         out.mkdir()
@@ -174,7 +174,10 @@ def test_train_checkpoints_is_killed_and_resumes_bitwise(tmp_path: Path) -> None
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     resumed = [json.loads(x) for x in (killed / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert resumed[-1]["step"] == 6 and resumed[-1]["loss"] == rows[-1]["loss"]
+    # each step logged once: the resumed run dropped the rows logged after its checkpoint
+    # (they were appended again, twice, and a plot drew them twice)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6], resumed
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]
 
 
 @pytest.mark.multirank
@@ -191,3 +194,17 @@ def test_a_bad_config_is_refused_once_before_any_rank(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.count("unknown key [log] jsnl") == 1, r.stderr
     assert "launching" not in r.stdout
+
+
+def test_a_resumed_run_drops_the_metrics_it_logs_again(tmp_path: Path) -> None:
+    """Rows of steps after the checkpoint a run resumes from are trained, and logged, again:
+    they are dropped first (they were appended twice). Other lines stay as they were."""
+    from autopart.runtime.train import _drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6)]
+    path.write_text("".join(rows) + "not json\n")
+    _drop_rows_after(path, 3)
+    assert path.read_text() == "".join(rows[:3]) + "not json\n"
+    _drop_rows_after(tmp_path / "none.jsonl", 3)  # a first run: nothing to drop
+    assert not (tmp_path / "none.jsonl").exists()

@@ -74,9 +74,11 @@ def optimizer(runner: Any, cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 class Metrics:
-    """Rank 0's metrics: JSON lines, TensorBoard when asked and installed."""
+    """Rank 0's metrics: JSON lines, TensorBoard when asked and installed. A run resumed at
+    step ``start`` first drops what an earlier run logged after that step (it is trained
+    again), so each step is logged once."""
 
-    def __init__(self, cfg: TrainConfig, rank: int) -> None:
+    def __init__(self, cfg: TrainConfig, rank: int, start: int = 0) -> None:
         self.on = rank == 0
         self.file = None
         self.board = None
@@ -85,6 +87,7 @@ class Metrics:
         path = cfg.out_dir / cfg.log_jsonl if cfg.log_jsonl else None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_rows_after(path, start)
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         if cfg.log_tensorboard:
             try:
@@ -92,7 +95,8 @@ class Metrics:
             except ImportError:
                 print("autopart train: tensorboard is not installed; JSON lines only", flush=True)
             else:
-                self.board = SummaryWriter(str(cfg.out_dir / "tensorboard"))
+                # purge_step: events of the steps trained again are dropped from the view
+                self.board = SummaryWriter(str(cfg.out_dir / "tensorboard"), purge_step=start + 1)
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.on:
@@ -109,6 +113,27 @@ class Metrics:
             self.file.close()
         if self.board is not None:
             self.board.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite the JSON lines at ``path`` without the rows of steps after ``step`` (a line that
+    is not a row with a step is kept as it is)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+
+    def later(line: str) -> bool:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
+
+    kept = [line for line in lines if not later(line)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +180,7 @@ def train(manifest: Path) -> int:
     train_ids, val_ids = ids[:split], ids[split:]
     opt, sched = optimizer(runner, cfg)
     start = _resume(runner, opt, sched, cfg, rank)
-    metrics = Metrics(cfg, rank)
+    metrics = Metrics(cfg, rank, start)
     try:
         _loop(runner, opt, sched, cfg, rank, start, train_ids, val_ids, doc, metrics, head)
     finally:
