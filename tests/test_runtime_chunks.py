@@ -49,6 +49,7 @@ def test_sequences_the_chunks_do_not_fit_are_refused() -> None:
         runner.step(ids[:, :24], labels[:, :24])  # 24 tokens: fewer than 8 per chunk
     assert "rank 0" in err.value.message and "cannot be cut into 4 chunks" in err.value.message
     assert "at most 3 chunks" in err.value.hint
+    assert str(err.value).count("hint:") == 1  # (the hint was printed twice)
     runner.step(ids[:, :40], labels[:, :40])  # a shorter sequence than captured is fine
 
 

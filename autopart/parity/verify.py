@@ -636,11 +636,13 @@ def _report(
     loss_error = max(abs(v - model.ref_loss) / abs(model.ref_loss) for v in losses)
     errors: dict[str, float] = {}
     largest = _largest(model.ref_grads)
-    eps = torch.finfo(model.lowest).eps
+    # a gradient within round-off of zero (64 ulps of the largest) is zero by construction;
+    # bf16's round-off is too coarse to tell (64 ulps = half the largest gradient): none named
+    cutoff = 64 * torch.finfo(model.lowest).eps
     zero = sorted(
         f
         for f, g in model.ref_grads.items()
-        if g.numel() and largest > 0 and g.abs().max().item() <= 64 * eps * largest
+        if cutoff < FLOOR and g.numel() and largest > 0 and g.abs().max().item() <= cutoff * largest
     )
     for fqn, copies in gather(dumps).items():
         if fqn not in model.ref_grads:

@@ -601,6 +601,8 @@ def _train(
             if optim is not None:
                 optim.step()
                 optim.zero_grad(set_to_none=True)
+            else:  # --no-optim: each step's gradients are its own (they added up, with a warning)
+                runner.zero_grad(set_to_none=True)
             seconds = last_s = time.perf_counter() - start
             if rank == 0 and args.json:
                 print(

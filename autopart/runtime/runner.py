@@ -1225,7 +1225,7 @@ class Runner:
                     p.chunk_multiple,
                 )
             except AutopartError as exc:
-                raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
+                raise AutopartError(f"rank {self.rank}: {exc.message}", hint=exc.hint) from None
         return self._bounds[seq_len]
 
     def _forward(self, action: Action, unit: dict[str, Any], mb: dict[str, torch.Tensor]) -> None:
@@ -1358,7 +1358,7 @@ class Runner:
                 try:
                     fields[name] = check_extra(name, t, tuple(input_ids.shape))
                 except AutopartError as exc:
-                    raise AutopartError(f"rank {self.rank}: {exc.args[0]}", hint=exc.hint) from None
+                    raise AutopartError(f"rank {self.rank}: {exc.message}", hint=exc.hint) from None
         # plain tensors: ids drawn from ``logits`` (greedy decoding) keep its ``Logits`` class,
         # whose per-op dispatch the graphs need not pay
         return {k: t.as_subclass(torch.Tensor).to(self.device) for k, t in fields.items()}
