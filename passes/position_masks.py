@@ -14,8 +14,9 @@ pass neither shifts its positions nor drops it.
 ``prove`` is the condition under which that is exact. The mask is evaluated at several
 sequence lengths (every size substituted), and must, at every length:
 
-- keep every query's own key and hide every later key (additive: ≤ ``MASKED`` or −inf;
-  boolean: False where ``keep_is_true``): a chunk's queries never see a later chunk's keys;
+- keep every query's own key and hide every later key (additive: ``MASKED`` or more below
+  the row's largest entry, or −inf; boolean: False where ``keep_is_true``): a chunk's queries
+  never see a later chunk's keys;
 - equal the longer lengths' mask on their first rows and columns (additive: up to one constant
   per row, which softmax ignores: MPT's ALiBi is slope · (j − s + 1)): the mask of a shorter
   sequence is the top-left corner of a longer one's, so a position function of (i, j).
@@ -56,6 +57,17 @@ aten = torch.ops.aten
 # is above MASKED + 746 (float32 and bfloat16: + 104), i.e. unless the query's own key scores
 # below -9254. GPT-1's and BERT-era masks of -1e4 and the float minimum both qualify.
 MASKED = -1e4
+
+
+def kept(entries: torch.Tensor) -> torch.Tensor:
+    """The additive entries (or modified scores) that keep their key: above ``MASKED`` relative
+    to the largest entry of their row, since a softmax sees only differences within a row. An
+    absolute threshold took ``where(tril, -9999, -10000)`` for a causal mask, though its later
+    keys weigh e⁻¹ of the earlier ones (Seq1F1B trained it wrong: gradients 26 % off)."""
+    top = entries.amax(-1, keepdim=True)
+    return (entries - top > MASKED) & torch.isfinite(top)
+
+
 LENGTHS = (3, 5, 8, 13, 21)
 # Every proof by evaluation also runs at the longest sequence the program will take: the capture
 # example's length, and at least PROVEN tokens (a window or a threshold that no integer of the
@@ -313,7 +325,7 @@ def prove(
         if additive:
             if got.dtype == torch.bool:
                 return "an additive mask of booleans"
-            keep = got > MASKED
+            keep = kept(got)
         else:
             keep = got if keep_is_true else ~got
         full = keep.expand(*keep.shape[:-2], s, s) if keep.dim() >= 2 else keep.expand(s, s)
@@ -360,14 +372,14 @@ def _consistent(
     small, corner = torch.broadcast_tensors(small, corner)
     if not additive:
         return bool((small == corner).all())
-    kept = small > MASKED
-    if not bool((kept == (corner > MASKED)).all()):
+    keep = kept(small)
+    if not bool((keep == kept(corner)).all()):
         return False
     small = small.double()
     diff = corner.double() - small
-    hi = torch.where(kept, diff, -torch.inf).amax(-1)
-    lo = torch.where(kept, diff, torch.inf).amin(-1)
-    scale = torch.where(kept, small.abs(), 0.0).amax() + 1.0
+    hi = torch.where(keep, diff, -torch.inf).amax(-1)
+    lo = torch.where(keep, diff, torch.inf).amin(-1)
+    scale = torch.where(keep, small.abs(), 0.0).amax() + 1.0
     return bool(((hi - lo)[torch.isfinite(hi)] <= rel * scale).all())
 
 
@@ -432,7 +444,7 @@ def prove_scores(
             except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
                 return f"its scores do not evaluate at sequence {s} ({type(exc).__name__})"
         keys = got[..., :s]
-        keep = keys != 0 if linear else keys > MASKED
+        keep = keys != 0 if linear else kept(keys)
         i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
         if linear and bool((keep & (j > i)).any()):
             return f"it lets a query see later keys at sequence {s} (a later key's weight is not 0)"
@@ -440,7 +452,8 @@ def prove_scores(
             worst = float(keys[..., j > i].max())
             return (
                 f"it lets a query see later keys at sequence {s} (a later key's score is "
-                f"{worst:.3g}, above {MASKED:g}: its softmax weight is not exactly 0)"
+                f"{worst:.3g}, within {-MASKED:g} of its row's largest: its softmax weight is "
+                "not exactly 0)"
             )
         if not linear and not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
             return f"it hides a query's own key at sequence {s}"
@@ -521,7 +534,7 @@ def score_window(
             whole = run(s, values, b=1)
         except Exception:  # noqa: BLE001 - not evaluable so: no window
             return None
-        keep = whole[..., :s] != 0 if linear else whole[..., :s] > MASKED
+        keep = whole[..., :s] != 0 if linear else kept(whole[..., :s])
         rows = keep.reshape(-1, s, s).any(0)  # [s, s]: kept by some batch row or head
         if bool(rows.triu(1).any()):  # at a length prove_scores did not try
             return f"it lets a query see later keys at sequence {s}"
