@@ -7,8 +7,9 @@ vocab_parallel and tensor_parallel passes is a ``tp_scatter_reduce`` along the s
 them — norms, residual adds, dropout, biases — each rank holds b × s/tp × h. A replicated value
 that spans the sequence (learned position embeddings) is cut to this rank's rows with
 ``index_select``. Every replicated parameter whose gradient now comes from this rank's rows only
-(norm weights, row biases, position tables) passes ``tp_all_reduce_grad`` (identity forward,
-all-reduce of its gradient over tp). The sequence length must be divisible by tp (checked at
+(norm weights, row biases, position tables, the weights of a linear that tensor parallelism left
+replicated) passes ``tp_all_reduce_grad`` (identity forward, all-reduce of its gradient over
+tp). The sequence length must be divisible by tp (checked at
 run time). A model whose split activations reach an op the rules do not cover is refused.
 """
 
@@ -165,6 +166,10 @@ def _follow(
         ):
             raise AutopartError(f"{_named(n)} reads the sequence length of a sequence-split value")
         return
+    rows = _row_wise(n, seq)
+    if rows is not None:
+        seq[n] = rows
+        return
     try:
         seq[n] = out_dim(n, seq)
         if n.target in (*VIEWS, aten.expand.default):
@@ -187,6 +192,28 @@ def _follow(
             n.replace_input_with(a, _my_rows(gm, n, a, pos, split, d, rank))
             grad_reduce.update(_params_above(a))
     seq[n] = out_dim(n, seq)
+
+
+def _row_wise(n: fx.Node, seq: dict[fx.Node, int]) -> int | None:
+    """The split dim of a linear (or a matmul by a 2-D weight) that tensor parallelism left
+    replicated, applied to a value split along the sequence: it works row by row, so its output
+    keeps the split, and its weight's gradient, now from this rank's rows only, is all-reduced
+    over tp like a norm's (``_uses``). None for anything else: a weight computed from
+    activations (its gradient would be a partial sum too, and no rule reduces it), or a split
+    along the contracted dim."""
+    if n.target == aten.linear.default:
+        x, weights = node_arg(n, 0), [a for a in n.args[1:] if isinstance(a, fx.Node)]
+    elif n.target in (aten.matmul.default, aten.mm.default):
+        x, weights = node_arg(n, 0), [node_arg(n, 1)]
+        if tensor_of(weights[0]).dim() != 2:
+            return None
+    else:
+        return None
+    memo: dict[fx.Node, bool] = {}
+    if x not in seq or not all(w not in seq and _weights_only(w, memo) for w in weights):
+        return None
+    d = seq[x] % tensor_of(x).dim()
+    return None if d == tensor_of(x).dim() - 1 else d
 
 
 def _local_length(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int]) -> None:

@@ -302,3 +302,46 @@ def test_a_size_export_fixed_is_found_by_fake_propagation() -> None:
     limit, why = longest_sequence(capture(model, batch).graph, tuple(batch[0].shape))
     assert limit == 128 and why.startswith("at 136 tokens, node %expand"), why
     assert "(module model.layers.0.mixer)" in why, why
+
+
+class _LengthNumber(nn.Module):
+    """A float computed from a size and handed to an op as a number: the attention's scale from
+    the length (``scale = 4 / s``), a norm's eps from the length, or (``batch``) a scale from
+    the batch size."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb, self.qkv, self.head = nn.Embedding(64, 16), nn.Linear(16, 48), nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.emb(ids)
+        if self.kind == "eps":
+            x = F.layer_norm(x, (16,), eps=8.0 / s)
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scale = {"scale": 4.0 / s, "batch": 1.0 / b}.get(self.kind)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return self.head(y.transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize("kind", ["scale", "eps"])
+def test_a_number_computed_from_the_length_fixes_it(kind: str) -> None:
+    """torch.export keeps a float computed from the length as the example's value (``scale:
+    0.125``) with a guard, not a fixed length: a 16-token step of a program captured at 32 ran
+    with the 32-token scale, silently (loss 4e-4 off; mixer probe, seventeenth session). The
+    guard now fixes the length, naming the number, and a step of another is refused."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"exactly 32 tokens \(the model computes a number from"):
+        program = parallelize(_LengthNumber(kind).double(), Mesh(), example_inputs=_batch(32))
+    assert program.plan.min_seq == program.plan.max_seq == 32
+    assert parallelize(_LengthNumber("none").double(), Mesh(), example_inputs=_batch(32)).plan == (
+        Plan(Mesh())
+    )
+
+
+def test_a_number_computed_from_the_batch_size_is_refused() -> None:
+    """The same from the batch size: a micro-batch or a dp share runs on fewer rows."""
+    with pytest.raises(AutopartError, match="computes a number from the batch size") as err:
+        capture(_LengthNumber("batch").double(), _batch(32))
+    assert "1.0/b = 0.5" in err.value.message

@@ -398,7 +398,66 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
     if roll:
         generalize_loops(captured, wrapper, {"input_ids": args[0], "labels": args[1], **kwargs})
         if fixed_length(captured.graph) is not None:
-            return _unfixed(captured, model, fields)
+            return _frozen_floats(_unfixed(captured, model, fields))
+    return _frozen_floats(captured)
+
+
+def _float_of_sizes(expr: sympy.Expr) -> bool:
+    """Does a shape guard compare a float computed from sizes (``8.0 / s``, ``math.sqrt(s)``)?"""
+    return any(
+        "Float" in type(f).__name__
+        or "TrueDiv" in type(f).__name__
+        or type(f).__name__.startswith("OpaqueUnaryFn")
+        for f in expr.atoms(sympy.Function)
+    )
+
+
+def _frozen_floats(captured: Captured) -> Captured:
+    """A Python float the model computes from the sequence length or the batch size and hands
+    to an op as a number (``sdpa(..., scale=4.0 / s)``, ``layer_norm(eps=8.0 / s)``) is kept in
+    the graph as the example's value: torch.export records only a guard on it, and leaves the
+    length symbolic. A step of another length computed with the example's value, silently
+    (loss 4e-4 off at 16 tokens). Such a guard fixes the length to the example's (a step of
+    another is refused with the guard named); one on the batch size is refused, since a
+    micro-batch or a dp replica's share runs the graph on fewer rows."""
+    env = next(
+        (
+            d.node.shape_env
+            for n in captured.graph.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)
+            for d in n.meta["val"].shape
+            if isinstance(d, torch.SymInt)
+        ),
+        None,
+    )
+    if env is None:
+        return captured
+    names = captured.graph.meta.get(META_SYMBOLS, {})
+    for guard in env.guards:
+        if not _float_of_sizes(guard.expr):
+            continue
+        dims = {names.get(x) for x in guard.expr.free_symbols}
+        said = str(
+            guard.expr.xreplace({x: names[x] for x in guard.expr.free_symbols if x in names})
+        )
+        said = re.sub(r"ToFloat\((\w+)\)", r"\1", said)
+        said = re.sub(r"(?:Float|Int)TrueDiv\(([^,()]+), ([^,()]+)\)", r"\1/\2", said)
+        said = re.sub(r"^Eq\((.+), ([^,]+)\)$", r"\1 = \2", said)
+        if B in dims:
+            raise AutopartError(
+                f"the model computes a number from the batch size and torch.export kept its "
+                f"example value ({said}): a micro-batch or a data-parallel share runs on fewer "
+                "rows and would use the example's value",
+                hint="compute it from a tensor (x.new_tensor(x.shape[0]) ...) or leave the "
+                "batch size out of it",
+            )
+        if S in dims:
+            s0 = captured.example_shape[1]
+            why = (
+                f"the model computes a number from the sequence length and torch.export kept "
+                f"its value at {s0} tokens ({said})"
+            )
+            captured.seq_floor = captured.seq_limit = (s0, why)
     return captured
 
 

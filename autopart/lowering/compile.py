@@ -111,8 +111,13 @@ def seq_limits(captured: Captured) -> tuple[int | None, int | None, int]:
     multiple of tokens every length must be (1: any), found once per capture; a limit is
     announced with its reason (a step outside them is then refused)."""
     if captured.seq_limit is None or captured.seq_floor is None or captured.seq_step is None:
-        captured.seq_limit = longest_sequence(captured.graph, captured.example_shape)
-        captured.seq_floor = shortest_sequence(captured.graph, captured.example_shape)
+        # (capture may have set both: a number computed from the length, kept at its value)
+        captured.seq_limit = captured.seq_limit or longest_sequence(
+            captured.graph, captured.example_shape
+        )
+        captured.seq_floor = captured.seq_floor or shortest_sequence(
+            captured.graph, captured.example_shape
+        )
         fixed = captured.seq_floor[0] is not None
         captured.seq_step = (
             (1, "") if fixed else sequence_multiple(captured.graph, captured.example_shape)

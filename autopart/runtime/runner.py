@@ -1195,8 +1195,8 @@ class Runner:
                     f"rank {self.rank}: a sequence of {seq_len} tokens is longer than the "
                     f"program's graphs fit ({p.max_seq} tokens, found when it was compiled: "
                     "the model slices a table of positions, export fixed a size that the "
-                    "capture example's length implied, or its attention masks were proven "
-                    "causal by evaluating them up to that length)",
+                    "capture example's length implied or a number computed from it, or its "
+                    "attention masks were proven causal by evaluating them up to that length)",
                     hint=f"train at most {p.max_seq} tokens, or capture the model with an "
                     f"example of {seq_len} tokens",
                 )
@@ -1204,7 +1204,8 @@ class Runner:
                 raise AutopartError(
                     f"rank {self.rank}: a sequence of {seq_len} tokens is shorter than the "
                     f"program's graphs fit ({p.min_seq} tokens, found when it was compiled: "
-                    "export fixed a size that the capture example's length implied)",
+                    "export fixed a size that the capture example's length implied, or a "
+                    "number computed from it)",
                     hint=f"train at least {p.min_seq} tokens; if the model itself takes "
                     f"{seq_len}, capture it with an example of {seq_len} tokens",
                 )

@@ -233,3 +233,40 @@ def test_torch_rms_norm_passes_sequence_parallelism() -> None:
     ).values()
     assert not isinstance(report, AutopartError), report
     assert report.ok and report.tolerance == 1e-9, str(report)
+
+
+class _SoftmaxMLP(torch.nn.Module):
+    """An MLP whose hidden goes through a softmax over its features: tensor parallelism leaves
+    both linears replicated (the softmax works along the split)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.softmax(self.up(x), dim=-1) * self.up.out_features)
+
+
+def _replicated_mlps() -> tuple:
+    import hf_llama
+
+    model, batch = hf_llama.make()
+    torch.manual_seed(2)
+    for layer in model.model.layers:
+        layer.mlp = _SoftmaxMLP(model.config.hidden_size)
+    return model, batch
+
+
+@pytest.mark.multirank
+def test_a_linear_tp_left_replicated_works_row_by_row_under_sequence_parallelism() -> None:
+    """A linear tensor parallelism leaves replicated, on rows split along the sequence, works
+    row by row: its output keeps the split and its weight's gradient is all-reduced over tp
+    like a norm's. Sequence parallelism refused it ("no sharding rule for aten.linear"), though
+    plain tp ran it (tp probe, seventeenth session): float64 parity now."""
+    from autopart.parity.verify import Check, verify_many
+
+    (report,) = verify_many(
+        [Check(_replicated_mlps, tp=2, sequence_parallel=True)], via="fork", timeout_s=120
+    ).values()
+    assert not isinstance(report, AutopartError), report
+    assert report.ok and report.tolerance == 1e-9, str(report)
