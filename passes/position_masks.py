@@ -372,14 +372,14 @@ def _consistent(
     small, corner = torch.broadcast_tensors(small, corner)
     if not additive:
         return bool((small == corner).all())
-    keep = kept(small)
-    if not bool((keep == kept(corner)).all()):
+    live = kept(small)
+    if not bool((live == kept(corner)).all()):
         return False
     small = small.double()
     diff = corner.double() - small
-    hi = torch.where(keep, diff, -torch.inf).amax(-1)
-    lo = torch.where(keep, diff, torch.inf).amin(-1)
-    scale = torch.where(keep, small.abs(), 0.0).amax() + 1.0
+    hi = torch.where(live, diff, -torch.inf).amax(-1)
+    lo = torch.where(live, diff, torch.inf).amin(-1)
+    scale = torch.where(live, small.abs(), 0.0).amax() + 1.0
     return bool(((hi - lo)[torch.isfinite(hi)] <= rel * scale).all())
 
 
