@@ -172,8 +172,13 @@ def rank_input(gm: fx.GraphModule) -> fx.Node:
 
 
 def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
+    """The regions (with a column matmul) to leave replicated, each with the reason: a node no
+    rule splits, no row matmul to end it, or a weight that matmuls would split two ways (one
+    ``Linear`` applied twice, as a column and then a row: it used to refuse the whole plan)."""
     bad = []
-    for members in sp.components().values():
+    roles: dict[fx.Node, dict[tuple[str, int], int]] = {}  # weight → its splits → a region
+    regions: dict[int, list[fx.Node]] = {}
+    for key, members in enumerate(sp.components().values()):
         if not any(m in sp.columns for m in members):
             continue
         problems = [m for m in members if m in sp.problems]
@@ -184,6 +189,20 @@ def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
             )
         elif not any(m in sp.rows for m in members):
             bad.append((members, "its split output never reaches a row matmul"))
+        else:
+            regions[key] = members
+            for m in members:
+                f = matmul_form(m) if m in sp.columns or m in sp.rows else None
+                if f is not None:
+                    split = ("column", f.col_dim) if m in sp.columns else ("row", f.row_dim)
+                    roles.setdefault(f.weight, {})[split] = key
+    for weight, splits in roles.items():
+        if len(splits) > 1:
+            name = weight.meta[META_INPUT].name
+            why = f"the weight {name} would be split {len(splits)} ways ({' and '.join(s for s, _ in splits)} of matmuls)"
+            for key in dict.fromkeys(splits.values()):
+                if all(members is not regions[key] for members, _ in bad):
+                    bad.append((regions[key], why))
     return bad
 
 

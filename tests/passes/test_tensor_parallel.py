@@ -366,6 +366,38 @@ def test_unprovable_region_falls_back_to_replicated(op: str, caplog) -> None:
     assert torch.isfinite(run_local(case, gm, 2))
 
 
+class SquareTwice(nn.Module):
+    """One square ``Linear`` applied twice, ``lin(gelu(lin(x)))``: a column matmul, then a row
+    matmul, of the same weight."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        width = mlp.c_fc.in_features
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(F.gelu(self.lin(x)))
+
+
+def test_a_weight_two_matmuls_would_split_two_ways_stays_replicated(caplog) -> None:
+    """The weight would be split by its output features for one use and by its input features
+    for the other: the whole plan was refused ("would be split two ways"), though a region
+    is otherwise left replicated when it cannot be split (tp probe, seventeenth session). Its
+    region stays replicated now, naming the weight; the attention is still split."""
+    case = _with_mlp(SquareTwice)
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(case, 2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "the weight transformer.h.0.mlp.lin.weight would be split 2 ways (column and row" in w
+        for w in warnings
+    ), warnings
+    shards = {pattern(f): p.meta[META_SHARD] for f, p in params(gm).items()}
+    assert shards["transformer.h.*.mlp.lin.weight"] is None
+    assert shards["transformer.h.*.attn.c_attn.weight"] == TPShard(0, 3)
+    assert torch.isfinite(run_local(case, gm, 2))
+
+
 class GainMLP(nn.Module):
     """An MLP whose split hidden features meet a replicated parameter: one gain for all of
     them (as Qwen3's per-head q/k norm weights meet the heads a rank holds)."""
