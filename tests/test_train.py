@@ -124,6 +124,9 @@ def test_overrides_and_the_schedule(tmp_path: Path) -> None:
     trusting = load(f, ['parallel.library_ops=["mylib"]'])
     assert trusting.parallel_library_ops == ("mylib",) and cfg.parallel_library_ops == ()
     assert TrainConfig.from_json(json.loads(json.dumps(trusting.to_json()))) == trusting
+    with pytest.raises(AutopartError) as err:  # named with the --set it came from
+        load(f, ["train.steps=0"])
+    assert f"{f} (--set train.steps=0): [train] steps = 0 must be positive" in err.value.message
 
 
 def _train(config: Path, *more: str) -> subprocess.Popen:

@@ -152,7 +152,6 @@ def main(args: argparse.Namespace) -> int:
         ],
         stream=True,
     )
-    con.print(f"last step: trace {trace} (https://ui.perfetto.dev), timeline picture {picture}")
     con.print(
         f"\n[bold]parity check[/] ({'bf16 compute, float32 masters' if bf16 else 'float64'}, "
         "one step, every gradient vs one device; ranks forked with the program in memory)"
@@ -179,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
             f"  trace.json                the last step's action timeline per rank (https://ui.perfetto.dev)\n"
             f"  timeline.png              the same as a picture: one row per rank, blocks by micro-batch\n"
             f"  tokens.pt                 the training text as byte ids ({CORPUS.name}, {text.numel():,} bytes)\n"
-            f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.runtime.run {saved} --steps 20",
+            f"run again: torchrun --standalone --nproc-per-node {mesh.size} -m autopart.runtime.run {saved} --tokens {tokens} --steps 20",
             title="done",
         )
     )

@@ -369,7 +369,7 @@ def search(
     if not ranked:
         smallest = min(rejected, default=(0.0, "nothing"))[1]
         raise AutopartError(
-            f"no plan of {shape.name or 'the model'} ({shape.params / 1e9:.1f} B parameters) "
+            f"no plan of {shape.name or 'the model'} ({shape.count()} parameters) "
             f"fits {cl.name} ({_gib(usable)} usable per GPU) "
             f"on {gpus} GPUs",
             hint=f"the smallest was {smallest}; use more GPUs or a smaller model",

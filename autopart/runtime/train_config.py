@@ -192,7 +192,8 @@ def load(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
         for s in sections:
             target = target.setdefault(s, {})
         target[last] = parsed
-    return from_dict(doc, str(path))
+    given = " ".join(f"--set {item}" for item in overrides or [])
+    return from_dict(doc, f"{path} ({given})" if given else str(path))
 
 
 def from_dict(doc: dict[str, Any], where: str = "the config") -> TrainConfig:

@@ -75,10 +75,18 @@ class GPTShape:
         head = 0 if self.tied else self.vocab * h
         return self.layers * self.layer_params + self.vocab * h + self.seq * h + 2 * h + head
 
+    def count(self) -> str:
+        """The parameter count in the unit that shows it: "175.0 B", "124.4 M", "85.3 k"."""
+        n = self.params
+        for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+            if n >= size:
+                return f"{n / size:.1f} {unit}"
+        return str(n)
+
     def describe(self) -> str:
         kv = f", {self.kv_heads} kv heads" if self.kv_heads not in (None, self.heads) else ""
         return (
-            f"{self.name + ': ' if self.name else ''}{self.params / 1e9:.1f} B parameters, "
+            f"{self.name + ': ' if self.name else ''}{self.count()} parameters, "
             f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
             f"ffn {self.ffn_width}, vocabulary {self.vocab}, sequence {self.seq}"
         )
