@@ -100,6 +100,7 @@ from autopart.passes.position_masks import (
     proof_lengths,
     prove,
     prove_scores,
+    said,
     score_window,
     signature,
     sym_size,
@@ -1113,7 +1114,7 @@ def _evaluate_mask(
             got = sub(*args)
         except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
             return (
-                f"not provably causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})",
+                f"not provably causal: its mask does not evaluate at sequence {s} ({said(exc)})",
                 None,
             )
         if additive and (got.dtype == torch.bool or bool(((got != 0) & (got > MASKED)).any())):
@@ -1249,7 +1250,7 @@ def _evaluate_data_mask(
             try:
                 got = sub(*args)
             except Exception as exc:  # noqa: BLE001 - a mask we cannot evaluate is not proven
-                why = f"not provably document-causal: its mask does not evaluate at sequence {s} ({type(exc).__name__})"
+                why = f"not provably document-causal: its mask does not evaluate at sequence {s} ({said(exc)})"
                 break
             if got.dtype != torch.bool:
                 bad = (got != 0) & (got > MASKED)

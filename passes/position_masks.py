@@ -14,8 +14,8 @@ pass neither shifts its positions nor drops it.
 ``prove`` is the condition under which that is exact. The mask is evaluated at several
 sequence lengths (every size substituted), and must, at every length:
 
-- keep every query's own key and hide every later key (additive: ``MASKED`` or more below
-  the row's largest entry, or −inf; boolean: False where ``keep_is_true``): a chunk's queries
+- keep every query's own key and hide every later key (additive: at most ``MASKED`` and at
+  least ``MASKED / 2`` below the row's largest entry, or −inf; boolean: False where ``keep_is_true``): a chunk's queries
   never see a later chunk's keys;
 - equal the longer lengths' mask on their first rows and columns (additive: up to one constant
   per row, which softmax ignores: MPT's ALiBi is slope · (j − s + 1)): the mask of a shorter
@@ -59,13 +59,20 @@ aten = torch.ops.aten
 MASKED = -1e4
 
 
+def said(exc: BaseException) -> str:
+    """An exception's type and the first line of its message, for a refusal's reason."""
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def kept(entries: torch.Tensor) -> torch.Tensor:
-    """The additive entries (or modified scores) that keep their key: above ``MASKED`` relative
-    to the largest entry of their row, since a softmax sees only differences within a row. An
-    absolute threshold took ``where(tril, -9999, -10000)`` for a causal mask, though its later
-    keys weigh e⁻¹ of the earlier ones (Seq1F1B trained it wrong: gradients 26 % off)."""
+    """The additive entries (or modified scores) that keep their key. A key is hidden by an
+    entry at or below ``MASKED`` that is also at least ``MASKED / 2`` below the largest entry of
+    its row: a softmax sees only differences within a row, and exp(−5000) is 0 in any float. An
+    absolute threshold alone took ``where(tril, -9999, -10000)`` for a causal mask, though its
+    later keys weigh e⁻¹ of the earlier ones (Seq1F1B trained it wrong: gradients 26 % off)."""
     top = entries.amax(-1, keepdim=True)
-    return (entries - top > MASKED) & torch.isfinite(top)
+    return ~((entries <= MASKED) & ~(entries - top > MASKED / 2))
 
 
 LENGTHS = (3, 5, 8, 13, 21)
@@ -319,7 +326,7 @@ def prove(
         try:
             got = run(*feeds)
         except Exception as exc:  # noqa: BLE001 - not evaluable is not proven
-            return f"its mask does not evaluate at sequence {s} ({type(exc).__name__})"
+            return f"its mask does not evaluate at sequence {s} ({said(exc)})"
         if got.shape[-1] != s or (got.dim() >= 2 and got.shape[-2] not in (1, s)):
             return f"its mask is {tuple(got.shape)} at sequence {s}, not (…, {s}, {s})"
         if additive:
@@ -452,8 +459,8 @@ def prove_scores(
             worst = float(keys[..., j > i].max())
             return (
                 f"it lets a query see later keys at sequence {s} (a later key's score is "
-                f"{worst:.3g}, within {-MASKED:g} of its row's largest: its softmax weight is "
-                "not exactly 0)"
+                f"{worst:.3g}: above {MASKED:g}, or within {-MASKED / 2:g} of its row's largest, "
+                "so its softmax weight is not exactly 0)"
             )
         if not linear and not bool(keep[..., torch.arange(s), torch.arange(s)].all()):
             return f"it hides a query's own key at sequence {s}"

@@ -445,7 +445,10 @@ class _Prover:
         scaled = n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(others) <= 1
         if n.target in _LINEAR_ON_SUMS and all(v is None for v in others) and scaled:
             return SUMMED
-        raise Mixes("a use of the summed loss other than adding and scaling it")
+        raise Mixes(
+            "a sum over the tokens (the loss, or a count of tokens) used other than added or "
+            "scaled: each chunk would see only its own part of the sum"
+        )
 
     def _routing_entry(self, n: fx.Node) -> bool:
         v = self.env.get(node_arg(n, 0))

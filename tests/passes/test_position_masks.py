@@ -224,7 +224,7 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
     [
         ("soft", "lets a query see later keys"),
         ("where-soft", "where_1 (where.self) is not elementwise in the scores"),
-        ("shallow", "a later key's score is -100, above -10000"),
+        ("shallow", "a later key's score is -100: above -10000"),
         ("capped-end", "not a function of positions"),
         ("capped-peek", "lets a query see later keys at sequence 4096"),
         ("length", "not a function of positions"),
