@@ -338,6 +338,7 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
         aten.view.default,
         aten._unsafe_view.default,
     )
+    existing = set(g.nodes)
     with g.inserting_before(n):
         keep = g.call_function(aten.bitwise_not.default, (hidden,))
         column = bias
@@ -356,7 +357,10 @@ def _key_bias(gm: fx.GraphModule, n: fx.Node) -> bool:
         one = g.call_function(aten.slice.Tensor, (q, -1, 0, 1))
         one = g.call_function(aten.full_like.default, (one, 1.0 / scale))
         q2 = g.call_function(aten.cat.default, ([q, one], -1))
-    made = [m for m in g.nodes if m.op == "call_function" and "val" not in m.meta]
+    # the nodes made here, and only those (an earlier rewrite's node without a value yet was
+    # erased with them when this form did not apply, though the attention still read it:
+    # Falcon with ALiBi crashed the pass)
+    made = [m for m in g.nodes if m not in existing]
     for m in made:
         m.meta.update({key: v for key, v in n.meta.items() if key != "val"})
     before = (n.args, n.kwargs)

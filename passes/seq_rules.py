@@ -306,6 +306,8 @@ class _Prover:
             return _scan_part(self, n)
         if any(self.env.get(a) is SCAN for a in n.all_input_nodes):
             raise Mixes("a value inside a state scan read other than by the scan")
+        if self._free(n):
+            return None  # weights and constants only: no token to keep apart
         if target in _SYM_OPS or target is operator.getitem and not _is_tensor_list(n.args[0]):
             if target is operator.getitem:
                 src = self.env.get(node_arg(n, 0))
@@ -420,6 +422,17 @@ class _Prover:
         if not from_seq:
             raise Mixes("a value sized by the sequence computed from no token")
         return Seq(grow[0], inner, part, block)
+
+    def _free(self, n: fx.Node) -> bool:
+        """``n`` computes from values free of the sequence only (a weight's transpose, as
+        Falcon's ``numpy_T`` of its fused QKV weight, which was refused as having no sequence
+        rule), with no size argument and no output dim that grows with the sequence."""
+        if any(self.env.get(a) is not None for a in n.all_input_nodes):
+            return False
+        if any(isinstance(x, torch.SymInt) for x in _flat([*n.args, *n.kwargs.values()])):
+            return False
+        val = n.meta.get("val")
+        return not any(self.growing(v) for v in (val if isinstance(val, (list, tuple)) else [val]))
 
     def _length(self, a: Any) -> bool:
         return (isinstance(a, fx.Node) and self.env.get(a) is LENGTH) or (

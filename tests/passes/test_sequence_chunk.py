@@ -284,6 +284,23 @@ def test_an_op_without_a_sequence_rule_is_refused() -> None:
     assert f"node {odd.name}" in err.value.message and "has no sequence rule" in err.value.message
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"parallel_attn": False}, {"alibi": True, "multi_query": False}],
+    ids=["falcon-rw", "falcon-alibi"],
+)
+def test_falcon_configurations_off_the_matrix_chunk_exactly(overrides: dict) -> None:
+    """Falcon off its default config (config probe, seventeenth session): with sequential
+    attention and MLP (the falcon-rw models) a ``numpy_T`` of the fused QKV weight, free of
+    the sequence, was refused as having no sequence rule; with ALiBi, canonicalize_attention's
+    undo of a key-bias rewrite erased a node of an earlier rewrite still in use and crashed
+    ("pass 2 failed on this model"). Both chunk exactly now."""
+    from autopart.models import zoo
+
+    model, _ = zoo.make("falcon", **overrides)
+    _assert_chunks_exactly(model, torch.randint(0, 96, (2, 16)))
+
+
 def test_a_slice_assignment_per_token_chunks_exactly() -> None:
     """``x[..., :4] = ...`` (captured as a slice_scatter with a derivative) is position-wise:
     proven, chunked, the whole sequence's loss and gradients; every live node records its
