@@ -517,3 +517,20 @@ def test_grouped_mm_fallback_in_aten_is_exact(offs: list[int]) -> None:
         torch.allclose(a, b, rtol=1e-14, atol=1e-14)
         for a, b in zip(got_grads, want_grads, strict=True)
     )
+
+
+def test_dynamic_rope_is_refused_with_what_to_use() -> None:
+    """Hugging Face's dynamic RoPE branches on the batch's largest position: export refuses
+    it, and the hint says so in words and names the scalings that work (config probe,
+    seventeenth session: the generic hint could not be acted on)."""
+    from autopart.models import zoo
+
+    model, batch = zoo.make(
+        "llama",
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        max_position_embeddings=16,
+    )
+    with pytest.raises(AutopartError) as err:
+        capture(model, batch)
+    assert "dynamic_frequency_update" in err.value.message
+    assert 'dynamic RoPE (rope_type "dynamic")' in (err.value.hint or "")

@@ -1066,6 +1066,12 @@ def _explain(exc: BaseException) -> AutopartError:
         else "make this line traceable by torch.export (non-strict): avoid Python work on "
         "tensor values, .item(), and numpy; for Hugging Face models pass use_cache=False"
     )
+    if "dynamic_frequency_update" in where:  # Hugging Face's rope_type="dynamic"
+        hint = (
+            'dynamic RoPE (rope_type "dynamic") rescales its frequencies from the largest '
+            "position of each batch, a branch on tensor values that torch.export cannot keep: "
+            'use a fixed scaling ("linear", "yarn", "llama3") or none'
+        )
     return AutopartError(
         f"torch.export could not trace the model: {type(exc).__name__}: {first}\n"
         f"  tracing stopped at {where}",
