@@ -59,14 +59,40 @@ def test_a_non_finite_loss_stops_the_step(programs, tmp_path):
 
 def test_a_sequence_longer_than_the_position_table_is_named(tmp_path):
     """nanoGPT's learned positions hold 64 rows: 72 tokens used to be a raw IndexError inside a
-    rank; now the error names the rank, the action and the length."""
+    rank. An example that long is now refused at compile (the model fails on it); positions
+    from the batch past a table, which no compile can see, stop the step with an error naming
+    the rank, the action and the length."""
     model, _ = nanogpt.make()
     ids = torch.randint(0, 96, (2, 72))
     labels = ids.roll(-1, 1)  # nanoGPT's labels: the next tokens
-    program = parallelize(model, Mesh(pp=2), example_inputs=(ids, labels))
+    with pytest.raises(AutopartError, match="does not run on its own example"):
+        parallelize(model, Mesh(pp=2), example_inputs=(ids, labels))
+    from autopart.runtime.runner import Runner, local_weights
+
+    torch.manual_seed(0)
+    table = _PositionsGiven()
+    ids = torch.randint(0, 96, (2, 16))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "position_ids": torch.arange(16)[None]}
+    program = parallelize(
+        table, Mesh(), example_inputs={**batch, "position_ids": batch["position_ids"].expand(2, -1)}
+    )
+    rp = program.rank(0)
+    runner = Runner(rp, program.plan, local_weights(program, rp), {})
     with pytest.raises(AutopartError) as err:
-        fork_ranks(program, (ids, labels), tmp_path, timeout_s=60)
+        runner.step(ids, batch["labels"], position_ids=torch.full_like(ids, 40))
     assert "an index out of range in the model" in err.value.message, err.value.message
+
+
+class _PositionsGiven(torch.nn.Module):
+    """Learned positions for 32 tokens, read at the batch's ``position_ids``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(96, 16), torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 96)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wte(input_ids) + self.wpe(position_ids)))
 
 
 def test_micro_batch_1_is_captured_and_trains_exactly():

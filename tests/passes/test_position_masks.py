@@ -38,7 +38,7 @@ class _Scores(nn.Module):
     masked), "where-soft" (GPT-Neo's form with tensor(−1.0)), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
     (MPT's bias under the
     soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
-    not see itself), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
+    not see itself: the first one then hides every key alike, and sees them all), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
     column from a running sum over the sequence), "sink-scale-tokens" (a post-softmax sink
     computed from each query's token), "key-bias-open" (the per-key bias with no
     causal fill: later keys seen), "pair-bias" (a bias per query and key from their tokens).
@@ -228,7 +228,8 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
         ("capped-end", "not a function of positions"),
         ("capped-peek", "lets a query see later keys at sequence 4096"),
         ("length", "not a function of positions"),
-        ("strict", "hides a query's own key"),
+        # the first query hides every key alike, so its softmax weighs them all equally
+        ("strict", "lets a query see later keys at sequence 3"),
         ("blocks", "lets a query see later keys"),
         ("sink-tokens", "a sink column computed from the tokens"),
         ("sink-scale-tokens", "Seq1F1B cannot chunk node"),
