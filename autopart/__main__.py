@@ -5,8 +5,14 @@ import sys
 
 
 def run() -> int:
+    from autopart.process import interrupts  # (light: no torch)
+
+    seen = interrupts()
     try:
         from autopart.cli import main
+
+        if interrupts() > seen:  # a Ctrl-C during the imports that C code dropped
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("autopart: interrupted", file=sys.stderr)
         return 130

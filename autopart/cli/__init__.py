@@ -15,7 +15,6 @@ import sys
 
 from autopart.cli import demo, inspect, plan, run, simulate, timeline, train, verify, zoo
 from autopart.errors import AutopartError
-from autopart.process import interrupts
 
 EPILOG = """examples:
   autopart demo                                   train a small GPT on 4 CPU ranks (tp × pp), check parity
@@ -79,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        if interrupts():  # a Ctrl-C during the imports that something dropped
-            raise KeyboardInterrupt
         return COMMANDS[args.command].main(args)
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
