@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,17 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def _run_long(folder: Path, **popen: Any) -> subprocess.Popen:
+    """``autopart run folder`` for more steps than any test waits for, its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "autopart", "run", str(folder), "--steps", "100000"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        **popen,
+    )
+
+
 def _processes_naming(marker: str) -> list[int]:
     """Live processes (not zombies) whose command line names ``marker``."""
     found = []
@@ -73,13 +85,7 @@ def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, 
     left a file in /dev/shm."""
     folder = tmp_path / "prog"
     subprocess.run(["cp", "-r", str(saved), str(folder)], check=True)  # a unique marker
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "autopart", "run", str(folder), "--steps", "100000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = _run_long(folder, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     seen = ""
     while "loss" not in seen and time.monotonic() < deadline:  # training has started
@@ -107,12 +113,9 @@ def test_a_ctrl_c_while_autopart_run_imports_ends_it_in_one_line(saved: Path) ->
     """SIGINT to ``autopart run`` while it still imports torch: exit 130 and "autopart:
     interrupted", no traceback, nothing launched (it printed a KeyboardInterrupt traceback
     through torch's import, and once a dropped one let the launch train every step)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "autopart", "run", str(saved), "--steps", "100000"],
-        stdout=subprocess.PIPE,
+    proc = _run_long(
+        saved,
         stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
         # as from a terminal: a test runner's worker may ignore SIGINT, and its children with it
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
