@@ -3,10 +3,10 @@ ends it with status 130 and one line, not a traceback."""
 
 import sys
 
+from autopart.process import interrupts  # (light: no torch)
+
 
 def run() -> int:
-    from autopart.process import interrupts  # (light: no torch)
-
     seen = interrupts()
     try:
         from autopart.cli import main

@@ -131,6 +131,7 @@ def test_a_sigint_is_counted_even_when_something_drops_it(monkeypatch, capsys) -
     """``process.interrupts`` counts every SIGINT, also one whose KeyboardInterrupt C code
     cleared; the command line then stops before its command runs if one came while it
     imported (only then: a process that handled an earlier one runs ``cli.main`` as usual)."""
+    import autopart.__main__
     from autopart import process
     from autopart.__main__ import run
 
@@ -146,7 +147,7 @@ def test_a_sigint_is_counted_even_when_something_drops_it(monkeypatch, capsys) -
         signal.signal(signal.SIGINT, old)
     assert process.interrupts() == before + 1
     counts = iter([0, 1])  # one came, and was dropped, while the CLI imported torch
-    monkeypatch.setattr(process, "interrupts", lambda: next(counts))
+    monkeypatch.setattr(autopart.__main__, "interrupts", lambda: next(counts))
     assert run() == 130
     assert capsys.readouterr().err.strip() == "autopart: interrupted"
 
