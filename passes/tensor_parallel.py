@@ -372,7 +372,9 @@ def localize(gm: fx.GraphModule, tp: int) -> None:
                     f"parameter {p.meta['autopart.input'].name} is split over tp but node "
                     f"{u.name} ({getattr(u.target, '__name__', u.target)}) of module "
                     f"{u.meta.get(META_MODULE) or '<root>'} reads it whole",
-                    hint="this use of a split weight is not supported with tp; please report the model",
+                    hint="tp splits this weight for its matmuls (the vocabulary of a tied "
+                    "embedding, say), and a weight read whole elsewhere too cannot be split; run "
+                    "this model without tp, or read the weight only through its matmuls",
                 )
         full = p.meta.get(META_GLOBAL_VAL, p.meta["val"])
         p.meta[META_GLOBAL_VAL] = full
