@@ -20,6 +20,13 @@ class AutopartError(Exception):
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for an
+    error that quotes torch's."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 PEER_HINT = "a peer rank failed earlier (its own error is in its output), died, or is stuck"
 
 

@@ -40,6 +40,7 @@ import sympy
 import torch
 from torch import fx
 
+from autopart.errors import first_line
 from autopart.frontend.capture import B, S, to_sympy
 from autopart.layout import Plan
 from autopart.meta import (
@@ -61,7 +62,7 @@ MASKED = -1e4
 
 def said(exc: BaseException) -> str:
     """An exception's type and the first line of its message, for a refusal's reason."""
-    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+    first = first_line(exc)[:160] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 

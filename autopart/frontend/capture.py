@@ -35,7 +35,7 @@ from torch import fx, nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, first_line
 from autopart.frontend.loops import fixed_length, reroll
 from autopart.frontend.shapes import holds_at
 from autopart.graph import copy_graph, remove_dead
@@ -1057,7 +1057,7 @@ def _explain(exc: BaseException) -> AutopartError:
         where = f"{f.filename}:{f.lineno} in {f.name}\n    {line}"
     else:
         where = "(no model source line found in the traceback)"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     data_dependent = "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__
     hint = (
         "the model branches on tensor values (data-dependent control flow); make the branch "

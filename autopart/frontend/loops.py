@@ -39,6 +39,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges
 
 import autopart.scan  # noqa: F401 - registers autopart::linear_scan
+from autopart.errors import first_line
 from autopart.frontend.shapes import propagate, static_size
 from autopart.graph import copy_graph, remove_dead
 from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_RANGES
@@ -128,7 +129,7 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
             _Ends(out, length, size, s).run(*inputs)
         propagate(out)
     except Exception as exc:  # noqa: BLE001 - the rolled graph does not fit a symbolic length
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         return f"the rolled graph does not fit other lengths ({first[:200]})"
     g.lint()
     out.recompile()

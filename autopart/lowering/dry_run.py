@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, first_line
 from autopart.frontend.capture import Captured, InputRef
 from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
@@ -161,7 +161,7 @@ class _Run(fx.Interpreter):
         except Exception as exc:  # noqa: BLE001 - name the node whatever went wrong
             raise AutopartError(
                 f"{self.where(n)} fails on fake inputs of the stage's shapes: "
-                f"{type(exc).__name__}: {_first_line(exc)}",
+                f"{type(exc).__name__}: {first_line(exc)}",
                 hint=_HINT,
             ) from exc
         for t in out if isinstance(out, (list, tuple)) else [out]:
@@ -195,7 +195,7 @@ class _Run(fx.Interpreter):
             )
             raise AutopartError(
                 f"{where}: its backward fails on fake inputs of the stage's shapes: "
-                f"{type(exc).__name__}: {_first_line(exc)}",
+                f"{type(exc).__name__}: {first_line(exc)}",
                 hint=_HINT,
             ) from exc
         finally:
@@ -212,8 +212,3 @@ def _mark(running: list[fx.Node], n: fx.Node):
 
 def _name(target: Any) -> str:
     return target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from autopart.api import parallelize
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, first_line
 from autopart.frontend.capture import (
     LOW_PRECISION,
     META_MODULE,
@@ -367,7 +367,7 @@ def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
         ref_loss, ref_grads = reference(model, batch, DTYPES[dtype] if mixed else None, on)
     except (RuntimeError, NotImplementedError, TypeError) as exc:  # a kernel without this dtype
         other = "float32" if dtype == "float64" else "float64"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise AutopartError(
             f"the model does not run in {dtype} on one device, so there is no reference: {first}",
             hint=f"verify in {other} (--dtype {other}, tolerance "

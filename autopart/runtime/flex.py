@@ -40,7 +40,7 @@ from typing import Any, cast
 import torch
 from torch import fx
 
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, first_line
 from autopart.graph import cuts_last_column, only_user, reaches, row_max_of
 from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_RECOMPUTE
 
@@ -418,7 +418,7 @@ def check_supported(device: torch.device, rank: int) -> None:
     try:
         flex_attention(x, x, x).sum().backward()
     except (NotImplementedError, RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise AutopartError(
             f"rank {rank}: attention='flex' cannot run on {device}: {first}",
             hint="FlexAttention trains on CUDA; on this device use attention='sdpa' (the default)",
