@@ -6,6 +6,7 @@ The order the compiler runs them in is ``PIPELINE`` (see ``autopart.lowering.pas
 from autopart.passes.canonicalize_attention import canonicalize_attention
 from autopart.passes.data_parallel import data_parallel
 from autopart.passes.dropout_rng import dropout_rng
+from autopart.passes.einsum_products import einsum_products
 from autopart.passes.fold_identities import fold_identities
 from autopart.passes.pipeline_split import pipeline_split
 from autopart.passes.recompute import recompute
@@ -17,6 +18,7 @@ from autopart.passes.weight_grad_split import weight_grad_split
 
 PIPELINE = (
     fold_identities,
+    einsum_products,
     canonicalize_attention,
     vocab_parallel,
     tensor_parallel,
@@ -34,6 +36,7 @@ __all__ = [
     "canonicalize_attention",
     "data_parallel",
     "dropout_rng",
+    "einsum_products",
     "fold_identities",
     "pipeline_split",
     "recompute",

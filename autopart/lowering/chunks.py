@@ -27,6 +27,7 @@ from autopart.frontend.cost import analyze, node_cost, total
 from autopart.layout import Mesh, Plan
 from autopart.meta import META_WINDOW
 from autopart.passes.canonicalize_attention import canonicalize_attention
+from autopart.passes.einsum_products import einsum_products
 from autopart.passes.fold_identities import fold_identities
 from autopart.passes.seq_rules import moduli
 from autopart.schedule.chunks import SPLITS, chunk_cost, chunk_lengths, windows_of
@@ -39,7 +40,8 @@ def cost_coefficients(captured: Captured) -> tuple[float, ...]:
     without windows), which ``autopart.schedule.chunks`` counts as W_i keys per query."""
     limit = captured.seq_limit[0] if captured.seq_limit is not None else None
     plan = Plan(Mesh(), schedule="seq1f1b", max_seq=limit)
-    gm = canonicalize_attention(fold_identities(captured.for_passes(), plan), plan)
+    gm = fold_identities(captured.for_passes(), plan)
+    gm = canonicalize_attention(einsum_products(gm, plan), plan)
     flops = sympy.expand(
         total(g.cost for g in analyze(replace(captured, graph=gm))).flops.subs(B, 1)
     )
