@@ -116,6 +116,7 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     changed = proven = False
     proofs = Proofs(proof_length(gm, plan), gm.meta.get(META_PROOFS, {}))
     if every_form:
+        changed |= _written_softmaxes(gm)
         changed |= _key_transposes(gm)
         if _sink_scales(gm):
             changed = True
@@ -167,6 +168,69 @@ def _key_transposes(gm: fx.GraphModule) -> bool:
         n.replace_input_with(kt, t)
         changed = True
     return changed
+
+
+def _written_softmaxes(gm: fx.GraphModule) -> bool:
+    """Write a softmax over the last dim written out by hand, ``e / e.sum(-1, keepdim=True)``
+    with ``e = exp(x − max(x, −1, keepdim=True))`` (the max may be ``amax``, ``max(...)[0]``,
+    detached, or absent), as ``softmax(x, −1)``: the same values (softmax is that quotient,
+    shifted by the row's max), which the forms below then recognize. Only when ``e`` and its
+    sum feed nothing else."""
+    changed = False
+    for div in list(gm.graph.nodes):
+        if div.target != aten.div.Tensor or div._erased:
+            continue
+        e, total = div.args[0], div.args[1]
+        if not isinstance(e, fx.Node) or not isinstance(total, fx.Node):
+            continue
+        if e.target != aten.exp.default or set(e.users) != {div, total}:
+            continue
+        if total.target != aten.sum.dim_IntList or total.kwargs or len(total.users) != 1:
+            continue
+        if total.args[0] is not e or not _last_dim_kept(total, e):
+            continue
+        x = node_arg(e, 0)
+        if x.target == aten.sub.Tensor and _row_max(x.args[1], x.args[0]):
+            x = node_arg(x, 0)
+        with gm.graph.inserting_before(div):
+            sm = gm.graph.call_function(aten.softmax.int, (x, -1))
+        sm.meta.update({k: v for k, v in div.meta.items() if k != "val"})
+        sm.meta["val"] = div.meta["val"]
+        div.replace_all_uses_with(sm)
+        changed = True
+    return changed
+
+
+def _last_dim_kept(reduction: fx.Node, x: fx.Node) -> bool:
+    """``reduction`` reduces ``x`` over its last dim only, keeping it."""
+    dims, keep = reduction.args[1], reduction.args[2] if len(reduction.args) > 2 else False
+    last = x.meta["val"].dim() - 1
+    return (
+        keep is True
+        and isinstance(dims, (list, tuple))
+        and [d % (last + 1) for d in dims] == [last]
+    )
+
+
+def _row_max(m: object, x: object) -> bool:
+    """``m`` is the max of ``x`` over its last dim, kept (``amax``, ``max(...)[0]``), maybe
+    detached."""
+    while isinstance(m, fx.Node) and m.target in (aten.detach.default, aten.alias.default):
+        m = m.args[0]
+    if not isinstance(m, fx.Node) or not isinstance(x, fx.Node):
+        return False
+    if m.target == aten.amax.default:
+        return m.args[0] is x and _last_dim_kept(m, x)
+    if m.target is operator.getitem and m.args[1] == 0:
+        mx = m.args[0]
+        if isinstance(mx, fx.Node) and mx.target == aten.max.dim and mx.args[0] is x:
+            d, keep = mx.args[1], mx.args[2] if len(mx.args) > 2 else False
+            return (
+                keep is True
+                and isinstance(d, int)
+                and d % x.meta["val"].dim() == x.meta["val"].dim() - 1
+            )
+    return False
 
 
 def _sink_scales(gm: fx.GraphModule) -> bool:

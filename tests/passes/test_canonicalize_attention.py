@@ -20,6 +20,7 @@ from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
 from autopart.lowering.compile import seq_limits
 from autopart.meta import META_ATTENTION, META_PROVEN_SEQ, META_WINDOW
+from autopart.parity.verify import verify
 from autopart.passes.canonicalize_attention import SDPA, canonicalize_attention, require_causal
 
 SEQ1F1B = Plan(Mesh(), schedule="seq1f1b")
@@ -239,3 +240,66 @@ def test_compiling_draws_nothing_from_torchs_generator() -> None:
     torch.manual_seed(7)
     parallelize(model.double(), Mesh(), batch, schedule="seq1f1b")
     assert torch.equal(torch.rand(3), want)
+
+
+class _Written(nn.Module):
+    """One attention layer whose softmax is written out by hand, in one of several ways."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.emb, self.qkv, self.out = (
+            kind,
+            nn.Embedding(50, 16),
+            nn.Linear(16, 48),
+            nn.Linear(16, 50),
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(
+            torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")
+        )
+        if self.kind == "amax":
+            e = torch.exp(x - x.amax(-1, keepdim=True))
+        elif self.kind == "max-detached":
+            e = torch.exp(x - x.max(dim=-1, keepdim=True)[0].detach())
+        elif self.kind == "no-max":
+            e = x.exp()
+        else:  # "over-queries": the sum runs over the queries (a column softmax)
+            e = x.exp().nan_to_num(0.0)
+            return self.out((e / e.sum(-2, keepdim=True) @ v).transpose(1, 2).reshape(b, s, 16))
+        return self.out((e / e.sum(-1, keepdim=True) @ v).transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize(
+    ("kind", "causal"),
+    [("amax", True), ("max-detached", True), ("no-max", True), ("over-queries", False)],
+)
+def test_a_softmax_written_by_hand_is_a_softmax(kind: str, causal: bool) -> None:
+    """``e / e.sum(-1, keepdim=True)`` with ``e = exp(x − rowmax)`` (or ``exp(x)``) is a
+    softmax over the keys, so the attention is recognized (it was refused as "a value pairing
+    tokens with tokens"); a quotient by a sum over the queries is not, and stays."""
+    ids = torch.randint(1, 50, (2, 24))
+    captured = capture(_Written(kind).double(), (ids, ids))
+    gm = _run(captured)
+    marks = [n.meta.get(META_ATTENTION) for n in gm.graph.nodes if META_ATTENTION in n.meta]
+    assert marks == (["causal"] if causal else [])
+    (before,) = captured.graph(*feed(captured, (ids, ids)))
+    (after,) = gm(*feed(captured, (ids, ids)))
+    assert torch.allclose(after, before, rtol=1e-12, atol=0)
+    if not causal:
+        with pytest.raises(AutopartError, match="cannot chunk"):
+            parallelize(captured, None, plan=Plan(Mesh(), schedule="seq1f1b", seq_chunks=2))
+
+
+def _written_model() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (4, 24), generator=torch.Generator().manual_seed(1))
+    return _Written("amax"), (ids, torch.cat([ids[:, 1:], torch.full((4, 1), -100)], 1))
+
+
+@pytest.mark.multirank
+def test_a_softmax_written_by_hand_chunks_at_one_devices_gradients() -> None:
+    report = verify(_written_model, schedule="seq1f1b", seq_chunks=3, via="fork", timeout_s=120)
+    assert report.ok, str(report)
