@@ -14,6 +14,7 @@ from torch import nn
 from autopart.errors import AutopartError
 from autopart.frontend.capture import B, InputRef, S, capture, layer_of, logits_of, to_sympy
 from autopart.meta import META_INPUT, META_LAYER, META_MODULE, META_SYMBOLS
+from autopart.parity.verify import verify
 
 
 def test_every_placeholder_has_an_input_ref(case: Case) -> None:
@@ -403,6 +404,56 @@ def test_a_model_whose_own_loss_is_not_the_cross_entropy_is_refused() -> None:
     config |= dict(num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
     with pytest.raises(AutopartError, match="MixtralForCausalLM's own loss"):
         capture(MixtralForCausalLM(MixtralConfig(**config, output_router_logits=True)), batch)
+
+
+class _AuxTargets(nn.Module):
+    """nanoGPT's convention, ``forward(idx, targets=None)``: the loss plus a term kept on the
+    module during the forward (a router's auxiliary loss), or ``targets`` required."""
+
+    def __init__(self, aux: float = 0.0, required: bool = False) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.aux, self.required = aux, required
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.emb(idx)
+        self.extra = x.pow(2).mean()
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+        return logits, loss + self.aux * self.extra
+
+
+class _OnlyLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(idx))
+        return F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+
+
+def test_a_targets_loss_with_an_extra_term_or_a_required_targets_is_refused() -> None:
+    """A model taking ``targets`` (nanoGPT's name) whose loss adds a term (0.01 × an auxiliary
+    loss kept on a module) was trained without the term (loss 7e-4 off, router gradients 0.7 %
+    off); it is refused like one taking ``labels``, and the plain loss captures. A forward
+    whose ``targets`` has no default (returning only its loss) was refused as "torch.export
+    could not trace the model: missing 1 required positional argument"; it is now refused
+    naming the argument and what autopart calls."""
+    ids = torch.randint(0, 32, (2, 12))
+    batch = (ids, ids.roll(-1, 1))
+    capture(_AuxTargets().double(), batch)
+    with pytest.raises(AutopartError, match="own loss, given the labels as targets, is"):
+        capture(_AuxTargets(aux=0.01).double(), batch)
+    with pytest.raises(
+        AutopartError, match="requires 'targets', which autopart does not pass"
+    ) as err:
+        capture(_OnlyLoss().double(), batch)
+    assert "targets=None" in err.value.hint
+    with pytest.raises(AutopartError, match="requires 'targets'"):
+        verify(lambda: (_OnlyLoss(), batch), via="fork")
 
 
 def test_logits_of() -> None:

@@ -165,6 +165,7 @@ def _called(
     for its parameters (``torch.func.functional_call``). Logits that are still not one row
     per token are refused."""
     takes = inspect.signature(model.forward).parameters
+    _refuse_required(model, takes, extra)
     if "use_cache" in takes:
         extra = {**extra, "use_cache": False}
 
@@ -190,6 +191,30 @@ def _called(
             "or labels argument, if it takes one)",
         )
     return logits, twice
+
+
+def _refuse_required(
+    model: nn.Module, takes: Mapping[str, inspect.Parameter], extra: Mapping[str, Any]
+) -> None:
+    """Refuse a ``forward`` with a required argument past the token ids that autopart does not
+    pass (``forward(idx, targets)`` returning only its loss): it is called with the token ids
+    and the batch's optional tensors by name, and trains the cross entropy of the logits."""
+    params = list(takes.values())[1:]
+    for p in params:
+        required = p.default is inspect.Parameter.empty and p.kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            inspect.Parameter.KEYWORD_ONLY,
+        )
+        if required and p.name not in extra:
+            raise AutopartError(
+                f"{type(model).__name__}.forward requires {p.name!r}, which autopart does not "
+                "pass: it calls model(input_ids) (with attention_mask / position_ids by name when "
+                "the batch has them) and trains the next-token cross entropy of the logits the "
+                "model returns; the model's own loss is not used",
+                hint=f"give {p.name} a default (forward(idx, {p.name}=None), as nanoGPT does) "
+                "and return the logits, (logits, loss) or an object with .logits",
+            )
 
 
 class _LossSum(nn.Module):
@@ -473,11 +498,14 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     labels, in no-grad mode and with torch's generator put back, compares the loss it returns
     with the cross entropy of the logits it returns with it, the labels paired with the logits
     either as they are or shifted by one as Hugging Face models pair them (the example's labels
-    may come in either convention); it must equal one of the two. A model that takes no
-    ``labels``, returns no loss, fails with these labels (a loss ignoring -1, not -100) or is on
+    may come in either convention); it must equal one of the two. The labels go in as ``labels``
+    or, for a model that takes no ``labels``, as ``targets`` (nanoGPT's ``forward(idx,
+    targets)``: a loss plus a router's auxiliary term, stored on a module, was trained without
+    the term). A model that takes neither, returns no loss, fails with these labels (a loss ignoring -1, not -100) or is on
     the meta device is not checked."""
     takes = inspect.signature(model.forward).parameters
-    if "labels" not in takes or any(p.is_meta for p in model.parameters()):
+    name = next((k for k in ("labels", "targets") if k in takes), None)
+    if name is None or any(p.is_meta for p in model.parameters()):
         return
     labels = fields["labels"]
     extra: dict[str, Any] = {k: v for k, v in fields.items() if k in OPTIONAL}
@@ -485,7 +513,7 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
         extra["use_cache"] = False
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
-            out = model(fields["input_ids"], labels=labels, **extra)
+            out = model(fields["input_ids"], **{name: labels}, **extra)
             logits = logits_of(out)
     except Exception:  # noqa: BLE001 - labels it cannot take: not compared
         return
@@ -502,8 +530,9 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     if not ours or any(abs(own_value - v) <= OWN_LOSS_RTOL * abs(v) for v in ours):
         return
     nearest = min(ours, key=lambda v: abs(v - own_value))
+    as_name = "" if name == "labels" else f" as {name}"
     raise AutopartError(
-        f"{type(model).__name__}'s own loss, given the labels, is {own_value:.6g}, but the mean "
+        f"{type(model).__name__}'s own loss, given the labels{as_name}, is {own_value:.6g}, but the mean "
         f"next-token cross entropy of its logits is {nearest:.6g}: autopart trains the cross "
         "entropy, and the model's loss adds something to it (label smoothing, a router's "
         "auxiliary loss, a z-loss), which the ranks would silently leave out",

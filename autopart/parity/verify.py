@@ -365,6 +365,8 @@ def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
     on = torch.device(device) if device.startswith("cuda") else torch.device("cpu")
     try:
         ref_loss, ref_grads = reference(model, batch, DTYPES[dtype] if mixed else None, on)
+    except AutopartError:  # autopart's own refusal of the model (a required argument)
+        raise
     except (RuntimeError, NotImplementedError, TypeError) as exc:  # a kernel without this dtype
         other = "float32" if dtype == "float64" else "float64"
         first = first_line(exc)
