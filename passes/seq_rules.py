@@ -83,6 +83,8 @@ class Seq:
     inner: tuple[int, ...]
     part: int = 1  # 1: the whole chunk; p: a tp rank's 1/p of it (sequence parallelism)
     block: int = 1  # tokens per index: a scan's blocks of Q consecutive tokens (``_view``)
+    # the same at every index (a constant sized by the batch, ``rows_mixed`` only): any layout
+    const: bool = False
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,14 @@ def seq_dims(gm: fx.GraphModule) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node
 
 
 class _Prover:
-    def __init__(self, gm: fx.GraphModule, samples: tuple[tuple[int, int], ...] = _SAMPLES) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        samples: tuple[tuple[int, int], ...] = _SAMPLES,
+        rows: bool = False,
+    ) -> None:
         self.gm = gm
+        self.rows = rows  # the batch in the sequence's place (``rows_mixed``)
         self.samples = samples  # (b, s): multiples of every scan block (``seq_dims``)
         self.block = 1  # chunks must be multiples of this: the scans' blocks (``_round_pad``)
         self.scans: dict[fx.Node, tuple[str, StateScan]] = {}  # node → its role in a scan
@@ -202,8 +210,10 @@ class _Prover:
 
     # -- the walk -------------------------------------------------------------------------------
     def run(self) -> tuple[dict[fx.Node, Any], list[tuple[fx.Node, str]]]:
-        live = self.live = live_nodes(self.gm)
+        live = self.live = _ancestors(self.gm) if self.rows else live_nodes(self.gm)
         for n in self.gm.graph.nodes:
+            if self.rows:
+                break  # no construct carries anything from row to row
             if n in live and isinstance(scan := state_scan(n, live), StateScan):
                 self.scans.update({m: (role, scan) for role, ms in scan.roles() for m in ms})
         for n in self.gm.graph.nodes:
@@ -241,6 +251,8 @@ class _Prover:
         ref = n.meta.get(META_INPUT)
         val: Any = n.meta.get("val")  # a tensor, a SymInt or absent
         grow = self.growing(val)
+        if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val) and self.rows:
+            raise Fixed(f"the batch size of {n.name} was fixed at capture to {val.shape[0]}")
         if not grow and getattr(ref, "kind", None) == "data" and _is_tensor(val):
             loops = self.gm.meta.get(META_LOOPS)
             raise Fixed(
@@ -287,7 +299,13 @@ class _Prover:
         grow = self.growing(val)
         if len(grow) > 1:
             raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
-        want = value.dim if isinstance(value, Seq) else value.seq.dim if _rows(value) else None
+        want = (
+            value.dim
+            if isinstance(value, (Seq, RowIndex))
+            else value.seq.dim
+            if _rows(value)
+            else None
+        )
         if value is SUMMED or (isinstance(value, Routed) and not _rows(value)):
             want = grow[0] if grow else None
         if grow != ([] if want is None else [want % max(val.dim(), 1)]):
@@ -332,11 +350,17 @@ class _Prover:
         if target is operator.getitem:
             src = self.env.get(node_arg(n, 0))
             return src[int_arg(n, 1)] if isinstance(src, tuple) else src
+        if self.rows and any(isinstance(self.env.get(a), RowIndex) for a in n.all_input_nodes):
+            return _row_index(self, n)
+        if self.rows and target in _ROWS and not self._routing(n):
+            return _ROWS[target](self, n)
         if is_scored(n):  # a general-form attention: its q, k, v only (live_nodes)
             return _attention(self, n)
-        if target == aten.slice.Tensor and (d := _position_slice(n, self.gm)) is not None:
+        if self.rows:
+            pass  # positions and tables are read the same on every rank's rows
+        elif target == aten.slice.Tensor and (d := _position_slice(n, self.gm)) is not None:
             return Seq(d, ONE)  # positions read from a buffer: shifted by the chunk's offset
-        if target == aten.slice.Tensor and (d := table_rows(n, self.gm)) is not None:
+        elif target == aten.slice.Tensor and (d := table_rows(n, self.gm)) is not None:
             return Seq(d, ONE)  # a table's rows at the positions: read from the chunk's offset
         if _share_part(n) is not None:
             return SHARE
@@ -387,6 +411,9 @@ class _Prover:
     def _carry(self, n: fx.Node, inner: tuple[int, ...] | None = None) -> Any:
         """The output's sequence dim (the one that grows), with the inputs' token stride."""
         seqs = [self.env[a] for a in n.all_input_nodes if isinstance(self.env.get(a), Seq)]
+        varying = [s for s in seqs if not s.const]
+        const = bool(seqs) and not varying
+        seqs = varying or seqs  # a constant's layout is any: the others' decide
         inners = {s.inner for s in seqs}
         if len(inners) > 1:
             raise Mixes("tokens laid out with different strides combined")
@@ -406,11 +433,17 @@ class _Prover:
                 part = part * size if opname == "tp_scatter_reduce" else part // size
         vals = n.meta.get("val")
         if isinstance(vals, (tuple, list)):
-            return tuple(self._one(v, inner, bool(seqs), part, block) for v in vals)
-        return self._one(vals, inner, bool(seqs), part, block)
+            return tuple(self._one(v, inner, bool(seqs), part, block, const) for v in vals)
+        return self._one(vals, inner, bool(seqs), part, block, const)
 
     def _one(
-        self, val: Any, inner: tuple[int, ...], from_seq: bool, part: int = 1, block: int = 1
+        self,
+        val: Any,
+        inner: tuple[int, ...],
+        from_seq: bool,
+        part: int = 1,
+        block: int = 1,
+        const: bool = False,
     ) -> Any:
         grow = self.growing(val)
         if not grow:
@@ -421,7 +454,7 @@ class _Prover:
             raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
         if not from_seq:
             raise Mixes("a value sized by the sequence computed from no token")
-        return Seq(grow[0], inner, part, block)
+        return Seq(grow[0], inner, part, block, const)
 
     def _free(self, n: fx.Node) -> bool:
         """``n`` computes from values free of the sequence only (a weight's transpose, as
@@ -461,6 +494,12 @@ class _Prover:
         raise Mixes(
             "a sum over the tokens (the loss, or a count of tokens) used other than added or "
             "scaled: each chunk would see only its own part of the sum"
+        )
+
+    def _routing(self, n: fx.Node) -> bool:
+        """``n`` reads a value of token routing (the routing rule answers for it)."""
+        return any(
+            isinstance(v := self.env.get(a), Routed) or v is SLOTS for a in n.all_input_nodes
         )
 
     def _routing_entry(self, n: fx.Node) -> bool:
@@ -514,8 +553,10 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     floor = t == aten.floor_divide.default or (
         t == aten.div.Tensor_mode and n.kwargs.get("rounding_mode") in ("floor", "trunc")
     )  # of the sort's indices, which are not negative: floor and trunc agree
-    if kinds == {"perm"} and floor and r0.seq.inner == (k,) * len(r0.seq.inner):
-        return Routed("token", r0.key, r0.seq)
+    # the slots' stride is k times the tokens' (1 along the sequence; a row's s tokens when
+    # the batch is in its place, ``rows_mixed``)
+    if kinds == {"perm"} and floor and isinstance(k, int) and k > 0 and _strided(r0, k):
+        return Routed("token", r0.key, r0.seq, (k,))
     if t == aten.index_add.default and _dim_arg(n, 1, 0) == 0 and len(n.args) == 4:
         out, idx, rows = (p.env.get(node_arg(n, i)) for i in (0, 2, 3))
         fresh = node_arg(n, 0).target in (aten.zeros.default, aten.zeros_like.default)
@@ -525,17 +566,18 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
             # zeros with exactly one row per token (per slot)
             size = p.at(node_arg(n, 0).meta["val"].shape[0])
             slots = p.at(node_arg(idx.key, 0).meta["val"].shape[0])
-            tokens = tuple(s // i for s, i in zip(slots, idx.seq.inner, strict=True))
             if isinstance(out, Seq) and out.dim == 0:
-                if idx.kind == "token" and out.inner == ONE and size == tokens:
-                    return out
+                tokens = tuple(s // idx.index[0] for s in slots) if idx.index else ()
+                laid = out.const or out == _token_seq(idx)  # a constant's: any layout
+                if idx.kind == "token" and laid and size == tokens:
+                    return _token_seq(idx)
                 if idx.kind == "perm" and size == slots:
                     return idx.seq
     if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
         return Routed("group", r0.key, r0.seq)
     if t == aten.index.Tensor and len(seq_arg(n, 1)) == 1:
         idx, x = p.env.get(seq_arg(n, 1)[0]), p.env.get(node_arg(n, 0))
-        if isinstance(idx, Routed) and idx.kind == "token" and x == Seq(0, ONE):
+        if isinstance(idx, Routed) and idx.kind == "token" and x == _token_seq(idx):
             return Routed("rows", idx.key, idx.seq)
         if isinstance(idx, Routed) and idx.kind == "perm" and x == idx.seq and x.dim == 0:
             return Routed("rows", idx.key, idx.seq)
@@ -570,6 +612,17 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         "positions; the only reordering proven is a routing of tokens to experts that "
         "puts each token back in its place"
     )
+
+
+def _strided(r: Routed, k: int) -> bool:
+    return all(i % k == 0 for i in r.seq.inner)
+
+
+def _token_seq(token: Routed) -> Seq:
+    """The layout of the tokens a "token" routing value indexes: dim 0, the slots' stride over
+    the k slots per token (``Routed.index``: (k,))."""
+    k = token.index[0]
+    return Seq(0, tuple(i // k for i in token.seq.inner))
 
 
 def _rows_of(r: Routed) -> Routed:
@@ -819,6 +872,46 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.cummax.default: _scan("cummax"),
     aten.cummin.default: _scan("cummin"),
     aten.logcumsumexp.default: _scan("logcumsumexp"),
+    aten.diff.default: _scan("diff"),
+    # pools and resampling over the trailing spatial dims (1d: the last; 2d: the last two)
+    **dict.fromkeys(
+        (
+            aten.avg_pool1d.default,
+            aten.max_pool1d.default,
+            aten.max_pool1d_with_indices.default,
+            aten.adaptive_avg_pool1d.default,
+            aten.upsample_nearest1d.vec,
+            aten.upsample_linear1d.vec,
+        ),
+        _along("a pool or resampling along the sequence", lambda n: [-1]),
+    ),
+    **dict.fromkeys(
+        (
+            aten.avg_pool2d.default,
+            aten.max_pool2d.default,
+            aten.max_pool2d_with_indices.default,
+            aten.adaptive_avg_pool2d.default,
+            aten.upsample_nearest2d.vec,
+            aten.upsample_bilinear2d.vec,
+        ),
+        _along("a pool or resampling along the sequence", lambda n: [-2, -1]),
+    ),
+    # windows of a dim (``unfold(dim, size, step)``): along that dim, each window reads others
+    aten.unfold.default: _along("a window of the sequence", lambda n: [_dim_arg(n, 1, 0)]),
+    # Fourier transforms: along their dims only (each output entry reads every input entry)
+    **dict.fromkeys(
+        (
+            aten.fft_rfft.default,
+            aten.fft_irfft.default,
+            aten.fft_fft.default,
+            aten.fft_ifft.default,
+        ),
+        _along("an FFT along the sequence", lambda n: [_dim_arg(n, 2, -1)]),
+    ),
+    **dict.fromkeys(
+        (aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default),
+        _along("an FFT along the sequence", lambda n: list(seq_arg(n, 1))),
+    ),
     aten.sort.default: _along("a sort along the sequence", lambda n: [_dim_arg(n, 1, -1)]),
     aten.topk.default: _along("a top-k along the sequence", lambda n: [_dim_arg(n, 2, -1)]),
     aten.flip.default: _along("a flip along the sequence", lambda n: list(seq_arg(n, 1))),
@@ -997,7 +1090,9 @@ def _factory(p: _Prover, n: fx.Node) -> Any:
     grow = p.growing(val)
     if len(grow) > 1:
         raise Mixes("a value pairing tokens with tokens (two dims sized by the sequence)")
-    return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1) if grow else None
+    if not grow:
+        return None
+    return Seq(grow[0], ONE, p.part(val.shape[grow[0]]) or 1, const=p.rows)
 
 
 def _expand(p: _Prover, n: fx.Node) -> Any:
@@ -1269,14 +1364,48 @@ def _repeat(p: _Prover, n: fx.Node) -> Any:
     rows, so token t is still at index t (times ``inner``) modulo the chunk."""
     x = node_arg(n, 0)
     v = p.env.get(x)
+    if v is None:  # copies of a value free of the tokens: the same at every token (BLOOM's ALiBi)
+        return _factory(p, n)
     if isinstance(v, Seq):
         reps, nd = seq_arg(n, 1), _ndim(x)
         if reps[len(reps) - nd + v.dim % nd] != 1:
             sizes = p.at(x.meta["val"].shape[v.dim])
             tokens = [whole // v.part * i for (_, whole), i in zip(p.samples, v.inner, strict=True)]
-            if any(size <= t for size, t in zip(sizes, tokens, strict=True)):
+            if any(size <= t for size, t in zip(sizes, tokens, strict=True)) and not (
+                p.rows and _copies_split_off(p, n, v.dim % nd, reps[len(reps) - nd + v.dim % nd])
+            ):
                 raise Mixes("a repeat along the sequence")
     return p._carry(n)
+
+
+def _copies_split_off(p: _Prover, n: fx.Node, dim: int, copies: Any) -> bool:
+    """Rows of the batch, the outermost index of dim 0, repeated ``copies`` times along it
+    (Llama 4's dense experts: ``x.repeat(E, 1)`` of ``[b·s, h]``), and every reader viewing the
+    copies off as a dim of their own (``view(E, b·s, h)``): each copy holds every row once, in
+    order."""
+    x = node_arg(n, 0)
+    whole = p.at(x.meta["val"].shape[0])
+    if dim != 0 or not isinstance(copies, int) or not n.users:
+        return False
+    frontier, seen = [n], {n}
+    while frontier:  # through elementwise ops of the same shape (the router's weights)
+        for u in frontier.pop().users:
+            val = u.meta.get("val")
+            shape = val.shape if _is_tensor(val) else ()
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.target in _VIEWS and len(shape) >= 2 and shape[0] == copies:
+                if p.at(shape[1]) != whole:
+                    return False
+            elif (
+                torch.Tag.pointwise in getattr(u.target, "tags", ())
+                and shape == n.meta["val"].shape
+            ):
+                frontier.append(u)
+            else:
+                return False
+    return True
 
 
 def _view(p: _Prover, n: fx.Node) -> Any:
@@ -1860,6 +1989,15 @@ def _scan_part(p: _Prover, n: fx.Node) -> Any:
     raise Mixes("the state after a scan's last block read (it depends on every chunk)")
 
 
+def _one_hot(p: _Prover, n: fx.Node) -> Any:
+    """``one_hot(x, C)``: a vector per entry, with C classes given (counted from the data, C
+    would depend on every token)."""
+    classes = n.args[1] if len(n.args) > 1 else n.kwargs.get("num_classes", -1)
+    if not isinstance(classes, int) or classes <= 0:
+        raise Mixes("a one-hot whose number of classes is counted from the data")
+    return p._carry(n)
+
+
 _VIEWS = (
     aten.view.default,
     aten.reshape.default,
@@ -1872,6 +2010,7 @@ _VIEWS = (
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.repeat.default: _repeat,
     aten.einsum.default: _einsum,
+    aten.one_hot.default: _one_hot,
     aten.expand.default: _expand,
     **dict.fromkeys(
         (
@@ -1948,6 +2087,7 @@ _SIZE_ARGS: dict[Any, tuple[int, ...]] = {
     aten.arange.start: (0, 1),
     aten.arange.start_step: (0, 1),
     aten.split_with_sizes.default: (1,),
+    aten.repeat.default: (1,),
 }
 _SIZE_KW = frozenset({"size"})
 
@@ -1977,6 +2117,182 @@ _SYM_OPS = frozenset(
         math.floor,
     }
 )
+
+
+# -- rows of the batch: the same proof with the batch in the sequence's place ------------------
+
+
+def rows_mixed(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """The nodes of a whole captured graph that mix rows of the batch, each with how: the
+    sequence proof above run with the batch size in the sequence length's place (the graph's
+    symbols swapped while it runs), where no construct may carry anything from one row to the
+    next (attention, convolutions and recurrences work within a row; an arange over the batch
+    or a running count along it restarts on every rank) and only the summed loss adds rows up.
+    A plan that splits the batch (dp, micro-batches) computes what one device does only on a
+    graph with none: each rank's rows are a batch of their own."""
+    names = gm.meta.get(META_SYMBOLS, {})
+    b = next((v for v in names.values() if v.name == "b"), None)
+    swapped = {k: S if v == b else b if v == S and b is not None else v for k, v in names.items()}
+    gm.meta[META_SYMBOLS] = swapped
+    try:
+        # (rows, length) in the (b, s) slots: the batch grows from 3 to 5 rows
+        _, found = _Prover(gm, ((48, 3), (48, 5), (96, 5)), rows=True).run()
+    finally:
+        gm.meta[META_SYMBOLS] = names
+    return [(n, _rows_sentence(why)) for n, why in found]
+
+
+def _rows_sentence(why: str) -> str:
+    """A finding of the proof in the sequence's words, in the batch's."""
+    why = why.removesuffix(" mixes tokens of different chunks")
+    why = why.replace(
+        " has no sequence rule (nothing proves it keeps the chunks' tokens apart)",
+        " has no batch rule (nothing proves it keeps the rows apart)",
+    )
+    for old, new in (
+        ("the sequence length", "the batch size"),
+        ("the sequence", "the batch"),
+        ("sized by the sequence", "sized by the batch"),
+        ("tokens with tokens", "rows with rows"),
+        ("tokens", "rows"),
+        ("token", "row"),
+        ("each chunk has its own", "each rank has its own"),
+    ):
+        why = why.replace(old, new)
+    return why
+
+
+def _ancestors(gm: fx.GraphModule) -> set[fx.Node]:
+    """Every node the outputs need (masks included)."""
+    live: set[fx.Node] = set()
+    stack = [n for n in gm.graph.nodes if n.op == "output"]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live
+
+
+def _rows_attention(p: _Prover, n: fx.Node) -> Any:
+    """SDPA within each row: the batch in one dim before the query and key dims, the same one
+    (from the right) in q, k, v and the mask."""
+    q = node_arg(n, 0)
+    want = None
+    for x in n.all_input_nodes:
+        v = p.env.get(x)
+        if not isinstance(v, Seq):
+            continue
+        from_right = _ndim(x) - v.dim % _ndim(x)
+        if from_right <= 2 or v.inner != ONE or want not in (None, from_right):
+            raise Mixes("an attention across rows of the batch")
+        want = from_right
+    if want is not None and want > _ndim(q):
+        raise Mixes("an attention across rows of the batch")
+    return p._carry(n)
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """``arange(b)``, the rows' own indices, with ``dim`` its b-sized dim (unsqueezed or
+    expanded): each rank's are 0 … its b − 1, so it may only index its own rows (Hugging Face's
+    masks read ``attention_mask[batch_idx, kv_idx]``)."""
+
+    dim: int
+
+
+_ROW_INDEX_SHAPES = frozenset(
+    (
+        aten.unsqueeze.default,
+        aten.expand.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.slice.Tensor,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten.to.dtype,
+        aten.to.dtype_layout,
+    )
+)
+
+
+def _rows_arange(p: _Prover, n: fx.Node) -> Any:
+    v = _arange(p, n)
+    return RowIndex(0) if isinstance(v, Seq) else v
+
+
+def _row_index(p: _Prover, n: fx.Node) -> Any:
+    """A rearrangement of the rows' indices that keeps them whole and in order (one dim of b,
+    the rest of size 1 or broadcast); or ``aten.index`` of a value's rows by them."""
+    if n.target == aten.index.Tensor:
+        return _rows_indexed(p, n)
+    x = node_arg(n, 0)
+    val, src = n.meta.get("val"), x.meta.get("val")
+    src_dim = cast(RowIndex, p.env[x]).dim
+    grow = p.growing(val)
+    if not (
+        _is_tensor(val) and _is_tensor(src) and len(grow) == 1 and n.target in _ROW_INDEX_SHAPES
+    ):
+        raise Mixes("an arange over the batch size used other than as the rows' own index")
+    whole = n.target != aten.slice.Tensor or whole_slice(n)
+    # a view keeps the order of the indices only when nothing was broadcast beside them yet
+    alone = n.target not in _VIEWS or all(d == 1 for i, d in enumerate(src.shape) if i != src_dim)
+    same = p.at(val.shape[grow[0]]) == p.at(src.shape[src_dim])
+    if whole and alone and same and n.all_input_nodes == [x]:
+        return RowIndex(grow[0])
+    raise Mixes("an arange over the batch size used other than as the rows' own index")
+
+
+def _rows_indexed(p: _Prover, n: fx.Node) -> Any:
+    """``x[..., rows, ...]`` with the rows' own indices at x's batch dim and no other index
+    depending on the rows: row i reads row i."""
+    x, idx = node_arg(n, 0), seq_arg(n, 1)
+    v = p.env.get(x)
+    if not isinstance(v, Seq) or v.inner != ONE or v.dim >= len(idx):
+        raise Mixes("an index by the rows' own indices into a value not laid out by rows")
+    for i, t in enumerate(idx):
+        w = p.env.get(t) if isinstance(t, fx.Node) else None
+        if (i == v.dim) != isinstance(w, RowIndex) or (i != v.dim and w is not None):
+            raise Mixes("an index of the batch dim by other than the rows' own indices")
+    grow = p.growing(n.meta["val"])
+    if len(grow) != 1:
+        raise Mixes("an index by the rows' own indices that moves the rows")
+    return Seq(grow[0], ONE)
+
+
+def _rows_conv(p: _Prover, n: fx.Node) -> Any:
+    a = _bound(n)
+    x = a["input"]
+    for y in (a.get("weight"), a.get("bias")):
+        if isinstance(y, fx.Node) and p.env.get(y) is not None:
+            raise Mixes("a convolution whose weights are rows of the batch")
+    v, nd = p.env.get(x), _ndim(x)
+    batched = _is_tensor(a["weight"].meta.get("val")) and nd == _ndim(a["weight"])
+    if isinstance(v, Seq) and not (batched and v.dim % nd == 0):
+        raise Mixes("a convolution along the batch")
+    return p._carry(n)
+
+
+def _rows_scan(p: _Prover, n: fx.Node) -> Any:
+    dim = int_arg(n, 2)
+    return _carry_unless_along(
+        p,
+        n,
+        [(node_arg(n, i), [dim], "a recurrence along the batch") for i in (0, 1)],
+    )
+
+
+_ROWS: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
+    SDPA: _rows_attention,
+    aten.arange.default: _rows_arange,
+    aten.arange.start: _rows_arange,
+    aten.arange.start_step: _rows_arange,
+    aten.cumsum.default: lambda p, n: _carry_unless_along(p, n, _scan("cumsum")(n)),
+    **dict.fromkeys(CONVS, _rows_conv),
+    **dict.fromkeys(_PADS, lambda p, n: _carry_unless_along(p, n, _pad(n))),
+    LINEAR_SCAN: _rows_scan,
+}
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -2051,6 +2367,7 @@ def _op_name(target: Any) -> str:
 
 __all__ = [
     "LENGTH",
+    "rows_mixed",
     "MIXED",
     "SOFTMAX",
     "SUMMED",

@@ -325,6 +325,34 @@ def test_an_in_place_change_of_the_modules_parameters_is_refused_at_the_next_cal
     shared.step(*batch)
 
 
+def test_a_parameter_replaced_or_cast_after_parallelize_is_refused_at_the_next_call() -> None:
+    """Changes that are not in place escaped the version counters: an LM head untied by a new
+    ``nn.Parameter`` trained on tied (weights 31 % off), ``model.half()`` and
+    ``model.to(torch.float32)`` trained on in float64 (the eighteenth session's loop probe). The
+    next call now refuses each, naming the parameter and what happened; ``load_state_dict``
+    with ``assign=True`` (new objects, through the module) is taken again and is left alone."""
+    from autopart.api import _attach
+    from autopart.models.nanogpt import make
+
+    model, batch = make()
+    model = model.double()
+    runner = _single_rank(model, batch)
+    _attach(runner, model)
+    runner.step(*batch)
+    model.load_state_dict(model.state_dict(), assign=True)
+    runner.step(*batch)
+    head = model.lm_head.weight
+    model.lm_head.weight = nn.Parameter(head.detach().clone())
+    with pytest.raises(autopart.AutopartError, match="lm_head.weight was replaced") as exc:
+        runner.step(*batch)
+    assert "before parallelize" in (exc.value.hint or "")
+    model.lm_head.weight = head
+    runner.step(*batch)
+    model.float()
+    with pytest.raises(autopart.AutopartError, match="cast from torch.float64 to torch.float32"):
+        runner.evaluate(*batch)
+
+
 def test_a_batch_of_padding_only_is_refused_unless_num_tokens_counts_it() -> None:
     """Every label -100: one device's mean cross entropy is nan; the runner divided by
     ``max(count, 1)`` and returned 0 with zero gradients (plan probe, seventeenth session).

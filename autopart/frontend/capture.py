@@ -94,6 +94,9 @@ class Captured:
     # export fixed the length (a loop over the tokens): "rolled up" when ``generalize_loops``
     # wrote the loop for any length, else why it could not; "" when the length stayed symbolic
     loops: str = ""
+    # the nodes that mix rows of the batch, as (node, module, how) (passes/seq_rules.py
+    # ``rows_mixed``): found by the first compile of a plan that splits the batch
+    rows_mixed: list[tuple[str, str, str]] | None = None
     # masks and score functions proven by evaluation, by construction (passes/position_masks.py
     # ``Proofs``): every compile of this capture proves each once
     proofs: dict = field(default_factory=dict)

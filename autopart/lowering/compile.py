@@ -20,7 +20,9 @@ multiple of tokens every length must be (found once per capture:
 ``frontend/shapes.shortest_sequence``, ``longest_sequence`` and ``sequence_multiple``). After
 step 1, a graph whose attention rests on masks proven causal by evaluation
 (``passes/canonicalize_attention``) lowers ``max_seq`` to the length they were proven at (the
-capture example's, at least 4096 tokens): no longer sequence was tried.
+capture example's, at least 4096 tokens): no longer sequence was tried; and
+``refuse_row_mixing`` refuses a plan that splits the batch (dp, micro-batches) for a graph in
+which rows of the batch mix (``passes/seq_rules.rows_mixed``).
 
 ``split_stages`` also makes each stage graph name no device (``autopart.graph.device_free``): the runtime
 places a program on its rank's device (``autopart/runtime/placement.py``).
@@ -59,6 +61,7 @@ from autopart.meta import (
 from autopart.passes import PIPELINE
 from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
+from autopart.passes.seq_rules import rows_mixed
 from autopart.program import libraries
 from autopart.program.archive import allowed_call
 from autopart.program.format import PassRecord, Program, RankProgram, Shard, StageProgram
@@ -71,7 +74,8 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     used = refuse_library_ops(captured.graph, plan.library_ops)
     low, high, step = seq_limits(captured)
     plan = replace(plan, min_seq=low, max_seq=high, seq_block=math.lcm(plan.seq_block, step))
-    gm, history = apply_passes(captured, plan)
+    gm, history = apply_passes(captured, plan)  # (Seq1F1B's refusals name the sequence)
+    refuse_row_mixing(captured, plan)
     proven = gm.meta.get(META_PROVEN_SEQ)  # attention proven causal up to this length only
     if proven is not None and (plan.max_seq is None or proven < plan.max_seq):
         plan = replace(plan, max_seq=proven)
@@ -147,6 +151,43 @@ def seq_limits(captured: Captured) -> tuple[int | None, int | None, int]:
                 stacklevel=3,
             )
     return captured.seq_floor[0], captured.seq_limit[0], captured.seq_step[0]
+
+
+def refuse_row_mixing(captured: Captured, plan: Plan) -> None:
+    """Refuse a plan that splits the batch (dp, micro-batches) for a graph in which rows of
+    the batch mix (``passes/seq_rules.rows_mixed``, proven once per capture): a statistic over
+    the batch, a running count or a top-k over the flattened batch·sequence (an expert's
+    capacity), an op no rule proves row by row. Each rank would compute on its own rows as if
+    they were the batch: trained, and silently off (loss 1.5e-3, gradients 195 % off for a
+    Switch-style capacity router under dp=2)."""
+    splits = plan.mesh.dp * plan.microbatches
+    if splits == 1:
+        return
+    if captured.rows_mixed is None:
+        captured.rows_mixed = [
+            (n.name, n.meta.get(META_MODULE) or "<root>", why)
+            for n, why in rows_mixed(captured.graph)
+        ]
+    if captured.rows_mixed:
+        name, module, why = captured.rows_mixed[0]
+        more = len(captured.rows_mixed) - 1
+        by = " and ".join(
+            x
+            for x in (
+                f"dp={plan.mesh.dp}" if plan.mesh.dp > 1 else "",
+                f"{plan.microbatches} micro-batches" if plan.microbatches > 1 else "",
+            )
+            if x
+        )
+        raise AutopartError(
+            f"{by} split the batch into {splits} parts, but node {name} ({module}) mixes rows "
+            f"of the batch: {why}"
+            + (f" (and {more} more node{'s' if more > 1 else ''})" if more else "")
+            + "; each part would be computed as if it were the whole batch",
+            hint="train this model with dp=1 and microbatches=1 (tp and pp without "
+            "micro-batches keep the batch whole), or compute the statistic per row (per "
+            "sequence, or per token: an expert's capacity per sequence, a top-k per token)",
+        )
 
 
 def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[str]:

@@ -330,6 +330,38 @@ def check_untouched(params: list[tuple[str, nn.Parameter]], versions: list[int],
             )
 
 
+def module_layout(model: nn.Module) -> list[tuple[str, int, torch.dtype]]:
+    """(name, object, dtype) of every parameter of ``model``, tied names included."""
+    return [(n, id(p), p.dtype) for n, p in model.named_parameters(remove_duplicate=False)]
+
+
+def check_layout(model: nn.Module, layout: list[tuple[str, int, torch.dtype]], call: str) -> None:
+    """Refuse ``call`` once the module's parameters are no longer those ``parallelize`` took
+    (``layout``, ``module_layout`` then): a parameter replaced by a new one (an LM head untied
+    by ``lm_head.weight = nn.Parameter(...)``) or cast (``model.half()``, ``model.to(dtype)``).
+    The runner trained on with the old ones, tied and in the old precision, silently."""
+    now = module_layout(model)
+    if now == layout:
+        return
+    before = {name: (obj, dtype) for name, obj, dtype in layout}
+    after = {name: (obj, dtype) for name, obj, dtype in now}
+    name = next((n for n in [*before, *after] if before.get(n) != after.get(n)), "?")
+    old, new = before.get(name), after.get(name)
+    if old is None or new is None:
+        how = "added" if old is None else "removed"
+    elif old[1] != new[1]:
+        how = f"cast from {old[1]} to {new[1]} (model.half(), model.to(dtype))"
+    else:
+        how = "replaced by another tensor (a new nn.Parameter, an untied weight)"
+    raise AutopartError(
+        f"runner.{call}(): the model's parameter {name} was {how} after parallelize; the runner "
+        "was compiled from the parameters it was given and trains its own copies of them, so "
+        "the change would not reach it",
+        hint="make such changes before parallelize(model, mesh) (or call parallelize again "
+        "after them); for precision, pass precision='bf16' to parallelize",
+    )
+
+
 def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:
     """Refuse a step of a runner whose module has had a parameter frozen or unfrozen since
     ``parallelize`` (``frozen``: its frozen parameters then): the program was compiled, and its

@@ -48,11 +48,13 @@ from autopart.runtime.guards import (
     Parameters,
     StepLoss,
     check_frozen,
+    check_layout,
     check_step_context,
     check_untouched,
     follow_module,
     guard_optimizer_state,
     guard_optimizers,
+    module_layout,
     original_state_dict,
     sharded_reason,
 )
@@ -313,6 +315,7 @@ class Runner:
         # the module's parameters the runner does not train itself, and their version counters
         # when the two last agreed: a change in place to one is refused (``guards.check_untouched``)
         self._module_params: list[tuple[str, nn.Parameter]] = []
+        self._module_layout: list[tuple[str, int, torch.dtype]] = []
         self._module_versions: list[int] = []
         # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
         self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
@@ -461,8 +464,6 @@ class Runner:
         # (a one-rank program's whole parameters may be the module's own objects: those never
         # leave the module behind)
         self._copies = [p for p in self.params.values() if id(p) not in own]
-        mine = {id(p) for p in self.params.values()}
-        self._module_params = [(n, p) for n, p in model.named_parameters() if id(p) not in mine]
         self.mark_module()
         guard_optimizers(self, model)
         guard_optimizer_state(self)
@@ -480,7 +481,13 @@ class Runner:
 
     def mark_module(self) -> None:
         """The module's own parameters hold what the runner was given (``follow``, a load
-        through the module): a later change to one in place is refused at the next call."""
+        through the module): a later change to one in place, a parameter replaced (an untied
+        head) or cast (``model.half()``) is refused at the next call."""
+        model = self._followed()
+        if model is not None:
+            mine = {id(p) for p in self.params.values()}
+            self._module_params = [(n, p) for n, p in model.named_parameters() if id(p) not in mine]
+            self._module_layout = module_layout(model)
         self._module_versions = [p._version for _, p in self._module_params]
 
     def mark_moved(self) -> None:
@@ -507,6 +514,7 @@ class Runner:
         model = self._followed()
         if model is not None:
             check_untouched(self._module_params, self._module_versions, call)
+            check_layout(model, self._module_layout, call)
         if model is not None and needs_grad:
             check_frozen(model, self._module_frozen)
         if model is not None and model.training != self.training:
