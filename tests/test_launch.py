@@ -135,6 +135,56 @@ def test_ranks_that_failed_are_one_line_of_the_agent_not_torchruns_traceback() -
     assert failure_line(exc).endswith("was killed by SIGKILL (1 more rank failed)")
 
 
+def _holding(folder: Path) -> subprocess.Popen:
+    """Another process that holds the checkpoint folder ``folder`` (``dirlock.claim``)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from autopart.runtime import dirlock; "
+            "f = dirlock.claim(sys.argv[1]); print('held', flush=True); time.sleep(300)",
+            str(folder),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_folder_another_run_holds_is_refused(saved: Path, tmp_path: Path) -> None:
+    """Two runs saving into one --checkpoint-dir at once both exited 0, the second having
+    replaced the first's steps. Rank 0 now holds the folder (flock on .autopart.lock) for the
+    whole run: the launcher refuses a held folder before any rank starts, and so does rank 0
+    itself (a torchrun started by hand), naming the folder and the holder's process. The
+    kernel releases the lock with the holder, however it ends: after a kill -9 the folder is
+    free again."""
+    from autopart.parity.verify import launch_forked
+    from autopart.runtime import dirlock
+
+    ck = tmp_path / "ck"
+    holder = _holding(ck)
+    try:
+        want = f"the checkpoint folder {ck} is in use by another run (process {holder.pid} on "
+        with pytest.raises(AutopartError) as err:
+            dirlock.claim(ck)
+        assert want in err.value.message, err.value.message
+        r = _cli("run", str(saved), "--steps", "1", "--checkpoint-dir", str(ck))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"autopart run: error: {want}" in r.stderr and "launching" not in r.stdout
+        argv = ["-m", "autopart.runtime.run", str(saved), "--steps", "1", "--checkpoint-dir"]
+        with pytest.raises(AutopartError) as err:
+            launch_forked(2, [*argv, str(ck)], timeout_s=60)
+        assert want in str(err.value), err.value
+        assert not any(p.name.startswith("step") for p in ck.iterdir())  # nothing saved
+    finally:
+        holder.kill()
+        holder.wait()
+    dirlock.claim(ck).close()  # free again once the holder is gone
+
+
 def test_a_ctrl_c_while_autopart_run_imports_ends_it_in_one_line(saved: Path) -> None:
     """SIGINT to ``autopart run`` while it still imports torch: exit 130 and "autopart:
     interrupted", no traceback, nothing launched (it printed a KeyboardInterrupt traceback
