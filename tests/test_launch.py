@@ -75,17 +75,21 @@ def _processes_naming(marker: str) -> list[int]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "sig",
-    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],  # SIGINT: slow
-)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, sig) -> None:
     """SIGTERM (or Ctrl-C's SIGINT) to ``autopart run`` stops torchrun and every rank: none is
     alive 5 s after the launcher exits (they used to train on, their parent PID 1), and none
-    left a file in /dev/shm."""
+    left a file in /dev/shm. A Ctrl-C ends it as docs/cli.md says, exit 130 and
+    ``autopart run: interrupted: ...`` (it was exit 2 and "error: stopped by SIGINT"); a SIGTERM
+    is an error (exit 2). Neither prints torchrun's traceback (its SignalException's was)."""
     folder = tmp_path / "prog"
     subprocess.run(["cp", "-r", str(saved), str(folder)], check=True)  # a unique marker
-    proc = _run_long(folder, stderr=subprocess.STDOUT)
+    # as from a terminal: a test runner's worker may ignore SIGINT, and its children with it
+    proc = _run_long(
+        folder,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     seen = ""
     while "loss" not in seen and time.monotonic() < deadline:  # training has started
@@ -103,10 +107,82 @@ def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, 
         time.sleep(0.2)
         left = _processes_naming(str(folder))
     assert left == [], seen + out
-    assert proc.returncode != 0
-    assert f"stopped by {sig.name}" in out
+    last = out.strip().splitlines()[-1]
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, out
+        assert last == "autopart run: interrupted: the 2 ranks were stopped too", out
+    else:
+        assert proc.returncode == 2, out
+        assert last == "autopart run: error: stopped by SIGTERM: the 2 ranks were stopped too", out
+    assert "Traceback" not in out and "SignalException" not in out, out
     mine = [p for p in os.listdir("/dev/shm") if any(f"autopart-{r}-" in p for r in ranks)]
     assert mine == []
+
+
+def test_ranks_that_failed_are_one_line_of_the_agent_not_torchruns_traceback() -> None:
+    """torchrun's ChildFailedError (a traceback through its frames and a box) is one line from
+    ``autopart.runtime.agent``: the rank that failed first, its process and how it ended."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from autopart.runtime.agent import failure_line
+
+    killed = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="<N/A>")
+    exc = ChildFailedError("autopart.runtime.run", {1: killed})
+    assert failure_line(exc) == "torchrun: rank 1 (process 4242) was killed by SIGKILL"
+    other = ProcessFailure(local_rank=0, pid=4241, exitcode=2, error_file="<N/A>")
+    other.timestamp = killed.timestamp + 1
+    exc = ChildFailedError("autopart.runtime.run", {0: other, 1: killed})
+    assert failure_line(exc).endswith("was killed by SIGKILL (1 more rank failed)")
+
+
+def _holding(folder: Path) -> subprocess.Popen:
+    """Another process that holds the checkpoint folder ``folder`` (``dirlock.claim``)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from autopart.runtime import dirlock; "
+            "f = dirlock.claim(sys.argv[1]); print('held', flush=True); time.sleep(300)",
+            str(folder),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_folder_another_run_holds_is_refused(saved: Path, tmp_path: Path) -> None:
+    """Two runs saving into one --checkpoint-dir at once both exited 0, the second having
+    replaced the first's steps. Rank 0 now holds the folder (flock on .autopart.lock) for the
+    whole run: the launcher refuses a held folder before any rank starts, and so does rank 0
+    itself (a torchrun started by hand), naming the folder and the holder's process. The
+    kernel releases the lock with the holder, however it ends: after a kill -9 the folder is
+    free again."""
+    from autopart.parity.verify import launch_forked
+    from autopart.runtime import dirlock
+
+    ck = tmp_path / "ck"
+    holder = _holding(ck)
+    try:
+        want = f"the checkpoint folder {ck} is in use by another run (process {holder.pid} on "
+        with pytest.raises(AutopartError) as err:
+            dirlock.claim(ck)
+        assert want in err.value.message, err.value.message
+        r = _cli("run", str(saved), "--steps", "1", "--checkpoint-dir", str(ck))
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"autopart run: error: {want}" in r.stderr and "launching" not in r.stdout
+        argv = ["-m", "autopart.runtime.run", str(saved), "--steps", "1", "--checkpoint-dir"]
+        with pytest.raises(AutopartError) as err:
+            launch_forked(2, [*argv, str(ck)], timeout_s=60)
+        assert want in str(err.value), err.value
+        assert not any(p.name.startswith("step") for p in ck.iterdir())  # nothing saved
+    finally:
+        holder.kill()
+        holder.wait()
+    dirlock.claim(ck).close()  # free again once the holder is gone
 
 
 def test_a_ctrl_c_while_autopart_run_imports_ends_it_in_one_line(saved: Path) -> None:

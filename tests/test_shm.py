@@ -97,6 +97,29 @@ def test_a_small_dev_shm_falls_back_and_a_dead_peer_is_named_before_the_timeout(
     assert not left, left
 
 
+@pytest.mark.multirank
+def test_a_paused_peer_is_waited_for_and_named_at_the_timeout_not_declared_dead() -> None:
+    """A rank paused by SIGSTOP exists: its heartbeat stands still, but it is not dead. It was
+    reported as "rank 1 (process N) died" once its beat stood for ``STALE_S`` (10 s), even under
+    a 60 s timeout; now a peer of this PID namespace is dead only when its process is gone. A
+    paused peer that comes back in time is simply waited for; one that does not is named at the
+    timeout as silent, paused or hung."""
+    import json
+
+    from autopart.parity.verify import launch_forked
+
+    script = Path(__file__).resolve().parent / "pause_script.py"
+    out = launch_forked(2, [str(script)], timeout_s=60)
+    res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
+    assert res["transport"] == "shm", res
+    assert res["sum"] == [2.0] * 4, res  # waited through the 2 s pause (STALE_S was 0.5 s)
+    assert 1.5 < res["paused_seconds"] < 20, res
+    want = f"rank 0: rank 1 (process {res['pid']}) has not answered for 2 s during all-reduce"
+    assert res["silent"].startswith(want), res["silent"]
+    assert "paused or hung" in res["silent"] and "died" not in res["silent"], res["silent"]
+    assert 1.9 < res["silent_seconds"] < 10, res
+
+
 def _can_unshare_pids() -> bool:
     import shutil
     import subprocess

@@ -5,7 +5,7 @@ Each of ``demo``, ``verify``, ``zoo``, ``inspect``, ``run``, ``timeline``, ``sim
 ``common`` holds the flag groups several take, ``report`` the rich tables ``inspect`` and
 ``demo`` print. ``main`` parses, dispatches, and turns an ``AutopartError`` into
 ``autopart CMD: error: ...`` on stderr and exit code 2, and a Ctrl-C into ``autopart CMD:
-interrupted`` and exit code 130.
+interrupted`` (a launch adds ``: the N ranks were stopped too``) and exit code 130.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except AutopartError as exc:
         print(f"autopart {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"autopart {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a launch's says what it stopped: "the 2 ranks were ..."
+        said = f": {exc}" if str(exc) else ""
+        print(f"autopart {args.command}: interrupted{said}", file=sys.stderr)
         return 130
 
 

@@ -61,6 +61,7 @@ def main(a: argparse.Namespace) -> int:
     from autopart.layout import Plan
     from autopart.program import libraries
     from autopart.program.format import read_head
+    from autopart.runtime import dirlock
     from autopart.runtime.launch import launch
     from autopart.runtime.run import check_args, run
 
@@ -72,6 +73,8 @@ def main(a: argparse.Namespace) -> int:
     world = _world_before_launch(args.dir, head)
     check_args(args, head, Plan.from_json(head["plan"]))  # refused here once, not per rank
     libraries.trusted(head.get("libraries", {}), args.library_ops, Path(args.dir))
+    if args.checkpoint_dir is not None:  # another run saving there: refused before any rank
+        dirlock.check_free(args.checkpoint_dir)
     print(
         f"launching {world} ranks: torchrun --standalone --nproc-per-node {world} "
         f"-m autopart.runtime.run {' '.join(argv)}"

@@ -60,12 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from autopart.runtime import train_config
+    from autopart.runtime import dirlock, train_config
     from autopart.runtime.launch import launch
     from autopart.runtime.train import MANIFEST
 
     con = Console(stderr=True)
     cfg = train_config.load(a.config, a.set)
+    dirlock.check_free(cfg.checkpoints)  # another run saving there: refused before compiling
     with con.status("checking the data and compiling the plan (once)"):
         world = prepare(cfg)
     manifest = cfg.out_dir / MANIFEST

@@ -1,11 +1,15 @@
 """Starting ranks, and stopping them: torchrun launches, forked ranks, and what a rank does
 when its launcher goes away.
 
-- ``launch(nproc, argv)``: torchrun on this machine (``autopart run``, ``verify``, ``demo``). The
+- ``launch(nproc, argv)``: torchrun on this machine (``autopart run``, ``verify``, ``demo``), as
+  ``autopart.runtime.agent`` (torchrun, ending in one line instead of its tracebacks). The
   torchrun agent starts in its own process group and session, with a parent-death signal: a
   SIGTERM or SIGINT to the launching process is forwarded to it (it stops its ranks), and
   whatever is left of the group after a grace period is killed, also when the launcher itself
-  fails. If the launcher is killed outright, the agent gets SIGTERM from the kernel.
+  fails. If the launcher is killed outright, the agent gets SIGTERM from the kernel. A SIGINT
+  then raises ``KeyboardInterrupt("the N ranks were stopped too")`` (the command line prints
+  ``autopart CMD: interrupted: ...`` and exits 130), a SIGTERM an ``AutopartError`` ("stopped
+  by SIGTERM: ...", exit 2).
 - ``rank_setup()``: called first thing in every rank's ``main``. The rank gets SIGTERM when
   the agent that started it dies (``PR_SET_PDEATHSIG``), and on SIGTERM or SIGINT it unlinks its
   shared-memory files and exits at once (exit status 128 + the signal).
@@ -283,7 +287,7 @@ def launch(
         for w in where:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", *w, *argv],
+                    [sys.executable, "-m", "autopart.runtime.agent", *w, *argv],
                     env=env,
                     text=True,
                     stdout=out,
@@ -304,6 +308,8 @@ def launch(
                 ) from exc
     finally:
         _reap(procs)  # nothing outlives the launch, whatever ended it
+    if fwd.received == signal.SIGINT:  # a Ctrl-C: the command line says "interrupted", 130
+        raise KeyboardInterrupt(f"the {nproc} ranks were stopped too")
     if fwd.received:
         name = signal.Signals(fwd.received).name
         raise AutopartError(f"stopped by {name}: the {nproc} ranks were stopped too")

@@ -27,7 +27,7 @@ from autopart.errors import AutopartError, positive_int, positive_seconds
 from autopart.frontend.capture import batch_fields, check_batch
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
-from autopart.runtime import flex
+from autopart.runtime import dirlock, flex
 from autopart.runtime.launch import rank_setup
 from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.runner import Runner, join_torchrun, make_groups
@@ -326,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
     # torch seeds its generator at random in each process; autopart's dropout takes explicit
     # seeds, but attention dropout inside SDPA draws from this generator
     torch.manual_seed((args.seed * 1_000_003 + rank) % 2**63)
+    # rank 0 holds the checkpoint folder until this run ends (another run there is refused)
+    held = dirlock.claim(args.checkpoint_dir) if rank == 0 and args.checkpoint_dir else None
     try:
         plan.mesh.check_world(world)
         program = load_rank(args.dir, rank, args.library_ops, head)  # plan.json read once
@@ -379,6 +381,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         dist.barrier()  # every rank done with every collective before the groups go away
         dist.destroy_process_group()
+    finally:
+        if held is not None:
+            held.close()
     return 0
 
 

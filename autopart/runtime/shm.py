@@ -40,9 +40,11 @@ caller's timeout with an ``AutopartError`` naming the rank and the action. Every
 ``ALIVE_EVERY_S`` (0.25 s) of waiting it also checks that the peers it waits for still run,
 so a peer that died outside an exchange, which set no flag, is named long before the timeout.
 A peer in this rank's PID namespace is checked by its process id (from its file names): named
-within a second. Any peer is also checked by its heartbeat: each rank's ``BEAT`` field is
-advanced every ``BEAT_S`` by a small daemon thread of its group, and a peer whose beat has not
-moved for ``STALE_S`` is dead wherever it ran. A rank that fails
+within a second, and only by it: a peer whose process exists is alive, also when it is paused
+(SIGSTOP, a debugger) and its heartbeat stands still; it is named at the caller's timeout as
+"has not answered for T s ... (paused or hung ...)". A peer in another PID namespace is
+checked by its heartbeat: each rank's ``BEAT`` field is advanced every ``BEAT_S`` by a small
+daemon thread of its group, and such a peer whose beat has not moved for ``STALE_S`` is dead. A rank that fails
 inside an exchange (a timeout, a full ``/dev/shm``, a size mismatch) sets ``ERR``, so its peers
 fail at once instead of waiting out their timeouts; a peer stopped that way passes the first
 failing rank on in its own ``ERR``, so every rank names that one. A failed group refuses further
@@ -74,7 +76,7 @@ _MIN_CAPACITY = 1 << 20  # bytes per half of a first data file
 SPIN_S = 1e-3  # spin this long before sleeping (when every local rank has a core)
 ALIVE_EVERY_S = 0.25  # while waiting, check this often that the peers' processes still live
 BEAT_S = 0.1  # each rank advances its heartbeat this often
-STALE_S = 10.0  # a peer whose heartbeat has not moved for this long is dead
+STALE_S = 10.0  # a peer in another PID namespace whose heartbeat stood this long is dead
 NAP_S = (20e-6, 5e-4)  # then sleep, doubling from the first to at most the second
 
 
@@ -422,35 +424,52 @@ class ShmGroup:
             if now - checked > ALIVE_EVERY_S:  # a peer killed outside an exchange sets no ERR
                 checked = now
                 for peer, c in peers:
-                    if c[field] >= target:
-                        continue
-                    pid = self.pids.get(peer)
-                    beat, since = beats[peer]
-                    if c[BEAT] != beat:
+                    if c[BEAT] != beats[peer][0]:
                         beats[peer] = (c[BEAT], now)
-                    stale = c[BEAT] == beat and now - since > STALE_S
-                    if (pid is not None and not alive(pid)) or stale:
-                        how = (
-                            f"process {pid}"
-                            if pid is not None
-                            else f"no heartbeat for {now - since:.0f} s"
-                        )
-                        raise AutopartError(
-                            f"rank {self.rank}: rank {self.ranks[peer]} ({how}) died; "
-                            f"noticed {now - start:.2f} s into {what}",
-                            hint=f"rank {self.ranks[peer]}'s log says why it ended",
-                        )
+                    if c[field] < target:
+                        self._check_alive(peer, now - beats[peer][1], now - start, what)
             waited = now - start
             if waited < self.spin_s:
                 os.sched_yield()
                 continue
-            if waited > self.timeout_s:
-                raise AutopartError(
-                    f"rank {self.rank}: timed out after {self.timeout_s:.0f} s in {what}",
-                    hint="a peer rank failed earlier (its own error is in its output), died, or is stuck (shared-memory exchange)",
-                )
+            late = next((peer for peer, c in peers if c[field] < target), None)
+            if waited > self.timeout_s and late is not None:
+                raise self._silent(late, now - beats[late][1], what)
             time.sleep(nap)
             nap = min(2 * nap, longest)
+
+    def _check_alive(self, peer: int, quiet_s: float, waited_s: float, what: str) -> None:
+        """Raise if ``peer``, whose heartbeat has not moved for ``quiet_s``, is dead: by its
+        process where its id means something here (a process that exists but is paused, by
+        SIGSTOP or a debugger, is alive: it is named only at the timeout, by ``_silent``), by
+        its heartbeat (``STALE_S``) where it ran in another PID namespace."""
+        pid = self.pids.get(peer)
+        if pid is not None and alive(pid):
+            return
+        if pid is None and quiet_s <= STALE_S:
+            return
+        how = f"process {pid}" if pid is not None else f"no heartbeat for {quiet_s:.0f} s"
+        raise AutopartError(
+            f"rank {self.rank}: rank {self.ranks[peer]} ({how}) died; "
+            f"noticed {waited_s:.2f} s into {what}",
+            hint=f"rank {self.ranks[peer]}'s log says why it ended",
+        )
+
+    def _silent(self, peer: int, quiet_s: float, what: str) -> AutopartError:
+        """The timeout of a wait for ``peer``, alive but silent: paused or hung."""
+        r, pid = self.ranks[peer], self.pids.get(peer)
+        who = f"rank {r} (process {pid})" if pid is not None else f"rank {r}"
+        if quiet_s > 2 * ALIVE_EVERY_S + BEAT_S:
+            state = f"paused or hung: its heartbeat stopped {quiet_s:.0f} s ago"
+        else:
+            state = "its heartbeat runs: hung elsewhere, or far behind"
+        where = f", or py-spy dump --pid {pid}," if pid is not None else ""
+        return AutopartError(
+            f"rank {self.rank}: {who} has not answered for {self.timeout_s:.0f} s during "
+            f"{what} ({state})",
+            hint=f"rank {r} was paused (SIGSTOP, a debugger) or is stuck; its output{where} "
+            "says where it is; a longer --timeout waits for it (shared-memory exchange)",
+        )
 
     def close(self) -> None:
         """Unlink what is still linked (the files stay mapped by whoever uses them); only in the

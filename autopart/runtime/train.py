@@ -38,7 +38,7 @@ from autopart import collectives
 from autopart.errors import AutopartError
 from autopart.layout import Plan
 from autopart.program.format import load_rank, load_weights, read_head
-from autopart.runtime import checkpoint
+from autopart.runtime import checkpoint, dirlock
 from autopart.runtime.launch import rank_setup
 from autopart.runtime.placement import backend_for, pick_device
 from autopart.runtime.runner import Runner, join_torchrun, make_groups
@@ -162,6 +162,8 @@ def train(manifest: Path) -> int:
     device = pick_device(cfg.train_device or None)
     rank, world = join_torchrun(cfg.train_timeout, backend_for(device))
     torch.manual_seed((cfg.train_seed * 1_000_003 + rank) % 2**63)
+    # rank 0 holds the checkpoint folder until the process ends (another run there is refused)
+    held = dirlock.claim(cfg.checkpoints) if rank == 0 else None
     plan.mesh.check_world(world)
     program = load_rank(folder, rank, cfg.parallel_library_ops, head)  # plan.json read once
     runner = Runner(
@@ -187,6 +189,8 @@ def train(manifest: Path) -> int:
         metrics.close()
     dist.barrier()
     dist.destroy_process_group()
+    if held is not None:
+        held.close()
     return 0
 
 
