@@ -504,6 +504,8 @@ class _Prover:
 
     def _routing_entry(self, n: fx.Node) -> bool:
         v = self.env.get(node_arg(n, 0))
+        if n.target in _PICKS:  # the tokens a per-token mask picks
+            return isinstance(v, Seq) and _ndim(n.args[0]) == 1 and v.dim % 1 == 0
         return isinstance(v, Seq) and v.dim % _ndim(n.args[0]) == _dim_arg(n, 1, -1) % _ndim(
             n.args[0]
         )
@@ -524,6 +526,9 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     if t == aten.sort.default and not routed:
         key = p.env[node_arg(n, 0)]
         return (Routed("rows", n, key), Routed("perm", n, key))
+    if t in _PICKS and not routed:  # the tokens one expert takes (a per-token mask's nonzero)
+        picked = Routed("picked", n, p.env[node_arg(n, 0)])
+        return (picked,) if t == aten.nonzero_numpy.default else picked
     if len({r.key for r in routed}) != 1:
         raise Mixes("token routing of two different sorts combined")
     r0 = routed[0]
@@ -557,8 +562,13 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
     # the batch is in its place, ``rows_mixed``)
     if kinds == {"perm"} and floor and isinstance(k, int) and k > 0 and _strided(r0, k):
         return Routed("token", r0.key, r0.seq, (k,))
+    if kinds == {"picked"} and _picked_view(n):
+        return r0
     if t == aten.index_add.default and _dim_arg(n, 1, 0) == 0 and len(n.args) == 4:
         out, idx, rows = (p.env.get(node_arg(n, i)) for i in (0, 2, 3))
+        picked = isinstance(idx, Routed) and idx.kind == "picked"
+        if picked and _rows(rows) and rows.key is idx.key and _laid_as(out, idx.seq):
+            return idx.seq  # each picked token's row added back to that token
         fresh = node_arg(n, 0).target in (aten.zeros.default, aten.zeros_like.default)
         if fresh and _rows(rows) and isinstance(idx, Routed) and idx.key is rows.key:
             # each sorted row added back where it came from: its token (JetMoE's experts'
@@ -583,6 +593,8 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
             return Routed("rows", idx.key, idx.seq)
         if isinstance(idx, Routed) and idx.kind == "inverse" and _rows(x) and x.key is idx.key:
             return idx.seq
+        if isinstance(idx, Routed) and idx.kind == "picked" and _laid_as(x, idx.seq):
+            return Routed("rows", idx.key, idx.seq)  # the picked tokens' rows
         if _rows(idx) and x is None:  # a table read per row (gpt-oss's per-expert biases)
             return _rows_of(idx)
     if t == aten.histc.default and kinds == {"rows"} and n.args[0] in _sorted_values(r0.key):
@@ -611,6 +623,33 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         f"{_op_name(t)} on tokens reordered by a sort along the sequence, which mixes "
         "positions; the only reordering proven is a routing of tokens to experts that "
         "puts each token back in its place"
+    )
+
+
+def _picked_view(n: fx.Node) -> bool:
+    """The picked tokens' indices reshaped to one dim (``nonzero()[:, 0]``, ``.squeeze(-1)``,
+    ``.view(-1)``)."""
+    val = n.meta.get("val")
+    if not _is_tensor(val) or val.dim() != 1 or len(n.all_input_nodes) != 1:
+        return False
+    if n.target == aten.select.int:
+        return _dim_arg(n, 1, 0) % 2 == 1
+    return n.target in (
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+    )
+
+
+def _laid_as(v: Any, seq: Seq) -> bool:
+    """``v`` holds one row per token laid out as ``seq`` (a constant: any layout)."""
+    return (
+        isinstance(v, Seq)
+        and v.dim == seq.dim
+        and (v.const or (v.inner, v.part, v.block) == (seq.inner, seq.part, seq.block))
     )
 
 
@@ -1017,7 +1056,8 @@ _POINTWISE = frozenset(
         aten.view_as_real.default,
     }
 )
-_ROUTING_ENTRY = frozenset({aten.sort.default})
+_PICKS = frozenset({aten.nonzero.default, aten.nonzero_numpy.default})
+_ROUTING_ENTRY = frozenset({aten.sort.default, *_PICKS})
 
 
 # autopart's collectives and dropout work position by position (tp_gather / tp_scatter_reduce

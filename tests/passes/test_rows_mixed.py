@@ -24,7 +24,10 @@ class _Mixer(nn.Module):
     batch·sequence: an expert's capacity queue), "topk" (tokens chosen over the flattened
     batch·sequence: expert choice), "row-index" (the rows' own ``arange`` added as a value:
     each rank would number its rows from 0), "row-read" (``x[arange(b)]``, each row reading its
-    own: fine), "token-sum" (a sum over the sequence, within each row: fine)."""
+    own: fine), "token-sum" (a sum over the sequence, within each row: fine), "picked" (a
+    mixture of experts dispatching by ``nonzero`` of a per-token mask and adding each token's
+    row back with ``index_add``: per token, fine), "picked-shifted" (added back one token
+    further: another row's)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -48,6 +51,14 @@ class _Mixer(nn.Module):
             x = x[torch.arange(b)] * 2
         elif self.kind == "token-sum":
             x = x + x.sum(1, keepdim=True) * 0.01
+        elif self.kind in ("picked", "picked-shifted"):  # a top-1 mixture of two experts
+            choice = self.mlp(flat).argmax(-1) % 2
+            out = torch.zeros_like(flat)
+            for e in range(2):
+                sel = (choice == e).nonzero(as_tuple=True)[0]
+                to = sel if self.kind == "picked" else (sel + 1) % flat.shape[0]
+                out = out.index_add(0, to, torch.tanh(flat[sel] * (e + 1)))
+            x = out.view_as(x)
         return self.head(torch.tanh(self.mlp(x)))
 
 
@@ -66,6 +77,8 @@ def _found(model: nn.Module, batch) -> list[tuple[str, str]]:
         ("none", None, None),
         ("row-read", None, None),
         ("token-sum", None, None),
+        ("picked", None, None),
+        ("picked-shifted", "add", "reordered by a sort along the batch"),
     ],
 )
 def test_rows_that_mix_are_found_by_node(kind: str, node: str | None, why: str | None) -> None:
