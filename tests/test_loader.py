@@ -792,3 +792,29 @@ def test_a_frozen_parameter_is_recorded_and_checked(tmp_path: Path) -> None:
     edit_json(crafted, "rank00000/program.json", lambda d: d["frozen"].append("nope.weight"))
     with pytest.raises(AutopartError, match=r"frozen = \['nope.weight'\] are not plan.json's"):
         load_rank(crafted, 0)
+
+
+def test_a_tp_program_loads_after_a_bare_import_autopart(tmp_path: Path) -> None:
+    """autopart's collectives (``torch.ops.autopart.tp_reduce``, ...) were registered only by
+    importing ``autopart.collectives``: a valid tp=2 folder loaded in a fresh process after
+    ``import autopart`` was refused as "not a loadable torch.export program". The loader now
+    registers autopart's ops itself."""
+    model, (ids, labels) = nanogpt.make(n_layer=1, n_embd=8, n_head=2, block_size=16)
+    program = parallelize(model, Mesh(tp=2), example_inputs=(ids[:2, :16], labels[:2, :16]))
+    root = program.save(tmp_path / "tp2")
+    assert any(
+        n.target == torch.ops.autopart.tp_reduce.default
+        for n in program.ranks[0].stages[0].graph.graph.nodes
+    )
+    code = (
+        "import sys, autopart\n"
+        "from autopart.program.format import Program, load_rank\n"
+        "p = Program.load(sys.argv[1])\n"
+        "r = load_rank(sys.argv[1], 1)\n"
+        "print(len(p.ranks), r.rank)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "1"]

@@ -39,7 +39,11 @@ from pathlib import Path
 import torch
 from torch import fx
 
-import autopart.scan  # noqa: F401 - registers autopart::linear_scan, which loaded graphs call
+# autopart's ops, which loaded graphs call, registered by whatever loads one (a tp program
+# loaded after a bare ``import autopart`` was refused as "not a loadable torch.export program")
+import autopart.collectives  # noqa: F401 - tp_copy, tp_reduce, ..., vocab_parallel_ce, dropout
+import autopart.deferred  # noqa: F401 - weight_gemm
+import autopart.scan  # noqa: F401 - linear_scan
 from autopart.errors import AutopartError
 from autopart.program.graph_json import NAMESPACES, PYTHON_OPS, allowed, check_model
 from autopart.program.schema import Invalid, parse_json
