@@ -818,3 +818,46 @@ def test_a_tp_program_loads_after_a_bare_import_autopart(tmp_path: Path) -> None
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2", "1"]
+
+
+@pytest.mark.parametrize("how", ["same", "overlap", "larger", "self_overlap"])
+def test_weights_sharing_a_storage_are_refused(saved: Path, tmp_path: Path, how: str) -> None:
+    """A weights.pt whose entries shared one storage (one tensor twice, or views overlapping in
+    a larger one) was accepted, and training then kept them tied though nothing declared a tie
+    (the probe's s_alias). Each tensor must own a storage of exactly its size."""
+    crafted = copy_program(saved, tmp_path)
+    weights = load_weights(saved, 0)
+    a = max(weights, key=lambda n: weights[n].numel())
+    b = next(n for n, t in weights.items() if n != a and 0 < t.numel() < weights[a].numel())
+    if how == "same":
+        a, b = next(
+            (m, n)
+            for m in weights
+            for n in weights
+            if m < n and weights[m].shape == weights[n].shape
+        )
+        weights[b] = weights[a]
+    elif how == "overlap":
+        flat = weights[a].flatten().clone()
+        weights[a] = flat.view(weights[a].shape)
+        weights[b] = flat[1 : 1 + weights[b].numel()].view(weights[b].shape)
+    elif how == "larger":  # one element more, within the bytes a dropped tensor frees
+        del weights[b]
+        weights[a] = torch.cat([weights[a].flatten(), weights[a].flatten()[:1]])[1:].view(
+            weights[a].shape
+        )
+    else:
+        row = weights[a].flatten()[: weights[a].shape[-1]].clone()
+        weights[a] = row.expand(weights[a].shape)  # every row the same bytes
+    torch.save(weights, crafted / "rank00000" / "weights.pt")
+    rehash(crafted)
+    with pytest.raises(AutopartError) as err:
+        load_weights(crafted, 0)
+    msg = err.value.message
+    assert msg.startswith(f"{crafted / 'rank00000' / 'weights.pt'}: ")
+    if how in ("same", "overlap"):
+        assert f"{b} and {a} share one storage" in msg or f"{a} and {b} share one storage" in msg
+    elif how == "larger":
+        assert f"{a} is a view" in msg
+    else:
+        assert a in msg and "own storage" in err.value.hint
