@@ -122,3 +122,100 @@ def test_the_saved_archives_pass_and_a_loaded_graph_calls_only_known_ops(saved: 
     with pytest.raises(AutopartError) as err:
         check_targets(fx.GraphModule(torch.nn.Module(), g), Path("stage0.pt2"))
     assert "calls <built-in function print>" in err.value.message
+
+
+def _with_call(saved: Path, out: Path, target, args: tuple, val) -> Path:
+    """The saved program with ``target(*args)`` inserted first in rank 0's stage graph, written
+    by autopart's own ``Program.save`` (so every archive check passes): what the probe did."""
+    from autopart.program.format import Program
+
+    program = Program.load(saved)
+    gm = program.ranks[0].stages[0].graph
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        node = gm.graph.call_function(target, args)
+    fake = next(
+        n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+    )
+    with fake.fake_mode:
+        node.meta["val"] = val() if callable(val) else val
+    gm.recompile()
+    return program.save(out)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("from_file", "takes the string argument 'filename'"),
+        ("print", "returns nothing"),
+    ],
+)
+def test_an_aten_op_with_side_effects_is_refused_at_load(saved: Path, tmp_path: Path, case):
+    """Any ATen op passed the loader (issue: the probe's aten.from_file read /etc/passwd and
+    created files at the first step); one that returns nothing or takes a string is refused
+    before the graph runs, naming file and node (an op writing an argument cannot be saved:
+    torch.export's verifier refuses it; the rules are tested op by op below)."""
+    kind, why = case
+    victim = tmp_path / "victim"
+    aten = torch.ops.aten
+    target, args, val = {
+        "from_file": (aten.from_file.default, (str(victim), True, 16), None),
+        "print": (aten._print.default, ("HOSTILE",), None),
+    }[kind]
+    if kind == "from_file":
+        val = lambda: torch.empty(16, dtype=torch.float32)  # noqa: E731
+    saved_with = _with_call(saved, tmp_path / "p", target, args, val)
+    with pytest.raises(AutopartError) as err:
+        load_rank(saved_with, 0)
+    msg = err.value.message
+    assert msg.startswith(f"{saved_with / 'rank00000' / 'stage0.pt2'}: node ")
+    assert f"calls {target}, which {why}" in msg and "was not run" in msg
+    assert not victim.exists()
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "mm.default",
+        "einsum.default",
+        "gelu.default",
+        "div.Tensor_mode",
+        "_assert_tensor_metadata.default",
+        "_assert_scalar.default",
+        "sym_constrain_range_for_size.default",
+        "scaled_dot_product_attention.default",
+        "_to_copy.default",
+        "pad.default",
+    ],
+)
+def test_the_aten_ops_programs_use_are_allowed(op: str) -> None:
+    from autopart.program.archive import aten_refusal
+
+    packet, overload = op.split(".")
+    assert aten_refusal(getattr(getattr(torch.ops.aten, packet), overload)) is None
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "from_file.default",
+        "_print.default",
+        "save.default",
+        "manual_seed.default",
+        "set_grad_enabled.default",
+        "warn.default",
+        "copy_.default",
+        "index_put_.default",
+        "add.out",
+        "set.source_Storage",
+        "sparse_coo_tensor.indices",
+        "_nested_view_from_buffer.default",
+        "_cufft_set_plan_cache_max_size.default",
+        "get_autocast_dtype.default",
+    ],
+)
+def test_side_effecting_aten_ops_are_refused(op: str) -> None:
+    from autopart.program.archive import aten_refusal
+
+    packet, overload = op.split(".")
+    assert aten_refusal(getattr(getattr(torch.ops.aten, packet), overload)) is not None

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_loader import rehash
-from torch import nn
+from torch import fx, nn
 
 from autopart import Mesh, parallelize
 from autopart.errors import AutopartError
@@ -248,3 +248,27 @@ def test_a_stage_graph_calling_an_untrusted_namespace_is_refused(
     rehash(folder)
     with pytest.raises(AutopartError, match="no installed distribution provides a package named"):
         load_rank(folder, 0, [LIB, "other"])
+
+
+@pytest.mark.parametrize(
+    "target, args, why",
+    [
+        (torch.ops.aten.from_file.default, ("/etc/passwd", False, 8), "takes the string"),
+        (torch.ops.aten._print.default, ("hi",), "returns nothing"),
+        (torch.ops.aten.copy_.default, (), "writes self in place"),
+    ],
+)
+def test_compile_refuses_an_aten_op_the_loader_refuses(target, args, why) -> None:
+    """Compile applies the loader's rule on ATen ops (archive.aten_refusal) to the captured
+    graph: a program it saved would be refused at load, so it is refused here, naming the
+    node; the ATen ops of a real graph pass (the tests above compile nanoGPT)."""
+    from autopart.lowering.compile import refuse_library_ops
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.call_function(target, args or (x, x))
+    g.output(x)
+    with pytest.raises(AutopartError) as err:
+        refuse_library_ops(fx.GraphModule(nn.Module(), g))
+    assert f"calls {target}, which {why}" in err.value.message
+    assert "docs/security.md" in err.value.message

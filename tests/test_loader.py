@@ -792,3 +792,72 @@ def test_a_frozen_parameter_is_recorded_and_checked(tmp_path: Path) -> None:
     edit_json(crafted, "rank00000/program.json", lambda d: d["frozen"].append("nope.weight"))
     with pytest.raises(AutopartError, match=r"frozen = \['nope.weight'\] are not plan.json's"):
         load_rank(crafted, 0)
+
+
+def test_a_tp_program_loads_after_a_bare_import_autopart(tmp_path: Path) -> None:
+    """autopart's collectives (``torch.ops.autopart.tp_reduce``, ...) were registered only by
+    importing ``autopart.collectives``: a valid tp=2 folder loaded in a fresh process after
+    ``import autopart`` was refused as "not a loadable torch.export program". The loader now
+    registers autopart's ops itself."""
+    model, (ids, labels) = nanogpt.make(n_layer=1, n_embd=8, n_head=2, block_size=16)
+    program = parallelize(model, Mesh(tp=2), example_inputs=(ids[:2, :16], labels[:2, :16]))
+    root = program.save(tmp_path / "tp2")
+    assert any(
+        n.target == torch.ops.autopart.tp_reduce.default
+        for n in program.ranks[0].stages[0].graph.graph.nodes
+    )
+    code = (
+        "import sys, autopart\n"
+        "from autopart.program.format import Program, load_rank\n"
+        "p = Program.load(sys.argv[1])\n"
+        "r = load_rank(sys.argv[1], 1)\n"
+        "print(len(p.ranks), r.rank)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "1"]
+
+
+@pytest.mark.parametrize("how", ["same", "overlap", "larger", "self_overlap"])
+def test_weights_sharing_a_storage_are_refused(saved: Path, tmp_path: Path, how: str) -> None:
+    """A weights.pt whose entries shared one storage (one tensor twice, or views overlapping in
+    a larger one) was accepted, and training then kept them tied though nothing declared a tie
+    (the probe's s_alias). Each tensor must own a storage of exactly its size."""
+    crafted = copy_program(saved, tmp_path)
+    weights = load_weights(saved, 0)
+    a = max(weights, key=lambda n: weights[n].numel())
+    b = next(n for n, t in weights.items() if n != a and 0 < t.numel() < weights[a].numel())
+    if how == "same":
+        a, b = next(
+            (m, n)
+            for m in weights
+            for n in weights
+            if m < n and weights[m].shape == weights[n].shape
+        )
+        weights[b] = weights[a]
+    elif how == "overlap":
+        flat = weights[a].flatten().clone()
+        weights[a] = flat.view(weights[a].shape)
+        weights[b] = flat[1 : 1 + weights[b].numel()].view(weights[b].shape)
+    elif how == "larger":  # one element more, within the bytes a dropped tensor frees
+        del weights[b]
+        weights[a] = torch.cat([weights[a].flatten(), weights[a].flatten()[:1]])[1:].view(
+            weights[a].shape
+        )
+    else:
+        row = weights[a].flatten()[: weights[a].shape[-1]].clone()
+        weights[a] = row.expand(weights[a].shape)  # every row the same bytes
+    torch.save(weights, crafted / "rank00000" / "weights.pt")
+    rehash(crafted)
+    with pytest.raises(AutopartError) as err:
+        load_weights(crafted, 0)
+    msg = err.value.message
+    assert msg.startswith(f"{crafted / 'rank00000' / 'weights.pt'}: ")
+    if how in ("same", "overlap"):
+        assert f"{b} and {a} share one storage" in msg or f"{a} and {b} share one storage" in msg
+    elif how == "larger":
+        assert f"{a} is a view" in msg
+    else:
+        assert a in msg and "own storage" in err.value.hint

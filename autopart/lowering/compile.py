@@ -63,7 +63,7 @@ from autopart.passes.data_parallel import buckets
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import rows_mixed
 from autopart.program import libraries
-from autopart.program.archive import allowed_call
+from autopart.program.archive import allowed_call, aten_refusal
 from autopart.program.format import PassRecord, Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths
@@ -195,16 +195,31 @@ def refuse_library_ops(gm: fx.GraphModule, trusted: Sequence[str] = ()) -> set[s
     namespaces in ``trusted`` (``Plan.library_ops``) and Python operators on sizes: a library's
     custom op (``torch.ops.transformers.*``) that capture could not decompose to ATen and the
     user did not opt in to. A saved program calling it would be refused at load (loading it
-    could run the library's code), and the passes have no rule for it. Returns the trusted
-    namespaces the graph calls."""
+    could run the library's code), and the passes have no rule for it. An ATen op is refused
+    by the loader's own rule (``archive.aten_refusal``: no op that writes an argument, returns
+    nothing, reads a string or touches global state). Returns the trusted namespaces the graph
+    calls."""
     namespaces = (*BUILTIN, *trusted)
     used = set()
     for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr") or allowed_call(n, namespaces):
-            if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in trusted:
-                used.add(n.target.namespace)
+        if n.op in ("placeholder", "output", "get_attr"):
             continue
         op = n.target
+        if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
+            why = aten_refusal(op)
+            if why is None:
+                continue
+            raise AutopartError(
+                f"node {n.name} ({n.meta.get(META_MODULE) or '<root>'}) calls {op}, which {why}; "
+                "a saved program may call only ATen ops without side effects (a folder calling "
+                "it would be refused at load: docs/security.md)",
+                hint="compute this without the op (its result with a pure op), or move the "
+                "side effect out of the model's forward",
+            )
+        if allowed_call(n, namespaces):
+            if isinstance(op, torch._ops.OpOverload) and op.namespace in trusted:
+                used.add(op.namespace)
+            continue
         name = op.name() if isinstance(op, torch._ops.OpOverload) else getattr(op, "__name__", op)
         space = getattr(op, "namespace", None) or getattr(op, "__module__", "?")
         raise AutopartError(

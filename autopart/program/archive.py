@@ -39,7 +39,11 @@ from pathlib import Path
 import torch
 from torch import fx
 
-import autopart.scan  # noqa: F401 - registers autopart::linear_scan, which loaded graphs call
+# autopart's ops, which loaded graphs call, registered by whatever loads one (a tp program
+# loaded after a bare ``import autopart`` was refused as "not a loadable torch.export program")
+import autopart.collectives  # noqa: F401 - tp_copy, tp_reduce, ..., vocab_parallel_ce, dropout
+import autopart.deferred  # noqa: F401 - weight_gemm
+import autopart.scan  # noqa: F401 - linear_scan
 from autopart.errors import AutopartError
 from autopart.program.graph_json import NAMESPACES, PYTHON_OPS, allowed, check_model
 from autopart.program.schema import Invalid, parse_json
@@ -239,37 +243,121 @@ def check_weights(data: bytes, path: Path, max_tensor_bytes: int, max_tensors: i
         )
 
 
-def allowed_call(n: fx.Node, namespaces: Sequence[str] = NAMESPACES) -> bool:
-    """``n`` calls an op of ``namespaces`` (ATen and autopart's by default) or a Python
-    operator on sizes (what a saved stage graph may call; ``compile_program`` refuses anything
-    else before it saves one)."""
+# ATen ops that return nothing yet are legitimate in a stage graph: export's checks on sizes
+# and metadata (they compute nothing, and fail the step if the check fails)
+ATEN_CHECKS = frozenset(
+    {
+        "_assert_tensor_metadata",
+        "_assert_scalar",
+        "_assert_async",
+        "sym_constrain_range",
+        "sym_constrain_range_for_size",
+    }
+)
+# (op, argument): the string arguments of ATen ops that only pick a mode of a pure computation;
+# any other string (aten.from_file's filename, the string ops of TorchScript) is refused
+ATEN_STRINGS = frozenset(
+    {
+        ("einsum", "equation"),
+        ("gelu", "approximate"),
+        ("gelu_backward", "approximate"),
+        ("div", "rounding_mode"),
+        ("divide", "rounding_mode"),
+        ("pad", "mode"),
+        ("scatter", "reduce"),
+        ("scatter_reduce", "reduce"),
+        ("index_reduce", "reduce"),
+        ("searchsorted", "side"),
+        ("meshgrid", "indexing"),
+        ("_assert_scalar", "assert_msg"),
+        ("_assert_async", "assert_msg"),
+        ("_functional_assert_scalar", "assert_msg"),
+        ("_functional_assert_async", "assert_msg"),
+    }
+)
+# ATen ops that pass the rules above yet touch global state or memory that no tensor argument
+# bounds: sparse and nested layouts (aten does not check their indices by default, so a
+# densified one writes where its indices say), a raw storage (set), futures, moving to a GPU
+# by name, process-wide caches, test ops
+ATEN_DENIED = re.compile(r"sparse|nested|_cufft|cudnn_init|^_test_|^set$|^wait$|^cuda$")
+_STRING = re.compile(r"\bstr\b")
+
+
+def aten_refusal(op: torch._ops.OpOverload) -> str | None:
+    """Why the ATen op ``op`` may not run in a loaded program, or None when it may: it writes
+    none of its arguments (no mutable alias annotation), returns a value (but for the checks
+    of ``ATEN_CHECKS``), takes no string but a mode of ``ATEN_STRINGS`` and is not one of
+    ``ATEN_DENIED`` (docs/security.md). Every op autopart's stage graphs call passes."""
+    schema = op._schema
+    name = op._opname
+    if schema.is_mutable:
+        written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+        return f"writes {', '.join(written) or 'an argument'} in place"
+    if not schema.returns and name not in ATEN_CHECKS:
+        return "returns nothing (an op run for a side effect: printing, saving, seeding)"
+    for a in schema.arguments:
+        if _STRING.search(str(a.type)) and (name, a.name) not in ATEN_STRINGS:
+            return f"takes the string argument {a.name!r} (a file name or code to interpret)"
+    if ATEN_DENIED.search(name):
+        return "touches global state or raw memory (sparse, nested, storage or cache ops)"
+    return None
+
+
+def call_refusal(n: fx.Node, namespaces: Sequence[str] = NAMESPACES) -> str | None:
+    """Why ``n`` may not be in a saved stage graph, or None when it may: it calls an op of
+    ``namespaces`` (ATen and autopart's by default; an ATen op only if ``aten_refusal`` passes
+    it) or a Python operator on sizes. ``compile_program`` refuses the same calls in a captured
+    graph (``refuse_library_ops``) before it saves one, and the loader after torch read it."""
     target = n.target
-    return n.op == "call_function" and (
-        (isinstance(target, torch._ops.OpOverload) and target.namespace in namespaces)
-        or target in _PY_CALLABLES
-    )
+    if n.op != "call_function":
+        return f"is a {n.op} node, which a stage graph autopart wrote never holds"
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace not in namespaces:
+            return (
+                f"calls an op of the namespace {target.namespace!r}, which this load does not trust"
+            )
+        if target.namespace == "aten":
+            why = aten_refusal(target)
+            return None if why is None else f"calls {target}, which {why}"
+        return None
+    if target in _PY_CALLABLES:
+        return None
+    return f"calls {target!r}, which is no ATen op, autopart op or Python operator on sizes"
+
+
+def allowed_call(n: fx.Node, namespaces: Sequence[str] = NAMESPACES) -> bool:
+    """``n`` may be in a saved stage graph (``call_refusal`` finds nothing against it)."""
+    return call_refusal(n, namespaces) is None
 
 
 def check_targets(
     graph: fx.GraphModule, where: Path, namespaces: Sequence[str] = NAMESPACES
 ) -> None:
-    """Every call in a loaded stage graph is an op of ``namespaces`` or a Python size op."""
+    """Every call in a loaded stage graph passes ``call_refusal``: an op of ``namespaces`` (an
+    ATen op without side effects) or a Python size op."""
     for n in graph.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        target = n.target
-        if not allowed_call(n, namespaces):
+        why = call_refusal(n, namespaces)
+        if why is not None:
             raise AutopartError(
-                f"{where}: node {n.name} calls {target!r} ({n.op}), which a "
-                "stage graph autopart wrote never does; it was not run",
-                hint="re-save the program with Program.save()",
+                f"{where}: node {n.name} {why}; a stage graph autopart wrote never does, and "
+                "the program was not run",
+                hint="re-save the program with Program.save() from a model autopart compiled; "
+                "a folder holding this was not written by autopart (keep program folders where "
+                "only you can write)",
             )
 
 
 __all__ = [
     "PT2_MEMBERS",
     "allowed",
+    "ATEN_CHECKS",
+    "ATEN_DENIED",
+    "ATEN_STRINGS",
     "allowed_call",
+    "aten_refusal",
+    "call_refusal",
     "check_pt2",
     "check_targets",
     "check_weights",

@@ -791,4 +791,33 @@ def load_weights(
                 f"{path}: {name} is {got}, but the program needs {list(want[0])} {want[1]}",
                 hint=_RESAVE,
             )
+    _check_own_storage(weights, path)
     return weights
+
+
+def _check_own_storage(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Every tensor of a ``weights.pt`` in a storage of its own, exactly its size, its
+    elements distinct: ``Program.save`` writes clones. Two entries sharing bytes (or views into
+    one larger storage) would train as one tied tensor that the program does not declare."""
+    owners: dict[int, str] = {}
+    for name, t in weights.items():
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() in owners:
+            raise AutopartError(
+                f"{path}: {name} and {owners[storage.data_ptr()]} share one storage (training "
+                "would tie them, which the program does not declare); they were not loaded",
+                hint=_RESAVE + " (it saves each tensor in its own storage)",
+            )
+        owners[storage.data_ptr()] = name
+        need = t.numel() * t.element_size()
+        if (
+            t.storage_offset()
+            or storage.nbytes() != need
+            or (t.numel() and not torch.ops.aten.is_non_overlapping_and_dense(t))
+        ):
+            raise AutopartError(
+                f"{path}: {name} is a view (offset {t.storage_offset()}, strides "
+                f"{list(t.stride())}) into a storage of {storage.nbytes():,} bytes, not a tensor "
+                f"of its own {need:,} bytes; it was not loaded",
+                hint=_RESAVE + " (it saves each tensor in its own storage)",
+            )
