@@ -566,8 +566,13 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         return r0
     if t == aten.index_add.default and _dim_arg(n, 1, 0) == 0 and len(n.args) == 4:
         out, idx, rows = (p.env.get(node_arg(n, i)) for i in (0, 2, 3))
-        picked = isinstance(idx, Routed) and idx.kind == "picked"
-        if picked and _rows(rows) and rows.key is idx.key and _laid_as(out, idx.seq):
+        if (
+            isinstance(idx, Routed)
+            and idx.kind == "picked"
+            and _rows(rows)
+            and rows.key is idx.key
+            and _laid_as(out, idx.seq)
+        ):
             return idx.seq  # each picked token's row added back to that token
         fresh = node_arg(n, 0).target in (aten.zeros.default, aten.zeros_like.default)
         if fresh and _rows(rows) and isinstance(idx, Routed) and idx.key is rows.key:
@@ -620,9 +625,9 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
         if _rows(p.env.get(x)) and p.env.get(w) is None and p.env[offs].kind == "offsets":
             return _rows_of(r0)
     raise Mixes(
-        f"{_op_name(t)} on tokens reordered by a sort along the sequence, which mixes "
-        "positions; the only reordering proven is a routing of tokens to experts that "
-        "puts each token back in its place"
+        f"{_op_name(t)} on tokens reordered by a routing (a sort or a nonzero) along the "
+        "sequence, which mixes positions; the only reordering proven is a routing of tokens to "
+        "experts that puts each token back in its place"
     )
 
 

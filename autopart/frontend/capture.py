@@ -374,6 +374,7 @@ def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captu
     name and become data inputs of the graph; the model's ``forward`` must take them."""
     fields = batch_fields(check_batch(example_inputs))
     accepts(model, [k for k in fields if k in OPTIONAL])
+    _refuse_backward_hooks(model)
     input_ids = fields["input_ids"]
     device = next((p.device for p in model.parameters()), input_ids.device)
     # on the model's device (CPU tokens, a meta model), and each its own tensor: export guards
@@ -788,6 +789,23 @@ def _feeds(gm: fx.GraphModule, captured: Captured, batch: dict[str, torch.Tensor
         else:
             out.append(captured.buffers[ref.name])
     return out
+
+
+def _refuse_backward_hooks(model: nn.Module) -> None:
+    """Refuse a module with backward hooks (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``): torch.export traces the forward only, so the
+    program's backward would run without them (a hook scaling a block's gradient was dropped
+    without a word: weights 9× off). Forward hooks are traced into the graph and kept."""
+    for name, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            raise AutopartError(
+                f"module {name or '<root>'} ({type(m).__name__}) has a backward hook: "
+                "torch.export captures the forward only, so the compiled program's backward "
+                "would not run it",
+                hint="remove the backward hook before parallelize: autopart trains the "
+                "gradients of the forward as captured (change gradients after runner.step(), "
+                "before the optimizer, instead)",
+            )
 
 
 def accepts(model: nn.Module, names: list[str]) -> None:

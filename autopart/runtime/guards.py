@@ -42,7 +42,7 @@ import sys
 import types
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -360,6 +360,57 @@ def check_layout(model: nn.Module, layout: list[tuple[str, int, torch.dtype]], c
         hint="make such changes before parallelize(model, mesh) (or call parallelize again "
         "after them); for precision, pass precision='bf16' to parallelize",
     )
+
+
+def module_hooks(model: nn.Module) -> list[tuple[str, int, int]]:
+    """(module name, forward hooks, forward pre-hooks) of every module with any."""
+    return [
+        (name, len(m._forward_hooks), len(m._forward_pre_hooks))
+        for name, m in model.named_modules()
+        if m._forward_hooks or m._forward_pre_hooks
+    ]
+
+
+def check_hooks(model: nn.Module, hooks: list[tuple[str, int, int]], call: str) -> None:
+    """Refuse ``call`` once a forward hook was added to (or removed from) a module after
+    ``parallelize``: the program was captured with the hooks there were (export traced them
+    into the graph), so a later one would never run (a hook scaling a block's output was
+    dropped without a word: weights 97 % off)."""
+    now = module_hooks(model)
+    if now == hooks:
+        return
+    name = next(
+        (a[0] for a, b in zip([*now, ("", 0, 0)], [*hooks, ("", 0, 0)], strict=False) if a != b),
+        "?",
+    )
+    raise AutopartError(
+        f"runner.{call}(): the forward hooks of module {name or '<root>'} changed after "
+        "parallelize; the program was captured with the hooks the model had then (they are in "
+        "its graph), so the change would not reach it",
+        hint="register forward hooks before parallelize(model, mesh), or call parallelize "
+        "again after changing them",
+    )
+
+
+def check_grad_hooks(params: Mapping[str, torch.Tensor], plan: Any, call: str) -> None:
+    """Refuse ``call`` when a parameter the runner trains carries a post-accumulate-grad hook
+    (an optimizer step in backward) and the plan accumulates its gradient over several
+    backward passes (micro-batches, sequence chunks) or reduces it afterwards (dp): the hook
+    fired on each partial gradient (112 calls for 56 steps, weights 100 % off)."""
+    several = plan.mesh.dp > 1 or plan.microbatches > 1 or plan.seq_chunks > 1
+    if not several:
+        return
+    for name, p in params.items():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            raise AutopartError(
+                f"runner.{call}(): parameter {name} has a post-accumulate-grad hook (an "
+                "optimizer step in backward), but this plan's gradient is accumulated over "
+                f"several backward passes (dp={plan.mesh.dp}, {plan.microbatches} "
+                f"micro-batches, {plan.seq_chunks} sequence chunks) and reduced after them: "
+                "the hook would fire on partial gradients",
+                hint="step the optimizer after runner.step() instead (the gradients are then "
+                "whole and reduced)",
+            )
 
 
 def check_frozen(model: nn.Module, frozen: frozenset[str]) -> None:

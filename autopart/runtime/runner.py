@@ -48,12 +48,15 @@ from autopart.runtime.guards import (
     Parameters,
     StepLoss,
     check_frozen,
+    check_grad_hooks,
+    check_hooks,
     check_layout,
     check_step_context,
     check_untouched,
     follow_module,
     guard_optimizer_state,
     guard_optimizers,
+    module_hooks,
     module_layout,
     original_state_dict,
     sharded_reason,
@@ -316,6 +319,7 @@ class Runner:
         # when the two last agreed: a change in place to one is refused (``guards.check_untouched``)
         self._module_params: list[tuple[str, nn.Parameter]] = []
         self._module_layout: list[tuple[str, int, torch.dtype]] = []
+        self._module_hooks: list[tuple[str, int, int]] = []
         self._module_versions: list[int] = []
         # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
         self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
@@ -488,6 +492,7 @@ class Runner:
             mine = {id(p) for p in self.params.values()}
             self._module_params = [(n, p) for n, p in model.named_parameters() if id(p) not in mine]
             self._module_layout = module_layout(model)
+            self._module_hooks = module_hooks(model)
         self._module_versions = [p._version for _, p in self._module_params]
 
     def mark_moved(self) -> None:
@@ -515,6 +520,9 @@ class Runner:
         if model is not None:
             check_untouched(self._module_params, self._module_versions, call)
             check_layout(model, self._module_layout, call)
+            check_hooks(model, self._module_hooks, call)
+        if needs_grad:
+            check_grad_hooks(self.params, self.plan, call)
         if model is not None and needs_grad:
             check_frozen(model, self._module_frozen)
         if model is not None and model.training != self.training:
@@ -986,8 +994,8 @@ class Runner:
         if (
             num_tokens is None
             and not self._warned_sum
-            and any(g is not None for g in kept.values())
-        ):
+            and any(g is not None and bool(g.count_nonzero()) for g in kept.values())
+        ):  # (zeroed with set_to_none=False: nothing is added to)
             self._warned_sum = True  # once per runner (every rank takes this path alike)
             if self.rank == 0:
                 warnings.warn(

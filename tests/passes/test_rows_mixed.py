@@ -78,7 +78,7 @@ def _found(model: nn.Module, batch) -> list[tuple[str, str]]:
         ("row-read", None, None),
         ("token-sum", None, None),
         ("picked", None, None),
-        ("picked-shifted", "add", "reordered by a sort along the batch"),
+        ("picked-shifted", "add", "reordered by a routing"),
     ],
 )
 def test_rows_that_mix_are_found_by_node(kind: str, node: str | None, why: str | None) -> None:

@@ -86,7 +86,12 @@ def test_experts_chunk_exactly(kind: str, positions: str) -> None:
 @pytest.mark.parametrize(
     ("kind", "positions", "node", "why"),
     [
-        ("shuffled", "arange", "cat", "on tokens reordered by a sort along the sequence"),
+        (
+            "shuffled",
+            "arange",
+            "cat",
+            "on tokens reordered by a routing (a sort or a nonzero) along the",
+        ),
         ("folded", "arange", "view", "a view that cuts the sequence across dims"),
         ("tiled", "arange", "repeat", "a repeat along the sequence"),
     ],
