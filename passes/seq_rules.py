@@ -917,6 +917,7 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
     aten.cummin.default: _scan("cummin"),
     aten.logcumsumexp.default: _scan("logcumsumexp"),
     aten.diff.default: _scan("diff"),
+    aten.outer.default: _nothing,  # a[:, None] · b[None, :]: each output dim one operand's
     # pools and resampling over the trailing spatial dims (1d: the last; 2d: the last two)
     **dict.fromkeys(
         (
@@ -1205,12 +1206,16 @@ def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
         return _position_slice(n, gm) is not None
     if n.target == aten.arange.default:
         start: object = 0
-    elif n.target == aten.arange.start:
-        start = n.args[0]
+    elif n.target == aten.arange.start or (
+        n.target == aten.arange.start_step and len(n.args) > 2 and n.args[2] == 1
+    ):
+        start = n.args[0]  # arange(c, s + c): the positions plus c (log-n scaling's 1 … s)
     else:
         return False
     val = n.meta.get("val")
-    if start != 0 or val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
+    if not isinstance(start, int) or isinstance(start, bool):
+        return False
+    if val is None or val.dim() != 1 or not isinstance(val.shape[0], torch.SymInt):
         return False
     expr = val.shape[0].node.expr
     return gm.meta.get(META_SYMBOLS, {}).get(expr) == S
@@ -2264,6 +2269,8 @@ _ROW_INDEX_SHAPES = frozenset(
 
 def _rows_arange(p: _Prover, n: fx.Node) -> Any:
     v = _arange(p, n)
+    if isinstance(v, Seq) and n.target != aten.arange.default and n.args[0] != 0:
+        raise Mixes("an arange over the batch size from another start than 0")
     return RowIndex(0) if isinstance(v, Seq) else v
 
 

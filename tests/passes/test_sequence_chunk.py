@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_canonicalize_attention import _Masked
-from torch import fx
+from torch import fx, nn
 from torch.nn.attention.bias import causal_lower_right
 
 from autopart import Mesh, parallelize
@@ -469,3 +469,47 @@ def test_a_convolution_carry_saves_and_loads(tmp_path) -> None:
     assert st.graph.meta[META_KV_SHAPES] == [["b", 1, 0, 16], ["b", 1, 0, 16], ["b", 16, 0]]
     assert [r.kind for r in st.inputs].count("kv") == 3
     assert st.graph.code == prog.rank(0).stages[0].graph.code
+
+
+class _LogScaled(nn.Module):
+    """Attention whose queries are scaled by log(n) of their 1-based position (``arange(1, s +
+    1)``, log-n scaling) and rotated by angles from ``torch.outer(arange(s), inv_freq)``;
+    ``start=2`` numbers the queries from 2 … s + 1 with ``arange(2, s + 2)``, also positions plus
+    a constant, and ``start="slice"`` reads ``arange(s + 1)[1:]``: not a rule's positions."""
+
+    def __init__(self, start: int | str = 1) -> None:
+        super().__init__()
+        self.start = start
+        self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
+        self.register_buffer("inv_freq", 1.0 / 100 ** (torch.arange(0, 8, 2).double() / 8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        angles = torch.outer(torch.arange(s, dtype=torch.float64), self.inv_freq)
+        cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            half = torch.cat([-x[..., 4:], x[..., :4]], -1)
+            return x * cos + half * sin
+
+        if self.start == "slice":
+            n = torch.arange(s + 1, dtype=torch.float64)[1:]
+        else:
+            n = torch.arange(self.start, s + self.start, dtype=torch.float64)
+        q = rotate(q) * torch.log(n + 1)[:, None]
+        y = F.scaled_dot_product_attention(q, rotate(k), v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+
+def test_positions_plus_a_constant_and_an_outer_product_chunk_exactly() -> None:
+    """``arange(1, s + 1)`` was refused as "an arange … other than the positions 0 … s − 1"
+    and ``torch.outer`` as an op with no sequence rule (the eighteenth session's model probe);
+    both are positions (shifted by the chunk's offset like ``arange(s)``) and chunk exactly.
+    An arange of one more token sliced from 1 is not a rule's positions and stays refused."""
+    ids = torch.randint(1, 50, (2, 16))
+    for start in (1, 2):
+        _chunked_exactly(_LogScaled(start), ids, ((6, 10), (1, 7, 8)))
+    captured = capture(_LogScaled("slice").double(), (ids, ids))
+    with pytest.raises(AutopartError, match="cannot chunk"):
+        parallelize(captured, None, plan=Plan(Mesh(), schedule="seq1f1b", seq_chunks=2))
