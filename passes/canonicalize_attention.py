@@ -116,6 +116,7 @@ def canonicalize_attention(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     changed = proven = False
     proofs = Proofs(proof_length(gm, plan), gm.meta.get(META_PROOFS, {}))
     if every_form:
+        changed |= _scalar_factors(gm)
         changed |= _written_softmaxes(gm)
         changed |= _key_transposes(gm)
         if _sink_scales(gm):
@@ -167,6 +168,36 @@ def _key_transposes(gm: fx.GraphModule) -> bool:
         t.meta["val"] = k.meta["val"].transpose(-2, -1)
         n.replace_input_with(kt, t)
         changed = True
+    return changed
+
+
+def _scalar_factors(gm: fx.GraphModule) -> bool:
+    """Write scores scaled by one number computed from parameters (a learned temperature,
+    ``(q @ kᵀ) * self.temp``) as the product of the scaled queries, ``(q * temp) @ kᵀ``: the
+    same values (up to rounding), with a factor the forms below need not read (they refuse a
+    score function that reads a parameter). Only for a product with no other reader."""
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(n.args) != 2:
+            continue
+        product, factor = n.args
+        if not isinstance(product, fx.Node) or not isinstance(factor, fx.Node):
+            continue
+        val = factor.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() != 1 or _values_read(factor):
+            continue
+        if not _is_product(product) or len(product.users) != 1 or not _over_keys(gm, product):
+            continue
+        q = node_arg(product, 0)
+        with gm.graph.inserting_before(product):
+            scaled = gm.graph.call_function(n.target, (q, factor))
+        scaled.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        product.replace_input_with(q, scaled)
+        n.replace_all_uses_with(product)
+        gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        propagate(gm)
     return changed
 
 

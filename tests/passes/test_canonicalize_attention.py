@@ -303,3 +303,39 @@ def _written_model() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 def test_a_softmax_written_by_hand_chunks_at_one_devices_gradients() -> None:
     report = verify(_written_model, schedule="seq1f1b", seq_chunks=3, via="fork", timeout_s=120)
     assert report.ok, str(report)
+
+
+class _Tempered(nn.Module):
+    """Scores times a learned temperature: one number, or one per key position."""
+
+    def __init__(self, per_key: bool) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(50, 16), nn.Linear(16, 48), nn.Linear(16, 50)
+        self.temp = nn.Parameter(torch.full((24,) if per_key else (), 0.3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = (
+            (q @ k.transpose(-2, -1)) * self.temp[:s]
+            if self.temp.dim()
+            else (q @ k.transpose(-2, -1)) * self.temp
+        )
+        x = x.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out((x.softmax(-1) @ v).transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+def test_a_learned_temperature_moves_onto_the_queries(per_key: bool) -> None:
+    """``(q @ kᵀ) * self.temp``, one learned number, was refused under Seq1F1B ("reads the
+    param temp", the eighteenth session's model probe); it is ``(q * temp) @ kᵀ``, and the
+    attention is recognized with the same values. One temperature per key position is not
+    one number and stays unrecognized."""
+    ids = torch.randint(1, 50, (2, 24))
+    captured = capture(_Tempered(per_key).double(), (ids, ids))
+    gm = _run(captured)
+    marks = [n.meta.get(META_ATTENTION) for n in gm.graph.nodes if META_ATTENTION in n.meta]
+    assert (marks == ["causal"]) != per_key, marks
+    (before,) = captured.graph(*feed(captured, (ids, ids)))
+    (after,) = gm(*feed(captured, (ids, ids)))
+    assert torch.allclose(after, before, rtol=1e-12, atol=0)
