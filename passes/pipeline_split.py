@@ -49,6 +49,16 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     units, order = block_units(gm)
     n_units = max(units.values()) + 1
+    if n_units - 2 == 0:
+        raise AutopartError(
+            f"pp({plan.mesh.pp}) * virtual_stages({plan.virtual_stages}) = {stages} stages, but "
+            "the model has no transformer blocks to cut between: the pipeline cuts between "
+            "modules whose path holds a layer index (transformer.h.3, model.layers.0), and no "
+            "module here has one (one block applied several times with shared weights, or "
+            "blocks that are not in a ModuleList / Sequential)",
+            hint="keep the blocks in an nn.ModuleList, each with its own weights, to pipeline "
+            "them; a model that reuses one block trains with dp and tp (pp=1)",
+        )
     if stages > n_units - 2:
         raise AutopartError(
             f"pp({plan.mesh.pp}) * virtual_stages({plan.virtual_stages}) = {stages} stages, but the "

@@ -182,6 +182,7 @@ def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
         if not any(m in sp.columns for m in members):
             continue
         problems = [m for m in members if m in sp.problems]
+        uneven = [m for m in members if _uneven_split(sp, m)]
         if problems:
             p = problems[0]
             bad.append(
@@ -189,6 +190,16 @@ def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
             )
         elif not any(m in sp.rows for m in members):
             bad.append((members, "its split output never reaches a row matmul"))
+        elif uneven:  # a fused projection of unequal parts (GQA's q | k | v)
+            u = uneven[0]
+            sizes = sorted({int(v.shape[sp.dims[node_arg(u, 0)]]) for v in u.meta["val"]})
+            bad.append(
+                (
+                    members,
+                    f"{u.name} ({u.meta.get(META_MODULE) or '<root>'}) cuts a fused projection "
+                    f"into parts of unequal widths {sizes}, which a split by columns would mix",
+                )
+            )
         else:
             regions[key] = members
             for m in members:
@@ -204,6 +215,16 @@ def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
                 if all(members is not regions[key] for members, _ in bad):
                     bad.append((regions[key], why))
     return bad
+
+
+def _uneven_split(sp, n: fx.Node) -> bool:
+    """``n`` cuts a split value along its split dim into parts of unequal sizes."""
+    if n.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        return False
+    src = node_arg(n, 0)
+    if src not in sp.dims or int_arg(n, 2, "dim", 0) % tensor_of(src).dim() != sp.dims[src]:
+        return False
+    return len({tuple(v.shape)[sp.dims[src]] for v in n.meta["val"]}) > 1
 
 
 def _check_divisible(sp, tp: int) -> None:

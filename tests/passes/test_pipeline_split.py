@@ -152,6 +152,34 @@ def test_more_stages_than_blocks_is_refused(gpt_sdpa: Case) -> None:
     assert "lower pp or virtual_stages" in err.value.hint
 
 
+class _Shared(torch.nn.Module):
+    """One block applied three times (ALBERT's shared weights): no module has a layer index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.norm, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for _ in range(3):
+            x = x + torch.tanh(self.fc(self.norm(x)))
+        return self.head(x)
+
+
+def test_a_model_with_no_blocks_to_cut_between_is_refused_saying_why() -> None:
+    """It was refused as "the model has 0 transformer blocks" with the hint to lower pp
+    (the eighteenth session's model probe): the message now says what the pipeline cuts
+    between and why this model has none."""
+    ids = torch.randint(0, 50, (2, 12))
+    captured = capture(_Shared().double(), (ids, ids))
+    with pytest.raises(AutopartError) as err:
+        compile_program(captured, Plan(Mesh(pp=2)))
+    assert "no transformer blocks to cut between" in err.value.message
+    assert "one block applied several times" in err.value.message
+    assert "nn.ModuleList" in err.value.hint
+
+
 def test_memory_limit_moves_the_cut() -> None:
     cost = [1.0, 4.0, 4.0, 4.0, 4.0, 1.0]
     memory = [(0.0, 0.0), (10.0, 1.0), (10.0, 1.0), (10.0, 1.0), (100.0, 1.0), (0.0, 0.0)]

@@ -366,6 +366,49 @@ def test_unprovable_region_falls_back_to_replicated(op: str, caplog) -> None:
     assert torch.isfinite(run_local(case, gm, 2))
 
 
+class UnevenQKV(nn.Module):
+    """Grouped-query attention with one fused projection cut into q | k | v of unequal widths
+    (4 query heads, 2 KV heads of 8): ``qkv(x).split([32, 16, 16])``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(32, 64), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split([32, 16, 16], -1)
+        q = q.view(b, s, 4, 8).transpose(1, 2)
+        k, v = (
+            t.view(b, s, 2, 8).transpose(1, 2)[:, :, None].expand(b, 2, 2, s, 8).reshape(b, 4, s, 8)
+            for t in (k, v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_a_fused_projection_of_unequal_parts_stays_replicated(caplog) -> None:
+    """It refused the whole plan ("splits a tp-split tensor into unequal parts [16, 32]",
+    naming no node: the eighteenth session's model probe); now its region stays replicated,
+    named with the widths, and the MLPs are still split."""
+
+    def make():
+        model, batch = nanogpt.make()
+        for block in model.transformer.h:
+            block.attn = UnevenQKV()
+        return model, batch
+
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(_case(make), 2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "(transformer.h.0.attn.qkv) replicated" in w and "unequal widths [16, 32]" in w
+        for w in warnings
+    ), warnings
+    shards = {pattern(f): p.meta[META_SHARD] for f, p in params(gm).items()}
+    assert shards["transformer.h.*.attn.qkv.weight"] is None
+    assert shards["transformer.h.*.mlp.c_fc.weight"] == COL
+
+
 class SquareTwice(nn.Module):
     """One square ``Linear`` applied twice, ``lin(gelu(lin(x)))``: a column matmul, then a row
     matmul, of the same weight."""
