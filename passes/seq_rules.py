@@ -390,6 +390,8 @@ class _Prover:
         ):
             return _loss(self, n)  # the summed cross entropy of vocabulary-split logits
         along = _ALONG.get(target)
+        if along is None and self.rows and getattr(target, "namespace", "aten") not in _OURS:
+            along = _nothing  # a library's op the plan trusts (docs/passes.md: rows)
         if along is None:
             if (
                 target in _POINTWISE
@@ -1063,6 +1065,7 @@ _POINTWISE = frozenset(
     }
 )
 _PICKS = frozenset({aten.nonzero.default, aten.nonzero_numpy.default})
+_OURS = frozenset({"aten", "autopart", "prims"})  # namespaces whose ops the rules know
 _ROUTING_ENTRY = frozenset({aten.sort.default, *_PICKS})
 
 

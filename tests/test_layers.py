@@ -130,6 +130,7 @@ REGISTRIES: dict[tuple[str, str], str] = {
     ("passes/seq_rules.py", "_ALONG"): "op → the dims it works along (sequence rules)",
     ("passes/seq_rules.py", "_FILLS"): "fill op → where its fill value is",
     ("passes/seq_rules.py", "_SPECIAL"): "op → its sequence rule",
+    ("passes/seq_rules.py", "_ROWS"): "op → its rule with the batch in the sequence's place",
     ("passes/seq_rules.py", "_SIZE_ARGS"): "op → its size arguments",
     ("passes/tp_rules.py", "RULES"): "op → its tensor-parallel rule",
     ("autopart/program/format.py", "_DTYPES"): "dtype name → dtype, for the loader",

@@ -20,7 +20,7 @@ multiple of tokens every length must be (found once per capture:
 ``frontend/shapes.shortest_sequence``, ``longest_sequence`` and ``sequence_multiple``). After
 step 1, a graph whose attention rests on masks proven causal by evaluation
 (``passes/canonicalize_attention``) lowers ``max_seq`` to the length they were proven at (the
-capture example's, at least 4096 tokens): no longer sequence was tried; and
+capture example's, at least 4096 tokens): no longer sequence was tried. After step 5,
 ``refuse_row_mixing`` refuses a plan that splits the batch (dp, micro-batches) for a graph in
 which rows of the batch mix (``passes/seq_rules.rows_mixed``).
 
@@ -74,8 +74,7 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     used = refuse_library_ops(captured.graph, plan.library_ops)
     low, high, step = seq_limits(captured)
     plan = replace(plan, min_seq=low, max_seq=high, seq_block=math.lcm(plan.seq_block, step))
-    gm, history = apply_passes(captured, plan)  # (Seq1F1B's refusals name the sequence)
-    refuse_row_mixing(captured, plan)
+    gm, history = apply_passes(captured, plan)
     proven = gm.meta.get(META_PROVEN_SEQ)  # attention proven causal up to this length only
     if proven is not None and (plan.max_seq is None or proven < plan.max_seq):
         plan = replace(plan, max_seq=proven)
@@ -86,6 +85,7 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     ties = tied_across(inputs, plan.mesh.pp)
     chunk_cost = chunk_costs(captured, plan)
     dry_run(stages, inputs, captured, plan, chunk_cost)
+    refuse_row_mixing(captured, plan)  # after the refusals that name a sequence or a stage
     ranks = [
         rank_program(r, captured, plan, stages, inputs, ties, chunk_cost)
         for r in range(plan.mesh.size)
