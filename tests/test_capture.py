@@ -390,7 +390,9 @@ def test_a_model_whose_own_loss_is_not_the_cross_entropy_is_refused() -> None:
     ``output_router_logits=True``) trained another loss than the one-process loop
     ``model(ids, labels=labels).loss``, silently (4.18 against 4.38); it is refused at capture,
     naming both values (before the export). The plain loss captures; so does every Hugging
-    Face model of the suite, whose loss shifts the labels itself (compared unshifted)."""
+    Face model of the suite, whose loss shifts the labels itself (compared unshifted). Label
+    smoothing of uniform logits (an LM head initialised at zero) has the cross entropy's value
+    but not its gradient: compared by the gradients too (the loop probe: trained silently)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     ids = torch.randint(0, 32, (2, 12))
@@ -400,6 +402,11 @@ def test_a_model_whose_own_loss_is_not_the_cross_entropy_is_refused() -> None:
         with pytest.raises(AutopartError, match="own loss, given the labels, is") as err:
             capture(model.double(), batch)
         assert "cross entropy" in err.value.message and "label_smoothing" in err.value.hint
+    smoothed = _OwnLoss(smoothing=0.1)  # a head at zero: uniform logits, the same value
+    nn.init.zeros_(smoothed.head.weight)
+    nn.init.zeros_(smoothed.head.bias)
+    with pytest.raises(AutopartError, match="equals the mean next-token cross entropy .* but not"):
+        capture(smoothed.double(), batch)
     config = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
     config |= dict(num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
     with pytest.raises(AutopartError, match="MixtralForCausalLM's own loss"):

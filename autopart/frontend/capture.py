@@ -499,10 +499,12 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     (``output_router_logits=True``), a z-loss. The one-process loop ``model(ids,
     labels=labels).loss.backward()`` trains that loss; the ranks would silently train another
     (the loss 4.18 against 4.38, the router's gradients 89 % off). One call with the example's
-    labels, in no-grad mode and with torch's generator put back, compares the loss it returns
+    labels, with torch's generator put back, compares the loss it returns
     with the cross entropy of the logits it returns with it, the labels paired with the logits
     either as they are or shifted by one as Hugging Face models pair them (the example's labels
-    may come in either convention); it must equal one of the two. The labels go in as ``labels``
+    may come in either convention); it must equal one of the two, and have its gradient with
+    respect to the logits (label smoothing of uniform logits has the value, not the gradient).
+    The labels go in as ``labels``
     or, for a model that takes no ``labels``, as ``targets`` (nanoGPT's ``forward(idx,
     targets)``: a loss plus a router's auxiliary term, stored on a module, was trained without
     the term). A model that takes neither, returns no loss, fails with these labels (a loss ignoring -1, not -100) or is on
@@ -516,7 +518,7 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     if "use_cache" in takes:
         extra["use_cache"] = False
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
+        with torch.enable_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
             out = model(fields["input_ids"], **{name: labels}, **extra)
             logits = logits_of(out)
     except Exception:  # noqa: BLE001 - labels it cannot take: not compared
@@ -525,16 +527,31 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     if own is None or tuple(logits.shape[:2]) != tuple(labels.shape):
         return
     own_value = float(own)
+    as_name = "" if name == "labels" else f" as {name}"
     pairings = [(logits, labels), (logits[:, :-1], labels[:, 1:])]  # as given; shifted by one
     ours = [
-        float(F.cross_entropy(x.float().flatten(0, 1), y.flatten(), ignore_index=-100))
+        (x, y, F.cross_entropy(x.float().flatten(0, 1), y.flatten(), ignore_index=-100))
         for x, y in pairings
         if bool((y != -100).any())
     ]
-    if not ours or any(abs(own_value - v) <= OWN_LOSS_RTOL * abs(v) for v in ours):
+    same = [ce for _, _, ce in ours if abs(own_value - float(ce)) <= OWN_LOSS_RTOL * abs(float(ce))]
+    if not ours:
         return
-    nearest = min(ours, key=lambda v: abs(v - own_value))
-    as_name = "" if name == "labels" else f" as {name}"
+    if same:
+        # the same value can hide another loss: label smoothing of uniform logits (a head
+        # initialised at zero) equals the cross entropy there, not its gradient
+        why = _other_gradient(own, same[0], logits)
+        if why is None:
+            return
+        raise AutopartError(
+            f"{type(model).__name__}'s own loss, given the labels{as_name}, equals the mean "
+            f"next-token cross entropy of its logits ({own_value:.6g}) but not its gradient "
+            f"({why}): autopart trains the cross entropy, and the model's loss is another "
+            "(label smoothing, a z-loss) that happens to take the same value here",
+            hint="train the plain cross entropy: turn the extra term off (label_smoothing=0), "
+            "or compare against a one-process loop that uses F.cross_entropy on the logits",
+        )
+    nearest = float(min((ce for _, _, ce in ours), key=lambda v: abs(float(v) - own_value)))
     raise AutopartError(
         f"{type(model).__name__}'s own loss, given the labels{as_name}, is {own_value:.6g}, but the mean "
         f"next-token cross entropy of its logits is {nearest:.6g}: autopart trains the cross "
@@ -544,6 +561,22 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
         "output_router_logits=False), or compare against a one-process loop that uses "
         "F.cross_entropy on the logits",
     )
+
+
+def _other_gradient(own: torch.Tensor, ce: torch.Tensor, logits: torch.Tensor) -> str | None:
+    """How the gradients of ``own`` and ``ce`` with respect to ``logits`` differ, or None
+    when they agree (or cannot be compared: no graph to the logits)."""
+    if not (own.requires_grad and ce.requires_grad and logits.requires_grad):
+        return None
+    g_own = torch.autograd.grad(own, logits, retain_graph=True, allow_unused=True)[0]
+    g_ce = torch.autograd.grad(ce, logits, allow_unused=True)[0]
+    if g_own is None or g_ce is None:
+        return None
+    scale = float(g_ce.abs().max())
+    diff = float((g_own.to(g_ce.dtype) - g_ce).abs().max())
+    if scale == 0 or diff <= OWN_LOSS_RTOL * 10 * scale:
+        return None
+    return f"the gradients with respect to the logits differ by {diff / scale:.2g} of the largest"
 
 
 def is_hugging_face(model: nn.Module) -> bool:
