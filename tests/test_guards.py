@@ -62,6 +62,53 @@ def test_torch_norm_clipping_is_refused_over_shards_only() -> None:
     assert [p.shape for p in Parameters(ps, reason)] == [p.shape for p in ps]
 
 
+class _ByNorm(torch.optim.Optimizer):
+    """LARS-like: each update scaled by the whole tensor's norm."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad / p.grad.norm(), alpha=-group["lr"])
+
+
+def test_an_optimizer_reading_whole_tensors_is_refused_over_tp_slices() -> None:
+    """Muon, Adafactor and a LARS-style trust ratio computed each rank's update from its slice
+    alone, silently (the loop probe: weights 20 %, 0.5 %, 0.1 % off at tp=2). Over a parameter
+    tp split, only torch's elementwise optimizers (or a class declaring
+    ``autopart_elementwise = True``) may step; over whole parameters any may."""
+    from types import SimpleNamespace
+
+    from autopart.runtime.guards import check_elementwise
+
+    whole, sliced = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2, 2))
+    for p in (whole, sliced):
+        p.grad = torch.ones(2, 2)
+    shards = {"w": SimpleNamespace(parts=1), "s": SimpleNamespace(parts=2)}
+    live = SimpleNamespace(
+        rank=0, params={"w": whole, "s": sliced}, program=SimpleNamespace(shards=shards)
+    )
+
+    def held(opt: torch.optim.Optimizer) -> set[int]:
+        return {id(p) for g in opt.param_groups for p in g["params"]}
+
+    opt = _ByNorm([whole, sliced])
+    with pytest.raises(autopart.AutopartError, match="_ByNorm.step\(\) over s, which tp split"):
+        check_elementwise(opt, live, held(opt))
+    check_elementwise(_ByNorm([whole]), live, held(_ByNorm([whole])))
+    adam = torch.optim.AdamW([whole, sliced])
+    check_elementwise(adam, live, held(adam))
+
+    class _Declared(_ByNorm):
+        autopart_elementwise = True
+
+    declared = _Declared([sliced])
+    check_elementwise(declared, live, held(declared))
+
+
 class _Stepped:
     """What ``guard_optimizers`` reads of a runner: its parameters and its step count."""
 
