@@ -228,6 +228,35 @@ def test_reshard_to_one_device_and_round_trip(programs, trained, world1, tmp_pat
         assert got["step"].dtype == states[f]["step"].dtype
 
 
+def test_an_optimizer_over_the_trained_parameters_only_saves_and_loads(
+    programs, world1, tmp_path: Path
+) -> None:
+    """An optimizer built over the parameters that require a gradient (a frozen embedding
+    left out) was refused at save ("the optimizer does not hold parameter …", the loop probe);
+    the frozen one has no state to save, and the round trip gives every state back. A trained
+    parameter the optimizer lacks is still refused, saying why."""
+    runner = _runner(programs["one"])
+    frozen = next(iter(runner.params))
+    runner.params[frozen].requires_grad_(False)
+    trained = [p for p in runner.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(trained, lr=1e-3)
+    runner.step(*_batch(programs["one"], 1))
+    optim.step()
+    saved = checkpoint.save(tmp_path / "frozen", runner, optim, step=1)
+    fresh = _runner(programs["one"])
+    fresh.params[frozen].requires_grad_(False)
+    fresh_optim = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+    checkpoint.load(saved, fresh, fresh_optim)
+    for f, p in fresh.params.items():
+        assert torch.equal(p, runner.params[f]), f
+        if f != frozen:
+            got, want = fresh_optim.state[p], optim.state[runner.params[f]]
+            assert all(torch.equal(got[k], v) for k, v in want.items()), f
+    runner.params[frozen].requires_grad_(True)
+    with pytest.raises(AutopartError, match="does not hold parameter .*, which trains"):
+        checkpoint.save(tmp_path / "partial", runner, optim, step=1)
+
+
 def test_checkpoint_of_another_model_names_what_is_missing(trained, world1, tmp_path) -> None:
     import nanogpt
 

@@ -565,10 +565,16 @@ def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
     known = {id(p) for g in optimizer.param_groups for p in g["params"]}
     holder, _ = _holder(optimizer)
     for fqn, p in runner.params.items():
+        if id(p) not in known and not p.requires_grad:
+            continue  # frozen, left out of the optimizer (over the trainable parameters only)
         if id(p) not in known:
             raise AutopartError(
-                f"rank {runner.rank}: the optimizer does not hold parameter {fqn}",
-                hint="build the optimizer from runner.parameters()",
+                f"rank {runner.rank}: the optimizer does not hold parameter {fqn}, which "
+                "trains: a checkpoint saves the state of one optimizer over every trained "
+                "parameter",
+                hint="build the optimizer from runner.parameters() (or from those that "
+                "require a gradient); several optimizers over parts of the model (Muon and "
+                "AdamW) are not saved by autopart.checkpoint",
             )
         for name, v in holder.state.get(p, {}).items():
             if name == SHARD_STATE:  # the live runner's own tag (guards.py): the files say it

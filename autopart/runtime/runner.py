@@ -450,7 +450,8 @@ class Runner:
         return busy / span if span > 0 else 0.0
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameter shards, for any torch optimizer. Under tp or pp,
+        """This rank's parameter shards, for a torch optimizer (under tp, one that updates
+        entry by entry: ``guards.check_elementwise``). Under tp or pp,
         ``torch.nn.utils.clip_grad_norm_`` over them is refused (each rank would clip by its
         own shards' norm): ``clip_grad_norm_`` is the global one (``runtime/guards.py``)."""
         return Parameters(list(self.params.values()), self._sharded)
