@@ -541,3 +541,24 @@ def test_optimizer_state_of_another_ranks_slice_is_refused() -> None:
     gc.collect()
     opts[1].load_state_dict(saved[0])
     opts[1].step()  # the runners are gone, and their hooks with them
+
+
+def test_an_op_failing_inside_an_action_names_the_rank_and_the_action(monkeypatch) -> None:
+    """An op failing in a stage (a hostile folder's 32 TiB ``empty``, an out-of-memory) gave a
+    raw traceback from every rank (the eighteenth session's file probe); it is one
+    ``AutopartError`` naming the rank and the action, with a hint for memory."""
+    from autopart.models.nanogpt import make
+    from autopart.runtime.runner import Runner
+
+    model, batch = make()
+    runner = _single_rank(model.double(), batch)
+    forward = Runner._HANDLERS["F"]
+
+    def failing(self: Any, *args: Any) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    monkeypatch.setitem(Runner._HANDLERS, "F", failing)
+    with pytest.raises(autopart.AutopartError, match=r"rank 0: F\(s0,m0\) failed: RuntimeError"):
+        runner.step(*batch)
+    monkeypatch.setitem(Runner._HANDLERS, "F", forward)
+    runner.step(*batch)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopart import collectives
-from autopart.errors import AutopartError, wait
+from autopart.errors import AutopartError, first_line, wait
 from autopart.frontend.capture import check_extra
 from autopart.graph import copy_graph
 from autopart.layout import Plan
@@ -646,9 +646,7 @@ class Runner:
             with torch.no_grad():
                 for i, action in enumerate(actions):
                     self.comm.set_action(f"{action} (evaluate) on rank {self.rank}")
-                    self._HANDLERS[action.kind](
-                        self, i, action, (action.stage, action.mb, action.chunk)
-                    )
+                    self._act(i, action)
                 self._p2p.wait_sends()
             losses = s.losses
         finally:
@@ -704,9 +702,7 @@ class Runner:
             with torch.no_grad():
                 for i, action in enumerate(actions):
                     self.comm.set_action(f"{action} (logits) on rank {self.rank}")
-                    self._HANDLERS[action.kind](
-                        self, i, action, (action.stage, action.mb, action.chunk)
-                    )
+                    self._act(i, action)
                 self._p2p.wait_sends()
             pieces = s.losses
         finally:
@@ -1033,9 +1029,7 @@ class Runner:
             for i, action in enumerate(actions):
                 self.comm.set_action(f"{action} on rank {self.rank}")
                 self._record(action, start=True)
-                self._HANDLERS[action.kind](
-                    self, i, action, (action.stage, action.mb, action.chunk)
-                )
+                self._act(i, action)
                 self._record(action, start=False)
             self._p2p.wait_sends()
             if self._tp_partial:
@@ -1162,6 +1156,26 @@ class Runner:
 
     def _on_tie_reduce(self, i: int, action: Action, unit: tuple[int, int, int]) -> None:
         self._tie_reduce(action)
+
+    def _act(self, i: int, action: Action) -> None:
+        """Run one action; an op failing inside it (out of memory, a kernel's error) is an
+        ``AutopartError`` naming the rank and the action, not a raw traceback in every rank."""
+        try:
+            self._HANDLERS[action.kind](self, i, action, (action.stage, action.mb, action.chunk))
+        except AutopartError:
+            raise
+        except (RuntimeError, MemoryError) as exc:
+            memory = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+                "allocate" in str(exc)
+            )
+            raise AutopartError(
+                f"rank {self.rank}: {action} failed: {type(exc).__name__}: {first_line(exc)}",
+                hint="out of memory: lower the micro-batch (more microbatches), recompute, or "
+                "spread the model over more pipeline stages"
+                if memory
+                else "the stage's graph failed on this rank's inputs; autopart verify runs "
+                "the same plan against one device",
+            ) from exc
 
     _HANDLERS: dict[str, Callable[..., None]] = {
         "F": _on_forward,
