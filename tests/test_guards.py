@@ -562,3 +562,27 @@ def test_an_op_failing_inside_an_action_names_the_rank_and_the_action(monkeypatc
         runner.step(*batch)
     monkeypatch.setitem(Runner._HANDLERS, "F", forward)
     runner.step(*batch)
+
+
+def test_evaluate_and_logits_take_a_batch_the_plan_does_not_divide() -> None:
+    """A short last validation batch or one prompt was refused under micro-batches or dp
+    ("batch size 1 is not divisible by …", the loop probe); ``evaluate`` and ``logits`` make
+    the batch whole with copies of its last row (labels -100) and cut them off: the loss and
+    logits of the rows given, as the model computes them. A step still refuses it."""
+    import torch.nn.functional as F
+
+    from autopart.models.nanogpt import make
+
+    model, (ids, labels) = make()
+    model = model.double().eval()
+    runner = _single_rank(model, (ids, labels), microbatches=2)
+    runner.eval()
+    with torch.no_grad():
+        want = model(ids[:3])[0] if isinstance(model(ids[:3]), tuple) else model(ids[:3])
+        got = runner.logits(ids[:3])
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+        loss = runner.evaluate(ids[:3], labels[:3])
+        ref = F.cross_entropy(want.flatten(0, 1), labels[:3].flatten(), ignore_index=-100)
+        assert abs(float(loss) - float(ref)) <= 1e-12 * abs(float(ref))
+    with pytest.raises(autopart.AutopartError, match="not divisible"):
+        runner.step(ids[:3], labels[:3])

@@ -632,6 +632,7 @@ class Runner:
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
         self._check_same_batch(fields, local, num_tokens)
+        fields, _ = self._pad_rows(fields, local)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
@@ -687,6 +688,7 @@ class Runner:
         self._activate()
         fields = self._fields(input_ids, dummy, attention_mask, position_ids)
         self._check_same_batch(fields, local)
+        fields, rows = self._pad_rows(fields, local)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
@@ -710,12 +712,12 @@ class Runner:
         out = self._gather_logits(pieces, mbs, input_ids.shape[1])
         group = self.groups.get("dp")
         if local or group is None:
-            return Logits.of(out)  # its backward() names what logits computes
+            return Logits.of(out[:rows])  # its backward() names what logits computes
         host = out.cpu() if out.device.type != "cpu" and dist.get_backend(group) == "gloo" else out
         parts = [torch.empty_like(host) for _ in range(self.plan.mesh.dp)]
         work = dist.all_gather(parts, host.contiguous(), group=group, async_op=True)
         self._wait(work, "gathering the logits of every dp replica's rows")
-        return Logits.of(torch.cat(parts, dim=0).to(out.device))
+        return Logits.of(torch.cat(parts, dim=0).to(out.device)[:rows])
 
     def _gather_logits(
         self, pieces: dict[tuple[int, int], torch.Tensor], mbs: list, seq: int
@@ -1463,6 +1465,27 @@ class Runner:
                 f"rank {self.rank}: input_ids {tuple(input_ids.shape)} and labels "
                 f"{tuple(labels.shape)} must both be (batch, seq)"
             )
+
+    def _pad_rows(
+        self, fields: dict[str, torch.Tensor], local: bool
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """A global batch of ``evaluate`` / ``logits`` whose rows dp × micro-batches do not
+        divide (a short last validation batch, one prompt), made whole with copies of its last
+        row (labels -100: they count in no loss), and its own row count. Exact: a plan that
+        splits the batch keeps rows apart (``refuse_row_mixing``), so the copies change no
+        other row; ``logits`` cuts them off again. A step is not padded."""
+        rows = int(fields["input_ids"].shape[0])
+        parts = self.plan.mesh.dp * self.plan.microbatches
+        want = -(-rows // parts) * parts
+        if self.plan.micro_batch is not None and rows < parts * self.plan.micro_batch:
+            want = parts * self.plan.micro_batch
+        if local or want == rows:
+            return fields, rows
+        out = {}
+        for k, t in fields.items():
+            filler = t[-1:].expand(want - rows, *t.shape[1:])
+            out[k] = torch.cat([t, torch.full_like(filler, -100) if k == "labels" else filler])
+        return out, rows
 
     def _microbatches(
         self, fields: dict[str, torch.Tensor], local: bool = False
