@@ -273,6 +273,15 @@ ATEN_STRINGS = frozenset(
         ("_assert_async", "assert_msg"),
         ("_functional_assert_scalar", "assert_msg"),
         ("_functional_assert_async", "assert_msg"),
+        ("linalg_qr", "mode"),
+        ("quantile", "interpolation"),
+        ("nanquantile", "interpolation"),
+        # the Fourier transforms' normalization ("forward", "backward", "ortho")
+        *(
+            (f"fft_{kind}{dims}", "norm")
+            for kind in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")
+            for dims in ("", "2", "n")
+        ),
     }
 )
 # ATen ops that pass the rules above yet touch global state or memory that no tensor argument
