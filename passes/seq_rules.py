@@ -1679,6 +1679,11 @@ def _convolution(p: _Prover, n: fx.Node) -> Any:
         if isinstance(y, fx.Node) and p.env.get(y) is not None:
             raise Mixes("a convolution whose weights are tokens")
     v, nd = p.env.get(x), _ndim(x)
+    batched = _is_tensor(a["weight"].meta.get("val")) and nd == _ndim(a["weight"])
+    if p.rows:  # the batch in the sequence's place: only as the convolution's own batch dim
+        if isinstance(v, Seq) and not (batched and v.dim % nd == 0):
+            raise Mixes("a convolution along the sequence")
+        return p._carry(n)
     form = causal_conv(n, p.live)
     if v is PADDED:  # x: a left pad that only convolutions read
         if isinstance(form, CausalConv) and form.pad is x:
@@ -1686,7 +1691,6 @@ def _convolution(p: _Prover, n: fx.Node) -> Any:
         raise Mixes(f"{CONV} {form if isinstance(form, str) else 'padded on the left twice'}")
     if not isinstance(v, Seq):
         return p._carry(n)
-    batched = _is_tensor(a["weight"].meta.get("val")) and nd == _ndim(a["weight"])
     if batched and v.dim % nd == 0:  # the sequence is the conv's batch: each token alone
         return p._carry(n)
     if isinstance(form, str):
@@ -2316,19 +2320,6 @@ def _rows_indexed(p: _Prover, n: fx.Node) -> Any:
     return Seq(grow[0], ONE)
 
 
-def _rows_conv(p: _Prover, n: fx.Node) -> Any:
-    a = _bound(n)
-    x = a["input"]
-    for y in (a.get("weight"), a.get("bias")):
-        if isinstance(y, fx.Node) and p.env.get(y) is not None:
-            raise Mixes("a convolution whose weights are rows of the batch")
-    v, nd = p.env.get(x), _ndim(x)
-    batched = _is_tensor(a["weight"].meta.get("val")) and nd == _ndim(a["weight"])
-    if isinstance(v, Seq) and not (batched and v.dim % nd == 0):
-        raise Mixes("a convolution along the batch")
-    return p._carry(n)
-
-
 def _rows_scan(p: _Prover, n: fx.Node) -> Any:
     dim = int_arg(n, 2)
     return _carry_unless_along(
@@ -2344,7 +2335,6 @@ _ROWS: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.arange.start: _rows_arange,
     aten.arange.start_step: _rows_arange,
     aten.cumsum.default: lambda p, n: _carry_unless_along(p, n, _scan("cumsum")(n)),
-    **dict.fromkeys(CONVS, _rows_conv),
     **dict.fromkeys(_PADS, lambda p, n: _carry_unless_along(p, n, _pad(n))),
     LINEAR_SCAN: _rows_scan,
 }

@@ -242,17 +242,8 @@ def test_compiling_draws_nothing_from_torchs_generator() -> None:
     assert torch.equal(torch.rand(3), want)
 
 
-class _Written(nn.Module):
-    """One attention layer whose softmax is written out by hand, in one of several ways."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind, self.emb, self.qkv, self.out = (
-            kind,
-            nn.Embedding(50, 16),
-            nn.Linear(16, 48),
-            nn.Linear(16, 50),
-        )
+class _Written(_Masked):
+    """``_Masked``'s layer, causal, its softmax written out by hand in one of several ways."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
