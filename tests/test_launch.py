@@ -75,7 +75,9 @@ def _processes_naming(marker: str) -> list[int]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(  # SIGTERM under -m slow: the default run stays under 10 minutes
+    "sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGINT]
+)
 def test_a_signal_to_autopart_run_stops_every_rank(saved: Path, tmp_path: Path, sig) -> None:
     """SIGTERM (or Ctrl-C's SIGINT) to ``autopart run`` stops torchrun and every rank: none is
     alive 5 s after the launcher exits (they used to train on, their parent PID 1), and none
