@@ -526,7 +526,7 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     own = _loss_of(out, logits)
     if own is None or tuple(logits.shape[:2]) != tuple(labels.shape):
         return
-    own_value = float(own)
+    own_value = float(own.detach())
     as_name = "" if name == "labels" else f" as {name}"
     pairings = [(logits, labels), (logits[:, :-1], labels[:, 1:])]  # as given; shifted by one
     ours = [

@@ -68,13 +68,16 @@ class _Experts(nn.Module):
         if self.kind == "shuffled":
             outs = outs[1:] + outs[:1]
         y = (torch.cat(outs, 0) + self.bias[sorted_ids]) * weights.flatten()[perm][:, None]
+        if self.kind == "slots":  # back to its slot (JetMoE's attention heads), then per token
+            slots = torch.zeros(b * s * K, H, dtype=y.dtype).index_add(0, perm, y)
+            return self.out(slots.view(b, s, K, H).sum(2))
         return self.out(torch.zeros(b * s, H, dtype=y.dtype).index_add(0, token, y).view(b, s, H))
 
 
 @pytest.mark.parametrize(
     ("kind", "positions"),
-    [("split", "arange"), ("dense", "buffer"), ("split", "shifted")],
-    ids=["jetmoe", "llama4", "jetmoe-table"],
+    [("split", "arange"), ("slots", "arange"), ("dense", "buffer"), ("split", "shifted")],
+    ids=["jetmoe", "jetmoe-slots", "llama4", "jetmoe-table"],
 )
 def test_experts_chunk_exactly(kind: str, positions: str) -> None:
     """JetMoE's split-by-counts experts (with gpt-oss's per-expert biases) and Llama 4's dense
