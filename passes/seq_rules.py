@@ -585,9 +585,9 @@ def _route(p: _Prover, n: fx.Node, routed: list[Routed]) -> Any:
             slots = p.at(node_arg(idx.key, 0).meta["val"].shape[0])
             if isinstance(out, Seq) and out.dim == 0:
                 tokens = tuple(s // idx.index[0] for s in slots) if idx.index else ()
-                if idx.kind == "token" and size == tokens:
-                    if out.const or out == _token_seq(idx):  # a constant's: any layout
-                        return _token_seq(idx)
+                token = idx.kind == "token" and size == tokens
+                if token and (out.const or out == _token_seq(idx)):  # a constant's: any layout
+                    return _token_seq(idx)
                 if idx.kind == "perm" and size == slots:
                     return idx.seq
     if kinds == {"slots", "offsets"} and t in _COMPARE and others == []:
