@@ -193,6 +193,10 @@ def main() -> int:
             lambda: torch.nn.utils.clip_grad_norm_(runner.parameters(), 1.0),
             "runner.clip_grad_norm_(max_norm)",
         ),
+        "torch_clip_list": refused(  # torchtitan's: a list, which no iterator check sees
+            lambda: torch.nn.utils.clip_grad_norm_(list(runner.parameters()), 1.0),
+            "runner.clip_grad_norm_(max_norm)",
+        ),
         "clip_value_allowed": torch.nn.utils.clip_grad_value_(runner.parameters(), 1e9) is None,
         "model_optimizer": refused(  # refused when built now, at its step before training
             lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(), "from runner.parameters()"

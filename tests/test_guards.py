@@ -18,10 +18,11 @@ import autopart
 from autopart.api import training_mode
 from autopart.runtime.guards import (
     Logits,
-    Parameters,
+    ShardParameter,
     StepLoss,
     check_step_context,
     guard_optimizers,
+    mark_sharded,
     sharded_reason,
 )
 
@@ -43,23 +44,51 @@ def test_sharded_reason_names_what_a_rank_holds() -> None:
 
 def test_torch_norm_clipping_is_refused_over_shards_only() -> None:
     """Over shards (tp or pp) torch's norm clipping would clip each rank by its own norm:
-    refused, naming the runner's. Whole gradients (dp): torch's result, untouched. Value
-    clipping is elementwise (exact on shards), and an optimizer or a loop reads them as ever."""
+    refused, naming the runner's, however the parameters reach it (an iterator, a list, an
+    optimizer's groups, a comprehension over several). Whole gradients (dp): torch's result,
+    untouched. Value clipping is elementwise and ``clip_grads_with_norm_`` scales by the norm it
+    is handed (exact on shards); an optimizer or a loop reads the gradients as ever."""
     ps = _params()
-    norm = torch.nn.utils.clip_grad_norm_(Parameters(ps, None), 1.0)
+    mark_sharded(ps, ps, sharded_reason(1, 1))  # dp alone: nothing marked
+    assert all(type(p) is nn.Parameter for p in ps)
+    norm = torch.nn.utils.clip_grad_norm_(iter(ps), 1.0)
     assert abs(float(norm) - 2.0 * 7**0.5) < 1e-6
     assert abs(float(torch.cat([p.grad.flatten() for p in ps]).norm()) - 1.0) < 1e-5
+
+    class Owner:
+        pass
+
+    owner = Owner()
     ps = _params()
-    reason = sharded_reason(2, 1)
-    with pytest.raises(autopart.AutopartError, match="clip_grad_norm_") as exc:
-        torch.nn.utils.clip_grad_norm_(Parameters(ps, reason), 1.0)
-    assert "runner.clip_grad_norm_(max_norm)" in str(exc.value)
-    assert all(bool((p.grad == 2.0).all()) for p in ps)  # refused before touching a gradient
-    torch.nn.utils.clip_grad_value_(Parameters(ps, reason), 1.5)
-    assert all(bool((p.grad == 1.5).all()) for p in ps)
-    opt = torch.optim.AdamW(Parameters(ps, reason))
+    mark_sharded(owner, ps, sharded_reason(2, 1))
+    assert all(type(p) is ShardParameter and isinstance(p, nn.Parameter) for p in ps)
+    opt = torch.optim.AdamW(iter(ps))
+    ways = {
+        "iterator": lambda: iter(ps),
+        "list": lambda: list(ps),
+        "groups": lambda: [p for g in opt.param_groups for p in g["params"]],
+        "one": lambda: ps[0],
+    }
+    for way, given in ways.items():
+        with pytest.raises(autopart.AutopartError, match="clip_grad_norm_") as exc:
+            torch.nn.utils.clip_grad_norm_(given(), 1.0, foreach=way == "list")
+        assert "runner.clip_grad_norm_(max_norm)" in str(exc.value), way
+        assert "tp=2" in str(exc.value), way
+        assert all(bool((p.grad == 2.0).all()) for p in ps), way  # refused before touching one
+    torch.nn.utils.clip_grads_with_norm_(ps, 1.0, torch.tensor(4.0))  # the norm handed in
+    assert all(torch.allclose(p.grad, torch.full_like(p, 0.5)) for p in ps)
+    torch.nn.utils.clip_grad_value_(ps, 0.25)
+    assert all(bool((p.grad == 0.25).all()) for p in ps)
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad is None for p in ps)
     assert len(opt.param_groups[0]["params"]) == 2
-    assert [p.shape for p in Parameters(ps, reason)] == [p.shape for p in ps]
+    del owner  # the runner gone: a parameter that was the module's own is plain again
+    gc.collect()
+    assert all(type(p) is nn.Parameter for p in ps)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    assert abs(float(torch.nn.utils.clip_grad_norm_(ps, 1e9)) - 7**0.5) < 1e-6
 
 
 class _ByNorm(torch.optim.Optimizer):

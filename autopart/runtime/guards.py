@@ -3,9 +3,10 @@
 
 - **torch's norm clipping over shards.** ``torch.nn.utils.clip_grad_norm_(runner.parameters(),
   m)`` under tp or pp sees only this rank's slices or stage, so each rank clips by its own norm
-  (a different factor on every rank). ``runner.parameters()`` is a ``Parameters`` iterator that
-  refuses to be read by ``torch.nn.utils.clip_grad`` there, naming ``runner.clip_grad_norm_``
-  (under dp alone every rank holds every whole gradient, and torch's clipping is exact).
+  (a different factor on every rank). The runner's parameters are ``ShardParameter``s there,
+  whose gradient refuses to be read by torch's norm clipping (however the parameters reached
+  it: the iterator, a list, an optimizer's groups), naming ``runner.clip_grad_norm_`` (under dp
+  alone every rank holds every whole gradient, and torch's clipping is exact).
 - **An optimizer over the model's own parameters.** The runner trains its own copies; the
   module's parameters never get a gradient, so ``AdamW(model.parameters())`` steps on nothing.
   ``guard_optimizers`` registers torch's optimizer step pre-hook, which refuses such a step.
@@ -56,40 +57,82 @@ from torch.optim.optimizer import (
 from autopart.errors import AutopartError
 
 # torch's module whose norm clipping reads the parameters it is given (clip_grad_value_ is
-# elementwise: exact on shards)
+# elementwise, _clip_grads_with_norm_ scales by the norm it is handed: exact on shards)
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
-_CLIP_EXACT_ON_SHARDS = frozenset({"clip_grad_value_"})
+_CLIP_EXACT_ON_SHARDS = frozenset({"clip_grad_value_", "_clip_grads_with_norm_"})
+# the tensor's own ``grad`` attribute, which ``ShardParameter.grad`` guards
+_GRAD: Any = torch._C.TensorBase.__dict__["grad"]
 _AVERAGING = "torch.optim.swa_utils"  # AveragedModel.update_parameters reads model.parameters()
 
 
-class Parameters(Iterator[nn.Parameter]):
-    """``runner.parameters()``: this rank's parameters, one pass, as ``nn.Module.parameters``.
-    ``sharded`` (why this rank's gradients are not the whole model's, or None) makes it refuse
-    to be read by torch's norm clipping."""
+class ShardParameter(nn.Parameter):
+    """A parameter of a rank that holds only part of the model's gradients (a tp slice, a pp
+    stage): torch's norm clipping refuses to read its gradient, however the parameters reached
+    it (``runner.parameters()``, a list of them, an optimizer's ``param_groups``, torchtitan's
+    ``[p for m in parts for p in m.parameters()]``), before it changed any. ``mark_sharded``
+    gives a runner's parameters this class; everything else reads ``grad`` as ever."""
 
-    def __init__(self, params: list[nn.Parameter], sharded: str | None) -> None:
-        self._it = iter(params)
-        self._sharded = sharded
+    _autopart_sharded: str  # why this rank's gradients are not the whole model's
 
-    def __iter__(self) -> Parameters:
-        if self._sharded is not None and _is_norm_clip(sys._getframe(1)):
+    @property
+    def grad(self) -> torch.Tensor | None:
+        if _is_norm_clip(sys._getframe(1)):
             raise AutopartError(
-                f"torch.nn.utils.clip_grad_norm_ over runner.parameters(): {self._sharded}, so "
-                "torch would take this rank's norm for the model's and every rank would clip "
-                "by a different factor",
+                f"torch.nn.utils.clip_grad_norm_ over this rank's parameters: "
+                f"{self._autopart_sharded}, so torch would take this rank's norm for the "
+                "model's and every rank would clip by a different factor",
                 hint="norm = runner.clip_grad_norm_(max_norm): the global norm, the same on "
-                "every rank (runner.grad_norm() without clipping)",
+                "every rank (runner.grad_norm() without clipping; "
+                "torch.nn.utils.clip_grads_with_norm_(runner.parameters(), max_norm, "
+                "runner.grad_norm()) is exact too)",
             )
-        return self
+        return _GRAD.__get__(self, type(self))
 
-    def __next__(self) -> nn.Parameter:
-        return next(self._it)
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _GRAD.__delete__(self)
 
 
-def _is_norm_clip(frame: FrameType) -> bool:
-    """Is ``frame`` one of torch's gradient-norm functions (reading what it was given)?"""
+def mark_sharded(owner: object, params: list[nn.Parameter], sharded: str | None) -> None:
+    """Give ``params`` the class ``ShardParameter`` (``sharded``: why a rank holds only part of
+    the gradients; None: every whole gradient, torch's clipping is exact and nothing changes).
+    A parameter that is the module's own object (a pp stage's, in memory) gets its class back
+    when ``owner`` (the runner) goes."""
+    if sharded is None:
+        return
+    marked = []
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = ShardParameter
+            marked.append(weakref.ref(p))
+        if isinstance(p, ShardParameter):
+            p._autopart_sharded = sharded
+    weakref.finalize(owner, _unmark, marked)
+
+
+def _unmark(marked: list[weakref.ref[nn.Parameter]]) -> None:
+    for ref in marked:
+        p = ref()
+        if p is not None and type(p) is ShardParameter:
+            p.__class__ = nn.Parameter  # type: ignore[assignment]
+            p.__dict__.pop("_autopart_sharded", None)
+
+
+def _is_norm_clip(frame: FrameType | None) -> bool:
+    """Is ``frame`` (or the function whose comprehension it is) one of torch's gradient-norm
+    functions, reading the parameters it was given? (Value clipping is elementwise, and
+    ``clip_grads_with_norm_`` scales by the norm it is handed: both exact on shards.)"""
+    while frame is not None and frame.f_code.co_name.startswith("<"):
+        if frame.f_globals.get("__name__") != _CLIP_MODULE:
+            return False
+        frame = frame.f_back  # a comprehension's frame (Python 3.11): the function it is in
     return (
-        frame.f_globals.get("__name__") == _CLIP_MODULE
+        frame is not None
+        and frame.f_globals.get("__name__") == _CLIP_MODULE
         and frame.f_code.co_name not in _CLIP_EXACT_ON_SHARDS
     )
 

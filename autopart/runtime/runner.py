@@ -45,7 +45,6 @@ from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
 from autopart.runtime.guards import (
     Logits,
-    Parameters,
     StepLoss,
     check_frozen,
     check_grad_hooks,
@@ -56,6 +55,7 @@ from autopart.runtime.guards import (
     follow_module,
     guard_optimizer_state,
     guard_optimizers,
+    mark_sharded,
     module_hooks,
     module_layout,
     original_state_dict,
@@ -323,6 +323,7 @@ class Runner:
         self._module_versions: list[int] = []
         # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
         self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
+        mark_sharded(self, list(self.params.values()), self._sharded)
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
         self._logits_run: dict[bool, dict[int, Any]] = {}  # logits(): by mode, on first use
         self._carried = False  # gradients of no_sync() steps are on the parameters
@@ -454,7 +455,7 @@ class Runner:
         entry by entry: ``guards.check_elementwise``). Under tp or pp,
         ``torch.nn.utils.clip_grad_norm_`` over them is refused (each rank would clip by its
         own shards' norm): ``clip_grad_norm_`` is the global one (``runtime/guards.py``)."""
-        return Parameters(list(self.params.values()), self._sharded)
+        return iter(list(self.params.values()))
 
     def follow(self, model: nn.Module) -> None:
         """The module this runner was made from (the live API's ``parallelize``): the runner
