@@ -503,12 +503,13 @@ def _single_rank(
     *,
     copies: bool = True,
     microbatches: int = 1,
+    **plan: Any,
 ) -> Any:
     """The runner of a one-rank program, in this process (no process group), holding copies
     of the module's parameters (``copies``) or the module's own objects."""
     from autopart.runtime.runner import Runner, local_weights
 
-    program = autopart.parallelize(model, autopart.Mesh(), batch, microbatches=microbatches)
+    program = autopart.parallelize(model, autopart.Mesh(), batch, microbatches=microbatches, **plan)
     rp = program.rank(0)
     weights = local_weights(program, rp)
     if copies:  # as a rank of a live mesh holds them (they come from rank 0's program)
@@ -615,3 +616,31 @@ def test_evaluate_and_logits_take_a_batch_the_plan_does_not_divide() -> None:
         assert abs(float(loss) - float(ref)) <= 1e-12 * abs(float(ref))
     with pytest.raises(autopart.AutopartError, match="not divisible"):
         runner.step(ids[:3], labels[:3])
+
+
+def test_evaluate_and_logits_take_a_prompt_shorter_than_the_chunks() -> None:
+    """A prompt shorter than Seq1F1B's chunks (4 of at least 8 tokens) was refused by
+    ``logits`` and ``evaluate`` ("cannot be cut into 4 chunks"); they now run it as long as the
+    program cuts, with copies of its last token after the end, and cut those off: exact, since
+    a Seq1F1B program is proven causal. The logits and loss of the tokens given, as the model
+    computes them. A step of that length is still refused."""
+    import torch.nn.functional as F
+
+    from autopart.models.nanogpt import make
+
+    model, (ids, labels) = make()
+    model = model.double().eval()
+    runner = _single_rank(model, (ids, labels), schedule="seq1f1b", seq_chunks=4)
+    runner.eval()
+    with torch.no_grad():
+        for seq in (1, 5, 16, 32):
+            want = model(ids[:, :seq])
+            want = want[0] if isinstance(want, tuple) else want
+            got = runner.logits(ids[:, :seq])
+            assert got.shape == want.shape, seq
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), seq
+            ref = F.cross_entropy(want.flatten(0, 1), labels[:, :seq].flatten())
+            loss = runner.evaluate(ids[:, :seq], labels[:, :seq])
+            assert abs(float(loss) - float(ref)) <= 1e-12 * abs(float(ref)), seq
+    with pytest.raises(autopart.AutopartError, match="cannot be cut into 4 chunks"):
+        runner.step(ids[:, :5], labels[:, :5])

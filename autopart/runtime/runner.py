@@ -634,13 +634,14 @@ class Runner:
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
         self._check_same_batch(fields, local, num_tokens)
         fields, _ = self._pad_rows(fields, local)
+        fields, _ = self._pad_length(fields)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
             mbs=mbs,
             count=self._count(labels, num_tokens, local),
-            bounds=self._chunk_bounds(input_ids.shape[1]),
+            bounds=self._chunk_bounds(fields["input_ids"].shape[1]),
             arm_at={},
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind == "RECV_F"],
         )
@@ -690,13 +691,14 @@ class Runner:
         fields = self._fields(input_ids, dummy, attention_mask, position_ids)
         self._check_same_batch(fields, local)
         fields, rows = self._pad_rows(fields, local)
+        fields, length = self._pad_length(fields)
         mbs = self._microbatches(fields, local)
         self._p2p.reset()
         actions = [a for a in self.program.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         s = self._s = _Step(
             mbs=mbs,
             count=torch.ones((), dtype=self._dtype, device=self.device),
-            bounds=self._chunk_bounds(input_ids.shape[1]),
+            bounds=self._chunk_bounds(fields["input_ids"].shape[1]),
             arm_at={},
             recvs=[(i, a) for i, a in enumerate(actions) if a.kind == "RECV_F"],
         )
@@ -710,7 +712,7 @@ class Runner:
             pieces = s.losses
         finally:
             self._run, self._s = saved, None
-        out = self._gather_logits(pieces, mbs, input_ids.shape[1])
+        out = self._gather_logits(pieces, mbs, fields["input_ids"].shape[1])[:, :length]
         group = self.groups.get("dp")
         if local or group is None:
             return Logits.of(out[:rows])  # its backward() names what logits computes
@@ -1487,6 +1489,43 @@ class Runner:
             filler = t[-1:].expand(want - rows, *t.shape[1:])
             out[k] = torch.cat([t, torch.full_like(filler, -100) if k == "labels" else filler])
         return out, rows
+
+    def _pad_length(self, fields: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """A sequence of ``evaluate`` / ``logits`` that the Seq1F1B program cannot cut (a prompt
+        shorter than its chunks, or not a multiple of a scan's blocks) made as long as the
+        least length it cuts, with copies of its last column (labels -100: they count in no
+        loss), and its own length. Exact: a Seq1F1B program is proven causal (``sequence_chunk``
+        refuses any value at a position that reads a later one), so what comes after the end
+        changes nothing before it; ``logits`` cuts it off again. Without sequence chunks, or
+        past the longest sequence the graphs fit, a length is refused as ``step`` refuses it;
+        a step is not padded."""
+        seq = int(fields["input_ids"].shape[1])
+        p = self.plan
+        try:
+            self._chunk_bounds(seq)
+            return fields, seq
+        except AutopartError as exc:
+            if p.seq_chunks <= 1 or (p.max_seq is not None and seq > p.max_seq):
+                raise
+            refused = exc
+        step = p.seq_block
+        length = -(-max(seq, p.min_seq or 0, 1) // step) * step
+        limit = length + 2 * p.seq_chunks * p.chunk_multiple * step
+        if p.max_seq is not None:
+            limit = min(limit, p.max_seq)
+        while length <= limit:
+            try:
+                self._chunk_bounds(length)
+                break
+            except AutopartError:
+                length += step
+        else:
+            raise refused
+        out = {}
+        for k, t in fields.items():
+            filler = t[:, -1:].expand(-1, length - seq)
+            out[k] = torch.cat([t, torch.full_like(filler, -100) if k == "labels" else filler], 1)
+        return out, seq
 
     def _microbatches(
         self, fields: dict[str, torch.Tensor], local: bool = False
