@@ -370,16 +370,17 @@ class _OwnLoss(nn.Module):
     """Returns ``(logits, loss)`` given labels: the cross entropy, smoothed by ``smoothing``,
     plus ``extra`` times the mean squared logit (a z-loss-like term)."""
 
-    def __init__(self, smoothing: float = 0.0, extra: float = 0.0) -> None:
+    def __init__(self, smoothing: float = 0.0, extra: float = 0.0, shift: bool = False) -> None:
         super().__init__()
         self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
-        self.smoothing, self.extra = smoothing, extra
+        self.smoothing, self.extra, self.shift = smoothing, extra, shift
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         logits = self.head(self.emb(input_ids))
         if labels is None:
             return logits
-        flat = logits.reshape(-1, 32)
+        scored, labels = (logits[:, :-1], labels[:, 1:]) if self.shift else (logits, labels)
+        flat = scored.reshape(-1, 32)  # shift: Hugging Face's, logits at t, labels at t + 1
         loss = F.cross_entropy(flat, labels.reshape(-1), label_smoothing=self.smoothing)
         return logits, loss + self.extra * flat.pow(2).mean()
 
@@ -405,6 +406,16 @@ def test_a_model_whose_own_loss_is_not_the_cross_entropy_is_refused() -> None:
     smoothed = _OwnLoss(smoothing=0.1)  # a head at zero: uniform logits, the same value
     nn.init.zeros_(smoothed.head.weight)
     nn.init.zeros_(smoothed.head.bias)
+    with pytest.raises(AutopartError, match="equals the mean next-token cross entropy .* but not"):
+        capture(smoothed.double(), batch)
+    # uniform logits and a loss that shifts the labels itself: both pairings have its value,
+    # and its gradient is the shifted one's (Moshi at random init was refused by the other's)
+    plain = _OwnLoss(shift=True)
+    nn.init.zeros_(plain.head.weight)
+    nn.init.zeros_(plain.head.bias)
+    capture(plain.double(), batch)
+    smoothed = _OwnLoss(smoothing=0.1, shift=True)
+    smoothed.load_state_dict(plain.state_dict())
     with pytest.raises(AutopartError, match="equals the mean next-token cross entropy .* but not"):
         capture(smoothed.double(), batch)
     config = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1)

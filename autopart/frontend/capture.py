@@ -539,10 +539,13 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
         return
     if same:
         # the same value can hide another loss: label smoothing of uniform logits (a head
-        # initialised at zero) equals the cross entropy there, not its gradient
-        why = _other_gradient(own, same[0], logits)
-        if why is None:
+        # initialised at zero) equals the cross entropy there, not its gradient. Nearly uniform
+        # logits give both pairings the same value too: the loss is the cross entropy if its
+        # gradient is that of either (Moshi's, at random init, was refused by the other's)
+        whys = [_other_gradient(own, ce, logits) for ce in same]
+        if None in whys:
             return
+        why = whys[0]
         raise AutopartError(
             f"{type(model).__name__}'s own loss, given the labels{as_name}, equals the mean "
             f"next-token cross entropy of its logits ({own_value:.6g}) but not its gradient "
