@@ -534,7 +534,12 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
         for x, y in pairings
         if bool((y != -100).any())
     ]
-    same = [ce for _, _, ce in ours if abs(own_value - float(ce)) <= OWN_LOSS_RTOL * abs(float(ce))]
+    values = [float(ce.detach()) for _, _, ce in ours]
+    same = [
+        ce
+        for (_, _, ce), v in zip(ours, values, strict=True)
+        if abs(own_value - v) <= OWN_LOSS_RTOL * abs(v)
+    ]
     if not ours:
         return
     if same:
@@ -554,7 +559,7 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
             hint="train the plain cross entropy: turn the extra term off (label_smoothing=0), "
             "or compare against a one-process loop that uses F.cross_entropy on the logits",
         )
-    nearest = float(min((ce for _, _, ce in ours), key=lambda v: abs(float(v) - own_value)))
+    nearest = min(values, key=lambda v: abs(v - own_value))
     raise AutopartError(
         f"{type(model).__name__}'s own loss, given the labels{as_name}, is {own_value:.6g}, but the mean "
         f"next-token cross entropy of its logits is {nearest:.6g}: autopart trains the cross "
