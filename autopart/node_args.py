@@ -68,11 +68,17 @@ def seq_arg(n: fx.Node, i: int) -> Sequence[Any]:
 def whole_slice(n: fx.Node) -> bool:
     """``n`` is ``aten.slice`` keeping every index of its dim, in order: start 0, step 1, and an
     end past the dim (``x[:, 0:MAX]``, Hugging Face's ``logits_to_keep=0``) or the dim's own
-    size (``x[:, :s]`` of an ``s``-long dim)."""
-    if n.target != torch.ops.aten.slice.Tensor:
+    size (``x[:, :s]`` of an ``s``-long dim); or ``aten.slice_scatter`` writing such a slice
+    (``out[:, :, i] = v`` functionalized writes ``out[:]`` whole: the value written)."""
+    if n.target == torch.ops.aten.slice.Tensor:
+        k = 0
+    elif n.target == torch.ops.aten.slice_scatter.default:
+        k = 1
+    else:
         return False
-    start, end, step = (list(n.args[2:]) + [None, None, 1][len(n.args) - 2 :])[:3]
-    x, dim = n.args[0], n.args[1] if len(n.args) > 1 else 0
+    args = list(n.args[k:])
+    start, end, step = (args[2:] + [None, None, 1][len(args) - 2 :])[:3]
+    x, dim = n.args[0], args[1] if len(args) > 1 else 0
     size = x.meta["val"].shape[dim] if isinstance(x, fx.Node) and isinstance(dim, int) else None
     past = end is None or (isinstance(end, int) and end >= 2**62)
     same = size is not None and str(end.meta["val"] if isinstance(end, fx.Node) else end) == str(

@@ -855,6 +855,8 @@ def _scatter_like(dim_arg: int, src_arg: int) -> Callable:
 
 
 def _slice_scatter(n: fx.Node) -> list:
+    if whole_slice(n):  # the whole dim written: the value written, laid out as it is
+        return []
     d = _dim_arg(n, 2, 0)
     return [(n.args[0], [d], "a write into a slice of the sequence"), (n.args[1], [d], "")]
 

@@ -28,7 +28,9 @@ class _Mixer(nn.Module):
     own: fine), "token-sum" (a sum over the sequence, within each row: fine), "picked" (a
     mixture of experts dispatching by ``nonzero`` of a per-token mask and adding each token's
     row back with ``index_add``: per token, fine), "picked-shifted" (added back one token
-    further: another row's)."""
+    further: another row's), "slot-write" (``out[:, i] = …`` per position, as the gated delta
+    rule fills its chunks: functionalized, a write of ``out[:]`` whole, fine), "row-write"
+    (``out[1:] = …``: the rows shifted by one)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -52,6 +54,15 @@ class _Mixer(nn.Module):
             x = x[torch.arange(b)] * 2
         elif self.kind == "token-sum":
             x = x + x.sum(1, keepdim=True) * 0.01
+        elif self.kind == "slot-write":
+            out = torch.zeros_like(x)
+            for i in range(x.shape[1]):
+                out[:, i] = torch.tanh(x[:, i] + (out[:, i - 1] if i else 0))
+            x = out
+        elif self.kind == "row-write":
+            out = torch.zeros_like(x)
+            out[1:] = x[:-1]
+            x = x + out
         elif self.kind in ("picked", "picked-shifted"):  # a top-1 mixture of two experts
             choice = self.mlp(flat).argmax(-1) % 2
             out = torch.zeros_like(flat)
@@ -80,6 +91,8 @@ def _found(model: nn.Module, batch) -> list[tuple[str, str]]:
         ("token-sum", None, None),
         ("picked", None, None),
         ("picked-shifted", "add", "reordered by a routing"),
+        ("slot-write", None, None),
+        ("row-write", "slice_1", "a slice of the batch"),
     ],
 )
 def test_rows_that_mix_are_found_by_node(kind: str, node: str | None, why: str | None) -> None:
