@@ -1064,6 +1064,8 @@ _POINTWISE = frozenset(
         aten.polar.default,  # Llama 4's complex rotary
         aten.view_as_complex.default,  # the pairs of the last dim, which is never the sequence
         aten.view_as_real.default,
+        aten.log_sigmoid.default,  # elementwise ops torch tags no pointwise (xLSTM's gates)
+        aten.hardswish.default,
     }
 )
 _PICKS = frozenset({aten.nonzero.default, aten.nonzero_numpy.default})

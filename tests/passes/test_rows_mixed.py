@@ -30,7 +30,8 @@ class _Mixer(nn.Module):
     row back with ``index_add``: per token, fine), "picked-shifted" (added back one token
     further: another row's), "slot-write" (``out[:, i] = …`` per position, as the gated delta
     rule fills its chunks: functionalized, a write of ``out[:]`` whole, fine), "row-write"
-    (``out[1:] = …``: the rows shifted by one)."""
+    (``out[1:] = …``: the rows shifted by one), "gates" (``logsigmoid`` and ``hardswish``,
+    elementwise ops torch tags no pointwise: fine)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -54,6 +55,8 @@ class _Mixer(nn.Module):
             x = x[torch.arange(b)] * 2
         elif self.kind == "token-sum":
             x = x + x.sum(1, keepdim=True) * 0.01
+        elif self.kind == "gates":  # elementwise ops torch tags no pointwise (xLSTM's)
+            x = x * torch.nn.functional.logsigmoid(x) + torch.nn.functional.hardswish(x)
         elif self.kind == "slot-write":
             out = torch.zeros_like(x)
             for i in range(x.shape[1]):
@@ -91,6 +94,7 @@ def _found(model: nn.Module, batch) -> list[tuple[str, str]]:
         ("token-sum", None, None),
         ("picked", None, None),
         ("picked-shifted", "add", "reordered by a routing"),
+        ("gates", None, None),
         ("slot-write", None, None),
         ("row-write", "slice_1", "a slice of the batch"),
     ],
