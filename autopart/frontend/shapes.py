@@ -40,6 +40,12 @@ class _Prop(FakeTensorProp):
         except AutopartError:
             raise
         except Exception as exc:  # noqa: BLE001 - name the node whatever went wrong
+            if _strided_view(n, exc):
+                # export wrote ``reshape`` as ``view`` where the traced input's strides allowed
+                # it (an attention kernel's output laid out (b, s, h, d)); a pass that rebuilt
+                # the input may give other strides: the reshape it was, the same values
+                n.target = torch.ops.aten.reshape.default
+                return self.run_node(n)
             raise _misfit(
                 n,
                 exc,
@@ -53,6 +59,11 @@ class _Prop(FakeTensorProp):
         if target in _SYMBOLIC:
             return _SYMBOLIC[target](*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+
+def _strided_view(n: fx.Node, exc: Exception) -> bool:
+    """``n`` is an ``aten.view`` whose sizes fit but whose input's strides do not allow it."""
+    return n.target == torch.ops.aten.view.default and "Cannot view a tensor with shape" in str(exc)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
