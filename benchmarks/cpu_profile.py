@@ -390,7 +390,11 @@ def step_times_alone(
     torch.set_num_threads(1)
     try:
         times = two_passes(len(plans), timed, steps)
-        return [statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for t in times]
+        # inclusive: within the samples (the default extrapolates: 2 samples gave a negative time)
+        return [
+            statistics.quantiles(t, n=4, method="inclusive")[0] if len(t) > 1 else t[0]
+            for t in times
+        ]
     finally:
         torch.set_num_threads(threads)
 
