@@ -257,6 +257,50 @@ def test_an_optimizer_over_the_trained_parameters_only_saves_and_loads(
         checkpoint.save(tmp_path / "partial", runner, optim, step=1)
 
 
+def test_several_optimizers_save_and_load(programs, world1, tmp_path: Path) -> None:
+    """Several optimizers over disjoint parts of the model (AdamW for the matrices, SGD with
+    momentum for the rest, as Muon + AdamW runs do) were refused at save ("a checkpoint saves
+    the state of one optimizer"). Passed as a list, every state and each one's groups come back
+    in a fresh runner, and the next step's loss is the uninterrupted run's. One optimizer, or
+    another order, against such a checkpoint is refused naming both; a parameter in two
+    optimizers is refused at save."""
+
+    def split(runner):
+        named = list(runner.params.values())
+        mats = [p for p in named if p.dim() >= 2]
+        rest = [p for p in named if p.dim() < 2]
+        return [torch.optim.AdamW(mats, lr=1e-3), torch.optim.SGD(rest, lr=0.05, momentum=0.9)]
+
+    runner = _runner(programs["one"])
+    opts = split(runner)
+    for step in (1, 2):
+        runner.step(*_batch(programs["one"], step))
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    opts[1].param_groups[0]["lr"] = 0.02  # a schedule moved it: it comes back too
+    saved = checkpoint.save(tmp_path / "two", runner, opts, step=2)
+    assert [o["class"] for o in checkpoint.read_info(saved)["optimizer"]] == ["AdamW", "SGD"]
+    fresh = _runner(programs["one"])
+    fresh_opts = split(fresh)
+    checkpoint.load(saved, fresh, fresh_opts)
+    assert fresh_opts[1].param_groups[0]["lr"] == 0.02
+    for (f, p), q in zip(runner.params.items(), fresh.params.values(), strict=True):
+        assert torch.equal(p, q), f
+        opt, got = (0, 1)[p.dim() < 2], fresh_opts[(0, 1)[p.dim() < 2]].state[q]
+        want = opts[opt].state[p]
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items()), f
+    want = float(runner.step(*_batch(programs["one"], 3)))
+    assert float(fresh.step(*_batch(programs["one"], 3))) == want
+    with pytest.raises(AutopartError, match=r"holds the state of 2 optimizer\(s\) \(AdamW, SGD\)"):
+        checkpoint.load(saved, _runner(programs["one"]), torch.optim.AdamW(fresh.parameters()))
+    with pytest.raises(AutopartError, match="holds AdamW state, the optimizer now is SGD"):
+        checkpoint.load(saved, fresh, fresh_opts[::-1])
+    both = [torch.optim.AdamW(runner.parameters()), torch.optim.SGD(runner.parameters(), lr=1)]
+    with pytest.raises(AutopartError, match=r"is in optimizers 0 and 1 \(AdamW and SGD\)"):
+        checkpoint.save(tmp_path / "both", runner, both, step=2)
+
+
 def test_checkpoint_of_another_model_names_what_is_missing(trained, world1, tmp_path) -> None:
     import nanogpt
 

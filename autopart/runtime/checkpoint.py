@@ -32,7 +32,7 @@ import os
 import shutil
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ from autopart.runtime.checkpoint_files import FORMAT, INFO, key
 from autopart.runtime.guards import SHARD_STATE
 
 _MESHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# one optimizer, or several over disjoint parts of the model (Muon for the matrices, AdamW for
+# the rest), in an order the save and the load share
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
 def _rng_key(rank: int) -> str:
@@ -64,13 +67,16 @@ def _is_model_key(k: str) -> bool:
 def save(
     path: str | Path,
     runner: Any,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
     step: int = 0,
     extra: dict[str, Any] | None = None,
     *,
     tied: dict[str, str] | None = None,
 ) -> Path:
     """Write a checkpoint of ``runner`` (and ``optimizer``'s state) to ``path``; every rank calls it.
+
+    ``optimizer``: one, or a list of several over disjoint parts of the model (each trained
+    parameter in exactly one), loaded back by a list of the same classes in the same order.
 
     ``step`` is the data position (steps done), ``extra`` any JSON-able dict (returned by
     ``load``), ``tied`` the model's tied aliases ``{alias: canonical FQN}`` (``plan.json``'s
@@ -91,8 +97,9 @@ def save(
         ) from None
     _mesh(runner)  # collective the first time: every rank, whatever it holds
     state = _model_state(runner)
-    if optimizer is not None:
-        state.update(_optim_state(runner, optimizer))
+    opts = _optimizers(optimizer, runner.rank)
+    if opts:
+        state.update(_optim_state(runner, opts))
     state[_rng_key(runner.rank)] = rng
     cf.check_dtypes(state, runner.rank)
     mine = {
@@ -126,7 +133,7 @@ def save(
             "tied": dict(tied or {}),
             "strided": {f: v for m in every for f, v in m["strided"].items()},
             "buffers": sorted({b for m in every for b in m["buffers"]}),
-            "optimizer": _optim_info(optimizer),
+            "optimizer": _optim_info(opts),
             "tensors": cf.tensors_json(written, path),
             "files": {n: e for m in files for n, e in sorted(m.items())},
         }
@@ -146,7 +153,7 @@ def save(
 def load(
     path: str | Path,
     runner: Any,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
     *,
     fresh_optimizer: bool = False,
     hyperparameters: bool = True,
@@ -184,30 +191,34 @@ def load(
             hint=f"it was saved from a different model (it holds e.g. {', '.join(have[:3])}); "
             "load a checkpoint of this model",
         )
-    optim = None if fresh_optimizer else optimizer  # the optimizer whose state is loaded
-    _same_model(path, runner, optim, info, meta)
-    if optim is not None and info["optimizer"] is None:
+    opts = [] if fresh_optimizer else _optimizers(optimizer, rank)  # those whose state loads
+    _same_model(path, runner, opts, info, meta)
+    if opts and info["optimizer"] is None:
         raise AutopartError(
             f"rank {rank}: checkpoint {path} (step {info['step']}) holds no optimizer state (it "
             f"was saved without an optimizer, e.g. by --no-optim); resuming "
-            f"{type(_holder(optim)[0]).__name__} from it would silently start its state "
+            f"{' and '.join(_classes(opts))} from it would silently start its state "
             "from zero",
             hint="ask for fresh optimizer state explicitly (autopart run --fresh-optimizer, "
             "load(..., fresh_optimizer=True)), or resume with --no-optim",
         )
     request: dict[str, Any] = {}
     copies: list[tuple[torch.nn.Parameter, Callable[[], torch.Tensor]]] = []  # after the load
-    states: list[tuple[torch.nn.Parameter, dict[str, Callable[[], torch.Tensor]]]] = []
+    states: list[tuple[Any, torch.nn.Parameter, dict[str, Callable[[], torch.Tensor]]]] = []
     for fqn, p in runner.params.items():
         shard = program.shards[fqn]
         _check_shape(path, rank, fqn, shard, strided.get(fqn), meta)
         want, build = _request(fqn, shard, strided.get(fqn), None, p.dtype, runner)
         request.update(want)
         copies.append((p, build))
-    if optim is not None:
+    if opts:
         saved_states = _saved_states(meta)
-        holder, owned = _holder(optim)
+        owners = _owners(runner, opts)
+        holders = [_holder(o) for o in opts]
         for fqn, p in runner.params.items():
+            if id(p) not in owners:
+                continue  # in no optimizer (frozen): no state
+            holder, owned = holders[owners[id(p)]]
             names = saved_states.get(fqn, []) if owned is None or id(p) in owned else []
             builds: dict[str, Callable[[], torch.Tensor]] = {}
             for name in names:
@@ -236,7 +247,7 @@ def load(
                     request.update(want)
                     builds[name] = build
             if builds:
-                states.append((p, builds))
+                states.append((holder, p, builds))
     rng_key = _rng_key(rank)
     same = info["mesh"] == mesh_now and rng_key in meta
     if same:
@@ -252,10 +263,11 @@ def load(
     cf.dcp_load(request, reader, f"rank {rank}: ")
     for p, build in copies:
         _copy_into(p, build())
-    for p, builds in states:
+    for holder, p, builds in states:
         holder.state[p] = {n: f() for n, f in builds.items()}
-    if optim is not None and hyperparameters:
-        _restore_groups(path, rank, optim, info["optimizer"]["param_groups"])
+    if opts and hyperparameters:
+        for opt, was in zip(opts, _saved_optimizers(info), strict=True):
+            _restore_groups(path, rank, opt, was["param_groups"])
     if same:
         torch.set_rng_state(rng)
     runner.steps = int(info["runner_steps"])
@@ -313,7 +325,11 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _same_model(
-    path: Path, runner: Any, optimizer: Any, info: dict[str, Any], meta: dict[str, Any]
+    path: Path,
+    runner: Any,
+    optimizers: list[torch.optim.Optimizer],
+    info: dict[str, Any],
+    meta: dict[str, Any],
 ) -> None:
     """Refuse a checkpoint of another model (parameters this model does not have: a deeper
     model of the same width would otherwise load into a shallower one, its extra blocks
@@ -328,14 +344,23 @@ def _same_model(
             + (" …" if len(extra) > 4 else ""),
             hint="load a checkpoint saved from this model (same architecture and depth)",
         )
-    was = (info.get("optimizer") or {}).get("class")
-    now = None if optimizer is None else type(_holder(optimizer)[0]).__name__
-    if was not in (None, "ZeroRedundancyOptimizer") and now is not None and was != now:
+    then, now = [o.get("class") for o in _saved_optimizers(info)], _classes(optimizers)
+    if then and now and len(then) != len(now):
         raise AutopartError(
-            f"rank {runner.rank}: checkpoint {path} holds {was} state, the optimizer now is {now}",
-            hint=f"resume with {was}, or start the optimizer afresh (fresh_optimizer=True, "
-            "autopart run --fresh-optimizer)",
+            f"rank {runner.rank}: checkpoint {path} holds the state of {len(then)} "
+            f"optimizer(s) ({', '.join(map(str, then))}), this run has {len(now)} "
+            f"({', '.join(now)})",
+            hint="pass the optimizers it was saved with, in the same order, or start them "
+            "afresh (fresh_optimizer=True, autopart run --fresh-optimizer)",
         )
+    for was, cls in zip(then if now else [], now, strict=False):
+        if was not in (None, "ZeroRedundancyOptimizer") and was != cls:
+            raise AutopartError(
+                f"rank {runner.rank}: checkpoint {path} holds {was} state, the optimizer now "
+                f"is {cls}",
+                hint=f"resume with {was}, or start the optimizer afresh (fresh_optimizer=True, "
+                "autopart run --fresh-optimizer)",
+            )
 
 
 def read_info(path: str | Path) -> dict[str, Any]:
@@ -560,22 +585,22 @@ def _buffer_names(runner: Any) -> set[str]:
     }
 
 
-def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optim_state(runner: Any, opts: list[torch.optim.Optimizer]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    known = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    holder, _ = _holder(optimizer)
+    owners = _owners(runner, opts)
     for fqn, p in runner.params.items():
-        if id(p) not in known and not p.requires_grad:
+        if id(p) not in owners and not p.requires_grad:
             continue  # frozen, left out of the optimizer (over the trainable parameters only)
-        if id(p) not in known:
+        if id(p) not in owners:
             raise AutopartError(
                 f"rank {runner.rank}: the optimizer does not hold parameter {fqn}, which "
-                "trains: a checkpoint saves the state of one optimizer over every trained "
+                "trains: a checkpoint saves the state of the optimizers over every trained "
                 "parameter",
                 hint="build the optimizer from runner.parameters() (or from those that "
-                "require a gradient); several optimizers over parts of the model (Muon and "
-                "AdamW) are not saved by autopart.checkpoint",
+                "require a gradient), or pass every optimizer of the run as a list "
+                "(Muon for the matrices and AdamW for the rest)",
             )
+        holder, _ = _holder(opts[owners[id(p)]])
         for name, v in holder.state.get(p, {}).items():
             if name == SHARD_STATE:  # the live runner's own tag (guards.py): the files say it
                 continue
@@ -599,9 +624,20 @@ def _optim_state(runner: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
     return out
 
 
-def _optim_info(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
-    if optimizer is None:
-        return None
+def _optim_info(opts: list[torch.optim.Optimizer]) -> dict[str, Any] | list[Any] | None:
+    """The marker's ``optimizer``: null, one optimizer's ``{class, param_groups}``, or a list
+    of them (several optimizers, in their order)."""
+    infos = [_one_info(o) for o in opts]
+    return None if not infos else infos[0] if len(infos) == 1 else infos
+
+
+def _saved_optimizers(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The marker's optimizers as a list (none, one or several)."""
+    saved = info.get("optimizer")
+    return [] if saved is None else [saved] if isinstance(saved, dict) else list(saved)
+
+
+def _one_info(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
     def plain(v: Any) -> bool:
         if isinstance(v, (list, tuple)):
@@ -684,6 +720,41 @@ def _same_kind(now: Any, v: Any) -> bool:
             and all(_number(x) for x in now)
         )
     return False
+
+
+def _optimizers(optimizer: Optimizers | None, rank: int) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list: none, one, or several."""
+    if optimizer is None:
+        return []
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        raise AutopartError(
+            f"rank {rank}: optimizer must be a torch optimizer or a list of them, got "
+            f"{type(optimizer).__name__}",
+            hint="pass the optimizer (or every optimizer of the run, as a list)",
+        )
+    return opts
+
+
+def _classes(opts: list[torch.optim.Optimizer]) -> list[str]:
+    return [type(_holder(o)[0]).__name__ for o in opts]
+
+
+def _owners(runner: Any, opts: list[torch.optim.Optimizer]) -> dict[int, int]:
+    """id(parameter) → the index of the optimizer that holds it; a parameter in two refused
+    (whose state would the checkpoint keep?)."""
+    owners: dict[int, int] = {}
+    for i, opt in enumerate(opts):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if owners.setdefault(id(p), i) != i:
+                    fqn = next((f for f, q in runner.params.items() if q is p), "a parameter")
+                    raise AutopartError(
+                        f"rank {runner.rank}: {fqn} is in optimizers {owners[id(p)]} and {i} "
+                        f"({type(opts[owners[id(p)]]).__name__} and {type(opt).__name__})",
+                        hint="give each parameter to one optimizer",
+                    )
+    return owners
 
 
 def _holder(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, set[int] | None]:

@@ -229,6 +229,16 @@ def _numel(sizes: list[int]) -> int:
     return out
 
 
+def _one_optimizer(o: Any) -> bool:
+    """One optimizer's entry of the marker: ``{class, param_groups}``."""
+    return (
+        isinstance(o, dict)
+        and set(o) == {"class", "param_groups"}
+        and isinstance(o["class"], str)
+        and isinstance(o["param_groups"], list)
+    )
+
+
 def check_marker(info: Any, f: Path) -> None:
     """Allow-list every entry of the marker ``f``: raises an ``AutopartError`` naming the entry
     unless the marker is exactly what ``save`` writes (its seal first: a marker whose bytes
@@ -292,16 +302,11 @@ def check_marker(info: Any, f: Path) -> None:
             "[dim, blocks]",
         )
     opt = info["optimizer"]
+    several = isinstance(opt, list) and 2 <= len(opt) <= 64
     need(
-        opt is None
-        or (
-            isinstance(opt, dict)
-            and set(opt) == {"class", "param_groups"}
-            and isinstance(opt["class"], str)
-            and isinstance(opt["param_groups"], list)
-        ),
+        opt is None or all(_one_optimizer(o) for o in (opt if several else [opt])),
         "optimizer",
-        "null or {class, param_groups}",
+        "null, {class, param_groups} or a list of 2 to 64 of them",
     )
     files = info["files"]
     need(isinstance(files, dict) and METADATA in files, "files", "a list of the step's files")
