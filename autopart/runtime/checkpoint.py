@@ -353,7 +353,7 @@ def _same_model(
             hint="pass the optimizers it was saved with, in the same order, or start them "
             "afresh (fresh_optimizer=True, autopart run --fresh-optimizer)",
         )
-    for was, cls in zip(then if now else [], now, strict=False):
+    for was, cls in zip(then, now, strict=True) if then and now else []:
         if was not in (None, "ZeroRedundancyOptimizer") and was != cls:
             raise AutopartError(
                 f"rank {runner.rank}: checkpoint {path} holds {was} state, the optimizer now "
@@ -588,6 +588,7 @@ def _buffer_names(runner: Any) -> set[str]:
 def _optim_state(runner: Any, opts: list[torch.optim.Optimizer]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     owners = _owners(runner, opts)
+    holders = [_holder(o)[0] for o in opts]
     for fqn, p in runner.params.items():
         if id(p) not in owners and not p.requires_grad:
             continue  # frozen, left out of the optimizer (over the trainable parameters only)
@@ -600,8 +601,7 @@ def _optim_state(runner: Any, opts: list[torch.optim.Optimizer]) -> dict[str, An
                 "require a gradient), or pass every optimizer of the run as a list "
                 "(Muon for the matrices and AdamW for the rest)",
             )
-        holder, _ = _holder(opts[owners[id(p)]])
-        for name, v in holder.state.get(p, {}).items():
+        for name, v in holders[owners[id(p)]].state.get(p, {}).items():
             if name == SHARD_STATE:  # the live runner's own tag (guards.py): the files say it
                 continue
             if not isinstance(v, torch.Tensor):
@@ -638,6 +638,7 @@ def _saved_optimizers(info: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _one_info(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """One optimizer's class (ZeRO: its inner one's) and JSON-able group hyperparameters."""
 
     def plain(v: Any) -> bool:
         if isinstance(v, (list, tuple)):

@@ -321,9 +321,8 @@ class Runner:
         self._module_layout: list[tuple[str, int, torch.dtype]] = []
         self._module_hooks: list[tuple[str, int, int]] = []
         self._module_versions: list[int] = []
-        # why torch's norm clipping over parameters() would be wrong here (None: it is exact)
-        self._sharded = sharded_reason(plan.mesh.tp, plan.mesh.pp)
-        mark_sharded(self, list(self.params.values()), self._sharded)
+        # torch's norm clipping over parameters() is refused where it would be wrong (tp, pp)
+        mark_sharded(self, list(self.params.values()), sharded_reason(plan.mesh.tp, plan.mesh.pp))
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
         self._logits_run: dict[bool, dict[int, Any]] = {}  # logits(): by mode, on first use
         self._carried = False  # gradients of no_sync() steps are on the parameters
