@@ -422,14 +422,20 @@ class Plan:
         return batch_size // parts
 
     def check_model(self, layers: int, heads: int, kv_heads: int, ffn: int, seq: int) -> None:
-        """Refuse a plan this GPT shape cannot run: tp must divide the heads and the FFN, every
-        stage needs a block, every sequence chunk at least ``chunk_multiple`` tokens."""
-        for what, n in (("heads", heads), ("kv heads", kv_heads), ("ffn", ffn)):
+        """Refuse a plan this GPT shape cannot run: tp must divide the heads and the FFN, and
+        divide the KV heads or be a multiple of them (then they are replicated); every stage
+        needs a block, every sequence chunk at least ``chunk_multiple`` tokens."""
+        for what, n in (("heads", heads), ("ffn", ffn)):
             if n % self.tp:
                 raise AutopartError(
                     f"tp={self.tp} does not divide the {what} ({n})",
                     hint=f"use a tp that divides {n}",
                 )
+        if kv_heads % self.tp and self.tp % kv_heads:
+            raise AutopartError(
+                f"tp={self.tp} neither divides the kv heads ({kv_heads}) nor is a multiple of them",
+                hint=f"use a tp that divides {kv_heads} or a multiple of it",
+            )
         if self.pp * self.virtual_stages > layers:
             raise AutopartError(
                 f"pp({self.pp}) × virtual stages({self.virtual_stages}) = "

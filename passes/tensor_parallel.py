@@ -15,7 +15,11 @@ attention, head reshapes, rotary slicing, GQA repeats) — runs on tp ranks with
   a split op (a per-head norm weight, as Qwen3's q/k norms): that op sees only this rank's
   heads, so the gradient it sends back is this rank's share and the ranks' shares are summed;
 - an attention split by heads whose mask was rebuilt from sizes and buffers and differs per
-  head (ALiBi) reads this rank's heads of it (``index_select`` by ``tp_rank``).
+  head (ALiBi) reads this rank's heads of it (``index_select`` by ``tp_rank``);
+- an attention with fewer key/value heads than tp (or a count tp does not divide) keeps its
+  key/value projections whole on every rank and reads the heads its query heads share
+  (``index_select`` by ``tp_rank``); every gradient entering that replicated chain is summed
+  over tp, as Megatron does for replicated KV heads.
 
 Parameter placeholders get ``meta["autopart.shard"]`` = ``TPShard(dim, strided)`` or keep
 ``None`` (replicated). A region the rules cannot prove is left replicated with a warning naming
@@ -51,6 +55,7 @@ from autopart.passes.tp_rules import (
     Matmul,
     matmul_form,
     per_head_mask,
+    replicated_kv,
     spread,
     tensor_of,
     tensor_val,
@@ -79,9 +84,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     excluded: set[fx.Node] = set()
     while True:
         sp = spread(gm, lambda f: f.node not in excluded and META_ROLE not in f.node.meta)
-        bad = _invalid_regions(sp)
-        if not bad:
-            break
+        bad = _invalid_regions(sp, tp)
         for members, reason in bad:
             cols = [m for m in members if m in sp.columns]
             excluded.update(cols)
@@ -90,6 +93,17 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in cols),
                 reason,
             )
+        if bad:
+            continue
+        kv = _kv_columns(sp, tp)
+        if not kv:
+            break
+        excluded.update(kv)
+        log.info(
+            "tensor_parallel: keeping %s whole on every rank: fewer key/value heads than tp = %d",
+            ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in kv),
+            tp,
+        )
     _check_divisible(sp, tp)
     strided = _strided(sp)
     for n in sp.columns:
@@ -100,10 +114,11 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         form = matmul_form(n)
         assert form is not None
         _split_row(gm, form)
+    selects = _select_kv_heads(gm, sp, tp)
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
         n.meta[META_TP_SPLIT] = sp.dims[n]
-    _sum_partial_grads(gm, sp)
+    _sum_partial_grads(gm, sp, selects)
     _mask_heads(gm, sp, tp)
     localize(gm, tp)
     return propagate(gm)
@@ -171,10 +186,11 @@ def rank_input(gm: fx.GraphModule) -> fx.Node:
     return rank
 
 
-def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
+def _invalid_regions(sp, tp: int) -> list[tuple[list[fx.Node], str]]:
     """The regions (with a column matmul) to leave replicated, each with the reason: a node no
-    rule splits, no row matmul to end it, or a weight that matmuls would split two ways (one
-    ``Linear`` applied twice, as a column and then a row: it used to refuse the whole plan)."""
+    rule splits, no row matmul to end it, replicated keys and values whose heads tp cannot share
+    out (``_kv_heads_unfit``), or a weight that matmuls would split two ways (one ``Linear``
+    applied twice, as a column and then a row: it used to refuse the whole plan)."""
     bad = []
     roles: dict[fx.Node, dict[tuple[str, int], int]] = {}  # weight → its splits → a region
     regions: dict[int, list[fx.Node]] = {}
@@ -183,11 +199,19 @@ def _invalid_regions(sp) -> list[tuple[list[fx.Node], str]]:
             continue
         problems = [m for m in members if m in sp.problems]
         uneven = [m for m in members if _uneven_split(sp, m)]
+        unfit = [
+            (m, why)
+            for m in members
+            if replicated_kv(m, sp.dims) and (why := _kv_heads_unfit(m, tp)) is not None
+        ]
         if problems:
             p = problems[0]
             bad.append(
                 (members, f"{p.name} ({p.meta.get(META_MODULE) or '<root>'}): {sp.problems[p]}")
             )
+        elif unfit:
+            m, why = unfit[0]
+            bad.append((members, f"{m.name} ({m.meta.get(META_MODULE) or '<root>'}) has {why}"))
         elif not any(m in sp.rows for m in members):
             bad.append((members, "its split output never reaches a row matmul"))
         elif uneven:  # a fused projection of unequal parts (GQA's q | k | v)
@@ -236,9 +260,9 @@ def _check_divisible(sp, tp: int) -> None:
             raise AutopartError(
                 f"node {n.name} ({n.meta.get(META_MODULE) or '<root>'}) splits dim {d} of shape "
                 f"{tuple(val.shape)} over tp={tp}, but {val.shape[d]} is not divisible by {tp}",
-                hint="choose a tp that divides the hidden size, the MLP width, the number of attention "
-                "heads and the number of key/value heads (grouped-query attention with fewer KV heads "
-                "than tp is refused, not replicated)",
+                hint="choose a tp that divides the hidden size, the MLP width and the number of "
+                "attention heads (fewer key/value heads than tp are replicated when tp is a "
+                "multiple of their count)",
             )
 
 
@@ -335,25 +359,171 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
     last.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
 
 
-def _sum_partial_grads(gm: fx.GraphModule, sp) -> None:
+def _sum_partial_grads(gm: fx.GraphModule, sp, selects: list[fx.Node]) -> None:
     """Route every replicated operand that carries a gradient into a split op (other than a
-    column matmul, whose input already has f) through ``tp_all_reduce_grad``: the op's backward
-    on one rank covers only that rank's part of the split dim."""
+    column matmul, whose input already has f, and a key/value head select, whose inputs
+    ``_select_kv_heads`` routed) through ``tp_all_reduce_grad``: the op's backward on one rank
+    covers only that rank's part of the split dim."""
     carries = from_parameters(gm)
     reduced: dict[fx.Node, fx.Node] = {}
     for n in list(sp.dims):
-        if n in sp.columns:
+        if n in sp.columns or n in selects:
             continue
         for a in n.all_input_nodes:
             if a in sp.dims or a not in carries or a.target == ops.tp_copy.default:
                 continue
-            if a not in reduced:
-                with gm.graph.inserting_after(a):
-                    reduced[a] = gm.graph.call_function(ops.tp_all_reduce_grad.default, (a, "tp"))
-                reduced[a].meta.update(
-                    {k: v for k, v in a.meta.items() if not k.startswith(META_INPUT)}
+            n.replace_input_with(a, _grad_summed(gm, a, reduced))
+
+
+def _grad_summed(gm: fx.GraphModule, a: fx.Node, reduced: dict[fx.Node, fx.Node]) -> fx.Node:
+    """``a`` through one ``tp_all_reduce_grad`` (shared by the callers that pass ``reduced``)."""
+    if a not in reduced:
+        with gm.graph.inserting_after(a):
+            reduced[a] = gm.graph.call_function(ops.tp_all_reduce_grad.default, (a, "tp"))
+        reduced[a].meta.update({k: v for k, v in a.meta.items() if not k.startswith(META_INPUT)})
+    return reduced[a]
+
+
+_COLLECTIVES = (ops.tp_copy.default, ops.tp_reduce.default, ops.tp_all_reduce_grad.default)
+
+
+def _kv_columns(sp, tp: int) -> set[fx.Node]:
+    """Column matmuls whose split would cut key/value heads (fewer of them than tp, or a count
+    tp does not divide) and whose split reaches nothing but attentions' keys and values: they
+    are kept whole on every rank, and each rank takes its heads at the attention
+    (``_select_kv_heads``). Megatron replicates such heads too."""
+    cut: set[fx.Node] = set()
+    for n, d in sp.dims.items():
+        val = tensor_val(n)
+        if val is None or not isinstance(val.shape[d], int) or val.shape[d] % tp == 0:
+            continue
+        columns, seen, work = set(), {n}, [n]
+        while work:  # back to the column matmuls the indivisible split came from
+            m = work.pop()
+            if m in sp.columns:
+                columns.add(m)
+            for a in m.all_input_nodes:
+                if a in sp.dims and a not in seen:
+                    seen.add(a)
+                    work.append(a)
+        if columns and all(_only_keys_values(sp, c) for c in columns):
+            cut |= columns
+    return cut
+
+
+def _only_keys_values(sp, column: fx.Node) -> bool:
+    """The split of ``column`` reaches attentions, as their keys or values only, and no row
+    matmul, output or op the split cannot pass."""
+    attention, seen, work = False, {column}, [column]
+    while work:
+        n = work.pop()
+        for u in n.users:
+            if u.target == aten.scaled_dot_product_attention.default:
+                if u.args[0] is n:
+                    return False
+                attention = True
+            elif u in sp.rows or u in sp.ends or u in sp.problems or u.op == "output":
+                return False
+            elif u in sp.dims and u not in seen:
+                seen.add(u)
+                work.append(u)
+    return attention
+
+
+def _kv_heads_unfit(n: fx.Node, tp: int) -> str | None:
+    """Why attention ``n``'s replicated keys and values cannot be shared out by heads over tp
+    ranks (a count neither a multiple nor a divisor of tp, or unequal counts); None if they can."""
+    k, v = tensor_of(node_arg(n, 1)), tensor_of(node_arg(n, 2))
+    heads = k.shape[-3]
+    if not isinstance(heads, int) or heads != v.shape[-3]:
+        return f"keys and values of unequal or unknown head counts {k.shape[-3]}, {v.shape[-3]}"
+    if heads % tp and tp % heads:
+        return f"{heads} key/value heads, which tp = {tp} neither divides nor is a multiple of"
+    return None
+
+
+def _select_kv_heads(gm: fx.GraphModule, sp, tp: int) -> list[fx.Node]:
+    """Each attention split by query heads whose keys and values are replicated reads this
+    rank's key/value heads of them: ``index_select`` of rows ``tp_rank · H/tp + arange(H/tp)``
+    when tp divides their H heads, else the one row ``tp_rank // (tp/H)`` (the head every local
+    query head of this rank shares). The selects join ``sp.dims`` (split by heads).
+
+    Their gradient on one rank covers only its heads, so every replicated value that carries a
+    gradient into them is summed over tp (``_route_partial``)."""
+    selects: list[fx.Node] = []
+    rank = None
+    g = gm.graph
+    for n in list(sp.dims):
+        if not replicated_kv(n, sp.dims):
+            continue
+        heads = int(tensor_of(node_arg(n, 1)).shape[-3])
+        rank = rank or _tp_rank(gm)
+        with g.inserting_before(n):
+            if heads % tp == 0:
+                per, first = heads // tp, g.call_function(aten.mul.Tensor, (rank, heads // tp))
+            else:
+                per = 1
+                first = g.call_function(
+                    aten.div.Scalar_mode, (rank, tp // heads), {"rounding_mode": "floor"}
                 )
-            n.replace_input_with(a, reduced[a])
+            rows = g.call_function(
+                aten.arange.default, (per,), {"device": tensor_of(node_arg(n, 1)).device}
+            )
+            index = g.call_function(aten.add.Tensor, (rows, first))
+            mine: dict[fx.Node, fx.Node] = {}
+            for src in dict.fromkeys((node_arg(n, 1), node_arg(n, 2))):
+                d = tensor_of(src).dim() - 3
+                mine[src] = g.call_function(aten.index_select.default, (src, d, index))
+                sp.dims[mine[src]] = d
+        for new in (first, rows, index, *mine.values()):
+            new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        for src, sel in mine.items():
+            n.replace_input_with(src, sel)
+        selects.extend(mine.values())
+    if selects:
+        _route_partial(gm, selects)
+    return selects
+
+
+def _route_partial(gm: fx.GraphModule, selects: list[fx.Node]) -> None:
+    """Sum over tp every gradient that the key/value head ``selects`` send back.
+
+    The *chain* is the replicated computation whose every use leads only into the selects
+    (the keys' projection, reshapes, rotary, the GQA repeat): its gradient on one rank is that
+    rank's share, so each value that enters the chain from outside and carries a gradient is
+    routed through ``tp_all_reduce_grad`` — a matmul's input through the region's f
+    (``tp_copy``), which sums it with the query's share — and the ranks' shares add up to the
+    whole. The chain stops at tp collectives, whose backward expects a whole gradient, and at
+    ops that compute in a less precise dtype than the keys (a float32 norm in a float64 model):
+    the shares are summed before the gradient is rounded to it, as one device rounds the whole."""
+    carries = from_parameters(gm)
+    eps = torch.finfo(tensor_of(node_arg(selects[0], 0)).dtype).eps
+    chain: set[fx.Node] = set()
+    work = [node_arg(s, 0) for s in selects]
+    while work:
+        n = work.pop()
+        if n in chain or n.op != "call_function" or n not in carries or n.target in _COLLECTIVES:
+            continue
+        if any(
+            v.is_floating_point() and torch.finfo(v.dtype).eps > eps
+            for v in map(tensor_val, [n, *n.all_input_nodes])
+            if v is not None
+        ):
+            continue
+        if any(u not in chain and u not in selects for u in n.users):
+            continue  # a later user joining the chain visits it again
+        chain.add(n)
+        work.extend(n.all_input_nodes)
+    reduced: dict[fx.Node, fx.Node] = {}
+    for n in [*chain, *selects]:
+        form = matmul_form(n) if n in chain else None
+        for a in n.all_input_nodes:
+            if a in chain or a not in carries:
+                continue
+            if form is not None and a is form.x:
+                tp_copy_of(gm, a, n)
+            else:
+                n.replace_input_with(a, _grad_summed(gm, a, reduced))
 
 
 def _rewrite_constants(n: fx.Node, dims: dict[fx.Node, int], tp: int) -> None:

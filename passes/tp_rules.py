@@ -186,10 +186,13 @@ def _layer_norm(n, dims):
 
 def _attention(n, dims):
     q, k, v = n.args[:3]
-    if not (q in dims and k in dims and v in dims):
-        raise Illegal("attention with only some of q, k, v split")
     heads = _ndim(q) - 3
-    if not dims[q] == dims[k] == dims[v] == heads:
+    if q in dims and k not in dims and v not in dims:  # replicated keys and values:
+        if dims[q] != heads:  # tensor_parallel selects this rank's heads of them
+            raise Illegal("attention split along a dim other than the heads")
+    elif not (q in dims and k in dims and v in dims):
+        raise Illegal("attention with only some of q, k, v split")
+    elif not dims[q] == dims[k] == dims[v] == heads:
         raise Illegal("attention split along a dim other than the heads")
     mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
     if isinstance(mask, fx.Node):
@@ -200,6 +203,17 @@ def _attention(n, dims):
         if pos >= 0 and m.shape[pos] != 1 and not per_head_mask(n):
             raise Illegal("attention mask differs per head")
     return heads
+
+
+def replicated_kv(n: fx.Node, dims: dict[fx.Node, int]) -> bool:
+    """``n`` is an attention split by query heads whose keys and values are replicated (fewer
+    key/value heads than tp): ``tensor_parallel._select_kv_heads`` gives it this rank's."""
+    return (
+        n.target == aten.scaled_dot_product_attention.default
+        and n.args[0] in dims
+        and n.args[1] not in dims
+        and n.args[2] not in dims
+    )
 
 
 def per_head_mask(n: fx.Node) -> int | None:

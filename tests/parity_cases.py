@@ -86,6 +86,35 @@ TP_DEFAULT = [
 ]
 
 
+KV = f"{ROOT}/tests/kv_models.py"
+KV_CASES = {  # fewer key/value heads than tp: replicated and selected per rank (tensor_parallel.md)
+    "llama-mqa-tp2": Check(f"{KV}:llama_mqa", tp=2),
+    "llama-mqa-tp4-sp": Check(f"{KV}:llama_mqa", tp=4, sequence_parallel=True),
+    "llama-mqa-tp8": Check(f"{KV}:llama_mqa", tp=8),
+    "llama-gqa4-tp8": Check(LLAMA, tp=8),
+    "llama-kv2-tp4": Check(f"{KV}:llama_kv2", tp=4),
+    "qwen3-mqa-tp2": Check(f"{KV}:qwen3_mqa", tp=2),
+    "gqa-kv1-tp4": Check(f"{KV}:gqa_kv1", tp=4),
+    "gqa-kv2-tp4-sp": Check(f"{KV}:gqa_kv2", tp=4, sequence_parallel=True),
+    "gqa-leak-tp2": Check(f"{KV}:gqa_leak", tp=2),
+    "llama-mqa-dp2xtp2": Check(f"{KV}:llama_mqa", dp=2, tp=2, microbatches=2),
+    "llama-mqa-tp2xpp2-seq1f1b-k4-sp": Check(
+        f"{KV}:llama_mqa_long",
+        tp=2,
+        pp=2,
+        schedule="seq1f1b",
+        seq_chunks=4,
+        microbatches=4,
+        sequence_parallel=True,
+    ),
+    "llama-mqa-tp2xpp2-zb": Check(
+        f"{KV}:llama_mqa_long", tp=2, pp=2, schedule="zb-h1", microbatches=4
+    ),
+}
+# the default suite's cross-section: one repeat_kv (with sp), the float32 key norm, enable_gqa
+KV_DEFAULT = ["llama-mqa-tp4-sp", "qwen3-mqa-tp2", "gqa-kv2-tp4-sp"]
+
+
 NANO_DEEP, GPT2_DEEP = (
     f"{ROOT}/examples/nanogpt.py:make_deep",
     f"{ROOT}/examples/hf_gpt2.py:make_deep",

@@ -9,7 +9,15 @@ program in memory, meeting over gloo; nothing is mocked. Every case is its own t
 from __future__ import annotations
 
 import pytest
-from parity_cases import TP_CASES, TP_DEFAULT, assert_all_pass, assert_passes, batch
+from parity_cases import (
+    KV_CASES,
+    KV_DEFAULT,
+    TP_CASES,
+    TP_DEFAULT,
+    assert_all_pass,
+    assert_passes,
+    batch,
+)
 
 from autopart import AutopartError
 from autopart.parity.verify import Report
@@ -31,3 +39,22 @@ def test_tensor_parallel_float64_parity(case: str, tp_reports: dict) -> None:
 def test_tensor_parallel_float64_parity_whole_matrix() -> None:
     """All 24 cases in one batch (the default run takes the 8 of TP_DEFAULT: suite time)."""
     assert_all_pass(batch(TP_CASES))
+
+
+@pytest.fixture(scope="module")
+def kv_reports() -> dict[str, Report | AutopartError]:
+    return batch({name: KV_CASES[name] for name in KV_DEFAULT})
+
+
+@pytest.mark.parametrize("case", KV_DEFAULT)
+def test_fewer_kv_heads_than_tp_float64_parity(case: str, kv_reports: dict) -> None:
+    """Replicated key/value heads, each rank reading its own (tensor_parallel.md): Llama's
+    repeat_kv with sequence parallelism, Qwen3's float32 key norm, SDPA's enable_gqa."""
+    assert_passes(kv_reports[case])
+
+
+@pytest.mark.slow
+def test_fewer_kv_heads_than_tp_float64_parity_whole_matrix() -> None:
+    """All of KV_CASES: tp up to 8, dp × tp, tp × pp with Seq1F1B and zero-bubble, keys read
+    outside attention."""
+    assert_all_pass(batch(KV_CASES))

@@ -224,8 +224,10 @@ def test_one_plan_for_the_planner_and_the_compiler() -> None:
 def test_plan_checks_a_model_shape() -> None:
     plan = Plan.from_batch(8, tp=4, pp=2, schedule="seq1f1b", seq_chunks=4)
     plan.check_model(layers=4, heads=8, kv_heads=4, ffn=64, seq=64)
-    with pytest.raises(AutopartError, match=r"tp=4 does not divide the kv heads \(2\)"):
-        plan.check_model(layers=4, heads=8, kv_heads=2, ffn=64, seq=64)
+    plan.check_model(layers=4, heads=8, kv_heads=2, ffn=64, seq=64)  # replicated KV heads
+    plan.check_model(layers=4, heads=8, kv_heads=1, ffn=64, seq=64)
+    with pytest.raises(AutopartError, match=r"tp=4 neither divides the kv heads \(6\)"):
+        plan.check_model(layers=4, heads=12, kv_heads=6, ffn=64, seq=64)
     with pytest.raises(AutopartError, match=r"pp\(2\) × virtual stages\(1\) = 2 > 1 layers"):
         plan.check_model(layers=1, heads=8, kv_heads=4, ffn=64, seq=64)
     with pytest.raises(AutopartError, match="cannot be cut into 4 chunks of at least 8"):

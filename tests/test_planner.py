@@ -216,6 +216,15 @@ def test_layouts_respect_the_constraints() -> None:
         assert (lay["seq_chunks"] > 1) == lay["schedule"].startswith("seq1f1b")
 
 
+def test_layouts_replicate_too_few_kv_heads() -> None:
+    """A model with 2 KV heads on 8-GPU nodes: tp = 4 and 8 are candidates (the heads are
+    replicated); 10 KV heads rule out tp = 4 and 8 (neither divisor nor multiple) but keep 2."""
+    gqa = dataclasses.replace(SHAPES["megatron-1t"], kv_heads=2)
+    assert {lay["tp"] for lay in layouts(gqa, A100, 64, 64)} >= {1, 2, 4, 8}
+    ten = dataclasses.replace(SHAPES["megatron-1t"], kv_heads=10)
+    assert {lay["tp"] for lay in layouts(ten, A100, 64, 64)} == {1, 2}
+
+
 def test_nothing_fits() -> None:
     with pytest.raises(AutopartError, match="no plan") as err:
         search(SHAPES["megatron-1t"], A100, 8, 8)

@@ -245,6 +245,24 @@ def test_parameters_add_up_to_the_model() -> None:
     assert shape.params == pytest.approx(1.008e12, rel=1e-3)  # as benchmarks/capture_1t.py counts
 
 
+def test_replicated_kv_heads_stay_whole_on_every_rank() -> None:
+    """At tp = 8, 1 or 2 KV heads are replicated (as ``tensor_parallel`` does): each GPU holds
+    K/V's weights and biases whole, so one more KV head costs every GPU all of its
+    2·(h + 1)·d parameters a layer, where with 8 or 16 heads (split) it costs an eighth; the
+    replicated weights' gradient all-reduce lengthens the backward's tp time."""
+    plan = Plan.from_batch(tp=8, pp=1, dp=1, global_batch=8)
+    shape = GPTShape(layers=8, hidden=4096, heads=32, vocab=32000, seq=4096, kv_heads=1)
+    h, d = shape.hidden, shape.head_dim
+
+    def params(kv: int) -> float:
+        return CostModel(replace(shape, kv_heads=kv), A100, plan).params[0]
+
+    assert params(2) - params(1) == pytest.approx(8 * 2 * (h + 1) * d)
+    assert params(16) - params(8) == pytest.approx(8 * 2 * (h + 1) * 8 * d / 8)
+    with pytest.raises(AutopartError, match="neither divides the kv heads"):
+        CostModel(replace(shape, hidden=6144, heads=48, kv_heads=12), A100, plan)
+
+
 def test_activation_savers_save_memory() -> None:
     shape = SHAPES["gpt3-175b"]
     mem = {}

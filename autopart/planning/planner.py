@@ -124,7 +124,8 @@ def layouts(
     max_tp = max_tp or cluster.gpus_per_node
     out = []
     for tp in _divisors(gpus):
-        if tp > max_tp or shape.heads % tp or shape.kv % tp or shape.ffn_width % tp:
+        kv_unfit = shape.kv % tp and tp % shape.kv  # tp a multiple of them: replicated
+        if tp > max_tp or shape.heads % tp or kv_unfit or shape.ffn_width % tp:
             continue
         for pp in _divisors(gpus // tp):
             if pp > shape.layers:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import kv_models
 import nanogpt
 import pytest
 import torch
@@ -38,7 +39,14 @@ from autopart.errors import AutopartError
 from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
 from autopart.lowering.pass_runner import run_passes
-from autopart.meta import META_GLOBAL_VAL, META_INPUT, META_LAYER, META_ROLE, META_SHARD
+from autopart.meta import (
+    META_GLOBAL_VAL,
+    META_INPUT,
+    META_LAYER,
+    META_MODULE,
+    META_ROLE,
+    META_SHARD,
+)
 from autopart.passes import PIPELINE
 from autopart.passes.tensor_parallel import TPShard
 
@@ -276,13 +284,99 @@ def test_fewer_heads_than_tp(gpt_sdpa: Case) -> None:
     assert "choose a tp that divides" in err.value.hint
 
 
-def test_gqa_with_fewer_kv_heads_than_tp_is_refused(llama: Case) -> None:
-    with pytest.raises(AutopartError) as err:
-        _compile(llama, 8)  # 8 query heads would split; the 4 KV heads cannot
-    e = err.value
-    assert "(model.layers.0.self_attn)" in e.message
-    assert "4 is not divisible by 8" in e.message
-    assert "key/value heads" in e.hint and "refused, not replicated" in e.hint
+def _rank_rows(gm: fx.GraphModule, select: fx.Node, tp: int) -> list[list[int]]:
+    """The rows ``select`` (an index_select of key/value heads) reads on each of tp ranks,
+    evaluated from the graph's own index nodes."""
+    rows = []
+    for rank in range(tp):
+        env: dict[fx.Node, object] = {}
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" and n.meta[META_INPUT].kind == "rank":
+                env[n] = torch.tensor(rank)
+            elif n.op == "call_function" and n in ancestors(select.args[2]) | {select.args[2]}:
+                env[n] = n.target(*fx.map_arg(n.args, env.__getitem__), **n.kwargs)
+        rows.append(env[select.args[2]].tolist())
+    return rows
+
+
+def test_fewer_kv_heads_than_tp_are_kept_whole_and_selected(llama: Case) -> None:
+    """Llama's 4 KV heads at tp=8 (8 query heads): q, o and the MLP split as usual; k_proj and
+    v_proj are replicated, their weights' gradients summed over tp, their input the query's f;
+    each attention reads rank r's row of the repeated keys and values (query head r's)."""
+    gm = _compile(llama, 8)
+    shards = {pattern(f): p.meta[META_SHARD] for f, p in params(gm).items()}
+    assert shards["model.layers.*.self_attn.q_proj.weight"] == COL
+    assert shards["model.layers.*.self_attn.o_proj.weight"] == ROW
+    assert shards["model.layers.*.mlp.up_proj.weight"] == COL
+    for name in ("k_proj", "v_proj"):
+        assert shards[f"model.layers.*.self_attn.{name}.weight"] is None
+        for layer in range(n_layers(llama)):
+            w = params(gm)[f"model.layers.{layer}.self_attn.{name}.weight"]
+            assert [u.target for u in w.users] == [ops.tp_all_reduce_grad.default]
+            (lin,) = next(iter(w.users)).users
+            q_weight = params(gm)[f"model.layers.{layer}.self_attn.q_proj.weight"]
+            assert lin.args[0].target == ops.tp_copy.default  # the query's f:
+            assert any(u.args[1] is q_weight for u in lin.args[0].users)
+    sdpas = calls(gm, aten.scaled_dot_product_attention.default)
+    assert len(sdpas) == n_layers(llama)
+    for sdpa in sdpas:
+        for kv in sdpa.args[1:3]:
+            assert kv.target == aten.index_select.default and kv.args[1] == 1
+            assert tuple(kv.meta["val"].shape[1:2]) == (1,)  # one of the 8 repeated heads
+            assert _rank_rows(gm, kv, 8) == [[r] for r in range(8)]
+
+
+def test_one_kv_head_is_shared_by_every_rank() -> None:
+    """SDPA's ``enable_gqa`` with 1 and 2 key/value heads at tp=4: the keys and values stay
+    un-repeated and each rank selects the one head its query heads share (rank // (tp/kv))."""
+    for make, expected in (
+        (kv_models.gqa_kv1, [[0]] * 4),
+        (kv_models.gqa_kv2, [[0], [0], [1], [1]]),
+    ):
+        gm = _compile(_case(make), 4)
+        assert params(gm)["attn.0.k.weight"].meta[META_SHARD] is None
+        assert params(gm)["attn.0.k.bias"].meta[META_SHARD] is None
+        assert params(gm)["attn.0.q.weight"].meta[META_SHARD] == COL
+        for sdpa in calls(gm, aten.scaled_dot_product_attention.default):
+            k, v = sdpa.args[1:3]
+            assert k.target == v.target == aten.index_select.default
+            assert _rank_rows(gm, k, 4) == _rank_rows(gm, v, 4) == expected
+
+
+def test_kv_heads_tp_cannot_share_out_leave_the_attention_replicated(caplog) -> None:
+    """3 key/value heads read by ``enable_gqa`` at tp=2: no rank's query heads share one head,
+    so the attention stays replicated, with a warning naming it and the head count."""
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(_case(kv_models.gqa_kv3), 2)
+    assert params(gm)["attn.0.q.weight"].meta[META_SHARD] is None
+    assert not calls(gm, aten.index_select.default)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        "(attn.0.q) replicated" in m
+        and "(attn.0) has 3 key/value heads, which tp = 2 neither divides nor is a multiple of" in m
+        for m in said
+    ), said
+
+
+def test_kv_gradients_are_summed_before_a_less_precise_norm() -> None:
+    """Qwen3's key norm computes in float32 inside a float64 model: the ranks' gradient shares
+    are summed where the norm hands its float64 output on (one tp_all_reduce_grad on that
+    cast), not after float32 rounding, so k_proj reads x directly and its weight unreduced."""
+    gm = _compile(_case(kv_models.qwen3_mqa), 2)
+    w = params(gm)["model.layers.0.self_attn.k_proj.weight"]
+    assert [u.target for u in w.users] == [aten.linear.default]
+    assert next(iter(w.users)).args[0].target != ops.tp_copy.default
+    norm_w = params(gm)["model.layers.0.self_attn.k_norm.weight"]
+    assert [u.target for u in norm_w.users] == [ops.tp_all_reduce_grad.default]
+    layer0 = [
+        n
+        for n in calls(gm, ops.tp_all_reduce_grad.default)
+        if n.meta.get(META_MODULE) == "model.layers.0.self_attn.k_norm" and n.args[0] is not norm_w
+    ]
+    assert len(layer0) == 1
+    cast = layer0[0].args[0]
+    assert cast.meta["val"].dtype == torch.float64
+    assert cast.args[0].meta["val"].dtype == torch.float32
 
 
 class WideMLP(nn.Module):

@@ -120,11 +120,13 @@ def _layer(
 ) -> UnitCost:
     """One transformer layer on ``b`` sequences' tokens [a, a + L) (a > 0: a Seq1F1B chunk
     attending to a prefix of a tokens)."""
-    h, f, kvd, d = shape.hidden, shape.ffn_width, shape.kv_dim, shape.head_dim
+    h, f, d = shape.hidden, shape.ffn_width, shape.head_dim
     T, t, heads = b * L, tp, shape.heads // tp
+    kv = shape.kv_dim_on(tp)  # K (and V) width on this GPU: all of it when replicated
+    qkv = h / t + 2 * kv
     r = 1 / t if sp else 1.0  # share of the replicated activations this GPU holds
     gemms = [
-        _gemm_fb(cl, T, h, (h + 2 * kvd) / t),
+        _gemm_fb(cl, T, h, qkv),
         _gemm_fb(cl, T, h / t, h),
         _gemm_fb(cl, T, h, f / t),
         _gemm_fb(cl, T, f / t, h),
@@ -160,14 +162,16 @@ def _layer(
         # reduce-scatters with it
         comm = 4 * one if sp else 2 * _allreduce(t, cl.act_bytes * T * h, link, x)
         b_tp = comm
+        if kv * t > shape.kv_dim:  # replicated K/V heads: their weights' gradients summed
+            b_tp += _allreduce(t, cl.act_bytes * 2 * (h + 1) * kv, link, x)
         if cl.tp_overlap:
             # the column-parallel layers' (QKV, fc1) input-gradient collective overlaps their
             # weight-gradient GEMM; under SP their input's all-gather also overlaps the
             # input-gradient GEMM; the row-parallel layers' all-gathers (SP) stay exposed
-            dw = [_gemm(cl, h, T, (h + 2 * kvd) / t), _gemm(cl, h, T, f / t)]
+            dw = [_gemm(cl, h, T, qkv), _gemm(cl, h, T, f / t)]
             if sp:
                 dx = [
-                    _gemm(cl, T, (h + 2 * kvd) / t, h, weight=True),
+                    _gemm(cl, T, qkv, h, weight=True),
                     _gemm(cl, T, f / t, h, weight=True),
                 ]
                 hidden = zip(dx, dw, strict=True)
@@ -178,11 +182,12 @@ def _layer(
     f_tp = comm
     # activations (Korthikanti et al. 2022, §4), bytes per token per layer, generalized to the
     # kv width and the ffn: 14h + 4·kvd + 4·ffn (= 34h for a standard GPT), of which LayerNorm
-    # inputs, the QKV and fc1 inputs and two dropout masks (10h) stay whole without SP
-    split = 4 * h + 4 * kvd + 4 * f
-    per_token = (14 * h + 4 * kvd + 4 * f) / t if sp else 10 * h + split / t
+    # inputs, the QKV and fc1 inputs and two dropout masks (10h) stay whole without SP; K and V
+    # (4·kvd) are whole on every GPU when their heads are replicated
+    split = (4 * h + 4 * f) / t + 4 * kv
+    per_token = (10 * h + 4 * h + 4 * f) / t + 4 * kv if sp else 10 * h + split
     act_all = T * per_token + 5 * scores  # softmax output, its dropout mask and output: 5 B each
-    prefix_copy = 4 * b * a * kvd / t  # autopart's chunk saves [prefix; chunk] K and V again
+    prefix_copy = 4 * b * a * kv  # autopart's chunk saves [prefix; chunk] K and V again
     rec = 0.0
     transient = 0.0
     if recompute == "none":
@@ -191,14 +196,14 @@ def _layer(
         act = act_all - 5 * scores + prefix_copy
         rec = attn_f if attention == "unfused" else 0.0  # flash recomputes inside its backward
     else:  # full: keep the layer input (and a chunk's K/V for the later chunks), redo forward
-        act = T * 2 * h * r + (4 * T * kvd / t + prefix_copy if a or shape.seq > L else 0)
+        act = T * 2 * h * r + (4 * T * kv + prefix_copy if a or shape.seq > L else 0)
         rec = fwd
         b_tp += comm
         transient = act_all + prefix_copy
     # weight gradients: dB = Aᵀ·dC of each layer GEMM (the other half of ``_gemm_fb``'s
     # backward), whose weights are k × n: QKV, the attention output, fc1, fc2; deferred, a W
     # reads back each GEMM's input (T × k) and output gradient (T × n)
-    weights = ((h, (h + 2 * kvd) / t), (h / t, h), (h, f / t), (f / t, h))
+    weights = ((h, qkv), (h / t, h), (h, f / t), (f / t, h))
     w = sum(_gemm(cl, k, T, n) for k, n in weights)
     cold = _cold_read(cl, T * sum(k + n for k, n in weights))
     return UnitCost(fwd, f_tp, bwd + rec, b_tp, act, transient, rec, w, cold)
@@ -267,14 +272,16 @@ def stage_layers(layers: int, stages: int) -> list[int]:
 
 def stage_params(shape: GPTShape, st: Plan) -> tuple[list[float], list[float]]:
     """(parameters of each stage, parameters of each pipeline rank) on one GPU: matmul
-    weights and column-parallel biases split over tp, LayerNorms and row-parallel biases
-    whole; the vocab-parallel embedding on stage 0, the final norm (and, when the head is
+    weights and column-parallel biases split over tp (K/V's whole when tp is a multiple of
+    their heads), LayerNorms and row-parallel biases whole; the vocab-parallel embedding on stage 0, the final norm (and, when the head is
     on another rank or untied, its copy of the table) on the last stage."""
     p, t, h = st.pp, st.tp, shape.hidden
     n_stages = p * st.virtual_stages
     vocab = _padded_vocab(shape.vocab, t)
     col_bias = (h + 2 * shape.kv_dim) + shape.ffn_width
     split = shape.layer_matmul_params + col_bias
+    if shape.kv % t:  # replicated K/V heads: their weights and biases whole on every GPU
+        split -= 2 * (h + 1) * shape.kv_dim
     per_layer = split / t + (shape.layer_params - split)
     stages, ranks = [], [0.0] * p
     for s, n_layers in enumerate(stage_layers(shape.layers, n_stages)):

@@ -54,6 +54,11 @@ class GPTShape:
         """Width of K (and of V): kv heads × head width."""
         return self.kv * self.head_dim
 
+    def kv_dim_on(self, tp: int) -> float:
+        """Width of K (and of V) one of ``tp`` ranks computes: its share of the heads, or all of
+        them when there are too few to share out (replicated, as ``tensor_parallel`` does)."""
+        return self.kv_dim / tp if self.kv % tp == 0 else self.kv_dim
+
     @property
     def ffn_width(self) -> int:
         return 4 * self.hidden if self.ffn is None else self.ffn
