@@ -18,8 +18,9 @@ attention, head reshapes, rotary slicing, GQA repeats) — runs on tp ranks with
   head (ALiBi) reads this rank's heads of it (``index_select`` by ``tp_rank``);
 - an attention with fewer key/value heads than tp (or a count tp does not divide) keeps its
   key/value projections whole on every rank and reads the heads its query heads share
-  (``index_select`` by ``tp_rank``); every gradient entering that replicated chain is summed
-  over tp, as Megatron does for replicated KV heads.
+  (``index_select`` by ``tp_rank`` of every replicated operand ``tp_rules.narrowed`` names: an
+  SDPA's k and v, an eager attention's products' keys and values); every gradient entering
+  that replicated chain is summed over tp, as Megatron does for replicated KV heads.
 
 Parameter placeholders get ``meta["autopart.shard"]`` = ``TPShard(dim, strided)`` or keep
 ``None`` (replicated). A region the rules cannot prove is left replicated with a warning naming
@@ -54,8 +55,8 @@ from autopart.node_args import int_arg, node_arg, seq_arg
 from autopart.passes.tp_rules import (
     Matmul,
     matmul_form,
+    narrowed,
     per_head_mask,
-    replicated_kv,
     spread,
     tensor_of,
     tensor_val,
@@ -114,7 +115,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         form = matmul_form(n)
         assert form is not None
         _split_row(gm, form)
-    selects = _select_kv_heads(gm, sp, tp)
+    selects = _select_heads(gm, sp, tp)
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
         n.meta[META_TP_SPLIT] = sp.dims[n]
@@ -202,7 +203,7 @@ def _invalid_regions(sp, tp: int) -> list[tuple[list[fx.Node], str]]:
         unfit = [
             (m, why)
             for m in members
-            if replicated_kv(m, sp.dims) and (why := _kv_heads_unfit(m, tp)) is not None
+            if m.target == _SDPA and narrowed(m, sp.dims) and (why := _kv_heads_unfit(m, tp))
         ]
         if problems:
             p = problems[0]
@@ -362,7 +363,7 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
 def _sum_partial_grads(gm: fx.GraphModule, sp, selects: list[fx.Node]) -> None:
     """Route every replicated operand that carries a gradient into a split op (other than a
     column matmul, whose input already has f, and a key/value head select, whose inputs
-    ``_select_kv_heads`` routed) through ``tp_all_reduce_grad``: the op's backward on one rank
+    ``_select_heads`` routed) through ``tp_all_reduce_grad``: the op's backward on one rank
     covers only that rank's part of the split dim."""
     carries = from_parameters(gm)
     reduced: dict[fx.Node, fx.Node] = {}
@@ -385,13 +386,15 @@ def _grad_summed(gm: fx.GraphModule, a: fx.Node, reduced: dict[fx.Node, fx.Node]
 
 
 _COLLECTIVES = (ops.tp_copy.default, ops.tp_reduce.default, ops.tp_all_reduce_grad.default)
+_SDPA = aten.scaled_dot_product_attention.default
+_PRODUCTS = (aten.matmul.default, aten.bmm.default)
 
 
 def _kv_columns(sp, tp: int) -> set[fx.Node]:
     """Column matmuls whose split would cut key/value heads (fewer of them than tp, or a count
     tp does not divide) and whose split reaches nothing but attentions' keys and values: they
     are kept whole on every rank, and each rank takes its heads at the attention
-    (``_select_kv_heads``). Megatron replicates such heads too."""
+    (``_select_heads``). Megatron replicates such heads too."""
     cut: set[fx.Node] = set()
     for n, d in sp.dims.items():
         val = tensor_val(n)
@@ -412,22 +415,25 @@ def _kv_columns(sp, tp: int) -> set[fx.Node]:
 
 
 def _only_keys_values(sp, column: fx.Node) -> bool:
-    """The split of ``column`` reaches attentions, as their keys or values only, and no row
-    matmul, output or op the split cannot pass."""
-    attention, seen, work = False, {column}, [column]
+    """The split of ``column`` reaches attentions as their keys or values only (an SDPA's k
+    or v, or one operand of an activation matmul whose other operand it does not reach), and
+    no row matmul, output or op the split cannot pass."""
+    seen, work, products = {column}, [column], []
     while work:
         n = work.pop()
         for u in n.users:
-            if u.target == aten.scaled_dot_product_attention.default:
+            if u.target == _SDPA:
                 if u.args[0] is n:
                     return False
-                attention = True
+                products.append((u, u.args[0]))
+            elif u.target in _PRODUCTS and matmul_form(u) is None:
+                products.append((u, u.args[1] if u.args[0] is n else u.args[0]))
             elif u in sp.rows or u in sp.ends or u in sp.problems or u.op == "output":
                 return False
             elif u in sp.dims and u not in seen:
                 seen.add(u)
                 work.append(u)
-    return attention
+    return bool(products) and all(other not in seen for _, other in products)
 
 
 def _kv_heads_unfit(n: fx.Node, tp: int) -> str | None:
@@ -442,47 +448,69 @@ def _kv_heads_unfit(n: fx.Node, tp: int) -> str | None:
     return None
 
 
-def _select_kv_heads(gm: fx.GraphModule, sp, tp: int) -> list[fx.Node]:
-    """Each attention split by query heads whose keys and values are replicated reads this
-    rank's key/value heads of them: ``index_select`` of rows ``tp_rank · H/tp + arange(H/tp)``
-    when tp divides their H heads, else the one row ``tp_rank // (tp/H)`` (the head every local
-    query head of this rank shares). The selects join ``sp.dims`` (split by heads).
+def _select_heads(gm: fx.GraphModule, sp, tp: int) -> list[fx.Node]:
+    """Each replicated operand a split op reads whole (``tp_rules.narrowed``: an attention's
+    keys and values when only its queries are split, the keys of an eager attention's
+    products) is cut to this rank's part by ``index_select``: rows ``tp_rank · H/tp +
+    arange(H/tp)`` of its H along the split dim when tp divides H, else (SDPA's grouped
+    keys, tp a multiple of H) the one row ``tp_rank // (tp/H)``, the head every local query
+    head shares. The selects join ``sp.dims``.
 
-    Their gradient on one rank covers only its heads, so every replicated value that carries a
+    Their gradient on one rank covers only its part, so every replicated value that carries a
     gradient into them is summed over tp (``_route_partial``)."""
+    cuts = [(n, src, d) for n in list(sp.dims) for src, d in narrowed(n, sp.dims)]
     selects: list[fx.Node] = []
     rank = None
     g = gm.graph
-    for n in list(sp.dims):
-        if not replicated_kv(n, sp.dims):
-            continue
-        heads = int(tensor_of(node_arg(n, 1)).shape[-3])
+    index: dict[tuple[fx.Node, int], fx.Node] = {}
+    for n, src, d in cuts:
+        user, passed = n, []  # the select goes before a transpose read by n alone (an eager
+        while src.target == aten.transpose.int and len(src.users) == 1:  # attention's kᵀ)
+            a, b = (_norm_dim(int_arg(src, i), tensor_of(src).dim()) for i in (1, 2))
+            passed.append((src, d))  # the transpose, split along d once it reads the select
+            user, src, d = src, node_arg(src, 0), b if d == a else a if d == b else d
+        rows = int(tensor_of(src).shape[d])
         rank = rank or _tp_rank(gm)
-        with g.inserting_before(n):
-            if heads % tp == 0:
-                per, first = heads // tp, g.call_function(aten.mul.Tensor, (rank, heads // tp))
-            else:
-                per = 1
-                first = g.call_function(
-                    aten.div.Scalar_mode, (rank, tp // heads), {"rounding_mode": "floor"}
+        # a rebuilt position mask reads its key length from the keys (sequence_chunk lengthens
+        # it by the prefix's through them): it reads the select's, the same length
+        sizes = [u for u in src.users if u.meta.get(META_MASK_FN) == "keys"]
+        order = {m: i for i, m in enumerate(g.nodes)}
+        with g.inserting_before(min([user, *sizes], key=order.__getitem__)):
+            if (n, rows) not in index:
+                if rows % tp == 0:
+                    per, first = rows // tp, g.call_function(aten.mul.Tensor, (rank, rows // tp))
+                else:
+                    per = 1
+                    first = g.call_function(
+                        aten.div.Scalar_mode, (rank, tp // rows), {"rounding_mode": "floor"}
+                    )
+                arange = g.call_function(
+                    aten.arange.default, (per,), {"device": tensor_of(src).device}
                 )
-            rows = g.call_function(
-                aten.arange.default, (per,), {"device": tensor_of(node_arg(n, 1)).device}
-            )
-            index = g.call_function(aten.add.Tensor, (rows, first))
-            mine: dict[fx.Node, fx.Node] = {}
-            for src in dict.fromkeys((node_arg(n, 1), node_arg(n, 2))):
-                d = tensor_of(src).dim() - 3
-                mine[src] = g.call_function(aten.index_select.default, (src, d, index))
-                sp.dims[mine[src]] = d
-        for new in (first, rows, index, *mine.values()):
-            new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-        for src, sel in mine.items():
-            n.replace_input_with(src, sel)
-        selects.extend(mine.values())
+                index[n, rows] = g.call_function(aten.add.Tensor, (arange, first))
+                for new in (first, arange, index[n, rows]):
+                    new.meta.update(_derived_meta(src))
+            sel = g.call_function(aten.index_select.default, (src, d, index[n, rows]))
+        sel.meta.update(_derived_meta(src))
+        sp.dims[sel] = d
+        selects.append(sel)
+        for u in (user, *sizes):
+            u.replace_input_with(src, sel)
+        sp.dims.update(passed)
     if selects:
         _route_partial(gm, selects)
     return selects
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _derived_meta(src: fx.Node) -> dict:
+    """``src``'s meta for a node computed from it: its module and layer, not its value, input
+    reference, shard or role."""
+    drop = ("val", META_INPUT, META_SHARD, META_TP_SPLIT, META_ROLE)
+    return {k: v for k, v in src.meta.items() if k not in drop}
 
 
 def _route_partial(gm: fx.GraphModule, selects: list[fx.Node]) -> None:

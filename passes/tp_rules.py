@@ -205,17 +205,6 @@ def _attention(n, dims):
     return heads
 
 
-def replicated_kv(n: fx.Node, dims: dict[fx.Node, int]) -> bool:
-    """``n`` is an attention split by query heads whose keys and values are replicated (fewer
-    key/value heads than tp): ``tensor_parallel._select_kv_heads`` gives it this rank's."""
-    return (
-        n.target == aten.scaled_dot_product_attention.default
-        and n.args[0] in dims
-        and n.args[1] not in dims
-        and n.args[2] not in dims
-    )
-
-
 def per_head_mask(n: fx.Node) -> int | None:
     """The head dim of an SDPA's mask that differs per head and that ``position_masks`` rebuilt
     from sizes and buffers (ALiBi's slopes): the same on every rank, so each rank may take its
@@ -232,9 +221,55 @@ def per_head_mask(n: fx.Node) -> int | None:
 
 def _batched_matmul(n, dims):
     a, b = n.args[:2]
-    if a not in dims or b not in dims or dims[a] != dims[b] or dims[a] >= _ndim(n) - 2:
-        raise Illegal("matmul of activations split along a non-batch dim")
-    return dims[a]
+    if a in dims and b in dims and dims[a] == dims[b] and dims[a] < _ndim(n) - 2:
+        return dims[a]
+    if (a in dims) != (b in dims):  # one replicated operand (the keys of heads split by the
+        split = a if a in dims else b  # queries): tensor_parallel selects this rank's part
+        d = dims[split] + _ndim(n) - _ndim(split)
+        if d < _ndim(n) - 2 and (_spans(n, split, d) is not None or _broadcasts(n, split, d)):
+            return d
+    raise Illegal("matmul of activations split along a non-batch dim")
+
+
+def _other(n: fx.Node, split: fx.Node) -> fx.Node:
+    return node_arg(n, 1) if n.args[0] is split else node_arg(n, 0)
+
+
+def _broadcasts(n: fx.Node, split: fx.Node, d: int) -> bool:
+    """The replicated operand of matmul ``n`` has size 1 (or no dim) along output dim ``d``."""
+    other = tensor_of(_other(n, split))
+    pos = d - (_ndim(n) - other.dim())
+    return pos < 0 or other.shape[pos] == 1
+
+
+def _spans(n: fx.Node, split: fx.Node, d: int) -> int | None:
+    """The dim of matmul ``n``'s replicated operand that spans output dim ``d`` whole (as large
+    as the split operand's dim there), or None."""
+    other = tensor_of(_other(n, split))
+    pos = d - (_ndim(n) - other.dim())
+    mine = tensor_of(split).shape[d - (_ndim(n) - _ndim(split))]
+    if pos < 0 or not isinstance(mine, int) or other.shape[pos] != mine or mine == 1:
+        return None
+    return pos
+
+
+def narrowed(n: fx.Node, dims: dict[fx.Node, int]) -> list[tuple[fx.Node, int]]:
+    """The replicated operands of split node ``n`` that each rank must cut to its part, with
+    the dim to cut (``tensor_parallel._select_heads``): an attention's keys and values when
+    only the queries are split (fewer key/value heads than tp), a batched matmul's replicated
+    operand that spans the split batch dim (an eager attention's keys or values)."""
+    if n.target == aten.scaled_dot_product_attention.default:
+        q, k, v = (node_arg(n, i) for i in range(3))
+        if q in dims and k not in dims and v not in dims:
+            return [(k, _ndim(k) - 3), (v, _ndim(v) - 3)]
+    elif n.target in (aten.matmul.default, aten.bmm.default) and n in dims:
+        a, b = node_arg(n, 0), node_arg(n, 1)
+        if (a in dims) != (b in dims):
+            split = a if a in dims else b
+            pos = _spans(n, split, dims[n])
+            if pos is not None:
+                return [(_other(n, split), pos)]
+    return []
 
 
 def _getitem(n, dims):

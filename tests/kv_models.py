@@ -84,12 +84,37 @@ class _Attention(nn.Module):
         return out
 
 
+class _Eager(_Attention):
+    """Eager attention over repeated key/value heads with Gemma 2's logit soft-capping (which
+    keeps it as matmuls, softmax and matmuls rather than one SDPA)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        rep = self.heads // self.kv
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = (
+            f(x)
+            .view(b, s, self.kv, self.dim)
+            .transpose(1, 2)[:, :, None]
+            .expand(b, self.kv, rep, s, self.dim)
+            .reshape(b, self.heads, s, self.dim)
+            for f in (self.k, self.v)
+        )
+        scores = torch.tanh(q @ k.transpose(-1, -2) / (self.dim**0.5 * 30.0)) * 30.0
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        return self.o((probs @ v).transpose(1, 2).reshape(b, s, self.heads * self.dim))
+
+
 class _Model(nn.Module):
-    def __init__(self, heads: int, kv: int, leak: bool = False, n_layer: int = 2) -> None:
+    def __init__(
+        self, heads: int, kv: int, leak: bool = False, n_layer: int = 2, eager: bool = False
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.norms = nn.ModuleList(nn.LayerNorm(WIDTH) for _ in range(n_layer))
-        self.attn = nn.ModuleList(_Attention(heads, kv, leak) for _ in range(n_layer))
+        kind = _Eager if eager else _Attention
+        self.attn = nn.ModuleList(kind(heads, kv, leak) for _ in range(n_layer))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -99,9 +124,20 @@ class _Model(nn.Module):
         return self.head(x)
 
 
-def _toy(heads: int, kv: int, leak: bool = False):
+def _toy(heads: int, kv: int, leak: bool = False, eager: bool = False):
     torch.manual_seed(0)
-    return _Model(heads, kv, leak), _batch()
+    return _Model(heads, kv, leak, eager=eager), _batch()
+
+
+def eager_mqa():
+    """8 query heads over 1 repeated key/value head in eager, soft-capped attention."""
+    return _toy(8, 1, eager=True)
+
+
+def eager_kv3():
+    """6 query heads over 3 repeated key/value heads in eager attention (tp = 2 and 3 cut the
+    repeated heads, not the 3)."""
+    return _toy(6, 3, eager=True)
 
 
 def gqa_kv1():

@@ -107,12 +107,21 @@ KV_CASES = {  # fewer key/value heads than tp: replicated and selected per rank 
         microbatches=4,
         sequence_parallel=True,
     ),
+    "eager-mqa-tp4-sp": Check(f"{KV}:eager_mqa", tp=4, sequence_parallel=True),
+    "eager-kv3-tp2": Check(f"{KV}:eager_kv3", tp=2),
+    "eager-mqa-tp2xpp2-seq1f1b-k2": Check(
+        f"{KV}:eager_mqa", tp=2, pp=2, schedule="seq1f1b", seq_chunks=2, microbatches=4
+    ),
+    "zoo-mistral-tp4xpp2-seq1f1b-k4": Check(
+        "autopart.models.zoo:mistral", tp=4, pp=2, schedule="seq1f1b", seq_chunks=4, microbatches=4
+    ),
     "llama-mqa-tp2xpp2-zb": Check(
         f"{KV}:llama_mqa_long", tp=2, pp=2, schedule="zb-h1", microbatches=4
     ),
 }
-# the default suite's cross-section: one repeat_kv (with sp), the float32 key norm, enable_gqa
-KV_DEFAULT = ["llama-mqa-tp4-sp", "qwen3-mqa-tp2", "gqa-kv2-tp4-sp"]
+# the default suite's cross-section: repeat_kv (with sp), the float32 key norm, enable_gqa,
+# an eager attention's products under Seq1F1B
+KV_DEFAULT = ["llama-mqa-tp4-sp", "qwen3-mqa-tp2", "gqa-kv2-tp4-sp", "eager-mqa-tp2xpp2-seq1f1b-k2"]
 
 
 NANO_DEEP, GPT2_DEEP = (

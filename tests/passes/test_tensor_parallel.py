@@ -299,6 +299,12 @@ def _rank_rows(gm: fx.GraphModule, select: fx.Node, tp: int) -> list[list[int]]:
     return rows
 
 
+def _before_transposes(n: fx.Node) -> fx.Node:
+    while n.target == aten.transpose.int:
+        n = n.args[0]
+    return n
+
+
 def test_fewer_kv_heads_than_tp_are_kept_whole_and_selected(llama: Case) -> None:
     """Llama's 4 KV heads at tp=8 (8 query heads): q, o and the MLP split as usual; k_proj and
     v_proj are replicated, their weights' gradients summed over tp, their input the query's f;
@@ -338,9 +344,28 @@ def test_one_kv_head_is_shared_by_every_rank() -> None:
         assert params(gm)["attn.0.k.bias"].meta[META_SHARD] is None
         assert params(gm)["attn.0.q.weight"].meta[META_SHARD] == COL
         for sdpa in calls(gm, aten.scaled_dot_product_attention.default):
-            k, v = sdpa.args[1:3]
+            k, v = (_before_transposes(x) for x in sdpa.args[1:3])
             assert k.target == v.target == aten.index_select.default
             assert _rank_rows(gm, k, 4) == _rank_rows(gm, v, 4) == expected
+
+
+def test_an_eager_attention_selects_its_keys_before_the_transpose() -> None:
+    """Eager, soft-capped attention over one repeated KV head at tp=2: q·kᵀ and p·v read a
+    select of this rank's 4 of the 8 repeated heads, put before kᵀ so the general form's k is
+    the select (sequence_chunk joins the K prefix there); the causal mask's key length reads
+    the select too."""
+    gm = _compile(_case(kv_models.eager_mqa), 2)
+    assert params(gm)["attn.0.k.weight"].meta[META_SHARD] is None
+    selects = calls(gm, aten.index_select.default)
+    assert len(selects) == 4  # k and v of 2 layers
+    for sel in selects:
+        assert tuple(sel.meta["val"].shape[1:2]) == (4,)
+        assert _rank_rows(gm, sel, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        (user,) = sel.users
+        if user.target == aten.transpose.int:  # kᵀ
+            (user,) = user.users
+        assert user.target == aten.matmul.default
+    assert not calls(gm, aten.scaled_dot_product_attention.default)
 
 
 def test_kv_heads_tp_cannot_share_out_leave_the_attention_replicated(caplog) -> None:
