@@ -99,6 +99,30 @@ def test_accumulation_over_steps_equals_one_big_batch() -> None:
     assert all(all(r["tokens"].values()) for r in rows), [r["tokens"] for r in rows]
 
 
+@pytest.mark.multirank
+def test_pipeline_stages_keep_their_own_groups_and_frozen_weights(tmp_path: Path) -> None:
+    """pp=2, tied embeddings frozen, one AdamW group per layer at its own rate (each stage's
+    groups differ): the frozen weight keeps no gradient and does not move under weight decay;
+    a checkpoint gives each stage its own rates back, and a dp=2 layout each layer's; a group
+    merging layers saved at different rates is refused; each rank's own ``extra`` comes back
+    under the same layout (tests/stage_groups_script.py)."""
+    out = launch_forked(
+        2, [str(ROOT / "tests" / "stage_groups_script.py"), str(tmp_path / "ck")], timeout_s=180
+    )
+    rows = sorted(
+        (json.loads(x) for x in out.splitlines() if x.startswith("{")), key=lambda r: r["rank"]
+    )
+    assert len(rows) == 2, out
+    for r in rows:
+        assert r["tied"] and all(r["frozen_grads_none"]) and r["frozen_moved"] == 0.0, r
+        assert r["back"] == r["rates"], r  # its own stage's rates, not rank 0's
+        assert r["dp_rates"] == [1e-3, 2e-3, 4e-3], r  # layer 0, layer 1, the final norm
+        assert r["merged"], r
+        assert r["own_extra"] == {"stage": r["rank"]} and r["dp_extra"] == {"stage": 0}, r
+    assert rows[0]["rates"] != rows[1]["rates"]  # the stages' groups did differ
+    assert len(rows[0]["warned"]) == 1 and not rows[1]["warned"]
+
+
 def _single_rank(model, batch):
     """The local rank's runner of a one-rank program, no process group needed."""
     from autopart.runtime.runner import Runner, local_weights

@@ -79,7 +79,7 @@ def save(
     parameter in exactly one), loaded back by a list of the same classes in the same order.
 
     ``step`` is the data position (steps done), ``extra`` any JSON-able dict (returned by
-    ``load``), ``tied`` the model's tied aliases ``{alias: canonical FQN}`` (``plan.json``'s
+    ``load``: to each rank its own when the layout is the same, else rank 0's), ``tied`` the model's tied aliases ``{alias: canonical FQN}`` (``plan.json``'s
     ``tied``) so that ``export_state_dict`` can give them back. Returns once the checkpoint is
     complete on every rank. An existing checkpoint at ``path`` is replaced. The marker
     (``autopart.json``, written last) records every tensor's chunks and every file's size and
@@ -107,10 +107,13 @@ def save(
             f: [s.dim, s.strided] for f, s in runner.program.shards.items() if s.strided > 1
         },
         "buffers": sorted(_buffer_names(runner)),
+        "groups": [_groups_held(runner, o) for o in opts],
+        "extra": extra or {},
     }
     if runner.rank == 0:
         _clear(path)
     every = _all_gather_json(mine, runner, "checkpoint layout exchange")  # also: path is clear
+    optim = _optim_info(opts, [m["groups"] for m in every], path)  # every rank: refused alike
     try:
         written = dcp.save(state, storage_writer=cf.Writer(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
@@ -129,11 +132,12 @@ def save(
             "seed": int(runner.seed),
             "extra": extra or {},
             "mesh": {d: getattr(runner.plan.mesh, d) for d in ("pp", "dp", "tp")},
+            **_extra_ranks([m["extra"] for m in every]),
             "plan": runner.plan.to_json(),
             "tied": dict(tied or {}),
             "strided": {f: v for m in every for f, v in m["strided"].items()},
             "buffers": sorted({b for m in every for b in m["buffers"]}),
-            "optimizer": _optim_info(opts),
+            "optimizer": optim,
             "tensors": cf.tensors_json(written, path),
             "files": {n: e for m in files for n, e in sorted(m.items())},
         }
@@ -267,13 +271,23 @@ def load(
         holder.state[p] = {n: f() for n, f in builds.items()}
     if opts and hyperparameters:
         for opt, was in zip(opts, _saved_optimizers(info), strict=True):
-            _restore_groups(path, rank, opt, was["param_groups"])
+            _restore_groups(path, runner, opt, was)
     if same:
         torch.set_rng_state(rng)
     runner.steps = int(info["runner_steps"])
+    extra = info["extra"]
+    if info.get("extra_ranks") is not None:  # the ranks saved different ones
+        if info["mesh"] == mesh_now:
+            extra = info["extra_ranks"][rank]
+        elif rank == 0:
+            warnings.warn(
+                f"checkpoint {path}: each rank saved its own extra (under "
+                f"{_layout(info['mesh'])}); under this layout every rank gets rank 0's",
+                stacklevel=2,
+            )
     return {
         "step": int(info["step"]),
-        "extra": info["extra"],
+        "extra": extra,
         "seed": int(info["seed"]),
         "mesh": info["mesh"],
         "same_layout": same,
@@ -624,11 +638,72 @@ def _optim_state(runner: Any, opts: list[torch.optim.Optimizer]) -> dict[str, An
     return out
 
 
-def _optim_info(opts: list[torch.optim.Optimizer]) -> dict[str, Any] | list[Any] | None:
-    """The marker's ``optimizer``: null, one optimizer's ``{class, param_groups}``, or a list
-    of them (several optimizers, in their order)."""
-    infos = [_one_info(o) for o in opts]
+def _optim_info(
+    opts: list[torch.optim.Optimizer], held: list[list[list[Any]]], path: Path
+) -> dict[str, Any] | list[Any] | None:
+    """The marker's ``optimizer``: null, one optimizer's ``{class, param_groups, group_of}``,
+    or a list of them (several optimizers, in their order). ``held``: every rank's
+    ``_groups_held`` of each optimizer. The ranks' groups differ (a pipeline stage's hold its
+    own layers), so the marker keeps each distinct group's hyperparameters once
+    (``param_groups``) and which of them each parameter trained with (``group_of``)."""
+    infos = []
+    for i, optimizer in enumerate(opts):
+        settings: list[dict[str, Any]] = []
+        seen: dict[str, int] = {}
+        group_of: dict[str, int] = {}
+        for rank, per_rank in enumerate(held):
+            for group, fqns in per_rank[i]:
+                k = seen.setdefault(json.dumps(group, sort_keys=True), len(settings))
+                if k == len(settings):
+                    settings.append(group)
+                for fqn in fqns:
+                    if group_of.setdefault(fqn, k) != k:
+                        raise AutopartError(
+                            f"checkpoint {path}: {fqn} trains with {settings[group_of[fqn]]} "
+                            f"on one rank and {group} on rank {rank}",
+                            hint="give every rank the same hyperparameters for a parameter "
+                            "(build the optimizer's groups the same way on every rank)",
+                        )
+        holder = type(_holder(optimizer)[0]).__name__  # ZeRO: its inner
+        infos.append({"class": holder, "param_groups": settings, "group_of": group_of})
     return None if not infos else infos[0] if len(infos) == 1 else infos
+
+
+def _extra_ranks(extras: list[dict[str, Any]]) -> dict[str, Any]:
+    """The marker's ``extra_ranks`` (every rank's ``extra``, in rank order) when the ranks'
+    differ (a data loader's position per dp rank, a scheduler over a stage's own groups);
+    nothing when they agree (``extra`` is then every rank's)."""
+    same = all(
+        json.dumps(e, sort_keys=True) == json.dumps(extras[0], sort_keys=True) for e in extras
+    )
+    return {} if same else {"extra_ranks": extras}
+
+
+def _layout(mesh: dict[str, int]) -> str:
+    return " × ".join(f"{d}={mesh[d]}" for d in ("dp", "tp", "pp") if mesh[d] > 1) or "one rank"
+
+
+def _groups_held(runner: Any, optimizer: torch.optim.Optimizer) -> list[list[Any]]:
+    """This rank's groups of ``optimizer``: [JSON-able hyperparameters, [its parameters' FQNs]]
+    each."""
+
+    def plain(v: Any) -> bool:
+        if isinstance(v, (list, tuple)):
+            return all(isinstance(x, (int, float)) for x in v)
+        return v is None or isinstance(v, (int, float, bool, str))
+
+    names = {id(p): fqn for fqn, p in runner.params.items()}
+    return [
+        [
+            {
+                k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in g.items()
+                if k != "params" and plain(v)
+            },
+            [names[id(p)] for p in g["params"] if id(p) in names],
+        ]
+        for g in optimizer.param_groups
+    ]
 
 
 def _saved_optimizers(info: dict[str, Any]) -> list[dict[str, Any]]:
@@ -637,64 +712,66 @@ def _saved_optimizers(info: dict[str, Any]) -> list[dict[str, Any]]:
     return [] if saved is None else [saved] if isinstance(saved, dict) else list(saved)
 
 
-def _one_info(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """One optimizer's class (ZeRO: its inner one's) and JSON-able group hyperparameters."""
-
-    def plain(v: Any) -> bool:
-        if isinstance(v, (list, tuple)):
-            return all(isinstance(x, (int, float)) for x in v)
-        return v is None or isinstance(v, (int, float, bool, str))
-
-    groups = [
-        {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in g.items()
-            if k != "params" and plain(v)
-        }
-        for g in optimizer.param_groups
-    ]
-    return {
-        "class": type(_holder(optimizer)[0]).__name__,
-        "param_groups": groups,
-    }  # ZeRO: its inner
-
-
-def _restore_groups(
-    path: Path, rank: int, optimizer: torch.optim.Optimizer, saved: list[Any]
-) -> None:
-    """Put each parameter group's saved hyperparameters back (``_optim_info`` recorded the
-    JSON-able ones), as torch's ``Optimizer.load_state_dict`` does. The marker is a file: a
-    value must be of the kind the optimizer holds there (a flag for a flag, a number for a
-    number, as many numbers for ``betas``); a key the group lacks only as a number (a
-    scheduler's ``initial_lr``)."""
-    groups = optimizer.param_groups
-    if len(saved) != len(groups):
-        raise AutopartError(
-            f"rank {rank}: checkpoint {path} holds {len(saved)} optimizer parameter groups, "
-            f"this optimizer {len(groups)}",
-            hint="build the optimizer's groups as when it was saved, or load with "
-            "fresh_optimizer=True",
-        )
-    for i, (group, was) in enumerate(zip(groups, saved, strict=True)):
-        if not isinstance(was, dict):
+def _restore_groups(path: Path, runner: Any, optimizer: torch.optim.Optimizer, was: Any) -> None:
+    """Put each parameter group's saved hyperparameters back, as torch's
+    ``Optimizer.load_state_dict`` does: a group takes those its parameters trained with
+    (``group_of``), whatever the layout now; a group none of whose parameters were saved (new,
+    or frozen then) keeps its own; one whose parameters trained with different ones is
+    refused. A marker without ``group_of`` (an older save) maps groups by position."""
+    rank, groups, saved = runner.rank, optimizer.param_groups, was["param_groups"]
+    if "group_of" not in was:
+        if len(saved) != len(groups):
             raise AutopartError(
-                f"rank {rank}: {path / INFO}: optimizer parameter group {i} is not an object",
-                hint=cf.DAMAGED,
+                f"rank {rank}: checkpoint {path} holds {len(saved)} optimizer parameter "
+                f"groups, this optimizer {len(groups)}",
+                hint="build the optimizer's groups as when it was saved, or load with "
+                "hyperparameters=False (this optimizer's own hyperparameters, the saved state)",
             )
-        for k, v in was.items():
-            now = group.get(k)
-            if k == "params" or k in _IMPLEMENTATION:
-                continue
-            if isinstance(now, torch.Tensor) and now.dim() == 0 and _number(v):
-                now.fill_(float(v))  # a tensor learning rate keeps its tensor
-            elif _same_kind(now, v) or (k not in group and _number(v)):
-                group[k] = tuple(v) if isinstance(now, tuple) else v
-            else:
+        chosen = list(enumerate(saved))
+    else:
+        names = {id(p): fqn for fqn, p in runner.params.items()}
+        chosen = []
+        for i, group in enumerate(groups):
+            fqns = [names[id(p)] for p in group["params"] if names.get(id(p)) in was["group_of"]]
+            which = {was["group_of"][f]: f for f in fqns}
+            if len(which) > 1:
+                (a, fa), (b, fb) = list(which.items())[:2]
                 raise AutopartError(
-                    f"rank {rank}: {path / INFO}: optimizer parameter group {i}'s {k!r} is "
-                    f"{v!r}, where this optimizer holds {now!r}",
-                    hint=cf.DAMAGED + ", or load with hyperparameters=False",
+                    f"rank {rank}: optimizer parameter group {i} holds {fa} and {fb}, which "
+                    f"checkpoint {path} trained with different hyperparameters ({saved[a]} and "
+                    f"{saved[b]})",
+                    hint="build the optimizer's groups as when it was saved, or load with "
+                    "hyperparameters=False (this optimizer's own hyperparameters, the saved state)",
                 )
+            if which:
+                chosen.append((i, saved[next(iter(which))]))
+    for i, was_group in chosen:
+        _restore_group(path, rank, groups[i], i, was_group)
+
+
+def _restore_group(path: Path, rank: int, group: dict[str, Any], i: int, was: Any) -> None:
+    """One group's saved hyperparameters back. The marker is a file: a value must be of the
+    kind the optimizer holds there (a flag for a flag, a number for a number, as many numbers
+    for ``betas``); a key the group lacks only as a number (a scheduler's ``initial_lr``)."""
+    if not isinstance(was, dict):
+        raise AutopartError(
+            f"rank {rank}: {path / INFO}: optimizer parameter group {i} is not an object",
+            hint=cf.DAMAGED,
+        )
+    for k, v in was.items():
+        now = group.get(k)
+        if k == "params" or k in _IMPLEMENTATION:
+            continue
+        if isinstance(now, torch.Tensor) and now.dim() == 0 and _number(v):
+            now.fill_(float(v))  # a tensor learning rate keeps its tensor
+        elif _same_kind(now, v) or (k not in group and _number(v)):
+            group[k] = tuple(v) if isinstance(now, tuple) else v
+        else:
+            raise AutopartError(
+                f"rank {rank}: {path / INFO}: optimizer parameter group {i}'s {k!r} is "
+                f"{v!r}, where this optimizer holds {now!r}",
+                hint=cf.DAMAGED + ", or load with hyperparameters=False",
+            )
 
 
 # group entries that choose how torch computes a step, not what it computes: this run's own

@@ -230,12 +230,15 @@ def _numel(sizes: list[int]) -> int:
 
 
 def _one_optimizer(o: Any) -> bool:
-    """One optimizer's entry of the marker: ``{class, param_groups}``."""
-    return (
-        isinstance(o, dict)
-        and set(o) == {"class", "param_groups"}
-        and isinstance(o["class"], str)
-        and isinstance(o["param_groups"], list)
+    """One optimizer's entry of the marker: ``{class, param_groups}`` and, since parameters
+    map to groups by name, ``group_of`` (``{name: index into param_groups}``)."""
+    if not isinstance(o, dict) or set(o) - {"group_of"} != {"class", "param_groups"}:
+        return False
+    if not isinstance(o["class"], str) or not isinstance(o["param_groups"], list):
+        return False
+    of = o.get("group_of", {})
+    return isinstance(of, dict) and all(
+        isinstance(k, str) and _is_int(v, 0, len(o["param_groups"]) - 1) for k, v in of.items()
     )
 
 
@@ -257,7 +260,8 @@ def check_marker(info: Any, f: Path) -> None:
             hint="save the checkpoint again with this version (format 2 records every file's "
             "SHA-256)",
         )
-    unexpected, absent = sorted(set(info) - _MARKER_KEYS), sorted(_MARKER_KEYS - set(info))
+    unexpected = sorted(set(info) - _MARKER_KEYS - {"extra_ranks"})  # extra_ranks: optional
+    absent = sorted(_MARKER_KEYS - set(info))
     need(not unexpected and not absent, f"its set of entries ({unexpected or absent})", "save's")
     need(
         isinstance(info["sha256"], str) and _SHA256.fullmatch(info["sha256"]) is not None,
@@ -273,6 +277,12 @@ def check_marker(info: Any, f: Path) -> None:
     need(_is_int(info["runner_steps"]), "runner_steps", "a count")
     need(_is_int(info["seed"], -(2**63), 2**63 - 1), "seed", "a 64-bit integer")
     need(isinstance(info["extra"], dict), "extra", "an object")
+    ranks = info.get("extra_ranks")
+    need(
+        ranks is None or (isinstance(ranks, list) and all(isinstance(e, dict) for e in ranks)),
+        "extra_ranks",
+        "a list of objects, one per rank",
+    )
     need(isinstance(info["plan"], dict), "plan", "an object")
     mesh = info["mesh"]
     need(
@@ -282,6 +292,8 @@ def check_marker(info: Any, f: Path) -> None:
         "mesh",
         "{pp, dp, tp}",
     )
+    world = mesh["pp"] * mesh["dp"] * mesh["tp"]
+    need(ranks is None or len(ranks) == world, "extra_ranks", f"one object per rank ({world})")
     tied = info["tied"]
     need(
         isinstance(tied, dict) and all(isinstance(v, str) for v in tied.values()),
@@ -306,7 +318,7 @@ def check_marker(info: Any, f: Path) -> None:
     need(
         opt is None or all(_one_optimizer(o) for o in (opt if several else [opt])),
         "optimizer",
-        "null, {class, param_groups} or a list of 2 to 64 of them",
+        "null, {class, param_groups, group_of} or a list of 2 to 64 of them",
     )
     files = info["files"]
     need(isinstance(files, dict) and METADATA in files, "files", "a list of the step's files")

@@ -1333,9 +1333,13 @@ class Runner:
         unit.pop("outputs", None)
 
     def _tie_reduce(self, action: Action) -> None:
-        """Sum the gradient of each parameter held by several pipeline ranks (tied weights)."""
+        """Sum the gradient of each parameter held by several pipeline ranks (tied weights). A
+        frozen one keeps no gradient (None, as on one device: a zero would let weight decay
+        move it)."""
         for fqn, group in self._ties:
             p = self.params[fqn]
+            if not p.requires_grad:
+                continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             if self.dry:
                 p.grad = grad
