@@ -240,6 +240,16 @@ def main() -> int:
     habits["clip_model_params"] = refused(
         lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0), "runner.clip_grad_norm_"
     )
+    # ZeRO over the default (world) group: its other ranks hold other stages, and its step's
+    # broadcasts hung every rank; refused before it changes anything
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    habits["zero_world_group"] = refused(
+        lambda: ZeroRedundancyOptimizer(
+            list(runner.parameters()), optimizer_class=torch.optim.SGD, lr=0.0
+        ).step(),
+        "hold other parameters than this rank",
+    )
     # model.zero_grad() clears the runner's gradients too (they used to add up over steps)
     model.zero_grad()
     habits["model_zero_grad_follows"] = all(p.grad is None for p in runner.parameters())

@@ -136,6 +136,16 @@ def test_an_optimizer_reading_whole_tensors_is_refused_over_tp_slices() -> None:
 
     declared = _Declared([sliced])
     check_elementwise(declared, live, held(declared))
+    # ZeRO steps its inner optimizer over each dp rank's part: the inner one is judged (ZeRO
+    # over AdamW under dp × tp used to be refused as an unknown optimizer)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+    zero.optim = torch.optim.AdamW([sliced])
+    check_elementwise(zero, live, {id(sliced)})
+    zero.optim = _ByNorm([sliced])
+    with pytest.raises(autopart.AutopartError, match="_ByNorm.step\\(\\) over s"):
+        check_elementwise(zero, live, {id(sliced)})
 
 
 class _Stepped:

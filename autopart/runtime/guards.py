@@ -48,6 +48,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -503,7 +504,7 @@ def check_elementwise(opt: torch.optim.Optimizer, live: Any, held: set[int]) -> 
     split into slices: Muon (a matrix's orthogonalization), Adafactor (row and column
     statistics), LARS / LAMB (a tensor's norm) computed each rank's update from its slice
     alone, silently (the loop probe: weights 20 %, 0.5 % and 0.1 % off at tp=2)."""
-    cls = type(opt)
+    cls = type(_inner(opt))  # ZeRO steps its inner optimizer over each dp rank's part
     if getattr(cls, "autopart_elementwise", False) or (
         cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE_OPTIMIZERS
     ):
@@ -524,6 +525,39 @@ def check_elementwise(opt: torch.optim.Optimizer, live: Any, held: set[int]) -> 
             hint="use one of those optimizers under tp, or this one with dp and pp only; an "
             "optimizer class that does update entry by entry can say so with "
             "autopart_elementwise = True",
+        )
+
+
+def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt``, or the optimizer a ``ZeroRedundancyOptimizer`` runs on its part."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
+def check_zero_group(opt: torch.optim.Optimizer, live: Any) -> None:
+    """Refuse a ``ZeroRedundancyOptimizer`` step over the runner's parameters whose process
+    group reaches ranks that hold other parameters (another pipeline stage, another tp slice):
+    only the dp replicas hold the same ones. Its step broadcasts each part from its owner, and
+    across stages those parts differ: every rank hung, silently (the loop probe, dp=2 × pp=2,
+    the default group)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(opt, ZeroRedundancyOptimizer):
+        return
+    dp = live.groups.get("dp")
+    replicas = dist.get_process_group_ranks(dp) if dp is not None else [dist.get_rank()]
+    group = opt.process_group if opt.process_group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    others = sorted(set(ranks) - set(replicas))
+    if others:
+        raise AutopartError(
+            f"rank {live.rank}: ZeroRedundancyOptimizer.step() over process group ranks "
+            f"{sorted(ranks)}, of which {others} hold other parameters than this rank (another "
+            f"pipeline stage or tp slice; only its dp replicas {sorted(replicas)} hold the same): "
+            "its step would broadcast parts that differ between them and hang",
+            hint="shard over the dp replicas only: ZeroRedundancyOptimizer(runner.parameters(), "
+            "optimizer_class=..., process_group=mesh['dp'].get_group())",
         )
 
 
@@ -552,6 +586,8 @@ def guard_optimizer_state(runner: Any) -> None:
         if any(id(p) in held for p in live.params.values()):
             live.check_reduced(f"{type(opt).__name__}.step()")
         check_elementwise(opt, live, held)
+        if any(id(p) in held for p in live.params.values()):
+            check_zero_group(opt, live)
         for fqn, p in live.params.items():
             st = opt.state.get(p)
             if st and SHARD_STATE in st and st[SHARD_STATE] != code(live, fqn):
