@@ -83,9 +83,10 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if tp == 1:
         return gm
     excluded: set[fx.Node] = set()
+    kv: set[fx.Node] = set()  # the key/value projections kept whole (fewer heads than tp)
     while True:
-        sp = spread(gm, lambda f: f.node not in excluded and META_ROLE not in f.node.meta)
-        bad = _invalid_regions(sp, tp)
+        sp = spread(gm, lambda f: f.node not in excluded | kv and META_ROLE not in f.node.meta)
+        bad = _invalid_regions(sp, tp, kv)
         for members, reason in bad:
             cols = [m for m in members if m in sp.columns]
             excluded.update(cols)
@@ -96,13 +97,13 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             )
         if bad:
             continue
-        kv = _kv_columns(sp, tp)
-        if not kv:
+        cut = _kv_columns(sp, tp)
+        if not cut:
             break
-        excluded.update(kv)
+        kv.update(cut)
         log.info(
             "tensor_parallel: keeping %s whole on every rank: fewer key/value heads than tp = %d",
-            ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in kv),
+            ", ".join(f"{c.name} ({c.meta.get(META_MODULE)})" for c in cut),
             tp,
         )
     _check_divisible(sp, tp)
@@ -187,11 +188,13 @@ def rank_input(gm: fx.GraphModule) -> fx.Node:
     return rank
 
 
-def _invalid_regions(sp, tp: int) -> list[tuple[list[fx.Node], str]]:
+def _invalid_regions(sp, tp: int, kv: set[fx.Node]) -> list[tuple[list[fx.Node], str]]:
     """The regions (with a column matmul) to leave replicated, each with the reason: a node no
-    rule splits, no row matmul to end it, replicated keys and values whose heads tp cannot share
-    out (``_kv_heads_unfit``), or a weight that matmuls would split two ways (one ``Linear``
-    applied twice, as a column and then a row: it used to refuse the whole plan)."""
+    rule splits, no row matmul to end it, a replicated operand to cut (``tp_rules.narrowed``)
+    that is not the keys or values of the projections ``kv`` kept whole, replicated keys and
+    values whose heads tp cannot share out (``_kv_heads_unfit``), or a weight that matmuls
+    would split two ways (one ``Linear`` applied twice, as a column and then a row: it used to
+    refuse the whole plan)."""
     bad = []
     roles: dict[fx.Node, dict[tuple[str, int], int]] = {}  # weight → its splits → a region
     regions: dict[int, list[fx.Node]] = {}
@@ -205,6 +208,11 @@ def _invalid_regions(sp, tp: int) -> list[tuple[list[fx.Node], str]]:
             for m in members
             if m.target == _SDPA and narrowed(m, sp.dims) and (why := _kv_heads_unfit(m, tp))
         ]
+        stray = [m for m in members for src, _ in narrowed(m, sp.dims) if not _from(src, kv)]
+        if stray:
+            problems.append(stray[0])
+            sp.problems[stray[0]] = "a replicated operand spans the split heads (not keys or "
+            "values kept whole)"
         if problems:
             p = problems[0]
             bad.append(
@@ -412,6 +420,22 @@ def _kv_columns(sp, tp: int) -> set[fx.Node]:
         if columns and all(_only_keys_values(sp, c) for c in columns):
             cut |= columns
     return cut
+
+
+def _from(n: fx.Node, columns: set[fx.Node]) -> bool:
+    """``n`` is computed from one of ``columns`` (matmuls), through anything but matmuls."""
+    seen, work = {n}, [n]
+    while work:
+        m = work.pop()
+        if m in columns:
+            return True
+        if matmul_form(m) is not None:
+            continue
+        for a in m.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                work.append(a)
+    return False
 
 
 def _only_keys_values(sp, column: fx.Node) -> bool:

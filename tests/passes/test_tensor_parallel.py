@@ -46,6 +46,7 @@ from autopart.meta import (
     META_MODULE,
     META_ROLE,
     META_SHARD,
+    META_TP_SPLIT,
 )
 from autopart.passes import PIPELINE
 from autopart.passes.tensor_parallel import TPShard
@@ -366,6 +367,21 @@ def test_an_eager_attention_selects_its_keys_before_the_transpose() -> None:
             (user,) = user.users
         assert user.target == aten.matmul.default
     assert not calls(gm, aten.scaled_dot_product_attention.default)
+
+
+def test_only_keys_and_values_kept_whole_are_cut(caplog) -> None:
+    """gpt-oss under tp=2: its sinks leave q and k replicated while v's projection could split;
+    the probabilities (replicated, not keys or values kept whole) are not cut to the split
+    heads: v and o stay replicated, with a warning, as before replicated key/value heads (the
+    cut once broke its Seq1F1B cell)."""
+    from autopart.models import zoo
+
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(_case(lambda: zoo.make("gpt_oss")), 2)
+    assert params(gm)["model.layers.0.self_attn.v_proj.weight"].meta[META_SHARD] is None
+    assert not [n for n in calls(gm, aten.index_select.default) if META_TP_SPLIT in n.meta]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("(model.layers.0.self_attn.v_proj)" in m and "not keys or" in m for m in said), said
 
 
 def test_kv_heads_tp_cannot_share_out_leave_the_attention_replicated(caplog) -> None:
