@@ -486,7 +486,6 @@ def _select_heads(gm: fx.GraphModule, sp, tp: int) -> list[fx.Node]:
     selects: list[fx.Node] = []
     rank = None
     g = gm.graph
-    index: dict[tuple[fx.Node, int], fx.Node] = {}
     for n, src, d in cuts:
         user, passed = n, []  # the select goes before a transpose read by n alone (an eager
         while src.target == aten.transpose.int and len(src.users) == 1:  # attention's kᵀ)
@@ -499,23 +498,21 @@ def _select_heads(gm: fx.GraphModule, sp, tp: int) -> list[fx.Node]:
         # it by the prefix's through them): it reads the select's, the same length
         sizes = [u for u in src.users if u.meta.get(META_MASK_FN) == "keys"]
         order = {m: i for i, m in enumerate(g.nodes)}
+        # each cut its own index, before its own first reader (an attention's two cuts can sit
+        # in either order: v's projection written first, k's after a norm)
         with g.inserting_before(min([user, *sizes], key=order.__getitem__)):
-            if (n, rows) not in index:
-                if rows % tp == 0:
-                    per, first = rows // tp, g.call_function(aten.mul.Tensor, (rank, rows // tp))
-                else:
-                    per = 1
-                    first = g.call_function(
-                        aten.div.Scalar_mode, (rank, tp // rows), {"rounding_mode": "floor"}
-                    )
-                arange = g.call_function(
-                    aten.arange.default, (per,), {"device": tensor_of(src).device}
+            if rows % tp == 0:
+                per, first = rows // tp, g.call_function(aten.mul.Tensor, (rank, rows // tp))
+            else:
+                per = 1
+                first = g.call_function(
+                    aten.div.Scalar_mode, (rank, tp // rows), {"rounding_mode": "floor"}
                 )
-                index[n, rows] = g.call_function(aten.add.Tensor, (arange, first))
-                for new in (first, arange, index[n, rows]):
-                    new.meta.update(_derived_meta(src))
-            sel = g.call_function(aten.index_select.default, (src, d, index[n, rows]))
-        sel.meta.update(_derived_meta(src))
+            arange = g.call_function(aten.arange.default, (per,), {"device": tensor_of(src).device})
+            index = g.call_function(aten.add.Tensor, (arange, first))
+            sel = g.call_function(aten.index_select.default, (src, d, index))
+        for new in (first, arange, index, sel):
+            new.meta.update(_derived_meta(src))
         sp.dims[sel] = d
         selects.append(sel)
         for u in (user, *sizes):

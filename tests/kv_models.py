@@ -60,7 +60,8 @@ def qwen3_mqa():
 
 
 class _Attention(nn.Module):
-    """Causal attention with ``kv`` key/value heads read by SDPA's ``enable_gqa`` (no repeat);
+    """Causal attention with ``kv`` key/value heads read by SDPA's ``enable_gqa`` (no repeat),
+    v projected before k and k normalized per head (the cut of v then comes before k's);
     ``leak`` also adds the mean of the keys to the output (the keys have a use outside
     attention, so the key chain is summed over tp where that use joins it)."""
 
@@ -75,8 +76,9 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
-        k = self.k(x).view(b, s, self.kv, self.dim).transpose(1, 2)
-        v = self.v(x).view(b, s, self.kv, self.dim).transpose(1, 2)
+        v = self.v(x).view(b, s, self.kv, self.dim).transpose(1, 2)  # v before k: the two
+        k = self.k(x).view(b, s, self.kv, self.dim)  # cuts sit in the other order
+        k = F.layer_norm(k, (self.dim,)).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out = self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.dim))
         if self.leak:

@@ -87,6 +87,38 @@ def main() -> int:
     own_extra = checkpoint.load(root, runner, again)["extra"]
     back = [grp["lr"] for grp in again.param_groups]
 
+    # the ranks disagree: every rank refuses alike, none waits for the others (a count or an
+    # extra only one rank has used to crash it with a raw IndexError, or hang its peer)
+    rank = dist.get_rank()
+    trained = [p for p in runner.parameters() if p.requires_grad]
+    halves = [torch.optim.AdamW(trained[:1]), torch.optim.AdamW(trained[1:])]
+    habits = {
+        "optimizer_counts": refused(
+            lambda: checkpoint.save(root + "-x", runner, halves if rank == 0 else opt),
+            "rank 0 passes the optimizers ['AdamW', 'AdamW'], rank 1 ['AdamW']",
+        ),
+        "extra_nan": refused(
+            lambda: checkpoint.save(
+                root + "-x", runner, opt, extra={"x": float("nan") if rank else 0.0}
+            ),
+            "rank 1: checkpoint extra is not JSON-able",
+        ),
+        # only stage 1 holds a group of layers saved at different rates: both refuse it
+        "one_rank_refuses": refused(
+            lambda: checkpoint.load(root, runner, optimizer(runner, merged=rank == 1)),
+            "rank 1: optimizer parameter group 0 holds",
+        ),
+    }
+    # a tensor learning rate comes back as a tensor (its number used to be left out)
+    tensor_lr = torch.optim.AdamW(
+        [p for p in runner.parameters() if p.requires_grad],
+        lr=torch.tensor(3e-4, dtype=torch.float64),
+    )
+    checkpoint.save(root + "-t", runner, tensor_lr, step=1)
+    tensor_lr.param_groups[0]["lr"].fill_(7e-3)
+    checkpoint.load(root + "-t", runner, tensor_lr)
+    habits["tensor_lr"] = float(tensor_lr.param_groups[0]["lr"]) == 3e-4
+
     model = build()
     flat = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     whole = autopart.parallelize(model, flat, example_inputs=(ids, ids))
@@ -112,6 +144,7 @@ def main() -> int:
                 "own_extra": own_extra,
                 "dp_extra": dp_extra,
                 "warned": [str(w.message) for w in said if "its own extra" in str(w.message)],
+                "habits": habits,
             }
         ),
         flush=True,

@@ -104,8 +104,10 @@ def test_pipeline_stages_keep_their_own_groups_and_frozen_weights(tmp_path: Path
     """pp=2, tied embeddings frozen, one AdamW group per layer at its own rate (each stage's
     groups differ): the frozen weight keeps no gradient and does not move under weight decay;
     a checkpoint gives each stage its own rates back, and a dp=2 layout each layer's; a group
-    merging layers saved at different rates is refused; each rank's own ``extra`` comes back
-    under the same layout (tests/stage_groups_script.py)."""
+    merging layers saved at different rates is refused, on every rank when one rank holds it;
+    each rank's own ``extra`` comes back under the same layout; ranks passing other optimizers
+    or a NaN ``extra`` are refused alike; a tensor learning rate comes back
+    (tests/stage_groups_script.py)."""
     out = launch_forked(
         2, [str(ROOT / "tests" / "stage_groups_script.py"), str(tmp_path / "ck")], timeout_s=180
     )
@@ -119,6 +121,7 @@ def test_pipeline_stages_keep_their_own_groups_and_frozen_weights(tmp_path: Path
         assert r["dp_rates"] == [1e-3, 2e-3, 4e-3], r  # layer 0, layer 1, the final norm
         assert r["merged"], r
         assert r["own_extra"] == {"stage": r["rank"]} and r["dp_extra"] == {"stage": 0}, r
+        assert all(r["habits"].values()), r["habits"]
     assert rows[0]["rates"] != rows[1]["rates"]  # the stages' groups did differ
     assert len(rows[0]["warned"]) == 1 and not rows[1]["warned"]
 

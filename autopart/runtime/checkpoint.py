@@ -88,13 +88,11 @@ def save(
     _need_dist("save")
     path = Path(path)
     rng = torch.get_rng_state()  # first: nothing below may draw from the generator before it
-    try:
-        json.dumps(extra)
+    try:  # NaN and infinities too: the marker's reader refuses them (told every rank below)
+        json.dumps(extra, allow_nan=False)
+        extra_error = None
     except (TypeError, ValueError) as exc:
-        raise AutopartError(
-            f"rank {runner.rank}: checkpoint extra is not JSON-able: {exc}",
-            hint="pass plain numbers, strings, lists and dicts",
-        ) from None
+        extra_error = f"rank {runner.rank}: checkpoint extra is not JSON-able: {exc}"
     _mesh(runner)  # collective the first time: every rank, whatever it holds
     state = _model_state(runner)
     opts = _optimizers(optimizer, runner.rank)
@@ -108,12 +106,15 @@ def save(
         },
         "buffers": sorted(_buffer_names(runner)),
         "groups": [_groups_held(runner, o) for o in opts],
-        "extra": extra or {},
+        "classes": _classes(opts),
+        "extra": {} if extra_error else extra or {},
+        "extra_error": extra_error,
     }
     if runner.rank == 0:
         _clear(path)
     every = _all_gather_json(mine, runner, "checkpoint layout exchange")  # also: path is clear
-    optim = _optim_info(opts, [m["groups"] for m in every], path)  # every rank: refused alike
+    _same_everywhere(every, path)  # every rank refuses alike, before anything is written
+    optim = _optim_info(opts, [m["groups"] for m in every], path)
     try:
         written = dcp.save(state, storage_writer=cf.Writer(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
@@ -270,8 +271,16 @@ def load(
     for holder, p, builds in states:
         holder.state[p] = {n: f() for n, f in builds.items()}
     if opts and hyperparameters:
-        for opt, was in zip(opts, _saved_optimizers(info), strict=True):
-            _restore_groups(path, runner, opt, was)
+        refused: list[str] | None = None
+        try:
+            for opt, was in zip(opts, _saved_optimizers(info), strict=True):
+                _restore_groups(path, runner, opt, was)
+        except AutopartError as exc:
+            refused = [exc.message, exc.hint or ""]
+        said = _all_gather_json(refused, runner, "optimizer hyperparameters check")
+        first = next((r for r in said if r), None)  # every rank refuses alike: none goes on
+        if first:
+            raise AutopartError(first[0], hint=first[1] or None)
     if same:
         torch.set_rng_state(rng)
     runner.steps = int(info["runner_steps"])
@@ -664,9 +673,33 @@ def _optim_info(
                             hint="give every rank the same hyperparameters for a parameter "
                             "(build the optimizer's groups the same way on every rank)",
                         )
+        try:
+            json.dumps(settings, allow_nan=False)
+        except ValueError:
+            raise AutopartError(
+                f"checkpoint {path}: an optimizer group holds a NaN or infinite "
+                f"hyperparameter ({next(g for g in settings if not _finite(g))})",
+                hint="give its groups finite values before saving",
+            ) from None
         holder = type(_holder(optimizer)[0]).__name__  # ZeRO: its inner
         infos.append({"class": holder, "param_groups": settings, "group_of": group_of})
     return None if not infos else infos[0] if len(infos) == 1 else infos
+
+
+def _same_everywhere(every: list[dict[str, Any]], path: Path) -> None:
+    """Refuse, on every rank alike, a save whose ranks passed optimizers of other classes or
+    counts, or an ``extra`` that is not JSON (NaN included: the marker's reader refuses it)."""
+    bad = next((m["extra_error"] for m in every if m["extra_error"]), None)
+    if bad:
+        raise AutopartError(bad, hint="pass plain numbers, strings, lists and dicts")
+    for rank, m in enumerate(every):
+        if m["classes"] != every[0]["classes"]:
+            raise AutopartError(
+                f"checkpoint {path}: rank 0 passes the optimizers {every[0]['classes'] or 'none'}"
+                f", rank {rank} {m['classes'] or 'none'}",
+                hint="pass every rank the same optimizers, in the same order (each over the "
+                "parameters that rank holds)",
+            )
 
 
 def _extra_ranks(extras: list[dict[str, Any]]) -> dict[str, Any]:
@@ -683,9 +716,22 @@ def _layout(mesh: dict[str, int]) -> str:
     return " × ".join(f"{d}={mesh[d]}" for d in ("dp", "tp", "pp") if mesh[d] > 1) or "one rank"
 
 
+def _finite(group: dict[str, Any]) -> bool:
+    try:
+        json.dumps(group, allow_nan=False)
+        return True
+    except ValueError:
+        return False
+
+
 def _groups_held(runner: Any, optimizer: torch.optim.Optimizer) -> list[list[Any]]:
     """This rank's groups of ``optimizer``: [JSON-able hyperparameters, [its parameters' FQNs]]
-    each."""
+    each. A one-element tensor (a tensor learning rate) is recorded as its number."""
+
+    def value(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point():
+            return float(v.item())
+        return list(v) if isinstance(v, tuple) else v
 
     def plain(v: Any) -> bool:
         if isinstance(v, (list, tuple)):
@@ -695,11 +741,7 @@ def _groups_held(runner: Any, optimizer: torch.optim.Optimizer) -> list[list[Any
     names = {id(p): fqn for fqn, p in runner.params.items()}
     return [
         [
-            {
-                k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in g.items()
-                if k != "params" and plain(v)
-            },
+            {k: value(v) for k, v in g.items() if k != "params" and plain(value(v))},
             [names[id(p)] for p in g["params"] if id(p) in names],
         ]
         for g in optimizer.param_groups
@@ -724,8 +766,7 @@ def _restore_groups(path: Path, runner: Any, optimizer: torch.optim.Optimizer, w
             raise AutopartError(
                 f"rank {rank}: checkpoint {path} holds {len(saved)} optimizer parameter "
                 f"groups, this optimizer {len(groups)}",
-                hint="build the optimizer's groups as when it was saved, or load with "
-                "hyperparameters=False (this optimizer's own hyperparameters, the saved state)",
+                hint=_GROUPS_HINT,
             )
         chosen = list(enumerate(saved))
     else:
@@ -740,8 +781,7 @@ def _restore_groups(path: Path, runner: Any, optimizer: torch.optim.Optimizer, w
                     f"rank {rank}: optimizer parameter group {i} holds {fa} and {fb}, which "
                     f"checkpoint {path} trained with different hyperparameters ({saved[a]} and "
                     f"{saved[b]})",
-                    hint="build the optimizer's groups as when it was saved, or load with "
-                    "hyperparameters=False (this optimizer's own hyperparameters, the saved state)",
+                    hint=_GROUPS_HINT,
                 )
             if which:
                 chosen.append((i, saved[next(iter(which))]))
@@ -752,7 +792,8 @@ def _restore_groups(path: Path, runner: Any, optimizer: torch.optim.Optimizer, w
 def _restore_group(path: Path, rank: int, group: dict[str, Any], i: int, was: Any) -> None:
     """One group's saved hyperparameters back. The marker is a file: a value must be of the
     kind the optimizer holds there (a flag for a flag, a number for a number, as many numbers
-    for ``betas``); a key the group lacks only as a number (a scheduler's ``initial_lr``)."""
+    for ``betas``); a key the group lacks only as a number or a flag (a scheduler's
+    ``initial_lr``; ZeRO's groups added by ``add_param_group`` hold only ``lr`` until a step)."""
     if not isinstance(was, dict):
         raise AutopartError(
             f"rank {rank}: {path / INFO}: optimizer parameter group {i} is not an object",
@@ -764,7 +805,7 @@ def _restore_group(path: Path, rank: int, group: dict[str, Any], i: int, was: An
             continue
         if isinstance(now, torch.Tensor) and now.dim() == 0 and _number(v):
             now.fill_(float(v))  # a tensor learning rate keeps its tensor
-        elif _same_kind(now, v) or (k not in group and _number(v)):
+        elif _same_kind(now, v) or (k not in group and (_number(v) or isinstance(v, bool))):
             group[k] = tuple(v) if isinstance(now, tuple) else v
         else:
             raise AutopartError(
@@ -774,6 +815,10 @@ def _restore_group(path: Path, rank: int, group: dict[str, Any], i: int, was: An
             )
 
 
+_GROUPS_HINT = (
+    "build the optimizer's groups as when it was saved, or load with hyperparameters=False "
+    "(this optimizer's own hyperparameters, the saved state)"
+)
 # group entries that choose how torch computes a step, not what it computes: this run's own
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
