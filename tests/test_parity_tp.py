@@ -49,12 +49,12 @@ def kv_reports() -> dict[str, Report | AutopartError]:
 @pytest.mark.parametrize("case", KV_DEFAULT)
 def test_fewer_kv_heads_than_tp_float64_parity(case: str, kv_reports: dict) -> None:
     """Replicated key/value heads, each rank reading its own (tensor_parallel.md): Llama's
-    repeat_kv with sequence parallelism, Qwen3's float32 key norm, SDPA's enable_gqa."""
+    repeat_kv with sequence parallelism, an eager attention's products under Seq1F1B."""
     assert_passes(kv_reports[case])
 
 
 @pytest.mark.slow
 def test_fewer_kv_heads_than_tp_float64_parity_whole_matrix() -> None:
-    """All of KV_CASES: tp up to 8, dp × tp, tp × pp with Seq1F1B and zero-bubble, keys read
-    outside attention."""
+    """All of KV_CASES: tp up to 8, Qwen3's float32 key norm, SDPA's enable_gqa, dp × tp,
+    tp × pp with Seq1F1B and zero-bubble, keys read outside attention."""
     assert_all_pass(batch(KV_CASES))
