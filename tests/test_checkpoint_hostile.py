@@ -486,13 +486,14 @@ def test_the_optimizers_hyperparameters_come_back_as_torch_brings_them_back(
         with pytest.raises(AutopartError, match="'betas' is 'os.system'"):
             checkpoint.load(step, runner, make_optimizer(runner, 5e-3))
         # a parameter's group index out of range, and one rank's extra too many: refused
+        base = json.loads(marker.read_text())
+        base["optimizer"]["param_groups"][0]["betas"] = [0.9, 0.999]
         for edit, words in (
             (lambda d: d["optimizer"]["group_of"].update({"x.weight": 7}), "optimizer is not"),
             (lambda d: d.update(extra_ranks=[{}, {}]), "extra_ranks is not one object per rank"),
             (lambda d: d.update(extra_ranks="print"), "extra_ranks is not a list"),
         ):
-            doc = json.loads(marker.read_text())
-            doc["optimizer"]["param_groups"][0]["betas"] = [0.9, 0.999]
+            doc = json.loads(json.dumps(base))  # each edit on its own
             edit(doc)
             doc["sha256"] = checkpoint_files.digest(doc)
             marker.write_text(json.dumps(doc))

@@ -787,6 +787,17 @@ def _restore_groups(path: Path, runner: Any, optimizer: torch.optim.Optimizer, w
                 chosen.append((i, saved[next(iter(which))]))
     for i, was_group in chosen:
         _restore_group(path, rank, groups[i], i, was_group)
+    state = _holder(optimizer)[0].state
+    for i, group in enumerate(groups):  # a flag that needs state the checkpoint lacks: torch
+        lacking = [  # would fail at the next step with a raw KeyError
+            p for p in group["params"] if state.get(p) and "max_exp_avg_sq" not in state[p]
+        ]
+        if group.get("amsgrad") is True and lacking:
+            raise AutopartError(
+                f"rank {rank}: {path / INFO}: optimizer parameter group {i} sets amsgrad, but "
+                "the state loaded for it holds no max_exp_avg_sq",
+                hint=cf.DAMAGED + ", or load with hyperparameters=False",
+            )
 
 
 def _restore_group(path: Path, rank: int, group: dict[str, Any], i: int, was: Any) -> None:
