@@ -209,14 +209,19 @@ def _invalid_regions(sp, tp: int, kv: set[fx.Node]) -> list[tuple[list[fx.Node],
             if m.target == _SDPA and narrowed(m, sp.dims) and (why := _kv_heads_unfit(m, tp))
         ]
         stray = [m for m in members for src, _ in narrowed(m, sp.dims) if not _from(src, kv)]
-        if stray:
-            problems.append(stray[0])
-            sp.problems[stray[0]] = "a replicated operand spans the split heads (not keys or "
-            "values kept whole)"
         if problems:
             p = problems[0]
             bad.append(
                 (members, f"{p.name} ({p.meta.get(META_MODULE) or '<root>'}): {sp.problems[p]}")
+            )
+        elif stray:
+            m = stray[0]
+            bad.append(
+                (
+                    members,
+                    f"{m.name} ({m.meta.get(META_MODULE) or '<root>'}): a replicated operand "
+                    "spans the split heads (not keys or values kept whole)",
+                )
             )
         elif unfit:
             m, why = unfit[0]
