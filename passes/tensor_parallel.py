@@ -31,6 +31,7 @@ vocab_parallel pass are left alone. No module or parameter names are used.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     excluded: set[fx.Node] = set()
     kv: set[fx.Node] = set()  # the key/value projections kept whole (fewer heads than tp)
     while True:
-        sp = spread(gm, lambda f: f.node not in excluded | kv and META_ROLE not in f.node.meta)
+        sp = spread(gm, _columns_but(excluded | kv))
         bad = _invalid_regions(sp, tp, kv)
         for members, reason in bad:
             cols = [m for m in members if m in sp.columns]
@@ -149,16 +150,34 @@ def _mask_heads(gm: fx.GraphModule, sp, tp: int) -> None:
         rank = rank or _tp_rank(gm)
         g = gm.graph
         with g.inserting_before(n):
-            first = g.call_function(aten.mul.Tensor, (rank, heads // tp))
-            rows = g.call_function(
-                aten.arange.default, (heads // tp,), {"device": tensor_of(mask).device}
-            )
-            index = g.call_function(aten.add.Tensor, (rows, first))
-            mine = g.call_function(aten.index_select.default, (mask, pos, index))
-        for new in (first, rows, index, mine):
+            made = _head_index(g, rank, heads, tp, tensor_of(mask).device)
+            mine = g.call_function(aten.index_select.default, (mask, pos, made[-1]))
+        for new in (*made, mine):
             new.meta.update({k: v for k, v in mask.meta.items() if k != "val"})
             new.meta[META_MASK_FN] = True
         n.replace_input_with(mask, mine)
+
+
+def _columns_but(whole: set[fx.Node]) -> Callable[[Matmul], bool]:
+    """Which matmuls ``spread`` may split: all but ``whole`` and the vocab pass's."""
+    return lambda f: f.node not in whole and META_ROLE not in f.node.meta
+
+
+def _head_index(
+    g: fx.Graph, rank: fx.Node, heads: int, tp: int, device: torch.device
+) -> list[fx.Node]:
+    """The nodes computing this rank's rows of ``heads`` (the last is the index):
+    ``rank · heads/tp + arange(heads/tp)`` when tp divides them, else the one row
+    ``rank // (tp/heads)`` (tp a multiple of them: the head its query heads share)."""
+    if heads % tp == 0:
+        per, first = heads // tp, g.call_function(aten.mul.Tensor, (rank, heads // tp))
+    else:
+        per = 1
+        first = g.call_function(
+            aten.div.Scalar_mode, (rank, tp // heads), {"rounding_mode": "floor"}
+        )
+    rows = g.call_function(aten.arange.default, (per,), {"device": device})
+    return [first, rows, g.call_function(aten.add.Tensor, (rows, first))]
 
 
 def _tp_rank(gm: fx.GraphModule) -> fx.Node:
@@ -506,17 +525,9 @@ def _select_heads(gm: fx.GraphModule, sp, tp: int) -> list[fx.Node]:
         # each cut its own index, before its own first reader (an attention's two cuts can sit
         # in either order: v's projection written first, k's after a norm)
         with g.inserting_before(min([user, *sizes], key=order.__getitem__)):
-            if rows % tp == 0:
-                per, first = rows // tp, g.call_function(aten.mul.Tensor, (rank, rows // tp))
-            else:
-                per = 1
-                first = g.call_function(
-                    aten.div.Scalar_mode, (rank, tp // rows), {"rounding_mode": "floor"}
-                )
-            arange = g.call_function(aten.arange.default, (per,), {"device": tensor_of(src).device})
-            index = g.call_function(aten.add.Tensor, (arange, first))
-            sel = g.call_function(aten.index_select.default, (src, d, index))
-        for new in (first, arange, index, sel):
+            made = _head_index(g, rank, rows, tp, tensor_of(src).device)
+            sel = g.call_function(aten.index_select.default, (src, d, made[-1]))
+        for new in (*made, sel):
             new.meta.update(_derived_meta(src))
         sp.dims[sel] = d
         selects.append(sel)

@@ -45,7 +45,7 @@ from autopart.errors import AutopartError, wait
 from autopart.program.format import Shard
 from autopart.runtime import checkpoint_files as cf
 from autopart.runtime.checkpoint_files import FORMAT, INFO, key
-from autopart.runtime.guards import SHARD_STATE
+from autopart.runtime.guards import SHARD_STATE, inner_optimizer
 
 _MESHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 # one optimizer, or several over disjoint parts of the model (Muon for the matrices, AdamW for
@@ -673,14 +673,13 @@ def _optim_info(
                             hint="give every rank the same hyperparameters for a parameter "
                             "(build the optimizer's groups the same way on every rank)",
                         )
-        try:
-            json.dumps(settings, allow_nan=False)
-        except ValueError:
+        infinite = next((g for g in settings if not _finite(g)), None)
+        if infinite is not None:
             raise AutopartError(
                 f"checkpoint {path}: an optimizer group holds a NaN or infinite "
-                f"hyperparameter ({next(g for g in settings if not _finite(g))})",
+                f"hyperparameter ({infinite})",
                 hint="give its groups finite values before saving",
-            ) from None
+            )
         holder = type(_holder(optimizer)[0]).__name__  # ZeRO: its inner
         infos.append({"class": holder, "param_groups": settings, "group_of": group_of})
     return None if not infos else infos[0] if len(infos) == 1 else infos
@@ -706,9 +705,8 @@ def _extra_ranks(extras: list[dict[str, Any]]) -> dict[str, Any]:
     """The marker's ``extra_ranks`` (every rank's ``extra``, in rank order) when the ranks'
     differ (a data loader's position per dp rank, a scheduler over a stage's own groups);
     nothing when they agree (``extra`` is then every rank's)."""
-    same = all(
-        json.dumps(e, sort_keys=True) == json.dumps(extras[0], sort_keys=True) for e in extras
-    )
+    first = json.dumps(extras[0], sort_keys=True)
+    same = all(json.dumps(e, sort_keys=True) == first for e in extras)
     return {} if same else {"extra_ranks": extras}
 
 
@@ -896,11 +894,10 @@ def _holder(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, se
     parameters whose state it holds (None: all). A ZeRO-1 optimizer keeps the state of its
     partition only, in its local optimizer: each dp rank saves the states it owns, and on load
     asks for the states of the parameters it owns now (the partition may have changed)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer.optim, {id(p) for g in optimizer.optim.param_groups for p in g["params"]}
-    return optimizer, None
+    inner = inner_optimizer(optimizer)
+    if inner is optimizer:
+        return optimizer, None
+    return inner, {id(p) for g in inner.param_groups for p in g["params"]}
 
 
 # -- what each rank loads -----------------------------------------------------------------------

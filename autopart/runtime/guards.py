@@ -504,7 +504,7 @@ def check_elementwise(opt: torch.optim.Optimizer, live: Any, held: set[int]) -> 
     split into slices: Muon (a matrix's orthogonalization), Adafactor (row and column
     statistics), LARS / LAMB (a tensor's norm) computed each rank's update from its slice
     alone, silently (the loop probe: weights 20 %, 0.5 % and 0.1 % off at tp=2)."""
-    cls = type(_inner(opt))  # ZeRO steps its inner optimizer over each dp rank's part
+    cls = type(inner_optimizer(opt))  # ZeRO steps its inner optimizer over each dp rank's part
     if getattr(cls, "autopart_elementwise", False) or (
         cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE_OPTIMIZERS
     ):
@@ -528,7 +528,7 @@ def check_elementwise(opt: torch.optim.Optimizer, live: Any, held: set[int]) -> 
         )
 
 
-def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """``opt``, or the optimizer a ``ZeroRedundancyOptimizer`` runs on its part."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
