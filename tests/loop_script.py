@@ -4,7 +4,8 @@ live API, as a user used to DDP would write it, against the same loop on one pro
 Each rank builds HF Llama (tied embeddings, a module the forward never uses, a frozen final
 norm) from its
 *own* seed: parallelize must start every rank from rank 0's weights. The loop: AdamW with decay groups (weight decay on matrices only),
-linear warmup, gradient clipping that bites every step (``Runner.clip_grad_norm_``), 8 steps on
+linear warmup, gradient clipping that bites every step (``Runner.clip_grad_norm_``, and every
+other step torchtitan's ``clip_grads_with_norm_`` handed ``runner.grad_norm()``), 8 steps on
 batches with Hugging Face's labels (unshifted, ``labels = input_ids``) ending in unequal runs of
 -100; the reference is HF's loss definition, in float64. Every step's loss and grad norm, and every
 final weight, are compared with the single-process loop on rank 0's model in float64. Prints
@@ -106,9 +107,14 @@ def main() -> int:
     ref = copy.deepcopy(model)  # rank 0's model now, on every rank
     got_losses, got_norms = [], []
     opt, sched = optimizer(runner.named_parameters())
-    for ids, labels in data:
+    for i, (ids, labels) in enumerate(data):
         got_losses.append(float(runner.step(ids, labels)))
-        got_norms.append(runner.clip_grad_norm_(MAX_NORM))
+        if i % 2:
+            got_norms.append(runner.clip_grad_norm_(MAX_NORM))
+        else:  # torchtitan's two calls, handed the whole model's norm
+            got_norms.append(runner.grad_norm())
+            norm = torch.tensor(got_norms[-1], dtype=torch.float64)  # the model's dtype
+            torch.nn.utils.clip_grads_with_norm_(runner.parameters(), MAX_NORM, norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -196,6 +202,16 @@ def main() -> int:
         "torch_clip_list": refused(  # torchtitan's: a list, which no iterator check sees
             lambda: torch.nn.utils.clip_grad_norm_(list(runner.parameters()), 1.0),
             "runner.clip_grad_norm_(max_norm)",
+        ),
+        "torchtitan_clip": refused(  # get_total_norm over this rank's gradients: its norm
+            lambda: torch.nn.utils.clip_grads_with_norm_(
+                runner.parameters(),
+                1.0,
+                torch.nn.utils.get_total_norm(
+                    [p.grad for p in runner.parameters() if p.grad is not None]
+                ),
+            ),
+            "torch.tensor(runner.grad_norm())",
         ),
         "clip_value_allowed": torch.nn.utils.clip_grad_value_(runner.parameters(), 1e9) is None,
         "model_optimizer": refused(  # refused when built now, at its step before training

@@ -46,10 +46,12 @@ def test_torch_norm_clipping_is_refused_over_shards_only() -> None:
     """Over shards (tp or pp) torch's norm clipping would clip each rank by its own norm:
     refused, naming the runner's, however the parameters reach it (an iterator, a list, an
     optimizer's groups, a comprehension over several). Whole gradients (dp): torch's result,
-    untouched. Value clipping is elementwise and ``clip_grads_with_norm_`` scales by the norm it
-    is handed (exact on shards); an optimizer or a loop reads the gradients as ever."""
+    untouched. Value clipping is elementwise (exact on shards); ``clip_grads_with_norm_`` scales
+    by the norm it is handed, exact only when that is the whole model's (one the runner put in
+    its ``global_norms``): torchtitan's ``get_total_norm`` over the rank's gradients is refused
+    before it scales one. An optimizer or a loop reads the gradients as ever."""
     ps = _params()
-    mark_sharded(ps, ps, sharded_reason(1, 1))  # dp alone: nothing marked
+    mark_sharded(ps, ps, sharded_reason(1, 1), [])  # dp alone: nothing marked
     assert all(type(p) is nn.Parameter for p in ps)
     norm = torch.nn.utils.clip_grad_norm_(iter(ps), 1.0)
     assert abs(float(norm) - 2.0 * 7**0.5) < 1e-6
@@ -60,7 +62,8 @@ def test_torch_norm_clipping_is_refused_over_shards_only() -> None:
 
     owner = Owner()
     ps = _params()
-    mark_sharded(owner, ps, sharded_reason(2, 1))
+    global_norms: list[float] = []  # the runner's, filled by grad_norm()
+    mark_sharded(owner, ps, sharded_reason(2, 1), global_norms)
     assert all(type(p) is ShardParameter and isinstance(p, nn.Parameter) for p in ps)
     opt = torch.optim.AdamW(iter(ps))
     ways = {
@@ -75,7 +78,14 @@ def test_torch_norm_clipping_is_refused_over_shards_only() -> None:
         assert "runner.clip_grad_norm_(max_norm)" in str(exc.value), way
         assert "tp=2" in str(exc.value), way
         assert all(bool((p.grad == 2.0).all()) for p in ps), way  # refused before touching one
-    torch.nn.utils.clip_grads_with_norm_(ps, 1.0, torch.tensor(4.0))  # the norm handed in
+    local = torch.nn.utils.get_total_norm([p.grad for p in ps])  # torchtitan's habit
+    for handed in (local, torch.tensor(4.0), 4.0, None):
+        with pytest.raises(autopart.AutopartError, match="not the whole model's") as exc:
+            torch.nn.utils.clip_grads_with_norm_(ps, 1.0, handed)
+        assert "torch.tensor(runner.grad_norm())" in str(exc.value.hint)
+        assert all(bool((p.grad == 2.0).all()) for p in ps)
+    global_norms.append(4.0)  # the whole model's norm, as runner.grad_norm() records it
+    torch.nn.utils.clip_grads_with_norm_(ps, 1.0, torch.tensor(4.0, dtype=torch.float32))
     assert all(torch.allclose(p.grad, torch.full_like(p, 0.5)) for p in ps)
     torch.nn.utils.clip_grad_value_(ps, 0.25)
     assert all(bool((p.grad == 0.25).all()) for p in ps)

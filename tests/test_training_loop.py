@@ -36,7 +36,8 @@ def test_a_loop_with_clipping_and_different_seeds_equals_one_process(mesh: str) 
     on rank 0; the other ranks load their rank's program from it (runtime/handover.py).
     The runner follows the module's mode (a module in eval mode at ``parallelize`` still gets
     its dropout back with ``model.train()``), and the habits wrong here are refused where they
-    happen (runtime/guards.py): torch's ``clip_grad_norm_`` over the pp shards, an optimizer
+    happen (runtime/guards.py): torch's ``clip_grad_norm_`` over the pp shards (and
+    ``clip_grads_with_norm_`` handed a norm of the rank's gradients), an optimizer
     over the module's own parameters, a step under autocast or no_grad, torch's clipping over
     the module's parameters (no gradients there), reading the module's weights once the runner
     has moved its own (``model(ids)``, ``state_dict()``, ``deepcopy``) until ``copy_to``, and a

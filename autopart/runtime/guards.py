@@ -7,6 +7,9 @@
   whose gradient refuses to be read by torch's norm clipping (however the parameters reached
   it: the iterator, a list, an optimizer's groups), naming ``runner.clip_grad_norm_`` (under dp
   alone every rank holds every whole gradient, and torch's clipping is exact).
+  ``clip_grads_with_norm_`` scales by the norm it is handed: it may read them only when that
+  norm is the whole model's, one ``runner.grad_norm()`` gave since the last step (torchtitan's
+  ``get_total_norm`` over a rank's gradients is that rank's norm).
 - **An optimizer over the model's own parameters.** The runner trains its own copies; the
   module's parameters never get a gradient, so ``AdamW(model.parameters())`` steps on nothing.
   ``guard_optimizers`` registers torch's optimizer step pre-hook, which refuses such a step.
@@ -58,9 +61,11 @@ from torch.optim.optimizer import (
 from autopart.errors import AutopartError
 
 # torch's module whose norm clipping reads the parameters it is given (clip_grad_value_ is
-# elementwise, _clip_grads_with_norm_ scales by the norm it is handed: exact on shards)
+# elementwise: exact on shards; _clip_grads_with_norm_ scales by the norm it is handed: exact
+# when that norm is the runner's global one)
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
-_CLIP_EXACT_ON_SHARDS = frozenset({"clip_grad_value_", "_clip_grads_with_norm_"})
+_CLIP_WITH_NORM = "_clip_grads_with_norm_"  # exact when handed the global norm: checked
+_CLIP_ELEMENTWISE = "clip_grad_value_"
 # the tensor's own ``grad`` attribute, which ``ShardParameter.grad`` guards
 _GRAD: Any = torch._C.TensorBase.__dict__["grad"]
 _AVERAGING = "torch.optim.swa_utils"  # AveragedModel.update_parameters reads model.parameters()
@@ -74,10 +79,14 @@ class ShardParameter(nn.Parameter):
     gives a runner's parameters this class; everything else reads ``grad`` as ever."""
 
     _autopart_sharded: str  # why this rank's gradients are not the whole model's
+    _autopart_norms: list[float]  # the runner's ``global_norms`` (the same list)
 
     @property
     def grad(self) -> torch.Tensor | None:
-        if _is_norm_clip(sys._getframe(1)):
+        clip = _norm_clip(sys._getframe(1))
+        if clip is not None and clip.f_code.co_name == _CLIP_WITH_NORM:
+            _check_handed_norm(self, clip.f_locals.get("total_norm"))
+        elif clip is not None:
             raise AutopartError(
                 f"torch.nn.utils.clip_grad_norm_ over this rank's parameters: "
                 f"{self._autopart_sharded}, so torch would take this rank's norm for the "
@@ -85,7 +94,7 @@ class ShardParameter(nn.Parameter):
                 hint="norm = runner.clip_grad_norm_(max_norm): the global norm, the same on "
                 "every rank (runner.grad_norm() without clipping; "
                 "torch.nn.utils.clip_grads_with_norm_(runner.parameters(), max_norm, "
-                "runner.grad_norm()) is exact too)",
+                "torch.tensor(runner.grad_norm())) is exact too)",
             )
         return _GRAD.__get__(self, type(self))
 
@@ -98,11 +107,14 @@ class ShardParameter(nn.Parameter):
         _GRAD.__delete__(self)
 
 
-def mark_sharded(owner: object, params: list[nn.Parameter], sharded: str | None) -> None:
+def mark_sharded(
+    owner: object, params: list[nn.Parameter], sharded: str | None, norms: list[float]
+) -> None:
     """Give ``params`` the class ``ShardParameter`` (``sharded``: why a rank holds only part of
     the gradients; None: every whole gradient, torch's clipping is exact and nothing changes).
-    A parameter that is the module's own object (a pp stage's, in memory) gets its class back
-    when ``owner`` (the runner) goes."""
+    ``norms`` (the runner's ``global_norms``, filled in place) lists the whole model's norms
+    computed since its last step: the norms ``clip_grads_with_norm_`` may be handed. A parameter that is the
+    module's own object (a pp stage's, in memory) gets its class back when ``owner`` goes."""
     if sharded is None:
         return
     marked = []
@@ -112,6 +124,7 @@ def mark_sharded(owner: object, params: list[nn.Parameter], sharded: str | None)
             marked.append(weakref.ref(p))
         if isinstance(p, ShardParameter):
             p._autopart_sharded = sharded
+            p._autopart_norms = norms
     weakref.finalize(owner, _unmark, marked)
 
 
@@ -121,20 +134,50 @@ def _unmark(marked: list[weakref.ref[nn.Parameter]]) -> None:
         if p is not None and type(p) is ShardParameter:
             p.__class__ = nn.Parameter  # type: ignore[assignment]
             p.__dict__.pop("_autopart_sharded", None)
+            p.__dict__.pop("_autopart_norms", None)
 
 
-def _is_norm_clip(frame: FrameType | None) -> bool:
-    """Is ``frame`` (or the function whose comprehension it is) one of torch's gradient-norm
-    functions, reading the parameters it was given? (Value clipping is elementwise, and
-    ``clip_grads_with_norm_`` scales by the norm it is handed: both exact on shards.)"""
+def _norm_clip(frame: FrameType | None) -> FrameType | None:
+    """The frame of torch's gradient-norm function reading the parameters it was given, if
+    ``frame`` is it (or one of its comprehensions); None otherwise (value clipping is
+    elementwise: exact on shards)."""
     while frame is not None and frame.f_code.co_name.startswith("<"):
         if frame.f_globals.get("__name__") != _CLIP_MODULE:
-            return False
+            return None
         frame = frame.f_back  # a comprehension's frame (Python 3.11): the function it is in
-    return (
+    if (
         frame is not None
         and frame.f_globals.get("__name__") == _CLIP_MODULE
-        and frame.f_code.co_name not in _CLIP_EXACT_ON_SHARDS
+        and frame.f_code.co_name != _CLIP_ELEMENTWISE
+    ):
+        return frame
+    return None
+
+
+def _check_handed_norm(p: ShardParameter, total_norm: object) -> None:
+    """``clip_grads_with_norm_(params, max_norm, total_norm)`` over a rank's shards is exact
+    only when ``total_norm`` is the whole model's norm: one the runner computed
+    (``runner.grad_norm()``) since its last step. Anything else is refused, before any
+    gradient is scaled: ``torch.nn.utils.get_total_norm`` over this rank's gradients (the
+    habit of torchtitan's ``clip_grad_norm_``) is this rank's norm, a different one on every
+    rank."""
+    known: list[float] = p.__dict__.get("_autopart_norms", [])
+    try:
+        value = float(total_norm)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        value = None
+    if value is not None and any(
+        value == k or abs(value - k) <= 1e-6 * max(abs(k), abs(value)) for k in known
+    ):
+        return
+    seen = "no global norm since the last step" if not known else f"the runner's: {known[-1]:.6g}"
+    raise AutopartError(
+        f"torch.nn.utils.clip_grads_with_norm_ over this rank's parameters with a norm of "
+        f"{total_norm!r} that is not the whole model's ({seen}): {p._autopart_sharded}, so a "
+        "norm taken over this rank's gradients (torch.nn.utils.get_total_norm, a sum by hand) "
+        "is this rank's, and every rank would clip by a different factor",
+        hint="hand it the global norm: torch.tensor(runner.grad_norm()) (the same on every "
+        "rank; dtype= the gradients' for float64), or norm = runner.clip_grad_norm_(max_norm)",
     )
 
 

@@ -321,8 +321,11 @@ class Runner:
         self._module_layout: list[tuple[str, int, torch.dtype]] = []
         self._module_hooks: list[tuple[str, int, int]] = []
         self._module_versions: list[int] = []
-        # torch's norm clipping over parameters() is refused where it would be wrong (tp, pp)
-        mark_sharded(self, list(self.params.values()), sharded_reason(plan.mesh.tp, plan.mesh.pp))
+        # torch's norm clipping over parameters() is refused where it would be wrong (tp, pp),
+        # and clip_grads_with_norm_ takes only a whole-model norm grad_norm gave since the step
+        self.global_norms: list[float] = []  # cleared in place at every step
+        reason = sharded_reason(plan.mesh.tp, plan.mesh.pp)
+        mark_sharded(self, list(self.params.values()), reason, self.global_norms)
         self._unsynced: str | None = None  # inside no_sync(): dp reduction skipped
         self._logits_run: dict[bool, dict[int, Any]] = {}  # logits(): by mode, on first use
         self._carried = False  # gradients of no_sync() steps are on the parameters
@@ -932,7 +935,7 @@ class Runner:
         equal to one device's (``runtime/norms.py``). Collective: call it on every rank."""
         self.check_reduced("runner.grad_norm() / clip_grad_norm_()")
         split = {f: s.dim is not None for f, s in self.program.shards.items()}
-        return norms.global_norm(
+        norm = norms.global_norm(
             self.params,
             split,
             self.program.ties,
@@ -941,6 +944,8 @@ class Runner:
             norm_type,
             self.timeout_s,
         )
+        self.global_norms.append(norm)
+        return norm
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """``torch.nn.utils.clip_grad_norm_`` for the whole parallel model: scale every local
@@ -985,6 +990,7 @@ class Runner:
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
         self._begin("step", needs_grad=True)
+        self.global_norms.clear()  # the gradients change: norms computed before are not theirs
         num_tokens = self._whole_tokens(num_tokens)
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
