@@ -8,6 +8,8 @@ print, inspect or save). With a live torch ``DeviceMesh`` (under torchrun) it re
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,6 +28,8 @@ from autopart.frontend.capture import (
 from autopart.frontend.loops import fixed_length
 from autopart.layout import Plan, mesh_from
 from autopart.lowering import compile_program
+
+log = logging.getLogger("autopart")
 
 
 def parallelize(
@@ -146,6 +150,7 @@ def _compile(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> An
 
 
 def _compile_forked(model: nn.Module | Captured, example_inputs: Any, plan: Plan) -> Any:
+    start = time.perf_counter()
     if isinstance(model, Captured):
         captured = model
         if plan.compute_dtype not in (None, captured.dtype):
@@ -156,10 +161,13 @@ def _compile_forked(model: nn.Module | Captured, example_inputs: Any, plan: Plan
             )
     else:
         _warn_checkpointing(model, plan)
+        log.info("capturing %s with torch.export", type(model).__name__)
         if example_inputs is None:
             captured = _capture_made_up(model, plan)
         else:
             captured = _capture(model, example_inputs, plan)
+        nodes = len(captured.graph.graph.nodes)
+        log.info("captured %d nodes in %.1f s", nodes, time.perf_counter() - start)
     # refused now, not at the first step: the example batch is taken for the training batch
     plan.check_batch(captured.example_shape[0])
     seq, tp = captured.example_shape[1], plan.mesh.tp
@@ -168,7 +176,14 @@ def _compile_forked(model: nn.Module | Captured, example_inputs: Any, plan: Plan
             f"sequence length {seq} is not divisible by tp={tp}, which sequence parallelism needs",
             hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
         )
-    return compile_program(captured, plan)
+    program = compile_program(captured, plan)
+    log.info(
+        "compiled %d rank programs for %s in %.1f s",
+        plan.mesh.size,
+        plan.mesh,
+        time.perf_counter() - start,
+    )
+    return program
 
 
 def _capture(model: nn.Module, example_inputs: Any, plan: Plan) -> Captured:
@@ -268,19 +283,13 @@ def _compile_once(
 ) -> Any:
     """Global rank 0 compiles the program; every rank gets its own rank's part from it
     (``runtime/handover.py``) instead of compiling the whole model itself."""
-    import torch.distributed as dist
-
     # lazy: an offline compile imports no runtime (tests/test_layers.py)
-    from autopart.runtime.handover import hand_over
+    from autopart.runtime.handover import compiled_on_rank_zero, hand_over
     from autopart.runtime.runner import Runner
 
-    program, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            program = _compile(model, example_inputs, plan)
-        except Exception as exc:  # noqa: BLE001 - every rank raises it (named), not only rank 0
-            error = exc
-    rp, weights, head = hand_over(program, error, timeout_s, plan.library_ops)
+    # every rank raises rank 0's compile error (named), not only rank 0
+    program = compiled_on_rank_zero(lambda: _compile(model, example_inputs, plan), timeout_s)
+    rp, weights, head = hand_over(program, timeout_s, plan.library_ops)
     runner = Runner.from_rank(
         rp, Plan.from_json(head["plan"]), weights, head, live, timeout_s=timeout_s, compile=compile
     )

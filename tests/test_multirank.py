@@ -48,6 +48,22 @@ def test_live_device_mesh_api() -> None:
     assert sorted(verdicts) == [("0", "OK"), ("1", "OK")], out
 
 
+def test_rank_zero_compiles_for_longer_than_the_timeout_and_its_errors_reach_every_rank() -> None:
+    """The live API compiles on rank 0; the others used to wait for it at most ``timeout_s``
+    (300 s by default; a 32-layer Llama compiles in about 2 minutes here), and an error on
+    rank 0 had no test. Now rank 0 beats while it compiles: a compile three times the timeout
+    trains every rank exactly, and rank 0's error is every rank's, quoted."""
+    out = launch_forked(2, [str(ROOT / "tests" / "handover_script.py")], timeout_s=120)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(rows) == 2, out
+    for r in rows:
+        assert "does not compile here" in r["failed"], r
+        if r["rank"] == 1:
+            assert r["failed"].startswith("rank 1: rank 0 could not compile the model"), r
+        assert r["waited"][0] >= 9.0, r  # three times the 3 s timeout, waited out
+        assert max(r["errs"]) <= 1e-9, r
+
+
 @pytest.mark.slow  # suite time (the live dp mesh runs by default)
 def test_live_pipeline_mesh_with_a_tied_embedding_on_four_ranks() -> None:
     """pp=4 on a live DeviceMesh: the middle stages hold no tied parameter but must create the

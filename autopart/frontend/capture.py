@@ -491,6 +491,7 @@ def _frozen_floats(captured: Captured) -> Captured:
 
 
 OWN_LOSS_RTOL = 1e-5  # the model's float32 loss of float64 logits differs by ~1e-8
+OWN_LOSS_TOKENS = 64  # the own-loss check calls the model on the example's first row, this long
 
 
 def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
@@ -499,7 +500,8 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     (``output_router_logits=True``), a z-loss. The one-process loop ``model(ids,
     labels=labels).loss.backward()`` trains that loss; the ranks would silently train another
     (the loss 4.18 against 4.38, the router's gradients 89 % off). One call with the example's
-    labels, with torch's generator put back, compares the loss it returns
+    labels (its first row's first ``OWN_LOSS_TOKENS`` tokens; the whole example when those
+    cannot be compared), with torch's generator put back, compares the loss it returns
     with the cross entropy of the logits it returns with it, the labels paired with the logits
     either as they are or shifted by one as Hugging Face models pair them (the example's labels
     may come in either convention); it must equal one of the two, and have its gradient with
@@ -513,18 +515,19 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     name = next((k for k in ("labels", "targets") if k in takes), None)
     if name is None or any(p.is_meta for p in model.parameters()):
         return
-    labels = fields["labels"]
-    extra: dict[str, Any] = {k: v for k, v in fields.items() if k in OPTIONAL}
-    if "use_cache" in takes:
-        extra["use_cache"] = False
-    try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
-            out = model(fields["input_ids"], **{name: labels}, **extra)
-            logits = logits_of(out)
-    except Exception:  # noqa: BLE001 - labels it cannot take: not compared
+    # the first row, cut to OWN_LOSS_TOKENS, is the cheap call (the whole example through a
+    # large model with gradients costs a forward's activations, 33 s of a 16-layer Llama's
+    # 100 s compile at 4 × 1024 tokens); the whole example when that one cannot be compared
+    first = {k: v[:1, :OWN_LOSS_TOKENS] for k, v in fields.items()}
+    for batch in (first, fields):
+        called = _call_with_labels(model, name, batch, "use_cache" in takes)
+        if called is not None:
+            break
+    else:
         return
+    out, logits, labels = called
     own = _loss_of(out, logits)
-    if own is None or tuple(logits.shape[:2]) != tuple(labels.shape):
+    if own is None:
         return
     own_value = float(own.detach())
     as_name = "" if name == "labels" else f" as {name}"
@@ -534,14 +537,14 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
         for x, y in pairings
         if bool((y != -100).any())
     ]
+    if not ours:
+        return
     values = [float(ce.detach()) for _, _, ce in ours]
     same = [
         ce
         for (_, _, ce), v in zip(ours, values, strict=True)
         if abs(own_value - v) <= OWN_LOSS_RTOL * abs(v)
     ]
-    if not ours:
-        return
     if same:
         # the same value can hide another loss: label smoothing of uniform logits (a head
         # initialised at zero) equals the cross entropy there, not its gradient. Nearly uniform
@@ -569,6 +572,29 @@ def _refuse_own_loss(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
         "output_router_logits=False), or compare against a one-process loop that uses "
         "F.cross_entropy on the logits",
     )
+
+
+def _call_with_labels(
+    model: nn.Module, name: str, batch: dict[str, torch.Tensor], no_cache: bool
+) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+    """``model(input_ids, <name>=labels, ...)`` with torch's generators put back after: its
+    output, logits and the labels, or None when the labels cannot be compared there (all
+    ignored, an exception, logits of another shape)."""
+    labels = batch["labels"]
+    if not bool((labels != -100).any()):
+        return None
+    extra: dict[str, Any] = {k: v for k, v in batch.items() if k in OPTIONAL}
+    if no_cache:
+        extra["use_cache"] = False
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=cuda_devices(model)):
+            out = model(batch["input_ids"], **{name: labels}, **extra)
+            logits = logits_of(out)
+    except Exception:  # noqa: BLE001 - labels it cannot take (or a length): not compared
+        return None
+    if tuple(logits.shape[:2]) != tuple(labels.shape):
+        return None
+    return out, logits, labels
 
 
 def _other_gradient(own: torch.Tensor, ce: torch.Tensor, logits: torch.Tensor) -> str | None:
