@@ -126,6 +126,22 @@ def _not_along(arg: int):
     return rule
 
 
+def _repeat_interleave(n, dims):
+    """``x.repeat_interleave(r, dim)``: each of the dim's rows repeated r times in place, so a
+    rank's contiguous block of rows gives the output's block of the same ranks (GQA's key
+    heads repeated for their query heads). Flattening (no dim) or a stated output size along
+    the split dim is not proven."""
+    d = _first(n, dims)
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim")
+    if not isinstance(dim, int):
+        raise Illegal("repeat_interleave without a dim flattens the split")
+    if _norm(dim, _ndim(n.args[0])) != d:
+        return d
+    if (n.args[3] if len(n.args) > 3 else n.kwargs.get("output_size")) is not None:
+        raise Illegal("repeat_interleave states its output size along the split dim")
+    return d
+
+
 def _split(n, dims):
     return _first(n, dims)  # splits along the split dim are strided: handled by the pass
 
@@ -329,6 +345,7 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.expand.default: _expand,
     aten.slice.Tensor: _not_along(1),
     aten.select.int: _not_along(1),
+    aten.repeat_interleave.self_int: _repeat_interleave,
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
     aten.chunk.default: _split,

@@ -108,13 +108,48 @@ class _Eager(_Attention):
         return self.o((probs @ v).transpose(1, 2).reshape(b, s, self.heads * self.dim))
 
 
+class _Repeated(_Attention):
+    """SDPA over key/value heads repeated by hand, as hand-written GPTs do: ``interleave``
+    (``k.repeat_interleave(rep, dim=1)``: query head j reads key head j // rep, GQA) or not
+    (``k.repeat(1, rep, 1, 1)``: the heads tiled, query head j reads key head j % kv, which a
+    rank's block of query heads does not read from its block of key heads)."""
+
+    def __init__(self, heads: int, kv: int, interleave: bool) -> None:
+        super().__init__(heads, kv, leak=False)
+        self.interleave = interleave
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        rep = self.heads // self.kv
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = (f(x).view(b, s, self.kv, self.dim).transpose(1, 2) for f in (self.k, self.v))
+        if self.interleave:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        else:
+            k, v = k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.dim))
+
+
 class _Model(nn.Module):
     def __init__(
-        self, heads: int, kv: int, leak: bool = False, n_layer: int = 2, eager: bool = False
+        self,
+        heads: int,
+        kv: int,
+        leak: bool = False,
+        n_layer: int = 2,
+        eager: bool = False,
+        repeat: str = "",
     ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.norms = nn.ModuleList(nn.LayerNorm(WIDTH) for _ in range(n_layer))
+        if repeat:
+            self.attn = nn.ModuleList(
+                _Repeated(heads, kv, repeat == "interleave") for _ in range(n_layer)
+            )
+            self.head = nn.Linear(WIDTH, VOCAB)
+            return
         kind = _Eager if eager else _Attention
         self.attn = nn.ModuleList(kind(heads, kv, leak) for _ in range(n_layer))
         self.head = nn.Linear(WIDTH, VOCAB)
@@ -126,9 +161,9 @@ class _Model(nn.Module):
         return self.head(x)
 
 
-def _toy(heads: int, kv: int, leak: bool = False, eager: bool = False):
+def _toy(heads: int, kv: int, leak: bool = False, eager: bool = False, repeat: str = ""):
     torch.manual_seed(0)
-    return _Model(heads, kv, leak, eager=eager), _batch()
+    return _Model(heads, kv, leak, eager=eager, repeat=repeat), _batch()
 
 
 def eager_mqa():
@@ -161,3 +196,21 @@ def gqa_kv3():
 def gqa_leak():
     """``gqa_kv1`` whose keys are read outside attention as well."""
     return _toy(8, 1, leak=True)
+
+
+def interleave_kv2():
+    """8 query heads over 2 key/value heads repeated by ``repeat_interleave`` (GQA written by
+    hand): tp = 2 splits the key/value heads with the query heads they serve."""
+    return _toy(8, 2, repeat="interleave")
+
+
+def interleave_kv1():
+    """8 query heads over 1 key/value head repeated by ``repeat_interleave``: tp = 4 keeps it
+    whole and each rank selects its 2 of the 8 repeated heads."""
+    return _toy(8, 1, repeat="interleave")
+
+
+def tiled_kv2():
+    """8 query heads over 2 key/value heads tiled by ``repeat`` (head j reads j % 2): no rank's
+    block of key heads serves its block of query heads, so the attention stays replicated."""
+    return _toy(8, 2, repeat="tile")

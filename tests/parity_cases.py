@@ -97,6 +97,12 @@ KV_CASES = {  # fewer key/value heads than tp: replicated and selected per rank 
     "gqa-kv1-tp4": Check(f"{KV}:gqa_kv1", tp=4),
     "gqa-kv2-tp4-sp": Check(f"{KV}:gqa_kv2", tp=4, sequence_parallel=True),
     "gqa-leak-tp2": Check(f"{KV}:gqa_leak", tp=2),
+    "interleave-kv2-tp2-sp": Check(f"{KV}:interleave_kv2", tp=2, sequence_parallel=True),
+    "interleave-kv1-tp4": Check(f"{KV}:interleave_kv1", tp=4),
+    "interleave-kv2-tp2xpp2-seq1f1b-k2": Check(
+        f"{KV}:interleave_kv2", tp=2, pp=2, schedule="seq1f1b", seq_chunks=2, microbatches=4
+    ),
+    "tiled-kv2-tp2": Check(f"{KV}:tiled_kv2", tp=2),
     "llama-mqa-dp2xtp2": Check(f"{KV}:llama_mqa", dp=2, tp=2, microbatches=2),
     "llama-mqa-tp2xpp2-seq1f1b-k4-sp": Check(
         f"{KV}:llama_mqa_long",
@@ -120,9 +126,9 @@ KV_CASES = {  # fewer key/value heads than tp: replicated and selected per rank 
     ),
 }
 # the default suite's cross-section (suite time): repeat_kv with sp, an eager attention's
-# products under Seq1F1B; the float32 key norm and enable_gqa with -m slow (their graphs are
+# products under Seq1F1B, repeat_interleave with sp; the float32 key norm and enable_gqa with -m slow (their graphs are
 # checked in tests/passes/test_tensor_parallel.py by default)
-KV_DEFAULT = ["llama-mqa-tp4-sp", "eager-mqa-tp2xpp2-seq1f1b-k2"]
+KV_DEFAULT = ["llama-mqa-tp4-sp", "eager-mqa-tp2xpp2-seq1f1b-k2", "interleave-kv2-tp2-sp"]
 
 
 NANO_DEEP, GPT2_DEEP = (

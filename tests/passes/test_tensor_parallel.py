@@ -350,6 +350,28 @@ def test_one_kv_head_is_shared_by_every_rank() -> None:
             assert _rank_rows(gm, k, 4) == _rank_rows(gm, v, 4) == expected
 
 
+def test_heads_repeated_by_repeat_interleave_split_with_their_query_heads() -> None:
+    """GQA written by hand, ``k.repeat_interleave(rep, dim=1)``, kept the whole attention
+    replicated ("no sharding rule"): a rank's block of key heads, each repeated in place, is
+    the block its query heads read, so q, k and v split at tp = 2 (2 key heads), and at tp = 4
+    (1 key head) k and v stay whole and each rank selects its 2 of the 8 repeated heads.
+    Tiled heads (``k.repeat(1, rep, 1, 1)``: query head j reads j % kv) keep it replicated."""
+    gm = _compile(_case(kv_models.interleave_kv2), 2)
+    for w in ("q", "k", "v"):
+        assert params(gm)[f"attn.0.{w}.weight"].meta[META_SHARD] == COL, w
+    assert not calls(gm, aten.index_select.default)
+    gm = _compile(_case(kv_models.interleave_kv1), 4)
+    assert params(gm)["attn.0.k.weight"].meta[META_SHARD] is None
+    assert params(gm)["attn.0.q.weight"].meta[META_SHARD] == COL
+    for sdpa in calls(gm, aten.scaled_dot_product_attention.default):
+        k = _before_transposes(sdpa.args[1])
+        assert k.target == aten.index_select.default
+        assert _rank_rows(gm, k, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    gm = _compile(_case(kv_models.tiled_kv2), 2)
+    for w in ("q", "k", "v"):
+        assert params(gm)[f"attn.0.{w}.weight"].meta[META_SHARD] is None, w
+
+
 def test_an_eager_attention_selects_its_keys_before_the_transpose() -> None:
     """Eager, soft-capped attention over one repeated KV head at tp=2: q·kᵀ and p·v read a
     select of this rank's 4 of the 8 repeated heads, put before kᵀ so the general form's k is
