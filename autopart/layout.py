@@ -24,6 +24,7 @@ from typing import Any
 from autopart.errors import AutopartError
 from autopart.schedule.chunks import SPLITS, fewer_chunks
 from autopart.schedule.generators import GENERATORS, check_schedule, traits
+from autopart.schedule.tags import Tags
 
 SCHEDULES = tuple(GENERATORS)
 DIMS = ("dp", "pp", "tp")
@@ -300,6 +301,8 @@ class Plan:
         check_schedule(
             self.schedule, self.mesh.pp, self.microbatches, self.virtual_stages, self.seq_chunks
         )
+        if self.mesh.pp > 1:  # the pipeline's messages can be numbered (schedule/tags.py)
+            Tags.of(self.mesh.pp, self.virtual_stages, self.microbatches, self.seq_chunks)
 
     @property
     def interleaved(self) -> bool:

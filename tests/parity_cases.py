@@ -199,6 +199,11 @@ SEQ1F1B_CASES = {  # a cross-section of the acceptance matrix (the whole matrix:
         LONG["nanogpt"],
         {**SEQ, "dp": 2, "pp": 2, "seq_chunks": 2, "microbatches": 2},
     ),
+    # 32 chunks of 8 tokens: message tags had room for 16 (the step failed after compiling)
+    "nanogpt-pp2-k32-uniform": (
+        LONG["nanogpt"],
+        {**SEQ, "pp": 2, "seq_chunks": 32, "seq_split": "uniform", "microbatches": 2},
+    ),
 }
 
 
@@ -224,7 +229,7 @@ RECOMPUTE_CASES |= {  # materialized attention scores (1F1B keeps the manual sof
 }
 
 
-SEQ1F1B_DEFAULT = ["llama-pp2-k4-balanced", "gpt2-pp2-v2-k2-interleaved"]
+SEQ1F1B_DEFAULT = ["llama-pp2-k4-balanced", "gpt2-pp2-v2-k2-interleaved", "nanogpt-pp2-k32-uniform"]
 
 
 # zero-bubble schedules (issue 20): every model × every mesh of pp = 2 and 4 on ≤ 4 ranks ×

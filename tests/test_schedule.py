@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopart.errors import AutopartError
+from autopart.layout import Mesh, Plan
 from autopart.schedule import GENERATORS, Action, check_schedule, generate, table, verify
+from autopart.schedule.tags import TAG_BITS, Tags
 
 Schedule = dict[int, list[Action]]
 FLAT = sorted(n for n in GENERATORS if "interleaved" not in n)  # one stage per pipeline rank
@@ -337,3 +339,29 @@ def test_the_planner_tries_zero_bubble_schedules(gpt_sdpa) -> None:
     ranked = search(shape, "dgx-a100-80gb", 2, 8, top=200, seq_chunks=[2]).ranked
     tried = {r.plan.schedule for r in ranked}
     assert {"zb-h1", "seq1f1b-zb"} <= tried
+
+
+def test_message_tags_are_sized_by_the_plan_and_refused_when_they_cannot_be() -> None:
+    """Tags had fixed fields (< 64 stages, < 16 chunks): an interleaved pp=2 × v=33 plan or a
+    Seq1F1B plan of 64 chunks compiled, then failed at its first step. Each field is now as
+    wide as the plan needs; every tag of a plan is distinct and within 31 bits, and a plan
+    whose pipeline cannot be numbered is refused when it is made."""
+    for tags in (Tags(66, 4, 1), Tags(128, 4096, 1), Tags(2, 4, 64), Tags(4, 8, 3)):
+        seen = set()
+        for stage in range(tags.stages):
+            for mb in (0, tags.microbatches - 1):
+                for chunk in range(tags.chunks):
+                    for bits in ((0, 0, 0), (1, 2, 1), (1, 1, 0)):
+                        backward, index, part = bits
+                        t = tags.tag(stage, mb, chunk, bool(backward), index, part)
+                        assert 0 <= t < 1 << TAG_BITS
+                        seen.add(t)
+        assert len(seen) == tags.stages * 2 * tags.chunks * 3, tags
+    with pytest.raises(AutopartError, match="outside the plan's tags"):
+        Tags(2, 4, 1).tag(2, 0, 0, False, 0, 0)
+    Plan(Mesh(pp=2), schedule="interleaved-1f1b", virtual_stages=33, microbatches=4)
+    Plan(Mesh(pp=2), schedule="seq1f1b", seq_chunks=64, microbatches=4)
+    with pytest.raises(AutopartError, match="cannot number"):
+        Plan(Mesh(pp=4), schedule="seq1f1b", seq_chunks=1 << 14, microbatches=1 << 14)
+    with pytest.raises(AutopartError, match="3 tensors per hand-over"):
+        Tags(4, 1 << 13, 1 << 13).check(3)

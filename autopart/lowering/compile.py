@@ -67,6 +67,7 @@ from autopart.program.archive import allowed_call, aten_refusal
 from autopart.program.format import PassRecord, Program, RankProgram, Shard, StageProgram
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths
+from autopart.schedule.tags import Tags
 
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
@@ -82,6 +83,10 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
     if plan.chunked and plan.chunk_multiple % block:
         plan = replace(plan, seq_block=math.lcm(plan.seq_block, block))
     stages, inputs = split_stages(gm)
+    handed = max(sum(ref.kind == "act" for ref in refs) for refs in inputs)
+    Tags.of(plan.mesh.pp, len(stages) // plan.mesh.pp, plan.microbatches, plan.seq_chunks).check(
+        handed
+    )  # the tensors a stage hands the next fit the pipeline's message tags
     ties = tied_across(inputs, plan.mesh.pp)
     chunk_cost = chunk_costs(captured, plan)
     dry_run(stages, inputs, captured, plan, chunk_cost)

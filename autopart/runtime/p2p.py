@@ -1,7 +1,7 @@
 """Point-to-point transfers between pipeline neighbours (isend / irecv, gloo-safe).
 
-Messages are tagged by (sending stage, micro-batch, sequence chunk, direction, index), so they
-never pair up wrongly. The first micro-batch of a step sends a header per tensor (dtype,
+Messages are tagged by (sending stage, micro-batch, sequence chunk, direction, index), packed
+as wide as the plan needs (``Tags``), so they never pair up wrongly. The first micro-batch of a step sends a header per tensor (dtype,
 sizes) for each chunk; every micro-batch of a step has the same shapes chunk by chunk, so later
 ones send payloads only, and the receiver can post their ``irecv`` early (``Channel.prefetch``)
 to overlap the transfer with compute.
@@ -27,6 +27,7 @@ import torch
 
 from autopart.errors import AutopartError, wait
 from autopart.runtime import staging
+from autopart.schedule.tags import Tags
 
 _DTYPES = (
     torch.float64,
@@ -40,22 +41,13 @@ _DTYPES = (
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
 
 
-def _tag(stage: int, mb: int, chunk: int, backward: bool, index: int, part: int) -> int:
-    if mb >= 4096 or index >= 64 or chunk >= 16 or stage >= 64:
-        raise AutopartError(
-            "pipeline message tags allow < 64 stages, < 4096 micro-batches, < 16 "
-            f"chunks and < 64 tensors per hand-over (got stage {stage}, micro-batch "
-            f"{mb}, chunk {chunk}, tensor {index})",
-            hint="use fewer micro-batches, chunks or stages",
-        )
-    return ((((stage * 4096 + mb) * 16 + chunk) * 2 + backward) * 64 + index) * 2 + part
-
-
 class Channel:
     """One rank's pipeline sends and receives for one step at a time (``reset`` per step)."""
 
-    def __init__(self, rank: int, timeout_s: float, device: torch.device | None = None) -> None:
-        self.rank, self.timeout_s = rank, timeout_s
+    def __init__(
+        self, rank: int, timeout_s: float, tags: Tags, device: torch.device | None = None
+    ) -> None:
+        self.rank, self.timeout_s, self.tags = rank, timeout_s, tags
         self.device = device or torch.device("cpu")
         # headers travel on the device (NCCL sends device tensors; ranks sharing a GPU send
         # through host copies, runtime/staging.py); in the dry run (meta: no data) they go over
@@ -95,10 +87,13 @@ class Channel:
                 head[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
                 head = head.to(self.head_device)
                 self.sends.append(
-                    (staging.isend(head, peer, _tag(stage, mb, chunk, backward, i, 0)), head)
+                    (
+                        staging.isend(head, peer, self.tags.tag(stage, mb, chunk, backward, i, 0)),
+                        head,
+                    )
                 )
             if not self.dry:
-                work = staging.isend(t, peer, _tag(stage, mb, chunk, backward, i, 1))
+                work = staging.isend(t, peer, self.tags.tag(stage, mb, chunk, backward, i, 1))
                 self.sends.append((work, t))
 
     def prefetch(self, peer: int, stage: int, mb: int, chunk: int, backward: bool) -> None:
@@ -109,7 +104,7 @@ class Channel:
             return
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in spec]
         works = [
-            staging.irecv(b, peer, _tag(stage, mb, chunk, backward, i, 1))
+            staging.irecv(b, peer, self.tags.tag(stage, mb, chunk, backward, i, 1))
             for i, b in enumerate(bufs)
             if not self.dry
         ]
@@ -137,7 +132,7 @@ class Channel:
         for i in range(count):
             head = torch.zeros(_HEADER, dtype=torch.int64, device=self.head_device)
             _wait(
-                staging.irecv(head, peer, _tag(stage, mb, chunk, backward, i, 0)),
+                staging.irecv(head, peer, self.tags.tag(stage, mb, chunk, backward, i, 0)),
                 self.rank,
                 what,
                 peer,
@@ -149,7 +144,7 @@ class Channel:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             if not self.dry:
                 _wait(
-                    staging.irecv(t, peer, _tag(stage, mb, chunk, backward, i, 1)),
+                    staging.irecv(t, peer, self.tags.tag(stage, mb, chunk, backward, i, 1)),
                     self.rank,
                     what,
                     peer,

@@ -352,7 +352,12 @@ class Runner:
         self._train_run = self._run
         self._eval_run: dict[int, Any] | None = None  # eval(): graphs without dropout
         self.training = True
-        self._p2p = p2p.Channel(self.rank, timeout_s, self.device)
+        self._p2p = p2p.Channel(
+            self.rank,
+            timeout_s,
+            p2p.Tags(program.n_stages, plan.microbatches, plan.seq_chunks),
+            self.device,
+        )
         if self._split and not self.dry:  # a receive not yet arrived runs deferred W work
             self._p2p.filler = self._fill
         self._tp_group = groups.get("tp")
