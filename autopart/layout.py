@@ -116,6 +116,13 @@ def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
     if isinstance(mesh, Mesh):
         return mesh, None
     names = getattr(mesh, "mesh_dim_names", None)
+    if names is None and hasattr(mesh, "mesh_dim_names"):
+        raise AutopartError(
+            "the DeviceMesh has no dim names: autopart reads each dim's role (dp, pp, tp) "
+            "from its name",
+            hint='init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)): name every dim one '
+            f"of {DIMS}",
+        )
     if names is None:
         raise AutopartError(
             f"expected an autopart.Mesh or a torch DeviceMesh, got {type(mesh).__name__}",

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
+from autopart import __version__
 from autopart.cli import demo, inspect, plan, run, simulate, timeline, train, verify, zoo
 from autopart.errors import AutopartError
 
@@ -25,13 +27,15 @@ EPILOG = """examples:
   autopart train train.toml                       train with a config: LR schedule, clipping, eval,
                                                   checkpoints and resume, metrics
   autopart timeline trace.json -o timeline.png    draw a --trace file: one row per rank
-  autopart simulate --shape gpt3-175b --gpus 1024 --tp 8 --pp 8 --global-batch 1536
+  autopart simulate --shape gpt3-175b --gpus 1024 --tp 8 --pp 8 --global-batch 1536 --recompute full
                                                   predict one iteration on a GPU cluster
   autopart plan --shape megatron-1t --gpus 3072 --global-batch 3072
                                                   search for the fastest plan that fits
 
 a model SPEC is path/to/file.py:make or package.module:make, where make() returns
-(model, (input_ids, labels)) with int64 (batch, seq) token tensors.
+(model, (input_ids, labels)) with int64 (batch, seq) token tensors. The examples/ files are in
+the source checkout; an installed package has autopart.models.nanogpt:make and
+autopart.models.zoo:llama (any architecture of docs/compatibility.md) everywhere.
 """
 
 # the subcommands, in the order --help lists them
@@ -54,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile an unmodified PyTorch GPT into one parallel program per rank.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"autopart {__version__} (torch {metadata.version('torch')})",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS.values():

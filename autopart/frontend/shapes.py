@@ -262,7 +262,7 @@ class _Fits(fx.Interpreter):
             if isinstance(rows, int) and top >= rows:
                 raise PastTable(
                     f"index {top} is out of range for the {rows} rows of {table.name} "
-                    "(a table of positions shorter than the sequence)"
+                    f"({PAST_TABLE})"
                 )
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -272,6 +272,8 @@ class _Fits(fx.Interpreter):
 
 
 LONGEST = 1 << 20  # tokens: a graph that fits this long a sequence is taken to fit any
+# why a longer sequence fails when the model's own table of positions is too short for it
+PAST_TABLE = "a table of positions shorter than the sequence"
 
 
 def longest_sequence(gm: fx.GraphModule, example: tuple[int, int]) -> tuple[int | None, str]:

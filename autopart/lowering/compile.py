@@ -30,6 +30,7 @@ places a program on its rank's device (``autopart/runtime/placement.py``).
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -40,7 +41,12 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.frontend.capture import Captured, InputRef
-from autopart.frontend.shapes import longest_sequence, sequence_multiple, shortest_sequence
+from autopart.frontend.shapes import (
+    PAST_TABLE,
+    longest_sequence,
+    sequence_multiple,
+    shortest_sequence,
+)
 from autopart.graph import device_free
 from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
@@ -68,6 +74,8 @@ from autopart.program.format import PassRecord, Program, RankProgram, Shard, Sta
 from autopart.schedule import generate, verify
 from autopart.schedule.chunks import chunk_lengths
 from autopart.schedule.tags import Tags
+
+log = logging.getLogger("autopart")
 
 
 def compile_program(captured: Captured, plan: Plan) -> Program:
@@ -147,11 +155,14 @@ def seq_limits(captured: Captured) -> tuple[int | None, int | None, int]:
         if step > 1:
             fits = f"a multiple of {step} tokens" + ("" if high is None else f", {fits}")
             why = between + ("" if high is None else f"; {why}")
-        if low is not None or high is not None or step > 1:
+        if low is None and step == 1 and high is not None and PAST_TABLE in up:
+            # the model's own table of positions: one device cannot go longer either
+            log.info("the model takes sequences of at most %d tokens (%s)", high, up)
+        elif low is not None or high is not None or step > 1:
             warnings.warn(
-                f"the captured model fits sequences of {fits} ({why}); a step with another "
-                "length is refused. If the model itself allows others, capture it with an "
-                "example of another length (torch.export fixed a size the example implied)",
+                f"the captured model fits sequences of {fits} ({why}); a step of a length "
+                "outside that is refused. If the model itself allows others, capture it with "
+                "an example of such a length (torch.export fixed a size the example implied)",
                 UserWarning,
                 stacklevel=3,
             )

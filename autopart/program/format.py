@@ -323,8 +323,13 @@ def _head(folder: ProgramFolder) -> tuple[dict[str, Any], Plan]:
     """``plan.json``, checked against its schema, and its ``Plan``."""
     path = folder.root / "plan.json"
     if not folder.exists("plan.json"):
+        inner = folder.root / "program"  # autopart demo and train save the program there
+        near = not inner.is_symlink() and (inner / "plan.json").is_file()
         raise AutopartError(
-            f"{folder.root} holds no plan.json", hint="point at a folder written by Program.save()"
+            f"{folder.root} holds no plan.json",
+            hint=f"did you mean {inner}/? (it holds one)"
+            if near
+            else "point at a folder written by Program.save()",
         )
     doc = _parse(folder.read("plan.json", MAX_JSON), path)
     fmt = doc.get("format") if isinstance(doc, dict) else None

@@ -58,7 +58,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--tokens",
         type=Path,
         default=None,
-        help="token file: a torch.save'd 1-D integer tensor (.pt) or raw uint16 ids (.bin)",
+        help="token file: a torch.save'd 1-D integer tensor (.pt) or raw uint16 ids (.bin); "
+        "without it (or --batch) the steps train on random tokens, whose loss need not fall",
     )
     p.add_argument(
         "--batch",
@@ -624,9 +625,11 @@ def _train(
                 _save(runner, optim, args, rank, step + 1, tied or {})
     if show and len(seen) >= 10:  # a mean over 5 steps: one batch's loss is noisy
         early, late = sum(seen[:5]) / 5, sum(seen[-5:]) / 5
+        trend = "falling" if late < early else "NOT falling"
+        if args.tokens is None and args.batch is None:  # random tokens: nothing to learn
+            trend = "random tokens: pass --tokens to train on data"
         print(
-            f"loss (mean of 5 steps): {early:.4f} at the start → {late:.4f} at the end "
-            f"({'falling' if late < early else 'NOT falling'})",
+            f"loss (mean of 5 steps): {early:.4f} at the start → {late:.4f} at the end ({trend})",
             flush=True,
         )
     return last_s
