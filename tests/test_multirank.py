@@ -33,13 +33,25 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path: Path) -> None:
 
     model, batch = nanogpt.make()
     parallelize(model, Mesh(dp=2), example_inputs=batch).save(tmp_path / "p")
-    with pytest.raises(AutopartError) as err:
-        launch_forked(
-            1,
-            ["-m", "autopart.runtime.run", str(tmp_path / "p"), "--steps", "1", "--timeout", "20"],
-            timeout_s=30,
-        )
-    assert "dp(2) * pp(1) * tp(1) = 2 != WORLD_SIZE (1)" in str(err.value)
+    for world in (1, 4):  # 4: every rank refuses before it connects (one rank's exit used to
+        # break the others' connect: a raw "connectFullMesh failed" traceback, sometimes)
+        with pytest.raises(AutopartError) as err:
+            launch_forked(
+                world,
+                [
+                    "-m",
+                    "autopart.runtime.run",
+                    str(tmp_path / "p"),
+                    "--steps",
+                    "1",
+                    "--timeout",
+                    "20",
+                ],
+                timeout_s=30,
+            )
+        text = str(err.value)
+        assert f"dp(2) * pp(1) * tp(1) = 2 != WORLD_SIZE ({world})" in text, text
+        assert "Traceback" not in text and "connectFullMesh" not in text, text
 
 
 def test_live_device_mesh_api() -> None:

@@ -39,7 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from autopart.schedule.chunks import SPLITS
 
     d = sub.add_parser(
-        "demo", help="train a small GPT on CPU ranks and check parity (no arguments needed)"
+        "demo",
+        help="train a small GPT on CPU ranks and check parity (no arguments needed)",
+        description="Compile the built-in nanoGPT for tp=2 × pp=2 with Seq1F1B (by default), "
+        "train it on the shipped text on 4 CPU ranks with torchrun, check one step's loss and "
+        "gradients against one device, and write the program, a trace and a timeline to --out.",
     )
     d.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     d.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")

@@ -323,6 +323,9 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(head["plan"])
     batches = check_args(args, head, plan)
     device = pick_device(args.device)
+    if os.environ.get("WORLD_SIZE", "").isdigit():  # torchrun's: refused before any rank
+        plan.mesh.check_world(int(os.environ["WORLD_SIZE"]))  # connects (one rank's exit
+        # during the others' connect was a raw "connectFullMesh failed" traceback)
     rank, world = join_torchrun(args.timeout, backend_for(device))
     # torch seeds its generator at random in each process; autopart's dropout takes explicit
     # seeds, but attention dropout inside SDPA draws from this generator
