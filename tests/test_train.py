@@ -120,7 +120,8 @@ def test_overrides_and_the_schedule(tmp_path: Path) -> None:
     assert cfg.optim_lr == 2e-3 and cfg.data_text == "corpus.txt"
     assert isinstance(cfg, TrainConfig)
     assert [lr_factor(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # warmup
-    assert lr_factor(4, cfg) == 1.0 and abs(lr_factor(14, cfg) - 0.05) < 1e-12  # cosine to min
+    assert lr_factor(4, cfg) == 1.0 and abs(lr_factor(13, cfg) - 0.05) < 1e-12  # the last
+    assert lr_factor(12, cfg) > 0.05  # of the 14 steps (index 13) trains at min_lr, not after
     trusting = load(f, ['parallel.library_ops=["mylib"]'])
     assert trusting.parallel_library_ops == ("mylib",) and cfg.parallel_library_ops == ()
     assert TrainConfig.from_json(json.loads(json.dumps(trusting.to_json()))) == trusting

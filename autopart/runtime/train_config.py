@@ -306,10 +306,12 @@ def check(cfg: TrainConfig, where: str = "the config") -> None:
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """The learning rate at ``step`` over ``lr``: linear warmup, then cosine to ``min_lr``."""
+    """The learning rate at ``step`` over ``lr``: linear warmup, then cosine to ``min_lr``,
+    which the last step (``train_steps − 1``) trains at (the cosine used to end one step past
+    it, so no step trained at ``min_lr``)."""
     if cfg.optim_warmup_steps and step < cfg.optim_warmup_steps:
         return (step + 1) / cfg.optim_warmup_steps
-    span = max(1, cfg.train_steps - cfg.optim_warmup_steps)
+    span = max(1, cfg.train_steps - cfg.optim_warmup_steps - 1)
     done = min(1.0, (step - cfg.optim_warmup_steps) / span)
     low = cfg.optim_min_lr / cfg.optim_lr
     return low + (1 - low) * 0.5 * (1 + math.cos(math.pi * done))
