@@ -175,7 +175,9 @@ def _check_handed_norm(p: ShardParameter, total_norm: object) -> None:
         f"torch.nn.utils.clip_grads_with_norm_ over this rank's parameters with a norm of "
         f"{total_norm!r} that is not the whole model's ({seen}): {p._autopart_sharded}, so a "
         "norm taken over this rank's gradients (torch.nn.utils.get_total_norm, a sum by hand) "
-        "is this rank's, and every rank would clip by a different factor",
+        "is this rank's, and every rank would clip by a different factor (one all-reduced by "
+        "hand, as torchtitan's over the pp group, counts tied and tp-replicated parameters "
+        "more than once)",
         hint="hand it the global norm: torch.tensor(runner.grad_norm()) (the same on every "
         "rank; dtype= the gradients' for float64), or norm = runner.clip_grad_norm_(max_norm)",
     )
