@@ -113,8 +113,9 @@ def mark_sharded(
     """Give ``params`` the class ``ShardParameter`` (``sharded``: why a rank holds only part of
     the gradients; None: every whole gradient, torch's clipping is exact and nothing changes).
     ``norms`` (the runner's ``global_norms``, filled in place) lists the whole model's norms
-    computed since its last step: the norms ``clip_grads_with_norm_`` may be handed. A parameter that is the
-    module's own object (a pp stage's, in memory) gets its class back when ``owner`` goes."""
+    computed since its last step: the norms ``clip_grads_with_norm_`` may be handed. A
+    parameter that is the module's own object (a pp stage's, in memory) gets its class back
+    when ``owner`` goes."""
     if sharded is None:
         return
     marked = []

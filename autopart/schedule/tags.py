@@ -5,6 +5,7 @@ checked when the plan is made and when the program is compiled, never first at a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from autopart.errors import AutopartError
 
@@ -28,10 +29,16 @@ class Tags:
     microbatches: int
     chunks: int
 
+    @cached_property
+    def widths(self) -> tuple[int, int, int, int, int, int]:
+        """Bits of (stage, micro-batch, chunk, direction, tensor index, header/payload): found
+        once, read by every ``tag`` (one per tensor sent or received)."""
+        fixed = (_width(self.stages), _width(self.microbatches), _width(self.chunks), 1)
+        return (*fixed, TAG_BITS - sum(fixed) - 1, 1)
+
     @property
     def index_bits(self) -> int:
-        used = _width(self.stages) + _width(self.microbatches) + _width(self.chunks) + 2
-        return TAG_BITS - used
+        return self.widths[4]
 
     def check(self, tensors: int) -> None:
         """Refuse a program whose hand-overs of ``tensors`` tensors do not fit the tags."""
@@ -54,16 +61,10 @@ class Tags:
                 f"{1 << self.index_bits} tensors)",
                 hint="this is a bug in autopart; please report it with the plan",
             )
-        fields = (
-            (stage, _width(self.stages)),
-            (mb, _width(self.microbatches)),
-            (chunk, _width(self.chunks)),
-            (int(backward), 1),
-            (index, self.index_bits),
-            (part, 1),
-        )
         out = 0
-        for value, bits in fields:
+        for value, bits in zip(
+            (stage, mb, chunk, int(backward), index, part), self.widths, strict=True
+        ):
             out = (out << bits) | value
         return out
 
