@@ -546,3 +546,19 @@ def test_bf16_zero1_checkpoint_keeps_float32_masters_and_resumes(tmp_path: Path)
     resumed, out = run(tmp_path / "ck2")
     assert "resumed from step 1" in out, out
     assert resumed == {s: whole[s] for s in (1, 2)}, (resumed, whole)
+
+
+def test_dcp_over_a_tp_ranks_state_dict_is_refused_and_exact_under_pp(tmp_path: Path) -> None:
+    """torchtitan's habit, ``dcp.save({"model": runner.state_dict()})``: under tp it saved one
+    rank's slices as every rank's (a query weight 158 % off after the round trip, silently).
+    The save and the load are refused on every rank, naming autopart.checkpoint; the slices are
+    plain tensors otherwise; under pp the round trip is exact (tests/dcp_script.py)."""
+    out = launch_forked(2, [str(ROOT / "tests" / "dcp_script.py"), str(tmp_path)], timeout_s=120)
+    decoder = json.JSONDecoder()
+    lines = [decoder.raw_decode(x)[0] for x in out.splitlines() if x.startswith('{"rank"')]
+    assert sorted(d["rank"] for d in lines) == [0, 1], out
+    for d in lines:
+        assert d["slices"] > 0 and d["plain"] and d["pp_round_trip"], d
+        for what in ("save", "load"):
+            assert "torch.distributed.checkpoint cannot save or load" in d[what], d
+            assert "autopart.checkpoint.save" in d[what], d

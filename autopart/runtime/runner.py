@@ -45,6 +45,7 @@ from autopart.runtime.comm import Comm
 from autopart.runtime.copies import check_copies
 from autopart.runtime.guards import (
     Logits,
+    RankSlice,
     StepLoss,
     check_frozen,
     check_grad_hooks,
@@ -590,8 +591,14 @@ class Runner:
         """This rank's parameters and buffers, keyed by the model's global FQNs: its tp slices
         and its stages only, so not the whole model unless tp = pp = 1 (rank 0's is not the
         model's, as it is under DDP). The whole model: ``full_state_dict()``; sharded
-        checkpoints: ``autopart.checkpoint``."""
-        return {**{f: p.detach() for f, p in self.params.items()}, **self.buffers}
+        checkpoints: ``autopart.checkpoint``. A tp slice is a ``guards.RankSlice``: a plain
+        tensor that ``torch.distributed.checkpoint`` refuses (it would save one rank's slice as
+        every rank's)."""
+        sharded = {f for f, s in self.program.shards.items() if s.dim is not None and s.parts > 1}
+        return {
+            **{f: RankSlice.of(p) if f in sharded else p.detach() for f, p in self.params.items()},
+            **self.buffers,
+        }
 
     def _activate(self) -> None:
         """Make this runner's context the one the graph's collectives use (another runner in
