@@ -355,7 +355,10 @@ def refuse_sequence_mixing(gm: fx.GraphModule, example: int = 0) -> None:
             f"scan's sizes at one block (the proof then stops at {found[0][0].name}: "
             f"{found[0][1]})",
             hint=f"capture with an example of at least {2 * block} tokens (Seq1F1B cuts chunks "
-            f"at whole blocks of {block}); docs/capture.md explains why",
+            f"at whole blocks of {block}) for the proof to see the whole scan: a scan in "
+            "Mamba-2's form (one product over every block's state) then chunks, while one "
+            "written as a Python loop over the blocks (the gated delta rule of Qwen3-Next, "
+            "Qwen3.5 and Kimi Linear) stays refused at any length; docs/capture.md explains why",
         )
     if found:
         n, what = min(found, key=lambda f: SOFTMAX not in f[1])
