@@ -97,10 +97,10 @@ def parallelize(
         from autopart.runtime.guards import check_current  # lazy: as the Runner below
 
         check_current(model, "parallelize(model, mesh) again")
+        _check_materialized(model)
         broadcast_model(model, timeout_s)  # every rank starts from rank 0's model, as DDP does
-        real = all(p.device.type != "meta" for p in model.parameters())
         with training_mode(model):  # the training graph; the runner follows the model's mode
-            if real and _world() > 1:  # rank 0 compiles; the others receive their rank's program
+            if _world() > 1:  # rank 0 compiles; the others receive their rank's program
                 return _compile_once(model, example_inputs, plan, live, timeout_s, compile)
             program = _compile(model, example_inputs, plan)
     else:
@@ -113,6 +113,30 @@ def parallelize(
     if not isinstance(model, Captured):
         _attach(runner, model)
     return runner
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """The live runner trains real weights, rank 0's handed to every rank: a model built on
+    the meta device (torchtitan builds there, shards, then initialises) is refused before
+    any collective, naming a tensor, instead of failing on every rank inside the runner with
+    torch's "Cannot copy out of meta tensor"."""
+    meta = next(
+        (
+            name
+            for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type == "meta"
+        ),
+        None,
+    )
+    if meta is not None:
+        raise AutopartError(
+            f"the model's {meta} is on the meta device: the live runner trains real weights, "
+            "which parallelize broadcasts from rank 0 and hands each rank its slices of",
+            hint="materialize and initialise the model before parallelize "
+            "(model.to_empty(device='cpu'), then its init, e.g. model.init_weights() or "
+            "model.apply(model._init_weights)); only an offline compile, "
+            "parallelize(model, autopart.Mesh(...)), takes a model on the meta device",
+        )
 
 
 @contextlib.contextmanager

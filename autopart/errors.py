@@ -20,6 +20,12 @@ class AutopartError(Exception):
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
 
 
+class NotAModuleError(AutopartError, AttributeError):
+    """An ``nn.Module`` attribute asked of an object that only stands in for the model (the
+    live ``Runner``): an ``AttributeError`` still, so ``hasattr`` answers False and torch's
+    duck typing goes on, but the message says what to use instead."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type's name when it has none), for an
     error that quotes torch's."""

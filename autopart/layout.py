@@ -111,6 +111,28 @@ class Mesh:
         return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp})"
 
 
+def _check_spans_world(mesh: Any) -> None:
+    """A live mesh must hold every rank of the job: a sub-mesh (torchtitan's
+    ``world_mesh["tp"]``) would leave the ranks outside it as separate jobs, whose other dims
+    nothing reduces over (each rank checks its own mesh: all refuse alike, before any
+    collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world, size = dist.get_world_size(), int(mesh.mesh.numel())
+    if size != world:
+        names = tuple(mesh.mesh_dim_names)
+        raise AutopartError(
+            f"the DeviceMesh {dict(zip(names, mesh.mesh.shape, strict=False))} holds {size} of "
+            f"the job's {world} ranks (a sub-mesh, such as world_mesh[{names[0]!r}]?): "
+            "autopart parallelizes over every rank, and the ranks outside it would train "
+            "separate models",
+            hint="pass the whole mesh, every dim named one of dp/pp/tp: "
+            'init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) for 4 ranks',
+        )
+
+
 def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
     """An offline ``Mesh`` from a ``Mesh`` or a live torch ``DeviceMesh`` (returned too)."""
     if isinstance(mesh, Mesh):
@@ -128,16 +150,26 @@ def mesh_from(mesh: Any) -> tuple[Mesh, Any]:
             f"expected an autopart.Mesh or a torch DeviceMesh, got {type(mesh).__name__}",
             hint='autopart.Mesh(dp=2) offline, or init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))',
         )
-    unknown = set(names) - set(DIMS)
-    if unknown:
-        raise AutopartError(
-            f"DeviceMesh dim names {names} include {sorted(unknown)}",
-            hint=f"name every dim one of {DIMS}",
-        )
+    _check_spans_world(mesh)
     sizes = dict(zip(names, mesh.mesh.shape, strict=False))
+    # a dim of one rank is no parallelism, whatever its name (torchtitan's "cp" of size 1)
+    unknown = sorted({n for n in names if n not in DIMS and sizes[n] > 1})
+    if unknown:
+        torchtitan = {"dp_shard", "dp_replicate"} & set(unknown)
+        raise AutopartError(
+            f"DeviceMesh dim names {names} include {unknown}",
+            hint=f"name every dim of more than one rank one of {DIMS}"
+            + (
+                "; torchtitan's data-parallel dims flatten into one: "
+                "world_mesh['dp_replicate', 'dp_shard']._flatten('dp'), then pass the mesh "
+                "whose dims are named dp/tp/pp"
+                if torchtitan
+                else ""
+            ),
+        )
     offline = Mesh(**{d: int(sizes.get(d, 1)) for d in DIMS})
     order = [d for d in ("pp", "dp", "tp") if d in names]
-    if list(names) != order:
+    if [n for n in names if n in DIMS] != order:
         raise AutopartError(
             f"DeviceMesh dims {tuple(names)} are not in autopart's rank order {tuple(order)}",
             hint="autopart lays out ranks pp-major, then dp, then tp (fastest)",

@@ -329,6 +329,38 @@ def test_state_updates_are_refused_and_unused_values_dropped() -> None:
     assert len(losses) == 1, losses
 
 
+class _Spectral(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.head = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(8, 32))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wte(idx))
+
+
+def test_spectral_norms_power_iteration_is_refused_with_its_own_hint() -> None:
+    """spectral_norm updates its ``_u``/``_v`` buffers in every training call: refused as any
+    state update, with a hint about parametrizations (it used to speak of BatchNorm)."""
+    ids = torch.randint(0, 32, (2, 12))
+    with pytest.raises(AutopartError, match=r"parametrizations\.weight\.0\._") as err:
+        capture(_Spectral(), (ids, ids.roll(-1, 1)))
+    assert "spectral_norm" in (err.value.hint or "") and "BatchNorm" not in (err.value.hint or "")
+
+
+def test_a_model_compiled_by_torch_keeps_its_label_convention() -> None:
+    """``model = torch.compile(model)`` before parallelize wraps a Hugging Face model in an
+    ``OptimizedModule``: its labels are still HF's (they were taken for shifted ones, and
+    ``labels = input_ids`` refused as "it would learn to copy its input")."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autopart.api import label_convention
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    assert label_convention(model) == label_convention(torch.compile(model)) == "hf"
+    assert label_convention(torch.compile(nanogpt.make()[0])) == "shifted"
+
+
 class _Scratch(nn.Module):
     """Frequencies picked per call into a buffer under ``no_grad``, as Phi-3's longrope does
     (``inv_freq.copy_(where(max(positions) + 1 > 16, long, short))``); ``accumulate`` reads

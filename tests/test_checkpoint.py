@@ -548,12 +548,14 @@ def test_bf16_zero1_checkpoint_keeps_float32_masters_and_resumes(tmp_path: Path)
     assert resumed == {s: whole[s] for s in (1, 2)}, (resumed, whole)
 
 
-def test_dcp_over_a_tp_ranks_state_dict_is_refused_and_exact_under_pp(tmp_path: Path) -> None:
-    """torchtitan's habit, ``dcp.save({"model": runner.state_dict()})``: under tp it saved one
-    rank's slices as every rank's (a query weight 158 % off after the round trip, silently).
-    The save and the load are refused on every rank, naming autopart.checkpoint; the slices are
-    plain tensors otherwise; under pp the round trip is exact (tests/dcp_script.py)."""
-    out = launch_forked(2, [str(ROOT / "tests" / "dcp_script.py"), str(tmp_path)], timeout_s=120)
+def test_torchtitans_and_a_data_loaders_habits_around_the_runner(tmp_path: Path) -> None:
+    """``dcp.save({"model": runner.state_dict()})`` under tp saved one rank's slices as every
+    rank's (a query weight 158 % off after the round trip, silently): the save and the load are
+    refused on every rank, naming autopart.checkpoint; the slices are plain tensors otherwise;
+    under pp the round trip is exact. Beside it, each habit of tests/titan_script.py: a sub-mesh
+    and a meta model refused, a size-1 "cp" dim taken, torch's DCP state-dict API and a data
+    loader's batch dicts named, a collator's all-ones mask exact."""
+    out = launch_forked(2, [str(ROOT / "tests" / "titan_script.py"), str(tmp_path)], timeout_s=120)
     decoder = json.JSONDecoder()
     lines = [decoder.raw_decode(x)[0] for x in out.splitlines() if x.startswith('{"rank"')]
     assert sorted(d["rank"] for d in lines) == [0, 1], out
@@ -562,3 +564,12 @@ def test_dcp_over_a_tp_ranks_state_dict_is_refused_and_exact_under_pp(tmp_path: 
         for what in ("save", "load"):
             assert "torch.distributed.checkpoint cannot save or load" in d[what], d
             assert "autopart.checkpoint.save" in d[what], d
+        assert "holds 1 of the job's 2 ranks" in d["submesh"], d
+        assert "is on the meta device" in d["meta"] and "to_empty" in d["meta"], d
+        assert "not an nn.Module: it has no named_children" in d["not_a_module"], d
+        assert d["hasattr"] is False, d
+        assert d["ones_mask"] and d["logits_labels"], d
+        assert "not the batch dict (input_ids, labels)" in d["batch_dict"], d
+        assert "got token_type_ids, which it does not take" in d["extra_key"], d
+        assert "pass the targets as labels=" in d["targets"], d
+        assert "needs labels" in d["no_labels"], d

@@ -197,6 +197,12 @@ def test_mesh_from() -> None:
         mesh_from(permuted)
     with pytest.raises(AutopartError, match="include \\['cp'\\]"):
         mesh_from(_FakeDeviceMesh(("cp",), (2,)))
+    # a dim of one rank is no parallelism, whatever its name (torchtitan's "cp")
+    assert mesh_from(_FakeDeviceMesh(("cp", "dp", "tp"), (1, 2, 2)))[0] == Mesh(dp=2, tp=2)
+    assert mesh_from(_FakeDeviceMesh(("dp", "cp", "tp"), (2, 1, 2)))[0] == Mesh(dp=2, tp=2)
+    with pytest.raises(AutopartError, match="include \\['dp_shard'\\]") as err:
+        mesh_from(_FakeDeviceMesh(("dp_shard", "tp"), (2, 2)))
+    assert "_flatten('dp')" in (err.value.hint or "")
     with pytest.raises(AutopartError, match="expected an autopart.Mesh"):
         mesh_from((2, 1, 1))
 

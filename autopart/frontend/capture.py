@@ -637,8 +637,13 @@ def _other_gradient(own: torch.Tensor, ce: torch.Tensor, logits: torch.Tensor) -
 
 
 def is_hugging_face(model: nn.Module) -> bool:
-    """Is ``model`` a Hugging Face ``transformers`` model (labels unshifted, a K/V cache)?"""
-    return type(model).__module__.startswith("transformers.")
+    """Is ``model`` a Hugging Face ``transformers`` model (labels unshifted, a K/V cache)?
+    Seen through ``torch.compile``'s wrapper (``OptimizedModule._orig_mod``), which a loop
+    may have made before ``parallelize``."""
+    inner = getattr(model, "_orig_mod", None) if type(model).__name__ == "OptimizedModule" else None
+    return type(inner if isinstance(inner, nn.Module) else model).__module__.startswith(
+        "transformers."
+    )
 
 
 def _warn_packing(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
@@ -724,8 +729,14 @@ def _refuse_state_updates(ep: torch.export.ExportedProgram) -> None:
             f"the model updates {len(updated)} buffer(s) in its forward: {where} (module "
             f"{updated[0].rpartition('.')[0] or 'the model itself'}); autopart's programs compute the "
             "loss and the gradients only, so every rank would drop the update",
-            hint="keep state updates out of forward: BatchNorm in eval mode or a LayerNorm / "
-            "RMSNorm, a step counter in the training loop",
+            hint=(
+                "spectral_norm updates its power iteration's vectors in every training call: "
+                "use torch.nn.utils.parametrizations.weight_norm, or a norm of the weight "
+                "computed without state"
+                if any(".parametrizations." in u for u in updated)
+                else "keep state updates out of forward: BatchNorm in eval mode or a "
+                "LayerNorm / RMSNorm, a step counter in the training loop"
+            ),
         )
 
 

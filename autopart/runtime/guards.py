@@ -758,7 +758,8 @@ class StepLoss(_Detached):
     HINT = (
         "call opt.step() after runner.step(...), without loss.backward(); for gradient "
         "accumulation call runner.step once per micro-batch (num_tokens= for the exact "
-        "mean), then opt.step()"
+        "mean), then opt.step(); a GradScaler has nothing to scale: "
+        "parallelize(..., precision='bf16') is the mixed precision, with no loss scale"
     )
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopart import collectives
-from autopart.errors import AutopartError, first_line, wait
+from autopart.errors import AutopartError, NotAModuleError, first_line, wait
 from autopart.frontend.capture import check_extra
 from autopart.graph import copy_graph
 from autopart.layout import Plan
@@ -576,6 +576,23 @@ class Runner:
             "without gradients; runner.logits(input_ids) for the logits",
         )
 
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for a name the runner lacks. An ``nn.Module`` attribute is named as such
+        (torch's ``get_state_dict(runner, optimizer)`` and Hugging Face's
+        ``get_parameter_names(runner, ...)`` read ``named_children``; they raised a bare
+        ``AttributeError``): the runner is not a module, and the message says what to use."""
+        if name.startswith("__") or not hasattr(nn.Module, name):
+            raise AttributeError(f"'Runner' object has no attribute {name!r}")
+        raise NotAModuleError(
+            f"a Runner is not an nn.Module: it has no {name} (it runs this rank's compiled "
+            "stages of the model; the model's modules are the module's own)",
+            hint="parameters by the model's names: runner.named_parameters(); the whole "
+            "model's state: runner.full_state_dict() (and autopart.checkpoint for sharded "
+            "checkpoints, instead of torch.distributed.checkpoint.state_dict); the modules "
+            "(to choose parameters by module type): model.named_modules() of the model "
+            "parallelize was given, whose parameter names runner.named_parameters() keeps",
+        )
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Refused: a runner holds this rank's process groups, shards and compiled graphs, which
         neither ``copy.deepcopy`` (``AveragedModel(runner)``) nor a pickle can carry."""
@@ -629,19 +646,21 @@ class Runner:
     def evaluate(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
         local: bool = False,
+        **extra: Any,
     ) -> torch.Tensor:
         """The global mean loss of a batch, forward only: no gradient is computed or touched,
         and no activation is kept for a backward. Dropout follows the mode (call ``eval()``
         first, as with a torch module). The batch, ``shifted``, ``num_tokens`` and ``local``
         as for ``step``. Collective: call it on every rank."""
         self._begin("evaluate", needs_grad=False)
+        labels = self._batch_args("evaluate", input_ids, labels, extra)
         num_tokens = self._whole_tokens(num_tokens)
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
@@ -682,14 +701,17 @@ class Runner:
         position_ids: torch.Tensor | None = None,
         *,
         local: bool = False,
+        **extra: Any,
     ) -> torch.Tensor:
         """The model's full-vocabulary logits ``(batch, seq, vocab)`` for ``input_ids`` (the
         global batch, or with ``local=True`` this rank's dp share), on every rank, as the
         model would return them: for sampling, or any use beyond the loss. ``attention_mask``
         and ``position_ids`` as for ``step`` (exactly those the program was captured with).
         Forward only; dropout follows the mode (``eval()`` first). Collective: call it on
-        every rank."""
+        every rank. A batch's ``labels`` (``runner.logits(**batch)``) are ignored."""
         self._begin("logits", needs_grad=False)
+        extra.pop("labels", None)
+        self._batch_args("logits", input_ids, None, extra)
         key = self.training
         if key not in self._logits_run:  # the loss cut off each last stage, once per mode
             self._logits_run[key] = self._runs(
@@ -971,13 +993,14 @@ class Runner:
     def step(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         *,
         shifted: bool | None = None,
         num_tokens: int | None = None,
         local: bool = False,
+        **extra: Any,
     ) -> torch.Tensor:
         """One forward + backward over the global batch; returns its mean loss.
 
@@ -1002,6 +1025,7 @@ class Runner:
         # the graphs' collectives find their group by name, process-wide: bind ours again, in
         # case another runner in this process (another plan) bound the name since
         self._begin("step", needs_grad=True)
+        labels = self._batch_args("step", input_ids, labels, extra)
         self.global_norms.clear()  # the gradients change: norms computed before are not theirs
         num_tokens = self._whole_tokens(num_tokens)
         self._activate()
@@ -1396,8 +1420,15 @@ class Runner:
         captured with (``RankProgram.batch_names``), else refused on every rank alike, before
         any collective; an ``attention_mask`` becomes int64 (checked 0/1), ``position_ids``
         are checked ≥ 0."""
-        given = {"attention_mask": attention_mask, "position_ids": position_ids}
         names = self.program.batch_names
+        if (
+            _no_padding(attention_mask)
+            and "attention_mask" not in names
+            and attention_mask.shape == getattr(input_ids, "shape", None)
+        ):
+            # a collator's mask of a batch with no padding: the model computes as without one
+            attention_mask = None
+        given = {"attention_mask": attention_mask, "position_ids": position_ids}
         for name, t in given.items():
             if (t is None) == (name in names):
                 has = "was captured with" if name in names else "was captured without"
@@ -1470,6 +1501,44 @@ class Runner:
                             "accumulated into one optimizer step, over every dp replica: the "
                             "same number on every rank",
                         )
+
+    def _batch_args(self, what: str, input_ids: Any, labels: Any, extra: dict[str, Any]) -> Any:
+        """``labels``, once what a data loader's habits pass beyond the batch tensors is refused
+        (on every rank alike, before any collective; each raised Python's bare ``TypeError``):
+        the batch dict as one argument (``runner.step(batch)``), keys the program does not take
+        (a tokenizer's ``token_type_ids``, nanoGPT's ``targets=``), and no labels."""
+        takes = ", ".join(self.program.batch_names)
+        if isinstance(input_ids, Mapping):
+            raise AutopartError(
+                f"rank {self.rank}: runner.{what} takes the batch's tensors, not the batch "
+                f"dict ({', '.join(map(str, input_ids))})",
+                hint=f"runner.{what}(**batch); the program takes {takes}",
+            )
+        if extra:
+            keys = sorted(extra)
+            hint = (
+                "pass the targets as labels=: this model's labels are "
+                + (
+                    "unshifted (labels = input_ids; the model shifts them)"
+                    if self.label_convention == "hf"
+                    else "the next tokens (labels[:, t] is the target of input_ids[:, t])"
+                )
+                if "targets" in extra
+                else "drop them from the batch (batch.pop(name)); the program computes the "
+                f"model as captured, from {takes} only (docs/capture.md)"
+            )
+            raise AutopartError(
+                f"rank {self.rank}: runner.{what} got {', '.join(keys)}, which it does not "
+                f"take: the program takes {takes}",
+                hint=hint,
+            )
+        if labels is None and what != "logits":
+            raise AutopartError(
+                f"rank {self.rank}: runner.{what} needs labels",
+                hint="labels = input_ids for a Hugging Face model (it shifts them), the next "
+                "tokens otherwise; runner.logits(input_ids) needs none",
+            )
+        return labels
 
     def _check_ids(self, input_ids: Any, labels: Any) -> None:
         """Refuse ids or labels that are not integer (batch, seq) tensors of one shape."""
@@ -1823,6 +1892,17 @@ def _check_convention(input_ids: torch.Tensor, labels: torch.Tensor, convention:
             hint="shift them (labels = input_ids[:, 1:], then -100 at the end), or pass "
             "step(..., shifted=False) to have autopart shift them",
         )
+
+
+def _no_padding(mask: Any) -> bool:
+    """Is ``mask`` an attention mask of a batch without padding: a (batch, seq) tensor of ones
+    (or True), as a collator adds to every batch?"""
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and not mask.is_floating_point()
+        and bool((mask == 1).all())
+    )
 
 
 def logits_graph(graph: fx.GraphModule) -> fx.GraphModule:
