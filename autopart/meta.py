@@ -33,7 +33,7 @@ META_DATA_MASK = "autopart.data_mask"
 # vocab_parallel / tensor_parallel
 META_VOCAB_DIMS = "autopart.vocab_dims"  # dict: split dims found by vocab_parallel (transient)
 META_SHARD = "autopart.shard"  # TPShard (parameter placeholders): how tp splits it
-META_ROLE = "autopart.tp_role"  # "column" | "row" | "vocab": a matmul the tp passes split
+META_ROLE = "autopart.tp_role"  # "column" | "row" | "vocab": a matmul the tp passes split; "whole": an LM head kept whole
 META_TP_SPLIT = "autopart.tp_split"  # int | None: the dim along which tp splits this value
 META_GLOBAL_VAL = "autopart.global_val"  # FakeTensor: a split placeholder's unsplit value
 # sequence_parallel

@@ -40,8 +40,10 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     )
     if rank is None:
         raise AutopartError(
-            "sequence parallelism needs the vocabulary-parallel embedding",
-            hint="run without sequence_parallel for this model",
+            "sequence parallelism needs the vocabulary-parallel embedding, and this model's "
+            "token embedding stays whole",
+            hint="the embedding is split by vocabulary only when tp divides the vocabulary: pad "
+            "it to a multiple of tp, or run without sequence_parallel",
         )
     seq: dict[fx.Node, int] = {}
     grad_reduce: set[fx.Node] = set()

@@ -7,11 +7,15 @@ embedding/LM head stays one parameter with one shard). The embedding looks up on
 owns (others give zeros) followed by one ``tp_reduce``; the head's input passes one
 ``tp_copy``; the loss is ``autopart::vocab_parallel_ce`` over the local logits, so only
 [b·s]-sized tensors cross ranks. The graph gets one more input, ``tp_rank`` (``InputRef("rank",
-"tp")``), so every tp rank runs the same graph. A vocabulary not divisible by tp is refused.
+"tp")``), so every tp rank runs the same graph. A vocabulary tp does not divide (GPT-2's
+50257, a test config's 97) stays whole: the embedding, the head and the plain cross entropy
+run on every tp rank alike, as replicated regions do (exact; the head marked ``whole`` so that
+``tensor_parallel`` leaves it), with a warning to pad it.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -39,6 +43,7 @@ from autopart.passes.tensor_parallel import (
 from autopart.passes.tp_rules import matmul_form, spread, tensor_of
 
 aten, ops = torch.ops.aten, torch.ops.autopart
+log = logging.getLogger("autopart")
 
 
 def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -48,10 +53,19 @@ def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     ce = _loss(gm)
     vocab = tensor_of(ce.args[0]).shape[-1]
     if vocab % tp:
-        raise AutopartError(
-            f"vocabulary size {vocab} is not divisible by tp={tp}",
-            hint=f"pad the vocabulary to a multiple of {tp} (nanoGPT pads 50257 to 50304) or pick tp dividing {vocab}",
+        head = _head(gm, ce)
+        if head is not None:  # whole: tensor_parallel leaves it alone, and says nothing of it
+            head.meta.pop(META_VOCAB_DIMS, None)
+            head.meta[META_ROLE] = "whole"
+        log.warning(
+            "vocab_parallel: the vocabulary (%d) is not divisible by tp=%d: the token embedding "
+            "and the LM head stay whole on every tp rank, each computing every logit; pad the "
+            "vocabulary to a multiple of %d to split them (nanoGPT pads 50257 to 50304)",
+            vocab,
+            tp,
+            tp,
         )
+        return gm
     rank = rank_input(gm)
     head = _head(gm, ce)
     if head is not None:

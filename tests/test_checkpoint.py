@@ -554,7 +554,8 @@ def test_torchtitans_and_a_data_loaders_habits_around_the_runner(tmp_path: Path)
     refused on every rank, naming autopart.checkpoint; the slices are plain tensors otherwise;
     under pp the round trip is exact. Beside it, each habit of tests/titan_script.py: a sub-mesh
     and a meta model refused, a size-1 "cp" dim taken, torch's DCP state-dict API and a data
-    loader's batch dicts named, a collator's all-ones mask exact."""
+    loader's batch dicts named, a collator's all-ones mask exact, the logits of a vocabulary tp
+    does not divide (kept whole) the model's."""
     out = launch_forked(2, [str(ROOT / "tests" / "titan_script.py"), str(tmp_path)], timeout_s=120)
     decoder = json.JSONDecoder()
     lines = [decoder.raw_decode(x)[0] for x in out.splitlines() if x.startswith('{"rank"')]
@@ -568,7 +569,7 @@ def test_torchtitans_and_a_data_loaders_habits_around_the_runner(tmp_path: Path)
         assert "is on the meta device" in d["meta"] and "to_empty" in d["meta"], d
         assert "not an nn.Module: it has no named_children" in d["not_a_module"], d
         assert d["hasattr"] is False, d
-        assert d["ones_mask"] and d["logits_labels"], d
+        assert d["ones_mask"] and d["logits_labels"] and d["logits_97"], d
         assert "not the batch dict (input_ids, labels)" in d["batch_dict"], d
         assert "got token_type_ids, which it does not take" in d["extra_key"], d
         assert "pass the targets as labels=" in d["targets"], d

@@ -142,11 +142,18 @@ def test_a_program_refuses_a_batch_unlike_its_capture(padded) -> None:
         runner.step(ids, labels, mask * 2)
     assert runner.steps == 0 and all(p.grad is before[f] for f, p in runner.named_parameters())
     assert runner.logits(ids, mask.bool()).shape == (8, 32, 96)  # a bool mask is taken too
-    # the reverse: a program captured without a mask refuses a step with one
+    # the reverse: a program captured without a mask refuses a step with padding, and takes a
+    # collator's mask of ones (no padding) as none: the same loss
     gpt, (gpt_ids, gpt_labels) = nanogpt.make()
     plain = _runner(capture(gpt, (gpt_ids, gpt_labels)))
+    padding = torch.ones_like(gpt_ids)
+    padding[0, -1] = 0
     with pytest.raises(AutopartError, match="captured without attention_mask, but the batch has"):
-        plain.step(gpt_ids, gpt_labels, torch.ones_like(gpt_ids))
+        plain.step(gpt_ids, gpt_labels, padding)
+    ones = torch.ones_like(gpt_ids)
+    assert float(plain.evaluate(gpt_ids, gpt_labels, ones)) == float(
+        plain.evaluate(gpt_ids, gpt_labels)
+    )
 
 
 def test_a_saved_program_keeps_its_batch_names(padded, tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ from parity_cases import (
     KV_DEFAULT,
     TP_CASES,
     TP_DEFAULT,
+    VOCAB_CASES,
+    VOCAB_DEFAULT,
     assert_all_pass,
     assert_passes,
     batch,
@@ -58,3 +60,15 @@ def test_fewer_kv_heads_than_tp_float64_parity_whole_matrix() -> None:
     """All of KV_CASES: tp up to 8, Qwen3's float32 key norm, SDPA's enable_gqa, dp × tp,
     tp × pp with Seq1F1B and zero-bubble, keys read outside attention."""
     assert_all_pass(batch(KV_CASES))
+
+
+@pytest.mark.parametrize("case", VOCAB_DEFAULT)
+def test_a_vocabulary_tp_does_not_divide_float64_parity(case: str) -> None:
+    """97 entries at tp=2 (it was refused): the tied embedding and head stay whole."""
+    assert_passes(batch({case: VOCAB_CASES[case]})[case])
+
+
+@pytest.mark.slow
+def test_a_vocabulary_tp_does_not_divide_float64_parity_whole_matrix() -> None:
+    """All of VOCAB_CASES: tied and untied, tp=4, dp × tp, tp × pp with Seq1F1B."""
+    assert_all_pass(batch(VOCAB_CASES))

@@ -63,13 +63,22 @@ def main(root: Path) -> dict:
     meta_model = nanogpt.make()[0].to("meta")
     out["meta"] = autopart_error(lambda: autopart.parallelize(meta_model, world, batch))
 
-    # torchtitan's mesh names: a context-parallel dim of one rank is no parallelism
+    # torchtitan's mesh names: a context-parallel dim of one rank is no parallelism; a
+    # vocabulary tp does not divide (97) stays whole, and the logits are the model's
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("cp", "tp"))
-    tp = autopart.parallelize(model, mesh, batch)
+    odd, odd_batch = nanogpt.make(vocab_size=97)
+    odd = odd.double()
+    with torch.no_grad():
+        want = odd(odd_batch[0])
+    tp = autopart.parallelize(odd, mesh, odd_batch)
+    got = tp.logits(odd_batch[0])
+    out["logits_97"] = tuple(got.shape) == tuple(want.shape) and bool(
+        torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    )
     out["not_a_module"] = autopart_error(lambda: get_model_state_dict(tp))
     out["hasattr"] = hasattr(tp, "named_children")
 
-    ids, labels = batch
+    ids, labels = odd_batch
     loss = float(tp.evaluate(ids, labels))
     ones = torch.ones_like(ids)
     out["ones_mask"] = (
@@ -79,7 +88,7 @@ def main(root: Path) -> dict:
     out["extra_key"] = autopart_error(lambda: tp.step(ids, labels, token_type_ids=ones * 0))
     out["targets"] = autopart_error(lambda: tp.step(ids, targets=labels))
     out["no_labels"] = autopart_error(lambda: tp.step(ids))
-    out["logits_labels"] = tuple(tp.logits(ids, labels=labels).shape) == (*ids.shape, 96)
+    out["logits_labels"] = tuple(tp.logits(ids, labels=labels).shape) == (*ids.shape, 97)
 
     sd = tp.state_dict()
     slices = [k for k, v in sd.items() if isinstance(v, autopart.runtime.guards.RankSlice)]

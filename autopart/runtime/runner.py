@@ -781,8 +781,8 @@ class Runner:
                     for j, mb in enumerate(mbs)
                 ],
                 dim=0,
-            )  # (rows, seq, vocab / tp)
-            if self.plan.mesh.tp > 1:
+            )  # (rows, seq, vocab / tp), or the whole vocabulary when tp does not divide it
+            if self.plan.mesh.tp > 1 and out.shape[-1] != self.program.vocab_size:
                 out = self.comm.all_gather(out.contiguous(), 2, "tp")
         group = self.groups.get("pp")
         if group is not None:  # the last stage sends them to the others of its pipeline

@@ -6,6 +6,7 @@ refusals (AutopartError with a hint) and the replicated fallback (a warning nami
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import kv_models
 import nanogpt
@@ -263,8 +264,8 @@ def test_runs_on_local_shards_in_one_process(split) -> None:
 # -- refusals --------------------------------------------------------------------------------
 
 
-def _compile(case: Case, tp: int) -> fx.GraphModule:
-    return run_passes(copy_graph(case.captured.graph), Plan(Mesh(tp=tp)), PIPELINE)[0]
+def _compile(case: Case, tp: int, **plan: Any) -> fx.GraphModule:
+    return run_passes(copy_graph(case.captured.graph), Plan(Mesh(tp=tp), **plan), PIPELINE)[0]
 
 
 def test_heads_not_divisible_by_tp() -> None:
@@ -476,12 +477,26 @@ def test_mlp_width_not_divisible_by_tp() -> None:
     assert "the MLP width" in e.hint
 
 
-def test_vocab_not_divisible_by_tp() -> None:
+def test_a_vocabulary_tp_does_not_divide_stays_whole(caplog: pytest.LogCaptureFixture) -> None:
+    """GPT-2's 50257, a test config's 97: refused before; now the embedding, the LM head and
+    the plain cross entropy stay whole on every tp rank (the blocks still split), with one
+    warning naming the padding, and none of tensor_parallel's about the head. Parity on real
+    ranks: tests/parity_cases.py (``nanogpt-vocab97``)."""
     case = _case(lambda: nanogpt.make(vocab_size=97))
-    with pytest.raises(AutopartError) as err:
-        _compile(case, 2)
-    assert err.value.message == "vocabulary size 97 is not divisible by tp=2"
-    assert "pad the vocabulary to a multiple of 2" in err.value.hint
+    with caplog.at_level("WARNING", logger="autopart"):
+        gm = _compile(case, 2)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("vocabulary (97) is not divisible by tp=2" in m for m in said), said
+    assert not any("lm_head" in m for m in said), said
+    shards = params(gm)
+    assert shards["transformer.wte.weight"].meta[META_SHARD] is None
+    assert shards["transformer.h.0.mlp.c_fc.weight"].meta[META_SHARD] == COL
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.cross_entropy_loss.default in targets
+    assert torch.ops.autopart.vocab_parallel_ce.default not in targets
+    with pytest.raises(AutopartError, match="token embedding stays whole") as err:
+        _compile(case, 2, sequence_parallel=True)
+    assert "pad it to a multiple of tp" in (err.value.hint or "")
 
 
 # -- a region the rules cannot prove stays replicated -----------------------------------------
