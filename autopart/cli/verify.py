@@ -97,6 +97,7 @@ def main(a: argparse.Namespace) -> int:
     checks = parse_plans(a.plans, a.model, base) if a.plans else [Check(a.model, **base)]
     con = Console()
     outcome = {"fail": 0, "error": 0}
+    notes: dict[str, str] = {}
 
     def show(name: str, result: Report | AutopartError) -> None:
         if isinstance(result, AutopartError):
@@ -106,6 +107,8 @@ def main(a: argparse.Namespace) -> int:
             con.print(f"[red]ERROR[/] {name}: {result}", highlight=False)
             return
         outcome["fail"] += not result.ok
+        if result.dropout_note():  # the reason a FAIL says nothing of the program: said once
+            notes.setdefault(result.dropout_note().split(":")[0], result.dropout_note())
         verdict = "[green]PASS[/]" if result.ok else "[red]FAIL[/]"
         if len(checks) > 1:  # one line per plan
             con.print(
@@ -148,4 +151,6 @@ def main(a: argparse.Namespace) -> int:
             f"{outcome['error']} errors",
             highlight=False,
         )
+    for note in notes.values():
+        con.print(f"[yellow]note:[/] {note}", highlight=False)
     return 2 if outcome["error"] else 1 if outcome["fail"] else 0

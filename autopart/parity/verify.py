@@ -81,14 +81,19 @@ class Report:
             + (f" ({self._lower()})" if self.islands else "")
             + f"; {len(self.errors)} gradients compared"
             + (f" ({len(self.zero)} zero by construction, up to round-off)" if self.zero else "")
-            + (
-                f"; the model has active dropout ({len(self.dropout)}: "
-                f"{', '.join(self.dropout[:2])}{', …' if len(self.dropout) > 2 else ''}), whose "
-                "masks the ranks draw otherwise than one device's generator: verify the model "
-                "in eval mode (model.eval() in its factory)"
-                if self.dropout and not self.ok
-                else ""
-            )
+            + (f"; {self.dropout_note()}" if self.dropout_note() else "")
+        )
+
+    def dropout_note(self) -> str:
+        """Why a FAIL of a model with active dropout says nothing about the program (empty
+        for a PASS, or without dropout)."""
+        if not self.dropout or self.ok:
+            return ""
+        more = ", …" if len(self.dropout) > 2 else ""
+        return (
+            f"the model has active dropout ({len(self.dropout)}: "
+            f"{', '.join(self.dropout[:2])}{more}), whose masks the ranks draw otherwise than "
+            "one device's generator: verify the model in eval mode (model.eval() in its factory)"
         )
 
     def _lower(self) -> str:
