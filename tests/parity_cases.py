@@ -131,16 +131,23 @@ KV_CASES = {  # fewer key/value heads than tp: replicated and selected per rank 
 KV_DEFAULT = ["llama-mqa-tp4-sp", "eager-mqa-tp2xpp2-seq1f1b-k2", "interleave-kv2-tp2-sp"]
 
 
-VOCAB = f"{ROOT}/tests/vocab_models.py"
-VOCAB_CASES = {  # a vocabulary tp does not divide stays whole (vocab_parallel)
-    "gpt2-vocab97-tp2": Check(f"{VOCAB}:gpt2_vocab97", tp=2),
-    "llama-vocab97-tp4": Check(f"{VOCAB}:llama_vocab97", tp=4),
-    "nanogpt-vocab97-dp2xtp2": Check(f"{VOCAB}:nanogpt_vocab97", dp=2, tp=2, microbatches=2),
+ODD = f"{ROOT}/tests/odd_models.py"
+ODD_CASES = {  # sizes tp does not divide: that part stays whole, the rest splits
+    "gpt2-vocab97-tp2": Check(f"{ODD}:gpt2_vocab97", tp=2),
+    "llama-hf-tester-tp2": Check(f"{ODD}:llama_hf_tester", tp=2),
+    "llama-vocab97-tp4": Check(f"{ODD}:llama_vocab97", tp=4),
+    "gpt2-heads6-tp4": Check(f"{ODD}:gpt2_heads6", tp=4),
+    "nanogpt-vocab97-dp2xtp2": Check(f"{ODD}:nanogpt_vocab97", dp=2, tp=2, microbatches=2),
     "llama-vocab97-tp2xpp2-seq1f1b-k2": Check(
-        f"{VOCAB}:llama_vocab97", tp=2, pp=2, schedule="seq1f1b", seq_chunks=2, microbatches=4
+        f"{ODD}:llama_vocab97", tp=2, pp=2, schedule="seq1f1b", seq_chunks=2, microbatches=4
+    ),
+    "llama-hf-tester-tp2xpp2-seq1f1b-k2": Check(
+        f"{ODD}:llama_hf_tester", tp=2, pp=2, schedule="seq1f1b", seq_chunks=2, microbatches=4
     ),
 }
-VOCAB_DEFAULT = ["gpt2-vocab97-tp2"]  # tied; the rest with -m slow (suite time)
+# tied vocabulary 97, and transformers' own test sizes (vocabulary 99, MLP 37); the rest with
+# -m slow (suite time)
+ODD_DEFAULT = ["gpt2-vocab97-tp2", "llama-hf-tester-tp2"]
 
 
 NANO_DEEP, GPT2_DEEP = (
