@@ -288,7 +288,9 @@ def _indivisible_regions(sp, tp: int) -> list[tuple[list[fx.Node], str]]:
             continue
         for m in members:
             val = tensor_val(m)
-            size = val.shape[sp.dims[m]] if val is not None and m in sp.dims else None
+            if val is None or m not in sp.dims:
+                continue
+            size = val.shape[sp.dims[m]]
             if isinstance(size, int) and size % tp:
                 shape = tuple(val.shape)
                 bad.append(
