@@ -100,6 +100,7 @@ from autopart.passes.position_masks import (
     proof_lengths,
     prove,
     prove_scores,
+    reads_length,
     said,
     score_window,
     signature,
@@ -1197,6 +1198,9 @@ def _evaluate_mask(
     read = _values_read(mask)
     if read:  # a pad id's mask (ids != 0) looks causal on ids that happen to hold no pad
         return f"not causal: its mask depends on the values of {', '.join(read)}", None
+    length = reads_length(mask)
+    if length:  # causal at the lengths tried proves nothing of the others
+        return f"not provably causal: {length}", None
     # a window (Mistral's sliding window of 4096 keys) shows only past its length: also try
     # just past every integer the mask's construction uses, and at the longest length proven
     # (a window, a block or a threshold no integer names shows there)

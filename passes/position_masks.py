@@ -146,7 +146,188 @@ def construction(
         need.add(n)
         stack.extend(n.all_input_nodes)
     order = [n for n in root.graph.nodes if n in need]
-    return order, [n for n in root.graph.nodes if n in leaves], None
+    why = _length_as_value(order, leaves, given)
+    return order, [n for n in root.graph.nodes if n in leaves], why
+
+
+# where a construction may read the sequence length: as a size (of a factory, a view, an
+# expand, a repeat), as the start or end of an arange or a slice, or as an offset added to
+# positions (a bias shifted by a per-row constant: MPT's ALiBi slices its table from the end,
+# ``alibi[..., -s:]``; ``slope · (j − s + 1)``): op → argument indices
+_SIZE_ARGS: dict[Any, tuple[int, ...]] = {
+    aten.slice.Tensor: (2, 3),
+    aten.add.Tensor: (0, 1),
+    aten.sub.Tensor: (0, 1),
+    aten.rsub.Scalar: (1,),
+    aten.add.Scalar: (1,),
+    aten.sub.Scalar: (1,),
+    aten.arange.default: (0,),
+    aten.arange.start: (0, 1),
+    aten.arange.start_step: (0, 1),
+    aten.ones.default: (0,),
+    aten.zeros.default: (0,),
+    aten.empty.memory_format: (0,),
+    aten.full.default: (0,),
+    aten.new_ones.default: (1,),
+    aten.new_zeros.default: (1,),
+    aten.new_empty.default: (1,),
+    aten.new_full.default: (1,),
+    aten.view.default: (1,),
+    aten._unsafe_view.default: (1,),
+    aten.reshape.default: (1,),
+    aten.expand.default: (1,),
+    aten.repeat.default: (1,),
+}
+_SYMBOLIC = frozenset(
+    (
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.neg,
+        torch.sym_max,
+        torch.sym_min,
+    )
+)
+# ops whose value at a position reads positions after it, or the length: over a dim of the
+# sequence's size they read the length as a value (cumulative ops read only earlier ones)
+_WHOLE_DIM = frozenset(
+    (
+        aten.sum.default,
+        aten.sum.dim_IntList,
+        aten.mean.default,
+        aten.mean.dim,
+        aten.amax.default,
+        aten.amin.default,
+        aten.max.default,
+        aten.min.default,
+        aten.max.dim,
+        aten.min.dim,
+        aten.prod.default,
+        aten.prod.dim_int,
+        aten.any.default,
+        aten.any.dim,
+        aten.any.dims,
+        aten.all.default,
+        aten.all.dim,
+        aten.argmax.default,
+        aten.argmin.default,
+        aten.count_nonzero.default,
+        aten.count_nonzero.dim_IntList,
+        aten.logsumexp.default,
+        aten.std.correction,
+        aten.var.correction,
+        aten.sort.default,
+        aten.topk.default,
+        aten.flip.default,
+        aten.roll.default,
+    )
+)
+
+
+def _length_as_value(
+    order: list[fx.Node], leaves: set[fx.Node], given: frozenset[fx.Node] = frozenset()
+) -> str | None:
+    """Why a construction reads the sequence length other than as a size (None: it does not).
+    Evaluated at a few lengths, a mask computed from the length's value (``ones(s).sum() % 40
+    == 32``, a window of ``where(s % 40 == 32, 8, 4)`` keys) can be causal and consistent at
+    every length tried and not at the one a step runs at, where each Seq1F1B chunk then builds
+    it at its own length (a probe's four such masks trained silently wrong: gradients 63 % to
+    110 % off). So the length may be a size, a start or an end, or an offset (``_SIZE_ARGS``),
+    and nothing else; a reduction, a sort, a flip or a roll over a dim of the sequence's size,
+    or a select from its end, reads it too, unless it acts on the ``given`` scores (a softmax's
+    row maximum over the keys: a constant per row)."""
+    if not order:
+        return None
+    gm = order[0].graph.owning_module
+    assert gm is not None
+    scored = set(given)
+    for n in order:
+        if any(a in scored for a in n.all_input_nodes):
+            scored.add(n)
+    symbolic = {
+        n
+        for n in (*leaves, *order)
+        if isinstance(v := n.meta.get("val"), torch.SymInt) and S in to_sympy(v, gm).free_symbols
+    }
+    for n in order:
+        uses: list[int | str] = [i for i, a in enumerate(n.args) if _mentions(a, symbolic)]
+        uses += [k for k, a in n.kwargs.items() if _mentions(a, symbolic)]
+        if uses and n.target not in _SYMBOLIC:
+            allowed = _SIZE_ARGS.get(n.target, ())
+            if any(u not in allowed for u in uses):
+                return f"its construction uses the sequence length as a value ({_op(n)})"
+        if n in scored:
+            continue
+        if n.target in _WHOLE_DIM or (n.target == aten.select.int and _from_end(n)):
+            x = n.args[0]
+            val = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if isinstance(val, torch.Tensor) and _seq_dims(n, val, gm):
+                return (
+                    f"its construction reads the sequence length through {_op(n)} over a dim "
+                    "of the sequence's size"
+                )
+    return None
+
+
+def reads_length(root: fx.Node) -> str | None:
+    """``_length_as_value`` of everything ``root`` is computed from (any inputs), for the
+    provers that cut their own subgraph (``canonicalize_attention._evaluate_mask``)."""
+    need: set[fx.Node] = set()
+    leaves: set[fx.Node] = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in need or n in leaves:
+            continue
+        if n.target == aten.sym_size.int:
+            leaves.add(n)
+        elif n.op == "call_function":
+            need.add(n)
+            stack.extend(n.all_input_nodes)
+    return _length_as_value([n for n in root.graph.nodes if n in need], leaves)
+
+
+def _mentions(a: Any, nodes: set[fx.Node]) -> bool:
+    if isinstance(a, fx.Node):
+        return a in nodes
+    if isinstance(a, (list, tuple)):
+        return any(_mentions(x, nodes) for x in a)
+    return False
+
+
+def _op(n: fx.Node) -> str:
+    return f"{n.name}: {getattr(n.target, '__name__', n.target)}"
+
+
+def _from_end(n: fx.Node) -> bool:
+    """A select at a negative index (counted from the end of its dim)."""
+    index = n.args[2] if len(n.args) > 2 else None
+    return not isinstance(index, int) or index < 0
+
+
+def _seq_dims(n: fx.Node, val: torch.Tensor, gm: fx.GraphModule) -> bool:
+    """Does ``n`` act over a dim of ``val`` whose size depends on the sequence length (every
+    dim when it names none)?"""
+    if n.target in (aten.sort.default, aten.topk.default, aten.roll.default):
+        default: Any = -1
+    else:
+        default = None
+    dims: Any = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", default)
+    if n.target == aten.topk.default:
+        dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", -1)
+    if n.target == aten.roll.default:
+        dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims", ())
+    if n.target == aten.select.int:
+        dims = n.args[1]
+    named = dims if isinstance(dims, (list, tuple)) else [] if dims is None else [dims]
+    if not named:
+        picked = list(range(val.dim()))
+    elif all(isinstance(d, int) for d in named):
+        picked = [int(d) % max(val.dim(), 1) for d in named]
+    else:
+        return True  # a dim not known at compile time: taken as the sequence's
+    return any(val.dim() > 0 and S in to_sympy(val.shape[d], gm).free_symbols for d in picked)
 
 
 def local_mask(

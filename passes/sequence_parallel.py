@@ -23,7 +23,7 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import S, to_sympy
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
-from autopart.meta import META_INPUT, META_MODULE, META_SEQ, META_SHARD
+from autopart.meta import META_INPUT, META_MODULE, META_ROLE, META_SEQ, META_SHARD
 from autopart.node_args import int_arg, node_arg, seq_arg
 from autopart.passes.tensor_parallel import VIEWS
 from autopart.passes.tp_rules import Illegal, out_dim, tensor_of, tensor_val, view_map
@@ -38,7 +38,11 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         (n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[META_INPUT].kind == "rank"),
         None,
     )
-    if rank is None:
+    vocab_split = any(
+        n.target == aten.embedding.default and n.meta.get(META_ROLE) == "vocab"
+        for n in gm.graph.nodes
+    )
+    if rank is None or not vocab_split:  # (BLOOM's heads read tp_rank: a rank is not enough)
         raise AutopartError(
             "sequence parallelism needs the vocabulary-parallel embedding, and this model's "
             "token embedding stays whole",

@@ -110,3 +110,38 @@ def test_a_model_that_fails_on_one_device_is_named_not_a_traceback() -> None:
         _prepare(make, "float64")
     assert "input_ids (4, 32)" in str(exc.value) and "IndexError" in str(exc.value)
     assert "max_position_embeddings" in str(exc.value)
+
+
+def test_a_hugging_face_factorys_labels_may_be_its_own_input_ids() -> None:
+    """transformers' own tests pass ``labels = input_ids`` (HF shifts them inside); ``verify``
+    took them for targets and every plan was refused inside the ranks ("labels equal
+    input_ids"). A factory's batch is now shifted for a Hugging Face model whose labels plainly
+    read that way (HF's loss pairs logits at t with labels[:, t + 1]: the same pairs); other
+    models' labels, and labels that read both ways, are left as given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopart.frontend.spec import build
+    from autopart.models import nanogpt
+
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, -3:] = -100
+    _, (got_ids, got) = build(lambda: (hf, (ids, labels)))
+    assert torch.equal(got_ids, ids)
+    assert torch.equal(got[:, :-1], labels[:, 1:]) and bool((got[:, -1] == -100).all())
+    _, fields = build(lambda: (hf, {"input_ids": ids, "labels": ids.clone()}))
+    assert torch.equal(fields["labels"][:, :-1], ids[:, 1:])
+    same = torch.full((2, 12), 5)  # one token repeated: reads both ways, left alone
+    assert torch.equal(build(lambda: (hf, (same, same.clone())))[1][1], same)
+    gpt, _ = nanogpt.make()
+    assert torch.equal(build(lambda: (gpt, (ids, ids.clone())))[1][1], ids)

@@ -646,6 +646,22 @@ def is_hugging_face(model: nn.Module) -> bool:
     )
 
 
+def label_layout(input_ids: torch.Tensor, labels: torch.Tensor) -> str | None:
+    """How ``labels`` plainly read against ``input_ids``: "shifted" (``labels[:, t] ==
+    input_ids[:, t + 1]`` wherever kept), "unshifted" (Hugging Face's ``labels = input_ids``),
+    "both" (a token repeated along every row), or None (neither, or fewer than 8 labels to tell
+    a convention from chance). -100 is ignored."""
+    keep = labels != -100
+    if input_ids.shape != labels.shape or input_ids.dim() != 2 or int(keep.sum()) < 8:
+        return None
+    inner = keep[:, :-1]
+    shifted = int(inner.sum()) >= 8 and bool((labels[:, :-1] == input_ids[:, 1:])[inner].all())
+    unshifted = bool((labels == input_ids)[keep].all())
+    if shifted and unshifted:
+        return "both"
+    return "shifted" if shifted else "unshifted" if unshifted else None
+
+
 def _warn_packing(model: nn.Module, fields: dict[str, torch.Tensor]) -> None:
     """Packed documents (``position_ids`` and no ``attention_mask``) in a Hugging Face model
     that keeps a K/V cache by default: autopart calls it with ``use_cache=False``, with which

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import check_batch
+from autopart.frontend.capture import batch_fields, check_batch, is_hugging_face, label_layout
 
 Factory = Callable[[], tuple[nn.Module, tuple[Any, Any]]]
 
@@ -66,4 +67,19 @@ def build(spec: str | Factory) -> tuple[nn.Module, Any]:
             f"{spec} must return (model, (input_ids, labels)), got {type(out).__name__}"
         )
     model, batch = out
-    return model, check_batch(batch)
+    return model, _targets(model, check_batch(batch))
+
+
+def _targets(model: nn.Module, batch: Any) -> Any:
+    """The batch with its labels as the targets of each position (``labels[:, t]`` the target
+    of ``input_ids[:, t]``, as autopart's factories give them). A Hugging Face model's labels
+    given as HF takes them, ``labels = input_ids`` (its own tests' habit), are shifted here:
+    ``verify`` refused every plan of such a factory inside the ranks ("labels equal
+    input_ids"), after the reference had taken them for targets. Exact: HF's loss pairs the
+    logits at t with ``labels[:, t + 1]``, which is what the shifted labels pair."""
+    fields = batch_fields(batch)
+    ids, labels = fields["input_ids"], fields["labels"]
+    if not is_hugging_face(model) or label_layout(ids, labels) != "unshifted":
+        return batch
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    return {**fields, "labels": shifted} if isinstance(batch, dict) else (ids, shifted)

@@ -34,7 +34,7 @@ from torch import fx, nn
 
 from autopart import collectives
 from autopart.errors import AutopartError, NotAModuleError, first_line, wait
-from autopart.frontend.capture import check_extra
+from autopart.frontend.capture import check_extra, label_layout
 from autopart.graph import copy_graph
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
@@ -1868,16 +1868,9 @@ def _check_convention(input_ids: torch.Tensor, labels: torch.Tensor, convention:
     """Refuse labels that plainly follow the other convention: silently, either would train
     the model to predict the wrong token (its input, or the token after next). Labels that
     read both ways (one token repeated along each row) are left alone."""
-    keep = labels != -100
-    if input_ids.shape != labels.shape or input_ids.dim() != 2 or int(keep.sum()) < 8:
-        return  # too few labels to tell a convention from chance
-    inner = keep[:, :-1]
-    shifted = int(inner.sum()) >= 8 and bool((labels[:, :-1] == input_ids[:, 1:])[inner].all())
-    unshifted = bool((labels == input_ids)[keep].all())
-    if shifted and unshifted:
-        return  # a token repeated along every row reads both ways (a row of padding, say)
+    layout = label_layout(input_ids, labels)  # "both": a token repeated along every row
     if convention == "hf":
-        if shifted:
+        if layout == "shifted":
             raise AutopartError(
                 "these labels are already shifted (labels[:, t] == input_ids[:, t + 1]), but "
                 "this Hugging Face model takes labels as HF does: unshifted (labels = "
@@ -1885,7 +1878,7 @@ def _check_convention(input_ids: torch.Tensor, labels: torch.Tensor, convention:
                 hint="pass labels=input_ids (with -100 where ignored), or step(..., "
                 "shifted=True) to keep pre-shifted labels",
             )
-    elif unshifted:
+    elif layout == "unshifted":
         raise AutopartError(
             "labels equal input_ids: this model's labels are the next tokens "
             "(labels[:, t] == input_ids[:, t + 1]), so it would learn to copy its input",

@@ -37,7 +37,9 @@ class _Scores(nn.Module):
     Refused kinds: "soft" (−1 where
     masked), "where-soft" (GPT-Neo's form with tensor(−1.0)), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
     (MPT's bias under the
-    soft-cap: not a function of positions), "length" (a bias j / s), "strict" (a query does
+    soft-cap: not a function of positions), "length" (a bias j / s), "length-peek" and
+    "length-band" (a peek at the next key, or a window of 6 keys instead of 2, only at lengths
+    that are 4 mod 12, computed from ``ones(s).sum()``), "strict" (a query does
     not see itself: the first one then hides every key alike, and sees them all), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
     column from a running sum over the sequence), "sink-scale-tokens" (a post-softmax sink
     computed from each query's token), "key-bias-open" (the per-key bias with no
@@ -69,6 +71,12 @@ class _Scores(nn.Module):
             keep = keep & (i // 4 == j // 4)
         elif self.kind == "capped-peek":
             keep = keep | (i >= 24)
+        elif self.kind.startswith("length-"):  # the length read as a value: 16 (% 12 == 4) at
+            n = torch.ones(s).sum()  # the example, none of the lengths a proof evaluates at
+            if self.kind == "length-peek":  # each query also sees the next key
+                keep = keep | (((n % 12) == 4) & (j == i + 1))
+            else:  # a window of 2 keys, or 6 at such lengths
+                keep = keep & (i - j < torch.where((n % 12) == 4, 6, 2))
         mask = torch.where(keep, 0.0, LOW)
         if self.kind in ("key-bias", "key-bias-open", "pair-bias"):
             bias = self.gate(self.emb(ids)).transpose(1, 2)[:, :, None, :]  # [b, 2, 1, s]
@@ -227,7 +235,11 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
         ("shallow", "a later key's score is -100: above -10000"),
         ("capped-end", "not a function of positions"),
         ("capped-peek", "lets a query see later keys at sequence 4096"),
-        ("length", "not a function of positions"),
+        ("length", "uses the sequence length as a value (div"),
+        # the twenty-second session's probe: causal and consistent at every length tried, not
+        # at the example's, where each chunk built it at its own length (gradients 63 % off)
+        ("length-peek", "reads the sequence length through sum"),
+        ("length-band", "reads the sequence length through sum"),
         # the first query hides every key alike, so its softmax weighs them all equally
         ("strict", "lets a query see later keys at sequence 3"),
         ("blocks", "lets a query see later keys"),

@@ -98,6 +98,22 @@ MIXES: dict[str, Mix] = {
     "positions divided by the length": lambda m, x: (
         x * torch.arange(x.shape[1]).view(1, -1, 1) / x.shape[1]
     ),
+    # running counts over a dim of 2·s (the twenty-second session's probe: taken for c·(t + 1),
+    # shifted by the chunk's offset, and trained silently wrong, loss 7e-2 off)
+    "a running count of 2·s folded and summed": lambda m, x: (
+        x * x.new_ones(2 * x.shape[1]).cumsum(0).view(2, -1).sum(0).view(1, -1, 1) / 64
+    ),
+    "the second half of a running count of 2·s": lambda m, x: (
+        x * x.new_ones(2 * x.shape[1]).cumsum(0).view(2, -1)[1].view(1, -1, 1) / 64
+    ),
+    "tokens copied twice over a running count": lambda m, x: (
+        (
+            x.unsqueeze(1).expand(-1, 2, -1, -1).reshape(x.shape[0], -1, x.shape[2])
+            / x.new_ones(x.shape[0], 2 * x.shape[1], 1).cumsum(1)
+        )
+        .reshape(x.shape[0], 2, x.shape[1], x.shape[2])
+        .sum(1)
+    ),
 }
 
 
@@ -144,6 +160,7 @@ DEFAULT = {
     "an index of the previous token",
     "a layer norm over the sequence",
     "a variance over the sequence (unbiased flag)",
+    "a running count of 2·s folded and summed",
 }
 
 
