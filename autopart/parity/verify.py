@@ -379,7 +379,8 @@ def _prepare(spec: str | Factory, dtype: str, device: str = "cpu") -> _Model:
             f"the model does not run in {dtype} on one device, so there is no reference: {first}",
             hint=f"verify in {other} (--dtype {other}, tolerance "
             f"{TOLERANCE[DTYPES[other]]:.0e}); some kernels (e.g. grouped matmuls of mixtures "
-            "of experts) have no float64 version",
+            "of experts) have no float64 version, and need widths whose rows are multiples of "
+            "16 bytes in float32 (an expert width of 37 is not: then change the config)",
         ) from exc
     except Exception as exc:  # noqa: BLE001 - the model itself fails on its example batch
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
