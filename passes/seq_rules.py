@@ -1174,7 +1174,7 @@ def _along_sequence(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
     return len({size.subs({**others, S: n}) for n in (48, 96, 144)}) > 1
 
 
-def _is_length(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
+def is_length(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
     """The dim's size is the sequence length itself: a running count along a dim of 2·s (or
     any other size that merely grows with s) is not c·(t + 1) at token t, and the chunk pass's
     shift by c · offset would be wrong (a probe's ``new_ones(2 * s).cumsum(0).view(2, s)``
@@ -1205,7 +1205,7 @@ def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
         return None
     x = n.args[0]
     dim = int_arg(n, 1, "dim")
-    if not isinstance(x, fx.Node) or x.target not in _FILLS or not _is_length(x, dim, gm):
+    if not isinstance(x, fx.Node) or x.target not in _FILLS or not is_length(x, dim, gm):
         return None
     if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
         return 1

@@ -100,6 +100,7 @@ from autopart.passes.canonicalize_attention import SDPA, lower_right_mask, requi
 from autopart.passes.pipeline_split import stage_graphs
 from autopart.passes.seq_rules import (
     CONVS,
+    LINEAR_SCAN,
     SOFTMAX,
     CausalConv,
     Recurrence,
@@ -107,6 +108,7 @@ from autopart.passes.seq_rules import (
     StateScan,
     causal_conv,
     fill_value,
+    is_length,
     is_positions,
     is_scored,
     live_nodes,
@@ -128,11 +130,47 @@ def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     example = gm.meta.get(META_EXAMPLE_SHAPE, (0, 0))[1]
     for st in stage_graphs(gm):
         require_causal(st)
+        running_sums(st)
         refuse_sequence_mixing(st, example)
         block = math.lcm(block, st.meta[META_SEQ_BLOCK])
         chunk_stage(st)
     gm.meta[META_SEQ_BLOCK] = block  # compile makes the plan's chunk boundaries multiples of it
     return gm
+
+
+def running_sums(gm: fx.GraphModule) -> None:
+    """Each cumsum along the sequence (of values, not a running count of a constant, which
+    the chunk pass shifts by the chunk's offset) written as the linear recurrence it is,
+    ``autopart::linear_scan(1, x, d)``: h[t] = h[t − 1] + x[t], so a chunk needs only the last
+    sum of the chunk before it, which the chunk pass carries like any ``Recurrence`` (OPT's
+    positions from a padded attention mask, a running mean, linear attention written with
+    cumsum were refused as "a cumsum along the sequence"). Integers and booleans are summed in
+    int64, as cumsum sums them."""
+    g = gm.graph
+    changed = False
+    for n in list(g.nodes):
+        if n.target != aten.cumsum.default or n.meta.get(META_MASK_FN) or fill_value(n, gm):
+            continue
+        x, val = n.args[0], n.meta.get("val")
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        if not (isinstance(x, fx.Node) and isinstance(val, torch.Tensor) and isinstance(dim, int)):
+            continue
+        if not is_length(x, dim, gm) or val.dim() == 0:
+            continue
+        with g.inserting_before(n):
+            src = x
+            if x.meta["val"].dtype != val.dtype:  # an explicit dtype=, or an integer sum
+                src = g.call_function(aten._to_copy.default, (x,), {"dtype": val.dtype})
+            ones = g.call_function(aten.ones_like.default, (src,))
+            scan = g.call_function(LINEAR_SCAN, (ones, src, dim % val.dim()))
+        for new in {src, ones, scan} - {x}:
+            new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        n.replace_all_uses_with(scan)
+        g.erase_node(n)
+        changed = True
+    if changed:
+        gm.recompile()
+        propagate(gm)
 
 
 def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:

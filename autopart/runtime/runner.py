@@ -1324,7 +1324,8 @@ class Runner:
                     )
                     for shape in self._kv_shapes[action.stage]
                 ]
-            prefix = [t.detach().requires_grad_() for t in before]
+            # (an integer carry, a running count of a padded mask, has no gradient)
+            prefix = [t.detach().requires_grad_(t.is_floating_point()) for t in before]
             unit["prefix"] = prefix
         args = self._args(action.stage, mb, a, e, acts=unit.get("acts", []), prefix=prefix)
         try:
@@ -1360,7 +1361,10 @@ class Runner:
             outs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         if "kv_out" in unit:  # what the later chunks' attention sent back to this chunk's K/V
             back = self._step.kv_grads.pop((action.stage, action.mb, action.chunk))
-            outs, grads = outs + unit.pop("kv_out"), grads + back
+            carried = [
+                (t, g) for t, g in zip(unit.pop("kv_out"), back, strict=True) if t.requires_grad
+            ]
+            outs, grads = outs + [t for t, _ in carried], grads + [g for _, g in carried]
         torch.autograd.backward(outs, grad_tensors=grads)
         if "prefix" in unit and action.chunk > 0:
             self._step.kv_grads[(action.stage, action.mb, action.chunk - 1)] = [

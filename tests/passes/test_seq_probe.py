@@ -45,7 +45,6 @@ MIXES: dict[str, Mix] = {
     "cummax": lambda m, x: x.cummax(1).values,
     "logcumsumexp": lambda m, x: x.logcumsumexp(1),
     "cumprod": lambda m, x: torch.sigmoid(x).cumprod(1),
-    "a running mean": lambda m, x: x.cumsum(1) / _steps(x.shape[1]),
     "a sort": lambda m, x: x.sort(1).values,
     "a top-k": lambda m, x: x.topk(2, dim=1).values.mean(1, keepdim=True).expand_as(x),
     "the first token": lambda m, x: x[:, :1].expand_as(x),
@@ -204,3 +203,14 @@ def test_a_reduction_over_the_features_chunks_exactly(name: str) -> None:
     for block in model.blocks:
         del block.w  # (read by none of these: no gradient to compare)
     _assert_chunks_exactly(model, ids)
+
+
+def test_a_running_mean_chunks_exactly() -> None:
+    """``x.cumsum(1) / (1 … s)`` was refused with the other scans; a cumsum along the sequence is
+    a carried recurrence now (``sequence_chunk.running_sums``), and the positions a running
+    count: the probe's two blocks chunk exactly (a float carry, with its gradient)."""
+    ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
+    model = _Probe(lambda m, x: x.cumsum(1) / _steps(x.shape[1]))
+    for block in model.blocks:  # the mixing matrix other constructs read: unused here
+        del block.w
+    _assert_chunks_exactly(model, ids, ((6, 10), (3, 5, 8)))
