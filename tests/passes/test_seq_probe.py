@@ -205,12 +205,28 @@ def test_a_reduction_over_the_features_chunks_exactly(name: str) -> None:
     _assert_chunks_exactly(model, ids)
 
 
-def test_a_running_mean_chunks_exactly() -> None:
-    """``x.cumsum(1) / (1 … s)`` was refused with the other scans; a cumsum along the sequence is
-    a carried recurrence now (``sequence_chunk.running_sums``), and the positions a running
-    count: the probe's two blocks chunk exactly (a float carry, with its gradient)."""
+def _linear_attention(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Causal linear attention written with cumsums (a running sum of φ(k)vᵀ and of φ(k))."""
+    phi = F.elu(x) + 1
+    kv = torch.cumsum(phi.unsqueeze(-1) * x.unsqueeze(-2), dim=1)
+    num = (phi.unsqueeze(-2) @ kv).squeeze(-2)
+    return num / (phi * torch.cumsum(phi, dim=1)).sum(-1, keepdim=True)
+
+
+RUNNING_SUMS: dict[str, Mix] = {
+    "a running mean": lambda m, x: x.cumsum(1) / _steps(x.shape[1]),
+    "linear attention with cumsums": _linear_attention,
+}
+
+
+@pytest.mark.parametrize("name", list(RUNNING_SUMS))
+def test_a_running_sum_chunks_exactly(name: str) -> None:
+    """A running mean, ``x.cumsum(1) / (1 … s)``, and causal linear attention written with
+    cumsums were refused with the other scans; a cumsum along the sequence is a carried
+    recurrence now (``sequence_chunk.running_sums``): the probe's two blocks chunk exactly at
+    two cuts (float carries, with their gradients)."""
     ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
-    model = _Probe(lambda m, x: x.cumsum(1) / _steps(x.shape[1]))
+    model = _Probe(RUNNING_SUMS[name])
     for block in model.blocks:  # the mixing matrix other constructs read: unused here
         del block.w
     _assert_chunks_exactly(model, ids, ((6, 10), (3, 5, 8)))
