@@ -51,6 +51,7 @@ from autopart.meta import (
     META_MASK_FN,
     META_MODULE,
 )
+from autopart.passes.seq_rules import SIZE_ARGS
 
 aten = torch.ops.aten
 # An additive entry at or below MASKED hides its key: the model's own softmax weight there,
@@ -150,33 +151,19 @@ def construction(
     return order, [n for n in root.graph.nodes if n in leaves], why
 
 
-# where a construction may read the sequence length: as a size (of a factory, a view, an
-# expand, a repeat), as the start or end of an arange or a slice, or as an offset added to
-# positions (a bias shifted by a per-row constant: MPT's ALiBi slices its table from the end,
-# ``alibi[..., -s:]``; ``slope · (j − s + 1)``): op → argument indices
-_SIZE_ARGS: dict[Any, tuple[int, ...]] = {
+# where a construction may read the sequence length: where any value may (``SIZE_ARGS``: a
+# factory's, a view's, an expand's, a repeat's size; an arange's start or end, a slice's end),
+# and also as a slice's start or an offset added to positions (a bias shifted by a per-row
+# constant: MPT's ALiBi slices its table from the end, ``alibi[..., -s:]``;
+# ``slope · (j − s + 1)``): op → argument indices
+_LENGTH_ARGS: dict[Any, tuple[int, ...]] = {
+    **SIZE_ARGS,
     aten.slice.Tensor: (2, 3),
     aten.add.Tensor: (0, 1),
     aten.sub.Tensor: (0, 1),
     aten.rsub.Scalar: (1,),
     aten.add.Scalar: (1,),
     aten.sub.Scalar: (1,),
-    aten.arange.default: (0,),
-    aten.arange.start: (0, 1),
-    aten.arange.start_step: (0, 1),
-    aten.ones.default: (0,),
-    aten.zeros.default: (0,),
-    aten.empty.memory_format: (0,),
-    aten.full.default: (0,),
-    aten.new_ones.default: (1,),
-    aten.new_zeros.default: (1,),
-    aten.new_empty.default: (1,),
-    aten.new_full.default: (1,),
-    aten.view.default: (1,),
-    aten._unsafe_view.default: (1,),
-    aten.reshape.default: (1,),
-    aten.expand.default: (1,),
-    aten.repeat.default: (1,),
 }
 _SYMBOLIC = frozenset(
     (
@@ -233,7 +220,7 @@ def _length_as_value(
     == 32``, a window of ``where(s % 40 == 32, 8, 4)`` keys) can be causal and consistent at
     every length tried and not at the one a step runs at, where each Seq1F1B chunk then builds
     it at its own length (a probe's four such masks trained silently wrong: gradients 63 % to
-    110 % off). So the length may be a size, a start or an end, or an offset (``_SIZE_ARGS``),
+    110 % off). So the length may be a size, a start or an end, or an offset (``_LENGTH_ARGS``),
     and nothing else; a reduction, a sort, a flip or a roll over a dim of the sequence's size,
     or a select from its end, reads it too, unless it acts on the ``given`` scores (a softmax's
     row maximum over the keys: a constant per row)."""
@@ -254,7 +241,7 @@ def _length_as_value(
         uses: list[int | str] = [i for i, a in enumerate(n.args) if _mentions(a, symbolic)]
         uses += [k for k, a in n.kwargs.items() if _mentions(a, symbolic)]
         if uses and n.target not in _SYMBOLIC:
-            allowed = _SIZE_ARGS.get(n.target, ())
+            allowed = _LENGTH_ARGS.get(n.target, ())
             if any(u not in allowed for u in uses):
                 return f"its construction uses the sequence length as a value ({_op(n)})"
         if n in scored:
@@ -306,28 +293,25 @@ def _from_end(n: fx.Node) -> bool:
     return not isinstance(index, int) or index < 0
 
 
+# where an op of ``_WHOLE_DIM`` (or a select) names its dims: (argument index, keyword,
+# default); every other op's is argument 1, "dim", None (None: every dim)
+_DIMS_AT: dict[Any, tuple[int, str, Any]] = {
+    aten.sort.default: (1, "dim", -1),
+    aten.topk.default: (2, "dim", -1),
+    aten.roll.default: (2, "dims", ()),
+}
+
+
 def _seq_dims(n: fx.Node, val: torch.Tensor, gm: fx.GraphModule) -> bool:
     """Does ``n`` act over a dim of ``val`` whose size depends on the sequence length (every
     dim when it names none)?"""
-    if n.target in (aten.sort.default, aten.topk.default, aten.roll.default):
-        default: Any = -1
-    else:
-        default = None
-    dims: Any = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", default)
-    if n.target == aten.topk.default:
-        dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", -1)
-    if n.target == aten.roll.default:
-        dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims", ())
-    if n.target == aten.select.int:
-        dims = n.args[1]
+    at, key, default = _DIMS_AT.get(n.target, (1, "dim", None))
+    dims: Any = n.args[at] if len(n.args) > at else n.kwargs.get(key, default)
     named = dims if isinstance(dims, (list, tuple)) else [] if dims is None else [dims]
-    if not named:
-        picked = list(range(val.dim()))
-    elif all(isinstance(d, int) for d in named):
-        picked = [int(d) % max(val.dim(), 1) for d in named]
-    else:
+    if not all(isinstance(d, int) for d in named):
         return True  # a dim not known at compile time: taken as the sequence's
-    return any(val.dim() > 0 and S in to_sympy(val.shape[d], gm).free_symbols for d in picked)
+    picked = [int(d) % max(val.dim(), 1) for d in named] or list(range(val.dim()))
+    return any(S in to_sympy(val.shape[d], gm).free_symbols for d in picked)
 
 
 def local_mask(

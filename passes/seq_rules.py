@@ -476,7 +476,7 @@ class _Prover:
 
     def _no_length(self, n: fx.Node) -> None:
         """The sequence length is a size here, never a value."""
-        sizes = _SIZE_ARGS.get(n.target, ())
+        sizes = SIZE_ARGS.get(n.target, ())
         for i, a in enumerate([*n.args, *n.kwargs.values()]):
             if i in sizes or (i >= len(n.args) and list(n.kwargs)[i - len(n.args)] in _SIZE_KW):
                 continue
@@ -2140,7 +2140,7 @@ _LINEAR_ON_SUMS = frozenset(
 )
 
 # where the sequence length may appear: as a size
-_SIZE_ARGS: dict[Any, tuple[int, ...]] = {
+SIZE_ARGS: dict[Any, tuple[int, ...]] = {
     aten.view.default: (1,),
     aten.reshape.default: (1,),
     aten._unsafe_view.default: (1,),

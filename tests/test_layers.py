@@ -131,9 +131,10 @@ REGISTRIES: dict[tuple[str, str], str] = {
     ("passes/seq_rules.py", "_FILLS"): "fill op → where its fill value is",
     ("passes/seq_rules.py", "_SPECIAL"): "op → its sequence rule",
     ("passes/seq_rules.py", "_ROWS"): "op → its rule with the batch in the sequence's place",
-    ("passes/seq_rules.py", "_SIZE_ARGS"): "op → its size arguments",
-    ("passes/position_masks.py", "_SIZE_ARGS"): "op → where a mask's construction may read "
+    ("passes/seq_rules.py", "SIZE_ARGS"): "op → its size arguments",
+    ("passes/position_masks.py", "_LENGTH_ARGS"): "op → where a mask's construction may read "
     "the sequence length",
+    ("passes/position_masks.py", "_DIMS_AT"): "op → where it names its dims",
     ("passes/tp_rules.py", "RULES"): "op → its tensor-parallel rule",
     ("autopart/program/format.py", "_DTYPES"): "dtype name → dtype, for the loader",
     ("autopart/program/graph_json.py", "_LEAF"): "the pytree leaf spec a stage archive holds",

@@ -681,10 +681,10 @@ def check_step_context(call: str, device: torch.device, *, needs_grad: bool) -> 
         )
 
 
-class _Detached(torch.Tensor):
-    """A detached tensor whose ``backward`` (and that of the values computed from it, which
-    keep its class) raises ``WHY`` with ``HINT``. Anything else (``item()``, ``float()``,
-    logging, arithmetic) is a tensor's; it prints, copies and saves as a plain tensor."""
+class _Plain(torch.Tensor):
+    """A detached tensor of a class that says something to one caller only: it prints, copies
+    and saves as the plain tensor it is (a checkpoint holding one loads with
+    ``weights_only=True``)."""
 
     WHY = HINT = ""
 
@@ -701,11 +701,17 @@ class _Detached(torch.Tensor):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return type(self).of(self.as_subclass(torch.Tensor).clone())
 
+
+class _Detached(_Plain):
+    """A detached tensor whose ``backward`` (and that of the values computed from it, which
+    keep its class) raises ``WHY`` with ``HINT``. Anything else (``item()``, ``float()``,
+    logging, arithmetic) is a tensor's."""
+
     def backward(self, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002 - torch's signature
         raise AutopartError(self.WHY, hint=self.HINT)
 
 
-class RankSlice(torch.Tensor):
+class RankSlice(_Plain):
     """A tensor of ``Runner.state_dict()`` that is this rank's tp slice of a parameter, under
     the parameter's global name. ``torch.distributed.checkpoint`` (torchtitan's
     ``dcp.save({"model": ...})``) would take it for the whole tensor: every tp rank's slice has
@@ -726,19 +732,6 @@ class RankSlice(torch.Tensor):
         "optimizer) save with DCP by global name, each slice once, loadable in any layout; or "
         "gather the whole model with runner.full_state_dict() on every rank"
     )
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> Any:
-        return torch.Tensor._make_subclass(cls, t.detach())
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return repr(self.as_subclass(torch.Tensor))
-
-    def __reduce_ex__(self, proto: Any) -> Any:
-        return self.as_subclass(torch.Tensor).__reduce_ex__(proto)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return type(self).of(self.as_subclass(torch.Tensor).clone())
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:  # noqa: ARG002
         raise AutopartError(self.WHY.format(what=f"{fqn!r}:"), hint=self.HINT)
