@@ -10,7 +10,10 @@ Megatron's conjugate pair over the tensor-parallel group:
 
 Sequence parallelism's pair: ``autopart::tp_gather`` (all-gather along a dim forward,
 reduce-scatter backward) and ``autopart::tp_scatter_reduce`` (reduce-scatter forward,
-all-gather backward). ``autopart::vocab_parallel_ce`` is the summed cross entropy of logits
+all-gather backward). Its pair around a vocabulary that stays whole: ``autopart::tp_split``
+(this rank's chunk forward, all-gather backward: every rank holds the whole value) and
+``autopart::tp_join`` (all-gather forward, this rank's chunk of the gradient backward: every
+rank computes the joined value's gradient alike). ``autopart::vocab_parallel_ce`` is the summed cross entropy of logits
 sharded by vocabulary: only [N]-sized tensors (each slice's max, sum of exp and target logit,
 in one all-gather) cross ranks.
 
@@ -81,6 +84,10 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int | None = No
     return active().reduce_scatter(x, dim, group, size)
 
 
+def _my_chunk(x: torch.Tensor, dim: int, group: str, size: int | None = None) -> torch.Tensor:
+    return active().my_chunk(x, dim, group, size)
+
+
 # -- f and g ---------------------------------------------------------------------------------
 
 
@@ -111,6 +118,22 @@ def tp_scatter_reduce(x: torch.Tensor, dim: int, group: str, size: int) -> torch
     return _reduce_scatter(x, dim, group, size)
 
 
+@torch.library.custom_op("autopart::tp_split", mutates_args=())
+def tp_split(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    """This rank's chunk along ``dim`` of a value every rank of ``group`` holds whole forward
+    (no message); all-gather backward. Sequence parallelism's entry after a token embedding
+    that stays whole (a vocabulary tp does not divide)."""
+    return _my_chunk(x, dim, group, size)
+
+
+@torch.library.custom_op("autopart::tp_join", mutates_args=())
+def tp_join(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    """All-gather along ``dim`` forward into a value every rank then computes with alike (an
+    LM head that stays whole); backward, this rank's chunk of that gradient (every rank has the
+    same one, so nothing is summed)."""
+    return _all_gather(x, dim, group, size)
+
+
 @torch.library.custom_op("autopart::tp_all_reduce_grad", mutates_args=())
 def tp_all_reduce_grad(x: torch.Tensor, group: str) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (same as f; kept for SP norms)."""
@@ -139,6 +162,8 @@ for _op, _fake in (
     (tp_all_reduce_grad, _same),
     (tp_gather, _gathered),
     (tp_scatter_reduce, _scattered),
+    (tp_split, _scattered),
+    (tp_join, _gathered),
 ):
     _op.register_fake(_fake)
 
@@ -166,6 +191,12 @@ tp_gather.register_autograd(
 )
 tp_scatter_reduce.register_autograd(
     lambda ctx, g: (tp_gather(g, *ctx.args), None, None, None), setup_context=_keep_group
+)
+tp_split.register_autograd(
+    lambda ctx, g: (tp_gather(g, *ctx.args), None, None, None), setup_context=_keep_group
+)
+tp_join.register_autograd(
+    lambda ctx, g: (tp_split(g, *ctx.args), None, None, None), setup_context=_keep_group
 )
 
 

@@ -365,8 +365,13 @@ def _sdpa(gm: fx.GraphModule, n: fx.Node, proofs: Proofs, windows: bool = True) 
             return True  # on the proof
         n.meta[META_ATTENTION] = why or f"masked by the batch's {' and '.join(names)}"
         return False
+    # a float mask is added to the scores: only 0 (kept) and at most MASKED (dropped) are a
+    # mask; any other value is a bias, which _position_mask proves or refuses (read as "0 is
+    # kept, anything else dropped", an ALiBi bias was a window of 1 key and chunked silently
+    # wrong: helper probe, twenty-third session)
+    keep_is_true = mask.meta["val"].dtype == torch.bool
     why, window = _causal_window(
-        gm, proofs, mask, keep_is_true=mask.meta["val"].dtype == torch.bool
+        gm, proofs, mask, keep_is_true=keep_is_true, additive=not keep_is_true
     )
     if why and windows:  # a causal function of positions (chunked, ...), rebuilt in place
         return _position_mask(gm, n, mask, why, proofs)

@@ -432,7 +432,7 @@ class _Prover:
         if getattr(n.target, "namespace", None) == "autopart" and opname in _SHARING:
             x, dim, size = node_arg(n, 0), int_arg(n, 1), int_arg(n, 3)  # (x, dim, group, size)
             if seqs and self.env[x].dim % _ndim(x) == dim % _ndim(x):  # split or joined along s
-                part = part * size if opname == "tp_scatter_reduce" else part // size
+                part = part * size if opname in _SPLITTING else part // size
         vals = n.meta.get("val")
         if isinstance(vals, (tuple, list)):
             return tuple(self._one(v, inner, bool(seqs), part, block, const) for v in vals)
@@ -1076,9 +1076,20 @@ _ROUTING_ENTRY = frozenset({aten.sort.default, *_PICKS})
 # autopart's collectives and dropout work position by position (tp_gather / tp_scatter_reduce
 # keep the token order of the sequence shards they join or split), by op name
 _AUTOPART_LOCAL = frozenset(
-    ("tp_copy", "tp_reduce", "tp_all_reduce_grad", "tp_gather", "tp_scatter_reduce", "dropout")
+    (
+        "tp_copy",
+        "tp_reduce",
+        "tp_all_reduce_grad",
+        "tp_gather",
+        "tp_scatter_reduce",
+        "tp_split",
+        "tp_join",
+        "dropout",
+    )
 )
-_SHARING = frozenset(("tp_gather", "tp_scatter_reduce"))  # (x, dim, group, size): s/p ↔ s
+# (x, dim, group, size): s/p ↔ s; the ops that split s, and those that join it
+_SHARING = frozenset(("tp_gather", "tp_scatter_reduce", "tp_split", "tp_join"))
+_SPLITTING = frozenset(("tp_scatter_reduce", "tp_split"))
 
 
 def _share_part(n: fx.Node) -> fx.Node | None:

@@ -11,6 +11,12 @@ that spans the sequence (learned position embeddings) is cut to this rank's rows
 replicated) passes ``tp_all_reduce_grad`` (identity forward, all-reduce of its gradient over
 tp). The sequence length must be divisible by tp (checked at
 run time). A model whose split activations reach an op the rules do not cover is refused.
+
+A vocabulary tp does not divide leaves the token embedding and the LM head whole (``META_ROLE``
+"whole", vocab_parallel): the split then starts with ``tp_split`` after the embedding (this
+rank's rows; all-gather backward, so every rank has the whole table's gradient) and ends with
+``tp_join`` before the head (all-gather; this rank's rows of the gradient backward, which every
+rank computes alike), so the head, the logits and the loss stay whole as without SP.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_MODULE, META_ROLE, META_SEQ, META_SHARD
 from autopart.node_args import int_arg, node_arg, seq_arg
-from autopart.passes.tensor_parallel import VIEWS
+from autopart.passes.tensor_parallel import VIEWS, rank_input
 from autopart.passes.tp_rules import Illegal, out_dim, tensor_of, tensor_val, view_map
 
 aten, ops = torch.ops.aten, torch.ops.autopart
@@ -38,21 +44,29 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         (n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[META_INPUT].kind == "rank"),
         None,
     )
-    vocab_split = any(
-        n.target == aten.embedding.default and n.meta.get(META_ROLE) == "vocab"
-        for n in gm.graph.nodes
-    )
-    if rank is None or not vocab_split:  # (BLOOM's heads read tp_rank: a rank is not enough)
+    roles = {n.meta.get(META_ROLE) for n in gm.graph.nodes if n.target == aten.embedding.default}
+    if not roles & {"vocab", "whole"}:  # (BLOOM's heads read tp_rank: a rank is not enough)
         raise AutopartError(
-            "sequence parallelism needs the vocabulary-parallel embedding, and this model's "
-            "token embedding stays whole",
-            hint="the embedding is split by vocabulary only when tp divides the vocabulary: pad "
-            "it to a multiple of tp, or run without sequence_parallel",
+            "sequence parallelism starts at the token embedding (an embedding of input_ids "
+            "with one row per vocabulary entry), and this model has none autopart recognizes",
+            hint="run without sequence_parallel",
         )
+    if rank is None:
+        rank = rank_input(gm)  # (a whole vocabulary adds none; _my_rows may need it)
     seq: dict[fx.Node, int] = {}
     grad_reduce: set[fx.Node] = set()
     for n in list(gm.graph.nodes):
-        if n.target == ops.tp_reduce.default:
+        if n.target == aten.embedding.default and n.meta.get(META_ROLE) == "whole":
+            seq[_insert_after(gm, n, ops.tp_split.default, plan.mesh.tp)] = _seq_dim(n)
+        elif n.meta.get(META_ROLE) == "whole" and any(a in seq for a in n.all_input_nodes):
+            for a in [a for a in n.all_input_nodes if a in seq]:  # the head stays whole
+                with gm.graph.inserting_before(n):
+                    join = gm.graph.call_function(
+                        ops.tp_join.default, (a, seq[a], "tp", plan.mesh.tp)
+                    )
+                join.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
+                n.replace_input_with(a, join)
+        elif n.target == ops.tp_reduce.default:
             seq[_swap(gm, n, ops.tp_scatter_reduce.default, plan.mesh.tp)] = _seq_dim(n.args[0])
         elif n.target == ops.tp_copy.default:
             if n.args[0] not in seq:
@@ -158,6 +172,15 @@ def _swap(gm: fx.GraphModule, n: fx.Node, op, tp: int, dim: int | None = None) -
     new.meta.update(n.meta)
     n.replace_all_uses_with(new)
     gm.graph.erase_node(n)
+    return new
+
+
+def _insert_after(gm: fx.GraphModule, n: fx.Node, op, tp: int) -> fx.Node:
+    """``op(n, seq dim, "tp", tp)`` in place of ``n`` for every reader of ``n``."""
+    with gm.graph.inserting_after(n):
+        new = gm.graph.call_function(op, (n, _seq_dim(n), "tp", tp))
+    new.meta.update({k: v for k, v in n.meta.items() if k != META_ROLE})
+    n.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
     return new
 
 

@@ -9,8 +9,9 @@ owns (others give zeros) followed by one ``tp_reduce``; the head's input passes 
 [b·s]-sized tensors cross ranks. The graph gets one more input, ``tp_rank`` (``InputRef("rank",
 "tp")``), so every tp rank runs the same graph. A vocabulary tp does not divide (GPT-2's
 50257, a test config's 97) stays whole: the embedding, the head and the plain cross entropy
-run on every tp rank alike, as replicated regions do (exact; the head marked ``whole`` so that
-``tensor_parallel`` leaves it), with a warning to pad it.
+run on every tp rank alike, as replicated regions do (exact; the head and the token embedding
+marked ``whole``, so that ``tensor_parallel`` leaves them and ``sequence_parallel`` finds
+them), with a warning to pad it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def vocab_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if head is not None:  # whole: tensor_parallel leaves it alone, and says nothing of it
             head.meta.pop(META_VOCAB_DIMS, None)
             head.meta[META_ROLE] = "whole"
+        for n in gm.graph.nodes:  # where sequence_parallel splits the sequence instead
+            if _is_token_embedding(n, vocab):
+                n.meta[META_ROLE] = "whole"
         log.warning(
             "vocab_parallel: the vocabulary (%d) is not divisible by tp=%d: the token embedding "
             "and the LM head stay whole on every tp rank, each computing every logit; pad the "

@@ -144,10 +144,33 @@ ODD_CASES = {  # sizes tp does not divide: that part stays whole, the rest split
     "llama-hf-tester-tp2xpp2-seq1f1b-k2": Check(
         f"{ODD}:llama_hf_tester", tp=2, pp=2, schedule="seq1f1b", seq_chunks=2, microbatches=4
     ),
+    # sequence parallelism around a whole vocabulary (tp_split / tp_join)
+    "gpt2-vocab97-tp2-sp": Check(f"{ODD}:gpt2_vocab97", tp=2, sequence_parallel=True),
+    "gpt2-vocab97-tp2xpp2-sp-seq1f1b-k2": Check(
+        f"{ODD}:gpt2_vocab97",
+        tp=2,
+        pp=2,
+        schedule="seq1f1b",
+        seq_chunks=2,
+        microbatches=4,
+        sequence_parallel=True,
+    ),
+    "gpt2-vocab97-dp2xtp2-sp": Check(
+        f"{ODD}:gpt2_vocab97", dp=2, tp=2, microbatches=2, sequence_parallel=True
+    ),
+    "llama-hf-tester-tp2xpp2-sp-seq1f1b-k2": Check(
+        f"{ODD}:llama_hf_tester",
+        tp=2,
+        pp=2,
+        schedule="seq1f1b",
+        seq_chunks=2,
+        microbatches=4,
+        sequence_parallel=True,
+    ),
 }
-# tied vocabulary 97, and transformers' own test sizes (vocabulary 99, MLP 37); the rest with
-# -m slow (suite time)
-ODD_DEFAULT = ["gpt2-vocab97-tp2", "llama-hf-tester-tp2"]
+# tied vocabulary 97 (alone and with sequence parallelism), and transformers' own test sizes
+# (vocabulary 99, MLP 37); the rest with -m slow (suite time)
+ODD_DEFAULT = ["gpt2-vocab97-tp2", "gpt2-vocab97-tp2-sp", "llama-hf-tester-tp2"]
 
 
 NANO_DEEP, GPT2_DEEP = (

@@ -570,6 +570,7 @@ def test_torchtitans_and_a_data_loaders_habits_around_the_runner(tmp_path: Path)
         assert "not an nn.Module: it has no named_children" in d["not_a_module"], d
         assert d["hasattr"] is False, d
         assert d["ones_mask"] and d["logits_labels"] and d["logits_97"], d
+        assert d["logits_97_sp"] and d["loss_97_sp"], d
         assert "not the batch dict (input_ids, labels)" in d["batch_dict"], d
         assert "got token_type_ids, which it does not take" in d["extra_key"], d
         assert "pass the targets as labels=" in d["targets"], d

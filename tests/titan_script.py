@@ -75,11 +75,18 @@ def main(root: Path) -> dict:
     out["logits_97"] = tuple(got.shape) == tuple(want.shape) and bool(
         torch.allclose(got, want, rtol=1e-12, atol=1e-12)
     )
+    # and with sequence parallelism around it (tp_split / tp_join): the same logits and loss
+    sp = autopart.parallelize(odd, mesh, odd_batch, sequence_parallel=True)
+    out["logits_97_sp"] = bool(
+        torch.allclose(sp.logits(odd_batch[0]), want, rtol=1e-12, atol=1e-12)
+    )
+    out["loss_97_sp"] = float(sp.evaluate(*odd_batch))
     out["not_a_module"] = autopart_error(lambda: get_model_state_dict(tp))
     out["hasattr"] = hasattr(tp, "named_children")
 
     ids, labels = odd_batch
     loss = float(tp.evaluate(ids, labels))
+    out["loss_97_sp"] = abs(out["loss_97_sp"] - loss) <= 1e-12 * abs(loss)
     ones = torch.ones_like(ids)
     out["ones_mask"] = (
         float(tp.evaluate(**{"input_ids": ids, "labels": labels, "attention_mask": ones})) == loss

@@ -100,6 +100,8 @@ _COLLECTIVES = {
     "tp_reduce": "g: all-reduce fwd / identity bwd",
     "tp_gather": "all-gather fwd / reduce-scatter bwd",
     "tp_scatter_reduce": "reduce-scatter fwd / all-gather bwd",
+    "tp_split": "own chunk fwd / all-gather bwd",
+    "tp_join": "all-gather fwd / own chunk bwd",
     "tp_all_reduce_grad": "all-reduce of the gradient",
     "vocab_parallel_ce": "1 all-gather of \\[3, b·s] (max, sum exp, target); bytes: local logits",
 }

@@ -227,6 +227,22 @@ class Comm:
         self._wait(staging.all_reduce(out, g), what)
         return out.chunk(n, dim)[me].contiguous()
 
+    def my_chunk(
+        self, x: torch.Tensor, dim: int, group: str, size: int | None = None
+    ) -> torch.Tensor:
+        """This rank's one of ``size`` equal chunks of ``x`` along ``dim`` (no message)."""
+        g = self.sized(group, size)
+        if g is None:
+            return x.clone()
+        n, me = dist.get_world_size(g), dist.get_rank(g)
+        if x.size(dim) % n:
+            raise AutopartError(
+                f"splitting over {group}: dim {dim} of {tuple(x.shape)} does not split into "
+                f"{n} equal parts",
+                hint="shard only dims divisible by the group size",
+            )
+        return x.chunk(n, dim)[me].clone(memory_format=torch.contiguous_format)
+
     def reduce_grads(self, grads: list[torch.Tensor], group: str) -> None:
         """All-reduce ``grads`` over ``group`` in place, as one flat message."""
         if not grads:

@@ -33,7 +33,10 @@ class _Scores(nn.Module):
     folded, the scores unfolded before the mask and v never folded: GPT-NeoX-Japanese), "gpt1" (scores × mask − 1e4
     where masked: a weight exp(−1e4 − max) is exactly 0), "where-min" (``where(keep, scores,
     tensor(finfo.min))``, GPT-Neo), "key-bias" (an SDPA mask of one bias
-    per key computed from its token, filled where the causal mask hides the key: Doge).
+    per key computed from its token, filled where the causal mask hides the key: Doge),
+    "alibi-mask" (ALiBi as SDPA's float mask, slope · (j − i), filled where the causal mask
+    hides the key: it was read as "0 kept, anything else dropped", a window of one key, and
+    chunked silently wrong until the twenty-third session).
     Refused kinds: "soft" (−1 where
     masked), "where-soft" (GPT-Neo's form with tensor(−1.0)), "shallow" (scores × mask − 100: a weight e^−100 ≈ 4e−44 is not 0), "capped-end"
     (MPT's bias under the
@@ -43,7 +46,9 @@ class _Scores(nn.Module):
     not see itself: the first one then hides every key alike, and sees them all), "blocks" (an SDPA mask of whole blocks: later keys), "sink-tokens" (a sink
     column from a running sum over the sequence), "sink-scale-tokens" (a post-softmax sink
     computed from each query's token), "key-bias-open" (the per-key bias with no
-    causal fill: later keys seen), "pair-bias" (a bias per query and key from their tokens).
+    causal fill: later keys seen), "pair-bias" (a bias per query and key from their tokens),
+    "alibi-mask-open" (the SDPA float mask's bias with no causal fill: later keys seen; it ran
+    as a window of one key).
     Windows of 4 keys: "capped-window" (soft-capped, Gemma 2's local layers) and "sink-window"
     (gpt-oss's local layers) hand on 3 positions of K/V; "capped-chunked" (soft-capped, causal
     within blocks of 4) hides every key 4 behind too, but depends on where the blocks start:
@@ -84,6 +89,11 @@ class _Scores(nn.Module):
                 bias = bias * bias.transpose(-1, -2)
             hide = torch.zeros_like(keep) if self.kind == "key-bias-open" else ~keep
             mask = bias.expand(b, 2, s, s).masked_fill(hide, LOW)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(y.transpose(1, 2).reshape(b, s, 16))
+        if self.kind in ("alibi-mask", "alibi-mask-open"):  # a bias in SDPA's float mask
+            bias = (self.slopes * (j - i)).expand(b, 2, s, s)
+            mask = bias if self.kind == "alibi-mask-open" else bias.masked_fill(~keep, LOW)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.out(y.transpose(1, 2).reshape(b, s, 16))
         if self.kind in ("chunked", "blocks"):
@@ -165,6 +175,7 @@ CUTS = ((6, 10), (1, 7, 8), (4, 4, 4, 4))
         ("gpt1", "scores"),
         ("where-min", "sdpa"),
         ("key-bias", "sdpa"),
+        ("alibi-mask", "sdpa"),
     ],
 )
 def test_position_functions_chunk_exactly(kind: str, form: str) -> None:
@@ -247,6 +258,7 @@ def test_a_window_of_a_score_function_trims_the_prefix(kind: str) -> None:
         ("sink-scale-tokens", "Seq1F1B cannot chunk node"),
         ("key-bias-open", "lets a query see later keys"),
         ("pair-bias", "its mask depends on"),
+        ("alibi-mask-open", "lets a query see later keys"),
     ],
 )
 def test_what_is_not_a_causal_function_of_positions_is_refused(kind: str, why: str) -> None:

@@ -270,3 +270,30 @@ def test_a_linear_tp_left_replicated_works_row_by_row_under_sequence_parallelism
     ).values()
     assert not isinstance(report, AutopartError), report
     assert report.ok and report.tolerance == 1e-9, str(report)
+
+
+class _OneHotEmbedding(torch.nn.Module):
+    """A token embedding written as ``one_hot(ids) @ table``: no ``aten.embedding``."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(table.detach().clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(ids, self.weight.shape[0]).to(self.weight) @ self.weight
+
+
+@pytest.mark.parametrize("vocab", [96, 97])  # split by vocabulary, or whole
+def test_sequence_parallelism_without_a_token_embedding_is_refused(vocab: int) -> None:
+    """The split starts at the token embedding (its reduce-scatter, or ``tp_split`` after a
+    whole one): a model with no ``embedding`` of ``input_ids`` is refused at compile time,
+    whatever the vocabulary (the same model with its embedding compiles: the tests above)."""
+    from autopart.frontend.capture import capture
+    from autopart.lowering.compile import compile_program
+    from autopart.models import zoo
+
+    model, batch = zoo.make("llama", vocab_size=vocab)
+    model.model.embed_tokens = _OneHotEmbedding(model.model.embed_tokens.weight)
+    captured = capture(model.double(), batch)
+    with pytest.raises(AutopartError, match="sequence parallelism starts at the token embedding"):
+        compile_program(captured, Plan(Mesh(tp=2), sequence_parallel=True))

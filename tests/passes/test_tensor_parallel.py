@@ -36,7 +36,6 @@ from tp_models import (
     through_views,
 )
 
-from autopart.errors import AutopartError
 from autopart.graph import copy_graph
 from autopart.layout import Mesh, Plan
 from autopart.lowering.pass_runner import run_passes
@@ -488,8 +487,9 @@ def test_mlp_width_not_divisible_by_tp(caplog: pytest.LogCaptureFixture) -> None
 def test_a_vocabulary_tp_does_not_divide_stays_whole(caplog: pytest.LogCaptureFixture) -> None:
     """GPT-2's 50257, a test config's 97: refused before; now the embedding, the LM head and
     the plain cross entropy stay whole on every tp rank (the blocks still split), with one
-    warning naming the padding, and none of tensor_parallel's about the head. Parity on real
-    ranks: tests/parity_cases.py (``nanogpt-vocab97``)."""
+    warning naming the padding, and none of tensor_parallel's about the head; with sequence
+    parallelism the split runs from after the embedding to before the head. Parity on real
+    ranks: tests/parity_cases.py (``ODD_CASES``)."""
     case = _case(lambda: nanogpt.make(vocab_size=97))
     with caplog.at_level("WARNING", logger="autopart"):
         gm = _compile(case, 2)
@@ -502,9 +502,20 @@ def test_a_vocabulary_tp_does_not_divide_stays_whole(caplog: pytest.LogCaptureFi
     targets = {n.target for n in gm.graph.nodes}
     assert torch.ops.aten.cross_entropy_loss.default in targets
     assert torch.ops.autopart.vocab_parallel_ce.default not in targets
-    with pytest.raises(AutopartError, match="token embedding stays whole") as err:
-        _compile(case, 2, sequence_parallel=True)
-    assert "pad it to a multiple of tp" in (err.value.hint or "")
+    # sequence parallelism around the whole vocabulary (refused before): the split starts
+    # after the embedding and ends before the head, each once, and nothing else changes
+    sp = _compile(case, 2, sequence_parallel=True)
+    ops = torch.ops.autopart
+    [split] = [n for n in sp.graph.nodes if n.target == ops.tp_split.default]
+    [join] = [n for n in sp.graph.nodes if n.target == ops.tp_join.default]
+    assert split.args[0].target == torch.ops.aten.embedding.default
+    assert [u.meta.get(META_ROLE) for u in join.users] == ["whole"]  # the LM head
+    assert ops.vocab_parallel_ce.default not in {n.target for n in sp.graph.nodes}
+    wte = params(sp)["transformer.wte.weight"]  # tied: read by the embedding and by the head
+    # the split's all-gather backward gives every rank the whole table's gradient: no reduce
+    assert ops.tp_all_reduce_grad.default not in {u.target for u in wte.users}
+    wpe = params(sp)["transformer.wpe.weight"]  # cut to this rank's rows: reduced
+    assert ops.tp_all_reduce_grad.default in {u.target for u in wpe.users}
 
 
 # -- a region the rules cannot prove stays replicated -----------------------------------------
