@@ -102,7 +102,6 @@ class Routed:
 
 
 LENGTH, SUMMED, MIXED, SLOTS = "length", "summed", "mixed", "slots"
-SHARE = "share"  # the index of a tp rank's rows under sequence parallelism (``_share``)
 # a causal convolution's input padded on the left by its window (read only by such convs), and
 # the output of one padded on both sides (read only by slices keeping its first s outputs)
 PADDED, WINDOWED = "padded", "windowed"
@@ -292,7 +291,7 @@ class _Prover:
         return value
 
     def _agree(self, value: Any, val: Any) -> None:
-        if not _is_tensor(val) or value in (SLOTS, SHARE, PADDED, WINDOWED, SCAN):
+        if not _is_tensor(val) or value in (SLOTS, PADDED, WINDOWED, SCAN):
             return
         if _rows(value) and free_unbacked_symbols(val.shape[value.seq.dim]):
             return  # the experts' groups joined: counted from the data (JetMoE), summing to b·s·k
@@ -362,10 +361,6 @@ class _Prover:
             return Seq(d, ONE)  # positions read from a buffer: shifted by the chunk's offset
         elif target == aten.slice.Tensor and (d := table_rows(n, self.gm)) is not None:
             return Seq(d, ONE)  # a table's rows at the positions: read from the chunk's offset
-        if _share_part(n) is not None:
-            return SHARE
-        if any(self.env.get(a) is SHARE for a in n.all_input_nodes):
-            return _share(self, n)
         self._no_length(n)
         if target not in CONVS and any(
             self.env.get(a) in (PADDED, WINDOWED) for a in n.all_input_nodes
@@ -1090,62 +1085,6 @@ _AUTOPART_LOCAL = frozenset(
 # (x, dim, group, size): s/p ↔ s; the ops that split s, and those that join it
 _SHARING = frozenset(("tp_gather", "tp_scatter_reduce", "tp_split", "tp_join"))
 _SPLITTING = frozenset(("tp_scatter_reduce", "tp_split"))
-
-
-def _share_part(n: fx.Node) -> fx.Node | None:
-    """The ``add`` of sequence parallelism's row index (``sequence_parallel._my_rows``):
-    ``arange(L) + rank * L``, ``L = sym_size(x, d)``, when ``n`` is that ``add``, its ``arange``
-    or its ``mul``, else None. ``L`` is the local (per tp rank) length of a sequence-split ``x``:
-    the index reads this rank's ``L`` consecutive rows of the chunk, in order."""
-    add = n
-    if n.target in (aten.arange.default, aten.mul.Tensor) and len(n.users) == 1:
-        add = next(iter(n.users))
-    if add.target != aten.add.Tensor or len(add.args) != 2:
-        return None
-    rows, first = add.args
-    if not (isinstance(rows, fx.Node) and isinstance(first, fx.Node)):
-        return None
-    if rows.target != aten.arange.default or first.target != aten.mul.Tensor:
-        return None
-    rank, size = first.args
-    if not (
-        isinstance(rank, fx.Node)
-        and rank.op == "placeholder"
-        and getattr(rank.meta.get(META_INPUT), "kind", None) == "rank"
-        and rows.args[0] is size
-        and isinstance(size, fx.Node)
-        and size.target == aten.sym_size.int
-    ):
-        return None
-    return add if n in (add, rows, first) else None
-
-
-def _share(p: _Prover, n: fx.Node) -> Any:
-    """``index_select(a, d, index)`` with sequence parallelism's row index: this tp rank's rows
-    of ``a`` (the whole chunk along ``d``), in order. The index is relative to the chunk (its
-    ``L`` is the chunk's local length), so each chunk selects its own rows and the selected row
-    r holds the chunk's token rank·L + r: token-aligned, like the local values it joins."""
-    if n.target != aten.index_select.default:
-        raise Mixes(ARANGE)
-    index = node_arg(n, 2)
-    add = _share_part(index) if p.env.get(index) is SHARE else None
-    if add is None:  # SHARE marks exactly the nodes _share_part finds
-        raise Mixes(ARANGE)
-    src, d = node_arg(n, 0), int_arg(n, 1)
-    v = p.env.get(src)
-    size = node_arg(node_arg(add, 1), 1)  # the mul's L: sym_size(x, dim)
-    x, dim = node_arg(size, 0), int_arg(size, 1)
-    xv = p.env.get(x)
-    if not (
-        isinstance(v, Seq)
-        and v.dim % _ndim(src) == d % _ndim(src)
-        and v.inner == ONE
-        and isinstance(xv, Seq)
-        and xv.dim % _ndim(x) == dim % _ndim(x)
-        and v.part == 1
-    ):
-        raise Mixes("an index by position into a value laid out along the sequence")
-    return Seq(v.dim % _ndim(src), ONE, xv.part)
 
 
 def _factory(p: _Prover, n: fx.Node) -> Any:

@@ -1,25 +1,35 @@
 """sequence_parallel: after this pass, outside the tensor-parallel regions every activation
-is split along the sequence over the tp ranks (Megatron's sequence parallelism).
+is split along the sequence over the tp ranks (Megatron's sequence parallelism), except where
+no rule carries the split through an op: such an op runs on the whole sequence.
 
-Invariant (``plan.sequence_parallel`` and tp > 1): every ``tp_reduce`` (g) left by the
-vocab_parallel and tensor_parallel passes is a ``tp_scatter_reduce`` along the sequence dim
-(reduce-scatter), and every ``tp_copy`` (f) is a ``tp_gather`` along it (all-gather); between
-them — norms, residual adds, dropout, biases — each rank holds b × s/tp × h. A replicated value
-that spans the sequence (learned position embeddings) is cut to this rank's rows with
-``index_select``. Every replicated parameter whose gradient now comes from this rank's rows only
-(norm weights, row biases, position tables, the weights of a linear that tensor parallelism left
-replicated) passes ``tp_all_reduce_grad`` (identity forward, all-reduce of its gradient over
-tp). The sequence length must be divisible by tp (checked at
-run time). A model whose split activations reach an op the rules do not cover is refused.
+Invariant (``plan.sequence_parallel`` and tp > 1): every value is either split along the
+sequence (b × s/tp × h on each rank) or whole, and a whole value — and its gradient — is the
+same on every tp rank:
+
+- every ``tp_reduce`` (g) left by the vocab_parallel and tensor_parallel passes is a
+  ``tp_scatter_reduce`` along the sequence dim (reduce-scatter), and every ``tp_copy`` (f) of a
+  split value a ``tp_gather`` along it (all-gather); between them — norms, residual adds,
+  dropout, biases, linears tensor parallelism left replicated (row by row) — values are split;
+- a whole operand that spans the sequence and meets a split value (learned positions, the
+  output of a whole region) is cut by ``tp_split`` (this rank's rows; all-gather backward); an
+  op no rule covers reads its split inputs through ``tp_join`` (all-gather; backward, this
+  rank's rows of a gradient every rank computes alike) and runs whole, with one warning naming
+  the first such op; a whole value that does not span the sequence and carries a gradient
+  passes ``tp_all_reduce_grad`` where a split op reads it;
+- every replicated parameter whose gradient now comes from this rank's rows only (norm
+  weights, row biases, the weights of a linear left replicated) passes ``tp_all_reduce_grad``
+  (identity forward, all-reduce of its gradient over tp).
 
 A vocabulary tp does not divide leaves the token embedding and the LM head whole (``META_ROLE``
-"whole", vocab_parallel): the split then starts with ``tp_split`` after the embedding (this
-rank's rows; all-gather backward, so every rank has the whole table's gradient) and ends with
-``tp_join`` before the head (all-gather; this rank's rows of the gradient backward, which every
-rank computes alike), so the head, the logits and the loss stay whole as without SP.
+"whole", vocab_parallel): the split then starts with ``tp_split`` after the embedding and ends
+with ``tp_join`` before the head, so the head, the logits and the loss stay whole as without SP.
+The sequence length must be divisible by tp (checked at run time). Refused: a model with no
+token embedding, an op reading a split value's length, a split value reaching the output.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import fx
@@ -31,56 +41,54 @@ from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_MODULE, META_ROLE, META_SEQ, META_SHARD
 from autopart.node_args import int_arg, node_arg, seq_arg
-from autopart.passes.tensor_parallel import VIEWS, rank_input
+from autopart.passes.tensor_parallel import VIEWS
 from autopart.passes.tp_rules import Illegal, out_dim, tensor_of, tensor_val, view_map
 
 aten, ops = torch.ops.aten, torch.ops.autopart
+log = logging.getLogger("autopart")
 
 
 def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not plan.sequence_parallel or plan.mesh.tp == 1:
         return gm
-    rank = next(
-        (n for n in gm.graph.nodes if n.op == "placeholder" and n.meta[META_INPUT].kind == "rank"),
-        None,
-    )
     roles = {n.meta.get(META_ROLE) for n in gm.graph.nodes if n.target == aten.embedding.default}
-    if not roles & {"vocab", "whole"}:  # (BLOOM's heads read tp_rank: a rank is not enough)
+    if not roles & {"vocab", "whole"}:
         raise AutopartError(
             "sequence parallelism starts at the token embedding (an embedding of input_ids "
             "with one row per vocabulary entry), and this model has none autopart recognizes",
             hint="run without sequence_parallel",
         )
-    if rank is None:
-        rank = rank_input(gm)  # (a whole vocabulary adds none; _my_rows may need it)
     seq: dict[fx.Node, int] = {}
-    grad_reduce: set[fx.Node] = set()
+    memo: dict[fx.Node, bool] = {}  # _weights_only's
+    joined: list[tuple[fx.Node, str]] = []  # nodes that run on the whole sequence, and why
     for n in list(gm.graph.nodes):
         if n.target == aten.embedding.default and n.meta.get(META_ROLE) == "whole":
             seq[_insert_after(gm, n, ops.tp_split.default, plan.mesh.tp)] = _seq_dim(n)
         elif n.meta.get(META_ROLE) == "whole" and any(a in seq for a in n.all_input_nodes):
-            for a in [a for a in n.all_input_nodes if a in seq]:  # the head stays whole
-                with gm.graph.inserting_before(n):
-                    join = gm.graph.call_function(
-                        ops.tp_join.default, (a, seq[a], "tp", plan.mesh.tp)
-                    )
-                join.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
-                n.replace_input_with(a, join)
+            _join(gm, n, seq, plan.mesh.tp)  # the head stays whole
         elif n.target == ops.tp_reduce.default:
-            seq[_swap(gm, n, ops.tp_scatter_reduce.default, plan.mesh.tp)] = _seq_dim(n.args[0])
+            if _seq_dims(n.args[0]) == 1:
+                seq[_swap(gm, n, ops.tp_scatter_reduce.default, plan.mesh.tp)] = _seq_dim(
+                    n.args[0]
+                )  # (else its output stays whole: an all-reduce, as without SP)
         elif n.target == ops.tp_copy.default:
-            if n.args[0] not in seq:
-                raise AutopartError(
-                    f"{_named(n)} gathers a value that is not split along the sequence"
-                )
-            _swap(gm, n, ops.tp_gather.default, plan.mesh.tp, seq[n.args[0]])
+            if n.args[0] in seq:  # (a whole input keeps f: its gradient is every rank's alike)
+                _swap(gm, n, ops.tp_gather.default, plan.mesh.tp, seq[n.args[0]])
         elif any(a in seq for a in n.all_input_nodes) and n.op == "call_function":
-            _follow(gm, n, seq, rank, grad_reduce)
+            _follow(gm, n, seq, memo, plan.mesh.tp, joined)
         elif n.op == "output" and any(a in seq for a in n.all_input_nodes):
             raise AutopartError("a sequence-split value reaches the graph output")
+    if joined:
+        n, why = joined[0]
+        log.warning(
+            "sequence_parallel: %d node(s) run on the whole sequence on every tp rank, between "
+            "an all-gather and this rank's rows (no rule splits them), the first %s: %s",
+            len(joined),
+            _named(n),
+            why,
+        )
     for n in seq:
         n.meta[META_SEQ] = seq[n]
-    weights_only: dict[fx.Node, bool] = {}
     for p in list(gm.graph.nodes):
         if not (
             p.op == "placeholder"
@@ -88,8 +96,8 @@ def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             and p.meta.get(META_SHARD) is None
         ):
             continue
-        split, whole = _uses(p, seq, weights_only)
-        if any(u in grad_reduce for u in p.users) or (split and not whole):
+        split, whole = _uses(p, seq, memo)
+        if split and not whole:
             _reduce_grad(gm, p)
         elif split:  # read whole elsewhere too: only the split reads' gradient is a partial
             for a in dict.fromkeys(a for _, a in split):
@@ -121,7 +129,9 @@ def _uses(
         for u in v.users:
             if u.target == ops.tp_all_reduce_grad.default:
                 continue  # tensor_parallel reduces that use's gradient already
-            if u in seq:
+            if u.target == ops.tp_split.default:  # its gradient is whole: all-gathered
+                whole.append(u)
+            elif u in seq:
                 split.append((u, v))
             elif u.op == "call_function" and _weights_only(u, memo):
                 if u not in seen:
@@ -139,6 +149,12 @@ def _reduce_use(gm: fx.GraphModule, a: fx.Node, seq: dict[fx.Node, int]) -> None
         new = gm.graph.call_function(ops.tp_all_reduce_grad.default, (a, "tp"))
     new.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
     a.replace_all_uses_with(new, delete_user_cb=lambda u: u in seq)
+
+
+def _seq_dims(n: fx.Node) -> int:
+    """How many dims of ``n`` have the sequence's size."""
+    val = tensor_val(n)
+    return 0 if val is None else sum(to_sympy(d, _gm_of(n)) == S for d in val.shape)
 
 
 def _seq_dim(n: fx.Node) -> int:
@@ -184,10 +200,27 @@ def _insert_after(gm: fx.GraphModule, n: fx.Node, op, tp: int) -> fx.Node:
     return new
 
 
+def _join(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int], tp: int) -> None:
+    """``n`` reads its sequence-split inputs whole: each through ``tp_join`` (all-gather), so
+    ``n`` computes what every tp rank computes alike, and its gradient too (the join's
+    backward keeps this rank's rows of it)."""
+    for a in dict.fromkeys(a for a in n.all_input_nodes if a in seq):
+        with gm.graph.inserting_before(n):
+            join = gm.graph.call_function(ops.tp_join.default, (a, seq[a], "tp", tp))
+        join.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
+        n.replace_input_with(a, join)
+
+
 def _follow(
-    gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int], rank: fx.Node, grad_reduce: set
+    gm: fx.GraphModule,
+    n: fx.Node,
+    seq: dict[fx.Node, int],
+    memo: dict[fx.Node, bool],
+    tp: int,
+    joined: list[tuple[fx.Node, str]],
 ) -> None:
-    """Carry the sequence split through ``n``, cutting replicated operands that span it."""
+    """Carry the sequence split through ``n``, cutting whole operands that span it
+    (``tp_split``); an op no rule carries the split through runs whole (``_join``)."""
     if n.target in (aten.sym_size.int, aten._assert_tensor_metadata.default):
         if (
             n.target == aten.sym_size.int
@@ -195,35 +228,65 @@ def _follow(
         ):
             raise AutopartError(f"{_named(n)} reads the sequence length of a sequence-split value")
         return
-    rows = _row_wise(n, seq)
+    rows = _row_wise(n, seq, memo)
     if rows is not None:
         seq[n] = rows
         return
     try:
         seq[n] = out_dim(n, seq)
-        if n.target in (*VIEWS, aten.expand.default):
-            _local_length(gm, n, seq)
-        return
     except Illegal as exc:
         reason = str(exc)
-    if "spans the split dim" not in reason:
-        raise AutopartError(
-            f"sequence parallelism cannot pass {_named(n)}: {reason}",
-            hint="run without sequence_parallel for this model",
-        )
-    split = next(a for a in n.all_input_nodes if a in seq)
-    d = seq[split]
-    for a in list(n.all_input_nodes):
+        if "spans the split dim" in reason:
+            _cut(gm, n, seq, tp)
+            try:
+                seq[n] = out_dim(n, seq)
+            except Illegal as again:
+                reason = str(again)
+        if n not in seq:
+            _join(gm, n, seq, tp)
+            joined.append((n, reason))
+            return
+    if n.target in (*VIEWS, aten.expand.default):
+        _local_length(gm, n, seq)
+    for a in dict.fromkeys(n.all_input_nodes):  # whole, not spanning it, with a gradient
+        if a not in seq and _grad_from_activations(a, memo):
+            _reduce_use(gm, a, {n: 0})
+
+
+def _cut(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int], tp: int) -> None:
+    """``n``'s whole operands that span its split sequence dim → ``tp_split`` of them."""
+    d = seq[next(a for a in n.all_input_nodes if a in seq)]
+    for a in list(dict.fromkeys(n.all_input_nodes)):
         if a in seq or tensor_val(a) is None:
             continue
         pos = d - (tensor_of(n).dim() - tensor_of(a).dim())
         if pos >= 0 and tensor_of(a).shape[pos] != 1:
-            n.replace_input_with(a, _my_rows(gm, n, a, pos, split, d, rank))
-            grad_reduce.update(_params_above(a))
-    seq[n] = out_dim(n, seq)
+            with gm.graph.inserting_before(n):
+                cut = gm.graph.call_function(ops.tp_split.default, (a, pos, "tp", tp))
+            cut.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
+            n.replace_input_with(a, cut)
+            seq[cut] = pos
 
 
-def _row_wise(n: fx.Node, seq: dict[fx.Node, int]) -> int | None:
+def _grad_from_activations(a: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Is ``a`` a floating value computed from activations (not from weights alone, whose
+    reads ``_uses`` reduces), so that it carries a gradient back into the graph?"""
+    val = tensor_val(a)
+    if val is None or not val.is_floating_point() or _weights_only(a, memo):
+        return False
+    seen, stack = set(), [a]
+    while stack:  # a parameter above it: the token embedding's, at least
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder" and x.meta[META_INPUT].kind == "param":
+            return True
+        stack.extend(x.all_input_nodes)
+    return False
+
+
+def _row_wise(n: fx.Node, seq: dict[fx.Node, int], memo: dict[fx.Node, bool]) -> int | None:
     """The split dim of a linear (or a matmul by a 2-D weight) that tensor parallelism left
     replicated, applied to a value split along the sequence: it works row by row, so its output
     keeps the split, and its weight's gradient, now from this rank's rows only, is all-reduced
@@ -238,7 +301,6 @@ def _row_wise(n: fx.Node, seq: dict[fx.Node, int]) -> int | None:
             return None
     else:
         return None
-    memo: dict[fx.Node, bool] = {}
     if x not in seq or not all(w not in seq and _weights_only(w, memo) for w in weights):
         return None
     d = seq[x] % tensor_of(x).dim()
@@ -257,37 +319,6 @@ def _local_length(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int]) -> No
     local.meta.update({k: v for k, v in n.meta.items() if k != "val"})
     shape[idx] = local
     n.update_arg(1, shape)
-
-
-def _my_rows(gm, n, a, pos, split, d, rank) -> fx.Node:
-    """``a`` (replicated, full sequence at dim ``pos``) → its rows of this rank's chunk."""
-    g = gm.graph
-    with g.inserting_before(n):
-        size = g.call_function(aten.sym_size.int, (split, d))  # s / tp
-        first = g.call_function(aten.mul.Tensor, (rank, size))
-        rows = g.call_function(aten.arange.default, (size,), {"device": tensor_of(a).device})
-        index = g.call_function(aten.add.Tensor, (rows, first))
-        mine = g.call_function(aten.index_select.default, (a, pos, index))
-    for new in (size, first, rows, index, mine):
-        new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-    return mine
-
-
-def _params_above(a: fx.Node) -> set[fx.Node]:
-    """Parameter placeholders feeding ``a`` (its gradient is now a per-rank partial)."""
-    out: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    stack = [a]
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        ref = x.meta.get(META_INPUT)
-        if ref is not None and ref.kind == "param":
-            out.update(x.users)
-        stack.extend(x.all_input_nodes)
-    return out
 
 
 def _reduce_grad(gm: fx.GraphModule, p: fx.Node) -> None:

@@ -32,7 +32,6 @@ from autopart.meta import META_INPUT, META_LAYER, META_SEQ, META_SHARD
 
 TP = 2
 _GPT = (
-    "transformer.wpe.weight",
     "transformer.ln_f.weight",
     "transformer.ln_f.bias",
     *(
@@ -47,7 +46,7 @@ _GPT = (
         )
     ),
 )
-GRAD_REDUCED = {  # every replicated parameter: norms, row biases, position tables
+GRAD_REDUCED = {  # every replicated parameter read row by row: norms, row biases
     "gpt_sdpa": _GPT,
     "gpt_manual": _GPT,
     "hf_gpt": _GPT,
@@ -119,7 +118,9 @@ def test_replicated_params_all_reduce_their_gradient(seq) -> None:
     reduced = {n.args[0] for n in reducing}
     assert len(reduced) == len(reducing)  # one per parameter
     for fqn, p in params(gm).items():
-        if p.meta[META_SHARD] is None:  # norms, row biases, position tables
+        if fqn == "transformer.wpe.weight":  # cut by tp_split: its gradient is whole
+            assert p not in reduced
+        elif p.meta[META_SHARD] is None:  # norms, row biases
             assert p in reduced, fqn
             ((user, _),) = p.users.items()  # every use goes through the gradient all-reduce
             assert user.target == ops.tp_all_reduce_grad.default and user.args == (p, "tp")
@@ -133,18 +134,22 @@ def test_replicated_params_all_reduce_their_gradient(seq) -> None:
 
 @pytest.mark.parametrize("name", ["gpt_sdpa", "gpt_manual", "hf_gpt"])
 def test_position_table_is_cut_to_local_rows(name: str, request) -> None:
+    """The learned positions (whole on every rank) meet the split token embedding through
+    ``tp_split``: this rank's rows forward, an all-gather of their gradient backward, so the
+    table's gradient is whole and is not reduced again (it was ``index_select`` by ``tp_rank``
+    with the table's gradient all-reduced, until whole values of any kind were cut alike)."""
     case = model_case(request, name)
     gm = compiled(name, case, TP, sp=True)
     (wpe,) = [p for f, p in params(gm).items() if f == "transformer.wpe.weight"]
-    (cut,) = calls(gm, aten.index_select.default)
-    table, dim, index = cut.args
-    assert wpe in ancestors(table)
+    (cut,) = calls(gm, ops.tp_split.default)
+    table, dim, group, size = cut.args
+    assert wpe in ancestors(table) and (group, size) == ("tp", TP)
     assert sym(gm, table.meta["val"].shape[dim]) == S  # the whole sequence ...
     assert sym(gm, cut.meta["val"].shape[dim]) != S  # ... down to this rank's rows
-    rank = next(p for p in gm.graph.nodes if p.name == "tp_rank")
-    assert rank in ancestors(index)
+    assert calls(gm, aten.index_select.default) == []
     (add,) = cut.users  # added to the sequence-split token embedding
     assert any(a.target == ops.tp_scatter_reduce.default for a in add.args)
+    assert ops.tp_all_reduce_grad.default not in {u.target for u in wpe.users}
 
 
 @pytest.mark.parametrize(

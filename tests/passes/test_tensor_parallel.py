@@ -506,16 +506,18 @@ def test_a_vocabulary_tp_does_not_divide_stays_whole(caplog: pytest.LogCaptureFi
     # after the embedding and ends before the head, each once, and nothing else changes
     sp = _compile(case, 2, sequence_parallel=True)
     ops = torch.ops.autopart
-    [split] = [n for n in sp.graph.nodes if n.target == ops.tp_split.default]
+    splits = [n for n in sp.graph.nodes if n.target == ops.tp_split.default]
     [join] = [n for n in sp.graph.nodes if n.target == ops.tp_join.default]
-    assert split.args[0].target == torch.ops.aten.embedding.default
+    assert [n.args[0].target for n in splits] == [torch.ops.aten.embedding.default] * 2
+    assert splits[0].args[0].args[0].meta[META_INPUT].name == "transformer.wte.weight"
     assert [u.meta.get(META_ROLE) for u in join.users] == ["whole"]  # the LM head
     assert ops.vocab_parallel_ce.default not in {n.target for n in sp.graph.nodes}
     wte = params(sp)["transformer.wte.weight"]  # tied: read by the embedding and by the head
     # the split's all-gather backward gives every rank the whole table's gradient: no reduce
     assert ops.tp_all_reduce_grad.default not in {u.target for u in wte.users}
-    wpe = params(sp)["transformer.wpe.weight"]  # cut to this rank's rows: reduced
-    assert ops.tp_all_reduce_grad.default in {u.target for u in wpe.users}
+    wpe = params(sp)["transformer.wpe.weight"]  # cut by tp_split too: not reduced either
+    assert ops.tp_all_reduce_grad.default not in {u.target for u in wpe.users}
+    assert splits[1].args[0].args[0] is wpe
 
 
 # -- a region the rules cannot prove stays replicated -----------------------------------------
