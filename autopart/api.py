@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -346,6 +347,20 @@ def _given_plan(plan: Any, mesh: Any) -> Plan:
     return plan
 
 
+def model_digest(model: nn.Module) -> str:
+    """The model's tensors as a broadcast sends them: their count, their values and a digest
+    of their names, shapes and dtypes in order (a rank that built another model differs)."""
+    import hashlib
+
+    tensors = [
+        (name, tuple(t.shape), str(t.dtype))
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    ]
+    digest = hashlib.sha256(repr(tensors).encode()).hexdigest()[:12]
+    values = sum(math.prod(shape) for _, shape, _ in tensors)
+    return f"model ({len(tensors)} tensors, {values:,} values, layout {digest})"
+
+
 def broadcast_model(model: nn.Module, timeout_s: float = 300.0) -> None:
     """Give every rank global rank 0's parameters and buffers (in place, as DDP does when it
     wraps a model), so that the result does not depend on the seed each rank built its model
@@ -354,6 +369,11 @@ def broadcast_model(model: nn.Module, timeout_s: float = 300.0) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    from autopart.runtime.meet import Meeting  # lazy: an offline compile imports no runtime
+
+    meet = Meeting.of_job("parallelize", timeout_s)
+    if meet is not None:  # the same model's tensors, in order, or refused before the first
+        meet("parallelize", model_digest(model))
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
     with torch.no_grad():

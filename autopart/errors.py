@@ -40,14 +40,20 @@ def wait(work: Any, rank: Any, what: str, timeout_s: float, hint: str = PEER_HIN
     """Wait for a c10d ``work`` handle at most ``timeout_s``; a failure or a timeout becomes an
     ``AutopartError`` naming the rank and what it waited for (every distributed wait of the
     runtime, the collectives and the checkpoints goes through here)."""
+    import time
     from datetime import timedelta
 
+    start = time.monotonic()
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - any backend failure becomes a named one
-        raise AutopartError(
-            f"rank {rank}: {what} failed or timed out after {timeout_s:.0f} s: {exc}", hint=hint
-        ) from exc
+        took = time.monotonic() - start
+        how = (
+            f"timed out after {timeout_s:.0f} s"
+            if took >= 0.95 * timeout_s
+            else f"failed after {took:.1f} s"  # a peer that died or closed its connection
+        )
+        raise AutopartError(f"rank {rank}: {what} {how}: {exc}", hint=hint) from exc
     if ok is False:
         raise AutopartError(f"rank {rank}: timed out after {timeout_s:.0f} s in {what}", hint=hint)
 

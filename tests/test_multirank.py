@@ -424,3 +424,33 @@ def test_a_pp4_tie_creates_the_same_groups_on_every_path(tmp_path) -> None:
     for via in ("torchrun", "fork"):
         for name, report in verify_many(checks, timeout_s=120, via=via).items():
             assert not isinstance(report, Exception) and report.ok, (via, name, str(report))
+
+
+@pytest.mark.multirank
+def test_ranks_out_of_step_are_refused_naming_each_other() -> None:
+    """tests/out_of_step_script.py on 2 ranks: calls that differ (evaluate against step, a
+    full_state_dict on rank 0 alone, another model, a share that does not split, a destroyed
+    group) are refused on the ranks that wait, naming the other rank and where it is, after
+    ``timeout_s`` at most and with nothing left pending (they aborted, hung, or overwrote a
+    model silently)."""
+    start = time.monotonic()
+    out = launch_forked(2, [str(ROOT / "tests" / "out_of_step_script.py")], timeout_s=150)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith('{"rank"')]
+    assert sorted(d["rank"] for d in lines) == [0, 1], out
+    for d in lines:
+        me, other = d["rank"], 1 - d["rank"]
+        calls = ("step", "evaluate")
+        assert (
+            f"at {calls[me]} (collective action 1), rank {other} is in {calls[other]}"
+            in d["step_vs_evaluate"]
+        ), d
+        assert f"rank {other} is in parallelize with another model" in d["models"], d
+        assert "43,296 values" in d["models"] and "30,592 values" in d["models"], d
+        who = "this rank" if me == 1 else "rank 1"
+        assert f"{who} passed a dp share of 3 rows (local=True)" in d["share"], d
+        assert "after the process group was destroyed" in d["destroyed"], d
+    (rank0,) = [d for d in lines if d["rank"] == 0]
+    assert "waited 3 s at full_state_dict" in rank0["alone"], rank0
+    assert "rank 1 last came to step (action 1)" in rank0["alone"], rank0
+    assert 2.5 < rank0["alone_s"] < 20, rank0  # its own timeout, not gloo's 30 minutes
+    assert time.monotonic() - start < 150

@@ -62,6 +62,7 @@ from autopart.runtime.guards import (
     original_state_dict,
     sharded_reason,
 )
+from autopart.runtime.meet import Meeting
 from autopart.runtime.placement import backend_for, device_checked, pick_device, place
 from autopart.runtime.recompute import checkpointed
 from autopart.runtime.timeline import TraceEvent, chrome_event
@@ -267,6 +268,8 @@ class Runner:
         self.device = pick_device(device)
         self.dry = self.device.type == "meta"
         self.rank = program.rank
+        # every collective call meets the other ranks at the store first (runtime/meet.py)
+        self._meeting = None if self.dry else Meeting.of_job("runner", timeout_s)
         if plan.attention == "flex" and not self.dry:  # before any step: a device torch refuses
             flex.check_supported(self.device, self.rank)
         self.seed, self.steps = (
@@ -526,6 +529,7 @@ class Runner:
         (``guards.check_step_context``), and take the followed module's mode if it was switched
         since (``model.eval()``)."""
         check_step_context(call, self.device, needs_grad=needs_grad)
+        self._meet(call)
         model = self._followed()
         if model is not None:
             check_untouched(self._module_params, self._module_versions, call)
@@ -537,6 +541,20 @@ class Runner:
             check_frozen(model, self._module_frozen)
         if model is not None and model.training != self.training:
             self.train(model.training)
+
+    def _meet(self, action: str) -> None:
+        """Wait for every rank to come to this collective call (``runtime/meet.py``): a rank
+        in another call, or one that does not come within ``timeout_s``, is named."""
+        if self._meeting is not None:
+            if not dist.is_initialized():
+                raise AutopartError(
+                    f"rank {self.rank}: runner.{action} after the process group was destroyed: "
+                    "this runner's collectives have no group left",
+                    hint="call destroy_process_group() after the last collective call (the "
+                    "end of training); a runner made before it cannot be used after it",
+                )
+            self._meeting.timeout_s = self.timeout_s
+            self._meeting(action)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(global FQN, local shard) pairs."""
@@ -904,6 +922,7 @@ class Runner:
         the live API exactly the keys of ``model.state_dict()``, so it loads strictly into the
         original model (a buffer no graph reads, such as a causal mask Seq1F1B replaced by
         positions, is the module's own). Collective: call it on every rank."""
+        self._meet("full_state_dict")
         full, buffers = state.gather_full(
             self.params, self.buffers, self.program.shards, self.program.coords
         )
@@ -968,6 +987,7 @@ class Runner:
         slices, pipeline stages, tied copies and dp replicas: the same number on every rank,
         equal to one device's (``runtime/norms.py``). Collective: call it on every rank."""
         self.check_reduced("runner.grad_norm() / clip_grad_norm_()")
+        self._meet("grad_norm")
         split = {f: s.dim is not None for f, s in self.program.shards.items()}
         norm = norms.global_norm(
             self.params,
@@ -1031,7 +1051,7 @@ class Runner:
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
-        self._check_same_batch(fields, local, num_tokens)
+        self._check_same_batch(fields, local, num_tokens, pads=False)
         mbs = self._microbatches(fields, local)
         kept = {f: p.grad for f, p in self.params.items()}
         if (
@@ -1457,7 +1477,11 @@ class Runner:
         return {k: t.as_subclass(torch.Tensor).to(self.device) for k, t in fields.items()}
 
     def _check_same_batch(
-        self, fields: dict[str, torch.Tensor], local: bool, num_tokens: int | None = None
+        self,
+        fields: dict[str, torch.Tensor],
+        local: bool,
+        num_tokens: int | None = None,
+        pads: bool = True,
     ) -> None:
         """The ranks that must pass the same rows do: every rank the global batch, or with
         ``local`` the ranks of one dp replica its share (equal over the tp and the pp groups
@@ -1467,16 +1491,41 @@ class Runner:
         One small all-reduce over the whole mesh, before any compute, of every rank's
         fingerprint: every rank checks every group, so all of them refuse alike (a check per
         group left the ranks of the groups that agreed waiting for the others, until the
-        timeout)."""
+        timeout). A batch whose rows do not split into this rank's micro-batches (``pads``:
+        ``evaluate`` and ``logits`` pad a global batch) is refused on every rank, naming it."""
         mesh = self.plan.mesh
         if self.dry or not self.check_batches or mesh.size < 2:
             return
         given = -1 if num_tokens is None else int(num_tokens)
-        mine = torch.cat([_fingerprint(fields), torch.tensor([given], device=self.device)])
+        n = int(fields["input_ids"].shape[0])
+        uneven = -1
+        if local or not pads:
+            try:
+                self.plan.check_batch(n * (mesh.dp if local else 1))
+            except AutopartError:
+                uneven = n
+        tail = torch.tensor([given, uneven], device=self.device)
+        mine = torch.cat([_fingerprint(fields), tail])
         table = torch.zeros(mesh.size, mine.numel(), dtype=torch.int64, device=self.device)
         table[self.rank] = mine
         self._wait(staging.all_reduce(table, None), "comparing the batch over every rank")
-        rows = table.tolist()
+        rows = [r[:-1] for r in table.tolist()]
+        for r, row in enumerate(table.tolist()):
+            if row[-1] >= 0:
+                parts = mesh.dp * self.plan.microbatches
+                raise AutopartError(
+                    f"rank {self.rank}: {'this rank' if r == self.rank else f'rank {r}'} passed "
+                    + (
+                        f"a dp share of {row[-1]} rows (local=True), which does not split into "
+                        f"microbatches({self.plan.microbatches})"
+                        if local
+                        else f"a batch of {row[-1]} rows, which does not split into dp("
+                        f"{mesh.dp}) × microbatches({self.plan.microbatches}) = {parts}"
+                    ),
+                    hint="every rank's batch must split into the plan's micro-batches "
+                    + (f"(a multiple of {self.plan.microbatches} rows a share)" if local else "")
+                    + "; drop the last uneven batch (drop_last=True) or change microbatches",
+                )
         if len({tuple(r) for r in rows}) == 1:
             return  # every rank passed the same (the common case)
         share = "its dp replica's share" if local else "the global batch"
