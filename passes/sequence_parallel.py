@@ -226,7 +226,11 @@ def _follow(
             n.target == aten.sym_size.int
             and int_arg(n, 1) % tensor_of(n.args[0]).dim() == seq[node_arg(n, 0)]
         ):
-            raise AutopartError(f"{_named(n)} reads the sequence length of a sequence-split value")
+            raise AutopartError(
+                f"{_named(n)} reads the sequence length of a sequence-split value",
+                hint="the model reads the length of a hidden state (x.shape[1]), which "
+                "sequence parallelism cuts; run without sequence_parallel",
+            )
         return
     rows = _row_wise(n, seq, memo)
     if rows is not None:

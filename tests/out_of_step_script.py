@@ -12,6 +12,8 @@ own (a refused meeting leaves the ranks' counts apart), and a short ``timeout_s`
 - A local share that does not split into the micro-batches on rank 1 only: rank 1 alone said so
   (of a batch size it was never given), rank 0 saw a closed connection. Refused on both, naming
   rank 1's rows.
+- Rank 1 skips one ``optimizer.step()``: the dp replicas' weights drifted apart, silently. The
+  next call samples every parameter's first element on each rank and refuses on every rank.
 - A runner used after ``destroy_process_group()``: a raw ``ValueError``; now named.
 
 Prints one JSON line per rank.
@@ -22,6 +24,7 @@ import os
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -44,14 +47,15 @@ def main() -> dict:
     model, batch = nanogpt.make()
     out: dict = {"rank": rank}
 
-    def runner(timeout_s: float = 20.0, m=model):
-        return autopart.parallelize(m, mesh, batch, microbatches=2, timeout_s=timeout_s)
+    def runner(m=model):
+        return autopart.parallelize(m, mesh, batch, microbatches=2, timeout_s=60.0)
 
     r = runner()
     out["step_vs_evaluate"] = error_of(lambda: (r.evaluate if rank else r.step)(*batch))
 
-    r = runner(timeout_s=3.0)
+    r = runner()
     r.step(*batch)
+    r.timeout_s = 3.0  # (not at parallelize: rank 0's compile may take longer on a busy host)
     start = time.monotonic()
     out["alone"] = error_of(r.full_state_dict) if rank == 0 else ""
     out["alone_s"] = time.monotonic() - start
@@ -65,6 +69,14 @@ def main() -> dict:
     out["share"] = error_of(lambda: r.step(ids, labels, local=True))
 
     r = runner()
+    opt = torch.optim.SGD(r.parameters(), lr=0.1)
+    r.step(*batch)
+    if rank == 0:  # rank 1 skips one optimizer step: the replicas' weights part
+        opt.step()
+    opt.zero_grad()
+    out["drift"] = error_of(lambda: r.step(*batch))
+
+    r = runner(m=nanogpt.make()[0])  # (the module above trained: a fresh one)
     dist.destroy_process_group()
     out["destroyed"] = error_of(lambda: r.step(*batch))
     return out

@@ -429,8 +429,8 @@ def test_a_pp4_tie_creates_the_same_groups_on_every_path(tmp_path) -> None:
 @pytest.mark.multirank
 def test_ranks_out_of_step_are_refused_naming_each_other() -> None:
     """tests/out_of_step_script.py on 2 ranks: calls that differ (evaluate against step, a
-    full_state_dict on rank 0 alone, another model, a share that does not split, a destroyed
-    group) are refused on the ranks that wait, naming the other rank and where it is, after
+    full_state_dict on rank 0 alone, another model, a share that does not split, a skipped
+    optimizer step, a destroyed group) are refused on the ranks that wait, naming the other rank and where it is, after
     ``timeout_s`` at most and with nothing left pending (they aborted, hung, or overwrote a
     model silently)."""
     start = time.monotonic()
@@ -448,6 +448,7 @@ def test_ranks_out_of_step_are_refused_naming_each_other() -> None:
         assert "43,296 values" in d["models"] and "30,592 values" in d["models"], d
         who = "this rank" if me == 1 else "rank 1"
         assert f"{who} passed a dp share of 3 rows (local=True)" in d["share"], d
+        assert "the weights of rank 1 differ from those of rank 0" in d["drift"], d
         assert "after the process group was destroyed" in d["destroyed"], d
     (rank0,) = [d for d in lines if d["rank"] == 0]
     assert "waited 3 s at full_state_dict" in rank0["alone"], rank0

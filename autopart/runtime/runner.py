@@ -1505,12 +1505,25 @@ class Runner:
             except AutopartError:
                 uneven = n
         tail = torch.tensor([given, uneven], device=self.device)
-        mine = torch.cat([_fingerprint(fields), tail])
+        mine = torch.cat([_fingerprint(fields), tail, _weights_sample(self.params, self.device)])
         table = torch.zeros(mesh.size, mine.numel(), dtype=torch.int64, device=self.device)
         table[self.rank] = mine
         self._wait(staging.all_reduce(table, None), "comparing the batch over every rank")
-        rows = [r[:-1] for r in table.tolist()]
-        for r, row in enumerate(table.tolist()):
+        every = table.tolist()
+        for ranks in mesh.groups("dp") if mesh.dp > 1 else []:
+            differ = [r for r in ranks[1:] if every[r][-1] != every[ranks[0]][-1]]
+            if differ:
+                raise AutopartError(
+                    f"rank {self.rank}: the weights of rank {differ[0]} differ from those of rank "
+                    f"{ranks[0]}, its data-parallel replica (sampled as this call began): a rank "
+                    "skipped optimizer.step() or zero_grad(), stepped with other settings, or "
+                    "loaded other weights",
+                    hint="every rank must make the same optimizer steps on the same gradients; "
+                    "replicas that drift apart stay apart (DDP does not check this)",
+                )
+        rows = [r[:-2] for r in every]
+        for r, row in enumerate(every):
+            row = row[:-1]
             if row[-1] >= 0:
                 parts = mesh.dp * self.plan.microbatches
                 raise AutopartError(
@@ -1903,6 +1916,19 @@ def without_dropout(graph: fx.GraphModule) -> fx.GraphModule:
 
 
 _PRIME = 2_147_483_647  # 2^31 − 1: every term of a fingerprint's sum stays below 2^62
+
+
+def _weights_sample(params: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One int64 that differs, but for a chance of about 2^-31, between two ranks holding the
+    same parameters with other values at their first elements (the bits of each parameter's
+    first element, position-weighted): the dp replicas of a rank hold the same bits, so two
+    that differ have drifted apart (a skipped ``optimizer.step()``)."""
+    firsts = [p.detach().reshape(-1)[:1] for p in params.values() if p.numel()]
+    if not firsts or device.type == "meta":
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    bits = torch.cat([f.to(device=device, dtype=torch.float64) for f in firsts]).view(torch.int64)
+    w = (torch.arange(bits.numel(), device=device) * 2_654_435_761 + 97) % _PRIME + 1
+    return ((bits % _PRIME) * w % _PRIME).sum().view(1)
 
 
 def _fingerprint(fields: dict[str, torch.Tensor]) -> torch.Tensor:
