@@ -46,6 +46,7 @@ from autopart.passes.tp_rules import Illegal, out_dim, tensor_of, tensor_val, vi
 
 aten, ops = torch.ops.aten, torch.ops.autopart
 log = logging.getLogger("autopart")
+_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 
 
 def sequence_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -237,6 +238,10 @@ def _follow(
         seq[n] = rows
         return
     try:
+        if n.target in _SPLITS and int_arg(n, 2, "dim", 0) % tensor_of(n.args[0]).dim() == seq.get(
+            node_arg(n, 0)
+        ):  # (tp_rules leaves a split along the split dim to tensor_parallel's strided shards)
+            raise Illegal("splits the value along its sequence-split dim")
         seq[n] = out_dim(n, seq)
     except Illegal as exc:
         reason = str(exc)

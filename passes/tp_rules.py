@@ -185,7 +185,9 @@ def _flatten(n, dims):
 def _reduce(n, dims):
     d = _first(n, dims)
     nd = _ndim(n.args[0])
-    over = n.args[1] if len(n.args) > 1 else list(range(nd))
+    over = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    if over is None or (isinstance(over, (list, tuple)) and not over):
+        over = list(range(nd))  # dim None or [] (``x.sum(dim=())``): every dim
     over = [_norm(x, nd) for x in (over if isinstance(over, (list, tuple)) else [over])]
     keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
     if d in over:

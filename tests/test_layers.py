@@ -96,6 +96,8 @@ LAZY: dict[tuple[str, str], str] = {
     "imports no runtime; only a live DeviceMesh gets a Runner",
     ("autopart/api.py", "autopart.runtime.guards"): "as the runner: only a module a live "
     "runner follows can be behind it",
+    ("autopart/api.py", "autopart.runtime.meet"): "as the runner: only a live mesh's model "
+    "broadcast meets the other ranks first",
     ("autopart/api.py", "autopart.runtime.handover"): "as the runner: only a live mesh whose "
     "rank 0 compiles for the others hands programs over",
     ("autopart/runtime/run.py", "autopart.runtime.checkpoint"): "torch.distributed.checkpoint "

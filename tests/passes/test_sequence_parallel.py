@@ -4,6 +4,8 @@ parameters all-reduce their gradients, and a learned position table is cut to th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import Case
@@ -302,3 +304,23 @@ def test_sequence_parallelism_without_a_token_embedding_is_refused(vocab: int) -
     captured = capture(model.double(), batch)
     with pytest.raises(AutopartError, match="sequence parallelism starts at the token embedding"):
         compile_program(captured, Plan(Mesh(tp=2), sequence_parallel=True))
+
+
+@pytest.mark.multirank
+def test_what_a_probe_found_silently_wrong_under_sequence_parallelism() -> None:
+    """tests/sp_models.py on real ranks, float64 against one device: a chunk along the
+    sequence (each rank chunked its own rows: loss 1e-2 off), reductions over every dim
+    written ``dim=()`` (read as over none: a gate's gradient 100 % off) or ``dim=None`` (a
+    TypeError in the pass), and a scale from the activations on the vocabulary-split logits
+    (under tp alone too: its gradient came from one rank's slice of the vocabulary)."""
+    from autopart.parity.verify import Check, verify_many
+
+    spec = f"{Path(__file__).parents[1] / 'sp_models.py'}"
+    checks = {
+        f"{kind}-sp": Check(f"{spec}:{kind}", tp=2, sequence_parallel=True)
+        for kind in ("halves_swapped", "sum_of_all", "max_of_all", "mean_of_all", "logit_scale")
+    }
+    checks["logit_scale-tp"] = Check(f"{spec}:logit_scale", tp=2)
+    for name, report in verify_many(checks, via="fork", timeout_s=120).items():
+        assert not isinstance(report, AutopartError), (name, report)
+        assert report.ok and report.tolerance == 1e-9, (name, str(report))
