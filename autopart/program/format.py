@@ -797,7 +797,10 @@ def load_weights(
                 hint=_RESAVE,
             )
     _check_own_storage(weights, path)
-    return weights
+    # plain tensors: what trains (plan.json's frozen list) and anything else about a parameter
+    # is the program's to say, not the file's (an nn.Parameter saved with requires_grad=False
+    # froze it, silently; attributes set on it came along)
+    return {name: torch.Tensor(t.detach()) for name, t in weights.items()}
 
 
 def _check_own_storage(weights: dict[str, torch.Tensor], path: Path) -> None:

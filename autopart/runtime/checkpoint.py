@@ -1002,8 +1002,11 @@ def _clear(path: Path) -> None:
         )
     if path.exists():
         entries = list(path.iterdir()) if path.is_dir() else [path]
-        ours = all(
-            e.name in (INFO, f".{INFO}.tmp", ".metadata") or e.suffix == ".distcp" for e in entries
+        ours = all(  # plain files of a checkpoint's names (a folder named autopart.json: not)
+            e.is_file()
+            and not e.is_symlink()
+            and (e.name in (INFO, f".{INFO}.tmp", ".metadata") or e.suffix == ".distcp")
+            for e in entries
         )
         if not path.is_dir() or not ours:
             raise AutopartError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -29,12 +30,23 @@ def claim(root: str | Path) -> IO[str]:
     path = root / LOCK
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644
+        )
     except OSError as exc:
         raise AutopartError(
             f"cannot open the checkpoint folder's lock {path}: {exc.strerror or exc}",
             hint="the folder must be writable and its .autopart.lock a plain file",
         ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)  # a FIFO, a device, or a hard link to a file elsewhere: never written
+        raise AutopartError(
+            f"the checkpoint folder's lock {path} is "
+            + ("not a regular file" if not stat.S_ISREG(st.st_mode) else "a hard link")
+            + ": autopart writes its process id there, and will not write through it",
+            hint="remove it (autopart makes a new one), or give this run another folder",
+        )
     f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -54,5 +66,5 @@ def claim(root: str | Path) -> IO[str]:
 def check_free(root: str | Path) -> None:
     """Refuse the checkpoint folder ``root`` if another run holds it (``claim``), before
     anything is launched; holds nothing itself (rank 0 claims it)."""
-    if (Path(root) / LOCK).is_file():
+    if os.path.lexists(Path(root) / LOCK):  # (a FIFO or a link there is refused, not skipped)
         claim(root).close()
