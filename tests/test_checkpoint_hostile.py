@@ -858,3 +858,16 @@ def test_mutated_checkpoints_load_identically_or_are_refused_500(
 ) -> None:
     """500 random mutations of a saved step (``-m slow``)."""
     _fuzz(program, saved, tmp_path, 500)
+
+
+def test_a_directory_named_like_a_checkpoint_file_is_refused_not_removed(tmp_path: Path) -> None:
+    """A step folder whose ``autopart.json`` is a directory: saving that step again raised a
+    raw ``IsADirectoryError`` (after training, losing the step). It is not a checkpoint's
+    file, so the folder is refused as one that is not a checkpoint, and left as it is."""
+    from autopart.runtime.checkpoint import INFO, _clear
+
+    step = tmp_path / "step00000002"
+    (step / INFO).mkdir(parents=True)
+    with pytest.raises(AutopartError, match="exists and is not an autopart checkpoint"):
+        _clear(step)
+    assert (step / INFO).is_dir()

@@ -436,3 +436,27 @@ def test_a_rank_whose_launcher_died_while_it_started_stops(tmp_path: Path) -> No
     while _processes_naming(str(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_naming(str(marker)) and not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "hardlink"])
+def test_a_lock_that_is_no_plain_file_of_its_own_is_refused(kind: str, tmp_path: Path) -> None:
+    """The checkpoint folder's ``.autopart.lock`` as a FIFO gave a raw ``UnsupportedOperation``
+    traceback on rank 0 (and the launcher's check skipped it); as a hard link to a file outside
+    the folder, that file was truncated and overwritten with the process id. Both are refused,
+    by the launcher's check and by the claim, and nothing is written."""
+    from autopart.runtime import dirlock
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me\n")
+    if kind == "fifo":
+        os.mkfifo(ck / ".autopart.lock")
+    else:
+        os.link(outside, ck / ".autopart.lock")
+    for check in (dirlock.check_free, dirlock.claim):
+        with pytest.raises(AutopartError) as err:
+            check(ck)
+        why = "not a regular file" if kind == "fifo" else "a hard link"
+        assert f"lock {ck / '.autopart.lock'} is {why}" in err.value.message
+    assert outside.read_text() == "keep me\n"

@@ -861,3 +861,22 @@ def test_weights_sharing_a_storage_are_refused(saved: Path, tmp_path: Path, how:
         assert f"{a} is a view" in msg
     else:
         assert a in msg and "own storage" in err.value.hint
+
+
+def test_a_parameter_entry_is_loaded_as_a_plain_tensor(saved: Path, tmp_path: Path) -> None:
+    """A weights.pt entry saved as ``nn.Parameter(requires_grad=False)``, with an attribute set
+    on it, loaded as that Parameter: the runner took it as frozen (plan.json's frozen list
+    empty) and trained around it silently, and on one dp replica only the gradient buckets
+    differed in size (gloo aborted the process). What trains is plan.json's to say: every
+    entry loads as a plain tensor, with no attribute of the file's."""
+    crafted = copy_program(saved, tmp_path)
+    weights = load_weights(saved, 0)
+    name = next(iter(weights))
+    frozen = torch.nn.Parameter(weights[name].clone(), requires_grad=False)
+    frozen.planted = "from the file"  # type: ignore[attr-defined]
+    torch.save({**weights, name: frozen}, crafted / "rank00000" / "weights.pt")
+    rehash(crafted)
+    got = load_weights(crafted, 0)[name]
+    assert type(got) is torch.Tensor and not hasattr(got, "planted")
+    assert torch.equal(got, weights[name])
+    assert load_rank(crafted, 0).frozen == ()

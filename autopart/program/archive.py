@@ -288,7 +288,47 @@ ATEN_STRINGS = frozenset(
 # bounds: sparse and nested layouts (aten does not check their indices by default, so a
 # densified one writes where its indices say), a raw storage (set), futures, moving to a GPU
 # by name, process-wide caches, test ops
-ATEN_DENIED = re.compile(r"sparse|nested|_cufft|cudnn_init|^_test_|^set$|^wait$|^cuda$")
+ATEN_DENIED = re.compile(
+    r"sparse|nested|_cufft|cudnn_init|^_test_|^set$|^wait$|^cuda$"
+    # packed and quantized layouts: kernels that trust their arguments' sizes (a hostile
+    # folder's aten._weight_int4pack_mm_for_cpu with a short scales tensor read past it, or
+    # killed the rank with SIGSEGV: probe, twenty-third session)
+    r"|pack|quantiz|^q_|fbgemm|mkldnn|int_repr"
+)
+# ATen's internal ops (a leading underscore) are kernels beneath the public API, several of
+# which trust their arguments' sizes: a loaded graph may call only these, the ones stage graphs
+# hold (collected from the compatibility matrix's 75 architectures under tp, sp, Seq1F1B,
+# zero-bubble and recompute plans, and the suite's models), and not the others
+ATEN_INTERNAL = frozenset(
+    {
+        "_assert_async",
+        "_assert_scalar",
+        "_assert_tensor_metadata",
+        "_cdist_forward",
+        "_conj",
+        "_efficient_attention_forward",
+        "_flash_attention_forward",
+        "_functional_assert_async",
+        "_functional_assert_scalar",
+        "_fused_rms_norm",
+        "_grouped_mm",
+        "_local_scalar_dense",
+        "_log_softmax",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training",
+        "_neg_view",
+        "_reshape_alias",
+        "_safe_softmax",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_softmax",
+        "_to_copy",
+        "_unsafe_index",
+        "_unsafe_view",
+        "_weight_norm_interface",
+    }
+)
 _STRING = re.compile(r"\bstr\b")
 
 
@@ -308,7 +348,15 @@ def aten_refusal(op: torch._ops.OpOverload) -> str | None:
         if _STRING.search(str(a.type)) and (name, a.name) not in ATEN_STRINGS:
             return f"takes the string argument {a.name!r} (a file name or code to interpret)"
     if ATEN_DENIED.search(name):
-        return "touches global state or raw memory (sparse, nested, storage or cache ops)"
+        return (
+            "touches global state or raw memory (sparse, nested, packed, quantized, storage or "
+            "cache ops)"
+        )
+    if name.startswith("_") and not name.startswith("__") and name not in ATEN_INTERNAL:
+        return (
+            "is one of ATen's internal kernels, not among those autopart's stage graphs call "
+            "(archive.ATEN_INTERNAL)"
+        )
     return None
 
 
