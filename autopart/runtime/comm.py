@@ -202,20 +202,31 @@ class Comm:
         self._wait(dist.all_gather(parts, host, group=g, async_op=True), what)
         return torch.cat(parts, dim).to(x.device)
 
+    def _even(
+        self, x: torch.Tensor, dim: int, group: str, size: int | None, what: str
+    ) -> tuple[Any, int, int] | None:
+        """``group``'s process group, its size and this rank's index in it, once ``x`` splits
+        into that many equal parts along ``dim``; None when the name means one rank."""
+        g = self.sized(group, size)
+        if g is None:
+            return None
+        n = dist.get_world_size(g)
+        if x.size(dim) % n:
+            raise AutopartError(
+                f"{what} over {group}: dim {dim} of {tuple(x.shape)} does not split into {n} "
+                "equal parts",
+                hint="shard only dims divisible by the group size",
+            )
+        return g, n, dist.get_rank(g)
+
     def reduce_scatter(
         self, x: torch.Tensor, dim: int, group: str, size: int | None = None
     ) -> torch.Tensor:
-        g = self.sized(group, size)
-        if g is None:
+        found = self._even(x, dim, group, size, "reduce-scatter")
+        if found is None:
             return x.clone()
-        n, me = dist.get_world_size(g), dist.get_rank(g)
+        g, n, me = found
         what = f"reduce-scatter over {group} of {tuple(x.shape)}"
-        if x.size(dim) % n:
-            raise AutopartError(
-                f"reduce-scatter over {group}: dim {dim} of {tuple(x.shape)} does not split "
-                f"into {n} equal parts",
-                hint="shard only dims divisible by the group size",
-            )
         parts = [p.contiguous() for p in x.chunk(n, dim)]
         if self.transport(g) != "c10d":  # each rank gets only the slices of its own part
             return self.exchange(parts, g, what, sum_in_rank_order)
@@ -231,16 +242,10 @@ class Comm:
         self, x: torch.Tensor, dim: int, group: str, size: int | None = None
     ) -> torch.Tensor:
         """This rank's one of ``size`` equal chunks of ``x`` along ``dim`` (no message)."""
-        g = self.sized(group, size)
-        if g is None:
+        found = self._even(x, dim, group, size, "splitting")
+        if found is None:
             return x.clone()
-        n, me = dist.get_world_size(g), dist.get_rank(g)
-        if x.size(dim) % n:
-            raise AutopartError(
-                f"splitting over {group}: dim {dim} of {tuple(x.shape)} does not split into "
-                f"{n} equal parts",
-                hint="shard only dims divisible by the group size",
-            )
+        _, n, me = found
         return x.chunk(n, dim)[me].clone(memory_format=torch.contiguous_format)
 
     def reduce_grads(self, grads: list[torch.Tensor], group: str) -> None:
