@@ -529,7 +529,6 @@ class Runner:
         (``guards.check_step_context``), and take the followed module's mode if it was switched
         since (``model.eval()``)."""
         check_step_context(call, self.device, needs_grad=needs_grad)
-        self._meet(call)
         model = self._followed()
         if model is not None:
             check_untouched(self._module_params, self._module_versions, call)
@@ -683,7 +682,7 @@ class Runner:
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
-        self._check_same_batch(fields, local, num_tokens)
+        self._check_same_batch("evaluate", fields, local, num_tokens)
         fields, _ = self._pad_rows(fields, local)
         fields, _ = self._pad_length(fields)
         mbs = self._microbatches(fields, local)
@@ -743,7 +742,7 @@ class Runner:
         dummy = torch.zeros_like(input_ids)  # labels feed no node once the loss is cut off
         self._activate()
         fields = self._fields(input_ids, dummy, attention_mask, position_ids)
-        self._check_same_batch(fields, local)
+        self._check_same_batch("logits", fields, local)
         fields, rows = self._pad_rows(fields, local)
         fields, length = self._pad_length(fields)
         mbs = self._microbatches(fields, local)
@@ -1051,7 +1050,7 @@ class Runner:
         self._activate()
         labels = self._shift(input_ids, labels, shifted)
         fields = self._fields(input_ids, labels, attention_mask, position_ids)
-        self._check_same_batch(fields, local, num_tokens, pads=False)
+        self._check_same_batch("step", fields, local, num_tokens, pads=False)
         mbs = self._microbatches(fields, local)
         kept = {f: p.grad for f, p in self.params.items()}
         if (
@@ -1478,6 +1477,7 @@ class Runner:
 
     def _check_same_batch(
         self,
+        call: str,
         fields: dict[str, torch.Tensor],
         local: bool,
         num_tokens: int | None = None,
@@ -1493,6 +1493,9 @@ class Runner:
         group left the ranks of the groups that agreed waiting for the others, until the
         timeout). A batch whose rows do not split into this rank's micro-batches (``pads``:
         ``evaluate`` and ``logits`` pad a global batch) is refused on every rank, naming it."""
+        # the call's first collective: the ranks meet first (after every local refusal, so a
+        # rank refused alone is named by the others, not waited for inside a collective)
+        self._meet(call)
         mesh = self.plan.mesh
         if self.dry or not self.check_batches or mesh.size < 2:
             return
