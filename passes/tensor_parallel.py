@@ -124,7 +124,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for n in list(sp.dims):
         _rewrite_constants(n, sp.dims, tp)
         n.meta[META_TP_SPLIT] = sp.dims[n]
-    _sum_partial_grads(gm, sp, selects)
+    sum_partial_grads(gm, sp.dims, {*sp.columns, *selects})
     _mask_heads(gm, sp, tp)
     localize(gm, tp)
     return propagate(gm)
@@ -422,18 +422,24 @@ def _split_row(gm: fx.GraphModule, f: Matmul) -> None:
     last.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
 
 
-def _sum_partial_grads(gm: fx.GraphModule, sp, selects: list[fx.Node]) -> None:
-    """Route every replicated operand that carries a gradient into a split op (other than a
-    column matmul, whose input already has f, and a key/value head select, whose inputs
-    ``_select_heads`` routed) through ``tp_all_reduce_grad``: the op's backward on one rank
-    covers only that rank's part of the split dim."""
+def sum_partial_grads(gm: fx.GraphModule, dims: dict[fx.Node, int], skip: set[fx.Node]) -> None:
+    """Route every replicated operand that carries a gradient into a split op of ``dims``
+    (other than those of ``skip``: a column matmul, whose input already has f, a key/value
+    head select, whose inputs ``_select_heads`` routed) through ``tp_all_reduce_grad``: the
+    op's backward on one rank covers only that rank's part of the split dim. A parameter
+    split over tp is not such an operand (its gradient is its own slice's)."""
     carries = from_parameters(gm)
     reduced: dict[fx.Node, fx.Node] = {}
-    for n in list(sp.dims):
-        if n in sp.columns or n in selects:
+    for n in list(dims):
+        if n in skip:
             continue
         for a in n.all_input_nodes:
-            if a in sp.dims or a not in carries or a.target == ops.tp_copy.default:
+            if (
+                a in dims
+                or a not in carries
+                or a.target == ops.tp_copy.default
+                or a.meta.get(META_SHARD) is not None
+            ):
                 continue
             n.replace_input_with(a, _grad_summed(gm, a, reduced))
 

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.frontend.capture import InputRef, from_parameters
+from autopart.frontend.capture import InputRef
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
 from autopart.meta import (
@@ -35,11 +35,11 @@ from autopart.meta import (
 from autopart.node_args import node_arg
 from autopart.passes.tensor_parallel import (
     TPShard,
-    _grad_summed,
     _rewrite_constants,
     _set_shard,
     localize,
     rank_input,
+    sum_partial_grads,
     tp_copy_of,
 )
 from autopart.passes.tp_rules import matmul_form, spread, tensor_of
@@ -129,19 +129,7 @@ def _split_head(gm: fx.GraphModule, head: fx.Node, ce: fx.Node, rank: fx.Node, t
     # a replicated value with a gradient that meets the split logits (a scale computed from
     # the activations, say) gets from each rank only its vocabulary slice's part of it
     # (a probe's aux-loss-scaled logits: a router's gradient 59 % off at tp=2, silently)
-    carries, reduced = from_parameters(gm), dict[fx.Node, fx.Node]()
-    for n in list(dims):
-        if n is head:
-            continue
-        for a in n.all_input_nodes:
-            if (
-                a in dims
-                or a not in carries
-                or a.target == ops.tp_copy.default
-                or a.meta.get(META_SHARD) is not None
-            ):
-                continue
-            n.replace_input_with(a, _grad_summed(gm, a, reduced))
+    sum_partial_grads(gm, dims, {head})
     with gm.graph.inserting_after(ce):
         vp = gm.graph.call_function(
             ops.vocab_parallel_ce.default, (ce.args[0], ce.args[1], rank, "tp")

@@ -1512,9 +1512,10 @@ class Runner:
         table = torch.zeros(mesh.size, mine.numel(), dtype=torch.int64, device=self.device)
         table[self.rank] = mine
         self._wait(staging.all_reduce(table, None), "comparing the batch over every rank")
-        every = table.tolist()
+        every = table.tolist()  # per rank: the batch's fingerprint, given, uneven, weights
+        weights = [row[-1] for row in every]
         for ranks in mesh.groups("dp") if mesh.dp > 1 else []:
-            differ = [r for r in ranks[1:] if every[r][-1] != every[ranks[0]][-1]]
+            differ = [r for r in ranks[1:] if weights[r] != weights[ranks[0]]]
             if differ:
                 raise AutopartError(
                     f"rank {self.rank}: the weights of rank {differ[0]} differ from those of rank "
@@ -1524,18 +1525,17 @@ class Runner:
                     hint="every rank must make the same optimizer steps on the same gradients; "
                     "replicas that drift apart stay apart (DDP does not check this)",
                 )
-        rows = [r[:-2] for r in every]
-        for r, row in enumerate(every):
-            row = row[:-1]
-            if row[-1] >= 0:
+        rows = [row[:-2] for row in every]  # the batch's fingerprint and given
+        for r, bad in enumerate(row[-2] for row in every):
+            if bad >= 0:
                 parts = mesh.dp * self.plan.microbatches
                 raise AutopartError(
                     f"rank {self.rank}: {'this rank' if r == self.rank else f'rank {r}'} passed "
                     + (
-                        f"a dp share of {row[-1]} rows (local=True), which does not split into "
+                        f"a dp share of {bad} rows (local=True), which does not split into "
                         f"microbatches({self.plan.microbatches})"
                         if local
-                        else f"a batch of {row[-1]} rows, which does not split into dp("
+                        else f"a batch of {bad} rows, which does not split into dp("
                         f"{mesh.dp}) × microbatches({self.plan.microbatches}) = {parts}"
                     ),
                     hint="every rank's batch must split into the plan's micro-batches "
@@ -1930,8 +1930,13 @@ def _weights_sample(params: Mapping[str, torch.Tensor], device: torch.device) ->
     if not firsts or device.type == "meta":
         return torch.zeros(1, dtype=torch.int64, device=device)
     bits = torch.cat([f.to(device=device, dtype=torch.float64) for f in firsts]).view(torch.int64)
-    w = (torch.arange(bits.numel(), device=device) * 2_654_435_761 + 97) % _PRIME + 1
-    return ((bits % _PRIME) * w % _PRIME).sum().view(1)
+    return _digest(bits).view(1)
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of the int64 values of ``t`` (flat) mod ``_PRIME``."""
+    w = (torch.arange(t.numel(), device=t.device) * 2_654_435_761 + 97) % _PRIME + 1
+    return ((t % _PRIME) * w % _PRIME).sum()
 
 
 def _fingerprint(fields: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -1940,9 +1945,7 @@ def _fingerprint(fields: dict[str, torch.Tensor]) -> torch.Tensor:
     out = []
     for name in sorted(fields):
         t = fields[name].long().flatten()
-        w = (torch.arange(t.numel(), device=t.device) * 2_654_435_761 + 97) % _PRIME + 1
-        digest = ((t % _PRIME) * w % _PRIME).sum()
-        out += [torch.tensor(list(fields[name].shape), device=t.device), digest.view(1)]
+        out += [torch.tensor(list(fields[name].shape), device=t.device), _digest(t).view(1)]
     return torch.cat(out)
 
 
