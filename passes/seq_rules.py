@@ -1632,7 +1632,15 @@ def _keeps_first(u: fx.Node, conv: fx.Node, x: fx.Node, dim: int, window: int) -
         return False
     end, size = a.get("end"), x.meta["val"].shape[dim]
     end = end.meta.get("val") if isinstance(end, fx.Node) else end
-    return (isinstance(end, int) and end == -window) or (end is not None and str(end) == str(size))
+    if isinstance(end, int) and end == -window:
+        return True
+    if not isinstance(end, torch.SymInt) or not isinstance(size, torch.SymInt):
+        return False
+    # equal at every length the graph runs: ``2*(s//2)``, a whole length joined from tp = 2
+    # halves (sequence parallelism), is s at the lengths tp divides, as every length is then
+    gm = conv.graph.owning_module
+    assert gm is not None
+    return str(end) == str(size) or _Prover(gm).at(end) == _Prover(gm).at(size)
 
 
 def _convolution(p: _Prover, n: fx.Node) -> Any:

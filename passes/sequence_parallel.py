@@ -24,7 +24,8 @@ A vocabulary tp does not divide leaves the token embedding and the LM head whole
 "whole", vocab_parallel): the split then starts with ``tp_split`` after the embedding and ends
 with ``tp_join`` before the head, so the head, the logits and the loss stay whole as without SP.
 The sequence length must be divisible by tp (checked at run time). Refused: a model with no
-token embedding, an op reading a split value's length, a split value reaching the output.
+token embedding, a split value reaching the output. An op reading a split value's length
+reads the whole sequence's (the token ids').
 """
 
 from __future__ import annotations
@@ -227,11 +228,7 @@ def _follow(
             n.target == aten.sym_size.int
             and int_arg(n, 1) % tensor_of(n.args[0]).dim() == seq[node_arg(n, 0)]
         ):
-            raise AutopartError(
-                f"{_named(n)} reads the sequence length of a sequence-split value",
-                hint="the model reads the length of a hidden state (x.shape[1]), which "
-                "sequence parallelism cuts; run without sequence_parallel",
-            )
+            _whole_length(gm, n)
         return
     rows = _row_wise(n, seq, memo)
     if rows is not None:
@@ -328,6 +325,24 @@ def _local_length(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int]) -> No
     local.meta.update({k: v for k, v in n.meta.items() if k != "val"})
     shape[idx] = local
     n.update_arg(1, shape)
+
+
+def _whole_length(gm: fx.GraphModule, n: fx.Node) -> None:
+    """``x.shape[d]`` of a value split along d reads the whole sequence's length (the token
+    ids', which stay whole), the length every tp rank would read without SP: a view of a split
+    value that names it is made local again by ``_local_length``, a whole op (a slice of a
+    joined value, a range of positions) gets the length it had."""
+    ids = next(
+        node_arg(e, 1)
+        for e in gm.graph.nodes
+        if e.target == aten.embedding.default and e.meta.get(META_ROLE) in ("vocab", "whole")
+    )
+    with gm.graph.inserting_after(ids):
+        whole = gm.graph.call_function(aten.sym_size.int, (ids, _seq_dim(ids)))
+    whole.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    whole.meta["val"] = n.meta.get("val")
+    n.replace_all_uses_with(whole)
+    gm.graph.erase_node(n)
 
 
 def _reduce_grad(gm: fx.GraphModule, p: fx.Node) -> None:

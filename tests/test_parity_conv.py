@@ -122,6 +122,7 @@ CASES = {
 }
 SLOW_CASES = {
     "toy tp=2×pp=2 Seq1F1B k=2": {**SEQ, "tp": 2, "seq_chunks": 2},
+    "toy tp=2×pp=2 Seq1F1B k=2 SP": {**SEQ, "tp": 2, "seq_chunks": 2, "sequence_parallel": True},
     "toy pp=2 v=2 Seq1F1B-interleaved k=2": {
         **SEQ,
         "schedule": "seq1f1b-interleaved",
@@ -170,3 +171,28 @@ def test_convolutions_that_are_not_causal_are_refused(form: str, why: str) -> No
     want = f"node conv1d_1 (blocks.2.mixer.conv): a convolution along the sequence {why}"
     assert want in err.value.message, err.value.message
     assert "1f1b" in err.value.hint
+
+
+@pytest.mark.parametrize("form", ["sliced", "same"])
+def test_a_convolution_sequence_parallelism_runs_whole_is_still_proven_causal(form: str) -> None:
+    """Under SP the convolutions (no tp rule) run on the whole sequence joined from the tp
+    ranks' halves, whose length reads 2·(s//2): the cut back to the first s outputs is still
+    recognized (it was refused as not causal until the twenty-fourth session; parity in
+    SLOW_CASES), and a conv that reads later tokens is still refused."""
+    from autopart.layout import Plan
+    from autopart.lowering.compile import compile_program
+
+    model, data = make_toy(form)
+    captured = capture(model.double(), data)
+    plan = Plan(
+        Mesh(pp=2, tp=2),
+        schedule="seq1f1b",
+        seq_chunks=2,
+        microbatches=2,
+        sequence_parallel=True,
+    )
+    if form == "sliced":
+        assert len(compile_program(captured, plan).ranks) == 4
+        return
+    with pytest.raises(AutopartError, match="node conv1d_1 .* padded by 5 for a window of 10"):
+        compile_program(captured, plan)

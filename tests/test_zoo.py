@@ -244,7 +244,7 @@ def test_check_names_every_cell_that_differs_from_the_written_matrix() -> None:
     assert line.startswith("gpt2 tolerance: written '1e-09'"), line
 
 
-SP_NORMS = ["gemma", "gemma2", "nemotron", "cohere", "olmo", "phi", "gpt2"]
+SP_NORMS = ["gemma", "gemma2", "nemotron", "cohere", "olmo", "phi", "gpt2", "mamba"]
 
 
 @pytest.mark.slow
@@ -254,7 +254,8 @@ def test_sequence_parallelism_across_norm_styles() -> None:
     architecture, docs/compatibility.md) over one model of each way a norm reads its weight:
     Gemma's ``1 + w`` (whose gradients were 100 % off until the pass followed it), Nemotron's
     LayerNorm1P, Cohere's bias-free LayerNorm, OLMo's weightless one, Phi's, GPT-2's with
-    learned positions."""
+    learned positions; and Mamba, whose mixer reads a split hidden state's length (refused until
+    the twenty-fourth session: it now reads the whole sequence's, tp × its rows)."""
     sp = {"tp=2 SP": {"tp": 2, "sequence_parallel": True}}
     rows = zoo.matrix(SP_NORMS, sp)
     assert sorted(rows) == sorted(SP_NORMS)
