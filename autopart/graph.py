@@ -8,6 +8,9 @@ costs, the lowering, the runtime and the tests.
   device its rank picks (``runtime/placement.py``).
 - ``remove_dead(gm)``: erase every node the output does not depend on, impure ones included
   (``canonicalize_attention`` and ``sequence_chunk`` drop a replaced mask's construction).
+- ``computation_digest(gm)``: what a captured graph computes, as a short digest (its ops and
+  their constants): a checkpoint records it and refuses another model whose parameters have
+  the same names and shapes (``runtime/checkpoint.py``).
 - ``reaches``, ``only_user``, ``row_max_of``, ``cuts_last_column``: the node tests that
   ``canonicalize_attention`` and the runtime's FlexAttention lowering both read attention with.
 
@@ -25,6 +28,57 @@ from torch import fx
 
 from autopart.errors import AutopartError
 from autopart.meta import META_MODULE
+
+
+def computation_digest(gm: fx.GraphModule) -> str:
+    """A digest of what ``gm`` computes: every node's op, its inputs (by position) and its
+    constant arguments — the head counts in views, norms' epsilons, activations, dropout
+    rates — with parameters and batch tensors by name. Devices, the floating dtype and casts are
+    left out (a checkpoint trained in float32 on GPUs loads into the float64 model on CPU, whose
+    graph casts its float32 islands where the float32 one has nothing to cast), as are the fill
+    values of the dtype's extremes (``finfo(dtype).min`` masks)."""
+    import hashlib
+
+    from autopart.meta import META_INPUT
+
+    index: dict[fx.Node, int] = {}
+
+    def lit(a: Any) -> str:
+        if isinstance(a, fx.Node):
+            return f"%{index[a]}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(map(lit, a)) + "]"
+        if isinstance(a, dict):
+            return "{" + ",".join(f"{k}={lit(v)}" for k, v in sorted(a.items())) + "}"
+        if isinstance(a, torch.device):
+            return "device"
+        if isinstance(a, torch.dtype):
+            return "float" if a.is_floating_point else str(a)
+        if isinstance(a, float) and not -1e30 < a < 1e30:
+            return "-big" if a < 0 else "big"
+        if isinstance(a, (bool, int, float, str, type(None))):
+            return repr(a)
+        return type(a).__name__
+
+    casts = {
+        torch.ops.aten._assert_tensor_metadata.default,
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten.to.dtype,
+        torch.ops.aten.to.dtype_layout,
+        torch.ops.aten.to.device,
+    }
+    lines = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        if n.target in casts and n.args and isinstance(n.args[0], fx.Node):
+            index[n] = index[n.args[0]]  # a float64 model casts where a float32 one need not
+            continue
+        ref = n.meta.get(META_INPUT)
+        target = (
+            f"{ref.kind}:{ref.name}" if ref is not None else getattr(n.target, "__name__", n.target)
+        )
+        lines.append(f"{n.op} {target} {lit(n.args)} {lit(n.kwargs)}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:

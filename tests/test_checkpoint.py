@@ -337,6 +337,35 @@ def test_checkpoint_of_a_deeper_model_or_another_optimizer_is_refused(trained, w
     assert "holds AdamW state, the optimizer now is SGD" in err.value.message
 
 
+def test_checkpoint_of_a_model_that_computes_otherwise_is_refused(trained, world1, tmp_path):
+    """The checkpoint's GPT-2 with 2 heads instead of 4, or another norm epsilon: every
+    parameter has the same name and shape, so it loaded silently (a checkpoint probe measured
+    the loss 3e-6 and 3e-3 off after such loads, and training went on). The marker records
+    what the model computes (``graph.computation_digest``, also in ``plan.json``); another
+    graph is refused naming both digests, unless ``other_model=True``. The same model in
+    float32 and float64 has one digest."""
+    from autopart.graph import computation_digest
+    from autopart.layout import Plan
+
+    model, batch = _gpt2()
+    same = computation_digest(capture(model, batch).graph)
+    assert checkpoint.read_info(trained["step1"])["model"] == same
+    assert load_rank(_programs_one(tmp_path), 0).model == same
+    assert computation_digest(capture(model.float(), batch).graph) == same
+    for change in ({"n_head": 2}, {"layer_norm_epsilon": 0.1}):
+        other, batch = _gpt2()
+        for k, v in change.items():
+            setattr(other.config, k, v)
+        other = type(other)(other.config).double()
+        program = compile_program(capture(other, batch), Plan(Mesh()))
+        runner = _runner(program.save(tmp_path / str(change)))
+        with pytest.raises(AutopartError) as err:
+            checkpoint.load(trained["step1"], runner)
+        assert "was saved from a model that computes otherwise" in err.value.message
+        assert same[:12] in err.value.message and "other_model=True" in err.value.hint
+        assert checkpoint.load(trained["step1"], runner, other_model=True)["step"] == 1
+
+
 def _programs_one(tmp_path: Path) -> Path:
     from autopart.layout import Plan
 

@@ -47,7 +47,7 @@ from autopart.frontend.shapes import (
     sequence_multiple,
     shortest_sequence,
 )
-from autopart.graph import device_free
+from autopart.graph import computation_digest, device_free
 from autopart.layout import BUILTIN_OPS as BUILTIN
 from autopart.layout import Plan
 from autopart.lowering.chunks import cost_coefficients
@@ -103,6 +103,9 @@ def compile_program(captured: Captured, plan: Plan) -> Program:
         rank_program(r, captured, plan, stages, inputs, ties, chunk_cost)
         for r in range(plan.mesh.size)
     ]
+    model = computation_digest(captured.graph)
+    for rp in ranks:
+        rp.model = model
     check_schedules(ranks, plan, len(stages))
     program = Program(
         plan,

@@ -123,6 +123,8 @@ class RankProgram:
     batch_names: tuple[str, ...] = ("input_ids", "labels")
     # parameters the model froze (requires_grad=False): held and read, never trained
     frozen: tuple[str, ...] = ()
+    # what the captured graph computes (graph.computation_digest): checkpoints record it
+    model: str | None = None
 
     def __str__(self) -> str:
         c = self.coords
@@ -247,6 +249,8 @@ class Program:
         }
         if self.libraries:
             head["libraries"] = dict(sorted(self.libraries.items()))
+        if self.ranks[0].model is not None:
+            head["model"] = self.ranks[0].model
         digest = plan_digest(head)
         with ProgramFolder(root, create=True) as folder:
             folder.clear()
@@ -573,6 +577,7 @@ def load_rank(
         vocab_size=head["vocab_size"],
         batch_names=tuple(head["batch"]),
         frozen=tuple(f for f in head["frozen"] if f in doc["shards"]),
+        model=head.get("model"),
     )
 
 

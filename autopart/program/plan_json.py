@@ -142,6 +142,7 @@ HEAD = obj(
         "ties": dict_of(list_of(integer(0, MAX_STAGES)), key=_FQN),
         "chunk_cost": _CHUNK_COST,
         "libraries": dict_of(string(libraries.VERSION), key=_LIBRARY, max_len=64),
+        "model": _SHA256,
     },
 )
 

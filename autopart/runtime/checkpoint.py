@@ -138,6 +138,15 @@ def save(
             "tied": dict(tied or {}),
             "strided": {f: v for m in every for f, v in m["strided"].items()},
             "buffers": sorted({b for m in every for b in m["buffers"]}),
+            # what the model computes (graph.computation_digest): load refuses another model
+            **({"model": runner.program.model} if runner.program.model else {}),
+            # the keys of the module's state_dict() (live API): export drops the graph's
+            # non-persistent buffers (RoPE's inv_freq), so it loads strictly
+            **(
+                {"state_keys": sorted(runner.state_keys)}
+                if getattr(runner, "state_keys", None) is not None
+                else {}
+            ),
             "optimizer": optim,
             "tensors": cf.tensors_json(written, path),
             "files": {n: e for m in files for n, e in sorted(m.items())},
@@ -162,6 +171,7 @@ def load(
     *,
     fresh_optimizer: bool = False,
     hyperparameters: bool = True,
+    other_model: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint saved under any layout into this rank's shards (and ``optimizer``).
 
@@ -172,8 +182,10 @@ def load(
     optimizer's state is never loaded (it starts afresh). ``hyperparameters``: each parameter
     group's saved ``lr``, ``betas``, ``weight_decay``, … (and a scheduler's ``initial_lr``) are
     restored too, as torch's ``Optimizer.load_state_dict`` does, so a scheduler loaded beside
-    it goes on from the saved rate. Returns ``{"step", "extra", "seed", "mesh",
-    "same_layout"}``.
+    it goes on from the saved rate. A checkpoint of a model whose parameters have these names
+    and shapes but which computes otherwise (another head count, norm epsilon, activation or
+    dropout; the digest of its captured graph differs) is refused unless ``other_model``.
+    Returns ``{"step", "extra", "seed", "mesh", "same_layout"}``.
     """
     _need_dist("load")
     path = Path(path)
@@ -197,7 +209,7 @@ def load(
             "load a checkpoint of this model",
         )
     opts = [] if fresh_optimizer else _optimizers(optimizer, rank)  # those whose state loads
-    _same_model(path, runner, opts, info, meta)
+    _same_model(path, runner, opts, info, meta, other_model)
     if opts and info["optimizer"] is None:
         raise AutopartError(
             f"rank {rank}: checkpoint {path} (step {info['step']}) holds no optimizer state (it "
@@ -332,6 +344,10 @@ def export_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     for alias, canonical in info["tied"].items():
         if canonical in out:
             out[alias] = out[canonical]
+    keys = info.get("state_keys")
+    if keys is not None:  # a buffer the module does not save (persistent=False) is not its key
+        keep = set(keys)
+        out = {k: t for k, t in out.items() if k in keep or k not in set(info["buffers"])}
     return out
 
 
@@ -353,10 +369,12 @@ def _same_model(
     optimizers: list[torch.optim.Optimizer],
     info: dict[str, Any],
     meta: dict[str, Any],
+    other_model: bool = False,
 ) -> None:
     """Refuse a checkpoint of another model (parameters this model does not have: a deeper
     model of the same width would otherwise load into a shallower one, its extra blocks
-    ignored; other tied weights) or another optimizer, naming the difference. Collective."""
+    ignored; other tied weights; unless ``other_model``, the same parameters in a graph that
+    computes otherwise) or another optimizer, naming the difference. Collective."""
     ours = set().union(*_all_gather_json(sorted(runner.params), runner, "checkpoint model check"))
     saved = {k.split("::")[0] for k in meta if _is_model_key(k)} - set(info.get("buffers", []))
     extra = sorted(saved - ours)
@@ -366,6 +384,18 @@ def _same_model(
             f"{len(extra)} parameters this model does not have: {', '.join(extra[:4])}"
             + (" …" if len(extra) > 4 else ""),
             hint="load a checkpoint saved from this model (same architecture and depth)",
+        )
+    saved_model, model = info.get("model"), runner.program.model
+    if saved_model and model and saved_model != model and not other_model:
+        raise AutopartError(
+            f"rank {runner.rank}: checkpoint {path} was saved from a model that computes "
+            "otherwise: its parameters have this model's names and shapes, but the captured "
+            f"graphs differ (model {saved_model[:12]} there, {model[:12]} here): another "
+            "head count, norm epsilon, activation or dropout rate, or another version of the "
+            "model's code or of autopart, torch or transformers capturing it",
+            hint="load it into the model it was saved from; if this one is meant to differ "
+            "(fine-tuning with another dropout rate, an upgrade that captures the same model "
+            "otherwise), pass other_model=True (autopart run --other-model)",
         )
     then, now = [o.get("class") for o in _saved_optimizers(info)], _classes(optimizers)
     if then and now and len(then) != len(now):

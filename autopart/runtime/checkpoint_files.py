@@ -260,7 +260,8 @@ def check_marker(info: Any, f: Path) -> None:
             hint="save the checkpoint again with this version (format 2 records every file's "
             "SHA-256)",
         )
-    unexpected = sorted(set(info) - _MARKER_KEYS - {"extra_ranks"})  # extra_ranks: optional
+    # extra_ranks, state_keys, model: optional
+    unexpected = sorted(set(info) - _MARKER_KEYS - {"extra_ranks", "state_keys", "model"})
     absent = sorted(_MARKER_KEYS - set(info))
     need(not unexpected and not absent, f"its set of entries ({unexpected or absent})", "save's")
     need(
@@ -303,6 +304,21 @@ def check_marker(info: Any, f: Path) -> None:
     need(
         isinstance(info["buffers"], list) and all(isinstance(b, str) for b in info["buffers"]),
         "buffers",
+        "a list of names",
+    )
+    need(
+        info.get("model") is None
+        or (isinstance(info["model"], str) and re.fullmatch("[0-9a-f]{64}", info["model"])),
+        "model",
+        "a SHA-256 in hex",
+    )
+    need(
+        info.get("state_keys") is None
+        or (
+            isinstance(info["state_keys"], list)
+            and all(isinstance(b, str) for b in info["state_keys"])
+        ),
+        "state_keys",
         "a list of names",
     )
     strided = info["strided"]

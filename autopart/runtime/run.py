@@ -160,6 +160,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--checkpoint-dir)",
     )
     p.add_argument(
+        "--other-model",
+        action="store_true",
+        help="on resume, load a checkpoint whose model computes otherwise (same parameter "
+        "names and shapes, another graph: e.g. another dropout rate, or a new version "
+        "capturing the model otherwise); refused by default (needs --checkpoint-dir)",
+    )
+    p.add_argument(
         "--device",
         default=None,
         metavar="DEV",
@@ -494,6 +501,7 @@ def _check_checkpoint_args(args: argparse.Namespace) -> None:
                 ("--keep-checkpoints", args.keep_checkpoints),
                 ("--export", args.export is not None),
                 ("--fresh-optimizer", args.fresh_optimizer),
+                ("--other-model", args.other_model),
             )
             if on
         ]
@@ -529,7 +537,12 @@ def _resume(runner, optim, args: argparse.Namespace, rank: int) -> tuple[int, Pa
         return 0, None
     # --lr is this run's own (torch's habit would restore the saved one, silently overriding it)
     info = checkpoint.load(
-        found, runner, optim, fresh_optimizer=args.fresh_optimizer, hyperparameters=False
+        found,
+        runner,
+        optim,
+        fresh_optimizer=args.fresh_optimizer,
+        hyperparameters=False,
+        other_model=args.other_model,
     )
     if info["seed"] != args.seed:
         raise AutopartError(
