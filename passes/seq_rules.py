@@ -1634,13 +1634,7 @@ def _keeps_first(u: fx.Node, conv: fx.Node, x: fx.Node, dim: int, window: int) -
     end = end.meta.get("val") if isinstance(end, fx.Node) else end
     if isinstance(end, int) and end == -window:
         return True
-    if not isinstance(end, torch.SymInt) or not isinstance(size, torch.SymInt):
-        return False
-    # equal at every length the graph runs: ``2*(s//2)``, a whole length joined from tp = 2
-    # halves (sequence parallelism), is s at the lengths tp divides, as every length is then
-    gm = conv.graph.owning_module
-    assert gm is not None
-    return str(end) == str(size) or _Prover(gm).at(end) == _Prover(gm).at(size)
+    return isinstance(end, torch.SymInt) and _same_size(end, size, conv)
 
 
 def _convolution(p: _Prover, n: fx.Node) -> Any:
@@ -1875,7 +1869,7 @@ def state_scan(n: fx.Node, live: set[fx.Node] | None = None) -> StateScan | str:
     li, lj = letters_d[i_pos], letters_d[j_pos]
     if letters_x[dim] != lj or lj in out or li not in out or li in letters_x:
         return "the product does not sum the states over the source block into the target"
-    if str(pad.meta["val"].shape[-1]) != str(cat.meta["val"].shape[dim]):
+    if not _same_size(pad.meta["val"].shape[-1], cat.meta["val"].shape[dim], n):
         return "the decays and the states count different blocks"
     out_dim = out.index(li)
     head: list[fx.Node] = []
@@ -1964,7 +1958,10 @@ def _segsum(e: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node], tuple[fx.Node,
     ):
         return "the decays do not start with a zero (pad(u, [1, 0]))"
     shape_ex, shape_pad = ex.meta["val"].shape, pad.meta["val"].shape
-    if [str(x) for x in shape_ex] != [str(x) for x in (*shape_pad, shape_pad[-1])]:
+    want = (*shape_pad, shape_pad[-1])
+    if len(shape_ex) != len(want) or not all(
+        _same_size(a, b, e) for a, b in zip(shape_ex, want, strict=True)
+    ):
         return what
     return pad, node_arg(pad, 0), [un, ex, lo, cum, hi, e], mask_hi + mask_lo
 
@@ -1980,9 +1977,22 @@ def _triangle_mask(m: Any, diagonal: int) -> tuple[fx.Node, ...] | None:
     val = o.meta.get("val")
     if o.target != aten.ones.default or not _is_tensor(val) or val.dtype != torch.bool:
         return None
-    if val.dim() != 2 or str(val.shape[0]) != str(val.shape[1]):
+    if val.dim() != 2 or not _same_size(val.shape[0], val.shape[1], o):
         return None
     return (m, t, o)
+
+
+def _same_size(a: Any, b: Any, n: fx.Node) -> bool:
+    """Two sizes of ``n``'s graph equal at every length it runs, compared at the prover's
+    sample lengths: ``2*(s//2)``, a length joined from tp = 2 halves (sequence parallelism), is
+    s then (tp divides every length), as is a size computed from it."""
+    if str(a) == str(b):
+        return True
+    if not isinstance(a, torch.SymInt) and not isinstance(b, torch.SymInt):
+        return False
+    gm = n.graph.owning_module
+    assert gm is not None
+    return _Prover(gm).at(a) == _Prover(gm).at(b)
 
 
 def _scan_part(p: _Prover, n: fx.Node) -> Any:

@@ -24,8 +24,13 @@ A vocabulary tp does not divide leaves the token embedding and the LM head whole
 "whole", vocab_parallel): the split then starts with ``tp_split`` after the embedding and ends
 with ``tp_join`` before the head, so the head, the logits and the loss stay whole as without SP.
 The sequence length must be divisible by tp (checked at run time). Refused: a model with no
-token embedding, a split value reaching the output. An op reading a split value's length
-reads the whole sequence's (the token ids').
+token embedding, a split value reaching the output.
+
+Lengths: a size read from a split value along its split is the whole sequence's, the length
+every tp rank reads without SP — the token ids' (``_whole_length``), or, for a rebuilt mask's
+key length, the joined keys' (which Seq1F1B's chunk pass lengthens by the K/V prefix); a
+slice keeping the whole sequence (``x[:, :s]``) of a split value is that value. One value is
+joined once (``_joined``); a general-form attention joins k before its transpose.
 """
 
 from __future__ import annotations
@@ -40,8 +45,16 @@ from autopart.errors import AutopartError
 from autopart.frontend.capture import S, to_sympy
 from autopart.frontend.shapes import propagate
 from autopart.layout import Plan
-from autopart.meta import META_INPUT, META_MODULE, META_ROLE, META_SEQ, META_SHARD
-from autopart.node_args import int_arg, node_arg, seq_arg
+from autopart.meta import (
+    META_INPUT,
+    META_MASK_FN,
+    META_MODULE,
+    META_ROLE,
+    META_SCORES,
+    META_SEQ,
+    META_SHARD,
+)
+from autopart.node_args import int_arg, node_arg, seq_arg, whole_slice
 from autopart.passes.tensor_parallel import VIEWS
 from autopart.passes.tp_rules import Illegal, out_dim, tensor_of, tensor_val, view_map
 
@@ -206,11 +219,35 @@ def _join(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int], tp: int) -> N
     """``n`` reads its sequence-split inputs whole: each through ``tp_join`` (all-gather), so
     ``n`` computes what every tp rank computes alike, and its gradient too (the join's
     backward keeps this rank's rows of it)."""
-    for a in dict.fromkeys(a for a in n.all_input_nodes if a in seq):
+    kt = node_arg(n, 1) if n.meta.get(META_SCORES) == "qk" else None
+    if kt is not None and kt.target == aten.transpose.int and node_arg(kt, 0) in seq:
+        # q·kᵀ of a general-form attention: join k before its transpose, so that the chunk
+        # pass (seq_rules.scored_qkv) still reads k as the transpose's input
+        k = node_arg(kt, 0)
+        join = _joined(gm, k, seq, tp, before=n)
         with gm.graph.inserting_before(n):
-            join = gm.graph.call_function(ops.tp_join.default, (a, seq[a], "tp", tp))
-        join.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
-        n.replace_input_with(a, join)
+            new_kt = gm.graph.call_function(aten.transpose.int, (join, *kt.args[1:]))
+        new_kt.meta.update({key: v for key, v in kt.meta.items() if key != META_INPUT})
+        n.replace_input_with(kt, new_kt)
+    for a in dict.fromkeys(a for a in n.all_input_nodes if a in seq):
+        n.replace_input_with(a, _joined(gm, a, seq, tp, before=n))
+
+
+def _joined(
+    gm: fx.GraphModule, a: fx.Node, seq: dict[fx.Node, int], tp: int, before: fx.Node | None
+) -> fx.Node:
+    """``tp_join`` of the split value ``a`` (all-gather along its split): the one already
+    made, or a new one before ``before`` (None: right after ``a``). A rebuilt mask's key length
+    reads the keys joined for their attention (``_follow``): the length the chunk pass
+    lengthens by the K/V prefix's (``sequence_chunk._keys_from`` finds it by the keys)."""
+    for u in a.users:
+        if u.target == ops.tp_join.default and u.args[1] == seq[a]:
+            return u
+    where = gm.graph.inserting_after(a) if before is None else gm.graph.inserting_before(before)
+    with where:
+        join = gm.graph.call_function(ops.tp_join.default, (a, seq[a], "tp", tp))
+    join.meta.update({k: v for k, v in a.meta.items() if k != META_INPUT})
+    return join
 
 
 def _follow(
@@ -228,7 +265,14 @@ def _follow(
             n.target == aten.sym_size.int
             and int_arg(n, 1) % tensor_of(n.args[0]).dim() == seq[node_arg(n, 0)]
         ):
-            _whole_length(gm, n)
+            if n.meta.get(META_MASK_FN) == "keys":  # a rebuilt mask's key length
+                n.update_arg(0, _joined(gm, node_arg(n, 0), seq, tp, before=None))
+            else:
+                _whole_length(gm, n)
+        return
+    if n.target == aten.slice.Tensor and whole_slice(n):  # x[:, :s]: x, whose rows are not s
+        n.replace_all_uses_with(node_arg(n, 0))
+        gm.graph.erase_node(n)
         return
     rows = _row_wise(n, seq, memo)
     if rows is not None:

@@ -261,3 +261,24 @@ def test_sequence_parallelism_across_norm_styles() -> None:
     assert sorted(rows) == sorted(SP_NORMS)
     for dtype, cells in rows.values():
         assert_passes(cells["tp=2 SP"], dtype)
+
+
+SP_SEQ = ["mamba2", "granite_swa", "llama4_text", "minimax", "lfm2", "mamba"]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_sequence_parallelism_with_seq1f1b_chunks() -> None:
+    """tp=2 × pp=2 Seq1F1B k=2 with sequence parallelism (not a column of the matrix: a sweep
+    of every architecture, docs/tensor_parallel.md) over one model of each construct that the
+    combination used to refuse although each half passed: Mamba-2's block scan and LFM2's and
+    Mamba's convolutions run whole on halves joined from the tp ranks (their sizes read
+    2·(s//2), compared as strings with s), attention with sinks (kᵀ joined after its
+    transpose), Llama 4's chunked attention (its rebuilt mask's key length read the ids, not
+    the joined keys the chunk pass lengthens) and MiniMax's whole slice ``q[:, :, :s]`` of a
+    split value."""
+    plan = {**zoo.PLANS[BOTH], "sequence_parallel": True}
+    rows = zoo.matrix(SP_SEQ, {"tp=2×pp=2 Seq1F1B k=2 SP": plan})
+    assert sorted(rows) == sorted(SP_SEQ)
+    for dtype, cells in rows.values():
+        assert_passes(cells["tp=2×pp=2 Seq1F1B k=2 SP"], dtype)
