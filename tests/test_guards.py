@@ -135,7 +135,7 @@ def test_an_optimizer_reading_whole_tensors_is_refused_over_tp_slices() -> None:
         return {id(p) for g in opt.param_groups for p in g["params"]}
 
     opt = _ByNorm([whole, sliced])
-    with pytest.raises(autopart.AutopartError, match="_ByNorm.step\(\) over s, which tp split"):
+    with pytest.raises(autopart.AutopartError, match=r"_ByNorm.step\(\) over s, which tp split"):
         check_elementwise(opt, live, held(opt))
     check_elementwise(_ByNorm([whole]), live, held(_ByNorm([whole])))
     adam = torch.optim.AdamW([whole, sliced])
