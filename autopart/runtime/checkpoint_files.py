@@ -308,7 +308,10 @@ def check_marker(info: Any, f: Path) -> None:
     )
     need(
         info.get("model") is None
-        or (isinstance(info["model"], str) and re.fullmatch("[0-9a-f]{64}", info["model"])),
+        or (
+            isinstance(info["model"], str)
+            and re.fullmatch("[0-9a-f]{64}", info["model"]) is not None
+        ),
         "model",
         "a SHA-256 in hex",
     )
