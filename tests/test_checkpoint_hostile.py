@@ -329,6 +329,31 @@ def test_a_marker_is_json_only(saved: Path, tmp_path: Path) -> None:
         checkpoint.read_info(step)
 
 
+@pytest.mark.parametrize(
+    ("entry", "value", "why"),
+    [
+        ("model", ["1b43"], "model is not a SHA-256 in hex"),
+        ("model", "../../etc/passwd", "model is not a SHA-256 in hex"),
+        ("state_keys", "lm_head.weight", "state_keys is not a list of names"),
+        ("state_keys", [1, 2], "state_keys is not a list of names"),
+    ],
+)
+def test_the_optional_marker_entries_are_checked(
+    saved: Path, tmp_path: Path, entry: str, value: object, why: str
+) -> None:
+    """``model`` (what the model computes) and ``state_keys`` (the export's keys) are read by
+    ``load`` and ``export_state_dict``: a resealed marker holding another kind of value there
+    is refused by name before anything reads it."""
+    root = copy_steps(saved, tmp_path / "ck", steps=(1,))
+    step = checkpoint.folder(root, 1)
+    info = json.loads((step / checkpoint.INFO).read_text())
+    info[entry] = value
+    (step / checkpoint.INFO).write_text(json.dumps(info))
+    reseal(step)
+    with pytest.raises(AutopartError, match=why):
+        checkpoint.read_info(step)
+
+
 def test_a_full_disk_during_a_save_is_one_named_error(program: Path, tmp_path: Path) -> None:
     """A write that fails inside DCP (here: the file-size limit, as a full disk would) used to
     surface as a raw ``CheckpointException`` traceback, a ``BaseException`` that ``except
