@@ -19,6 +19,7 @@ Nothing here knows a pass, a plan or a rank.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from torch import fx
 
 from autopart.errors import AutopartError
-from autopart.meta import META_MODULE
+from autopart.meta import META_INPUT, META_MODULE
 
 
 def computation_digest(gm: fx.GraphModule) -> str:
@@ -37,10 +38,6 @@ def computation_digest(gm: fx.GraphModule) -> str:
     left out (a checkpoint trained in float32 on GPUs loads into the float64 model on CPU, whose
     graph casts its float32 islands where the float32 one has nothing to cast), as are the fill
     values of the dtype's extremes (``finfo(dtype).min`` masks)."""
-    import hashlib
-
-    from autopart.meta import META_INPUT
-
     index: dict[fx.Node, int] = {}
 
     def lit(a: Any) -> str:
