@@ -301,29 +301,14 @@ def check_marker(info: Any, f: Path) -> None:
         "tied",
         "{alias: name}",
     )
-    need(
-        isinstance(info["buffers"], list) and all(isinstance(b, str) for b in info["buffers"]),
-        "buffers",
-        "a list of names",
-    )
-    need(
-        info.get("model") is None
-        or (
-            isinstance(info["model"], str)
-            and re.fullmatch("[0-9a-f]{64}", info["model"]) is not None
-        ),
-        "model",
-        "a SHA-256 in hex",
-    )
-    need(
-        info.get("state_keys") is None
-        or (
-            isinstance(info["state_keys"], list)
-            and all(isinstance(b, str) for b in info["state_keys"])
-        ),
-        "state_keys",
-        "a list of names",
-    )
+    names = lambda v: isinstance(v, list) and all(isinstance(b, str) for b in v)  # noqa: E731
+    need(names(info["buffers"]), "buffers", "a list of names")
+    sha256 = lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None  # noqa: E731
+    for entry, ok, what in (
+        ("model", sha256, "a SHA-256 in hex"),
+        ("state_keys", names, "a list of names"),
+    ):
+        need(info.get(entry) is None or ok(info[entry]), entry, what)  # optional entries
     strided = info["strided"]
     need(isinstance(strided, dict), "strided", "an object")
     for fqn, v in strided.items():
