@@ -1992,7 +1992,8 @@ def _same_size(a: Any, b: Any, n: fx.Node) -> bool:
         return False
     gm = n.graph.owning_module
     assert gm is not None
-    return _Prover(gm).at(a) == _Prover(gm).at(b)
+    p = _Prover(gm)
+    return p.at(a) == p.at(b)
 
 
 def _scan_part(p: _Prover, n: fx.Node) -> Any:

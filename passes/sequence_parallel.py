@@ -229,6 +229,8 @@ def _join(gm: fx.GraphModule, n: fx.Node, seq: dict[fx.Node, int], tp: int) -> N
             new_kt = gm.graph.call_function(aten.transpose.int, (join, *kt.args[1:]))
         new_kt.meta.update({key: v for key, v in kt.meta.items() if key != META_INPUT})
         n.replace_input_with(kt, new_kt)
+        if not kt.users:
+            gm.graph.erase_node(kt)
     for a in dict.fromkeys(a for a in n.all_input_nodes if a in seq):
         n.replace_input_with(a, _joined(gm, a, seq, tp, before=n))
 
@@ -381,10 +383,17 @@ def _whole_length(gm: fx.GraphModule, n: fx.Node) -> None:
         for e in gm.graph.nodes
         if e.target == aten.embedding.default and e.meta.get(META_ROLE) in ("vocab", "whole")
     )
-    with gm.graph.inserting_after(ids):
-        whole = gm.graph.call_function(aten.sym_size.int, (ids, _seq_dim(ids)))
-    whole.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-    whole.meta["val"] = n.meta.get("val")
+    d = _seq_dim(ids)
+    whole = next(
+        (u for u in ids.users if u.target == aten.sym_size.int and u.args[1:] == (d,)), None
+    )  # export's own read of the length, or one made by an earlier call
+    if whole is not None:
+        ids.append(whole)  # right after the ids (it reads nothing else): before every reader
+    else:
+        with gm.graph.inserting_after(ids):
+            whole = gm.graph.call_function(aten.sym_size.int, (ids, d))
+        whole.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        whole.meta["val"] = n.meta.get("val")
     n.replace_all_uses_with(whole)
     gm.graph.erase_node(n)
 
