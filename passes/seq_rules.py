@@ -789,6 +789,11 @@ def _reduction(n: fx.Node) -> list:
     return [(n.args[0], _dims_arg(n, 1), _REDUCE)]
 
 
+def _vector_norm(n: fx.Node) -> list:
+    """``linalg_vector_norm(x, ord, dim, keepdim)``: its dims come after the order."""
+    return [(n.args[0], _dims_arg(n, 2), _REDUCE)]
+
+
 def _scan(name: str) -> Callable:
     return _along(f"a {name} along the sequence", lambda n: [_dim_arg(n, 1, 0)])
 
@@ -866,6 +871,11 @@ def _layer_norm(n: fx.Node) -> list:
     return [(n.args[0], list(range(-k, 0)), "a norm over the sequence")]
 
 
+def _group_norm(n: fx.Node) -> list:
+    """A group norm normalizes each entry of dim 0 over every other dim."""
+    return [(n.args[0], list(range(1, _ndim(n.args[0]))), "a group norm over the sequence")]
+
+
 def _triangle(n: fx.Node) -> list:
     return [(n.args[0], [-1, -2], "a triangle of a value along the sequence")]
 
@@ -897,18 +907,20 @@ _ALONG: dict[Any, Callable[[fx.Node], list]] = {
             aten.argmax.default,
             aten.argmin.default,
             aten.logsumexp.default,
-            aten.linalg_vector_norm.default,
             aten.sum.default,
             aten.mean.default,
         ),
         _reduction,
     ),
+    aten.linalg_vector_norm.default: _vector_norm,
     **dict.fromkeys(
         (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default),
         _along(SOFTMAX, lambda n: [int_arg(n, 1)]),
     ),
     aten.layer_norm.default: _layer_norm,
     aten.native_layer_norm.default: _layer_norm,
+    aten.group_norm.default: _group_norm,
+    aten.native_group_norm.default: _group_norm,
     aten.rms_norm.default: _layer_norm,
     aten.cumsum.default: _scan("cumsum"),
     aten.cumprod.default: _scan("cumprod"),
@@ -1059,6 +1071,10 @@ _POINTWISE = frozenset(
         aten.polar.default,  # Llama 4's complex rotary
         aten.view_as_complex.default,  # the pairs of the last dim, which is never the sequence
         aten.view_as_real.default,
+        aten.real.default,  # complex parts, element by element (an S4 kernel's real part)
+        aten.imag.default,
+        aten.conj.default,
+        aten.complex.default,
         aten.log_sigmoid.default,  # elementwise ops torch tags no pointwise (xLSTM's gates)
         aten.hardswish.default,
     }
@@ -1132,7 +1148,10 @@ def is_length(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() == 0:
         return False
-    return to_sympy(val.shape[dim % val.dim()], gm) == S
+    size = val.shape[dim % val.dim()]
+    # compared at the prover's sample lengths: ``2*(s//2)``, the length of halves joined from
+    # tp = 2 (sequence parallelism), is s (a carried cumsum after tp's join was refused)
+    return to_sympy(size, gm) == S or _Prover(gm).part(size) == 1
 
 
 _FILLS = {
@@ -1705,14 +1724,50 @@ def _window_user(p: _Prover, n: fx.Node) -> Any:
 # -- state scans: a linear recurrence over blocks of the sequence, its state carried ----------
 
 
+def explicit_einsum(eq: str, ranks: list[int]) -> str | None:
+    """``eq`` for operands of ``ranks`` dims with every dim lettered: an ellipsis becomes fresh
+    letters (right-aligned, as einsum broadcasts it) and an implicit output the ellipsis's
+    letters then those that appear once, in order (``'...id,...jd'`` of 3-dim operands:
+    ``'Aid,Ajd->Aij'``); None if it does not fit the ranks."""
+    terms_out = eq.replace(" ", "").split("->")
+    terms = terms_out[0].split(",")
+    if len(terms) != len(ranks) or len(terms_out) > 2:
+        return None
+    named = [t.replace("...", "") for t in terms]
+    if not all(t.isalpha() or not t for t in named):
+        return None
+    spans = [
+        r - len(t) if "..." in full else 0 for full, t, r in zip(terms, named, ranks, strict=True)
+    ]
+    used = set("".join(named))
+    fresh = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in used][: max(spans, default=0)]
+    if min(spans, default=0) < 0 or len(fresh) < max(spans, default=0):
+        return None
+    lettered = [
+        full.replace("...", "".join(fresh[len(fresh) - k :]))
+        for full, k in zip(terms, spans, strict=True)
+    ]
+    if any(len(t) != r for t, r in zip(lettered, ranks, strict=True)):
+        return None
+    if len(terms_out) == 2:
+        out = terms_out[1].replace("...", "".join(fresh))
+    else:
+        once = [c for c in sorted(used) if "".join(named).count(c) == 1]
+        out = "".join(fresh) + "".join(once)
+    return ",".join(lettered) + "->" + out
+
+
 def _einsum(p: _Prover, n: fx.Node) -> Any:
-    """``einsum`` with an explicit output: the sequence's letter stays in the output (a
-    product over other dims); summing over it is mixing (a recognized ``StateScan`` is not
-    this rule's)."""
+    """``einsum``, its dims lettered (``explicit_einsum``): the sequence's letter stays in
+    the output (a product over other dims); summing over it is mixing (a recognized
+    ``StateScan`` is not this rule's)."""
     eq, ops = n.args[0], cast(Any, n.args[1])
-    if not isinstance(eq, str) or "->" not in eq or "..." in eq:
-        raise Unproven(f"einsum {eq!r} (an implicit output or an ellipsis)")
-    ins, out = eq.replace(" ", "").split("->")
+    vals = [x.meta.get("val") if isinstance(x, fx.Node) else None for x in ops]
+    ranks = [v.dim() for v in vals if _is_tensor(v)]
+    full = explicit_einsum(eq, ranks) if isinstance(eq, str) and len(ranks) == len(ops) else None
+    if full is None:
+        raise Unproven(f"einsum {eq!r} (its operands' dims could not be lettered)")
+    ins, out = full.split("->")
     for x, letters in zip(ops, ins.split(","), strict=True):
         v = p.env.get(x)
         if isinstance(v, Seq):

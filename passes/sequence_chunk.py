@@ -165,6 +165,7 @@ def running_sums(gm: fx.GraphModule) -> None:
             scan = g.call_function(LINEAR_SCAN, (ones, src, dim % val.dim()))
         for new in {src, ones, scan} - {x}:
             new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        scan.meta["val"] = val  # the cumsum's: a cumsum of it reads its length before propagate
         n.replace_all_uses_with(scan)
         g.erase_node(n)
         changed = True
@@ -469,7 +470,7 @@ def _recur_from_state(g: fx.Graph, rec: Recurrence, carry: fx.Node) -> fx.Node:
     """The scan starts from the carry's last state (zeros for the first chunk, whose carry is
     empty). Returns the next chunk's carry: the state after this chunk's last token."""
     n, d = rec.node, rec.dim
-    dtype = rec.b.meta["val"].dtype
+    dtype = n.meta["val"].dtype  # the scan's (its inputs may be new nodes: a table's rows)
     made = []
     with g.inserting_before(n):
         c = carry

@@ -664,3 +664,20 @@ def test_evaluate_and_logits_take_a_prompt_shorter_than_the_chunks() -> None:
             assert abs(float(loss) - float(ref)) <= 1e-12 * abs(float(ref)), seq
     with pytest.raises(autopart.AutopartError, match="cannot be cut into 4 chunks"):
         runner.step(ids[:, :5], labels[:, :5])
+
+
+@pytest.mark.multirank
+def test_evaluate_and_logits_pad_a_length_sequence_parallelism_cannot_split() -> None:
+    """Under tp = 2 with SP and Seq1F1B, a length tp does not divide but the chunks fit (33:
+    8 + 8 + 8 + 9) was refused by ``evaluate`` and ``logits`` ("not divisible by tp=2"),
+    though 31 was padded (the twenty-fifth session's probe). Both are padded now, exactly; a
+    step of 33 tokens is still refused."""
+    import json
+    from pathlib import Path
+
+    from autopart.parity.verify import launch_forked
+
+    script = Path(__file__).resolve().parent / "sp_length_script.py"
+    out = launch_forked(2, [str(script)], timeout_s=120)
+    res = next(json.loads(x) for x in out.splitlines() if x.startswith("{"))
+    assert res["worst"] <= 1e-12 and res["step_refused"], res

@@ -36,13 +36,16 @@ class _Loop(nn.Module):
     token), "collect" (each output written into a buffer, ``out[:, t] = …``, as RecurrentGemma
     does, and the tokens flattened with the batch, ``reshape(b · s, width)``), "collect-gap"
     (the buffer's last entry never written: it is not the outputs stacked), "cast" (the
-    recurrence run in float32, its tokens cast one by one: ``a[:, t].float()``)."""
+    recurrence run in float32, its tokens cast one by one: ``a[:, t].float()``), "masked" (then
+    an attention masked by a buffer cut to the length, ``mask[:, :s, :s]``, as nanoGPT's)."""
 
     def __init__(self, kind: str, width: int = 8) -> None:
         super().__init__()
         self.kind = kind
         self.emb, self.gate = nn.Embedding(50, width), nn.Linear(width, width)
         self.c, self.out = nn.Linear(width, width), nn.Linear(width, 50)
+        if kind == "masked":  # nanoGPT's causal mask, a buffer longer than the sequence
+            self.register_buffer("mask", torch.tril(torch.ones(64, 64)).view(1, 64, 64))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
@@ -65,6 +68,9 @@ class _Loop(nn.Module):
             y = (buffer + x).reshape(b * s, x.shape[-1])
             return self.out(y).view(b, s, 50)
         y = torch.stack(outs, dim=1) + x
+        if self.kind == "masked":  # attention by its mask cut to the length, [:, :s, :s]
+            scores = (y @ y.transpose(1, 2)).masked_fill(self.mask[:, :s, :s] == 0, -torch.inf)
+            y = y + scores.softmax(-1) @ y
         if self.kind == "flat":  # tokens flattened: a view [-1, width], then [b, s, 50]
             return self.out(y.reshape(-1, y.shape[-1])).view(ids.shape[0], ids.shape[1], 50)
         return self.out(y)
@@ -111,6 +117,17 @@ def test_a_rolled_loop_chunks_exactly_with_its_state_carried() -> None:
     (scan,) = [n for n in gm.graph.nodes if n.target == SCAN]
     carry = scan.args[3]
     assert carry.op == "placeholder" and carry.meta[META_INPUT].kind == "kv"
+
+
+def test_a_mask_buffer_cut_to_the_length_is_cut_to_any_length() -> None:
+    """A token loop beside nanoGPT's attention, whose causal mask is a buffer longer than the
+    sequence cut to it (``mask[:, :s, :s]``): export wrote the cut as ``:16`` and the rolled
+    graph failed at other lengths, so the loop stayed unrolled and Seq1F1B refused the model
+    (the twenty-fifth session's probe, Griffin's RG-LRU beside nanoGPT attention). The cut
+    reads the length now: rolled up, and chunked exactly."""
+    model = _Loop("masked")
+    captured, _ = _chunked_exactly(model, torch.randint(1, 50, (2, 16)), CUTS)
+    assert captured.loops == "rolled up"
 
 
 @pytest.mark.slow  # suite time (11 s): the matrix's RecurrentGemma row casts its tokens too

@@ -452,7 +452,8 @@ def _isomorphic(first: list[fx.Node], body: list[fx.Node], i: int) -> bool:
 class _Ends(fx.Interpreter):
     """Fake propagation that reads the fixed length S as the length where the model meant it,
     rewriting it to the graph's length node: the end of a slice ``x[..., :S]`` of a dim that now
-    grows with the sequence (Mamba's convolution cut back to the length), ``arange(S)`` (the
+    grows with the sequence (Mamba's convolution cut back to the length) or of a buffer's dim
+    longer than S (nanoGPT's causal mask ``bias[:, :, :T, :T]``), ``arange(S)`` (the
     positions), S in a factory's sizes, in an expand's where the input's dim is the length, in a
     view's where the element count needs it, and k·S in a product of sizes (``b · k·S``: the
     batch and the length, k slots per token, flattened together). Where S is also a width of the model, a
@@ -471,8 +472,10 @@ class _Ends(fx.Interpreter):
             if (
                 start in (0, None)
                 and step == 1
-                and isinstance(grows, torch.SymInt)
-                and symbols <= grows.node.expr.free_symbols
+                and (
+                    (isinstance(grows, torch.SymInt) and symbols <= grows.node.expr.free_symbols)
+                    or (isinstance(grows, int) and grows > self.length and _table(x))
+                )
             ):
                 n.args = (x, dim, start, self.size, *n.args[4:])
         elif n.target == aten.arange.default and n.args[:1] == (self.length,):
@@ -531,6 +534,15 @@ class _Ends(fx.Interpreter):
             ) or (-1 not in sizes and rest == 1):
                 return out
         return None
+
+
+def _table(x: fx.Node) -> bool:
+    """``x`` is a buffer or a constant, or slices of one: a table longer than the sequence,
+    which a model cuts to the length (nanoGPT's causal mask ``bias[:, :, :T, :T]``)."""
+    while x.target == aten.slice.Tensor:
+        x = node_arg(x, 0)
+    ref = x.meta.get(META_INPUT)
+    return x.op == "placeholder" and ref is not None and ref.kind in ("buffer", "constant")
 
 
 def _expr(d: Any) -> Any:

@@ -80,6 +80,24 @@ def _pad(x: torch.Tensor, pad: list) -> torch.Tensor:
     return x.new_empty(shape)
 
 
+def _fft(kind: str) -> Callable[..., torch.Tensor]:
+    """The shape and dtype of a one-dim FFT (``fft_rfft``, ``fft_irfft``, ``fft_fft``,
+    ``fft_ifft``) of length ``n`` along ``dim``: torch's fake kernels want a concrete ``n``,
+    and a causal FFT convolution (Hyena, S4, MEGA) pads to ``2·s``."""
+
+    def shape(x: torch.Tensor, n: Any = None, dim: int = -1, norm: str | None = None) -> Any:
+        sizes, d = list(x.shape), dim % x.dim()
+        if kind == "irfft":
+            sizes[d] = 2 * (sizes[d] - 1) if n is None else n
+            return x.new_empty(sizes, dtype=x.dtype.to_real())
+        length = sizes[d] if n is None else n
+        sizes[d] = length // 2 + 1 if kind == "rfft" else length
+        dtype = x.dtype if x.dtype.is_complex else x.dtype.to_complex()
+        return x.new_empty(sizes, dtype=dtype)
+
+    return shape
+
+
 _SYMBOLIC: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.size.default: lambda x: tuple(x.shape),
     torch.ops.aten.matmul.default: lambda a, b: _decomp.matmul(a, b),
@@ -91,6 +109,10 @@ _SYMBOLIC: dict[Any, Callable[..., Any]] = {
         dtype=torch.complex128 if r.dtype == torch.float64 else torch.complex64,
     ),
     torch.ops.aten.pad.default: lambda x, pad, mode="constant", value=None: _pad(x, pad),
+    torch.ops.aten.fft_rfft.default: _fft("rfft"),
+    torch.ops.aten.fft_irfft.default: _fft("irfft"),
+    torch.ops.aten.fft_fft.default: _fft("fft"),
+    torch.ops.aten.fft_ifft.default: _fft("ifft"),
 }
 
 

@@ -1282,6 +1282,17 @@ class Runner:
         if fit is not None:
             self.chunk_cost, self._bounds = fit, {}
 
+    def _check_split_length(self, seq_len: int) -> None:
+        """Sequence parallelism cuts the sequence into tp equal parts (each Seq1F1B chunk too:
+        its boundaries are multiples of tp, so the last chunk fits when the length does)."""
+        tp = self.plan.mesh.tp
+        if self.plan.sequence_parallel and seq_len % tp:
+            raise AutopartError(
+                f"rank {self.rank}: sequence length {seq_len} is not divisible by tp={tp}, "
+                "which sequence parallelism needs",
+                hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
+            )
+
     def _chunk_bounds(self, seq_len: int) -> list[tuple[int, int]]:
         """[start, end) of each Seq1F1B sequence chunk (one chunk: the whole sequence)."""
         if seq_len not in self._bounds:  # solved once per length, not at every step
@@ -1313,6 +1324,7 @@ class Runner:
                     "sequence into)",
                     hint=f"use a sequence length that is a multiple of {p.seq_block}",
                 )
+            self._check_split_length(seq_len)
             try:
                 self._bounds[seq_len] = chunk_bounds(
                     self.chunk_cost or (1.0, 0.0),
@@ -1699,13 +1711,7 @@ class Runner:
             )
         rows = input_ids.shape[0] * (self.plan.mesh.dp if local else 1)  # the global batch
         mb = self.plan.check_batch(rows)
-        tp = self.plan.mesh.tp
-        if self.plan.sequence_parallel and input_ids.shape[1] % tp:
-            raise AutopartError(
-                f"rank {self.rank}: sequence length {input_ids.shape[1]} is not divisible by tp={tp}, "
-                "which sequence parallelism needs",
-                hint=f"use a sequence length that is a multiple of {tp}, or turn sequence_parallel off",
-            )
+        self._check_split_length(int(input_ids.shape[1]))
         dp_i, m = self.program.coords.dp, self.plan.microbatches
         start = 0 if local else dp_i * m * mb
         if not self.dry:  # no values to look at in the dry run

@@ -31,7 +31,11 @@ class _Mixer(nn.Module):
     further: another row's), "slot-write" (``out[:, i] = …`` per position, as the gated delta
     rule fills its chunks: functionalized, a write of ``out[:]`` whole, fine), "row-write"
     (``out[1:] = …``: the rows shifted by one), "gates" (``logsigmoid`` and ``hardswish``,
-    elementwise ops torch tags no pointwise: fine)."""
+    elementwise ops torch tags no pointwise: fine), "ellipsis" (``einsum('...nd,...ne->...nde')``:
+    fine; it was refused as unproven), "ellipsis-batch" (``einsum('b...,c...->...')``, a sum
+    over the rows), "flat-norm" (``F.normalize(x.reshape(-1, d), dim=-1)``: fine; its dims
+    were read from ``linalg_vector_norm``'s order, a norm over the batch), "group-norm" (a
+    group norm of (b·s, d), per token: fine; it had no rule)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -62,6 +66,14 @@ class _Mixer(nn.Module):
             for i in range(x.shape[1]):
                 out[:, i] = torch.tanh(x[:, i] + (out[:, i - 1] if i else 0))
             x = out
+        elif self.kind == "ellipsis":  # per row and token (performer-pytorch's own einsums)
+            x = torch.einsum("...nd,...ne->...nde", x, torch.tanh(x)).mean(-1)
+        elif self.kind == "ellipsis-batch":  # the same letters, summed over the rows
+            x = x + torch.einsum("b...,c...->...", x, x) / 100
+        elif self.kind == "flat-norm":  # over the features of (b·s, d); the dims follow ord
+            x = torch.nn.functional.normalize(flat, dim=-1).view_as(x)
+        elif self.kind == "group-norm":  # RetNet's, over each token's heads (b·s, d)
+            x = torch.nn.functional.group_norm(flat, 4).view_as(x)
         elif self.kind == "row-write":
             out = torch.zeros_like(x)
             out[1:] = x[:-1]
@@ -97,6 +109,10 @@ def _found(model: nn.Module, batch) -> list[tuple[str, str]]:
         ("gates", None, None),
         ("slot-write", None, None),
         ("row-write", "slice_1", "a slice of the batch"),
+        ("ellipsis", None, None),
+        ("ellipsis-batch", "einsum", "summing over the batch"),
+        ("flat-norm", None, None),
+        ("group-norm", None, None),
     ],
 )
 def test_rows_that_mix_are_found_by_node(kind: str, node: str | None, why: str | None) -> None:
