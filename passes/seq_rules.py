@@ -1073,7 +1073,7 @@ _POINTWISE = frozenset(
         aten.view_as_real.default,
         aten.real.default,  # complex parts, element by element (an S4 kernel's real part)
         aten.imag.default,
-        aten.conj.default,
+        aten._conj.default,  # what capture writes for ``.conj()``
         aten.complex.default,
         aten.log_sigmoid.default,  # elementwise ops torch tags no pointwise (xLSTM's gates)
         aten.hardswish.default,

@@ -37,7 +37,8 @@ class _Loop(nn.Module):
     does, and the tokens flattened with the batch, ``reshape(b · s, width)``), "collect-gap"
     (the buffer's last entry never written: it is not the outputs stacked), "cast" (the
     recurrence run in float32, its tokens cast one by one: ``a[:, t].float()``), "masked" (then
-    an attention masked by a buffer cut to the length, ``mask[:, :s, :s]``, as nanoGPT's)."""
+    an attention masked by a buffer cut to the length, ``mask[:, :s, :s]``, as nanoGPT's),
+    "scaled" (the outputs times the max of a buffer's first ``width`` entries)."""
 
     def __init__(self, kind: str, width: int = 8) -> None:
         super().__init__()
@@ -46,6 +47,9 @@ class _Loop(nn.Module):
         self.c, self.out = nn.Linear(width, width), nn.Linear(width, 50)
         if kind == "masked":  # nanoGPT's causal mask, a buffer longer than the sequence
             self.register_buffer("mask", torch.tril(torch.ones(64, 64)).view(1, 64, 64))
+        if kind == "scaled":  # a table read to the width: its max is entry 0 up to 24, then 5
+            scale = torch.cat([torch.ones(1), torch.rand(23) * 0.5, 5 + torch.rand(40)])
+            self.register_buffer("scale", scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
@@ -68,6 +72,8 @@ class _Loop(nn.Module):
             y = (buffer + x).reshape(b * s, x.shape[-1])
             return self.out(y).view(b, s, 50)
         y = torch.stack(outs, dim=1) + x
+        if self.kind == "scaled":
+            y = y * self.scale[: x.shape[-1]].max()
         if self.kind == "masked":  # attention by its mask cut to the length, [:, :s, :s]
             scores = (y @ y.transpose(1, 2)).masked_fill(self.mask[:, :s, :s] == 0, -torch.inf)
             y = y + scores.softmax(-1) @ y
@@ -128,6 +134,22 @@ def test_a_mask_buffer_cut_to_the_length_is_cut_to_any_length() -> None:
     model = _Loop("masked")
     captured, _ = _chunked_exactly(model, torch.randint(1, 50, (2, 16)), CUTS)
     assert captured.loops == "rolled up"
+
+
+def test_a_table_cut_to_a_width_equal_to_the_length_keeps_the_width() -> None:
+    """16 tokens and a width of 16: ``scale[:16].max()`` reads the width. Cutting every
+    buffer to the length at once made it ``scale[:s]``, which the check at 16, 24 and 8 tokens
+    could not tell (the max of the first 24 entries is the max of the first 8), and at 32
+    tokens the loss was 2.0 off (the twenty-fifth session's probe of its own change). Buffers
+    are cut to the length only at a length no width has; here the slice keeps 16."""
+    model = _Loop("scaled", width=16).double()
+    ids = torch.randint(1, 50, (2, 16))
+    captured = capture(model, (ids, ids))
+    assert captured.loops == "rolled up"
+    longer = torch.randint(1, 50, (2, 40))
+    want, _ = run_model(model, (longer, longer))
+    got, _ = run_graph(captured, (longer, longer))
+    assert rel_err(got, want) <= 1e-12
 
 
 @pytest.mark.slow  # suite time (11 s): the matrix's RecurrentGemma row casts its tokens too

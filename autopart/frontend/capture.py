@@ -796,7 +796,8 @@ def generalize_loops(
     hidden size of 32: which 32 is the length?), so the model is captured once more, at a
     longer length that no size of the graph has, nor 2 to 8 times it (the shortest multiple
     of 8 if one is free),
-    and rolled up from there. A model
+    and rolled up from there, where a buffer cut to that length (nanoGPT's causal mask) is cut
+    to any length (``reroll``'s ``tables``). A model
     on the meta device cannot be run, so its graph stays as export made it."""
     length = fixed_length(captured.graph)
     if length is None or any(p.device.type == "meta" for p in captured.params.values()):
@@ -820,7 +821,7 @@ def generalize_loops(
         _record(captured, f"{why}; captured at {other} tokens: {exc.message}")
         return
     second = (
-        _rolled(captured, again.graph, other, wrapper, batch)
+        _rolled(captured, again.graph, other, wrapper, batch, tables=True)
         if fixed_length(again.graph) == other
         else "its length was not fixed there"
     )
@@ -840,12 +841,13 @@ def _rolled(
     length: int,
     wrapper: nn.Module,
     batch: dict[str, torch.Tensor],
+    tables: bool = False,
 ) -> str | None:
     """Roll ``graph`` (export's, at ``length`` tokens) up and check it against the model at
     the example's length and two others; on success it becomes ``captured.graph`` (None),
-    else why not."""
+    else why not. ``tables``: ``reroll``'s (at a length no width of the model has)."""
     try:
-        rolled = reroll(graph, length)
+        rolled = reroll(graph, length, tables)
     except Exception as exc:  # noqa: BLE001 - a loop autopart misread: keep export's graph
         rolled = f"rolling it up failed ({type(exc).__name__}: {str(exc)[:200]})"
     if isinstance(rolled, str):

@@ -64,9 +64,12 @@ def fixed_length(gm: fx.GraphModule) -> int | None:
     return None
 
 
-def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
+def reroll(gm: fx.GraphModule, length: int, tables: bool = False) -> fx.GraphModule | str:
     """A copy of ``gm`` with its loops over ``length`` tokens rolled up (module docstring), or
-    why not."""
+    why not. ``tables``: a slice ``buf[..., :length]`` of a buffer longer than that is cut to
+    the length too (nanoGPT's mask); only where no width of the model is ``length`` (capture's
+    second try, at a free length), since a model's ``scale[:width]`` would otherwise be read
+    as the length, and three lengths need not tell (a max of a table's first entries)."""
     out = copy_graph(gm)  # its meta included
     g = out.graph
     chains = _recurrences(g, length)
@@ -126,7 +129,7 @@ def reroll(gm: fx.GraphModule, length: int) -> fx.GraphModule | str:
             n.target = aten.reshape.default
     try:
         with mode:
-            _Ends(out, length, size, s).run(*inputs)
+            _Ends(out, length, size, s, tables).run(*inputs)
         propagate(out)
     except Exception as exc:  # noqa: BLE001 - the rolled graph does not fit a symbolic length
         first = first_line(exc)
@@ -452,16 +455,18 @@ def _isomorphic(first: list[fx.Node], body: list[fx.Node], i: int) -> bool:
 class _Ends(fx.Interpreter):
     """Fake propagation that reads the fixed length S as the length where the model meant it,
     rewriting it to the graph's length node: the end of a slice ``x[..., :S]`` of a dim that now
-    grows with the sequence (Mamba's convolution cut back to the length) or of a buffer's dim
-    longer than S (nanoGPT's causal mask ``bias[:, :, :T, :T]``), ``arange(S)`` (the
+    grows with the sequence (Mamba's convolution cut back to the length) or, with ``tables``,
+    of a buffer's dim longer than S (nanoGPT's causal mask ``bias[:, :, :T, :T]``), ``arange(S)`` (the
     positions), S in a factory's sizes, in an expand's where the input's dim is the length, in a
     view's where the element count needs it, and k·S in a product of sizes (``b · k·S``: the
     batch and the length, k slots per token, flattened together). Where S is also a width of the model, a
     guess can be wrong; ``capture`` then tries again at a length no size of the graph has."""
 
-    def __init__(self, gm: fx.GraphModule, length: int, size: fx.Node, s: torch.SymInt) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, length: int, size: fx.Node, s: torch.SymInt, tables: bool
+    ) -> None:
         super().__init__(gm)
-        self.length, self.size, self.s = length, size, s
+        self.length, self.size, self.s, self.tables = length, size, s, tables
 
     def run_node(self, n: fx.Node) -> Any:
         if n.target == aten.slice.Tensor and len(n.args) >= 4 and n.args[3] == self.length:
@@ -474,7 +479,9 @@ class _Ends(fx.Interpreter):
                 and step == 1
                 and (
                     (isinstance(grows, torch.SymInt) and symbols <= grows.node.expr.free_symbols)
-                    or (isinstance(grows, int) and grows > self.length and _table(x))
+                    or (
+                        self.tables and isinstance(grows, int) and grows > self.length and _table(x)
+                    )
                 )
             ):
                 n.args = (x, dim, start, self.size, *n.args[4:])
