@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parity_cases import assert_all_pass, batch
+from test_parity_conv import VOCAB, WIDTH, Block
 from torch import nn
 
 from autopart import AutopartError, Mesh, parallelize
@@ -32,7 +33,7 @@ from autopart.models import zoo
 from autopart.parity.verify import Check
 
 pytestmark = pytest.mark.multirank
-WIDTH, HEADS, VOCAB = 32, 4, 64
+HEADS = 4
 
 
 class NormedAttention(nn.Module):
@@ -80,20 +81,6 @@ class FFTConv(nn.Module):
         u, k = h.transpose(1, 2), self.kernel[:, :s]
         y = torch.fft.irfft(torch.fft.rfft(u, n=2 * s) * torch.fft.rfft(k, n=2 * s), n=2 * s)
         return self.o(y[..., :s].transpose(1, 2))
-
-
-class Block(nn.Module):
-    def __init__(self, mixer: nn.Module) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.mixer = mixer
-        self.mlp = nn.Sequential(
-            nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)
-        )
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.mixer(self.norm1(h))
-        return h + self.mlp(self.norm2(h))
 
 
 class Toy(nn.Module):
