@@ -20,6 +20,7 @@ from torch import nn
 
 from autopart.errors import AutopartError, wait
 from autopart.frontend.capture import (
+    Batch,
     Captured,
     capture,
     capture_mixed,
@@ -36,7 +37,7 @@ log = logging.getLogger("autopart")
 def parallelize(
     model: nn.Module | Captured,
     mesh: Any,
-    example_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    example_inputs: Batch | None = None,
     *,
     schedule: str = "1f1b",
     microbatches: int = 1,
@@ -60,8 +61,19 @@ def parallelize(
     has ``attention_mask`` (padding) and/or ``position_ids`` (packed documents), which the
     model is then captured with and every step must pass (docs/capture.md); when left out, a
     random batch of the model's vocabulary (``default_example``); not needed when ``model`` is
-    already a ``Captured``. ``compile=True`` (live meshes) runs each stage graph
-    through ``torch.compile`` (Inductor), as ``autopart run --compile`` does. ``recompute`` is
+    already a ``Captured``.
+
+    The plan keywords are ``Plan``'s fields (docs/pipeline.md, docs/seq1f1b.md): ``schedule``
+    (``layout.SCHEDULES``: ``"1f1b"``, ``"seq1f1b"``, ``"zb-h1"``, …), ``microbatches`` per
+    data-parallel rank, ``virtual_stages`` per pipeline rank (interleaving), ``seq_chunks`` (Seq1F1B
+    chunks per micro-batch) cut ``seq_split`` (``"balanced"``: equal work, ``"uniform"``: equal
+    length, ``"measured"``), ``sequence_parallel`` (activations between tp regions split along
+    the sequence), ``bucket_mb`` (data-parallel gradient buckets, MiB) and
+    ``max_stage_memory_gb`` (pipeline cuts that keep each stage under it). ``timeout_s`` bounds
+    every distributed wait of a live mesh (the meeting, the model's broadcast, each step's
+    collectives). ``compile=True`` (live meshes only; a saved program compiles at run time,
+    ``autopart run --compile``) runs each stage graph through ``torch.compile`` (Inductor).
+    ``recompute`` is
     ``"none"``, ``"selective"`` (attention cores) or ``"full"`` (every transformer block).
     ``precision="bf16"``: bf16 compute, the model's (float32) parameters as master weights,
     float32 gradients and loss (``capture_mixed``; docs/precision.md). ``library_ops`` names
@@ -93,6 +105,13 @@ def parallelize(
             precision=precision,
             library_ops=tuple(library_ops),
             attention=attention,
+        )
+    if compile and live is None:
+        raise AutopartError(
+            "compile=True compiles the ranks' stage graphs as they run, and this mesh is offline "
+            "(it returns a Program to save, not a runner)",
+            hint="pass a live DeviceMesh (under torchrun), or save the program and run it with "
+            "`autopart run DIR --compile`",
         )
     if live is not None and not isinstance(model, Captured):
         from autopart.runtime.guards import check_current  # lazy: as the Runner below

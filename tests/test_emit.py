@@ -268,6 +268,9 @@ def test_parallelize_refusals(gpt_sdpa: Case) -> None:
         )
     with pytest.raises(AutopartError, match="expected an autopart.Mesh"):
         parallelize(gpt_sdpa.captured, 2)
+    with pytest.raises(AutopartError, match="this mesh is offline") as err:  # was ignored
+        parallelize(gpt_sdpa.captured, Mesh(dp=2), compile=True)
+    assert "autopart run DIR --compile" in (err.value.hint or "")
 
 
 def test_meta_program_saves_without_weights(tmp_path: Path) -> None:

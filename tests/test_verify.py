@@ -43,6 +43,14 @@ def test_plans_parse_into_checks_and_print_back() -> None:
         sequence_parallel=True,
     )
     assert parse_plans(str(checks[2]), "x:make") == [checks[2]]  # a name reads back as its plan
+    for text in (  # every word: a Check's name reads back as the same Check
+        "pp=2,seq1f1b,k=2,m=2,measured",
+        "pp=2,seq1f1b-interleaved,v=2,k=4,m=4,balanced",
+        "tp=2,pp=2,zb-h1,m=4,recompute=selective,sp",
+        "pp=2,1f1b,m=2,mem=1.5,recompute=full,attention=flex",
+    ):
+        (check,) = parse_plans(text, "x:make")
+        assert parse_plans(str(check), "x:make") == [check], str(check)
     for bad, said in (
         ("tp=two", "needs a number"),
         ("pp=2,fast", "cannot read 'fast'"),

@@ -1,7 +1,7 @@
 """The command line: ``autopart SUBCOMMAND``, one module per subcommand.
 
-Each of ``demo``, ``verify``, ``zoo``, ``inspect``, ``run``, ``timeline``, ``simulate`` and
-``plan`` is a module here with ``add_parser(sub)`` (its flags and help) and ``main(args) -> int``;
+Each of ``demo``, ``verify``, ``zoo``, ``inspect``, ``run``, ``train``, ``timeline``,
+``simulate`` and ``plan`` is a module here with ``add_parser(sub)`` (its flags and help) and ``main(args) -> int``;
 ``common`` holds the flag groups several take, ``report`` the rich tables ``inspect`` and
 ``demo`` print. ``main`` parses, dispatches, and turns an ``AutopartError`` into
 ``autopart CMD: error: ...`` on stderr and exit code 2, and a Ctrl-C into ``autopart CMD:

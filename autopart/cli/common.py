@@ -6,8 +6,9 @@
 - ``fill_defaults``: flags whose argparse default is ``None`` (so that "given" reads "not
   None") get their real defaults here, in one call.
 
-The values are checked by the domain objects they build (``Plan``, ``Mesh``, ``Cluster``,
-``resolve_shape``), not here.
+Counts (ranks, sizes, micro-batches, chunks) are whole numbers ≥ 1 when parsed
+(``errors.positive_int``); everything else is checked by the domain objects they build
+(``Plan``, ``Mesh``, ``Cluster``, ``resolve_shape``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from typing import Any
+
+from autopart.errors import positive_int
 
 SPEC_HELP = "path/to/file.py:make or module:make"
 DEFAULT_CLUSTER = "dgx-a100-80gb"
@@ -33,7 +36,7 @@ def plan_flags(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("plan")
     for d, what in (("dp", "data-parallel"), ("tp", "tensor-parallel"), ("pp", "pipeline")):
-        g.add_argument(f"--{d}", type=int, default=1, help=f"{what} ranks (default 1)")
+        g.add_argument(f"--{d}", type=positive_int, default=1, help=f"{what} ranks (default 1)")
     for f in dataclasses.fields(Plan):
         spec = f.metadata.get("cli")
         if spec is None:
@@ -58,7 +61,12 @@ def plan_flags(p: argparse.ArgumentParser) -> None:
         )
 
 
-_FLAG_TYPES: dict[str, Any] = {"int": int, "str": str, "float": float, "float | None": float}
+_FLAG_TYPES: dict[str, Any] = {
+    "int": positive_int,
+    "str": str,
+    "float": float,
+    "float | None": float,
+}
 
 
 def plan_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -82,10 +90,12 @@ def model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None:
         ("heads", "attention heads"),
         ("vocab", "vocabulary size"),
     ):
-        g.add_argument(f"--{name}", type=int, help=text)
-    g.add_argument("--seq", type=int, help="sequence length (default with --model: the example's)")
-    g.add_argument("--kv-heads", type=int, help="K/V heads (default: --heads)")
-    g.add_argument("--ffn", type=int, help="MLP width (default 4 × hidden)")
+        g.add_argument(f"--{name}", type=positive_int, help=text)
+    g.add_argument(
+        "--seq", type=positive_int, help="sequence length (default with --model: the example's)"
+    )
+    g.add_argument("--kv-heads", type=positive_int, help="K/V heads (default: --heads)")
+    g.add_argument("--ffn", type=positive_int, help="MLP width (default 4 × hidden)")
     g.add_argument(
         "--untied",
         action="store_true",
@@ -98,7 +108,12 @@ def model_flags(p: argparse.ArgumentParser, gpus_required: bool = True) -> None:
         default=None,
         help=f"{DEFAULT_CLUSTER} (default), dgx-h100, or a .toml / .json file",
     )
-    c.add_argument("--gpus", type=int, required=gpus_required, help="GPUs in all")
+    c.add_argument(
+        "--gpus",
+        type=positive_int,
+        required=gpus_required,
+        help="GPUs in all" + ("" if gpus_required else " (required unless --measured)"),
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 

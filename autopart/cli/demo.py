@@ -45,14 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train it on the shipped text on 4 CPU ranks with torchrun, check one step's loss and "
         "gradients against one device, and write the program, a trace and a timeline to --out.",
     )
-    d.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
-    d.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    d.add_argument("--dp", type=positive_int, default=1, help="data-parallel ranks (default 1)")
+    d.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (default 2)")
     d.add_argument(
         "--schedule", default="seq1f1b", help=f"one of {', '.join(SCHEDULES)} (default seq1f1b)"
     )
     d.add_argument(
         "--seq-chunks",
-        type=int,
+        type=positive_int,
         default=2,
         help="Seq1F1B sequence chunks per micro-batch (default 2)",
     )
@@ -63,14 +63,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="Seq1F1B chunk boundaries: measured (balanced by the chunk forward times the first "
         "steps measure, the default), balanced (by FLOPs) or uniform",
     )
-    d.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    d.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks (default 2)")
     d.add_argument(
         "--no-sequence-parallel",
         dest="sequence_parallel",
         action="store_false",
         help="keep activations between tp regions whole (default: split along the sequence)",
     )
-    d.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank (default 4)")
+    d.add_argument(
+        "--microbatches", type=positive_int, default=4, help="micro-batches per rank (default 4)"
+    )
     d.add_argument("--steps", type=positive_int, default=100, help="training steps (default 100)")
     d.add_argument(
         "--precision",
@@ -155,6 +157,7 @@ def main(args: argparse.Namespace) -> int:
             str(picture),
         ],
         stream=True,
+        timeout_s=None,  # a run as long as --steps asks; each wait in the ranks has its own bound
     )
     con.print(
         f"\n[bold]parity check[/] ({'bf16 compute, float32 masters' if bf16 else 'float64'}, "
@@ -169,6 +172,7 @@ def main(args: argparse.Namespace) -> int:
         virtual_stages=2 if traits(args.schedule).interleaved else 1,
         seq_chunks=args.seq_chunks if traits(args.schedule).chunked else 1,
         microbatches=args.microbatches,
+        seq_split=args.seq_split,
         sequence_parallel=args.sequence_parallel,
         via="fork",  # the program already ran from its files under torchrun above
         dtype="bfloat16" if bf16 else "float64",

@@ -29,7 +29,13 @@ def _flex_summary(rp) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    i = sub.add_parser("inspect", help="print costs per block and the per-rank programs")
+    i = sub.add_parser(
+        "inspect",
+        help="print costs per block and the per-rank programs",
+        description="Capture the model, print its cost per block and the plan's pipeline cut, "
+        "then the generated program of one rank (or all): its stage graphs with their "
+        "collectives (--after PASS: the graph after that pass instead; --dot: Graphviz).",
+    )
     spec_flag(i)
     plan_flags(i)
     i.add_argument("--rank", type=_rank, default=0, help="rank to print, or 'all' (default 0)")

@@ -34,8 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model_flags(pl)
-    pl.add_argument("--global-batch", type=int, required=True, help="sequences per iteration")
-    pl.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    pl.add_argument(
+        "--global-batch", type=positive_int, required=True, help="sequences per iteration"
+    )
+    pl.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
     pl.add_argument(
         "--schedules",
         nargs="+",
@@ -46,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pl.add_argument(
         "--micro-batches",
         nargs="+",
-        type=int,
+        type=positive_int,
         default=list(MICRO_BATCHES),
         metavar="B",
         help=f"micro-batch sizes to try (default {_listed(MICRO_BATCHES)})",
@@ -54,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pl.add_argument(
         "--seq-chunks",
         nargs="+",
-        type=int,
+        type=positive_int,
         default=list(SEQ_CHUNKS),
         metavar="K",
         help=f"Seq1F1B chunk counts to try (default {_listed(SEQ_CHUNKS)})",
@@ -64,7 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         choices=RECOMPUTE,
         default=list(RECOMPUTE),
-        help="recompute modes to try (default: all)",
+        help="recompute modes to try (default: all; selective recomputes attention cores, so "
+        "it only counts with --attention unfused)",
     )
     pl.add_argument(
         "--attention",

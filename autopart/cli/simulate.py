@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from autopart.cli.common import MODEL_DEFAULTS, fill_defaults, model_flags, model_shape
-from autopart.errors import AutopartError
+from autopart.errors import AutopartError, positive_int
 from autopart.schedule.generators import traits
 
 EPILOG = """examples:
@@ -66,19 +66,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--global-batch sequences or --schedule (docs/simulate.md, 'Calibration')",
     )
     g = s.add_argument_group("plan (dp = gpus / (tp × pp))")
-    g.add_argument("--tp", type=int, help=f"tensor-parallel ranks (default {d['tp']})")
-    g.add_argument("--pp", type=int, help=f"pipeline ranks (default {d['pp']})")
+    g.add_argument("--tp", type=positive_int, help=f"tensor-parallel ranks (default {d['tp']})")
+    g.add_argument("--pp", type=positive_int, help=f"pipeline ranks (default {d['pp']})")
     g.add_argument(
         "--virtual-stages",
-        type=int,
+        type=positive_int,
         help=f"virtual stages per pipeline rank (default {d['virtual_stages']})",
     )
     g.add_argument(
-        "--micro-batch", type=int, help=f"sequences per micro-batch (default {d['micro_batch']})"
+        "--micro-batch",
+        type=positive_int,
+        help=f"sequences per micro-batch (default {d['micro_batch']})",
     )
     g.add_argument(
         "--global-batch",
-        type=int,
+        type=positive_int,
         help="sequences per iteration (required, except with --measured: the run's)",
     )
     g.add_argument(
@@ -86,7 +88,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"one of {', '.join(SCHEDULES)} (default {d['schedule']}; with --measured, the run's)",
     )
     g.add_argument(
-        "--seq-chunks", type=int, help=f"Seq1F1B sequence chunks (default {d['seq_chunks']})"
+        "--seq-chunks",
+        type=positive_int,
+        help=f"Seq1F1B sequence chunks (default {d['seq_chunks']})",
     )
     g.add_argument(
         "--seq-split",

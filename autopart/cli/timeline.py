@@ -7,7 +7,13 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("timeline", help="draw a trace (autopart run --trace) as a timeline PNG")
+    t = sub.add_parser(
+        "timeline",
+        help="draw a trace (autopart run --trace) as a timeline PNG",
+        description="Draw a Chrome/Perfetto trace that autopart run --trace wrote as one row per "
+        "rank of forward, backward and weight-gradient boxes, and print each rank's busy "
+        "fraction (docs/timeline.md).",
+    )
     t.add_argument("trace", metavar="TRACE", help="Chrome/Perfetto trace JSON")
     t.add_argument(
         "-o",
@@ -16,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PNG",
         help="picture to write (default: TRACE with .png)",
     )
-    t.add_argument("--title", default="", help="title above the picture (default: the file name)")
+    t.add_argument("--title", default="", help="title above the picture (default: TRACE as given)")
 
 
 def main(a: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ the config (TOML; every key optional, unknown keys refused):
   [model]      spec = "autopart.models.nanogpt:demo"   (file.py:make or module:make)
   [parallel]   dp, tp, pp, schedule, microbatches, virtual_stages, seq_chunks,
                sequence_parallel, recompute, precision ("" or "bf16"), compile,
-               attention ("sdpa" or "flex")
+               attention ("sdpa" or "flex"), library_ops (op namespaces to trust)
   [data]       text = "file.txt" | tokens = "ids.pt" / "ids.bin" | dataset = "name"
                (with dataset_config, dataset_files, split, field); tokenizer ("": bytes
                as ids); seq_len, batch_size (global, sequences), val_fraction

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from autopart.cli.common import plan_flags, plan_kwargs, spec_flag
-from autopart.errors import AutopartError, positive_seconds
+from autopart.errors import AutopartError, positive_int, positive_seconds
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,10 +16,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser(
         "verify",
         help="check loss and every gradient against one device",
-        description="Run one step of each plan on real gloo ranks and compare the loss and "
-        "every gradient, by the model's parameter names, with the model on one device (float64 "
-        "by default: PASS within 1e-9 relative, or the tolerance of the model's own "
-        "lower-precision parts). Exit code 0 when every plan passes.",
+        description="Run one step of each plan on real gloo ranks and compare the loss and\n"
+        "every gradient, by the model's parameter names, with the model on one device\n"
+        "(float64 by default: PASS within 1e-9 relative, or the tolerance of the model's\n"
+        "own lower-precision parts). Exit code 0 when every plan passes.",
         epilog="examples:\n"
         "  autopart verify --model examples/nanogpt.py:make --dp 2 --microbatches 2\n"
         '  autopart verify --model autopart.models.zoo:llama --plans "tp=2; pp=2,seq1f1b,k=2,m=2"'
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     v.add_argument(
         "--nnodes",
-        type=int,
+        type=positive_int,
         default=1,
         help="torchrun agents meeting by c10d rendezvous on 127.0.0.1, as separate "
         "machines would (default 1)",

@@ -394,7 +394,10 @@ def check_extra(name: str, t: Any, shape: tuple[int, ...]) -> torch.Tensor:
 def capture(model: nn.Module, example_inputs: Batch, roll: bool = True) -> Captured:
     """Export ``model`` (real or meta device) into an annotated functional graph. The example
     batch's optional tensors (``attention_mask``, ``position_ids``) are passed to the model by
-    name and become data inputs of the graph; the model's ``forward`` must take them."""
+    name and become data inputs of the graph; the model's ``forward`` must take them.
+    ``roll`` (default): where export fixed the sequence length (a Python loop over the tokens),
+    roll the loop back up so the graph fits any length (``autopart.frontend.loops``); False
+    keeps export's graph as it is."""
     fields = batch_fields(check_batch(example_inputs))
     accepts(model, [k for k in fields if k in OPTIONAL])
     _refuse_backward_hooks(model)

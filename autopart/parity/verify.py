@@ -39,7 +39,7 @@ from autopart.frontend.capture import (
     to_sympy,
 )
 from autopart.frontend.spec import Factory, build
-from autopart.layout import SCHEDULES, Plan
+from autopart.layout import SCHEDULES, SPLITS, Plan
 from autopart.parity.checks import fork_ranks
 from autopart.program.format import Shard
 from autopart.runtime.launch import launch, launch_forked  # noqa: F401 - verify's API
@@ -306,7 +306,8 @@ _PLAN_WORDS = {
 PLANS_HELP = (
     "plans separated by ';', each a comma-separated list of dp=N, tp=N, pp=N, m=N "
     "(micro-batches), v=N (virtual stages), k=N (sequence chunks), mem=GIB, a schedule "
-    "name, sp (sequence parallel), uniform or balanced (chunk split), recompute=selective|full, "
+    "name, sp (sequence parallel), uniform, balanced or measured (chunk split), "
+    "recompute=selective|full, "
     "attention=flex"
 )
 
@@ -333,7 +334,7 @@ def parse_plans(text: str, spec: str | Factory, base: dict[str, Any] | None = No
                 fields["schedule"] = word
             elif word == "sp":
                 fields["sequence_parallel"] = True
-            elif word in ("uniform", "balanced"):
+            elif word in SPLITS:
                 fields["seq_split"] = word
             else:
                 raise AutopartError(f"plan {plan!r}: cannot read {word!r}", hint=PLANS_HELP)
@@ -693,15 +694,19 @@ def verify(
     sequence_parallel: bool = False,
     max_stage_memory_gb: float | None = None,
     recompute: str = "none",
+    attention: str = "sdpa",
+    library_ops: Sequence[str] = (),
     dtype: str = "float64",
     timeout_s: float = 300.0,
     workdir: str | Path | None = None,
     nnodes: int = 1,
     compile: bool = False,
     via: str = "torchrun",
+    device: str = "cpu",
 ) -> Report:
     """Run one step of the plan on real ranks and compare with one device (see module doc);
-    raises the ``AutopartError`` of a refused plan or a failing rank."""
+    raises the ``AutopartError`` of a refused plan or a failing rank. The plan keywords are
+    ``parallelize``'s; the others ``verify_many``'s."""
     check = Check(
         spec,
         dp=dp,
@@ -715,6 +720,8 @@ def verify(
         sequence_parallel=sequence_parallel,
         max_stage_memory_gb=max_stage_memory_gb,
         recompute=recompute,
+        attention=attention,
+        library_ops=tuple(library_ops),
     )
     (result,) = verify_many(
         [check],
@@ -724,6 +731,7 @@ def verify(
         nnodes=nnodes,
         compile=compile,
         via=via,
+        device=device,
     ).values()
     if isinstance(result, AutopartError):
         raise result

@@ -113,7 +113,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--timeout",
         type=positive_seconds,
         default=300.0,
-        help="seconds any distributed wait may take",
+        help="seconds any distributed wait may take (default 300)",
     )
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line per step")
     p.add_argument(
@@ -143,7 +143,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=int,
         default=0,
         metavar="N",
-        help="also save a checkpoint after every N steps (needs --checkpoint-dir)",
+        help="also save a checkpoint after every N steps (needs --checkpoint-dir; default 0: "
+        "only after the last step)",
     )
     p.add_argument(
         "--keep-checkpoints",
