@@ -11,6 +11,8 @@ costs, the lowering, the runtime and the tests.
 - ``computation_digest(gm)``: what a captured graph computes, as a short digest (its ops and
   their constants): a checkpoint records it and refuses another model whose parameters have
   the same names and shapes (``runtime/checkpoint.py``).
+- ``kv_dtypes(gm)``: the dtype of each of a Seq1F1B stage graph's prefix and carry inputs, so
+  that the runtime's empty first ones match what later chunks hand over.
 - ``reaches``, ``only_user``, ``row_max_of``, ``cuts_last_column``: the node tests that
   ``canonicalize_attention`` and the runtime's FlexAttention lowering both read attention with.
 
@@ -121,6 +123,17 @@ def device_free(gm: fx.GraphModule) -> None:
             )
     gm.graph.lint()
     gm.recompile()
+
+
+def kv_dtypes(gm: fx.GraphModule) -> list[torch.dtype]:
+    """The dtype of each ``kv`` input of ``gm`` (K/V prefixes, carried inputs and states), in
+    order: each travels in the dtype of the value it carries (an integer running count, a
+    float32 state in a bf16 model), and the first chunk's empty one must be of it too."""
+    return [
+        n.meta["val"].dtype
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and getattr(n.meta.get(META_INPUT), "kind", None) == "kv"
+    ]
 
 
 def remove_dead(gm: fx.GraphModule) -> None:

@@ -1339,6 +1339,69 @@ def recurrence(n: fx.Node) -> Recurrence | None:
     return Recurrence(n, dim) if n.meta[META_SEQ_DIM] % nd == dim else None
 
 
+_CARRIED_SCANS = {
+    aten.cumprod.default: "cumprod",
+    aten.logcumsumexp.default: "logcumsumexp",
+    aten.cummax.default: "cummax",
+    aten.cummin.default: "cummin",
+}
+
+
+@dataclass(frozen=True)
+class CarriedScan:
+    """A running product, log-sum-exp, max or min along the sequence: its value at token t is
+    f(its value at t − 1, x[t]), so a chunk continues it from the value at the previous chunk's
+    last token, which the chunk pass carries (scanning [carry; chunk] and dropping the carry's
+    entry: the same operations, in the same order, as the unchunked scan; minGRU's and
+    minLSTM's log-space scans, a running maximum)."""
+
+    node: fx.Node
+    dim: int
+
+    @property
+    def value(self) -> fx.Node:
+        """A node of the running value's shape and dtype (the input of a cummax, whose output
+        is a pair of values and positions)."""
+        return node_arg(self.node, 0) if isinstance(self.node.meta["val"], tuple) else self.node
+
+
+def carried_scan(n: fx.Node) -> CarriedScan | None:
+    """``n`` as a ``CarriedScan`` when it scans along its input's sequence dim (the prover
+    recorded it: ``meta["autopart.seq_dim"]``), else None."""
+    if n.target not in _CARRIED_SCANS:
+        return None
+    x = node_arg(n, 0)
+    seq, nd = x.meta.get(META_SEQ_DIM), _ndim(x)
+    dim = _dim_arg(n, 1, 0) % nd
+    return CarriedScan(n, dim) if seq is not None and seq % nd == dim else None
+
+
+def _carried_scan(p: _Prover, n: fx.Node) -> Any:
+    """A running product, log-sum-exp, max or min: along the sequence of every token of the
+    chunk's own length, carried (``CarriedScan``); along another dim, token by token. The
+    positions a cummax or cummin returns count from the scan's start: read, they are refused."""
+    x, name = node_arg(n, 0), _CARRIED_SCANS[cast(Any, n.target)]
+    v, nd = p.env.get(x), _ndim(x)
+    if not (isinstance(v, Seq) and v.dim % nd == _dim_arg(n, 1, 0) % nd):
+        return p._carry(n)
+    if v.inner != ONE or v.part != 1 or not is_length(x, v.dim, p.gm):
+        raise Mixes(
+            f"a {name} along a tp rank's share of the sequence or along tokens merged with "
+            "other dims"
+        )
+    if any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in n.users):
+        raise Mixes(
+            f"the positions a {name} along the sequence returns (each chunk would count them "
+            "from its own first token)"
+        )
+    return p._carry(n)
+
+
+def _rows_carried_scan(p: _Prover, n: fx.Node) -> Any:
+    """Rows: a running product, log-sum-exp, max or min along any dim but the batch's."""
+    return _carry_unless_along(p, n, _scan(_CARRIED_SCANS[cast(Any, n.target)])(n))
+
+
 def _linear_scan(p: _Prover, n: fx.Node) -> Any:
     """A linear recurrence: along the sequence, a carried state (``Recurrence``); along another
     dim, token by token."""
@@ -2127,6 +2190,7 @@ _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.arange.start: _arange,
     aten.arange.start_step: _arange,
     aten.cumsum.default: _cumsum,
+    **dict.fromkeys(_CARRIED_SCANS, _carried_scan),
     **dict.fromkeys(CONVS, _convolution),
     **dict.fromkeys(_PADS, _padding),
     SDPA: _attention,
@@ -2374,6 +2438,7 @@ _ROWS: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.arange.start: _rows_arange,
     aten.arange.start_step: _rows_arange,
     aten.cumsum.default: lambda p, n: _carry_unless_along(p, n, _scan("cumsum")(n)),
+    **dict.fromkeys(_CARRIED_SCANS, _rows_carried_scan),
     **dict.fromkeys(_PADS, lambda p, n: _carry_unless_along(p, n, _pad(n))),
     LINEAR_SCAN: _rows_scan,
 }
@@ -2456,10 +2521,12 @@ __all__ = [
     "SOFTMAX",
     "SUMMED",
     "CONVS",
+    "CarriedScan",
     "CausalConv",
     "Mixes",
     "Routed",
     "Seq",
+    "carried_scan",
     "causal_conv",
     "fill_value",
     "is_positions",

@@ -3,10 +3,12 @@
 Invariant (Seq1F1B plans): cut a micro-batch's sequence into chunks of lengths s_0 … s_{k−1}.
 Running a stage graph on chunk j — its tokens (or the previous stage's activations for them),
 ``offset`` = s_0 + … + s_{j−1}, for each attention layer the K/V *prefix* of the chunks before
-it, for each causal convolution the inputs it *carries* over from them, and for each state
-scan the state they ended with — returns the chunk's outputs and, appended, each attention
-layer's K/V with this chunk's added (the next chunk's prefix), each causal convolution's last
-(k − 1)·d inputs and each scan's state after the chunk (the next chunk's carries). Chunk lengths
+it, for each causal convolution the inputs it *carries* over from them, for each state scan
+and linear recurrence the state they ended with, and for each running product, log-sum-exp,
+maximum or minimum its value at their last token — returns the chunk's outputs and, appended,
+each attention layer's K/V with this chunk's added (the next chunk's prefix), each causal
+convolution's last (k − 1)·d inputs, each scan's state and each running value after the chunk
+(the next chunk's carries). Chunk lengths
 are multiples of every scan's block of Q tokens (``meta["autopart.seq_block"]``).
 Together the chunks compute exactly what the unchunked graph computes on the whole sequence;
 the loss output is the chunk's summed cross entropy, so the chunks' losses add up to the
@@ -24,7 +26,9 @@ What changes in the graph:
   ``[b, channels, W_j]`` with a symbolic length of its own (0 for the first chunk, then the
   convolution's window (k − 1)·d), then ``("kv", "2A+C+j")`` — the state the j-th state scan
   (``seq_rules.StateScan``) ended the previous chunk with, one block long (0 for the first
-  chunk);
+  chunk), then one per linear recurrence (``seq_rules.Recurrence``: a rolled-up token loop, a
+  cumsum of values) and one per running scan (``seq_rules.CarriedScan``), one token long (0
+  for the first chunk);
 - **positions**: every ``arange`` over the sequence length from 0 (learned positions, rotary
   tables, Hugging Face's ``cache_position``) becomes ``arange(s) + offset``, and every running
   count ``cumsum(full(c))`` (OPT's positions from an all-ones mask) gains ``c · offset``;
@@ -40,7 +44,10 @@ What changes in the graph:
   length and equals the whole sequence's at these tokens;
 - **state scans** (Mamba-2's SSD): the scan starts from the last block of [zeros; carried
   state] instead of its zeros, so each chunk continues the recurrence where the previous one
-  stopped;
+  stopped; a linear recurrence (``autopart::linear_scan``) starts from the carried state;
+- **running scans** (``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin`` along the sequence):
+  the scan runs over [carry; chunk] and its users read it from the carry's length on: each
+  value is computed from the one before exactly as in the unchunked scan;
 - **sliding windows**: a layer with a window of W keys (an SDPA's, or a general form's that
   ``position_masks.score_window`` proved) hands on only the last W − 1 positions of its
   [prefix; chunk] K and V (all a later query sees), and its prefix input has a symbolic length
@@ -48,8 +55,11 @@ What changes in the graph:
 - **outputs**: the stage's outputs, then the K, V of every attention layer (whole, or trimmed
   to the window), in order,
   then each convolution's last (k − 1)·d inputs of [window; chunk] (some the carry's when the
-  chunk is shorter than the window) (prefixes are in the model's dtype: K/V an attention
-  computes in another are cast);
+  chunk is shorter than the window), then each scan's state and each running value after the
+  chunk. Each prefix and
+  carry travels in the dtype of the value it carries (GPT-J's float32 keys, an integer running
+  count, a float32 state in a bf16 model: rounded to the model's dtype they would differ from
+  the unchunked run's; ``autopart.graph.kv_dtypes`` tells the runtime);
 - **views** become reshapes (same values; the prefixed attention's output may have other
   strides than the unchunked one had).
 
@@ -102,10 +112,12 @@ from autopart.passes.seq_rules import (
     CONVS,
     LINEAR_SCAN,
     SOFTMAX,
+    CarriedScan,
     CausalConv,
     Recurrence,
     Seq,
     StateScan,
+    carried_scan,
     causal_conv,
     fill_value,
     is_length,
@@ -211,17 +223,6 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         if (sdpa.meta.get(META_WINDOW) or 0) > 1 and not sdpa.meta.get(META_DATA_MASK)
     }
     prefix_len = _prefix_symint(mode) if len(trimmed) < len(attention) else None
-    # prefixes travel in the model's dtype (the runtime's zeros for the first chunk); K/V that an
-    # attention computes in another (GPT-J's float32 keys in a float64 model) are cast to it
-    dtype = next(
-        (
-            p.meta["val"].dtype
-            for p in placeholders
-            if getattr(p.meta.get(META_INPUT), "kind", None) == "param"
-            and p.meta["val"].is_floating_point()
-        ),
-        None,
-    )
     prefixes: list[tuple[fx.Node, fx.Node]] = []
     for i, sdpa in enumerate(attention):
         pair = []
@@ -232,7 +233,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
             shape = [*val.shape[:-2], trimmed.get(i, prefix_len), val.shape[-1]]
             assert mode is not None
             with mode:
-                ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+                ph.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
             ph.meta[META_INPUT] = InputRef("kv", str(2 * i + j))
             ph.meta[META_MODULE], ph.meta[META_LAYER] = (
                 sdpa.meta.get(META_MODULE, ""),
@@ -266,6 +267,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         *(("conv_carry", c, c.x, c.dim, c.conv) for c in _causal_convs(gm)),
         *(("scan_state", c, c.zeros, c.dim, c.einsum) for c in _state_scans(gm)),
         *(("recurrence_state", r, r.b, r.dim, r.node) for r in _recurrences(gm)),
+        *(("scan_carry", c, c.value, c.dim, c.node) for c in _carried_scans(gm)),
     ):
         i = sum(1 for f, _, _ in carried if type(f) is type(found))
         with g.inserting_after(anchor):
@@ -275,7 +277,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         length = _prefix_symint(mode, f"autopart_{name}_{i}")
         shape = [*val.shape[:dim], length, *val.shape[dim + 1 :]]
         with mode:
-            ph.meta["val"] = torch.empty(shape, dtype=dtype or val.dtype, device=val.device)
+            ph.meta["val"] = torch.empty(shape, dtype=val.dtype, device=val.device)
         ph.meta[META_INPUT] = InputRef("kv", str(2 * len(prefixes) + len(carried)))
         ph.meta[META_MODULE], ph.meta[META_LAYER] = (
             at.meta.get(META_MODULE, ""),
@@ -287,6 +289,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     carries = [(c, ph, n) for c, ph, n in carried if isinstance(c, CausalConv)]
     states = [(c, ph, n) for c, ph, n in carried if isinstance(c, StateScan)]
     recurrences = [(c, ph, n) for c, ph, n in carried if isinstance(c, Recurrence)]
+    scans = [(c, ph, n) for c, ph, n in carried if isinstance(c, CarriedScan)]
 
     for n in positions:
         with g.inserting_after(n):
@@ -333,6 +336,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         kv_out.append(_scan_from_state(g, scan, ph))
     for rec, ph, _ in recurrences:
         kv_out.append(_recur_from_state(g, rec, ph))
+    for running, ph, _ in scans:
+        kv_out.append(_continue_scan(g, running, ph))
 
     outs = output.args[0]
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -346,13 +351,14 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         for ph in pair
     ]
     gm.meta[META_KV_SHAPES] = kv_shapes + [
-        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *states, *recurrences]
+        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *states, *recurrences, *scans]
     ]
     lengths = [(prefix_len, P)] if prefix_len is not None else []
     lengths += [(length, _window_symbol(i)) for i, length in trimmed.items()]
     lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
     lengths += [(length, _state_symbol(i)) for i, (_, _, length) in enumerate(states)]
     lengths += [(n, _recurrence_symbol(i)) for i, (_, _, n) in enumerate(recurrences)]
+    lengths += [(n, _scan_symbol(i)) for i, (_, _, n) in enumerate(scans)]
     if lengths:
         rc = dict(gm.meta.get(META_RANGES, {}))
         names = dict(gm.meta.get(META_SYMBOLS, {}))
@@ -405,7 +411,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule, example: int = 0) -> None:
             f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
             hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
             "position-wise ops, positions from arange or a running count, causal attention, "
-            "causal convolutions, state scans and routed experts; docs/seq1f1b.md lists them)",
+            "causal convolutions, state scans, linear recurrences, running sums, products, "
+            "log-sum-exps, maxima and minima, and routed experts; docs/seq1f1b.md lists them)",
         )
 
 
@@ -459,6 +466,57 @@ def _recurrence_symbol(i: int) -> sympy.Symbol:
     return sympy.Symbol(f"r{i}", nonnegative=True, integer=True)
 
 
+def _scan_symbol(i: int) -> sympy.Symbol:
+    """The length of carried scan ``i``'s value, for cost formulas (0, then 1)."""
+    return sympy.Symbol(f"c{i}", nonnegative=True, integer=True)
+
+
+def _carried_scans(gm: fx.GraphModule) -> list[CarriedScan]:
+    """The live running products, log-sum-exps, maxima and minima along the sequence
+    (``refuse_sequence_mixing`` proved each), in graph order."""
+    live = live_nodes(gm)
+    return [c for n in gm.graph.nodes if n in live and (c := carried_scan(n)) is not None]
+
+
+def _continue_scan(g: fx.Graph, scan: CarriedScan, carry: fx.Node) -> fx.Node:
+    """The scan runs over [carry; chunk] (the carry empty for the first chunk, the value at the
+    previous chunk's last token after it) and its users read it without the carry's entry: the
+    chunk's values, each computed from the one before exactly as the unchunked scan computes
+    it. Returns the next chunk's carry: the value at this chunk's last token."""
+    n, d = scan.node, scan.dim
+    x = node_arg(n, 0)
+    made = []
+
+    def call(target, *args, **kwargs) -> fx.Node:
+        made.append(g.call_function(target, args, kwargs))
+        return made[-1]
+
+    pair = isinstance(n.meta["val"], tuple)  # cummax, cummin: (values, positions)
+    with g.inserting_before(n):
+        src = x
+        if x.meta["val"].dtype != carry.meta["val"].dtype:  # cumprod(x, dtype=...)
+            src = call(aten._to_copy.default, x, dtype=carry.meta["val"].dtype)
+        n.replace_input_with(x, call(aten.cat.default, [carry, src], d))
+        start = call(aten.sym_size.int, carry, d)
+    values = (
+        [u for u in n.users if u.target is operator.getitem and u.args[1] == 0] if pair else [n]
+    )
+    with g.inserting_after(n):
+        whole = call(operator.getitem, n, 0) if pair else n
+    with g.inserting_after(whole):
+        cut = call(aten.slice.Tensor, whole, d, start, _END)
+    for v in values:
+        v.replace_all_uses_with(cut, delete_user_cb=lambda u: u not in (cut, whole))
+    with g.inserting_after(cut):
+        out = call(aten.slice.Tensor, whole, d, -1, _END)
+    for m in made:
+        m.meta[META_MODULE], m.meta[META_LAYER] = (
+            n.meta.get(META_MODULE, ""),
+            n.meta.get(META_LAYER),
+        )
+    return out
+
+
 def _recurrences(gm: fx.GraphModule) -> list[Recurrence]:
     """The live linear scans along the sequence (``refuse_sequence_mixing`` proved each and
     recorded its sequence dim), in graph order."""
@@ -470,26 +528,13 @@ def _recur_from_state(g: fx.Graph, rec: Recurrence, carry: fx.Node) -> fx.Node:
     """The scan starts from the carry's last state (zeros for the first chunk, whose carry is
     empty). Returns the next chunk's carry: the state after this chunk's last token."""
     n, d = rec.node, rec.dim
-    dtype = n.meta["val"].dtype  # the scan's (its inputs may be new nodes: a table's rows)
-    made = []
-    with g.inserting_before(n):
-        c = carry
-        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
-            c = g.call_function(aten._to_copy.default, (carry,), {"dtype": dtype})
-            made.append(c)
-    n.args = (*n.args[:3], c)
+    n.args = (*n.args[:3], carry)
     with g.inserting_after(n):
         out = g.call_function(aten.slice.Tensor, (n, d, -1, _END))
-    made.append(out)
-    if carry.meta["val"].dtype != dtype:
-        with g.inserting_after(out):
-            out = g.call_function(aten._to_copy.default, (out,), {"dtype": carry.meta["val"].dtype})
-        made.append(out)
-    for m in made:
-        m.meta[META_MODULE], m.meta[META_LAYER] = (
-            n.meta.get(META_MODULE, ""),
-            n.meta.get(META_LAYER),
-        )
+    out.meta[META_MODULE], out.meta[META_LAYER] = (
+        n.meta.get(META_MODULE, ""),
+        n.meta.get(META_LAYER),
+    )
     return out
 
 
@@ -508,7 +553,6 @@ def _scan_from_state(g: fx.Graph, scan: StateScan, carry: fx.Node) -> fx.Node:
     carry is empty; the state the previous chunk ended with after it) instead of its zeros.
     Returns the next chunk's carry: the state after this chunk's last block, ``out[:, -1:]``."""
     z, d = scan.zeros, scan.dim
-    dtype = z.meta["val"].dtype
     made = []
 
     def call(target, *args, **kwargs) -> fx.Node:
@@ -516,17 +560,11 @@ def _scan_from_state(g: fx.Graph, scan: StateScan, carry: fx.Node) -> fx.Node:
         return made[-1]
 
     with g.inserting_before(scan.cat):
-        c = carry
-        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
-            c = call(aten._to_copy.default, carry, dtype=dtype)
-        history = call(aten.cat.default, [z, c], d)
+        history = call(aten.cat.default, [z, carry], d)
         start = call(aten.slice.Tensor, history, d, -1, _END)
     scan.cat.replace_input_with(z, start)
     with g.inserting_after(scan.einsum):
         out = call(aten.slice.Tensor, scan.einsum, scan.out_dim, -1, _END)
-    if carry.meta["val"].dtype != dtype:  # back in the model's dtype
-        with g.inserting_after(out):
-            out = call(aten._to_copy.default, out, dtype=carry.meta["val"].dtype)
     for m in made:
         m.meta[META_MODULE], m.meta[META_LAYER] = (
             scan.einsum.meta.get(META_MODULE, ""),
@@ -573,26 +611,18 @@ def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.No
         made.append(g.call_function(target, args))
         return made[-1]
 
-    dtype = x.meta["val"].dtype
     with g.inserting_before(n):
-        c = carry
-        if carry.meta["val"].dtype != dtype:  # carries travel in the model's dtype
-            c = g.call_function(aten._to_copy.default, (carry,), {"dtype": dtype})
-            made.append(c)
         # zeros of the window's length (the carry's other sizes; a pad would pin its symbolic
         # sizes to numbers)
         size = [
-            w if i == d else call(aten.sym_size.int, c, i) if isinstance(k, torch.SymInt) else k
+            w if i == d else call(aten.sym_size.int, carry, i) if isinstance(k, torch.SymInt) else k
             for i, k in enumerate(carry.meta["val"].shape)
         ]
-        zeros = call(aten.new_zeros.default, c, size)
-        history = call(aten.cat.default, [zeros, c], d)
+        zeros = call(aten.new_zeros.default, carry, size)
+        history = call(aten.cat.default, [zeros, carry], d)
         window = call(aten.slice.Tensor, history, d, -w, _END)
         joined = call(aten.cat.default, [window, x], d)
         out = call(aten.slice.Tensor, joined, d, -w, _END)
-        if carry.meta["val"].dtype != dtype:  # back in the model's dtype
-            out = g.call_function(aten._to_copy.default, (out,), {"dtype": carry.meta["val"].dtype})
-            made.append(out)
     if conv.pad is not None:  # conv(pad(x)) → conv([window; x]) (each conv its own carry)
         n.replace_input_with(conv.pad, joined)
         if not conv.pad.users:
@@ -648,13 +678,9 @@ def _attend_with_prefix(
         if key not in ("attn_mask", "dropout_p", "is_causal")
     }
     made: list[fx.Node] = []
-
-    def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
-        return _cast(g, x, src, to, made)
-
     with g.inserting_before(sdpa):
-        k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
-        v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
+        k_full = g.call_function(aten.cat.default, ([kp, k], -2))
+        v_full = g.call_function(aten.cat.default, ([vp, v], -2))
         names = tuple(sdpa.meta.get(META_DATA_MASK) or ())
         if sdpa.meta.get(META_MASK_FN):  # a function of positions: its key length is Lk now
             mask = node_arg(sdpa, 3)
@@ -672,7 +698,7 @@ def _attend_with_prefix(
             last = 1 - int(sdpa.meta[META_WINDOW])  # -(W - 1)
             kept = [g.call_function(aten.slice.Tensor, (x, -2, last, _END)) for x in kept]
             made += kept
-        outs = [cast(kept[0], k, kp), cast(kept[1], v, vp)]
+        outs = kept
     for n in (k_full, v_full, new, *made):
         n.meta[META_MODULE], n.meta[META_LAYER] = (
             sdpa.meta.get(META_MODULE, ""),
@@ -690,14 +716,6 @@ def _attend_with_prefix(
     return outs
 
 
-def _cast(g: fx.Graph, x: fx.Node, src: fx.Node, to: fx.Node, made: list[fx.Node]) -> fx.Node:
-    """``x`` (of ``src``'s dtype) in ``to``'s dtype; a cast made is appended to ``made``."""
-    if src.meta["val"].dtype == to.meta["val"].dtype:
-        return x
-    made.append(g.call_function(aten._to_copy.default, (x,), {"dtype": to.meta["val"].dtype}))
-    return made[-1]
-
-
 def _qkv(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node]:
     """q, k, v of a canonical attention: an SDPA's first arguments, or a general form's."""
     return scored_qkv(n) if is_scored(n) else (node_arg(n, 0), node_arg(n, 1), node_arg(n, 2))
@@ -711,7 +729,7 @@ def _score_with_prefix(
     (the score function is elementwise, so the chunk's rows of it are the same function of
     the positions); returns (K, V) whole, or with ``trim`` (a sliding window of W keys,
     ``position_masks.score_window``: shifting positions changes nothing) their last W − 1
-    positions, in the prefixes' dtype."""
+    positions."""
     q, k, v = scored_qkv(pv)
     group, stack = [], [node_arg(pv, 0)]
     while stack:  # the score function's nodes, back to q·kᵀ
@@ -722,24 +740,20 @@ def _score_with_prefix(
     qk = next(n for n in group if n.meta[META_SCORES] == "qk")
     kt = node_arg(qk, 1)  # kᵀ
     made: list[fx.Node] = []
-
-    def cast(x: fx.Node, src: fx.Node, to: fx.Node) -> fx.Node:
-        return _cast(g, x, src, to, made)
-
     last = 1 - int(pv.meta[META_WINDOW]) if trim else 0  # -(W - 1): all a later query sees
 
-    def handed_on(full: fx.Node, like: fx.Node) -> fx.Node:
+    def handed_on(full: fx.Node) -> fx.Node:
         if trim:
             made.append(g.call_function(aten.slice.Tensor, (full, -2, last, _END)))
             full = made[-1]
-        return cast(full, like, kp)
+        return full
 
     with g.inserting_before(kt):
-        k_full = g.call_function(aten.cat.default, ([cast(kp, kp, k), k], -2))
-        k_out = handed_on(k_full, k)
+        k_full = g.call_function(aten.cat.default, ([kp, k], -2))
+        k_out = handed_on(k_full)
     with g.inserting_before(pv):
-        v_full = g.call_function(aten.cat.default, ([cast(vp, vp, v), v], -2))
-        v_out = handed_on(v_full, v)
+        v_full = g.call_function(aten.cat.default, ([vp, v], -2))
+        v_out = handed_on(v_full)
     kt.replace_input_with(k, k_full)
     pv.replace_input_with(v, v_full)
     for m in group:

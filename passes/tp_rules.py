@@ -146,6 +146,16 @@ def _split(n, dims):
     return _first(n, dims)  # splits along the split dim are strided: handled by the pass
 
 
+def _unbind(n, dims):
+    """``x.unbind(dim)`` (``q, k, v = qkv.unbind(2)``): each part keeps the split, one dim
+    lower when ``dim`` was before it; unbinding the split dim itself is not proven."""
+    d = _first(n, dims)
+    dim = _norm(n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0), _ndim(n.args[0]))
+    if d == dim:
+        raise Illegal("unbinds the split dim")
+    return d - (dim < d)
+
+
 def _cat(n, dims):
     tensors = n.args[0]
     if not all(t in dims for t in tensors):
@@ -349,6 +359,7 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.select.int: _not_along(1),
     aten.repeat_interleave.self_int: _repeat_interleave,
     aten.split.Tensor: _split,
+    aten.unbind.int: _unbind,
     aten.split_with_sizes.default: _split,
     aten.chunk.default: _split,
     aten.cat.default: _cat,
@@ -357,6 +368,17 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.softmax.int: _not_along(1),
     aten._softmax.default: _not_along(1),
     aten.log_softmax.int: _not_along(1),
+    # running sums, products, log-sum-exps, maxima and minima: each feature on its own
+    **dict.fromkeys(
+        (
+            aten.cumsum.default,
+            aten.cumprod.default,
+            aten.logcumsumexp.default,
+            aten.cummax.default,
+            aten.cummin.default,
+        ),
+        _not_along(1),
+    ),
     aten.mean.dim: _reduce,
     aten.sum.dim_IntList: _reduce,
     aten.amax.default: _reduce,

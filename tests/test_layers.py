@@ -132,6 +132,7 @@ REGISTRIES: dict[tuple[str, str], str] = {
     ("passes/seq_rules.py", "_ALONG"): "op → the dims it works along (sequence rules)",
     ("passes/seq_rules.py", "_FILLS"): "fill op → where its fill value is",
     ("passes/seq_rules.py", "_SPECIAL"): "op → its sequence rule",
+    ("passes/seq_rules.py", "_CARRIED_SCANS"): "running-scan op → its name",
     ("passes/seq_rules.py", "_ROWS"): "op → its rule with the batch in the sequence's place",
     ("passes/seq_rules.py", "SIZE_ARGS"): "op → its size arguments",
     ("passes/position_masks.py", "_LENGTH_ARGS"): "op → where a mask's construction may read "

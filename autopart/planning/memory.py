@@ -37,6 +37,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopart.graph import kv_dtypes
 from autopart.layout import Coords, Mesh
 from autopart.lowering import compile_program
 from autopart.meta import META_KV_SHAPES
@@ -83,11 +84,9 @@ def _unit_bytes(
             params, buffers, coords = feeds[s]
             prefix = kv.get(s) or [
                 torch.empty(
-                    [micro_batch if d == "b" else d for d in shape],
-                    dtype=compute or _dtype(params),
-                    device=device,
+                    [micro_batch if d == "b" else d for d in shape], dtype=dt, device=device
                 )
-                for shape in kv_shapes
+                for shape, dt in zip(kv_shapes, kv_dtypes(gm), strict=True)
             ]
             prefix = [t.detach().requires_grad_() for t in prefix]
             data, keys = chunk_feeds(batch, a, e)
@@ -132,10 +131,6 @@ def _weights(
         params[fqn] = torch.nn.Parameter(torch.empty(shape, dtype=full.dtype, device=device))
     buffers = {k: mode.from_tensor(v).to(device) for k, v in program.buffers.items()}
     return params, buffers, rp.coords
-
-
-def _dtype(params: dict[str, torch.Tensor]) -> torch.dtype:
-    return next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
 
 
 class _Probe(fx.Interpreter):

@@ -35,7 +35,7 @@ from torch import fx, nn
 from autopart import collectives
 from autopart.errors import AutopartError, NotAModuleError, first_line, wait
 from autopart.frontend.capture import check_extra, label_layout
-from autopart.graph import copy_graph
+from autopart.graph import copy_graph, kv_dtypes
 from autopart.layout import Plan
 from autopart.meta import META_INPUT, META_KV_SHAPES
 from autopart.program.feeds import chunk_feeds, stage_inputs
@@ -344,6 +344,7 @@ class Runner:
         self.chunk_cost = program.chunk_cost
         self._bounds: dict[int, list[tuple[int, int]]] = {}  # sequence length → chunk bounds
         self._n_kv = {stage: len(v) for stage, v in self._kv_shapes.items()}
+        self._kv_dtypes = {st.stage: kv_dtypes(st.graph) for st in program.stages}
         # compile=True: each stage graph through torch.compile (Inductor; collectives stay graph
         # nodes). Sequence chunks differ in length, so Seq1F1B compiles with dynamic shapes.
         if compile:  # a persistent cache: a second run reuses the first one's kernels
@@ -1348,12 +1349,10 @@ class Runner:
             if before is None:
                 b = mb["input_ids"].shape[0]
                 before = [
-                    torch.zeros(
-                        [b if d == "b" else d for d in shape],
-                        dtype=self._compute or self._dtype,
-                        device=self.device,
+                    torch.zeros([b if d == "b" else d for d in shape], dtype=dt, device=self.device)
+                    for shape, dt in zip(
+                        self._kv_shapes[action.stage], self._kv_dtypes[action.stage], strict=True
                     )
-                    for shape in self._kv_shapes[action.stage]
                 ]
             # (an integer carry, a running count of a padded mask, has no gradient)
             prefix = [t.detach().requires_grad_(t.is_floating_point()) for t in before]

@@ -42,9 +42,8 @@ MIXES: dict[str, Mix] = {
         F.pad(x.transpose(1, 2), (2, 0)), 3, 1
     ).transpose(1, 2),
     "a windowed unfold": lambda m, x: F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1).mean(-1),
-    "cummax": lambda m, x: x.cummax(1).values,
-    "logcumsumexp": lambda m, x: x.logcumsumexp(1),
-    "cumprod": lambda m, x: torch.sigmoid(x).cumprod(1),
+    # a running maximum chunks (RUNNING_SUMS); the positions it returns count from its start
+    "the positions of a running maximum": lambda m, x: x.cummax(1).indices.to(x.dtype) / 16,
     "a sort": lambda m, x: x.sort(1).values,
     "a top-k": lambda m, x: x.topk(2, dim=1).values.mean(1, keepdim=True).expand_as(x),
     "the first token": lambda m, x: x[:, :1].expand_as(x),
@@ -154,7 +153,7 @@ DEFAULT = {
     "token shift by a pad",
     "the next token",
     "an FFT convolution",
-    "cummax",
+    "the positions of a running maximum",
     "a sort",
     "the first token",
     "a lower-triangular mixing matrix",
@@ -240,6 +239,12 @@ RUNNING_SUMS: dict[str, Mix] = {
     # table's running sum crashed the chunk pass (the twenty-fifth session's probe)
     "a running sum of a running sum": lambda m, x: x.cumsum(1).cumsum(1) / 16,
     "a running sum of a table's rows": lambda m, x: m.w[: x.shape[1], :16].cumsum(0),
+    # scans of another associative step, carried since the twenty-sixth session (they were
+    # in MIXES, refused as "a cummax / logcumsumexp / cumprod along the sequence")
+    "a running maximum": lambda m, x: x.cummax(1).values,
+    "a running minimum": lambda m, x: torch.cummin(x, 1)[0],
+    "a running log-sum-exp": lambda m, x: x.logcumsumexp(1) / 4,
+    "a running product": lambda m, x: torch.sigmoid(x).cumprod(1),
 }
 
 
@@ -247,8 +252,9 @@ RUNNING_SUMS: dict[str, Mix] = {
 def test_a_running_sum_chunks_exactly(name: str) -> None:
     """A running mean, ``x.cumsum(1) / (1 … s)``, and causal linear attention written with
     cumsums were refused with the other scans; a cumsum along the sequence is a carried
-    recurrence now (``sequence_chunk.running_sums``): the probe's two blocks chunk exactly at
-    two cuts (float carries, with their gradients)."""
+    recurrence now (``sequence_chunk.running_sums``), and a running max, min, log-sum-exp or
+    product continues from the previous chunk's last value (``seq_rules.CarriedScan``): the
+    probe's two blocks chunk exactly at two cuts (float carries, with their gradients)."""
     ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
     model = _Probe(RUNNING_SUMS[name])
     for block in model.blocks:  # the mixing matrix other constructs read: unused here

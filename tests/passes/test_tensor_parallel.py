@@ -560,6 +560,41 @@ def test_unprovable_region_falls_back_to_replicated(op: str, caplog) -> None:
     assert torch.isfinite(run_local(case, gm, 2))
 
 
+class ScanMLP(nn.Module):
+    """An MLP whose hidden features are scanned along the sequence (dim 1) or stacked and
+    unbound again: each feature on its own, so the split passes."""
+
+    def __init__(self, mlp: nn.Module, op: str) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj, self.op = mlp.c_fc, mlp.c_proj, op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.c_fc(x))
+        if self.op == "unbind":
+            a, b = torch.stack([h, 2 * h], 0).unbind(0)
+            h = a - b / 4
+        elif self.op in ("cummax", "cummin"):
+            h = getattr(h, self.op)(1).values
+        elif self.op == "cumprod":
+            h = torch.sigmoid(h).cumprod(1)
+        else:
+            h = getattr(h, self.op)(1)
+        return self.c_proj(h)
+
+
+@pytest.mark.parametrize("op", ["cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "unbind"])
+def test_a_scan_along_the_sequence_or_an_unbind_keeps_the_split(op: str) -> None:
+    """Scans along the sequence and ``unbind`` of another dim left the MLP replicated ("no
+    sharding rule"); they keep each feature apart, so the MLP splits (parity on real ranks:
+    tests/test_parity_mixers.py, ``products``)."""
+    case = _with_mlp(lambda mlp: ScanMLP(mlp, op))
+    gm = _compile(case, 2)
+    shards = {pattern(f): p.meta[META_SHARD] for f, p in params(gm).items()}
+    assert shards["transformer.h.*.mlp.c_fc.weight"] == TPShard(0)
+    assert shards["transformer.h.*.mlp.c_proj.weight"] == ROW
+    assert torch.isfinite(run_local(case, gm, 2))
+
+
 class UnevenQKV(nn.Module):
     """Grouped-query attention with one fused projection cut into q | k | v of unequal widths
     (4 query heads, 2 KV heads of 8): ``qkv(x).split([32, 16, 16])``."""
