@@ -5,7 +5,9 @@ matmuls' input features only through ops that keep the split local (pointwise op
 attention, head reshapes, rotary slicing, GQA repeats) — runs on tp ranks with:
 
 - column weights (and biases) split by output features, strided when the output is split into
-  equal parts afterwards (fused QKV: each rank keeps its heads of q, k and v);
+  equal parts afterwards, or viewed as a count of groups tp does not divide followed by the
+  heads (fused QKV as nanoGPT's ``split`` or timm's ``view(b, s, 3, heads, hd)``: each rank
+  keeps its heads of q, k and v);
 - one ``autopart::tp_copy`` (f) on each distinct input of the region's column matmuls;
 - row weights split by input features; each row matmul followed by one ``autopart::tp_reduce``
   (g), its bias added after the reduction;
@@ -61,6 +63,7 @@ from autopart.passes.tp_rules import (
     spread,
     tensor_of,
     tensor_val,
+    view_groups,
     view_map,
 )
 
@@ -85,8 +88,13 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     excluded: set[fx.Node] = set()
     kv: set[fx.Node] = set()  # the key/value projections kept whole (fewer heads than tp)
+    grouped: set[fx.Node] = set()  # views splitting each of their groups (strided shards)
     while True:
-        sp = spread(gm, _columns_but(excluded | kv))
+        sp = spread(gm, _columns_but(excluded | kv), grouped=grouped)
+        more = _grouped_views(sp, tp) - grouped
+        if more:
+            grouped |= more
+            continue
         bad = _invalid_regions(sp, tp, kv)
         if not bad:
             cut = _kv_columns(sp, tp)
@@ -111,7 +119,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             tp,
         )
     _check_divisible(sp, tp)
-    strided = _strided(sp)
+    strided = _strided(sp, grouped)
     for n in sp.columns:
         form = matmul_form(n)
         assert form is not None  # spread's columns and rows are matmul forms
@@ -122,7 +130,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         _split_row(gm, form)
     selects = _select_heads(gm, sp, tp)
     for n in list(sp.dims):
-        _rewrite_constants(n, sp.dims, tp)
+        _rewrite_constants(n, sp.dims, tp, n in grouped)
         n.meta[META_TP_SPLIT] = sp.dims[n]
     sum_partial_grads(gm, sp.dims, {*sp.columns, *selects})
     _mask_heads(gm, sp, tp)
@@ -329,9 +337,29 @@ def _check_divisible(sp, tp: int) -> None:
             )
 
 
-def _strided(sp) -> dict[fx.Node, int]:
-    """Column matmuls whose split output is cut into equal parts along the split dim."""
+def _grouped_views(sp, tp: int) -> set[fx.Node]:
+    """The views that would put the split on a count of groups tp does not divide (timm's
+    ``qkv.view(b, s, 3, heads, hd)``: the 3 of q, k, v, which left the attention replicated)
+    while each group's heads can be split: ``view_map(..., grouped=True)`` splits those."""
+    return {
+        n
+        for n in sp.dims
+        if n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+        and node_arg(n, 0) in sp.dims
+        and (g := view_groups(n, sp.dims[node_arg(n, 0)])) is not None
+        and g % tp
+    }
+
+
+def _strided(sp, grouped: set[fx.Node]) -> dict[fx.Node, int]:
+    """Column matmuls whose split output is cut into equal parts along the split dim, or viewed
+    as groups each split (``grouped``)."""
     out: dict[fx.Node, int] = {}
+    for n in grouped & sp.dims.keys():
+        src = node_arg(n, 0)
+        while src not in sp.columns:  # back to the column matmul through local ops
+            src = node_arg(src, 0)
+        out[src] = int(tensor_of(n).shape[sp.dims[n] - 1])
     for n in sp.dims:
         if n.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             continue
@@ -627,9 +655,11 @@ def _route_partial(gm: fx.GraphModule, selects: list[fx.Node]) -> None:
                 n.replace_input_with(a, _grad_summed(gm, a, reduced))
 
 
-def _rewrite_constants(n: fx.Node, dims: dict[fx.Node, int], tp: int) -> None:
+def _rewrite_constants(
+    n: fx.Node, dims: dict[fx.Node, int], tp: int, grouped: bool = False
+) -> None:
     if n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        _, idx = view_map(n, dims[node_arg(n, 0)])
+        _, idx = view_map(n, dims[node_arg(n, 0)], grouped)
         _divide(n, 1, idx, tp)
     elif n.target == aten.expand.default:
         _divide(n, 1, dims[n], tp)

@@ -10,7 +10,8 @@ never shards through an op it does not understand.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import Any
 
 import sympy
 import torch
@@ -126,6 +127,18 @@ def _not_along(arg: int):
     return rule
 
 
+def _expand_as(n, dims):
+    """``x.expand_as(like)`` (``F.normalize``'s norm expanded to x): both split along the same
+    output dim, so each rank expands its part to its part's shape."""
+    x, like = n.args[0], n.args[1]
+    if x not in dims or like not in dims:
+        raise Illegal("expands between a split and a replicated value")
+    d = dims[x] + _ndim(like) - _ndim(x)
+    if dims[like] != d:
+        raise Illegal("expands to a value split along another dim")
+    return d
+
+
 def _repeat_interleave(n, dims):
     """``x.repeat_interleave(r, dim)``: each of the dim's rows repeated r times in place, so a
     rank's contiguous block of rows gives the output's block of the same ranks (GQA's key
@@ -192,14 +205,16 @@ def _flatten(n, dims):
     raise Illegal("flattens the split dim into an outer one")
 
 
-def _reduce(n, dims):
+def _reduce(n, dims, at: int = 1):
+    """A reduction over the dims of argument ``at`` (``linalg_vector_norm``'s come after its
+    order: 2), kept when its next argument, keepdim, says so."""
     d = _first(n, dims)
     nd = _ndim(n.args[0])
-    over = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    over = n.args[at] if len(n.args) > at else n.kwargs.get("dim")
     if over is None or (isinstance(over, (list, tuple)) and not over):
         over = list(range(nd))  # dim None or [] (``x.sum(dim=())``): every dim
     over = [_norm(x, nd) for x in (over if isinstance(over, (list, tuple)) else [over])]
-    keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+    keep = n.args[at + 1] if len(n.args) > at + 1 else n.kwargs.get("keepdim", False)
     if d in over:
         raise Illegal("reduces over the split dim")
     return d if keep else d - sum(x < d for x in over)
@@ -308,9 +323,12 @@ def _sym(x: int | torch.SymInt) -> sympy.Expr:
     return sympy.sympify(x.node.expr) if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
 
 
-def view_map(n: fx.Node, d: int) -> tuple[int, int]:
+def view_map(n: fx.Node, d: int, grouped: bool = False) -> tuple[int, int]:
     """For a view/reshape of a tensor split along ``d``: (output dim now split, index in the
-    output shape list whose literal must be divided by tp; -1 if none)."""
+    output shape list whose literal must be divided by tp; -1 if none). ``grouped``: the
+    split dim's leading factor is a count of groups (``qkv.view(b, s, 3, heads, hd)``: q, k
+    and v) each split by tp — a strided shard, as for a ``split`` of the split dim — so the
+    split lands on the dim after the count."""
     src, out = tensor_of(n.args[0]), tensor_of(n)
     before = sympy.Mul(*[_sym(x) for x in src.shape[:d]])
     size = _sym(src.shape[d])
@@ -318,6 +336,10 @@ def view_map(n: fx.Node, d: int) -> tuple[int, int]:
     for j, o in enumerate(out.shape):
         if sympy.simplify(acc - before) == 0:
             o = _sym(o)
+            if grouped:
+                if _groups_at(out.shape, j, size):
+                    return j + 1, j + 1
+                break
             inner_ok = (
                 sympy.simplify(size % o) == 0 if o.is_number and size.is_number else o == size
             )
@@ -327,6 +349,36 @@ def view_map(n: fx.Node, d: int) -> tuple[int, int]:
             break
         acc = acc * _sym(o)
     raise Illegal(f"view cannot keep dim {d} ({src.shape[d]}) split")
+
+
+def _groups_at(shape: Any, j: int, size: sympy.Expr) -> bool:
+    """``shape[j:j + 3]`` cuts the split dim of ``size`` into groups of heads of a width (``3,
+    heads, hd``), all fixed numbers: the count ``shape[j]`` is of groups, not of heads (a
+    ``heads, hd`` view is not grouped)."""
+    if j + 2 >= len(shape) or not size.is_number:
+        return False
+    g, heads, width = (_sym(x) for x in shape[j : j + 3])
+    return (
+        g.is_number
+        and heads.is_number
+        and width.is_number
+        and int(g) > 1
+        and int(g) * int(heads) * int(width) == int(size)
+    )
+
+
+def view_groups(n: fx.Node, d: int) -> int | None:
+    """The count of groups a view of a tensor split along ``d`` puts the split on, when a
+    strided shard could split each group instead (``view_map(..., grouped=True)``), else None."""
+    if n.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    try:
+        j, _ = view_map(n, d)
+        view_map(n, d, grouped=True)
+    except Illegal:
+        return None
+    g = _sym(tensor_of(n).shape[j])
+    return int(g) if g.is_number else None
 
 
 def _view(n, dims):
@@ -355,6 +407,7 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.squeeze.dim: _squeeze,
     aten.squeeze.dims: _squeeze,
     aten.expand.default: _expand,
+    aten.expand_as.default: _expand_as,
     aten.slice.Tensor: _not_along(1),
     aten.select.int: _not_along(1),
     aten.repeat_interleave.self_int: _repeat_interleave,
@@ -382,6 +435,7 @@ RULES: dict[object, Callable[[fx.Node, dict[fx.Node, int]], int]] = {
     aten.mean.dim: _reduce,
     aten.sum.dim_IntList: _reduce,
     aten.amax.default: _reduce,
+    aten.linalg_vector_norm.default: lambda n, dims: _reduce(n, dims, 2),
     aten.layer_norm.default: _layer_norm,
     aten.rms_norm.default: _layer_norm,
     aten.scaled_dot_product_attention.default: _attention,
@@ -487,8 +541,10 @@ def spread(
     gm: fx.GraphModule,
     column: Callable[[Matmul], bool],
     end: Callable[[fx.Node, dict[fx.Node, int]], bool] = lambda n, d: False,
+    grouped: Collection[fx.Node] = (),
 ) -> Spread:
-    """Split the output features of every matmul ``column`` accepts; follow the split forward."""
+    """Split the output features of every matmul ``column`` accepts; follow the split forward
+    (through the views in ``grouped`` as ``view_map(..., grouped=True)``)."""
     sp = Spread()
     for n in gm.graph.nodes:
         split_in = [a for a in n.all_input_nodes if a in sp.dims]
@@ -527,7 +583,10 @@ def spread(
             continue
         else:
             try:
-                sp.dims[n] = out_dim(n, sp.dims)
+                if n in grouped:
+                    sp.dims[n] = view_map(n, sp.dims[node_arg(n, 0)], grouped=True)[0]
+                else:
+                    sp.dims[n] = out_dim(n, sp.dims)
             except Illegal as exc:
                 sp.problems[n] = str(exc)
     return sp

@@ -772,3 +772,46 @@ def test_folded_heads_split_by_tp_match_one_device() -> None:
 
     (report,) = verify_many({"tp": Check(make, tp=2)}, via="fork", timeout_s=60).values()
     assert not isinstance(report, Exception) and report.ok, str(report)
+
+
+class TimmAttention(nn.Module):
+    """timm's (and many hand-written GPTs') attention: ``qkv(x).view(b, s, 3, heads, hd)``
+    permuted to ``[3, b, heads, s, hd]`` and unbound into q, k, v, with q and k normalized
+    (``F.normalize``: a vector norm expanded back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv = nn.Embedding(50, 16), nn.Linear(16, 48)
+        self.proj, self.head = nn.Linear(16, 16), nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.emb(ids)
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + self.proj(y.transpose(1, 2).reshape(b, s, 16)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_qkv_viewed_as_three_groups_of_heads_splits_strided(tp: int, caplog) -> None:
+    """The view puts the split on the 3 of q, k, v, which tp does not divide: the attention
+    stayed replicated ("unbinds the split dim"). Each group's heads split instead, the fused
+    weight strided in 3 as for nanoGPT's ``split``; the 3 stays, the heads are divided (parity
+    on real ranks: tests/test_parity_mixers.py, whose attention is this one)."""
+
+    def make():
+        torch.manual_seed(0)
+        ids = torch.randint(0, 50, (2, 16))
+        return TimmAttention(), (ids, ids)
+
+    with caplog.at_level(logging.WARNING, logger="autopart"):
+        gm = _compile(_case(make), tp)
+    assert not [r.getMessage() for r in caplog.records if "(qkv) replicated" in r.getMessage()]
+    shards = {f: p.meta[META_SHARD] for f, p in params(gm).items()}
+    assert shards["qkv.weight"] == TPShard(0, 3) and shards["qkv.bias"] == TPShard(0, 3)
+    assert shards["proj.weight"] == ROW
+    (view,) = [n for n in calls(gm, aten.view.default) if len(n.args[1]) == 5]
+    assert list(view.args[1])[2:] == [3, 4 // tp, 4]
+    (sdpa,) = calls(gm, aten.scaled_dot_product_attention.default)
+    assert int(sdpa.args[0].meta["val"].shape[1]) == 4 // tp
