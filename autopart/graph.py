@@ -126,14 +126,16 @@ def device_free(gm: fx.GraphModule) -> None:
 
 
 def kv_dtypes(gm: fx.GraphModule) -> list[torch.dtype]:
-    """The dtype of each ``kv`` input of ``gm`` (K/V prefixes, carried inputs and states), in
-    order: each travels in the dtype of the value it carries (an integer running count, a
-    float32 state in a bf16 model), and the first chunk's empty one must be of it too."""
-    return [
-        n.meta["val"].dtype
+    """The dtype of each ``kv`` input of ``gm`` (K/V prefixes, carried inputs and states), by
+    its index (``InputRef("kv", "i")``): each travels in the dtype of the value it carries (an
+    integer running count, a float32 state in a bf16 model), and the first chunk's empty one
+    must be of it too."""
+    kv = {
+        int(ref.name): n.meta["val"].dtype
         for n in gm.graph.nodes
-        if n.op == "placeholder" and getattr(n.meta.get(META_INPUT), "kind", None) == "kv"
-    ]
+        if n.op == "placeholder" and getattr(ref := n.meta.get(META_INPUT), "kind", None) == "kv"
+    }
+    return [kv[i] for i in sorted(kv)]
 
 
 def remove_dead(gm: fx.GraphModule) -> None:
