@@ -62,7 +62,7 @@ def pipeline_split(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if stages > n_units - 2:
         raise AutopartError(
             f"pp({plan.mesh.pp}) * virtual_stages({plan.virtual_stages}) = {stages} stages, but the "
-            f"model has {n_units - 2} transformer blocks",
+            f"model has {n_units - 2} transformer block{'s' if n_units - 2 != 1 else ''}",
             hint="use at most one stage per block: lower pp or virtual_stages",
         )
     cost = _unit_costs(gm, units, n_units, plan)

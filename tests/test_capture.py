@@ -677,3 +677,29 @@ def test_dynamic_rope_is_refused_with_what_to_use() -> None:
         capture(model, batch)
     assert "dynamic_frequency_update" in err.value.message
     assert 'dynamic RoPE (rope_type "dynamic")' in (err.value.hint or "")
+
+
+class _Entropy(nn.Module):
+    """Logits plus their entropy under ``torch.distributions.Categorical`` (BLT's patcher)."""
+
+    def __init__(self, validate: bool | None) -> None:
+        super().__init__()
+        self.emb, self.head, self.validate = nn.Embedding(50, 16), nn.Linear(16, 50), validate
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(ids))
+        dist = torch.distributions.Categorical(logits=logits, validate_args=self.validate)
+        return logits + dist.entropy()[..., None]
+
+
+def test_a_distribution_checking_its_arguments_is_refused_with_what_to_do() -> None:
+    """torch.distributions checks its arguments' values when validation is on (the default),
+    a branch export cannot keep: the hint named "the model branches on tensor values" and
+    torch.cond, which BLT's author cannot act on (the twenty-sixth session's survey); it says
+    to turn the check off, and with it off the model captures."""
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(AutopartError) as err:
+        capture(_Entropy(None), (ids, ids))
+    assert "validate_args=False" in (err.value.hint or ""), err.value.hint
+    assert "set_default_validate_args(False)" in (err.value.hint or "")
+    capture(_Entropy(False), (ids, ids))

@@ -1238,6 +1238,14 @@ def _explain(exc: BaseException) -> AutopartError:
         else "make this line traceable by torch.export (non-strict): avoid Python work on "
         "tensor values, .item(), and numpy; for Hugging Face models pass use_cache=False"
     )
+    distributions = os.path.join(os.path.dirname(torch.__file__), "distributions")
+    if data_dependent and any(f.filename.startswith(distributions) for f in frames):
+        hint = (  # BLT's entropy of a Categorical: the branch is torch's argument check
+            "torch.distributions checks the values of a distribution's arguments when it is "
+            "built (validate_args), a branch on tensor values: build it with "
+            "validate_args=False, or call "
+            "torch.distributions.Distribution.set_default_validate_args(False) before capture"
+        )
     if "dynamic_frequency_update" in where:  # Hugging Face's rope_type="dynamic"
         hint = (
             'dynamic RoPE (rope_type "dynamic") rescales its frequencies from the largest '
