@@ -1478,6 +1478,22 @@ def _repeat(p: _Prover, n: fx.Node) -> Any:
     return p._carry(n)
 
 
+def _repeat_interleave(p: _Prover, n: fx.Node) -> Any:
+    """``x.repeat_interleave(k, dim)``: along the dim carrying the tokens (or the batch's
+    rows), each entry k times in place, so token t moves from index t·i to t·i·k (transformers'
+    ``batched_mm`` experts: every token's row once per chosen expert); along another dim,
+    copies within each token. Flattening (no dim) or per-entry counts are not proven."""
+    x = node_arg(n, 0)
+    v = p.env.get(x)
+    dim = _dim_arg(n, 2, None)
+    reps = n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
+    if isinstance(v, Seq) and (dim is None or dim % _ndim(x) == v.dim % _ndim(x)):
+        if dim is None or not isinstance(reps, int) or v.block > 1:
+            raise Mixes("a repeat along the sequence")
+        return Seq(v.dim, tuple(i * reps for i in v.inner), v.part, v.block, v.const)
+    return p._carry(n)
+
+
 def _copies_split_off(p: _Prover, n: fx.Node, dim: int, copies: Any) -> bool:
     """Rows of the batch, the outermost index of dim 0, repeated ``copies`` times along it
     (Llama 4's dense experts: ``x.repeat(E, 1)`` of ``[b·s, h]``), and every reader viewing the
@@ -2168,6 +2184,7 @@ _VIEWS = (
 )
 _SPECIAL: dict[Any, Callable[[_Prover, fx.Node], Any]] = {
     aten.repeat.default: _repeat,
+    aten.repeat_interleave.self_int: _repeat_interleave,
     aten.einsum.default: _einsum,
     aten.one_hot.default: _one_hot,
     aten.expand.default: _expand,

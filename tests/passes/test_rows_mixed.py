@@ -35,7 +35,10 @@ class _Mixer(nn.Module):
     fine; it was refused as unproven), "ellipsis-batch" (``einsum('b...,c...->...')``, a sum
     over the rows), "flat-norm" (``F.normalize(x.reshape(-1, d), dim=-1)``: fine; its dims
     were read from ``linalg_vector_norm``'s order, a norm over the batch), "group-norm" (a
-    group norm of (b·s, d), per token: fine; it had no rule)."""
+    group norm of (b·s, d), per token: fine; it had no rule), "repeat-rows" (each token's row
+    of (b·s, d) twice in place and folded back, transformers' ``batched_mm`` experts: fine; it
+    was refused as "a repeat along the batch"), "repeat-cut" (the same cut to its first b·s
+    rows: another row's tokens)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -74,6 +77,12 @@ class _Mixer(nn.Module):
             x = torch.nn.functional.normalize(flat, dim=-1).view_as(x)
         elif self.kind == "group-norm":  # RetNet's, over each token's heads (b·s, d)
             x = torch.nn.functional.group_norm(flat, 4).view_as(x)
+        elif self.kind in ("repeat-rows", "repeat-cut"):
+            twice = torch.tanh(flat.repeat_interleave(2, dim=0))
+            if self.kind == "repeat-cut":
+                x = twice[: flat.shape[0]].view_as(x)
+            else:
+                x = twice.view(*x.shape[:2], 2, 16).sum(2)
         elif self.kind == "row-write":
             out = torch.zeros_like(x)
             out[1:] = x[:-1]
@@ -113,6 +122,8 @@ def _found(model: nn.Module, batch) -> list[tuple[str, str]]:
         ("ellipsis-batch", "einsum", "summing over the batch"),
         ("flat-norm", None, None),
         ("group-norm", None, None),
+        ("repeat-rows", None, None),
+        ("repeat-cut", "slice_1", "a slice of the batch"),
     ],
 )
 def test_rows_that_mix_are_found_by_node(kind: str, node: str | None, why: str | None) -> None:

@@ -42,6 +42,14 @@ MIXES: dict[str, Mix] = {
         F.pad(x.transpose(1, 2), (2, 0)), 3, 1
     ).transpose(1, 2),
     "a windowed unfold": lambda m, x: F.pad(x, (0, 0, 2, 0)).unfold(1, 3, 1).mean(-1),
+    # each token twice in place chunks (REPEATS); cut or folded otherwise, tokens meet
+    "tokens repeated in place, cut to the first s": lambda m, x: x.repeat_interleave(2, dim=1)[
+        :, : x.shape[1]
+    ],
+    "tokens repeated in place, viewed as halves": lambda m, x: (
+        x.repeat_interleave(2, dim=1).view(x.shape[0], 2, x.shape[1], 16).sum(1)
+    ),
+    "tokens repeated flat": lambda m, x: x.repeat_interleave(2)[: x.numel()].view_as(x),
     # a running maximum chunks (RUNNING_SUMS); the positions it returns count from its start
     "the positions of a running maximum": lambda m, x: x.cummax(1).indices.to(x.dtype) / 16,
     "a sort": lambda m, x: x.sort(1).values,
@@ -245,6 +253,14 @@ RUNNING_SUMS: dict[str, Mix] = {
     "a running minimum": lambda m, x: torch.cummin(x, 1)[0],
     "a running log-sum-exp": lambda m, x: x.logcumsumexp(1) / 4,
     "a running product": lambda m, x: torch.sigmoid(x).cumprod(1),
+    # each token's row k times in place (transformers' batched_mm experts under dp: refused as
+    # "a repeat along the batch", the twenty-sixth session's survey), then folded back per token
+    "tokens repeated in place and folded back": lambda m, x: (
+        x.repeat_interleave(3, dim=1).view(x.shape[0], x.shape[1], 3, 16).softmax(2).sum(2)
+    ),
+    "rows of (b·s, h) repeated in place and folded back": lambda m, x: torch.tanh(
+        x.reshape(-1, 16).repeat_interleave(2, dim=0)
+    ).view(*x.shape[:2], 2, 16)[:, :, 1],
 }
 
 
