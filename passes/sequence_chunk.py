@@ -493,10 +493,9 @@ def _continue_scan(g: fx.Graph, scan: CarriedScan, carry: fx.Node) -> fx.Node:
 
     pair = isinstance(n.meta["val"], tuple)  # cummax, cummin: (values, positions)
     with g.inserting_before(n):
-        src = x
-        if x.meta["val"].dtype != carry.meta["val"].dtype:  # cumprod(x, dtype=...)
-            src = call(aten._to_copy.default, x, dtype=carry.meta["val"].dtype)
-        n.replace_input_with(x, call(aten.cat.default, [carry, src], d))
+        # cat promotes x to the carry's dtype, as cumprod(x, dtype=...) would (x may be a node
+        # this pass made, with no value yet: another scan's cut, a table's rows)
+        n.replace_input_with(x, call(aten.cat.default, [carry, x], d))
         start = call(aten.sym_size.int, carry, d)
     values = (
         [u for u in n.users if u.target is operator.getitem and u.args[1] == 0] if pair else [n]

@@ -95,6 +95,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if more:
             grouped |= more
             continue
+        strided = _strided(sp, grouped)  # unproven strided cuts become problems
         bad = _invalid_regions(sp, tp, kv)
         if not bad:
             cut = _kv_columns(sp, tp)
@@ -119,7 +120,6 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             tp,
         )
     _check_divisible(sp, tp)
-    strided = _strided(sp, grouped)
     for n in sp.columns:
         form = matmul_form(n)
         assert form is not None  # spread's columns and rows are matmul forms
@@ -282,6 +282,25 @@ def _invalid_regions(sp, tp: int, kv: set[fx.Node]) -> list[tuple[list[fx.Node],
             for key in dict.fromkeys(splits.values()):
                 if all(members is not regions[key] for members, _ in bad):
                     bad.append((regions[key], why))
+    # a weight split for one region's matmul and read whole by a node outside every region
+    # that splits (the same Linear applied again where tp cannot split it): the plan was refused
+    # ("reads it whole", the twenty-sixth session's probe); the region stays replicated instead
+    splitting = {m for key, members in regions.items() for m in members} - {
+        m for members, _ in bad for m in members
+    }
+    for weight, splits in roles.items():
+        whole = [u for u in weight.users if u not in splitting or u not in (*sp.columns, *sp.rows)]
+        if not whole:
+            continue
+        name = weight.meta[META_INPUT].name
+        u = whole[0]
+        why = (
+            f"the weight {name} is read whole too, by {u.name} "
+            f"({u.meta.get(META_MODULE) or '<root>'}), which tp does not split"
+        )
+        for key in dict.fromkeys(splits.values()):
+            if all(members is not regions[key] for members, _ in bad):
+                bad.append((regions[key], why))
     return bad
 
 
@@ -353,31 +372,59 @@ def _grouped_views(sp, tp: int) -> set[fx.Node]:
 
 def _strided(sp, grouped: set[fx.Node]) -> dict[fx.Node, int]:
     """Column matmuls whose split output is cut into equal parts along the split dim, or viewed
-    as groups each split (``grouped``)."""
+    as groups each split (``grouped``): the count of parts, by which their weights are sharded
+    strided. Such a layout is proven only when the column's output reaches the cut alone,
+    through local ops that read no other split value and whose only reader is the next one:
+    another reader (a row matmul reading q | k | v whole, a second column added before the
+    cut, a second cut of another count) would see the strided features as contiguous ones (a
+    silently wrong sum: the twenty-sixth session's probe). Each cut that is not proven is
+    recorded in ``sp.problems``, so its region stays replicated."""
     out: dict[fx.Node, int] = {}
-    for n in grouped & sp.dims.keys():
-        src = node_arg(n, 0)
-        while src not in sp.columns:  # back to the column matmul through local ops
-            src = node_arg(src, 0)
-        out[src] = int(tensor_of(n).shape[sp.dims[n] - 1])
     for n in sp.dims:
-        if n.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        parts = _strided_parts(sp, n, grouped)
+        if parts is None:
             continue
-        src = node_arg(n, 0)
-        dim = int_arg(n, 2, "dim", 0)
-        if dim % tensor_of(src).dim() != sp.dims[src]:
+        src, why = _strided_source(sp, node_arg(n, 0))
+        if src is not None and out.get(src, parts) != parts:
+            why = f"cut into {out[src]} and into {parts} strided parts"
+        if src is None or why:
+            sp.problems[n] = why or "a strided cut not proven"
             continue
-        parts = len(n.meta["val"])
-        sizes = {tuple(v.shape)[sp.dims[src]] for v in n.meta["val"]}
-        if len(sizes) != 1:
-            raise AutopartError(
-                f"{n.name} splits a tp-split tensor into unequal parts {sorted(sizes)}",
-                hint="fused projections with unequal q/k/v widths are not supported with tp",
-            )
-        while src not in sp.columns:  # back to the column matmul through local ops
-            src = node_arg(src, 0)
         out[src] = parts
     return out
+
+
+def _strided_parts(sp, n: fx.Node, grouped: set[fx.Node]) -> int | None:
+    """The count of equal parts ``n`` cuts its split input's split dim into, else None."""
+    if n in grouped:
+        return int(tensor_of(n).shape[sp.dims[n] - 1])
+    if n.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        return None
+    src = node_arg(n, 0)
+    if src not in sp.dims or int_arg(n, 2, "dim", 0) % tensor_of(src).dim() != sp.dims[src]:
+        return None
+    sizes = {tuple(v.shape)[sp.dims[src]] for v in n.meta["val"]}
+    if len(sizes) != 1:
+        return None  # unequal parts: ``_invalid_regions`` leaves the region replicated
+    return len(n.meta["val"])
+
+
+def _strided_source(sp, x: fx.Node) -> tuple[fx.Node | None, str]:
+    """The column matmul whose output alone reaches ``x`` (see ``_strided``), or None with why
+    not."""
+    while True:
+        readers = [u for u in x.users if u.target not in _SHAPE_ONLY]
+        if len(readers) != 1:
+            return None, f"{x.name} is read by {len(readers)} nodes before a strided cut"
+        if x in sp.columns:
+            return x, ""
+        inputs = [a for a in x.all_input_nodes if a in sp.dims]
+        if len(inputs) != 1:
+            return None, f"{x.name} joins {len(inputs)} split values before a strided cut"
+        x = inputs[0]
+
+
+_SHAPE_ONLY = frozenset({aten.sym_size.int, aten._assert_tensor_metadata.default})
 
 
 def _set_shard(p: fx.Node, shard: TPShard) -> None:

@@ -44,6 +44,7 @@ from autopart.graph import kv_dtypes
 from autopart.meta import META_INPUT
 from autopart.models import zoo
 from autopart.parity.verify import Check, Report, verify_many
+from autopart.planning.memory import unit_bytes
 
 pytestmark = pytest.mark.multirank
 HEADS = 4
@@ -284,6 +285,8 @@ def test_a_carry_travels_in_its_own_dtype() -> None:
     }
     assert kinds["recurrence_state_0"] == torch.int64, kinds
     assert kv_dtypes(program.ranks[0].stages[0].graph) == list(kinds.values())
+    # the memory probe gave every prefix a gradient: an integer's is refused (a traceback)
+    assert all(held > 0 for held, _ in unit_bytes(program, 2, 32).values())
     (report,) = verify_many(
         [Check(make_counted, **{**SEQ, "seq_split": "uniform"})],
         dtype="bfloat16",
@@ -292,3 +295,36 @@ def test_a_carry_travels_in_its_own_dtype() -> None:
     ).values()
     assert isinstance(report, Report) and report.ok, str(report)
     assert report.loss_error < 1e-4, str(report)
+
+
+class Float32Keys(nn.Module):
+    """Attention computed in float32 inside a float64 model (GPT-J's keys and queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = (
+            t.view(b, s, HEADS, WIDTH // HEADS).transpose(1, 2)
+            for t in self.qkv(h).float().split(WIDTH, -1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).to(h.dtype)
+        return self.proj(y.transpose(1, 2).reshape(b, s, WIDTH))
+
+
+def test_float32_keys_in_a_float64_model_compile_for_seq1f1b() -> None:
+    """The compile-time dry run made every K/V prefix in the model's dtype while the program's
+    keys are float32: GPT-J's three Seq1F1B cells were refused ("Expected query, key, and value
+    to have the same dtype"). The prefixes are float32 now, as the runtime feeds them."""
+    MIXERS["f32-keys"] = Float32Keys
+    try:
+        model, data = make("f32-keys")
+    finally:
+        del MIXERS["f32-keys"]
+    program = parallelize(
+        capture(model.double(), data), Mesh(pp=2), schedule="seq1f1b", seq_chunks=2, microbatches=2
+    )
+    dtypes = [d for rp in program.ranks for st in rp.stages for d in kv_dtypes(st.graph)]
+    assert torch.float32 in dtypes and torch.float64 in dtypes, dtypes

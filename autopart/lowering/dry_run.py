@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import (
 
 from autopart.errors import AutopartError, first_line
 from autopart.frontend.capture import Captured, InputRef
+from autopart.graph import kv_dtypes
 from autopart.layout import Coords, Plan
 from autopart.meta import META_KV_SHAPES, META_MODULE
 from autopart.program.feeds import chunk_feeds, example_batch, stage_inputs
@@ -67,11 +68,11 @@ def dry_run(
             acts: list[Any] = []
             for s, (st, refs) in enumerate(zip(stages, inputs, strict=True)):
                 shapes = st.meta.get(META_KV_SHAPES, [])
-                dtype = _dtype(weights[s][0], plan)
-                prefix = [  # P = a tokens before the chunk
-                    torch.zeros(_prefix_shape(shape, rows, a), dtype=dtype) for shape in shapes
+                prefix = [  # P = a tokens before the chunk, each in its carried value's dtype
+                    torch.zeros(_prefix_shape(shape, rows, a), dtype=dtype)
+                    for shape, dtype in zip(shapes, kv_dtypes(st), strict=True)
                 ]
-                prefix = [t.detach().requires_grad_() for t in prefix]
+                prefix = [t.detach().requires_grad_(t.is_floating_point()) for t in prefix]
                 data, keys = chunk_feeds(batch, a, e)
                 args = stage_inputs(
                     refs,
@@ -128,12 +129,6 @@ def _prefix_shape(shape: list[int | str], rows: int, length: int) -> list[int]:
     out = [rows if d == "b" else int(d) for d in shape]
     out[max(i for i, d in enumerate(shape) if d == 0)] = length
     return out
-
-
-def _dtype(params: dict[str, torch.Tensor], plan: Plan) -> torch.dtype:
-    if plan.compute_dtype is not None:
-        return plan.compute_dtype
-    return next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
 
 
 class _Run(fx.Interpreter):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import autopart.scan  # noqa: F401 - registers autopart::linear_scan (island_dtypes)
 from autopart.api import parallelize
 from autopart.errors import AutopartError, first_line
 from autopart.frontend.capture import (
@@ -119,8 +120,10 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     and Cohere's norms multiply by ``weight.float()``, DiffLlama scales by a float32 lambda:
     their gradients are summed over tokens in float32) and a lower-precision op whose sums a
     plan reorders or recomputes (products, softmax, the loss: GPT-J's float32 attention
-    scores). A float32 step applied token by token (Llama's RMSNorm statistics) rounds the
-    same way in every plan."""
+    scores), or a scan along the sequence with a lower-precision input or output (Seq1F1B
+    continues it from the previous chunk's last value, so its backward's order moves). A
+    float32 step applied token by token (Llama's RMSNorm statistics) rounds the same way in
+    every plan."""
     aten = torch.ops.aten
     mixing = {
         aten.matmul.default,
@@ -137,6 +140,14 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
         aten.cross_entropy_loss.default,
         aten.nll_loss_forward.default,
     }
+    scans = {
+        aten.cumsum.default,
+        aten.cumprod.default,
+        aten.logcumsumexp.default,
+        aten.cummax.default,
+        aten.cummin.default,
+        torch.ops.autopart.linear_scan.default,
+    }
 
     def tokens(x: Any) -> bool:
         """The value has a batch or sequence dim (its gradient is not summed over tokens)."""
@@ -149,6 +160,17 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     found: dict[tuple[str, torch.dtype], None] = {}
     trained = from_parameters(gm)
     for n in gm.graph.nodes:  # in graph order
+        if n in trained and n.target in scans:  # cumprod(x.float(), dtype=float64), say
+            vals = [a.meta.get("val") for a in n.all_input_nodes] + [n.meta.get("val")]
+            floats = [
+                v.dtype
+                for v in _flat_vals(vals)
+                if v.is_floating_point() and torch.finfo(v.dtype).eps > eps
+            ]
+            if floats:
+                where = n.meta.get(META_MODULE) or "the model's own forward (no submodule)"
+                found[(where, floats[0])] = None
+            continue
         if (
             n not in trained
             or n.op != "call_function"
@@ -165,6 +187,15 @@ def island_dtypes(gm: Any, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
             where = n.meta.get(META_MODULE) or "the model's own forward (no submodule)"
             found[(where, low)] = None
     return list(found)
+
+
+def _flat_vals(vals: list[Any]) -> list[torch.Tensor]:
+    """The tensors among ``vals`` (a cummax's value is a pair)."""
+    out: list[torch.Tensor] = []
+    for v in vals:
+        out += [t for t in v if isinstance(t, torch.Tensor)] if isinstance(v, tuple) else []
+        out += [v] if isinstance(v, torch.Tensor) else []
+    return out
 
 
 FLOOR = 1e-3  # a gradient's error scale is at least this share of the largest gradient's

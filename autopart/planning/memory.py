@@ -88,7 +88,7 @@ def _unit_bytes(
                 )
                 for shape, dt in zip(kv_shapes, kv_dtypes(gm), strict=True)
             ]
-            prefix = [t.detach().requires_grad_() for t in prefix]
+            prefix = [t.detach().requires_grad_(t.is_floating_point()) for t in prefix]
             data, keys = chunk_feeds(batch, a, e)
             args = stage_inputs(
                 refs,

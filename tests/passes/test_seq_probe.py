@@ -253,6 +253,15 @@ RUNNING_SUMS: dict[str, Mix] = {
     "a running minimum": lambda m, x: torch.cummin(x, 1)[0],
     "a running log-sum-exp": lambda m, x: x.logcumsumexp(1) / 4,
     "a running product": lambda m, x: torch.sigmoid(x).cumprod(1),
+    # a scan of a scan, and of a table's rows: the chunk pass read the value of a node it had
+    # just made (KeyError: 'val', the twenty-sixth session's probe)
+    "a running product of a running product": lambda m, x: torch.sigmoid(x).cumprod(1).cumprod(1),
+    "a running log-sum-exp of a running maximum": lambda m, x: (
+        torch.logcumsumexp(x.cummax(1).values, 1) / 8
+    ),
+    "a running product of a table's rows": lambda m, x: torch.sigmoid(
+        m.w[: x.shape[1], :16]
+    ).cumprod(0),
     # each token's row k times in place (transformers' batched_mm experts under dp: refused as
     # "a repeat along the batch", the twenty-sixth session's survey), then folded back per token
     "tokens repeated in place and folded back": lambda m, x: (
