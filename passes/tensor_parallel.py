@@ -95,8 +95,8 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if more:
             grouped |= more
             continue
-        strided = _strided(sp, grouped)  # unproven strided cuts become problems
-        bad = _invalid_regions(sp, tp, kv)
+        strided = _strided(sp, grouped, tp)  # unproven strided cuts become problems
+        bad = _invalid_regions(sp, tp, kv, strided)
         if not bad:
             cut = _kv_columns(sp, tp)
             if not cut:
@@ -218,15 +218,19 @@ def rank_input(gm: fx.GraphModule) -> fx.Node:
     return rank
 
 
-def _invalid_regions(sp, tp: int, kv: set[fx.Node]) -> list[tuple[list[fx.Node], str]]:
+def _invalid_regions(
+    sp, tp: int, kv: set[fx.Node], strided: dict[fx.Node, int]
+) -> list[tuple[list[fx.Node], str]]:
     """The regions (with a column matmul) to leave replicated, each with the reason: a node no
     rule splits, no row matmul to end it, a replicated operand to cut (``tp_rules.narrowed``)
     that is not the keys or values of the projections ``kv`` kept whole, replicated keys and
     values whose heads tp cannot share out (``_kv_heads_unfit``), or a weight that matmuls
-    would split two ways (one ``Linear`` applied twice, as a column and then a row: it used to
-    refuse the whole plan)."""
+    would split two ways (one ``Linear`` applied twice, as a column and then a row, or as
+    columns of different strides: it used to refuse the whole plan), or a weight or column
+    bias that a node outside every splitting region reads whole."""
     bad = []
-    roles: dict[fx.Node, dict[tuple[str, int], int]] = {}  # weight → its splits → a region
+    roles: dict[fx.Node, dict[tuple[str, int, int], int]] = {}  # weight → its splits → a region
+    biases: dict[fx.Node, set[int]] = {}  # a column's bias → the regions splitting it
     regions: dict[int, list[fx.Node]] = {}
     for key, members in enumerate(sp.components().values()):
         if not any(m in sp.columns for m in members):
@@ -273,12 +277,21 @@ def _invalid_regions(sp, tp: int, kv: set[fx.Node]) -> list[tuple[list[fx.Node],
             for m in members:
                 f = matmul_form(m) if m in sp.columns or m in sp.rows else None
                 if f is not None:
-                    split = ("column", f.col_dim) if m in sp.columns else ("row", f.row_dim)
+                    split = (
+                        ("column", f.col_dim, strided.get(m, 1))
+                        if m in sp.columns
+                        else ("row", f.row_dim, 1)
+                    )
                     roles.setdefault(f.weight, {})[split] = key
+                    if m in sp.columns and f.bias is not None:
+                        biases.setdefault(f.bias, set()).add(key)
     for weight, splits in roles.items():
         if len(splits) > 1:
             name = weight.meta[META_INPUT].name
-            why = f"the weight {name} would be split {len(splits)} ways ({' and '.join(s for s, _ in splits)} of matmuls)"
+            ways = " and ".join(
+                f"{role}{f' strided ×{k}' if k > 1 else ''}" for role, _, k in splits
+            )
+            why = f"the weight {name} would be split {len(splits)} ways ({ways} of matmuls)"
             for key in dict.fromkeys(splits.values()):
                 if all(members is not regions[key] for members, _ in bad):
                     bad.append((regions[key], why))
@@ -288,17 +301,20 @@ def _invalid_regions(sp, tp: int, kv: set[fx.Node]) -> list[tuple[list[fx.Node],
     splitting = {m for key, members in regions.items() for m in members} - {
         m for members, _ in bad for m in members
     }
-    for weight, splits in roles.items():
-        whole = [u for u in weight.users if u not in splitting or u not in (*sp.columns, *sp.rows)]
+    shared = {w: set(splits.values()) for w, splits in roles.items()}
+    for bias, keys in biases.items():
+        shared.setdefault(bias, set()).update(keys)
+    for param, keys in shared.items():
+        whole = [u for u in param.users if u not in splitting or u not in (*sp.columns, *sp.rows)]
         if not whole:
             continue
-        name = weight.meta[META_INPUT].name
+        name = param.meta[META_INPUT].name
         u = whole[0]
         why = (
-            f"the weight {name} is read whole too, by {u.name} "
+            f"the parameter {name} is read whole too, by {u.name} "
             f"({u.meta.get(META_MODULE) or '<root>'}), which tp does not split"
         )
-        for key in dict.fromkeys(splits.values()):
+        for key in sorted(keys):
             if all(members is not regions[key] for members, _ in bad):
                 bad.append((regions[key], why))
     return bad
@@ -370,23 +386,32 @@ def _grouped_views(sp, tp: int) -> set[fx.Node]:
     }
 
 
-def _strided(sp, grouped: set[fx.Node]) -> dict[fx.Node, int]:
+def _strided(sp, grouped: set[fx.Node], tp: int) -> dict[fx.Node, int]:
     """Column matmuls whose split output is cut into equal parts along the split dim, or viewed
     as groups each split (``grouped``): the count of parts, by which their weights are sharded
     strided. Such a layout is proven only when the column's output reaches the cut alone,
     through local ops that read no other split value and whose only reader is the next one:
     another reader (a row matmul reading q | k | v whole, a second column added before the
     cut, a second cut of another count) would see the strided features as contiguous ones (a
-    silently wrong sum: the twenty-sixth session's probe). Each cut that is not proven is
-    recorded in ``sp.problems``, so its region stays replicated."""
+    silently wrong sum: the twenty-sixth session's probe). The path must not pass another cut
+    (two cuts in a row need a stride of their product) nor change the split dim's size (a
+    ``repeat_interleave`` before the cut), and each part must hold a whole share per rank. Each
+    cut that is not proven is recorded in ``sp.problems``, so its region stays replicated."""
     out: dict[fx.Node, int] = {}
     for n in sp.dims:
         parts = _strided_parts(sp, n, grouped)
         if parts is None:
             continue
-        src, why = _strided_source(sp, node_arg(n, 0))
-        if src is not None and out.get(src, parts) != parts:
-            why = f"cut into {out[src]} and into {parts} strided parts"
+        x = node_arg(n, 0)
+        src, why = _strided_source(sp, x, grouped)
+        width = tensor_of(x).shape[sp.dims[x]]
+        if src is not None and not why:
+            if width != tensor_of(src).shape[sp.dims[src]]:
+                why = f"{n.name} cuts a width other than its projection's"
+            elif not isinstance(width, int) or width % (parts * tp):
+                why = f"{n.name} cuts {width} features into {parts} parts that tp={tp} cannot share"
+            elif out.get(src, parts) != parts:
+                why = f"cut into {out[src]} and into {parts} strided parts"
         if src is None or why:
             sp.problems[n] = why or "a strided cut not proven"
             continue
@@ -409,10 +434,12 @@ def _strided_parts(sp, n: fx.Node, grouped: set[fx.Node]) -> int | None:
     return len(n.meta["val"])
 
 
-def _strided_source(sp, x: fx.Node) -> tuple[fx.Node | None, str]:
+def _strided_source(sp, x: fx.Node, grouped: set[fx.Node]) -> tuple[fx.Node | None, str]:
     """The column matmul whose output alone reaches ``x`` (see ``_strided``), or None with why
     not."""
     while True:
+        if _strided_parts(sp, x, grouped) is not None:
+            return None, f"{x.name} cuts the split dim before another strided cut"
         readers = [u for u in x.users if u.target not in _SHAPE_ONLY]
         if len(readers) != 1:
             return None, f"{x.name} is read by {len(readers)} nodes before a strided cut"

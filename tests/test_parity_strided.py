@@ -4,8 +4,9 @@ matmul's output cut into equal parts (nanoGPT's ``split``) or viewed as ``(3, he
 for the readers of the cut parts: a second projection added before the cut, a row matmul
 reading the whole output, or a second cut of another count saw the strided features as
 contiguous ones and trained silently wrong (loss 2e-4 to 6e-3 off at tp=2, gradients 110 %
-off; the ``split`` forms were wrong before the view form existed). Those regions stay
-replicated now, and match one device; the proven forms split, and match too."""
+off; the ``split`` forms were wrong before the view form existed), and so did a second cut
+of the cut parts, or a cut of features repeated in place (a review of that fix). Those
+regions stay replicated now, and match one device; the proven forms split, and match too."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ class Attention(nn.Module):
     """``kind``: "view" (timm's), "split" (nanoGPT's), "gain" (scaled by a parameter first),
     "sum" / "sum-split" (a second projection added before the cut), "whole" / "whole-split"
     (the output also read whole by a row matmul), "chunk" (also cut in 2 for a gated matmul),
-    "twice" (the projection applied again and sliced)."""
+    "twice" (the projection applied again and sliced), "twice-whole" (applied again and read
+    whole by a row matmul), "bias" (its bias read whole too), "nested" (q | k | v cut again
+    into 2 along the heads), "repeated" (each feature repeated 3 times in place, then cut in
+    3)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -36,6 +40,7 @@ class Attention(nn.Module):
         self.qkv, self.qkv2, self.proj = nn.Linear(W, 3 * W), nn.Linear(W, 3 * W), nn.Linear(W, W)
         self.whole, self.gated = nn.Linear(3 * W, W), nn.Linear(3 * W // 2, W)
         self.gain = nn.Parameter(torch.tensor([1.3]))
+        self.proj_half = nn.Linear(W // 2, W)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, s, _ = h.shape
@@ -44,6 +49,14 @@ class Attention(nn.Module):
             t = self.gain * t
         if self.kind.startswith("sum"):
             t = t + self.qkv2(h)
+        if self.kind == "repeated":
+            a, g, c = t[..., :W].repeat_interleave(3, dim=-1).chunk(3, -1)
+            return self.proj(a * torch.sigmoid(g) + c)
+        if self.kind == "nested":
+            x1, x2 = t.view(b, s, 3, H, W // H).chunk(2, dim=3)
+            q, k, v = (x1 * x2).permute(2, 0, 3, 1, 4).unbind(0)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj_half(y.transpose(1, 2).reshape(b, s, W // 2))
         if self.kind.endswith("split"):
             q, k, v = (x.view(b, s, H, W // H).transpose(1, 2) for x in t.split(W, dim=-1))
         else:
@@ -57,6 +70,10 @@ class Attention(nn.Module):
             out = out + self.gated(u1 * u2) * 0.1
         if self.kind == "twice":
             out = out + self.proj(torch.tanh(self.qkv(h)[..., :W]))
+        if self.kind == "twice-whole":
+            out = out + self.whole(F.gelu(self.qkv(torch.tanh(h))))
+        if self.kind == "bias":
+            out = out + 0.1 * self.qkv.bias[:W]
         return out
 
 
@@ -77,9 +94,23 @@ def make(kind: str):
     return Model(kind), (ids, torch.roll(ids, -1, 1))
 
 
-KINDS = ["view", "split", "gain", "sum", "sum-split", "whole", "whole-split", "chunk", "twice"]
+KINDS = [
+    "view",
+    "split",
+    "gain",
+    "sum",
+    "sum-split",
+    "whole",
+    "whole-split",
+    "chunk",
+    "twice",
+    "twice-whole",
+    "bias",
+    "nested",
+    "repeated",
+]
 SPLIT = {"view", "split", "gain"}  # proven: the fused weight is sharded strided in 3
-DEFAULT = ["sum-split", "whole", "chunk"]
+DEFAULT = ["sum-split", "whole", "chunk", "nested"]
 
 
 def _factory(kind: str):
