@@ -9,9 +9,10 @@
   ``KeyboardInterrupt`` wherever the main thread is, and C code that clears errors (an import's
   ``hasattr``) can drop it: a Ctrl-C while ``autopart run`` imported torch was seen to be lost,
   and the launch went on to train every step. The count is kept by a handler that then raises
-  ``KeyboardInterrupt`` as Python's own does, installed only where Python's own is; the CLI and
-  ``launch`` read it around their own start-up (this is the one process-wide record autopart
-  keeps, as a signal is process-wide).
+  ``KeyboardInterrupt`` as Python's own does, installed only where Python's own is;
+  ``launch`` reads it around its own start-up (the CLI's imports stop at once instead, see
+  ``autopart/__main__``). This is the one process-wide record autopart keeps, as a signal is
+  process-wide.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ STARTED = (os.getpid(), os.getppid())
 _SIGINTS: list[int] = []  # one entry per SIGINT this process received
 
 
-def _count(signum: int, frame: Any) -> None:
+def counting(signum: int, frame: Any) -> None:
+    """The SIGINT handler autopart installs: count it, then raise ``KeyboardInterrupt``."""
     _SIGINTS.append(signum)
     signal.default_int_handler(signum, frame)
 
@@ -36,6 +38,6 @@ def interrupts() -> int:
 
 try:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _count)
+        signal.signal(signal.SIGINT, counting)
 except ValueError:  # imported first outside the main thread: no handler can be set there
     pass
