@@ -228,9 +228,7 @@ def test_a_sigint_is_counted_and_the_cli_imports_stop_at_once(monkeypatch) -> No
         assert process.interrupts() == before + 1
         during = []
         cli = types.ModuleType("autopart.cli")  # records the handler while it is imported
-        cli.__getattr__ = lambda name: during.append(signal.getsignal(signal.SIGINT)) or (
-            lambda: 0
-        )
+        cli.__getattr__ = lambda name: during.append(signal.getsignal(signal.SIGINT)) or (lambda: 0)
         monkeypatch.setitem(sys.modules, "autopart.cli", cli)
         assert run() == 0
         assert during and all(h is autopart.__main__._stop_now for h in during), during
