@@ -13,6 +13,8 @@ import signal
 import sys
 from typing import Any
 
+from autopart.process import counting  # (light: no torch)
+
 
 def _stop_now(signum: int, frame: Any) -> None:
     os.write(2, b"autopart: interrupted\n")
@@ -20,8 +22,6 @@ def _stop_now(signum: int, frame: Any) -> None:
 
 
 def run() -> int:
-    from autopart.process import counting  # (light: no torch)
-
     try:  # only where a Ctrl-C would interrupt anyway (not under nohup's ignore)
         before = signal.getsignal(signal.SIGINT)
         if before is signal.default_int_handler or before is counting:
