@@ -31,7 +31,8 @@ chunk's offset), constants sized by the sequence, causal attention (``canonicali
 marked it; the chunk pass gives it its K/V prefix), causal convolutions along the sequence
 (``causal_conv``: stride 1, zero-padded by their window (k − 1)·d on the left only, by a pad
 or by symmetric padding cut back to the first s outputs; the chunk pass carries their window
-of inputs from chunk to chunk), state scans over blocks of the sequence (``StateScan``:
+of inputs from chunk to chunk), token shifts (``TokenShift``: a zero pad by p before the
+sequence and −p after it, RWKV's time shift; the chunk pass carries the last p inputs), state scans over blocks of the sequence (``StateScan``:
 Mamba-2's SSD; the chunk pass carries the state, chunks being whole blocks), the summed loss, and token routing (``sort`` of per-token
 expert ids, the gather, grouped matmul and scatter back that a mixture of experts makes). Any
 other op, and any op of the list acting along the sequence dim (a scan, a softmax or reduction
@@ -1704,19 +1705,58 @@ def _one(x: Any) -> Any:
 
 def _left_pad(pad: fx.Node) -> int | None:
     """L when ``pad`` zero-pads its input's last dim by L on the left and nothing else."""
+    amounts = _zero_pad_amounts(pad)
+    if amounts is None or len(amounts) < 2 or any(amounts[1:]) or amounts[0] <= 0:
+        return None
+    return amounts[0]
+
+
+@dataclass(frozen=True)
+class TokenShift:
+    """``x`` moved ``shift`` tokens later along the sequence, zeros in its first ``shift``
+    places: a zero pad by ``shift`` before the sequence and by −``shift`` after it (the cut of
+    its last ``shift``), nothing along other dims — RWKV's time shift
+    ``nn.ZeroPad2d((0, 0, 1, −1))``, ``F.pad(x, (0, 0, 1, −1))``. Its output at t is the input
+    at t − shift, so the chunk pass hands each chunk the previous chunk's last ``shift`` inputs
+    in place of the zeros, as it does a causal convolution's window."""
+
+    node: fx.Node
+    x: fx.Node
+    dim: int  # the dim of ``x`` it shifts along (the sequence's, for the chunk pass)
+    shift: int
+
+
+def token_shift(n: fx.Node) -> TokenShift | None:
+    """``n`` as a ``TokenShift`` along one dim, or None."""
+    if n.op != "call_function" or n.target not in _PADS:
+        return None
+    amounts = _zero_pad_amounts(n)
+    x = node_arg(n, 0)
+    if amounts is None or not isinstance(x, fx.Node):
+        return None
+    moved = [i for i, a in enumerate(amounts) if a]
+    if len(moved) != 2 or moved[0] % 2 or moved[1] != moved[0] + 1:
+        return None
+    before, after = amounts[moved[0]], amounts[moved[1]]
+    if before <= 0 or after != -before:
+        return None
+    return TokenShift(n, x, _ndim(x) - 1 - moved[0] // 2, before)
+
+
+def _zero_pad_amounts(pad: fx.Node) -> list[int] | None:
+    """The amounts of ``pad`` (last dim first, before then after) when it pads with zeros
+    by fixed amounts; else None."""
     a = _bound(pad)
     amounts = a.get("pad")
     if pad.target == aten.pad.default and (a.get("mode") != "constant" or a.get("value")):
         return None
     if pad.target == aten.constant_pad_nd.default and a.get("value") != 0:
         return None
-    if not isinstance(amounts, (list, tuple)) or len(amounts) < 2:
+    if not isinstance(amounts, (list, tuple)):
         return None
     if not all(isinstance(p, int) and not isinstance(p, bool) for p in amounts):
         return None
-    if any(amounts[1:]) or amounts[0] <= 0:
-        return None
-    return amounts[0]
+    return list(amounts)
 
 
 def _keeps_first(u: fx.Node, conv: fx.Node, x: fx.Node, dim: int, window: int) -> bool:
@@ -1770,8 +1810,9 @@ def _convolution(p: _Prover, n: fx.Node) -> Any:
 
 
 def _padding(p: _Prover, n: fx.Node) -> Any:
-    """A pad along other dims; or a causal convolution's left pad along the sequence, read by
-    convolutions only (``PADDED``: each of them proves its own window, or is refused)."""
+    """A pad along other dims; a causal convolution's left pad along the sequence, read by
+    convolutions only (``PADDED``: each of them proves its own window, or is refused); or a
+    token shift along it (``TokenShift``: the chunk pass carries the shifted-out inputs)."""
     x = node_arg(n, 0)
     v = p.env.get(x)
     users = [u for u in n.users if u in p.live]
@@ -1786,6 +1827,17 @@ def _padding(p: _Prover, n: fx.Node) -> Any:
         and all(u.target in CONVS and u.args[0] is n for u in users)
     ):
         return PADDED
+    shift = token_shift(n)
+    if shift is not None and isinstance(v, Seq) and v.dim % _ndim(x) == shift.dim:
+        if v.inner != ONE or v.block != 1:
+            raise Mixes("a token shift of tokens merged with another dim")
+        if v.part != 1:
+            raise Mixes(
+                "a token shift over a tp rank's share of the sequence (sequence parallelism)"
+            )
+        if v.const:
+            raise Mixes("a token shift of a constant")
+        return p._carry(n)  # the chunk pass carries the last ``shift`` inputs
     return _carry_unless_along(p, n, _pad(n))
 
 
@@ -2543,10 +2595,12 @@ __all__ = [
     "Mixes",
     "Routed",
     "Seq",
+    "TokenShift",
     "carried_scan",
     "causal_conv",
     "fill_value",
     "is_positions",
     "live_nodes",
     "seq_dims",
+    "token_shift",
 ]

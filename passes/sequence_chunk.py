@@ -42,6 +42,9 @@ What changes in the graph:
   window is the last (k − 1)·d entries of [zeros; carried inputs] — the zero padding for the
   first chunk, the previous chunk's last inputs after it — so its output has the chunk's
   length and equals the whole sequence's at these tokens;
+- **token shifts** (``seq_rules.TokenShift``: a zero pad by p before the sequence and −p after
+  it, RWKV's time shift): ``[window; chunk]`` without its last p entries, the window being the
+  last p entries of [zeros; carried inputs], as for a convolution;
 - **state scans** (Mamba-2's SSD): the scan starts from the last block of [zeros; carried
   state] instead of its zeros, so each chunk continues the recurrence where the previous one
   stopped; a linear recurrence (``autopart::linear_scan``) starts from the carried state;
@@ -55,8 +58,8 @@ What changes in the graph:
 - **outputs**: the stage's outputs, then the K, V of every attention layer (whole, or trimmed
   to the window), in order,
   then each convolution's last (k − 1)·d inputs of [window; chunk] (some the carry's when the
-  chunk is shorter than the window), then each scan's state and each running value after the
-  chunk. Each prefix and
+  chunk is shorter than the window), then each token shift's last p inputs, then each scan's
+  state and each running value after the chunk. Each prefix and
   carry travels in the dtype of the value it carries (GPT-J's float32 keys, an integer running
   count, a float32 state in a bf16 model: rounded to the model's dtype they would differ from
   the unchunked run's; ``autopart.graph.kv_dtypes`` tells the runtime);
@@ -117,6 +120,7 @@ from autopart.passes.seq_rules import (
     Recurrence,
     Seq,
     StateScan,
+    TokenShift,
     carried_scan,
     causal_conv,
     fill_value,
@@ -129,6 +133,7 @@ from autopart.passes.seq_rules import (
     seq_dims,
     state_scan,
     table_rows,
+    token_shift,
 )
 
 aten = torch.ops.aten
@@ -265,6 +270,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
     carried: list[tuple[Any, fx.Node, torch.SymInt]] = []
     for name, found, like, dim, at in (
         *(("conv_carry", c, c.x, c.dim, c.conv) for c in _causal_convs(gm)),
+        *(("shift_carry", t, t.x, t.dim, t.node) for t in _token_shifts(gm)),
         *(("scan_state", c, c.zeros, c.dim, c.einsum) for c in _state_scans(gm)),
         *(("recurrence_state", r, r.b, r.dim, r.node) for r in _recurrences(gm)),
         *(("scan_carry", c, c.value, c.dim, c.node) for c in _carried_scans(gm)),
@@ -287,6 +293,7 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         carried.append((found, ph, length))
         anchor = ph
     carries = [(c, ph, n) for c, ph, n in carried if isinstance(c, CausalConv)]
+    shifts = [(c, ph, n) for c, ph, n in carried if isinstance(c, TokenShift)]
     states = [(c, ph, n) for c, ph, n in carried if isinstance(c, StateScan)]
     recurrences = [(c, ph, n) for c, ph, n in carried if isinstance(c, Recurrence)]
     scans = [(c, ph, n) for c, ph, n in carried if isinstance(c, CarriedScan)]
@@ -332,6 +339,8 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         kv_out += _attend_with_prefix(g, sdpa, kp, vp, keys, masks, trim=i in trimmed)
     for conv, ph, _ in carries:
         kv_out.append(_convolve_with_carry(g, conv, ph))
+    for shift, ph, _ in shifts:
+        kv_out.append(_shift_with_carry(g, shift, ph))
     for scan, ph, _ in states:
         kv_out.append(_scan_from_state(g, scan, ph))
     for rec, ph, _ in recurrences:
@@ -351,11 +360,12 @@ def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:
         for ph in pair
     ]
     gm.meta[META_KV_SHAPES] = kv_shapes + [
-        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *states, *recurrences, *scans]
+        _empty_prefix(ph, n, gm) for _, ph, n in [*carries, *shifts, *states, *recurrences, *scans]
     ]
     lengths = [(prefix_len, P)] if prefix_len is not None else []
     lengths += [(length, _window_symbol(i)) for i, length in trimmed.items()]
     lengths += [(length, _carry_symbol(i)) for i, (_, _, length) in enumerate(carries)]
+    lengths += [(length, _shift_symbol(i)) for i, (_, _, length) in enumerate(shifts)]
     lengths += [(length, _state_symbol(i)) for i, (_, _, length) in enumerate(states)]
     lengths += [(n, _recurrence_symbol(i)) for i, (_, _, n) in enumerate(recurrences)]
     lengths += [(n, _scan_symbol(i)) for i, (_, _, n) in enumerate(scans)]
@@ -380,7 +390,8 @@ def refuse_sequence_mixing(gm: fx.GraphModule, example: int = 0) -> None:
 
     The proof is an allow-list: every node's value at token t must depend only on tokens ≤ t
     through a construct this pass chunks (position-wise ops, positions, causal attention with
-    its K/V prefix, causal convolutions with their carried window, state scans with their
+    its K/V prefix, causal convolutions with their carried window, token shifts with their
+    carried inputs, state scans with their
     carried state, the summed loss, routed experts). The first node that is not proven is
     named, with its module and the construct; an unrecognized softmax over the sequence is named
     first when there is one (an attention ``canonicalize_attention`` did not recognize explains
@@ -411,8 +422,9 @@ def refuse_sequence_mixing(gm: fx.GraphModule, example: int = 0) -> None:
             f"Seq1F1B cannot chunk node {n.name} ({n.meta.get(META_MODULE) or '<root>'}): {what}",
             hint="use the 1f1b or interleaved-1f1b schedule for this model (Seq1F1B chunks "
             "position-wise ops, positions from arange or a running count, causal attention, "
-            "causal convolutions, state scans, linear recurrences, running sums, products, "
-            "log-sum-exps, maxima and minima, and routed experts; docs/seq1f1b.md lists them)",
+            "causal convolutions, token shifts, state scans, linear recurrences, running sums, "
+            "products, log-sum-exps, maxima and minima, and routed experts; docs/seq1f1b.md "
+            "lists them)",
         )
 
 
@@ -454,6 +466,12 @@ def _window_symbol(i: int) -> sympy.Symbol:
 def _carry_symbol(i: int) -> sympy.Symbol:
     """The length of conv ``i``'s carried inputs, for cost formulas (0, then its window)."""
     return sympy.Symbol(f"w{i}", nonnegative=True, integer=True)
+
+
+def _shift_symbol(i: int) -> sympy.Symbol:
+    """The length of token shift ``i``'s carried inputs, for cost formulas (0, then its
+    shift)."""
+    return sympy.Symbol(f"u{i}", nonnegative=True, integer=True)
 
 
 def _state_symbol(i: int) -> sympy.Symbol:
@@ -572,6 +590,19 @@ def _scan_from_state(g: fx.Graph, scan: StateScan, carry: fx.Node) -> fx.Node:
     return out
 
 
+def _token_shifts(gm: fx.GraphModule) -> list[TokenShift]:
+    """The live token shifts along the sequence (``refuse_sequence_mixing`` proved each and
+    recorded the sequence dim of its input), in graph order."""
+    live = live_nodes(gm)
+    out = []
+    for n in gm.graph.nodes:
+        shift = token_shift(n) if n in live else None
+        seq = shift.x.meta.get(META_SEQ_DIM) if shift is not None else None
+        if shift is not None and seq is not None and seq % shift.x.meta["val"].dim() == shift.dim:
+            out.append(shift)
+    return out
+
+
 def _causal_convs(gm: fx.GraphModule) -> list[CausalConv]:
     """The live convolutions along the sequence (``refuse_sequence_mixing`` proved each causal
     and recorded the sequence dim of its input), in graph order; a kernel of 1 needs no carry."""
@@ -598,19 +629,53 @@ def _causal_convs(gm: fx.GraphModule) -> list[CausalConv]:
 
 
 def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.Node:
-    """The conv over [its window of earlier inputs; the chunk's], unpadded: the window is the
-    last ``window`` entries of [zeros; carry] (the zero padding for the first chunk, whose carry
-    is empty; the previous chunk's last inputs after it). Returns the next chunk's carry: the
-    last ``window`` entries of [window; chunk] (some of them the carry's when the chunk is
-    shorter than the window)."""
-    n, x, d, w = conv.conv, conv.x, conv.dim, conv.window
+    """The conv over [its window of earlier inputs; the chunk's], unpadded (``_after_carry``).
+    Returns the next chunk's carry."""
+    n = conv.conv
+    # x as the graph has it now (an earlier rewrite may have replaced the one ``conv`` names)
+    x = node_arg(conv.pad if conv.pad is not None else n, 0)
+    joined, out = _after_carry(g, n, x, carry, conv.dim, conv.window)
+    if conv.pad is not None:  # conv(pad(x)) → conv([window; x]) (each conv its own carry)
+        n.replace_input_with(conv.pad, joined)
+        if not conv.pad.users:
+            g.erase_node(conv.pad)
+    else:  # conv(x, padding=window)[..., :s] → conv([window; x], padding=0)[..., :s]
+        n.replace_input_with(x, joined)
+        _set_arg(n, "padding", [0])
+    return out
+
+
+def _shift_with_carry(g: fx.Graph, shift: TokenShift, carry: fx.Node) -> fx.Node:
+    """pad(x, (…, p, −p)) → [window; x] without its last p entries (``_after_carry``): the
+    chunk's inputs each moved p tokens later, the first p from before the chunk. Returns the
+    next chunk's carry."""
+    n, d, w = shift.node, shift.dim, shift.shift
+    joined, out = _after_carry(g, n, node_arg(n, 0), carry, d, w)  # x as the graph has it now
+    with g.inserting_before(n):
+        moved = g.call_function(aten.slice.Tensor, (joined, d, 0, -w))
+    moved.meta[META_MODULE], moved.meta[META_LAYER] = (
+        n.meta.get(META_MODULE, ""),
+        n.meta.get(META_LAYER),
+    )
+    n.replace_all_uses_with(moved)
+    g.erase_node(n)
+    return out
+
+
+def _after_carry(
+    g: fx.Graph, at: fx.Node, x: fx.Node, carry: fx.Node, d: int, w: int
+) -> tuple[fx.Node, fx.Node]:
+    """Before ``at``: [window; x] along ``d``, where the window is the last ``w`` entries of
+    [zeros; carry] (the zeros for the first chunk, whose carry is empty; the previous chunk's
+    last inputs after it), and the next chunk's carry, the last ``w`` entries of [window; x]
+    (some of them the carry's when the chunk is shorter than ``w``)."""
     made = []
 
     def call(target, *args) -> fx.Node:
         made.append(g.call_function(target, args))
         return made[-1]
 
-    with g.inserting_before(n):
+    with g.inserting_before(at):
         # zeros of the window's length (the carry's other sizes; a pad would pin its symbolic
         # sizes to numbers)
         size = [
@@ -622,19 +687,12 @@ def _convolve_with_carry(g: fx.Graph, conv: CausalConv, carry: fx.Node) -> fx.No
         window = call(aten.slice.Tensor, history, d, -w, _END)
         joined = call(aten.cat.default, [window, x], d)
         out = call(aten.slice.Tensor, joined, d, -w, _END)
-    if conv.pad is not None:  # conv(pad(x)) → conv([window; x]) (each conv its own carry)
-        n.replace_input_with(conv.pad, joined)
-        if not conv.pad.users:
-            g.erase_node(conv.pad)
-    else:  # conv(x, padding=window)[..., :s] → conv([window; x], padding=0)[..., :s]
-        n.replace_input_with(x, joined)
-        _set_arg(n, "padding", [0])
     for m in made:
         m.meta[META_MODULE], m.meta[META_LAYER] = (
-            n.meta.get(META_MODULE, ""),
-            n.meta.get(META_LAYER),
+            at.meta.get(META_MODULE, ""),
+            at.meta.get(META_LAYER),
         )
-    return out
+    return joined, out
 
 
 _END = 9223372036854775807  # a slice to the end

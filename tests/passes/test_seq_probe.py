@@ -31,7 +31,11 @@ def _steps(s: int) -> torch.Tensor:
 
 MIXES: dict[str, Mix] = {
     "roll": lambda m, x: x.roll(1, dims=1),
-    "token shift by a pad": lambda m, x: F.pad(x, (0, 0, 1, -1)),
+    # a token shift written as a pad chunks (TOKEN_SHIFTS); these pads are no token shift
+    "a pad looking one token ahead": lambda m, x: F.pad(x, (0, 0, -1, 1)),
+    "a pad by 1 cut by 2, padded back": lambda m, x: F.pad(F.pad(x, (0, 0, 1, -2)), (0, 0, 0, 1)),
+    "a shift filled with ones": lambda m, x: F.pad(x, (0, 0, 1, -1), value=1.0),
+    "a shift along the sequence and the features": lambda m, x: F.pad(x, (1, -1, 1, -1)),
     "token shift by a cat": lambda m, x: torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1),
     "the next token": lambda m, x: torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1),
     "a difference": lambda m, x: torch.diff(x, dim=1, prepend=torch.zeros_like(x[:, :1])),
@@ -158,7 +162,8 @@ class _Probe(nn.Module):
 # the default run's cross-section (one of each kind of refusal); the rest run under -m slow
 DEFAULT = {
     "roll",
-    "token shift by a pad",
+    "a pad looking one token ahead",
+    "a shift filled with ones",
     "the next token",
     "an FFT convolution",
     "the positions of a running maximum",
@@ -271,6 +276,34 @@ RUNNING_SUMS: dict[str, Mix] = {
         x.reshape(-1, 16).repeat_interleave(2, dim=0)
     ).view(*x.shape[:2], 2, 16)[:, :, 1],
 }
+
+
+# token shifts (RWKV's time shift): the output at t is the input at t − p, zeros before
+TOKEN_SHIFTS: dict[str, Mix] = {
+    "token shift by a pad": lambda m, x: F.pad(x, (0, 0, 1, -1)),
+    "RWKV's ZeroPad2d": lambda m, x: nn.ZeroPad2d((0, 0, 1, -1))(x),
+    "a shift by 3, mixed in": lambda m, x: x + (F.pad(x, (0, 0, 3, -3)) - x) * m.w[0, :16],
+    "a shift of (b, h, s)": lambda m, x: F.pad(x.transpose(1, 2), (2, -2)).transpose(1, 2),
+    "a shift of a shift": lambda m, x: F.pad(F.pad(x, (0, 0, 1, -1)), (0, 0, 1, -1)) * 2,
+}
+
+
+@pytest.mark.parametrize("name", list(TOKEN_SHIFTS))
+def test_a_token_shift_carries_the_inputs_it_shifts_out(name: str) -> None:
+    """A zero pad by p before the sequence and −p after it (RWKV's time shift) was refused as
+    "a pad along the sequence"; the chunk pass now hands each chunk the previous chunk's last
+    p inputs in place of the zeros (``seq_rules.TokenShift``): exact at cuts of 6 + 10 and of
+    1 + 1 + 4 + 10 (chunks shorter than a shift of 2 or 3), and one carry per shift. The pads
+    that are no token shift (looking ahead, filled with ones, cut by another amount, along the
+    features too) stay refused in ``MIXES``."""
+    ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
+    model = _Probe(TOKEN_SHIFTS[name])
+    if "mixed" not in name:
+        for block in model.blocks:
+            del block.w
+    gm = _assert_chunks_exactly(model, ids, ((6, 10), (1, 1, 4, 10)))
+    carries = [n for n in gm.graph.nodes if n.name.startswith("shift_carry")]
+    assert len(carries) == (4 if "a shift of a shift" in name else 2), carries
 
 
 @pytest.mark.parametrize("name", list(RUNNING_SUMS))
