@@ -148,6 +148,7 @@ def sequence_chunk(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for st in stage_graphs(gm):
         require_causal(st)
         running_sums(st)
+        shifts_as_pads(st)
         refuse_sequence_mixing(st, example)
         block = math.lcm(block, st.meta[META_SEQ_BLOCK])
         chunk_stage(st)
@@ -189,6 +190,75 @@ def running_sums(gm: fx.GraphModule) -> None:
     if changed:
         gm.recompile()
         propagate(gm)
+
+
+def shifts_as_pads(gm: fx.GraphModule) -> None:
+    """Each token shift written as a concatenation, ``cat([zeros(p), x[:, :−p]], d)`` (zeros
+    from ``zeros``, ``zeros_like``, ``new_zeros`` or a ``full`` of 0, p long along d, in x's
+    dtype), rewritten as the zero pad it equals, ``pad(x, […, p, −p])`` along d: the
+    form ``seq_rules.TokenShift`` proves and the chunk pass carries (it was refused as "a slice
+    of the sequence"). Same values and gradients; any other concatenation is left as it is."""
+    g = gm.graph
+    changed = False
+    for n in list(g.nodes):
+        form = _cat_shift(n)
+        if form is None:
+            continue
+        x, d, p = form
+        nd = x.meta["val"].dim()
+        with g.inserting_before(n):
+            pad = g.call_function(  # (fake constant_pad_nd cannot cut a symbolic length)
+                aten.pad.default, (x, [0, 0] * (nd - 1 - d) + [p, -p], "constant", 0.0)
+            )
+        pad.meta.update({k: v for k, v in n.meta.items()})
+        n.replace_all_uses_with(pad)
+        erase_unused(g, n)
+        changed = True
+    if changed:
+        gm.recompile()
+        propagate(gm)
+
+
+_ZEROS = {
+    aten.zeros.default: None,
+    aten.zeros_like.default: None,
+    aten.new_zeros.default: None,
+    aten.full.default: 1,
+    aten.full_like.default: 1,
+    aten.new_full.default: 2,
+}
+
+
+def _cat_shift(n: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """(x, d, p) when ``n`` is ``cat([zeros p long along d, x[0 : −p] along d], d)``."""
+    if n.op != "call_function" or n.target != aten.cat.default:
+        return None
+    parts = n.args[0]
+    d = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and isinstance(d, int)):
+        return None
+    z, cut = parts
+    if not (isinstance(z, fx.Node) and isinstance(cut, fx.Node)):
+        return None
+    if cut.target != aten.slice.Tensor or z.target not in _ZEROS:
+        return None
+    at = _ZEROS[z.target]
+    if at is not None and not (len(z.args) > at and z.args[at] == 0):
+        return None  # a full of something else
+    x = node_arg(cut, 0)
+    xv, zv, val = x.meta.get("val"), z.meta.get("val"), n.meta.get("val")
+    if not all(isinstance(v, torch.Tensor) for v in (xv, zv, val)) or zv.dtype != xv.dtype:
+        return None
+    d %= xv.dim()
+    args = [*cut.args, *([None] * 5)][:5]
+    dim, start, end, step = args[1], args[2], args[3], args[4]
+    step = 1 if step is None else step
+    if not isinstance(dim, int) or dim % xv.dim() != d or start not in (None, 0) or step != 1:
+        return None
+    p = zv.shape[d]
+    if not (isinstance(end, int) and isinstance(p, int) and p > 0 and end == -p):
+        return None
+    return x, d, p
 
 
 def chunk_stage(gm: fx.GraphModule) -> fx.GraphModule:

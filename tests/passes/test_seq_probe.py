@@ -36,7 +36,8 @@ MIXES: dict[str, Mix] = {
     "a pad by 1 cut by 2, padded back": lambda m, x: F.pad(F.pad(x, (0, 0, 1, -2)), (0, 0, 0, 1)),
     "a shift filled with ones": lambda m, x: F.pad(x, (0, 0, 1, -1), value=1.0),
     "a shift along the sequence and the features": lambda m, x: F.pad(x, (1, -1, 1, -1)),
-    "token shift by a cat": lambda m, x: torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1),
+    "a shift by a cat of ones": lambda m, x: torch.cat([torch.ones_like(x[:, :1]), x[:, :-1]], 1),
+    "a shift by a cat of the last token": lambda m, x: torch.cat([x[:, -1:], x[:, :-1]], 1),
     "the next token": lambda m, x: torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], 1),
     "a difference": lambda m, x: torch.diff(x, dim=1, prepend=torch.zeros_like(x[:, :1])),
     "an FFT convolution": lambda m, x: torch.fft.irfft(
@@ -285,6 +286,14 @@ TOKEN_SHIFTS: dict[str, Mix] = {
     "a shift by 3, mixed in": lambda m, x: x + (F.pad(x, (0, 0, 3, -3)) - x) * m.w[0, :16],
     "a shift of (b, h, s)": lambda m, x: F.pad(x.transpose(1, 2), (2, -2)).transpose(1, 2),
     "a shift of a shift": lambda m, x: F.pad(F.pad(x, (0, 0, 1, -1)), (0, 0, 1, -1)) * 2,
+    # written as a cat of zeros and the tokens before (``sequence_chunk.shifts_as_pads``)
+    "token shift by a cat": lambda m, x: torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1),
+    "a shift by 2 by a cat of new_zeros": lambda m, x: torch.cat(
+        [x.new_zeros(x.shape[0], 2, x.shape[2]), x[:, :-2]], dim=1
+    ),
+    "a shift by a cat of a zero full": lambda m, x: torch.cat(
+        [torch.full((x.shape[0], 1, x.shape[2]), 0.0, dtype=x.dtype), x[:, :-1]], dim=1
+    ),
 }
 
 
@@ -295,7 +304,9 @@ def test_a_token_shift_carries_the_inputs_it_shifts_out(name: str) -> None:
     p inputs in place of the zeros (``seq_rules.TokenShift``): exact at cuts of 6 + 10 and of
     1 + 1 + 4 + 10 (chunks shorter than a shift of 2 or 3), and one carry per shift. The pads
     that are no token shift (looking ahead, filled with ones, cut by another amount, along the
-    features too) stay refused in ``MIXES``."""
+    features too) stay refused in ``MIXES``. A shift written as a cat of zeros and the tokens
+    before is rewritten as the pad it equals (``sequence_chunk.shifts_as_pads``); a cat of
+    ones, or of the last token (a roll), stays refused."""
     ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
     model = _Probe(TOKEN_SHIFTS[name])
     if "mixed" not in name:
