@@ -247,7 +247,9 @@ def _cat_shift(n: fx.Node) -> tuple[fx.Node, int, int] | None:
         return None  # a full of something else
     x = node_arg(cut, 0)
     xv, zv, val = x.meta.get("val"), z.meta.get("val"), n.meta.get("val")
-    if not all(isinstance(v, torch.Tensor) for v in (xv, zv, val)) or zv.dtype != xv.dtype:
+    if not (isinstance(xv, torch.Tensor) and isinstance(zv, torch.Tensor)):
+        return None
+    if not isinstance(val, torch.Tensor) or zv.dtype != xv.dtype:
         return None
     d %= xv.dim()
     args = [*cut.args, *([None] * 5)][:5]
