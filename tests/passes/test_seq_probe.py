@@ -297,7 +297,13 @@ TOKEN_SHIFTS: dict[str, Mix] = {
 }
 
 
-@pytest.mark.parametrize("name", list(TOKEN_SHIFTS))
+SHIFTS_DEFAULT = {"RWKV's ZeroPad2d", "a shift of a shift", "token shift by a cat"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in SHIFTS_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in TOKEN_SHIFTS],
+)
 def test_a_token_shift_carries_the_inputs_it_shifts_out(name: str) -> None:
     """A zero pad by p before the sequence and −p after it (RWKV's time shift) was refused as
     "a pad along the sequence"; the chunk pass now hands each chunk the previous chunk's last
@@ -306,7 +312,8 @@ def test_a_token_shift_carries_the_inputs_it_shifts_out(name: str) -> None:
     that are no token shift (looking ahead, filled with ones, cut by another amount, along the
     features too) stay refused in ``MIXES``. A shift written as a cat of zeros and the tokens
     before is rewritten as the pad it equals (``sequence_chunk.shifts_as_pads``); a cat of
-    ones, or of the last token (a roll), stays refused."""
+    ones, or of the last token (a roll), stays refused. Three forms run by default, the rest
+    under ``-m slow``."""
     ids = torch.randint(0, 50, (2, S), generator=torch.Generator().manual_seed(0))
     model = _Probe(TOKEN_SHIFTS[name])
     if "mixed" not in name:
