@@ -1155,14 +1155,23 @@ def is_length(x: fx.Node, dim: int, gm: fx.GraphModule) -> bool:
     return to_sympy(size, gm) == S or _Prover(gm).part(size) == 1
 
 
-_FILLS = {
-    aten.ones.default: 1,
-    aten.ones_like.default: 1,
-    aten.new_ones.default: 1,
-    aten.full.default: 1,
-    aten.full_like.default: 1,
-    aten.new_full.default: 2,
-}
+_ONES = frozenset((aten.ones.default, aten.ones_like.default, aten.new_ones.default))
+_ZEROS = frozenset((aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default))
+_FULLS: dict[Any, int] = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+
+
+def filled_with(n: fx.Node) -> int | float | None:
+    """The constant the tensor ``n`` makes is filled with: 1 for ``ones``, 0 for ``zeros``, a
+    ``full``'s number (the ``_like`` and ``new_`` forms too); None for anything else."""
+    if n.op != "call_function":
+        return None
+    if n.target in _ONES:
+        return 1
+    if n.target in _ZEROS:
+        return 0
+    at = _FULLS.get(n.target)
+    value = n.args[at] if at is not None and len(n.args) > at else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
@@ -1175,12 +1184,10 @@ def fill_value(n: fx.Node, gm: fx.GraphModule) -> int | float | None:
         return None
     x = n.args[0]
     dim = int_arg(n, 1, "dim")
-    if not isinstance(x, fx.Node) or x.target not in _FILLS or not is_length(x, dim, gm):
+    if not isinstance(x, fx.Node) or x.target in _ZEROS:
         return None
-    if x.target in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
-        return 1
-    value = x.args[_FILLS[x.target]] if len(x.args) > _FILLS[x.target] else None
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    c = filled_with(x)
+    return c if c is not None and is_length(x, dim, gm) else None
 
 
 def is_positions(n: fx.Node, gm: fx.GraphModule) -> bool:
@@ -2002,7 +2009,6 @@ class StateScan:
         ]
 
 
-_ZEROS = frozenset((aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default))
 _NOT = frozenset((aten.bitwise_not.default, aten.logical_not.default))
 _PERMUTES = frozenset((aten.permute.default, aten.transpose.int))
 
@@ -2599,6 +2605,7 @@ __all__ = [
     "carried_scan",
     "causal_conv",
     "fill_value",
+    "filled_with",
     "is_positions",
     "live_nodes",
     "seq_dims",

@@ -124,6 +124,7 @@ from autopart.passes.seq_rules import (
     carried_scan,
     causal_conv,
     fill_value,
+    filled_with,
     is_length,
     is_positions,
     is_scored,
@@ -219,16 +220,6 @@ def shifts_as_pads(gm: fx.GraphModule) -> None:
         propagate(gm)
 
 
-_ZEROS = {
-    aten.zeros.default: None,
-    aten.zeros_like.default: None,
-    aten.new_zeros.default: None,
-    aten.full.default: 1,
-    aten.full_like.default: 1,
-    aten.new_full.default: 2,
-}
-
-
 def _cat_shift(n: fx.Node) -> tuple[fx.Node, int, int] | None:
     """(x, d, p) when ``n`` is ``cat([zeros p long along d, x[0 : −p] along d], d)``."""
     if n.op != "call_function" or n.target != aten.cat.default:
@@ -240,11 +231,8 @@ def _cat_shift(n: fx.Node) -> tuple[fx.Node, int, int] | None:
     z, cut = parts
     if not (isinstance(z, fx.Node) and isinstance(cut, fx.Node)):
         return None
-    if cut.target != aten.slice.Tensor or z.target not in _ZEROS:
+    if cut.target != aten.slice.Tensor or filled_with(z) != 0:
         return None
-    at = _ZEROS[z.target]
-    if at is not None and not (len(z.args) > at and z.args[at] == 0):
-        return None  # a full of something else
     x = node_arg(cut, 0)
     xv, zv, val = x.meta.get("val"), z.meta.get("val"), n.meta.get("val")
     if not (isinstance(xv, torch.Tensor) and isinstance(zv, torch.Tensor)):

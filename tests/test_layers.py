@@ -130,9 +130,7 @@ REGISTRIES: dict[tuple[str, str], str] = {
     "decomposition (documented as the place to add one)",
     ("autopart/frontend/shapes.py", "_SYMBOLIC"): "size op → how it is recomputed",
     ("passes/seq_rules.py", "_ALONG"): "op → the dims it works along (sequence rules)",
-    ("passes/seq_rules.py", "_FILLS"): "fill op → where its fill value is",
-    ("passes/sequence_chunk.py", "_ZEROS"): "zero-making op → where its fill value is (None: "
-    "always zero)",
+    ("passes/seq_rules.py", "_FULLS"): "full op → where its fill value is",
     ("passes/seq_rules.py", "_SPECIAL"): "op → its sequence rule",
     ("passes/seq_rules.py", "_CARRIED_SCANS"): "running-scan op → its name",
     ("passes/seq_rules.py", "_ROWS"): "op → its rule with the batch in the sequence's place",
